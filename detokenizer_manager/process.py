@@ -1,0 +1,50 @@
+"""The detokenizer process: PULL scheduler_to_detokenizer, PUSH detokenizer_to_tokenizer.
+
+BatchTokenOut becomes BatchTextOut; every other message (the scheduler's ProcessReady/ProcessFailed, RPC
+replies) is forwarded byte for byte, so the TokenizerManager has a single socket to read.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import traceback
+
+import zmq
+
+from radixserve.runtime.ipc import IpcPaths, make_pull, make_push
+from radixserve.runtime.messages import BatchTokenOut, ProcessFailed, ProcessReady, decode, encode
+from radixserve.runtime.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+
+def run_detokenizer_process(server_args: ServerArgs, ipc: IpcPaths, parent_pid: int) -> None:
+    """Process entry. Reports ProcessReady, or ProcessFailed with the traceback and exits 1."""
+    ctx = zmq.Context()
+    sender = make_push(ctx, ipc.detokenizer_to_tokenizer)
+    try:
+        from radixserve.detokenizer_manager.manager import DetokenizerManager
+        from radixserve.model_runner.loader import load_tokenizer, resolve_model
+
+        tokenizer_path = server_args.tokenizer_path
+        if tokenizer_path is None:
+            tokenizer_path = resolve_model(
+                server_args.model_path, server_args.load_format, server_args.model_cache_dir
+            ).model_dir
+        manager = DetokenizerManager(load_tokenizer(tokenizer_path))
+        receiver = make_pull(ctx, ipc.scheduler_to_detokenizer)
+    except Exception:
+        sender.send(encode(ProcessFailed(process="detokenizer", error=traceback.format_exc())))
+        sender.close()  # lingers until the report is delivered
+        sys.exit(1)
+    sender.send(encode(ProcessReady(process="detokenizer", info={"tokenizer_path": tokenizer_path})))
+    logger.info("detokenizer ready (tokenizer %s)", tokenizer_path)
+
+    while True:
+        data = receiver.recv()
+        message = decode(data)
+        if isinstance(message, BatchTokenOut):
+            sender.send(encode(manager.handle(message)))
+        else:
+            sender.send(data)

@@ -1,0 +1,304 @@
+"""Paged attention in Triton: decode (split-KV, two passes) and extend (prefix + causal new tokens).
+
+Both kernels read keys and values straight from the per-layer KV buffers `[slots, kv_heads, head_dim]`
+through `req_to_token[row, position] = slot`, one slot per token, so they work for any page size and any
+slot layout. Softmax runs in float32 with base-2 exponentials (the scale is pre-multiplied by log2(e)).
+
+Contract shared by both entry points: the new tokens' K/V have already been written to the buffers at
+their slots, and `req_to_token` maps every position `< seq_len` of each request to a valid slot.
+
+On a machine without CUDA these kernels run only under the Triton interpreter, which must be switched on
+(`TRITON_INTERPRET=1`) before `triton` is first imported in the process.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2_E = 1.0 / math.log(2.0)
+
+
+@triton.jit
+def _decode_split_kernel(
+    Q, K_buffer, V_buffer, Req_to_token, Req_pool_indices, Seq_lens, Partial_out, Partial_lse,
+    scale_log2,
+    stride_q_token, stride_q_head,
+    stride_k_slot, stride_k_head,
+    stride_v_slot, stride_v_head,
+    stride_r2t_row,
+    stride_po_req, stride_po_head, stride_po_split,
+    stride_pl_req, stride_pl_head,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One program = (request, kv head, split): the GROUP query heads sharing that kv head attend over
+    one contiguous share of the request's positions. Writes normalized partial outputs and their
+    base-2 log-sum-exp; an empty share writes lse = -inf so the reduction ignores it."""
+    req = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    row = tl.load(Req_pool_indices + req).to(tl.int64)
+    seq_len = tl.load(Seq_lens + req).to(tl.int32)
+    split_len = (seq_len + NUM_SPLITS - 1) // NUM_SPLITS
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    head_mask = offs_h < GROUP
+    dim_mask = offs_d < HEAD_DIM
+    q_heads = kv_head * GROUP + offs_h
+    q = tl.load(
+        Q + req * stride_q_token + q_heads[:, None] * stride_q_head + offs_d[None, :],
+        mask=head_mask[:, None] & dim_mask[None, :],
+        other=0.0,
+    )
+
+    row_max = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    row_sum = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    for block_start in range(start, end, BLOCK_N):
+        offs_n = block_start + tl.arange(0, BLOCK_N)
+        key_mask = offs_n < end
+        slots = tl.load(Req_to_token + row * stride_r2t_row + offs_n, mask=key_mask, other=0).to(tl.int64)
+        kv_mask = key_mask[:, None] & dim_mask[None, :]
+        k = tl.load(K_buffer + slots[:, None] * stride_k_slot + kv_head * stride_k_head + offs_d[None, :],
+                    mask=kv_mask, other=0.0)
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        scores = tl.where(key_mask[None, :], scores, float("-inf"))
+        # Every block inside [start, end) holds at least one real key, so new_max is finite.
+        new_max = tl.maximum(row_max, tl.max(scores, 1))
+        rescale = tl.exp2(row_max - new_max)
+        probs = tl.exp2(scores - new_max[:, None])
+        row_sum = row_sum * rescale + tl.sum(probs, 1)
+        v = tl.load(V_buffer + slots[:, None] * stride_v_slot + kv_head * stride_v_head + offs_d[None, :],
+                    mask=kv_mask, other=0.0)
+        acc = acc * rescale[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=DOT_PRECISION)
+        row_max = new_max
+
+    has_keys = row_sum > 0
+    safe_sum = tl.where(has_keys, row_sum, 1.0)
+    lse = tl.where(has_keys, row_max + tl.log2(safe_sum), float("-inf"))
+    out_base = Partial_out + req * stride_po_req + q_heads[:, None] * stride_po_head + split * stride_po_split
+    tl.store(out_base + offs_d[None, :], acc / safe_sum[:, None], mask=head_mask[:, None] & dim_mask[None, :])
+    tl.store(Partial_lse + req * stride_pl_req + q_heads * stride_pl_head + split, lse, mask=head_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    Partial_out, Partial_lse, Out,
+    stride_po_req, stride_po_head, stride_po_split,
+    stride_pl_req, stride_pl_head,
+    stride_o_token, stride_o_head,
+    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """One program = (request, query head): merge the per-split partial outputs weighted by their
+    softmax mass, exp2(lse_split - max lse)."""
+    req = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    split_mask = offs_s < NUM_SPLITS
+    dim_mask = offs_d < HEAD_DIM
+
+    lse = tl.load(Partial_lse + req * stride_pl_req + head * stride_pl_head + offs_s,
+                  mask=split_mask, other=float("-inf"))
+    max_lse = tl.max(lse, 0)  # finite: split 0 always holds the request's first key
+    weights = tl.exp2(lse - max_lse)
+    partial = tl.load(
+        Partial_out + req * stride_po_req + head * stride_po_head + offs_s[:, None] * stride_po_split
+        + offs_d[None, :],
+        mask=split_mask[:, None] & dim_mask[None, :],
+        other=0.0,
+    )
+    out = tl.sum(partial * weights[:, None], 0) / tl.sum(weights, 0)
+    tl.store(Out + req * stride_o_token + head * stride_o_head + offs_d, out.to(Out.dtype.element_ty),
+             mask=dim_mask)
+
+
+@triton.jit
+def _extend_kernel(
+    Q, K_buffer, V_buffer, Out, Req_to_token, Req_pool_indices, Prefix_lens, Extend_lens, Extend_starts,
+    scale_log2,
+    stride_q_token, stride_q_head,
+    stride_k_slot, stride_k_head,
+    stride_v_slot, stride_v_head,
+    stride_o_token, stride_o_head,
+    stride_r2t_row,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One program = (request, query head, block of BLOCK_M new tokens). New token i of a request sits
+    at position prefix_len + i and attends to positions 0..prefix_len + i (its prefix, then the new
+    tokens causally), all read from the KV buffers through req_to_token."""
+    req = tl.program_id(0)
+    head = tl.program_id(1)
+    block_m = tl.program_id(2)
+
+    extend_len = tl.load(Extend_lens + req).to(tl.int32)
+    if block_m * BLOCK_M >= extend_len:
+        return
+    prefix_len = tl.load(Prefix_lens + req).to(tl.int32)
+    token_start = tl.load(Extend_starts + req).to(tl.int64)
+    row = tl.load(Req_pool_indices + req).to(tl.int64)
+    kv_head = head // GROUP
+
+    offs_m = block_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    query_mask = offs_m < extend_len
+    dim_mask = offs_d < HEAD_DIM
+    tokens = token_start + offs_m
+    q = tl.load(Q + tokens[:, None] * stride_q_token + head * stride_q_head + offs_d[None, :],
+                mask=query_mask[:, None] & dim_mask[None, :], other=0.0)
+    query_pos = prefix_len + offs_m
+
+    row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    # The last query of this block sees keys up to its own position; nothing beyond is loaded.
+    kv_end = prefix_len + tl.minimum((block_m + 1) * BLOCK_M, extend_len)
+    for block_start in range(0, kv_end, BLOCK_N):
+        offs_n = block_start + tl.arange(0, BLOCK_N)
+        key_mask = offs_n < kv_end
+        slots = tl.load(Req_to_token + row * stride_r2t_row + offs_n, mask=key_mask, other=0).to(tl.int64)
+        kv_mask = key_mask[:, None] & dim_mask[None, :]
+        k = tl.load(K_buffer + slots[:, None] * stride_k_slot + kv_head * stride_k_head + offs_d[None, :],
+                    mask=kv_mask, other=0.0)
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        visible = key_mask[None, :] & (offs_n[None, :] <= query_pos[:, None])
+        scores = tl.where(visible, scores, float("-inf"))
+        # Position 0 is visible to every row and lies in the first block, so row_max is finite from
+        # the first iteration on and no row ever computes exp2(-inf - -inf).
+        new_max = tl.maximum(row_max, tl.max(scores, 1))
+        rescale = tl.exp2(row_max - new_max)
+        probs = tl.exp2(scores - new_max[:, None])
+        row_sum = row_sum * rescale + tl.sum(probs, 1)
+        v = tl.load(V_buffer + slots[:, None] * stride_v_slot + kv_head * stride_v_head + offs_d[None, :],
+                    mask=kv_mask, other=0.0)
+        acc = acc * rescale[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=DOT_PRECISION)
+        row_max = new_max
+
+    out = acc / row_sum[:, None]
+    tl.store(Out + tokens[:, None] * stride_o_token + head * stride_o_head + offs_d[None, :],
+             out.to(Out.dtype.element_ty), mask=query_mask[:, None] & dim_mask[None, :])
+
+
+def _dot_precision(dtype: torch.dtype):
+    # float32 models (the CPU-parity checks) need exact float32 products, not TF32; 16-bit inputs keep
+    # Triton's default.
+    return "ieee" if dtype == torch.float32 else None
+
+
+def _check_layout(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, out: torch.Tensor) -> None:
+    assert q.dim() == 3 and out.shape == q.shape, "q and out must be [num_tokens, num_heads, head_dim]"
+    assert k_buffer.dim() == 3 and v_buffer.shape == k_buffer.shape, "KV buffers: [slots, kv_heads, head_dim]"
+    assert q.shape[1] % k_buffer.shape[1] == 0, "num_heads must be a multiple of num_kv_heads"
+    assert q.shape[2] == k_buffer.shape[2], "q and KV head_dim differ"
+    for t in (q, k_buffer, v_buffer, out):
+        assert t.stride(-1) == 1, "the head_dim axis must be contiguous"
+    assert q.dtype == k_buffer.dtype == v_buffer.dtype, "q and KV buffers must share a dtype"
+    if not q.is_cuda and q.dtype == torch.bfloat16:
+        # Triton's CPU interpreter (numpy) has no bfloat16: its dot products come out as garbage.
+        raise NotImplementedError("bfloat16 Triton attention needs a GPU; use float16 or float32 on the CPU")
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    out: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sm_scale: float,
+    partial_out: torch.Tensor,
+    partial_lse: torch.Tensor,
+    num_kv_splits: int,
+) -> torch.Tensor:
+    """Decode attention: one query token per request attends to all `seq_lens[i]` positions of its row.
+
+    q, out: `[batch, num_heads, head_dim]`; partial_out: float32 `[>=batch, num_heads, >=num_kv_splits,
+    head_dim]` and partial_lse: float32 `[>=batch, num_heads, >=num_kv_splits]` are scratch. Every
+    `seq_lens[i] >= 1`. Returns `out`.
+    """
+    _check_layout(q, k_buffer, v_buffer, out)
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = k_buffer.shape[1]
+    group = num_heads // num_kv_heads
+    assert partial_out.dtype == partial_lse.dtype == torch.float32
+    assert partial_out.shape[0] >= batch and partial_out.shape[2] >= num_kv_splits
+    assert partial_out.stride(-1) == 1 and partial_lse.stride(-1) == 1
+    if batch == 0:
+        return out
+    block_d = triton.next_power_of_2(head_dim)
+    _decode_split_kernel[(batch, num_kv_heads, num_kv_splits)](
+        q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, partial_out, partial_lse,
+        sm_scale * _LOG2_E,
+        q.stride(0), q.stride(1),
+        k_buffer.stride(0), k_buffer.stride(1),
+        v_buffer.stride(0), v_buffer.stride(1),
+        req_to_token.stride(0),
+        partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
+        partial_lse.stride(0), partial_lse.stride(1),
+        GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=num_kv_splits,
+        BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=32,
+        DOT_PRECISION=_dot_precision(q.dtype),
+    )
+    _decode_reduce_kernel[(batch, num_heads)](
+        partial_out, partial_lse, out,
+        partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
+        partial_lse.stride(0), partial_lse.stride(1),
+        out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, NUM_SPLITS=num_kv_splits,
+        BLOCK_S=triton.next_power_of_2(num_kv_splits), BLOCK_D=block_d,
+    )
+    return out
+
+
+def extend_attention(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    out: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    extend_lens: torch.Tensor,
+    extend_starts: torch.Tensor,
+    max_extend_len: int,
+    sm_scale: float,
+) -> torch.Tensor:
+    """Extend (prefill) attention over each request's cached prefix plus its new tokens, causally.
+
+    q, out: `[num_new_tokens, num_heads, head_dim]`, the new tokens of all requests concatenated in
+    request order; `extend_starts[i]` is request i's first row in q. `max_extend_len` (a host int) sizes
+    the grid. Returns `out`.
+    """
+    _check_layout(q, k_buffer, v_buffer, out)
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    group = num_heads // k_buffer.shape[1]
+    batch = int(req_pool_indices.shape[0])
+    if batch == 0 or max_extend_len == 0:
+        return out
+    # Small tiles keep the CPU interpreter quick; the GPU wants tiles that fill its tensor cores, halved
+    # for float32 so the pipelined K/V tiles stay within shared memory.
+    block = (64 if q.element_size() <= 2 else 32) if q.is_cuda else 16
+    grid = (batch, num_heads, triton.cdiv(max_extend_len, block))
+    _extend_kernel[grid](
+        q, k_buffer, v_buffer, out, req_to_token, req_pool_indices, prefix_lens, extend_lens, extend_starts,
+        sm_scale * _LOG2_E,
+        q.stride(0), q.stride(1),
+        k_buffer.stride(0), k_buffer.stride(1),
+        v_buffer.stride(0), v_buffer.stride(1),
+        out.stride(0), out.stride(1),
+        req_to_token.stride(0),
+        GROUP=group, HEAD_DIM=head_dim,
+        BLOCK_M=block, BLOCK_N=block, BLOCK_D=triton.next_power_of_2(head_dim),
+        DOT_PRECISION=_dot_precision(q.dtype),
+    )
+    return out

@@ -1,0 +1,52 @@
+"""Attention backends behind one interface (`AttentionBackend`), chosen by name.
+
+Backend modules are imported only when chosen, so importing this package pulls in neither Triton nor
+FlashInfer.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from radixserve.model_runner.attention.base import AttentionBackend
+
+if TYPE_CHECKING:
+    from radixserve.model_runner.model_runner import ModelRunner
+
+BACKEND_NAMES = ("torch_native", "triton", "flashinfer")
+
+
+def create_attention_backend(name: str, runner: "ModelRunner | None" = None) -> AttentionBackend:
+    """The backend called `name`, built for `runner` (model shapes, device, dtype, page size, pool sizes).
+
+    `torch_native` needs no runner. Raises ValueError for an unknown name, or for a backend that cannot run
+    here (flashinfer without CUDA or without the flashinfer package), with the reason.
+    """
+    if name == "torch_native":
+        from radixserve.model_runner.attention.torch_native import TorchNativeAttention
+
+        return TorchNativeAttention()
+    if name not in BACKEND_NAMES:
+        raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(BACKEND_NAMES)}")
+    if runner is None:
+        raise ValueError(f"the {name} attention backend is built for a ModelRunner; none was given")
+    config = runner.model_config
+    shape = (config.num_attention_heads, config.num_key_value_heads, config.head_dim)
+    if name == "triton":
+        try:
+            from radixserve.model_runner.attention.triton_backend import TritonAttentionBackend
+        except ImportError as exc:
+            raise ValueError(f"the triton attention backend is not available: {exc}") from exc
+        return TritonAttentionBackend(*shape, runner.device, max_batch_size=runner.req_to_token_pool.size)
+    # flashinfer
+    if runner.device.type != "cuda":
+        raise ValueError("the flashinfer attention backend needs a CUDA device; use torch_native or triton")
+    try:
+        from radixserve.model_runner.attention.flashinfer_backend import FlashInferAttentionBackend
+
+        return FlashInferAttentionBackend(*shape, runner.dtype, runner.device, page_size=runner.page_size)
+    except ImportError as exc:
+        raise ValueError(f"the flashinfer attention backend is not available: {exc}") from exc
+
+
+__all__ = ["AttentionBackend", "BACKEND_NAMES", "create_attention_backend"]

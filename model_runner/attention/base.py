@@ -1,0 +1,32 @@
+"""The attention backend interface shared by torch_native, triton and flashinfer.
+
+A backend is planned once per batch (`plan`), then called once per layer (`forward`). The model code
+calls `forward` and never asks which backend it runs on.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from radixserve.model_runner.forward_batch import ForwardBatch
+
+
+class AttentionBackend(ABC):
+    @abstractmethod
+    def plan(self, batch: ForwardBatch) -> None:
+        """Prepare per-batch metadata (index arrays, kernel plans) and store it on `batch.attn_metadata`."""
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim] of the new tokens
+        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        layer_id: int,
+        scaling: float,
+        batch: ForwardBatch,
+    ) -> torch.Tensor:
+        """Write the new tokens' K/V at `batch.out_cache_loc`, then return causal attention output
+        `[num_tokens, num_heads, head_dim]` over each request's prefix plus its new tokens."""

@@ -1,0 +1,109 @@
+"""The FlashInfer attention backend (the default on CUDA): paged decode and causal paged prefill.
+
+Per batch, `plan` builds the page table on the device from `req_to_token` (a Triton kernel, no host
+loop) and plans one FlashInfer wrapper; per layer, `forward` writes the new K/V into the pool and runs the
+planned wrapper over the pool's buffers viewed as NHD pages. Extend (and MIXED) batches run as paged
+prefill over prefix + new tokens together, causally: one kernel, no separate ragged pass and merge.
+
+`flashinfer` is imported when the backend is constructed, never when this module is imported.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+import torch
+
+from radixserve.kernels import flashinfer_wrappers as fi
+from radixserve.kernels.kv_indices import PagedKVIndex, build_paged_kv_index
+from radixserve.model_runner.attention.base import AttentionBackend
+from radixserve.model_runner.forward_batch import ForwardBatch, ForwardMode
+
+
+@dataclass
+class FlashInferMetadata:
+    wrapper: Any  # the planned decode or prefill wrapper
+    kv_index: PagedKVIndex  # kept alive while the wrapper reads its page ids
+
+
+class FlashInferAttentionBackend(AttentionBackend):
+    """Paged attention through FlashInfer on one CUDA device.
+
+    `dtype` is the dtype of q (the model's activations); the KV dtype is read from the pool at plan
+    time. FlashInfer fixes the softmax scale when planning: `sm_scale` (default `head_dim ** -0.5`) is
+    planned, and a layer called with another `scaling` has its queries rescaled to match.
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: Union[str, torch.device],
+        page_size: int = 1,
+        sm_scale: Optional[float] = None,
+        decode_use_tensor_cores: Optional[bool] = None,
+        prefill_backend: str = "fa2",
+        workspace_bytes: int = fi.DEFAULT_WORKSPACE_BYTES,
+    ) -> None:
+        assert num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
+        self.device = torch.device(device)
+        assert self.device.type == "cuda", "the flashinfer backend needs a CUDA device"
+        fi.require_flashinfer()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.page_size = page_size
+        self.sm_scale = head_dim ** -0.5 if sm_scale is None else sm_scale
+        if decode_use_tensor_cores is None:
+            # Several query heads per KV head make decode a small matrix product per KV head.
+            decode_use_tensor_cores = num_heads // num_kv_heads >= 4
+        self._workspace = fi.new_workspace(self.device, workspace_bytes)
+        self._decode_wrapper = fi.make_decode_wrapper(self._workspace, decode_use_tensor_cores)
+        self._prefill_wrapper = fi.make_prefill_wrapper(self._workspace, prefill_backend)
+
+    def plan(self, batch: ForwardBatch) -> None:
+        assert batch.token_to_kv_pool.page_size == self.page_size, "pool page size differs from the backend's"
+        kv_index = build_paged_kv_index(
+            batch.req_to_token_pool.req_to_token,
+            batch.req_pool_indices,
+            batch.seq_lens,
+            batch.seq_lens_cpu,
+            self.page_size,
+        )
+        shape = (self.num_heads, self.num_kv_heads, self.head_dim, self.page_size)
+        kv_dtype = batch.token_to_kv_pool.dtype
+        if batch.mode == ForwardMode.DECODE:
+            fi.plan_decode(self._decode_wrapper, kv_index, *shape, self.dtype, kv_dtype, self.sm_scale)
+            wrapper = self._decode_wrapper
+        else:
+            qo_indptr_host = torch.zeros(batch.batch_size + 1, dtype=torch.int32)
+            qo_indptr_host[1:] = torch.cumsum(torch.tensor(batch.extend_lens_cpu, dtype=torch.int32), dim=0)
+            fi.plan_prefill(
+                self._prefill_wrapper, qo_indptr_host, kv_index, *shape, self.dtype, kv_dtype, self.sm_scale
+            )
+            wrapper = self._prefill_wrapper
+        batch.attn_metadata = FlashInferMetadata(wrapper, kv_index)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer_id: int,
+        scaling: float,
+        batch: ForwardBatch,
+    ) -> torch.Tensor:
+        meta = batch.attn_metadata
+        assert isinstance(meta, FlashInferMetadata), "plan() must run before forward()"
+        pool = batch.token_to_kv_pool
+        pool.set_kv_buffer(layer_id, batch.out_cache_loc, k, v)
+        k_buffer, v_buffer = pool.get_kv_buffer(layer_id)
+        out_dtype = q.dtype
+        if abs(scaling - self.sm_scale) > 1e-12 * abs(self.sm_scale):
+            q = q * (scaling / self.sm_scale)
+        out = fi.run_paged(meta.wrapper, q.to(self.dtype).contiguous(), k_buffer, v_buffer, self.page_size)
+        return out if out.dtype == out_dtype else out.to(out_dtype)

@@ -1,0 +1,116 @@
+"""The Triton attention backend: paged decode and extend kernels that read KV through `req_to_token`.
+
+Works for any page size (the kernels address KV per token slot). On the GPU the kernels are compiled; on
+a CPU they run under the Triton interpreter, which must be enabled with `TRITON_INTERPRET=1` before
+`triton` is first imported (that is how the tests run it; it is far too slow to serve with).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Union
+
+import torch
+
+from radixserve.kernels.triton_attention import decode_attention, extend_attention
+from radixserve.model_runner.attention.base import AttentionBackend
+from radixserve.model_runner.forward_batch import ForwardBatch, ForwardMode
+
+# A CPU "device" here is the interpreter: enough programs to exercise the split-KV path, no more.
+_CPU_TARGET_PROGRAMS = 16
+
+
+@dataclass
+class TritonDecodeMetadata:
+    num_kv_splits: int  # a power of two that depends only on the batch size (graph-capture friendly)
+
+
+@dataclass
+class TritonExtendMetadata:
+    extend_starts: torch.Tensor  # [batch] int64: each request's first row among the new tokens
+    max_extend_len: int
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """Paged attention in Triton for EXTEND, MIXED (through extend) and DECODE batches.
+
+    Decode splits each request's positions into `num_kv_splits` shares, computes one partial result per
+    (request, KV head, share) and merges them; the split count grows as the batch shrinks so a small batch
+    still fills the device. Scratch for the partial results is allocated once, for `max_batch_size`.
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        device: Union[str, torch.device],
+        max_batch_size: int,
+        max_kv_splits: int = 16,
+    ) -> None:
+        assert num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
+        assert max_kv_splits >= 1 and max_kv_splits & (max_kv_splits - 1) == 0, "max_kv_splits: a power of 2"
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.device = torch.device(device)
+        self.max_batch_size = max_batch_size
+        self.max_kv_splits = max_kv_splits
+        if self.device.type == "cuda":
+            self._target_programs = 2 * torch.cuda.get_device_properties(self.device).multi_processor_count
+        else:
+            self._target_programs = _CPU_TARGET_PROGRAMS
+        self._partial_out = torch.empty(
+            (max_batch_size, num_heads, max_kv_splits, head_dim), dtype=torch.float32, device=self.device
+        )
+        self._partial_lse = torch.empty(
+            (max_batch_size, num_heads, max_kv_splits), dtype=torch.float32, device=self.device
+        )
+
+    def num_kv_splits(self, batch_size: int) -> int:
+        """Largest power of two <= max_kv_splits that keeps batch * kv_heads * splits near the target
+        program count. Shares a request cannot fill stay empty and cost one early-exiting program."""
+        splits = 1
+        while splits < self.max_kv_splits and batch_size * self.num_kv_heads * splits * 2 <= self._target_programs:
+            splits *= 2
+        return splits
+
+    def plan(self, batch: ForwardBatch) -> None:
+        if batch.mode == ForwardMode.DECODE:
+            assert batch.batch_size <= self.max_batch_size, "decode batch larger than max_batch_size"
+            batch.attn_metadata = TritonDecodeMetadata(self.num_kv_splits(batch.batch_size))
+        else:
+            extend_starts = torch.cumsum(batch.extend_lens, dim=0) - batch.extend_lens
+            batch.attn_metadata = TritonExtendMetadata(extend_starts, max(batch.extend_lens_cpu, default=0))
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer_id: int,
+        scaling: float,
+        batch: ForwardBatch,
+    ) -> torch.Tensor:
+        pool = batch.token_to_kv_pool
+        pool.set_kv_buffer(layer_id, batch.out_cache_loc, k, v)
+        k_buffer, v_buffer = pool.get_kv_buffer(layer_id)
+        if q.stride(-1) != 1:
+            q = q.contiguous()
+        # The kernels read q and KV in one dtype; cast q to the KV dtype and the result back.
+        q_kv = q if q.dtype == k_buffer.dtype else q.to(k_buffer.dtype)
+        out = torch.empty_like(q_kv)
+        req_to_token = batch.req_to_token_pool.req_to_token
+        meta = batch.attn_metadata
+        if isinstance(meta, TritonDecodeMetadata):
+            decode_attention(
+                q_kv, k_buffer, v_buffer, out, req_to_token, batch.req_pool_indices, batch.seq_lens, scaling,
+                self._partial_out, self._partial_lse, meta.num_kv_splits,
+            )
+        else:
+            assert isinstance(meta, TritonExtendMetadata), "plan() must run before forward()"
+            extend_attention(
+                q_kv, k_buffer, v_buffer, out, req_to_token, batch.req_pool_indices, batch.prefix_lens,
+                batch.extend_lens, meta.extend_starts, meta.max_extend_len, scaling,
+            )
+        return out if out.dtype == q.dtype else out.to(q.dtype)

@@ -1,0 +1,63 @@
+"""The batch the ModelRunner executes: one forward pass over some requests' new tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+if TYPE_CHECKING:
+    from radixserve.radix_cache.pool import ReqToTokenPool, TokenToKVPool
+
+
+class ForwardMode(IntEnum):
+    EXTEND = 1  # prefill of new tokens, possibly on top of a cached prefix
+    DECODE = 2  # exactly one new token per request
+    MIXED = 3  # an extend batch in which some requests are decoding (extend length 1)
+
+    def is_extend(self) -> bool:
+        """MIXED runs through the extend path of every attention backend."""
+        return self in (ForwardMode.EXTEND, ForwardMode.MIXED)
+
+
+@dataclass
+class ForwardBatch:
+    """Token-major inputs of one forward pass.
+
+    Per request i (in batch order): `prefix_lens[i]` tokens already have KV in the pool (cached prefix or
+    earlier chunks), `extend_lens[i]` new tokens are computed now, `seq_lens[i] = prefix_lens[i] +
+    extend_lens[i]`. The new tokens of all requests are concatenated in `input_ids`, `positions` and
+    `out_cache_loc` (their KV slots, already written into `req_to_token` by the caller). The `*_cpu` lists
+    mirror the tensors so backends can plan without a device sync.
+    """
+
+    mode: ForwardMode
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    out_cache_loc: torch.Tensor  # [num_tokens] int64
+    req_pool_indices: torch.Tensor  # [batch_size] int64, rows of req_to_token
+    seq_lens: torch.Tensor  # [batch_size] int64
+    prefix_lens: torch.Tensor  # [batch_size] int64
+    extend_lens: torch.Tensor  # [batch_size] int64
+    seq_lens_cpu: list[int]
+    prefix_lens_cpu: list[int]
+    extend_lens_cpu: list[int]
+    req_to_token_pool: "ReqToTokenPool"
+    token_to_kv_pool: "TokenToKVPool"
+    # Positions (into the concatenated new tokens) whose logits are wanted; default: each request's last.
+    logits_indices: Optional[torch.Tensor] = None
+    attn_metadata: object = field(default=None, repr=False)  # filled by the attention backend's plan()
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    def last_token_indices(self) -> torch.Tensor:
+        """Index of each request's last new token in the concatenated token dimension."""
+        return torch.cumsum(self.extend_lens, dim=0) - 1

@@ -1,0 +1,108 @@
+"""Weight sources for the model code: safetensors files of a Hugging Face directory, or seeded random weights.
+
+Both yield `(hf_name, tensor)` pairs under Hugging Face parameter names (`model.layers.0.self_attn.q_proj.weight`,
+...); the model's `load_weights` maps them onto its own (fused) parameters.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from typing import Iterator, Optional
+
+import torch
+
+from radixserve.model_runner.model_config import ModelConfig
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+# Random weights: normal(0, std) for matrices, ones for norm scales, zeros for biases (like transformers' init).
+DUMMY_WEIGHT_STD = 0.02
+
+
+def safetensors_files(model_dir: str) -> list[str]:
+    """The safetensors files of `model_dir`: those named by the shard index when there is one, else all."""
+    index_path = os.path.join(model_dir, SAFETENSORS_INDEX)
+    if os.path.isfile(index_path):
+        with open(index_path, encoding="utf-8") as f:
+            weight_map = json.load(f)["weight_map"]
+        return [os.path.join(model_dir, name) for name in sorted(set(weight_map.values()))]
+    return sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+
+
+def iter_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield every tensor of the model's safetensors files, one at a time (files are memory-mapped lazily).
+
+    A tqdm progress bar appears when the load lasts more than a second. Raises FileNotFoundError when the
+    directory holds no safetensors file.
+    """
+    from safetensors import safe_open
+    from tqdm import tqdm
+
+    files = safetensors_files(model_dir)
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {model_dir}")
+    total = 0
+    for path in files:
+        with safe_open(path, framework="pt") as f:
+            total += len(f.keys())
+    with tqdm(total=total, desc="Loading weights", unit="tensor", delay=1.0) as progress:
+        for path in files:
+            with safe_open(path, framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+                    progress.update(1)
+
+
+def dummy_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Hugging Face parameter names and shapes of a model with this config (the checkpoint's layout)."""
+    hidden, head_dim = config.hidden_size, config.head_dim
+    q_size = config.num_attention_heads * head_dim
+    kv_size = config.num_key_value_heads * head_dim
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, hidden)}
+    for layer in range(config.num_hidden_layers):
+        prefix = f"model.layers.{layer}"
+        shapes[f"{prefix}.input_layernorm.weight"] = (hidden,)
+        shapes[f"{prefix}.self_attn.q_proj.weight"] = (q_size, hidden)
+        shapes[f"{prefix}.self_attn.k_proj.weight"] = (kv_size, hidden)
+        shapes[f"{prefix}.self_attn.v_proj.weight"] = (kv_size, hidden)
+        if config.attention_bias:
+            shapes[f"{prefix}.self_attn.q_proj.bias"] = (q_size,)
+            shapes[f"{prefix}.self_attn.k_proj.bias"] = (kv_size,)
+            shapes[f"{prefix}.self_attn.v_proj.bias"] = (kv_size,)
+        shapes[f"{prefix}.self_attn.o_proj.weight"] = (hidden, q_size)
+        if config.qk_norm:
+            shapes[f"{prefix}.self_attn.q_norm.weight"] = (head_dim,)
+            shapes[f"{prefix}.self_attn.k_norm.weight"] = (head_dim,)
+        shapes[f"{prefix}.post_attention_layernorm.weight"] = (hidden,)
+        shapes[f"{prefix}.mlp.gate_proj.weight"] = (config.intermediate_size, hidden)
+        shapes[f"{prefix}.mlp.up_proj.weight"] = (config.intermediate_size, hidden)
+        shapes[f"{prefix}.mlp.down_proj.weight"] = (hidden, config.intermediate_size)
+    shapes["model.norm.weight"] = (hidden,)
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, hidden)
+    return shapes
+
+
+def dummy_weights(
+    config: ModelConfig,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    device: Optional[torch.device | str] = None,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield seeded random weights for `config` under Hugging Face names (same names as a checkpoint).
+
+    Matrices ~ normal(0, 0.02), norm scales = 1, biases = 0. The same (config, seed, device) gives the same
+    tensors on every run. Tensors are drawn on `device` (default CPU), so large shapes need no host copy.
+    """
+    device = torch.device(device or "cpu")
+    generator = torch.Generator(device=device).manual_seed(seed)
+    for name, shape in dummy_weight_shapes(config).items():
+        if name.endswith("norm.weight"):
+            tensor = torch.ones(shape, dtype=dtype, device=device)
+        elif name.endswith(".bias"):
+            tensor = torch.zeros(shape, dtype=dtype, device=device)
+        else:
+            tensor = torch.empty(shape, dtype=dtype, device=device).normal_(0.0, DUMMY_WEIGHT_STD, generator=generator)
+        yield name, tensor

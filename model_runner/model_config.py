@@ -1,0 +1,186 @@
+"""Model configuration: the fields the runtime's model code needs, read from a Hugging Face `config.json`.
+
+`ModelConfig` normalises the differences between config generations so model code never looks at raw keys:
+
+- RoPE: older configs carry `rope_theta` and `rope_scaling` (scaling type under "type" or "rope_type");
+  transformers 5 writes one `rope_parameters` dict holding `rope_theta` together with the scaling fields and
+  `"rope_type": "default"` when there is no scaling. Both give the same `rope_theta` / `rope_scaling` here;
+  `rope_scaling` is None for plain RoPE and otherwise always has a "rope_type" key.
+- EOS: `eos_token_ids` is the union (config first, order kept) of `eos_token_id` in config.json and in
+  generation_config.json, each of which may be an int or a list.
+- Per-architecture facts: Qwen2 always has q/k/v biases; Qwen3 always has per-head q/k RMSNorm.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+# Architecture name -> Hugging Face model_type. The model code registers one implementation per entry.
+ARCHITECTURE_MODEL_TYPES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURE_MODEL_TYPES)
+_MODEL_TYPE_ARCHITECTURES = {v: k for k, v in ARCHITECTURE_MODEL_TYPES.items()}
+
+# transformers' own defaults for keys a config.json may omit (they differ by family).
+_DEFAULT_MAX_POSITIONS = {"llama": 2048, "mistral": 32768, "qwen2": 32768, "qwen3": 32768}
+_DEFAULT_RMS_EPS = {"llama": 1e-6, "mistral": 1e-6, "qwen2": 1e-6, "qwen3": 1e-6}
+_DEFAULT_ROPE_THETA = 10000.0
+
+
+def _as_id_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, (list, tuple)):
+        return [int(v) for v in value]
+    return [int(value)]
+
+
+def _normalise_rope(d: dict) -> tuple[float, Optional[dict]]:
+    """Return (rope_theta, rope_scaling) from either config generation; see the module docstring."""
+    params = d.get("rope_parameters")
+    if isinstance(params, dict) and params and all(isinstance(v, dict) for v in params.values()):
+        # Per-layer-type RoPE (e.g. {"full_attention": {...}}); the supported families use full attention.
+        params = params.get("full_attention") or next(iter(params.values()))
+    if isinstance(params, dict) and params:
+        theta = params.get("rope_theta", d.get("rope_theta", _DEFAULT_ROPE_THETA))
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    else:
+        theta = d.get("rope_theta", _DEFAULT_ROPE_THETA)
+        scaling = dict(d.get("rope_scaling") or {})
+    if "type" in scaling and "rope_type" not in scaling:
+        scaling["rope_type"] = scaling.pop("type")
+    scaling.pop("type", None)
+    if scaling.get("rope_type", "default") == "default":
+        return float(theta), None
+    return float(theta), scaling
+
+
+@dataclass
+class ModelConfig:
+    """Architecture hyper-parameters of a decoder-only model, normalised across config formats.
+
+    `head_dim` is always set (explicit in the config, else hidden_size // num_attention_heads).
+    `sliding_window` is the attention window when the config enables one (Mistral v0.1, Qwen2 with
+    `use_sliding_window`), else None. `hf_config` keeps the raw config.json dict for anything else.
+    """
+
+    architecture: str
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: Optional[dict]
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    qk_norm: bool
+    eos_token_ids: list[int]
+    bos_token_id: Optional[int]
+    torch_dtype: Optional[str]
+    sliding_window: Optional[int] = None
+    hf_config: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {self.architecture!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        if self.num_attention_heads % self.num_key_value_heads != 0:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "head_dim", "vocab_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+    @property
+    def model_type(self) -> str:
+        return ARCHITECTURE_MODEL_TYPES[self.architecture]
+
+    @classmethod
+    def from_dict(cls, d: dict, generation_config: Optional[dict] = None) -> "ModelConfig":
+        """Build from a config.json dict (and optionally generation_config.json's dict, for EOS ids).
+
+        Raises ValueError for an unsupported architecture or an unsupported feature (non-SiLU MLP, MLP bias).
+        """
+        architectures = d.get("architectures") or []
+        if architectures:
+            architecture = architectures[0]
+        else:
+            architecture = _MODEL_TYPE_ARCHITECTURES.get(d.get("model_type", ""), d.get("model_type") or "<missing>")
+        if architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {architecture!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        model_type = ARCHITECTURE_MODEL_TYPES[architecture]
+        if d.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported hidden_act {d['hidden_act']!r}; only 'silu' is supported")
+        if d.get("mlp_bias", False):
+            raise ValueError("mlp_bias=True is not supported")
+
+        num_heads = int(d["num_attention_heads"])
+        rope_theta, rope_scaling = _normalise_rope(d)
+        eos_ids = _as_id_list(d.get("eos_token_id"))
+        for token_id in _as_id_list((generation_config or {}).get("eos_token_id")):
+            if token_id not in eos_ids:
+                eos_ids.append(token_id)
+        bos = d.get("bos_token_id", (generation_config or {}).get("bos_token_id"))
+        if isinstance(bos, list):
+            bos = bos[0] if bos else None
+
+        sliding_window = None
+        if model_type == "mistral" or (model_type in ("qwen2", "qwen3") and d.get("use_sliding_window")):
+            sliding_window = d.get("sliding_window")
+
+        return cls(
+            architecture=architecture,
+            hidden_size=int(d["hidden_size"]),
+            intermediate_size=int(d["intermediate_size"]),
+            num_hidden_layers=int(d["num_hidden_layers"]),
+            num_attention_heads=num_heads,
+            num_key_value_heads=int(d.get("num_key_value_heads") or num_heads),
+            head_dim=int(d.get("head_dim") or int(d["hidden_size"]) // num_heads),
+            vocab_size=int(d["vocab_size"]),
+            rms_norm_eps=float(d.get("rms_norm_eps", _DEFAULT_RMS_EPS[model_type])),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=int(d.get("max_position_embeddings") or _DEFAULT_MAX_POSITIONS[model_type]),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            # Qwen2's attention always has q/k/v biases, whatever the config says.
+            attention_bias=True if model_type == "qwen2" else bool(d.get("attention_bias", False)),
+            qk_norm=model_type == "qwen3",
+            eos_token_ids=eos_ids,
+            bos_token_id=None if bos is None else int(bos),
+            torch_dtype=d.get("dtype") or d.get("torch_dtype"),
+            sliding_window=None if sliding_window is None else int(sliding_window),
+            hf_config=dict(d),
+        )
+
+    @classmethod
+    def from_path(cls, model_dir: str | os.PathLike) -> "ModelConfig":
+        """Read `model_dir/config.json` and, when present, `model_dir/generation_config.json`."""
+        model_dir = os.fspath(model_dir)
+        config_path = os.path.join(model_dir, "config.json")
+        if not os.path.isfile(config_path):
+            raise FileNotFoundError(f"no config.json in {model_dir}")
+        with open(config_path, encoding="utf-8") as f:
+            config = json.load(f)
+        generation_config = None
+        generation_path = os.path.join(model_dir, "generation_config.json")
+        if os.path.isfile(generation_path):
+            with open(generation_path, encoding="utf-8") as f:
+                generation_config = json.load(f)
+        return cls.from_dict(config, generation_config)

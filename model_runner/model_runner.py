@@ -1,0 +1,185 @@
+"""The ModelRunner: loads the model, sizes and owns the KV memory, and executes forward batches.
+
+It knows nothing of requests, the scheduler or the server: it is given a `ForwardBatch` whose KV slots are
+already allocated and recorded in `req_to_token`, and returns logits.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from radixserve.model_runner.attention import AttentionBackend, create_attention_backend
+from radixserve.model_runner.forward_batch import ForwardBatch
+from radixserve.model_runner.loader import dummy_weights, iter_weights, resolve_model
+from radixserve.model_runner.model_config import ModelConfig
+from radixserve.model_runner.models import get_model_class
+from radixserve.radix_cache.pool import KVAllocator, ReqToTokenPool, TokenToKVPool
+from radixserve.runtime.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+GiB = 1 << 30
+# CPU KV pool: this share of the currently available RAM, at most CPU_KV_MAX_BYTES and 64 full contexts.
+CPU_KV_RAM_FRACTION = 0.25
+CPU_KV_MAX_BYTES = 1 * GiB
+CPU_KV_MAX_CONTEXTS = 64
+CUDA_DEFAULT_MEM_FRACTION = 0.85
+CPU_DEFAULT_MAX_RUNNING_REQUESTS = 128
+# Request rows beyond max_running_requests, so rows for the next batch can be taken while the current
+# batch still holds its own (overlap scheduling).
+SPARE_REQUEST_ROWS = 8
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelRunner:
+    """Model weights, KV pools and the attention backend of one device.
+
+    Attributes the scheduler uses: `model_config`, `device`, `dtype`, `context_len`, `vocab_size`,
+    `max_total_num_tokens` (usable KV slots), `max_running_requests`, `req_to_token_pool`, `allocator`,
+    `token_to_kv_pool`, `attn_backend`, `page_size`.
+    """
+
+    def __init__(self, server_args: ServerArgs) -> None:
+        self.server_args = server_args
+        self.device = torch.device(server_args.resolved_device())
+        self.dtype = _DTYPES[server_args.resolved_dtype()]
+        self.kv_cache_dtype = self._resolve_kv_cache_dtype()
+        self.page_size = server_args.page_size
+
+        resolved = resolve_model(server_args.model_path, server_args.load_format, server_args.model_cache_dir)
+        self.model_dir = resolved.model_dir
+        self.model_config = ModelConfig.from_path(resolved.model_dir)
+        self.vocab_size = self.model_config.vocab_size
+        self.context_len = self._resolve_context_len()
+        self.model = self._load_model(resolved.load_format)
+
+        self.max_total_num_tokens, self.max_running_requests = self._size_memory()
+        self.req_to_token_pool = ReqToTokenPool(
+            self.max_running_requests + SPARE_REQUEST_ROWS, self.context_len, self.device
+        )
+        self.allocator = KVAllocator(self.max_total_num_tokens, self.page_size, self.device)
+        config = self.model_config
+        self.token_to_kv_pool = TokenToKVPool(
+            self.max_total_num_tokens, self.page_size, config.num_hidden_layers, config.num_key_value_heads,
+            config.head_dim, self.kv_cache_dtype, self.device,
+        )
+        self.attn_backend = self._create_attention_backend()
+        self.model.set_attention_backend(self.attn_backend)
+        logger.info(
+            "model %s loaded on %s (%s); KV pool %d tokens, %d running requests, context %d",
+            config.architecture, self.device, self.dtype, self.max_total_num_tokens,
+            self.max_running_requests, self.context_len,
+        )
+
+    # ---- execution -------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Float32 logits `[num logits positions, vocab]` of the batch (see `ForwardBatch.logits_indices`);
+        writes the batch's new K/V into the pool as a side effect."""
+        self.attn_backend.plan(batch)
+        hidden = self.model(batch.input_ids, batch.positions, batch)
+        return self.model.compute_logits(hidden, batch)
+
+    # ---- set-up ----------------------------------------------------------------------------------
+    def _create_attention_backend(self) -> AttentionBackend:
+        """The requested backend; when none was requested and the device default (flashinfer on CUDA)
+        cannot run here, fall back to triton, then torch_native, with a warning."""
+        name = self.server_args.resolved_attention_backend()
+        if self.server_args.attention_backend is not None:
+            return create_attention_backend(name, self)
+        candidates = [name] + [n for n in ("triton", "torch_native") if n != name]
+        for i, candidate in enumerate(candidates):
+            try:
+                return create_attention_backend(candidate, self)
+            except ValueError as exc:
+                if i == len(candidates) - 1:
+                    raise
+                logger.warning("attention backend %s unavailable (%s); trying %s", candidate, exc, candidates[i + 1])
+        raise AssertionError("unreachable")
+
+    def _resolve_kv_cache_dtype(self) -> torch.dtype:
+        name = self.server_args.kv_cache_dtype
+        if name == "auto":
+            return self.dtype
+        if name not in _DTYPES:
+            raise ValueError(f"kv_cache_dtype must be 'auto' or one of {tuple(_DTYPES)}, got {name!r}")
+        return _DTYPES[name]
+
+    def _resolve_context_len(self) -> int:
+        config = self.model_config
+        context_len = self.server_args.context_length or config.max_position_embeddings
+        if self.server_args.context_length and context_len > config.max_position_embeddings:
+            logger.warning("context_length %d exceeds the model's max_position_embeddings %d",
+                           context_len, config.max_position_embeddings)
+        if config.sliding_window is not None and config.sliding_window < context_len:
+            # Within the window, sliding-window and full attention are the same computation.
+            logger.warning("capping context length %d at the model's sliding window %d",
+                           context_len, config.sliding_window)
+            context_len = config.sliding_window
+        return context_len
+
+    def _load_model(self, load_format: str) -> torch.nn.Module:
+        model_class = get_model_class(self.model_config.architecture)
+        # Build on the meta device (no memory, no random init), then allocate on the target device once.
+        with torch.device("meta"):
+            model = model_class(self.model_config, max_positions=self.context_len)
+        model = model.to(self.dtype).to_empty(device=self.device)
+        if load_format == "dummy":
+            weights = dummy_weights(self.model_config, self.server_args.random_seed, self.dtype, self.device)
+        else:
+            weights = iter_weights(self.model_dir)
+        with torch.no_grad():
+            model.load_weights(weights)
+        model.eval().requires_grad_(False)
+        return model
+
+    def _size_memory(self) -> tuple[int, int]:
+        """(usable KV token slots rounded down to whole pages, max running requests)."""
+        args, config = self.server_args, self.model_config
+        bytes_per_token = TokenToKVPool.bytes_per_token(
+            config.num_hidden_layers, config.num_key_value_heads, config.head_dim, self.kv_cache_dtype
+        )
+        row_bytes = self.context_len * 4  # one int32 req_to_token row
+        if args.max_total_tokens is not None:
+            budget_tokens = args.max_total_tokens
+        else:
+            budget_tokens = self._kv_budget_bytes(bytes_per_token) // bytes_per_token
+
+        if args.max_running_requests is not None:
+            max_running = args.max_running_requests
+        elif self.device.type == "cpu":
+            max_running = CPU_DEFAULT_MAX_RUNNING_REQUESTS
+        else:
+            max_running = min(1024, max(32, budget_tokens // 512))
+        if args.max_total_tokens is None and self.device.type == "cuda":
+            # The request table lives in the same memory as the KV pool.
+            rows_bytes = (max_running + SPARE_REQUEST_ROWS) * row_bytes
+            budget_tokens -= -(-rows_bytes // bytes_per_token)
+
+        total = budget_tokens // self.page_size * self.page_size
+        if total < self.page_size:
+            raise RuntimeError(
+                f"not enough memory for the KV cache ({budget_tokens} tokens); lower the model size, raise "
+                "mem_fraction_static or set max_total_tokens"
+            )
+        return total, max_running
+
+    def _kv_budget_bytes(self, bytes_per_token: int) -> int:
+        """Bytes the KV pool may take: on CUDA what mem_fraction_static leaves after the loaded weights; on
+        CPU a share of the available RAM, capped (a CPU serves few tokens per second, so a bigger pool only
+        costs memory)."""
+        fraction = self.server_args.mem_fraction_static
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            free, total = torch.cuda.mem_get_info(self.device)
+            # mem_fraction_static is the share of the whole device for weights + KV; weights are loaded.
+            fraction = fraction if fraction is not None else CUDA_DEFAULT_MEM_FRACTION
+            return int(free - total * (1.0 - fraction))
+        import psutil
+
+        fraction = fraction if fraction is not None else CPU_KV_RAM_FRACTION
+        return int(min(psutil.virtual_memory().available * fraction, CPU_KV_MAX_BYTES,
+                       CPU_KV_MAX_CONTEXTS * self.context_len * bytes_per_token))

@@ -1,0 +1,29 @@
+"""Model registry: Hugging Face architecture names -> runtime model classes."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from radixserve.model_runner.models.llama import LlamaForCausalLM
+from radixserve.model_runner.models.qwen2 import Qwen2ForCausalLM
+from radixserve.model_runner.models.qwen3 import Qwen3ForCausalLM
+
+MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+}
+
+
+def get_model_class(architecture: str) -> type[nn.Module]:
+    """The class serving `architecture` (as in config.json's `architectures`); ValueError if none does."""
+    try:
+        return MODEL_REGISTRY[architecture]
+    except KeyError:
+        raise ValueError(
+            f"unsupported model architecture {architecture!r}; supported: {', '.join(sorted(MODEL_REGISTRY))}"
+        ) from None
+
+
+__all__ = ["MODEL_REGISTRY", "get_model_class", "LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]

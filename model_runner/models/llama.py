@@ -1,0 +1,240 @@
+"""The Llama family (Llama 2/3.x, SmolLM2, Mistral), written for the paged-KV runtime.
+
+The decoder here is also the base of the Qwen2 and Qwen3 files: they differ only in projection biases and a
+per-head q/k norm. Tokens of all requests of a batch are concatenated (`[num_tokens, hidden]`, no batch
+dimension); attention reads and writes the KV pool through the attention backend the runner installs.
+
+Weights: `load_weights` takes Hugging Face tensor names. q/k/v are stacked into one `qkv_proj` and gate/up
+into one `gate_up_proj`, so each layer runs two matmuls where HF runs five.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Iterable, Optional
+
+import torch
+from torch import nn
+
+from radixserve.model_runner.forward_batch import ForwardBatch
+from radixserve.model_runner.layers import RMSNorm, RotaryEmbedding, silu_and_mul
+
+if TYPE_CHECKING:
+    from radixserve.model_runner.attention.base import AttentionBackend
+    from radixserve.model_runner.model_config import ModelConfig
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaAttention(nn.Module):
+    """Self-attention with a fused QKV projection, RoPE, GQA and paged KV.
+
+    Subclasses change `qkv_bias` / `o_bias` or override `normalize_qk` (Qwen3's per-head norms).
+    """
+
+    qkv_bias_override: Optional[bool] = None  # None: follow config.attention_bias
+    o_bias_override: Optional[bool] = None
+
+    def __init__(self, config: "ModelConfig", layer_id: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scaling = self.head_dim**-0.5
+        self.rotary = rotary
+        qkv_bias = config.attention_bias if self.qkv_bias_override is None else self.qkv_bias_override
+        o_bias = config.attention_bias if self.o_bias_override is None else self.o_bias_override
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
+
+    def normalize_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hook applied to `q [T, H, D]`, `k [T, Hkv, D]` before RoPE; identity for Llama."""
+        return q, k
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        batch: ForwardBatch,
+        attn_backend: "AttentionBackend",
+    ) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = self.normalize_qk(q, k)
+        q, k = self.rotary(positions, q, k)
+        out = attn_backend.forward(q, k, v, self.layer_id, self.scaling, batch)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class LlamaDecoderLayer(nn.Module):
+    attention_class: type[LlamaAttention] = LlamaAttention
+
+    def __init__(self, config: "ModelConfig", layer_id: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.self_attn = self.attention_class(config, layer_id, rotary)
+        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: Optional[torch.Tensor],
+        batch: ForwardBatch,
+        attn_backend: "AttentionBackend",
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns `(mlp_out, residual)`; the caller (next layer or final norm) adds them."""
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, batch, attn_backend)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: "ModelConfig", layer_class: type[LlamaDecoderLayer], max_positions: int) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta, config.rope_scaling)
+        self.layers = nn.ModuleList(layer_class(config, i, rotary) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        batch: ForwardBatch,
+        attn_backend: "AttentionBackend",
+    ) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, batch, attn_backend)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+# HF names of the projections that are stacked into one fused parameter: (fused name, HF name, shard index).
+_STACKED_PROJECTIONS = (
+    ("qkv_proj", "q_proj", 0),
+    ("qkv_proj", "k_proj", 1),
+    ("qkv_proj", "v_proj", 2),
+    ("gate_up_proj", "gate_proj", 0),
+    ("gate_up_proj", "up_proj", 1),
+)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Causal LM: `forward` gives final hidden states of every new token, `compute_logits` the logits of
+    the positions the batch asks for.
+
+    Construct with `max_positions` >= the longest sequence the runner will feed (it sizes the RoPE table).
+    The runner installs the attention backend with `set_attention_backend` before the first forward.
+    """
+
+    layer_class: type[LlamaDecoderLayer] = LlamaDecoderLayer
+
+    def __init__(self, config: "ModelConfig", max_positions: Optional[int] = None) -> None:
+        super().__init__()
+        self.config = config
+        max_positions = max_positions or config.max_position_embeddings
+        self.model = LlamaModel(config, self.layer_class, max_positions)
+        self.tie_word_embeddings = bool(config.tie_word_embeddings)
+        if self.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.attn_backend: Optional["AttentionBackend"] = None
+
+    def set_attention_backend(self, backend: "AttentionBackend") -> None:
+        self.attn_backend = backend
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """Final-norm hidden states `[num_tokens, hidden]` of the batch's new tokens."""
+        assert self.attn_backend is not None, "set_attention_backend() must be called before forward()"
+        return self.model(input_ids, positions, batch, self.attn_backend)
+
+    def compute_logits(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """Float32 logits `[num_selected, vocab]` at `batch.logits_indices` (default: each request's
+        last new token)."""
+        indices = batch.logits_indices if batch.logits_indices is not None else batch.last_token_indices()
+        selected = hidden[indices]
+        return torch.nn.functional.linear(selected, self.lm_head_weight).float()
+
+    # ---- weights -------------------------------------------------------------------------------
+    def _fused_rows(self, fused: str, shard: int) -> tuple[int, int]:
+        """Row range of shard `shard` (q/k/v or gate/up) inside the fused projection `fused`."""
+        attn = self.model.layers[0].self_attn
+        if fused == "qkv_proj":
+            sizes = (attn.q_size, attn.kv_size, attn.kv_size)
+        else:
+            intermediate = self.config.intermediate_size
+            sizes = (intermediate, intermediate)
+        start = sum(sizes[:shard])
+        return start, start + sizes[shard]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors into the parameters, stacking q/k/v and gate/up.
+
+        Strict: an unknown tensor name, a shape mismatch, or a parameter (or shard) left unloaded raises
+        ValueError. `lm_head.weight` is ignored when embeddings are tied.
+        """
+        params = dict(self.named_parameters())
+        loaded: set[tuple[str, int]] = set()
+        expected: set[tuple[str, int]] = set()
+        for name in params:
+            fused = next((f for f, _, _ in _STACKED_PROJECTIONS if f"{f}." in name), None)
+            if fused is None:
+                expected.add((name, -1))
+            else:
+                shards = 3 if fused == "qkv_proj" else 2
+                expected.update((name, s) for s in range(shards))
+
+        for hf_name, tensor in weights:
+            if "rotary_emb.inv_freq" in hf_name:
+                continue
+            if hf_name == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            target, shard, rows = hf_name, -1, None
+            for fused, part, index in _STACKED_PROJECTIONS:
+                if f".{part}." in hf_name:
+                    target = hf_name.replace(f".{part}.", f".{fused}.")
+                    shard, rows = index, self._fused_rows(fused, index)
+                    break
+            if target not in params:
+                raise ValueError(f"checkpoint tensor {hf_name!r} has no matching parameter in {type(self).__name__}")
+            param = params[target]
+            destination = param.data if rows is None else param.data[rows[0]:rows[1]]
+            if tuple(destination.shape) != tuple(tensor.shape):
+                raise ValueError(
+                    f"shape mismatch for {hf_name!r}: checkpoint {tuple(tensor.shape)}, "
+                    f"model expects {tuple(destination.shape)}"
+                )
+            destination.copy_(tensor)
+            loaded.add((target, shard))
+
+        missing = sorted(f"{name}" + (f"[shard {s}]" if s >= 0 else "") for name, s in expected - loaded)
+        if missing:
+            raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:10])}"
+                             + (f" (and {len(missing) - 10} more)" if len(missing) > 10 else ""))

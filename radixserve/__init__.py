@@ -1,0 +1,34 @@
+"""radixserve: an LLM serving runtime with a radix-tree prefix cache.
+
+    from radixserve import Engine
+    with Engine() as engine:                       # the embedded SmolLM2-135M-Instruct
+        print(engine.generate("Hello", {"max_new_tokens": 16})["text"])
+
+Public names load lazily, so `import radixserve` stays cheap (no torch until an Engine is made).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "Engine": ("radixserve.runtime.engine", "Engine"),
+    "ServerArgs": ("radixserve.runtime.server_args", "ServerArgs"),
+    "GenerateReqInput": ("radixserve.tokenizer_manager.io", "GenerateReqInput"),
+    "EngineDeadError": ("radixserve.tokenizer_manager.errors", "EngineDeadError"),
+    "ContextLengthExceededError": ("radixserve.tokenizer_manager.errors", "ContextLengthExceededError"),
+    "EngineStartupError": ("radixserve.runtime.launch", "EngineStartupError"),
+}
+
+__all__ = ["__version__", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        module_name, attribute = _LAZY[name]
+        return getattr(importlib.import_module(module_name), attribute)
+    raise AttributeError(f"module 'radixserve' has no attribute {name!r}")

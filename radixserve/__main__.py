@@ -1,0 +1,75 @@
+"""The command line: `radixserve serve [server flags]` and `radixserve generate "<prompt>" [flags]`.
+
+    radixserve serve                          # the embedded SmolLM2-135M-Instruct on http://127.0.0.1:30000
+    radixserve serve --model-path DIR --port 8000 --api-key KEY
+    radixserve generate "Write a haiku about the sea."
+    python -m radixserve ...                  # the same
+
+Server flags come from ServerArgs (SGLang's names); `radixserve serve --help` lists them with defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional, Sequence
+
+from radixserve.runtime.server_args import ServerArgs
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="radixserve", description="An LLM serving runtime with a radix prefix cache.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    serve = commands.add_parser("serve", help="serve the OpenAI-compatible and native HTTP API")
+    ServerArgs.add_cli_args(serve)
+
+    generate = commands.add_parser("generate", help="print a completion of one prompt and exit")
+    generate.add_argument("prompt", help="the prompt (sent as a user chat message unless --raw)")
+    generate.add_argument("--max-new-tokens", type=int, default=128)
+    generate.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
+    generate.add_argument("--top-p", type=float, default=1.0)
+    generate.add_argument("--raw", action="store_true", help="complete the prompt text as is, without the chat template")
+    ServerArgs.add_cli_args(generate)
+    return parser
+
+
+def _serve(server_args: ServerArgs) -> int:
+    from radixserve.runtime.http_server import launch_server
+
+    launch_server(server_args)
+    return 0
+
+
+def _generate(args: argparse.Namespace, server_args: ServerArgs) -> int:
+    from radixserve.runtime.engine import Engine
+
+    with Engine(**server_args.to_dict()) as engine:
+        if args.raw:
+            input_ids = engine.tokenizer.encode(args.prompt)
+        else:
+            input_ids = engine.tokenizer.apply_chat_template(
+                [{"role": "user", "content": args.prompt}], add_generation_prompt=True, tokenize=True,
+                return_dict=True)["input_ids"]
+        params = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p}
+        for chunk in engine.generate(input_ids=list(input_ids), sampling_params=params, stream=True):
+            sys.stdout.write(chunk["text"])
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        server_args = ServerArgs.from_cli_args(args)
+    except ValueError as error:
+        print(f"radixserve: error: {error}", file=sys.stderr)
+        return 2
+    if args.command == "serve":
+        return _serve(server_args)
+    return _generate(args, server_args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,272 @@
+"""The offline Engine: `from radixserve import Engine`.
+
+    engine = Engine()                                   # the embedded SmolLM2-135M-Instruct, on CPU here
+    engine.generate("The capital of France is", {"max_new_tokens": 8, "temperature": 0})
+    for chunk in engine.generate("Hi", {"max_new_tokens": 8}, stream=True): print(chunk["text"], end="")
+    engine.shutdown()                                   # or `with Engine() as engine: ...`
+
+The Engine starts the scheduler and detokenizer processes and runs the TokenizerManager on its own event loop
+in a daemon thread. Sync methods block on that loop from any thread (a Jupyter cell included, whose own loop
+is simply blocked meanwhile); async methods await it from any running loop. Nothing needs nest_asyncio.
+
+Results: a single request returns {"text", "output_ids", "meta_info": {"id", "prompt_tokens",
+"completion_tokens", "cached_tokens", "finish_reason", "e2e_latency", "ttft", [logprobs]}}; a batch (or n > 1)
+returns a list, prompt-major (prompt i's samples at i*n .. i*n+n-1). Streaming chunks have the same keys with
+"text", "output_ids" and output logprobs holding only what is new, plus "index" (the position in that list).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import weakref
+from typing import Any, AsyncIterator, Iterator, Optional, Union
+
+import zmq
+
+from radixserve.runtime.ipc import IpcPaths, make_pull, make_push
+from radixserve.runtime.launch import ChildProcesses, resolve_for_launch
+from radixserve.runtime.loop_thread import LoopThread
+from radixserve.runtime.server_args import ServerArgs, make_server_args
+from radixserve.tokenizer_manager.errors import EngineDeadError
+from radixserve.tokenizer_manager.io import GenerateReqInput
+from radixserve.tokenizer_manager.manager import TokenizerManager
+
+logger = logging.getLogger(__name__)
+
+Prompt = Union[str, list[str], None]
+Params = Union[dict, list[dict], None]
+
+
+class _Resources:
+    """Everything a running Engine owns, closed in reverse order of creation. Holds no reference to the
+    Engine itself, so it can be the Engine's weakref finalizer (run on shutdown, garbage collection or exit)."""
+
+    def __init__(self) -> None:
+        self.ipc: Optional[IpcPaths] = None
+        self.zmq_ctx: Optional[zmq.Context] = None
+        self.sockets: list[zmq.Socket] = []
+        self.children: Optional[ChildProcesses] = None
+        self.loop_thread: Optional[LoopThread] = None
+        self.tokenizer_manager: Optional[TokenizerManager] = None
+
+    def close(self) -> None:
+        tm, loop_thread = self.tokenizer_manager, self.loop_thread
+        if tm is not None and loop_thread is not None and loop_thread.thread.is_alive():
+
+            async def stop_requests() -> None:
+                tm.shutdown()
+
+            try:
+                loop_thread.call(stop_requests(), timeout=5.0)
+            except Exception:
+                logger.exception("error while stopping pending requests")
+        if self.children is not None:
+            self.children.stop()
+        if loop_thread is not None:
+            loop_thread.loop.call_soon_threadsafe(loop_thread.loop.stop)
+            if not loop_thread.on_loop():
+                loop_thread.thread.join(timeout=5.0)
+                if not loop_thread.thread.is_alive():
+                    loop_thread.loop.close()
+        for socket in self.sockets:
+            socket.close(linger=0)
+        if self.zmq_ctx is not None:
+            self.zmq_ctx.term()
+        if self.ipc is not None:
+            self.ipc.remove()
+
+
+class Engine:
+    """An in-process LLM engine (see the module docstring). Keyword arguments are ServerArgs fields.
+
+    Raises ValueError for unknown or invalid server arguments, EngineStartupError (with the child's traceback)
+    when a child process fails to start.
+    """
+
+    def __init__(self, model_path: Optional[str] = None, **server_args: Any):
+        self.server_args: ServerArgs = make_server_args(model_path, **server_args)
+        _configure_logging(self.server_args.log_level)
+        self._resources = _Resources()
+        self._finalizer = weakref.finalize(self, self._resources.close)
+        try:
+            self._start()
+        except BaseException:
+            self._finalizer()
+            raise
+
+    def _start(self) -> None:
+        from radixserve.model_runner.loader import load_tokenizer
+
+        res = self._resources
+        child_args = resolve_for_launch(self.server_args)
+        res.ipc = IpcPaths.create()
+        res.zmq_ctx = zmq.Context()
+        recv_socket = make_pull(res.zmq_ctx, res.ipc.detokenizer_to_tokenizer)  # bound before any child starts
+        send_socket = make_push(res.zmq_ctx, res.ipc.tokenizer_to_scheduler)
+        res.sockets = [recv_socket, send_socket]
+        res.children = ChildProcesses(child_args, res.ipc)
+        res.children.start()
+        self.tokenizer = load_tokenizer(child_args.tokenizer_path)  # while the children load
+        infos = res.children.wait_ready(recv_socket)
+        self.model_info: dict[str, Any] = {
+            **infos["scheduler"],
+            "model_path": self.server_args.model_path,
+            "tokenizer_path": child_args.tokenizer_path,
+        }
+
+        res.loop_thread = LoopThread()
+
+        async def make_tokenizer_manager() -> TokenizerManager:
+            tm = TokenizerManager(self.tokenizer, self.model_info, send_socket, recv_socket)
+            tm.start()
+            return tm
+
+        res.tokenizer_manager = res.loop_thread.call(make_tokenizer_manager())
+        self._tm = res.tokenizer_manager
+        self._loop = res.loop_thread
+        tm, loop = self._tm, self._loop.loop
+
+        def on_death(name: str, exitcode: Optional[int]) -> None:
+            reason = f"the {name} process died unexpectedly (exit code {exitcode})"
+            loop.call_soon_threadsafe(tm.mark_dead, reason)
+
+        res.children.start_supervisor(on_death)
+        logger.info("engine ready: %s", {k: self.model_info.get(k) for k in ("model_path", "max_total_num_tokens",
+                                                                             "context_len", "device", "dtype")})
+
+    # ---- generation ------------------------------------------------------------------------------
+
+    @staticmethod
+    def _request(prompt: Prompt, sampling_params: Params, input_ids: Any, return_logprob: Any,
+                 logprob_start_len: Any, top_logprobs_num: Any, stream: bool, cache_salt: Any) -> GenerateReqInput:
+        return GenerateReqInput(
+            text=prompt,
+            input_ids=input_ids,
+            sampling_params=sampling_params,
+            return_logprob=return_logprob,
+            logprob_start_len=-1 if logprob_start_len is None else logprob_start_len,
+            top_logprobs_num=0 if top_logprobs_num is None else top_logprobs_num,
+            stream=stream,
+            cache_salt=cache_salt,
+        )
+
+    def generate(self, prompt: Prompt = None, sampling_params: Params = None, input_ids: Any = None,
+                 return_logprob: Union[bool, list[bool]] = False, logprob_start_len: Any = None,
+                 top_logprobs_num: Any = None, stream: bool = False,
+                 cache_salt: Union[str, list[str], None] = None) -> Union[dict, list[dict], Iterator[dict]]:
+        """Generate for one prompt (a str or token-id list) or a batch (a list of them).
+
+        Returns the result (a dict, or a list for a batch or n > 1), or with stream=True an iterator of
+        chunks. Raises ValueError for bad arguments before anything is queued, EngineDeadError when a child
+        process died.
+        """
+        self._check_open()
+        obj = self._request(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
+                            top_logprobs_num, stream, cache_salt)
+        if stream:
+            return self._loop.stream(lambda: self._tm.submit(obj), lambda group: self._tm.iterate(group, obj))
+        return self._loop.call(self._collect(obj))
+
+    async def async_generate(self, prompt: Prompt = None, sampling_params: Params = None, input_ids: Any = None,
+                             return_logprob: Union[bool, list[bool]] = False, logprob_start_len: Any = None,
+                             top_logprobs_num: Any = None, stream: bool = False,
+                             cache_salt: Union[str, list[str], None] = None,
+                             ) -> Union[dict, list[dict], AsyncIterator[dict]]:
+        """`generate` for async callers: await it for the result, or (stream=True) for an async iterator."""
+        self._check_open()
+        obj = self._request(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
+                            top_logprobs_num, stream, cache_salt)
+        if stream:
+            return await self._loop.stream_async(lambda: self._tm.submit(obj),
+                                                 lambda group: self._tm.iterate(group, obj))
+        return await self._loop.call_async(self._collect(obj))
+
+    async def generate_request(self, obj: GenerateReqInput) -> AsyncIterator[Any]:
+        """Chunks (obj.stream) or the one final result of `obj`, from any event loop (the HTTP server's).
+
+        Bad arguments raise ValueError at the first `__anext__`, before anything is queued. Closing or
+        cancelling the iteration aborts the unfinished requests.
+        """
+        self._check_open()
+        stream = await self._loop.stream_async(lambda: self._tm.submit(obj),
+                                               lambda group: self._tm.iterate(group, obj))
+        try:
+            async for item in stream:
+                yield item
+        finally:
+            await stream.aclose()
+
+    async def _collect(self, obj: GenerateReqInput) -> Any:
+        async with contextlib.aclosing(self._tm.generate_request(obj)) as results:
+            async for result in results:
+                return result
+        raise RuntimeError("no result")  # pragma: no cover - generate_request always yields once
+
+    # ---- control ---------------------------------------------------------------------------------
+
+    def abort(self, rid: str) -> None:
+        """Abort a request (or all samples of an n > 1 request) by id; its caller gets finish_reason abort."""
+        self._check_open()
+        self._loop.loop.call_soon_threadsafe(self._tm.abort, rid)
+
+    def flush_cache(self) -> bool:
+        """Drop the radix cache (only when idle; returns False when the scheduler refused)."""
+        self._check_open()
+        return self._loop.call(self._tm.flush_cache())
+
+    async def async_flush_cache(self) -> bool:
+        self._check_open()
+        return await self._loop.call_async(self._tm.flush_cache())
+
+    def get_server_info(self) -> dict[str, Any]:
+        """The scheduler's statistics: memory, cache hit rate, queue sizes, throughput, plus model_info."""
+        self._check_open()
+        return self._loop.call(self._tm.get_server_info())
+
+    async def async_get_server_info(self) -> dict[str, Any]:
+        self._check_open()
+        return await self._loop.call_async(self._tm.get_server_info())
+
+    def is_healthy(self) -> bool:
+        """False once a child process died or the engine was shut down."""
+        return self._finalizer.alive and self._tm.dead is None and self._resources.children.all_alive()
+
+    @property
+    def request_observer(self) -> Any:
+        """Called as observer(meta_info, token_times) once per finished request, on the engine's loop thread."""
+        return self._tm.request_observer
+
+    @request_observer.setter
+    def request_observer(self, observer: Any) -> None:
+        self._tm.request_observer = observer
+
+    def shutdown(self) -> None:
+        """Abort pending requests (their callers get EngineDeadError), stop the children, remove the sockets.
+
+        Idempotent; also runs when the Engine is garbage collected and at interpreter exit.
+        """
+        self._finalizer()
+
+    def _check_open(self) -> None:
+        if not self._finalizer.alive:
+            raise EngineDeadError("the engine was shut down")
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.shutdown()
+
+
+def _configure_logging(level: str) -> None:
+    """Give radixserve's loggers a handler and level unless the application configured its own."""
+    package_logger = logging.getLogger("radixserve")
+    package_logger.setLevel(level.upper())
+    if not package_logger.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s [engine] %(levelname)s %(name)s: %(message)s"))
+        package_logger.addHandler(handler)
+
+
+__all__ = ["Engine", "EngineDeadError", "GenerateReqInput"]

@@ -1,0 +1,197 @@
+"""Running one HTTP request's engine requests: concurrency, disconnects, aborts, and the wire formats.
+
+An HTTP request may fan out into several engine requests (`n` choices, several prompts). `GenerationRun`
+starts them all concurrently on the server's event loop and yields `(index, chunk)` pairs as the engine
+produces them (one final result per request when not streaming, incremental chunks when streaming).
+
+Guarantees:
+- the run is admitted into `InflightRequests` when created (so a full server answers 503 at once) and
+  released by `close()`, which every route calls in a `finally`;
+- a client that disconnects is noticed within `DISCONNECT_POLL_SECONDS`: the run stops and every engine
+  request it started that has not finished is aborted, so its KV is released;
+- `close()` is synchronous, so it also runs when the route's task is being cancelled (Starlette cancels a
+  streaming response when the client goes away; uvicorn cancels requests at the end of a drain);
+- engine ValueErrors become 400s, anything else the engine raises becomes a 5xx, via `APIError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, AsyncIterator, Optional
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from radixserve.runtime.http_state import ServerState
+from radixserve.runtime.openai.errors import APIError, from_value_error
+from radixserve.tokenizer_manager.errors import EngineDeadError
+
+logger = logging.getLogger(__name__)
+
+DISCONNECT_POLL_SECONDS = 0.25
+SSE_DONE = b"data: [DONE]\n\n"
+_END = object()
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away; its engine requests have been aborted."""
+
+
+def json_response(content: Any, status_code: int = 200, headers: Optional[dict[str, str]] = None) -> Response:
+    return Response(orjson.dumps(content, option=orjson.OPT_NON_STR_KEYS), status_code=status_code,
+                    headers=headers, media_type="application/json")
+
+
+def sse_event(content: Any) -> bytes:
+    return b"data: " + orjson.dumps(content, option=orjson.OPT_NON_STR_KEYS) + b"\n\n"
+
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def engine_error(state: ServerState, error: BaseException) -> APIError:
+    """What the engine raised, as the error the client sees: 400 for its own mistakes (ValueError), 503 when
+    the engine is down, 500 otherwise."""
+    if isinstance(error, APIError):
+        return error
+    if isinstance(error, ValueError):
+        return from_value_error(error)
+    logger.error("engine request failed: %r", error)
+    if isinstance(error, EngineDeadError) or not _is_healthy(state):
+        return APIError(f"the engine is not available: {error}", status_code=503, type="server_error",
+                        code="engine_unavailable")
+    return APIError(f"the engine failed to serve the request: {type(error).__name__}: {error}",
+                    status_code=500, type="server_error")
+
+
+def _is_healthy(state: ServerState) -> bool:
+    try:
+        return bool(state.engine.is_healthy())
+    except Exception:  # a dead engine may fail to even answer
+        return False
+
+
+class GenerationRun:
+    """Engine requests of one HTTP request, run concurrently; see the module docstring for the contract."""
+
+    def __init__(
+        self,
+        state: ServerState,
+        handles: dict[str, list[str]],
+        requests: list[Any],
+        tenant: Optional[str],
+        http_request: Optional[Request],
+    ) -> None:
+        """`requests` are GenerateReqInput objects; `handles` maps each id the client knows to every rid it
+        creates in the engine (several when the engine expands `n`), for admission and abort."""
+        self._state = state
+        self._handles = handles
+        self._requests = requests
+        self._engine_rids = [rid for rids in handles.values() for rid in rids]
+        self._http_request = http_request
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._tasks: list[asyncio.Task] = []
+        self._pending = set(range(len(requests)))
+        self._closed = False
+        state.inflight.admit(handles, tenant)
+
+    async def _pump(self, index: int, request: Any) -> None:
+        try:
+            async for chunk in self._state.engine.generate_request(request):
+                self._queue.put_nowait((index, chunk))
+            self._queue.put_nowait((index, _END))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as error:  # handed to the consumer, which owns error reporting
+            self._queue.put_nowait((index, error))
+
+    async def events(self) -> AsyncIterator[tuple[int, Any]]:
+        """Yield `(request index, engine chunk)` until every request has finished.
+
+        Raises APIError if the engine rejects or fails a request, ClientDisconnected if the client leaves."""
+        if not self._tasks and not self._closed:
+            self._tasks = [asyncio.ensure_future(self._pump(i, r)) for i, r in enumerate(self._requests)]
+        getter: Optional[asyncio.Future] = None
+        try:
+            while self._pending:
+                if getter is None:
+                    getter = asyncio.ensure_future(self._queue.get())
+                done, _ = await asyncio.wait({getter}, timeout=DISCONNECT_POLL_SECONDS)
+                if not done:
+                    if self._http_request is not None and await self._http_request.is_disconnected():
+                        self.close()
+                        raise ClientDisconnected()
+                    continue
+                index, item = getter.result()
+                getter = None
+                if item is _END:
+                    self._pending.discard(index)
+                elif isinstance(item, BaseException):
+                    self._pending.discard(index)
+                    raise engine_error(self._state, item)
+                else:
+                    yield index, item
+        finally:
+            if getter is not None:
+                getter.cancel()
+
+    async def collect(self) -> list[list[Any]]:
+        """All chunks of every request (one final result each when not streaming), in request order."""
+        results: list[list[Any]] = [[] for _ in self._requests]
+        async for index, chunk in self.events():
+            results[index].append(chunk)
+        return results
+
+    def close(self) -> None:
+        """Stop the run: abort the engine requests that have not finished, and release the admission."""
+        if self._closed:
+            return
+        self._closed = True
+        unfinished = bool(self._pending)
+        for task in self._tasks:
+            task.cancel()
+        if unfinished:
+            for rid in self._engine_rids:
+                try:
+                    self._state.engine.abort(rid)
+                except Exception as error:  # the engine may already be gone; nothing is left to free then
+                    logger.warning("abort of %s failed: %r", rid, error)
+        self._state.inflight.release(list(self._handles))
+
+
+async def start_stream(run: GenerationRun) -> AsyncIterator[tuple[int, Any]]:
+    """Wait for the run's first event and return an iterator over all its events.
+
+    Waiting first means an engine that rejects the request at once still gets an HTTP error status (400)
+    instead of an error inside a 200 event stream."""
+    events = run.events()
+    try:
+        first = await events.__anext__()
+    except StopAsyncIteration:
+        first = None
+
+    async def chained() -> AsyncIterator[tuple[int, Any]]:
+        if first is None:
+            return
+        yield first
+        async for event in events:
+            yield event
+
+    return chained()
+
+
+class RunStreamingResponse(StreamingResponse):
+    """A streaming response that closes its GenerationRun however the response ends, even when Starlette
+    cancels it before the body iterator ever started (a client that left at once)."""
+
+    def __init__(self, content: AsyncIterator[bytes], run: GenerationRun) -> None:
+        super().__init__(content, media_type="text/event-stream", headers=SSE_HEADERS)
+        self._run = run
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._run.close()

@@ -1,0 +1,240 @@
+"""The HTTP server: a FastAPI app over one Engine, served by uvicorn (uvloop), with graceful shutdown.
+
+    launch_server(ServerArgs(...))        # blocks; what `radixserve serve` runs
+    app = create_app(engine, server_args) # the ASGI app alone, over an Engine the caller owns
+
+Routes: OpenAI `/v1/chat/completions`, `/v1/completions`, `/v1/models`, `/v1/models/{id}`; native
+`/generate`, `/abort_request`, `/flush_cache`, `/get_model_info`, `/get_server_info`, `/health_generate`
+(see native_api.py); `/health` and `/metrics` are open, every other route needs the API key when one is
+configured. Every error uses the OpenAI envelope (openai/errors.py).
+
+SIGTERM (or Ctrl-C): stop accepting connections, let in-flight requests finish for up to
+`--graceful-shutdown-timeout` seconds, abort what is left (those responses end with finish_reason "abort"),
+shut the engine and its processes down, and exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+from typing import Any, AsyncIterator, Optional
+
+import uvicorn
+from fastapi import APIRouter, Depends, FastAPI
+from starlette.requests import Request
+from starlette.responses import Response
+
+from radixserve.runtime.http_generation import json_response
+from radixserve.runtime.http_state import InflightRequests, ServerState, caller_tenant
+from radixserve.runtime.metrics import ServerMetrics
+from radixserve.runtime.native_api import health_route
+from radixserve.runtime.native_api import router as native_router
+from radixserve.runtime.openai.errors import APIError, install_error_handlers
+from radixserve.runtime.openai.logprobs import TokenTexts
+from radixserve.runtime.openai.protocol import ChatCompletionRequest, CompletionRequest, parse_request
+from radixserve.runtime.openai.serving_chat import create_chat_completion, render_chat
+from radixserve.runtime.openai.serving_completions import create_completion
+from radixserve.runtime.server_args import ServerArgs
+from radixserve.runtime.tenancy import TenantResolver
+
+logger = logging.getLogger(__name__)
+
+WARMUP_TIMEOUT_SECONDS = 120.0
+# After the drain timeout aborts what is left, aborted requests still need a moment to send their last chunk.
+ABORT_GRACE_SECONDS = 5.0
+
+
+def load_chat_template(value: Optional[str]) -> Optional[str]:
+    """`--chat-template`: a path to a Jinja file, or the Jinja template itself."""
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if "{" not in value:
+        raise ValueError(f"--chat-template {value!r} is neither an existing file nor a Jinja template")
+    return value
+
+
+def served_model_name(server_args: ServerArgs) -> str:
+    """The model id of the OpenAI API: --served-model-name, else --model-path, else the embedded model's name."""
+    if server_args.served_model_name:
+        return server_args.served_model_name
+    if server_args.model_path:
+        return server_args.model_path
+    from radixserve.model_runner.loader.resolve import DEFAULT_MODEL_FILE
+
+    return DEFAULT_MODEL_FILE.split(".", 1)[0]
+
+
+def create_app(engine: Any, server_args: ServerArgs) -> FastAPI:
+    """The ASGI app serving `engine` (a started radixserve Engine, owned by the caller)."""
+    model_info = dict(engine.model_info)
+    capacity = None
+    if server_args.max_queued_requests is not None:
+        capacity = int(model_info.get("max_running_requests") or 0) + server_args.max_queued_requests
+    state = ServerState(
+        engine=engine,
+        server_args=server_args,
+        tenants=TenantResolver.from_server_args(server_args.api_key, server_args.tenants_file),
+        inflight=InflightRequests(capacity),
+        tokenizer=engine.tokenizer,
+        served_model_name=served_model_name(server_args),
+        model_info=model_info,
+        context_len=int(model_info["context_len"]),
+        vocab_size=int(model_info["vocab_size"]),
+        max_total_tokens=model_info.get("max_total_num_tokens"),
+        token_texts=TokenTexts(engine.tokenizer),
+        chat_template=load_chat_template(server_args.chat_template),
+    )
+    if state.chat_template is not None:  # fail at start-up, not on the first chat request
+        from radixserve.runtime.openai.protocol import ChatMessage
+
+        render_chat(state, [ChatMessage(role="user", content="hello")])
+    if server_args.enable_metrics:
+        state.metrics = ServerMetrics()
+        engine.request_observer = state.metrics.observe_request
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if not server_args.skip_server_warmup:
+            await asyncio.wait_for(_warmup(state), WARMUP_TIMEOUT_SECONDS)
+        yield
+
+    app = FastAPI(title="radixserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = state
+    install_error_handlers(app)
+    app.add_api_route("/health", health_route, methods=["GET"])
+    app.add_api_route("/metrics", _metrics, methods=["GET"])
+    protected = APIRouter(dependencies=[Depends(caller_tenant)])
+    protected.add_api_route("/v1/models", _list_models, methods=["GET"])
+    protected.add_api_route("/v1/models/{model_id:path}", _get_model, methods=["GET"])
+    protected.add_api_route("/v1/chat/completions", _chat_completions, methods=["POST"])
+    protected.add_api_route("/v1/completions", _completions, methods=["POST"])
+    app.include_router(protected)
+    app.include_router(native_router)
+    return app
+
+
+async def _warmup(state: ServerState) -> None:
+    """One tiny generation before serving, so the first client does not pay for lazy initialisation."""
+    from radixserve.tokenizer_manager.io import GenerateReqInput
+
+    probe = GenerateReqInput(input_ids=list(state.tokenizer.encode("warm up")) or [0],
+                             sampling_params={"max_new_tokens": 1, "temperature": 0.0}, rid="warmup")
+    async for _ in state.engine.generate_request(probe):
+        pass
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+def _model_card(state: ServerState) -> dict[str, Any]:
+    return {"id": state.served_model_name, "object": "model", "created": state.created, "owned_by": "radixserve",
+            "root": state.served_model_name, "max_model_len": state.context_len}
+
+
+async def _list_models(request: Request) -> Response:
+    return json_response({"object": "list", "data": [_model_card(_state(request))]})
+
+
+async def _get_model(request: Request, model_id: str) -> Response:
+    state = _state(request)
+    if model_id != state.served_model_name:
+        raise APIError(f"The model '{model_id}' does not exist.", status_code=404, param="model",
+                       code="model_not_found")
+    return json_response(_model_card(state))
+
+
+async def _chat_completions(request: Request, tenant: Optional[str] = Depends(caller_tenant)) -> Response:
+    body = parse_request(ChatCompletionRequest, await request.body())
+    return await create_chat_completion(_state(request), request, body, tenant)
+
+
+async def _completions(request: Request, tenant: Optional[str] = Depends(caller_tenant)) -> Response:
+    body = parse_request(CompletionRequest, await request.body())
+    return await create_completion(_state(request), request, body, tenant)
+
+
+async def _metrics(request: Request) -> Response:
+    state = _state(request)
+    if state.metrics is None:
+        raise APIError("metrics are disabled", status_code=404, code="not_found")
+    try:
+        info: Optional[dict[str, Any]] = await asyncio.wait_for(state.engine.async_get_server_info(), 5.0)
+    except Exception:  # a scrape must still answer when the scheduler is busy or down
+        info = None
+    body, content_type = state.metrics.render(info, state.inflight.num_engine_requests)
+    return Response(body, media_type=content_type)
+
+
+class _DrainingServer(uvicorn.Server):
+    """uvicorn's graceful shutdown, plus: refuse new requests at once, abort what is left after the drain."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState, drain_seconds: float) -> None:
+        super().__init__(config)
+        self._state = state
+        self._drain_seconds = drain_seconds
+
+    async def shutdown(self, sockets: Any = None) -> None:
+        self._state.inflight.draining = True
+        logger.info("shutting down: draining %d in-flight request(s) for up to %.0f s",
+                    len(self._state.inflight), self._drain_seconds)
+        timer = asyncio.get_running_loop().call_later(self._drain_seconds, self._abort_remaining)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            timer.cancel()
+
+    def _abort_remaining(self) -> None:
+        rids = self._state.inflight.all_engine_rids()
+        if rids:
+            logger.warning("drain timeout: aborting %d request(s)", len(rids))
+        for rid in rids:
+            try:
+                self._state.engine.abort(rid)
+            except Exception as error:
+                logger.warning("abort of %s failed: %r", rid, error)
+
+
+def launch_server(server_args: ServerArgs) -> None:
+    """Start the Engine and serve HTTP until SIGTERM / SIGINT; returns after a clean shutdown."""
+    from radixserve.runtime.engine import Engine
+
+    # Configuration mistakes should fail before the (slow) engine start.
+    TenantResolver.from_server_args(server_args.api_key, server_args.tenants_file)
+    load_chat_template(server_args.chat_template)
+    engine = Engine(**server_args.to_dict())
+    try:
+        app = create_app(engine, server_args)
+        config = uvicorn.Config(
+            app,
+            host=server_args.host,
+            port=server_args.port,
+            log_level=server_args.log_level.lower(),
+            loop="uvloop" if _has_uvloop() else "asyncio",
+            timeout_graceful_shutdown=int(server_args.graceful_shutdown_timeout + ABORT_GRACE_SECONDS) + 1,
+            timeout_keep_alive=5,
+        )
+        server = _DrainingServer(config, app.state.server, server_args.graceful_shutdown_timeout)
+        # uvicorn re-raises the signal it caught once it has shut down; with these no-op handlers in place
+        # that re-raise is harmless and the process exits 0 after the engine is stopped below.
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: None)
+        server.run()
+        if not server.started:
+            raise SystemExit(1)
+    finally:
+        engine.shutdown()
+
+
+def _has_uvloop() -> bool:
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:
+        return False
+    return True

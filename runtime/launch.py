@@ -1,0 +1,245 @@
+"""Starting, watching and stopping the scheduler and detokenizer processes.
+
+Lifecycle of one launch (the Engine drives it):
+
+    ipc = IpcPaths.create()
+    child_args = resolve_for_launch(server_args)   # resolve/convert the model once, in the parent
+    children = ChildProcesses(child_args, ipc)
+    children.start()                               # spawn; each child gets the parent's pid
+    infos = children.wait_ready(pull_socket)       # ProcessReady from both, or EngineStartupError
+    children.start_supervisor(on_death)            # on_death(name, exitcode) if one dies unexpectedly
+    ...
+    children.stop()                                # terminate, join, kill leftovers (idempotent)
+
+Children die with the parent: each polls its parent pid (see `watch_parent`). PR_SET_PDEATHSIG is not used
+because it fires when the *thread* that spawned the child exits, and an Engine may be built from a short-lived
+thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Any, Callable, Iterator, Optional
+
+import zmq
+
+from radixserve.runtime.ipc import IpcPaths
+from radixserve.runtime.messages import ProcessFailed, ProcessReady, decode
+from radixserve.runtime.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+ChildEntry = Callable[[ServerArgs, IpcPaths, int], None]
+PARENT_POLL_INTERVAL_S = 0.5
+
+
+class EngineStartupError(RuntimeError):
+    """A child process failed to start; the message holds its traceback when it could report one."""
+
+
+# ---- inside a child ------------------------------------------------------------------------------
+
+
+def watch_parent(parent_pid: int, interval_s: float = PARENT_POLL_INTERVAL_S) -> threading.Thread:
+    """Exit this process (os._exit) soon after `parent_pid` is gone; runs on a daemon thread."""
+
+    def run() -> None:
+        while True:
+            if os.getppid() != parent_pid:
+                os._exit(1)
+            time.sleep(interval_s)
+
+    thread = threading.Thread(target=run, name="radixserve-parent-watch", daemon=True)
+    thread.start()
+    return thread
+
+
+def _child_main(name: str, entry: ChildEntry, server_args: ServerArgs, ipc: IpcPaths, parent_pid: int) -> None:
+    """What every child runs first: die with the parent, leave Ctrl-C to the parent, log with its name."""
+    watch_parent(parent_pid)
+    # A terminal's Ctrl-C reaches the whole process group; the parent handles it and stops the children.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(
+        level=server_args.log_level.upper(),
+        format=f"%(asctime)s [{name} %(process)d] %(levelname)s %(name)s: %(message)s",
+    )
+    entry(server_args, ipc, parent_pid)
+
+
+# ---- in the parent -------------------------------------------------------------------------------
+
+
+def resolve_for_launch(server_args: ServerArgs) -> ServerArgs:
+    """Resolve (and for a GGUF, convert once) the model in the parent, before any child starts.
+
+    Returns the arguments the children get: tokenizer_path filled in with the resolved Hugging Face directory
+    when it was None, so the detokenizer loads the tokenizer without resolving again.
+    """
+    from radixserve.model_runner.loader import resolve_model
+
+    resolved = resolve_model(server_args.model_path, server_args.load_format, server_args.model_cache_dir)
+    if server_args.tokenizer_path is not None:
+        return server_args
+    return dataclasses.replace(server_args, tokenizer_path=resolved.model_dir)
+
+
+@contextlib.contextmanager
+def _main_module_hidden() -> Iterator[None]:
+    """Spawn children without re-running the caller's __main__ in them.
+
+    `spawn` normally re-imports the parent's main script in each child, so a script that builds an Engine at
+    top level (no `if __name__ == "__main__":` guard) would recursively start engines. The children run only
+    radixserve functions, so they do not need the main module: hide its file and spec while starting them.
+    """
+    main = sys.modules.get("__main__")
+    saved = {name: getattr(main, name) for name in ("__file__", "__spec__") if hasattr(main, name)}
+    try:
+        if main is not None:
+            main.__spec__ = None
+            if hasattr(main, "__file__"):
+                del main.__file__
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(main, name, value)
+
+
+def _default_entries() -> dict[str, ChildEntry]:
+    from radixserve.detokenizer_manager.process import run_detokenizer_process
+    from radixserve.scheduler.process import run_scheduler_process
+
+    return {"scheduler": run_scheduler_process, "detokenizer": run_detokenizer_process}
+
+
+class ChildProcesses:
+    """The scheduler and detokenizer processes of one launch.
+
+    `entries` maps a process name to the function it runs (default: the real scheduler and detokenizer);
+    each is called as entry(server_args, ipc, parent_pid).
+    """
+
+    def __init__(self, server_args: ServerArgs, ipc: IpcPaths, entries: Optional[dict[str, ChildEntry]] = None):
+        self.server_args = server_args
+        self.ipc = ipc
+        self.entries = entries or _default_entries()
+        self.processes: dict[str, multiprocessing.process.BaseProcess] = {}
+        self._stopping = threading.Event()
+        self._supervisor: Optional[threading.Thread] = None
+
+    def start(self) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        with _main_module_hidden():
+            self._start_all(ctx)
+
+    def _start_all(self, ctx: Any) -> None:
+        for name, entry in self.entries.items():
+            process = ctx.Process(
+                target=_child_main,
+                args=(name, entry, self.server_args, self.ipc, os.getpid()),
+                name=f"radixserve-{name}",
+                daemon=True,
+            )
+            process.start()
+            self.processes[name] = process
+
+    def pids(self) -> dict[str, Optional[int]]:
+        return {name: process.pid for name, process in self.processes.items()}
+
+    def all_alive(self) -> bool:
+        return bool(self.processes) and all(p.is_alive() for p in self.processes.values())
+
+    def wait_ready(self, socket: zmq.Socket, timeout_s: float = 600.0) -> dict[str, dict[str, Any]]:
+        """Read start-up reports from `socket` (the parent's PULL) until every child is ready.
+
+        Returns {process name: ProcessReady.info}. Raises EngineStartupError with the child's traceback on
+        ProcessFailed, if a child dies without reporting, or after `timeout_s`.
+        """
+        infos: dict[str, dict[str, Any]] = {}
+        poller = zmq.Poller()
+        poller.register(socket, zmq.POLLIN)
+        deadline = time.monotonic() + timeout_s
+        first_death: Optional[float] = None
+        while len(infos) < len(self.processes):
+            if poller.poll(100):
+                message = decode(socket.recv())
+                if isinstance(message, ProcessFailed):
+                    raise EngineStartupError(f"the {message.process} process failed to start:\n{message.error}")
+                if isinstance(message, ProcessReady):
+                    infos[message.process] = dict(message.info)
+                    logger.info("%s process ready", message.process)
+                else:
+                    logger.warning("ignoring %s received during start-up", type(message).__name__)
+                continue
+            now = time.monotonic()
+            dead = [name for name, p in self.processes.items() if not p.is_alive()]
+            if dead:
+                first_death = first_death or now
+                # A scheduler's failure report travels through the detokenizer, which forwards it only once
+                # it is up itself: give it that long before reporting a death without a traceback.
+                relay_pending = "detokenizer" not in infos and "detokenizer" not in dead
+                if now - first_death > (30.0 if relay_pending else 2.0):
+                    codes = ", ".join(f"{n} (exit code {self.processes[n].exitcode})" for n in dead)
+                    raise EngineStartupError(f"child process exited during start-up without a report: {codes}")
+            if now > deadline:
+                missing = sorted(set(self.processes) - set(infos))
+                raise EngineStartupError(f"timed out after {timeout_s:.0f} s waiting for {missing} to start")
+        return infos
+
+    def start_supervisor(self, on_death: Callable[[str, Optional[int]], None]) -> None:
+        """Call on_death(name, exitcode) once, from a daemon thread, when a child dies before stop()."""
+
+        def run() -> None:
+            by_sentinel = {p.sentinel: name for name, p in self.processes.items()}
+            while not self._stopping.is_set():
+                ready = multiprocessing.connection.wait(list(by_sentinel), timeout=0.2)
+                if ready and not self._stopping.is_set():
+                    name = by_sentinel[ready[0]]
+                    process = self.processes[name]
+                    process.join(timeout=1.0)  # reap it so exitcode is known
+                    on_death(name, process.exitcode)
+                    return
+
+        self._supervisor = threading.Thread(target=run, name="radixserve-supervisor", daemon=True)
+        self._supervisor.start()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Terminate the children and everything they started; kill what does not exit in time. Idempotent."""
+        self._stopping.set()
+        import psutil
+
+        victims: list[psutil.Process] = []
+        for process in self.processes.values():
+            if process.pid is None:
+                continue
+            try:
+                parent = psutil.Process(process.pid)
+                victims.extend(parent.children(recursive=True))
+                victims.append(parent)
+            except psutil.NoSuchProcess:
+                pass
+        for victim in victims:
+            try:
+                victim.terminate()
+            except psutil.NoSuchProcess:
+                pass
+        _, alive = psutil.wait_procs(victims, timeout=timeout_s)
+        for victim in alive:
+            logger.warning("killing %s (pid %d): it ignored SIGTERM", victim.name(), victim.pid)
+            try:
+                victim.kill()
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(alive, timeout=timeout_s)
+        for process in self.processes.values():
+            process.join(timeout=1.0)  # reap, so no zombie is left
+        if self._supervisor is not None and self._supervisor is not threading.current_thread():
+            self._supervisor.join(timeout=1.0)

@@ -1,0 +1,283 @@
+"""The native (SGLang-style) routes: /generate, health, cache and server-info RPCs.
+
+`POST /generate` is the Engine's generate over HTTP: `text` or `input_ids`, single or batch, SGLang
+`sampling_params`, SSE when `stream` is true (`data: {chunk}` events, then `data: [DONE]`). The result
+and chunk shapes are the Engine's. Client-chosen `rid`s must be unique among requests in flight; the caller
+may abort its own requests with `POST /abort_request {"rid": ...}` (another tenant's rid is "not found").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from typing import Annotated, Any, AsyncIterator, Optional, Union
+
+from fastapi import APIRouter, Depends
+from pydantic import Field, model_validator
+from starlette.requests import Request
+from starlette.responses import Response
+
+from radixserve.runtime.http_generation import (
+    SSE_DONE,
+    ClientDisconnected,
+    GenerationRun,
+    RunStreamingResponse,
+    json_response,
+    sse_event,
+    start_stream,
+)
+from radixserve.runtime.http_state import ServerState, caller_tenant
+from radixserve.runtime.openai.errors import APIError, bad_request
+from radixserve.runtime.openai.protocol import (
+    MAX_TOP_LOGPROBS,
+    SamplingParamsModel,
+    StrictModel,
+    TokenId,
+    parse_request,
+)
+from radixserve.runtime.openai.serving_common import check_token_ids, plan_max_new_tokens
+from radixserve.tokenizer_manager.io import GenerateReqInput
+
+HEALTH_GENERATE_TIMEOUT_SECONDS = 30.0
+MAX_BATCH = 1024
+Rid = Annotated[str, Field(min_length=1, max_length=256)]
+TopLogprobs = Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]
+LogprobStart = Annotated[int, Field(ge=-1, le=2**31)]
+
+
+class NativeGenerateRequest(StrictModel):
+    text: Union[str, Annotated[list[str], Field(min_length=1, max_length=MAX_BATCH)], None] = None
+    input_ids: Union[
+        Annotated[list[TokenId], Field(min_length=1)],
+        Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=MAX_BATCH)],
+        None,
+    ] = None
+    sampling_params: Union[SamplingParamsModel, list[SamplingParamsModel], None] = None
+    rid: Union[Rid, list[Rid], None] = None
+    return_logprob: Union[bool, list[bool]] = False
+    logprob_start_len: Union[LogprobStart, list[LogprobStart]] = -1
+    top_logprobs_num: Union[TopLogprobs, list[TopLogprobs]] = 0
+    return_text_in_logprobs: bool = False
+    stream: bool = False
+    cache_salt: Union[Annotated[str, Field(max_length=256)], list[Annotated[str, Field(max_length=256)]], None] = None
+
+    @model_validator(mode="after")
+    def _check(self) -> "NativeGenerateRequest":
+        if (self.text is None) == (self.input_ids is None):
+            raise ValueError("give exactly one of text and input_ids")
+        size = self.batch_size
+        for name in ("sampling_params", "rid", "return_logprob", "logprob_start_len", "top_logprobs_num",
+                     "cache_salt"):
+            value = getattr(self, name)
+            if isinstance(value, list):
+                if size is None:
+                    raise ValueError(f"{name} is a list but the request is not a batch")
+                if len(value) != size:
+                    raise ValueError(f"{name} has {len(value)} entries for a batch of {size}")
+            elif name == "rid" and value is not None and size is not None:
+                raise ValueError("a batch needs a list of rids")
+        return self
+
+    @property
+    def batch_size(self) -> Optional[int]:
+        """None for a single request, else the number of prompts."""
+        if isinstance(self.text, list):
+            return len(self.text)
+        if self.input_ids and isinstance(self.input_ids[0], list):
+            return len(self.input_ids)
+        return None
+
+    def item(self, name: str, i: int) -> Any:
+        value = getattr(self, name)
+        return value[i] if isinstance(value, list) else value
+
+
+def _sampling(body: NativeGenerateRequest, i: int) -> SamplingParamsModel:
+    return body.item("sampling_params", i) or SamplingParamsModel()
+
+
+def _engine_rids(rid: str, params: SamplingParamsModel) -> list[str]:
+    """The rids the engine creates for one prompt: itself, and `{rid}-{i}` per choice when n > 1."""
+    return [rid] + ([f"{rid}-{i}" for i in range(params.n)] if params.n > 1 else [])
+
+
+def _build(state: ServerState, body: NativeGenerateRequest, tenant: Optional[str]) -> tuple[Any, dict[str, list[str]]]:
+    size = body.batch_size
+    count = 1 if size is None else size
+    if isinstance(body.rid, list):
+        rids = list(body.rid)
+    elif size is None:
+        rids = [body.rid or uuid.uuid4().hex]
+    else:
+        rids = [uuid.uuid4().hex for _ in range(count)]
+    for i in range(count):
+        params = _sampling(body, i)
+        if params.stop_token_ids:
+            check_token_ids(params.stop_token_ids, state.vocab_size, "sampling_params.stop_token_ids")
+        if params.logit_bias:
+            check_token_ids([int(k) for k in params.logit_bias], state.vocab_size, "sampling_params.logit_bias")
+        if body.input_ids is not None:
+            ids = body.input_ids if size is None else body.input_ids[i]
+            check_token_ids(ids, state.vocab_size, "input_ids")  # type: ignore[arg-type]
+            plan_max_new_tokens(state, len(ids), params.max_new_tokens, "input_ids")  # type: ignore[arg-type]
+    handles = {rids[i]: _engine_rids(rids[i], _sampling(body, i)) for i in range(count)}
+    if len(handles) != count:
+        raise bad_request("rids in a batch must be distinct", param="rid")
+    sampling: Any = (_sampling(body, 0).to_engine_dict() if size is None
+                     else [_sampling(body, i).to_engine_dict() for i in range(count)])
+    request = GenerateReqInput(
+        text=body.text,
+        input_ids=body.input_ids,
+        sampling_params=sampling,
+        rid=rids[0] if size is None else rids,
+        return_logprob=body.return_logprob,
+        logprob_start_len=body.logprob_start_len,
+        top_logprobs_num=body.top_logprobs_num,
+        return_text_in_logprobs=body.return_text_in_logprobs,
+        stream=body.stream,
+        cache_salt=body.cache_salt,
+        tenant=tenant,
+    )
+    return request, handles
+
+
+class _RidBody(StrictModel):
+    rid: Rid
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+router = APIRouter()
+
+
+@router.post("/generate")
+async def generate(request: Request, tenant: Optional[str] = Depends(caller_tenant)) -> Response:
+    state = _state(request)
+    body: NativeGenerateRequest = parse_request(NativeGenerateRequest, await request.body())
+    engine_request, handles = _build(state, body, tenant)
+    run = GenerationRun(state, handles, [engine_request], tenant, request)
+    if body.stream:
+        try:
+            events = await start_stream(run)
+        except BaseException:
+            run.close()
+            raise
+        return RunStreamingResponse(_stream(run, events), run)
+    try:
+        results = await run.collect()
+    except ClientDisconnected:
+        return Response(status_code=499)
+    finally:
+        run.close()
+    return json_response(results[0][-1] if results[0] else None)
+
+
+async def _stream(run: GenerationRun, events: AsyncIterator[tuple[int, Any]]) -> AsyncIterator[bytes]:
+    try:
+        async for _, chunk in events:
+            yield sse_event(chunk)
+    except APIError as error:
+        yield sse_event(error.body())
+    except ClientDisconnected:
+        return
+    finally:
+        run.close()
+    yield SSE_DONE
+
+
+@router.post("/abort_request")
+async def abort_request(request: Request, tenant: Optional[str] = Depends(caller_tenant)) -> Response:
+    state = _state(request)
+    body: _RidBody = parse_request(_RidBody, await request.body())
+    rids = state.inflight.engine_rids_owned(body.rid, tenant)
+    if rids is None:
+        raise APIError(f"no running request with id {body.rid!r}", status_code=404, param="rid",
+                       code="request_not_found")
+    for rid in rids:
+        state.engine.abort(rid)
+    return json_response({"success": True})
+
+
+@router.post("/flush_cache")
+async def flush_cache(request: Request, tenant: Optional[str] = Depends(caller_tenant)) -> Response:
+    flushed = await _state(request).engine.async_flush_cache()
+    if not flushed:
+        raise bad_request("The cache was not flushed: requests are running. Retry when the server is idle.")
+    return json_response({"success": True, "message": "Cache flushed."})
+
+
+@router.get("/get_model_info")
+async def get_model_info(request: Request, tenant: Optional[str] = Depends(caller_tenant)) -> Response:
+    state = _state(request)
+    return json_response({
+        "model_path": state.model_info.get("model_path"),
+        "tokenizer_path": state.server_args.tokenizer_path or state.model_info.get("model_path"),
+        "served_model_name": state.served_model_name,
+        "is_generation": True,
+        "context_length": state.context_len,
+        "vocab_size": state.vocab_size,
+        "info": state.model_info,
+    })
+
+
+@router.get("/get_server_info")
+async def get_server_info(request: Request, tenant: Optional[str] = Depends(caller_tenant)) -> Response:
+    state = _state(request)
+    info = dict(await state.engine.async_get_server_info())
+    if tenant is not None:
+        info["cache"] = _own_namespaces_only(info.get("cache"), tenant)
+    info["http"] = {"served_model_name": state.served_model_name,
+                    "inflight_requests": len(state.inflight),
+                    "inflight_engine_requests": state.inflight.num_engine_requests,
+                    "capacity": state.inflight.capacity}
+    return json_response(info)
+
+
+def _own_namespaces_only(cache: Any, tenant: str) -> Any:
+    """A tenant sees the per-namespace cache statistics of its own namespaces only (the names of the others
+    would reveal other tenants and their salts)."""
+    if not isinstance(cache, dict) or not isinstance(cache.get("namespaces"), dict):
+        return cache
+    own = f"tenant:{tenant}"
+    namespaces = {name: stats for name, stats in cache["namespaces"].items()
+                  if name == own or name.startswith(own + "/")}
+    return {**cache, "namespaces": namespaces}
+
+
+@router.get("/health_generate")
+async def health_generate(request: Request, tenant: Optional[str] = Depends(caller_tenant)) -> Response:
+    """Healthy only if the engine really produces a token within the timeout."""
+    state = _state(request)
+    rid = f"health-{uuid.uuid4().hex}"
+    probe = GenerateReqInput(input_ids=list(state.tokenizer.encode("ping")) or [0],
+                             sampling_params={"max_new_tokens": 1, "temperature": 0.0}, rid=rid)
+
+    async def one_token() -> Any:
+        result = None
+        async for result in state.engine.generate_request(probe):
+            pass
+        return result
+
+    try:
+        await asyncio.wait_for(one_token(), HEALTH_GENERATE_TIMEOUT_SECONDS)
+    except Exception as error:
+        state.engine.abort(rid)
+        raise APIError(f"health check generation failed: {type(error).__name__}: {error}", status_code=503,
+                       type="server_error") from None
+    return json_response({"healthy": True})
+
+
+def health_route(request: Request) -> Response:
+    """GET /health (open, no key): 200 when the engine is up and the server is not draining, else 503."""
+    state = _state(request)
+    healthy = not state.inflight.draining
+    if healthy:
+        try:
+            healthy = bool(state.engine.is_healthy())
+        except Exception:
+            healthy = False
+    if not healthy:
+        return APIError("unhealthy", status_code=503, type="server_error").response()
+    return Response(status_code=200)

@@ -1,0 +1,269 @@
+"""Request bodies of the HTTP API as pydantic models: OpenAI's fields, plus the extras this server adds.
+
+Validation is strict (a string is not a number, `"true"` is not a boolean), rejects NaN and infinities,
+and rejects unknown top-level fields with 400 like OpenAI does. OpenAI fields that this server accepts but
+ignores, because they cannot change the generated text: `user`, `store`, `metadata`, `service_tier`,
+`parallel_tool_calls`, and `tools` / `tool_choice` only when they ask for no tools. Every other field either
+works or is a 400.
+
+Extras (SGLang's names): `top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `min_tokens`, `stop_token_ids`,
+`skip_special_tokens`, `cache_salt`. The native `/generate` route takes SGLang's `sampling_params` dict,
+validated by `SamplingParamsModel`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Optional, TypeVar, Union
+
+import pydantic
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from radixserve.runtime.openai.errors import validation_error
+
+INT64_MIN = -(2**63)
+INT64_MAX = 2**63 - 1
+MAX_STOP_SEQUENCES = 32
+MAX_N = 128
+MAX_TOP_LOGPROBS = 20
+
+
+class StrictModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+ModelT = TypeVar("ModelT", bound=StrictModel)
+
+
+def parse_request(model: type[ModelT], raw: bytes) -> ModelT:
+    """Validate a raw JSON body; any problem (bad JSON, types, ranges, unknown fields) is a 400 APIError."""
+    try:
+        return model.model_validate_json(raw)
+    except pydantic.ValidationError as error:
+        raise validation_error(error) from None
+
+
+Seed = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+Stop = Union[NonEmptyStr, Annotated[list[NonEmptyStr], Field(max_length=MAX_STOP_SEQUENCES)], None]
+LogitBias = Optional[dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]]]
+
+
+def stop_list(stop: Union[str, list[str], None]) -> list[str]:
+    if stop is None:
+        return []
+    return [stop] if isinstance(stop, str) else list(stop)
+
+
+def parse_logit_bias(bias: Optional[dict[str, float]], param: str = "logit_bias") -> Optional[dict[int, float]]:
+    """JSON object keys are strings; token ids must be decimal integers."""
+    if not bias:
+        return None
+    parsed: dict[int, float] = {}
+    for key, value in bias.items():
+        if not key.isdigit() or len(key) > 19:
+            raise ValueError(f"{param} keys must be token ids (non-negative integers), got {key!r}")
+        parsed[int(key)] = float(value)
+    return parsed
+
+
+class SamplingParamsModel(StrictModel):
+    """SGLang-style sampling parameters of the native `/generate` route (runtime.messages.SamplingParams)."""
+
+    max_new_tokens: Annotated[int, Field(ge=0, le=INT64_MAX)] = 128
+    min_new_tokens: Annotated[int, Field(ge=0, le=INT64_MAX)] = 0
+    temperature: Annotated[float, Field(ge=0.0, le=1e6)] = 1.0
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[int, Field(ge=-1, le=INT64_MAX)] = -1
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=2.0)] = 1.0
+    stop: Stop = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=256)] = []
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
+    seed: Optional[Seed] = None
+    logit_bias: LogitBias = None
+    json_schema: Optional[str] = None
+    regex: Optional[str] = None
+    ebnf: Optional[str] = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_keys(cls, bias: Optional[dict[str, float]]) -> Optional[dict[str, float]]:
+        parse_logit_bias(bias)
+        return bias
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "SamplingParamsModel":
+        if self.min_new_tokens > self.max_new_tokens:
+            raise ValueError("min_new_tokens must not exceed max_new_tokens")
+        if self.top_k == 0:
+            raise ValueError("top_k must be -1 (no limit) or positive")
+        if sum(x is not None for x in (self.json_schema, self.regex, self.ebnf)) > 1:
+            raise ValueError("give at most one of json_schema, regex and ebnf")
+        return self
+
+    def to_engine_dict(self) -> dict[str, Any]:
+        """The dict the Engine takes as `sampling_params` (stop as a list, logit_bias keyed by int)."""
+        params = self.model_dump(exclude_none=True)
+        params["stop"] = stop_list(self.stop)
+        if self.logit_bias:
+            params["logit_bias"] = parse_logit_bias(self.logit_bias)
+        return params
+
+
+class StreamOptions(StrictModel):
+    include_usage: bool = False
+
+
+class OpenAISamplingFields(StrictModel):
+    """Fields shared by chat and completions requests."""
+
+    model: Optional[str] = None
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    logit_bias: LogitBias = None
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
+    seed: Optional[Seed] = None
+    stop: Stop = None
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    temperature: Optional[Annotated[float, Field(ge=0.0, le=2.0)]] = None
+    top_p: Optional[Annotated[float, Field(ge=0.0, le=1.0)]] = None
+    # Accepted and ignored: none of them changes the output.
+    user: Optional[str] = None
+    store: Optional[bool] = None
+    metadata: Optional[dict[str, str]] = None
+    service_tier: Optional[str] = None
+    # Extras.
+    top_k: Annotated[int, Field(ge=-1, le=INT64_MAX)] = -1
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=2.0)] = 1.0
+    ignore_eos: bool = False
+    min_tokens: Annotated[int, Field(ge=0, le=INT64_MAX)] = 0
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=256)] = []
+    skip_special_tokens: bool = True
+    cache_salt: Optional[Annotated[str, Field(max_length=256)]] = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_keys(cls, bias: Optional[dict[str, float]]) -> Optional[dict[str, float]]:
+        parse_logit_bias(bias)
+        return bias
+
+    @model_validator(mode="after")
+    def _check_stream_options(self) -> "OpenAISamplingFields":
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class TextContentPart(StrictModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(StrictModel):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Union[str, Annotated[list[TextContentPart], Field(min_length=1)], None] = None
+    name: Optional[str] = None
+    # Sent back by clients that replay a previous assistant message; harmless only when empty.
+    refusal: Optional[str] = None
+    tool_calls: Optional[Annotated[list[Any], Field(max_length=0)]] = None
+    function_call: None = None
+    audio: None = None
+    annotations: Optional[list[Any]] = None
+
+    @model_validator(mode="after")
+    def _check_content(self) -> "ChatMessage":
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"content is required for {self.role} messages")
+        if self.refusal:
+            raise ValueError("assistant refusals are not supported in the input")
+        return self
+
+    def text(self) -> str:
+        """The message content as one string (text parts joined by newlines)."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(part.text for part in self.content)
+
+
+class ResponseFormat(StrictModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[dict[str, Any]] = None
+
+    @model_validator(mode="after")
+    def _check(self) -> "ResponseFormat":
+        if self.type == "json_schema":
+            if not self.json_schema or not isinstance(self.json_schema.get("schema", {}), dict):
+                raise ValueError("response_format json_schema needs a json_schema object with a schema")
+        elif self.json_schema is not None:
+            raise ValueError("json_schema is only allowed when type is json_schema")
+        return self
+
+
+class ChatCompletionRequest(OpenAISamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    logprobs: bool = False
+    top_logprobs: Optional[Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]] = None
+    max_tokens: Optional[Annotated[int, Field(ge=0, le=INT64_MAX)]] = None
+    max_completion_tokens: Optional[Annotated[int, Field(ge=0, le=INT64_MAX)]] = None
+    response_format: Optional[ResponseFormat] = None
+    tools: Optional[Annotated[list[Any], Field(max_length=0)]] = None
+    tool_choice: Optional[Literal["none"]] = None
+    parallel_tool_calls: Optional[bool] = None
+
+    @model_validator(mode="after")
+    def _check_chat(self) -> "ChatCompletionRequest":
+        if self.top_logprobs is not None and self.top_logprobs > 0 and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs to be true")
+        return self
+
+    @property
+    def max_new_tokens(self) -> Optional[int]:
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
+
+
+PromptType = Union[
+    str,
+    Annotated[list[str], Field(min_length=1)],
+    Annotated[list[TokenId], Field(min_length=1)],
+    Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)],
+]
+
+
+class CompletionRequest(OpenAISamplingFields):
+    prompt: PromptType
+    best_of: Optional[Annotated[int, Field(ge=1, le=MAX_N)]] = None
+    echo: bool = False
+    logprobs: Optional[Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]] = None
+    max_tokens: Optional[Annotated[int, Field(ge=0, le=INT64_MAX)]] = 16
+    suffix: Optional[Literal[""]] = None
+
+    @model_validator(mode="after")
+    def _check_completion(self) -> "CompletionRequest":
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of different from n is not supported")
+        return self
+
+    def prompts(self) -> list[Union[str, list[int]]]:
+        """The prompt as a list of single prompts (text or token ids)."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if all(isinstance(p, int) for p in prompt):
+            return [list(prompt)]  # type: ignore[arg-type]
+        return list(prompt)  # type: ignore[arg-type]

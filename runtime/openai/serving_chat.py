@@ -1,0 +1,177 @@
+"""POST /v1/chat/completions: messages -> chat template -> n engine requests -> OpenAI response or SSE stream."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any, AsyncIterator, Optional
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from radixserve.runtime.http_generation import (
+    SSE_DONE,
+    ClientDisconnected,
+    GenerationRun,
+    RunStreamingResponse,
+    json_response,
+    sse_event,
+    start_stream,
+)
+from radixserve.runtime.http_state import ServerState
+from radixserve.runtime.openai.errors import APIError, bad_request
+from radixserve.runtime.openai.logprobs import chat_logprobs
+from radixserve.runtime.openai.protocol import ChatCompletionRequest, ChatMessage
+from radixserve.runtime.openai.serving_common import (
+    ChoiceOutput,
+    check_model,
+    choice_params,
+    openai_finish_reason,
+    plan_max_new_tokens,
+    sampling_params,
+    usage,
+)
+from radixserve.tokenizer_manager.io import GenerateReqInput
+
+
+def render_chat(state: ServerState, messages: list[ChatMessage]) -> list[int]:
+    """Token ids of the conversation through the chat template, ending with the assistant's turn opener."""
+    conversation: list[dict[str, Any]] = []
+    for message in messages:
+        turn: dict[str, Any] = {"role": "system" if message.role == "developer" else message.role,
+                                "content": message.text()}
+        if message.name:
+            turn["name"] = message.name
+        conversation.append(turn)
+    if state.chat_template is None and not getattr(state.tokenizer, "chat_template", None):
+        raise bad_request("This model has no chat template; use /v1/completions, or start the server with "
+                          "--chat-template.", param="messages")
+    try:
+        encoded = state.tokenizer.apply_chat_template(
+            conversation, chat_template=state.chat_template, add_generation_prompt=True,
+            tokenize=True, return_dict=True)
+    except Exception as error:  # the template itself rejects the conversation (e.g. roles must alternate)
+        raise bad_request(f"The chat template rejected the messages: {error}", param="messages") from error
+    return list(encoded["input_ids"])
+
+
+def _response_format_params(body: ChatCompletionRequest) -> dict[str, Any]:
+    fmt = body.response_format
+    if fmt is None or fmt.type == "text":
+        return {}
+    if fmt.type == "json_object":
+        return {"json_schema": json.dumps({"type": "object"})}
+    assert fmt.json_schema is not None
+    return {"json_schema": json.dumps(fmt.json_schema.get("schema", {}))}
+
+
+async def create_chat_completion(
+    state: ServerState, http_request: Request, body: ChatCompletionRequest, tenant: Optional[str]
+) -> Response:
+    check_model(state, body.model)
+    input_ids = render_chat(state, body.messages)
+    max_new_tokens = plan_max_new_tokens(state, len(input_ids), body.max_new_tokens, "messages")
+    params = {**sampling_params(state, body, max_new_tokens), **_response_format_params(body)}
+    response_id = f"chatcmpl-{uuid.uuid4().hex}"
+    rids = [f"{response_id}-{i}" for i in range(body.n)]
+    requests = [
+        GenerateReqInput(
+            input_ids=input_ids,
+            sampling_params=choice_params(params, i),
+            rid=rids[i],
+            return_logprob=body.logprobs,
+            top_logprobs_num=body.top_logprobs or 0,
+            stream=body.stream,
+            cache_salt=body.cache_salt,
+            tenant=tenant,
+        )
+        for i in range(body.n)
+    ]
+    run = GenerationRun(state, {response_id: rids}, requests, tenant, http_request)
+    header = {"id": response_id, "created": int(time.time()), "model": state.served_model_name}
+    if body.stream:
+        try:
+            events = await start_stream(run)
+        except BaseException:
+            run.close()
+            raise
+        return RunStreamingResponse(_stream(state, body, header, run, events), run)
+    try:
+        results = await run.collect()
+    except ClientDisconnected:
+        return Response(status_code=499)
+    finally:
+        run.close()
+    outputs = [ChoiceOutput() for _ in range(body.n)]
+    for output, chunks in zip(outputs, results):
+        for chunk in chunks:
+            output.add(chunk)
+    return json_response({
+        **header,
+        "object": "chat.completion",
+        "choices": [_choice(state, body, i, out) for i, out in enumerate(outputs)],
+        "usage": usage([outputs]),
+        "system_fingerprint": None,
+    })
+
+
+def _choice(state: ServerState, body: ChatCompletionRequest, index: int, out: ChoiceOutput) -> dict[str, Any]:
+    reason, matched = openai_finish_reason(out.finish_reason)
+    logprobs = None
+    if body.logprobs:
+        logprobs = chat_logprobs(state.token_texts, out.token_logprobs, out.top_logprobs, body.top_logprobs or 0)
+    return {
+        "index": index,
+        "message": {"role": "assistant", "content": out.text, "refusal": None},
+        "logprobs": logprobs,
+        "finish_reason": reason,
+        "matched_stop": matched,
+    }
+
+
+async def _stream(
+    state: ServerState,
+    body: ChatCompletionRequest,
+    header: dict[str, Any],
+    run: GenerationRun,
+    events: AsyncIterator[tuple[int, Any]],
+) -> AsyncIterator[bytes]:
+    outputs = [ChoiceOutput() for _ in range(body.n)]
+    started = [False] * body.n
+    include_usage = body.include_usage
+
+    def chunk(index: int, delta: dict[str, Any], logprobs: Any = None, finish: Optional[str] = None,
+              matched: Any = None) -> bytes:
+        choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        if finish is not None:
+            choice["matched_stop"] = matched
+        event = {**header, "object": "chat.completion.chunk", "choices": [choice]}
+        if include_usage:
+            event["usage"] = None
+        return sse_event(event)
+
+    try:
+        async for index, engine_chunk in events:
+            delta = outputs[index].add(engine_chunk)
+            if not started[index]:
+                started[index] = True
+                yield chunk(index, {"role": "assistant", "content": ""})
+            if delta.text or delta.token_logprobs:
+                logprobs = None
+                if body.logprobs:
+                    logprobs = chat_logprobs(state.token_texts, delta.token_logprobs, delta.top_logprobs,
+                                             body.top_logprobs or 0)
+                yield chunk(index, {"content": delta.text}, logprobs)
+            if delta.finish_reason:
+                reason, matched = openai_finish_reason(delta.finish_reason)
+                yield chunk(index, {}, finish=reason, matched=matched)
+        if include_usage:
+            yield sse_event({**header, "object": "chat.completion.chunk", "choices": [], "usage": usage([outputs])})
+    except APIError as error:
+        yield sse_event(error.body())
+    except ClientDisconnected:
+        return
+    finally:
+        run.close()
+    yield SSE_DONE

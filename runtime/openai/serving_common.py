@@ -1,0 +1,181 @@
+"""Pieces shared by the chat and completions routes: model check, length budget, sampling parameters,
+per-choice accumulation of engine output, finish reasons and usage."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+from radixserve.runtime.http_state import ServerState
+from radixserve.runtime.openai.errors import APIError, bad_request, context_length_error
+from radixserve.runtime.openai.protocol import (
+    INT64_MAX,
+    INT64_MIN,
+    OpenAISamplingFields,
+    parse_logit_bias,
+    stop_list,
+)
+
+
+def check_model(state: ServerState, model: Optional[str]) -> None:
+    """A request may omit `model`; naming another model than the one served is a 404."""
+    if model is None or model == state.served_model_name:
+        return
+    raise APIError(f"The model '{model}' does not exist.", status_code=404, param="model", code="model_not_found")
+
+
+def check_token_ids(ids: Sequence[int], vocab_size: int, param: str) -> None:
+    for token_id in ids:
+        if not 0 <= token_id < vocab_size:
+            raise bad_request(f"{param}: token id {token_id} is outside the vocabulary [0, {vocab_size})", param=param)
+
+
+def plan_max_new_tokens(state: ServerState, prompt_len: int, requested: Optional[int], prompt_param: str) -> int:
+    """How many tokens to generate: `requested`, or all the room left in the context when None.
+
+    Raises 400 `context_length_exceeded` when prompt + completion do not fit the context (or the KV pool,
+    which caps what one request can ever hold)."""
+    if prompt_len == 0:
+        raise bad_request("The prompt is empty.", param=prompt_param)
+    limit = state.context_len
+    if state.max_total_tokens is not None:
+        limit = min(limit, state.max_total_tokens)
+    if requested is None:
+        if prompt_len >= limit:
+            raise context_length_error(
+                f"This model's maximum context length is {limit} tokens. However, your prompt has {prompt_len} "
+                "tokens, which leaves no room for a completion. Please reduce the length of the prompt.",
+                param=prompt_param)
+        return limit - prompt_len
+    if prompt_len + requested > limit:
+        raise context_length_error(
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} in the completion). "
+            "Please reduce the length of the prompt or completion.", param=prompt_param)
+    return requested
+
+
+def sampling_params(state: ServerState, body: OpenAISamplingFields, max_new_tokens: int) -> dict[str, Any]:
+    """OpenAI fields -> the Engine's sampling_params dict (SGLang names)."""
+    temperature = 1.0 if body.temperature is None else body.temperature
+    top_p = 1.0 if body.top_p is None else body.top_p
+    if top_p == 0.0:  # a nucleus of probability 0 keeps only the most likely token
+        temperature, top_p = 0.0, 1.0
+    if body.min_tokens > max_new_tokens:
+        raise bad_request("min_tokens must not exceed the maximum number of tokens to generate", param="min_tokens")
+    if body.top_k == 0:
+        raise bad_request("top_k must be -1 (no limit) or positive", param="top_k")
+    logit_bias = parse_logit_bias(body.logit_bias)
+    if logit_bias:
+        check_token_ids(list(logit_bias), state.vocab_size, "logit_bias")
+    check_token_ids(body.stop_token_ids, state.vocab_size, "stop_token_ids")
+    params: dict[str, Any] = {
+        "max_new_tokens": max_new_tokens,
+        "min_new_tokens": body.min_tokens,
+        "temperature": temperature,
+        "top_p": top_p,
+        "top_k": body.top_k,
+        "min_p": body.min_p,
+        "frequency_penalty": body.frequency_penalty,
+        "presence_penalty": body.presence_penalty,
+        "repetition_penalty": body.repetition_penalty,
+        "stop": stop_list(body.stop),
+        "stop_token_ids": list(body.stop_token_ids),
+        "ignore_eos": body.ignore_eos,
+        "skip_special_tokens": body.skip_special_tokens,
+    }
+    if logit_bias:
+        params["logit_bias"] = logit_bias
+    if body.seed is not None:
+        params["seed"] = body.seed
+    return params
+
+
+def choice_params(params: dict[str, Any], choice: int) -> dict[str, Any]:
+    """Choice i of n draws with seed + i, so n seeded choices differ yet are reproducible."""
+    if choice == 0 or params.get("seed") is None:
+        return params
+    seed = params["seed"] + choice
+    if seed > INT64_MAX:
+        seed = INT64_MIN + (seed - INT64_MAX - 1)
+    return {**params, "seed": seed}
+
+
+def _new_part(values: Optional[list], seen: int, num_new: int) -> list:
+    """The entries of a chunk's logprob list that belong to its new tokens, whether the engine sends the
+    list per chunk (length num_new) or cumulatively (length seen + num_new)."""
+    if not values:
+        return []
+    if seen > 0 and len(values) == seen + num_new:
+        return list(values[seen:])
+    return list(values)
+
+
+@dataclass
+class Delta:
+    """What one engine chunk added to a choice."""
+
+    text: str
+    output_ids: list[int]
+    token_logprobs: list[Any]
+    top_logprobs: list[Any]
+    finish_reason: Optional[dict[str, Any]]
+
+
+@dataclass
+class ChoiceOutput:
+    """One choice's output accumulated over the engine's chunks (or taken from its one final result)."""
+
+    text: str = ""
+    output_ids: list[int] = field(default_factory=list)
+    token_logprobs: list[Any] = field(default_factory=list)
+    top_logprobs: list[Any] = field(default_factory=list)
+    input_token_logprobs: Optional[list[Any]] = None
+    input_top_logprobs: Optional[list[Any]] = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def add(self, chunk: dict[str, Any]) -> Delta:
+        meta = chunk.get("meta_info") or {}
+        new_ids = list(chunk.get("output_ids") or [])
+        seen = len(self.token_logprobs)
+        new_logprobs = _new_part(meta.get("output_token_logprobs"), seen, len(new_ids))
+        new_tops = _new_part(meta.get("output_top_logprobs"), len(self.top_logprobs), len(new_ids))
+        if meta.get("input_token_logprobs") and self.input_token_logprobs is None:
+            self.input_token_logprobs = list(meta["input_token_logprobs"])
+            self.input_top_logprobs = list(meta.get("input_top_logprobs") or [])
+        text = chunk.get("text") or ""
+        self.text += text
+        self.output_ids += new_ids
+        self.token_logprobs += new_logprobs
+        self.top_logprobs += new_tops
+        self.meta.update(meta)
+        return Delta(text, new_ids, new_logprobs, new_tops, meta.get("finish_reason"))
+
+    @property
+    def finish_reason(self) -> Optional[dict[str, Any]]:
+        return self.meta.get("finish_reason")
+
+
+def openai_finish_reason(finish: Optional[dict[str, Any]]) -> tuple[Optional[str], Any]:
+    """Engine finish reason -> (OpenAI finish_reason, the matched stop token or string)."""
+    if not finish:
+        return None, None
+    kind = finish.get("type")
+    if kind == "stop":
+        return "stop", finish.get("matched")
+    if kind == "length":
+        return "length", None
+    return "abort", None
+
+
+def usage(groups: Sequence[Sequence[ChoiceOutput]]) -> dict[str, Any]:
+    """Usage over prompts x choices: each prompt counted once (from its first choice), every completion."""
+    prompt_tokens = sum(int(group[0].meta.get("prompt_tokens", 0)) for group in groups)
+    cached_tokens = sum(int(group[0].meta.get("cached_tokens", 0)) for group in groups)
+    completion_tokens = sum(int(c.meta.get("completion_tokens", len(c.output_ids))) for g in groups for c in g)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }

@@ -1,0 +1,199 @@
+"""POST /v1/completions: prompts (text or token ids, one or many) x n -> engine requests -> OpenAI response.
+
+Choice `index` = prompt number * n + choice number, as OpenAI orders them. `echo` prepends the prompt to each
+choice's text (in the first chunk when streaming); with `logprobs` it also reports the prompt tokens'
+logprobs (the first one is null: nothing precedes it) as far as the engine provides them.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Optional, Union
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from radixserve.runtime.http_generation import (
+    SSE_DONE,
+    ClientDisconnected,
+    GenerationRun,
+    RunStreamingResponse,
+    json_response,
+    sse_event,
+    start_stream,
+)
+from radixserve.runtime.http_state import ServerState
+from radixserve.runtime.openai.errors import APIError
+from radixserve.runtime.openai.logprobs import completion_logprobs
+from radixserve.runtime.openai.protocol import CompletionRequest
+from radixserve.runtime.openai.serving_common import (
+    ChoiceOutput,
+    Delta,
+    check_model,
+    check_token_ids,
+    choice_params,
+    openai_finish_reason,
+    plan_max_new_tokens,
+    sampling_params,
+    usage,
+)
+from radixserve.tokenizer_manager.io import GenerateReqInput
+
+
+@dataclass
+class _Prompt:
+    text: str
+    input_ids: list[int]
+
+
+def _tokenize(state: ServerState, prompt: Union[str, list[int]], param: str) -> _Prompt:
+    if isinstance(prompt, str):
+        return _Prompt(prompt, list(state.tokenizer.encode(prompt)))
+    check_token_ids(prompt, state.vocab_size, param)
+    return _Prompt(state.tokenizer.decode(prompt), list(prompt))
+
+
+async def create_completion(
+    state: ServerState, http_request: Request, body: CompletionRequest, tenant: Optional[str]
+) -> Response:
+    check_model(state, body.model)
+    raw_prompts = body.prompts()
+    prompts = [_tokenize(state, p, "prompt" if len(raw_prompts) == 1 else f"prompt[{i}]")
+               for i, p in enumerate(raw_prompts)]
+    want_logprobs = body.logprobs is not None
+    response_id = f"cmpl-{uuid.uuid4().hex}"
+    requests, rids = [], []
+    for p_index, prompt in enumerate(prompts):
+        param = "prompt" if len(prompts) == 1 else f"prompt[{p_index}]"
+        max_new_tokens = plan_max_new_tokens(state, len(prompt.input_ids), body.max_tokens, param)
+        params = sampling_params(state, body, max_new_tokens)
+        for i in range(body.n):
+            rid = f"{response_id}-{p_index * body.n + i}"
+            rids.append(rid)
+            requests.append(GenerateReqInput(
+                input_ids=prompt.input_ids,
+                sampling_params=choice_params(params, i),
+                rid=rid,
+                return_logprob=want_logprobs,
+                logprob_start_len=0 if (want_logprobs and body.echo) else -1,
+                top_logprobs_num=body.logprobs or 0,
+                stream=body.stream,
+                cache_salt=body.cache_salt,
+                tenant=tenant,
+            ))
+    header = {"id": response_id, "created": int(time.time()), "model": state.served_model_name}
+    run = GenerationRun(state, {response_id: rids}, requests, tenant, http_request)
+    if body.stream:
+        try:
+            events = await start_stream(run)
+        except BaseException:
+            run.close()
+            raise
+        return RunStreamingResponse(_stream(state, body, header, prompts, run, events), run)
+    try:
+        results = await run.collect()
+    except ClientDisconnected:
+        return Response(status_code=499)
+    finally:
+        run.close()
+    outputs = [ChoiceOutput() for _ in requests]
+    for output, chunks in zip(outputs, results):
+        for chunk in chunks:
+            output.add(chunk)
+    choices = []
+    for index, out in enumerate(outputs):
+        prompt = prompts[index // body.n]
+        delta = Delta(out.text, out.output_ids, out.token_logprobs, out.top_logprobs, out.finish_reason)
+        text, logprobs, _ = _choice_text(state, body, prompt, out, delta, first=True, offset=0)
+        reason, matched = openai_finish_reason(out.finish_reason)
+        choices.append({"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason,
+                        "matched_stop": matched})
+    groups = [outputs[i:i + body.n] for i in range(0, len(outputs), body.n)]
+    return json_response({**header, "object": "text_completion", "choices": choices, "usage": usage(groups),
+                          "system_fingerprint": None})
+
+
+def _choice_text(
+    state: ServerState, body: CompletionRequest, prompt: _Prompt, out: ChoiceOutput, delta: Delta,
+    first: bool, offset: int,
+) -> tuple[str, Optional[dict[str, Any]], int]:
+    """(text, logprobs, next text offset) of a choice's new part; the first part carries the echo."""
+    echo = body.echo and first
+    text = (prompt.text if echo else "") + delta.text
+    if body.logprobs is None:
+        return text, None, offset
+    entries: list[Any] = []
+    tops: list[Any] = []
+    if echo:
+        entries, tops = _prompt_logprobs(prompt, out)
+    elif first:
+        offset = len(prompt.text)
+    entries += list(delta.token_logprobs)
+    tops += list(delta.top_logprobs)
+    logprobs = completion_logprobs(state.token_texts, entries, tops, body.logprobs, offset)
+    end = offset + sum(len(t) for t in logprobs["tokens"])
+    return text, logprobs, end
+
+
+def _prompt_logprobs(prompt: _Prompt, out: ChoiceOutput) -> tuple[list[Any], list[Any]]:
+    """Prompt token entries (logprob, token id): the engine's when it returned one per prompt token, else
+    null logprobs; the first token's logprob is null either way."""
+    engine_entries = out.input_token_logprobs or []
+    engine_tops = out.input_top_logprobs or []
+    entries, tops = [], []
+    for position, token_id in enumerate(prompt.input_ids):
+        logprob = None
+        top = None
+        if len(engine_entries) == len(prompt.input_ids) and position > 0:
+            logprob = engine_entries[position][0]
+            top = engine_tops[position] if position < len(engine_tops) else None
+        entries.append((logprob, token_id))
+        tops.append(top)
+    return entries, tops
+
+
+async def _stream(
+    state: ServerState,
+    body: CompletionRequest,
+    header: dict[str, Any],
+    prompts: list[_Prompt],
+    run: GenerationRun,
+    events: AsyncIterator[tuple[int, Any]],
+) -> AsyncIterator[bytes]:
+    num_choices = len(prompts) * body.n
+    outputs = [ChoiceOutput() for _ in range(num_choices)]
+    started = [False] * num_choices
+    offsets = [0] * num_choices
+
+    def chunk(index: int, text: str, logprobs: Any, finish: Optional[str], matched: Any) -> bytes:
+        choice: dict[str, Any] = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        if finish is not None:
+            choice["matched_stop"] = matched
+        event = {**header, "object": "text_completion", "choices": [choice]}
+        if body.include_usage:
+            event["usage"] = None
+        return sse_event(event)
+
+    try:
+        async for index, engine_chunk in events:
+            out = outputs[index]
+            delta = out.add(engine_chunk)
+            first = not started[index]
+            started[index] = True
+            text, logprobs, offsets[index] = _choice_text(
+                state, body, prompts[index // body.n], out, delta, first, offsets[index])
+            reason, matched = openai_finish_reason(delta.finish_reason)
+            if text or logprobs and logprobs["tokens"] or reason is not None:
+                yield chunk(index, text, logprobs, reason, matched)
+        if body.include_usage:
+            groups = [outputs[i:i + body.n] for i in range(0, num_choices, body.n)]
+            yield sse_event({**header, "object": "text_completion", "choices": [], "usage": usage(groups)})
+    except APIError as error:
+        yield sse_event(error.body())
+    except ClientDisconnected:
+        return
+    finally:
+        run.close()
+    yield SSE_DONE

@@ -1,0 +1,178 @@
+"""Server arguments: the one typed configuration object.
+
+The CLI, the Engine and the HTTP server all build a `ServerArgs`; defaults live here once. This module is
+light (no torch, no FastAPI) so every process may import it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field, fields
+from typing import Any, Optional
+
+SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
+ATTENTION_BACKENDS = ("torch_native", "triton", "flashinfer")
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+EVICTION_POLICIES = ("lru", "lfu")
+
+
+@dataclass
+class ServerArgs:
+    # Model and tokenizer
+    model_path: Optional[str] = None  # None: the embedded SmolLM2-135M-Instruct GGUF
+    tokenizer_path: Optional[str] = None
+    load_format: str = "auto"
+    model_cache_dir: Optional[str] = None  # GGUF conversions; default ~/.cache/radixserve
+    served_model_name: Optional[str] = None
+    chat_template: Optional[str] = None
+    context_length: Optional[int] = None
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    kv_cache_dtype: str = "auto"
+    device: str = "auto"  # auto: cuda when available, else cpu
+    random_seed: int = 0
+
+    # Memory
+    mem_fraction_static: Optional[float] = None
+    max_total_tokens: Optional[int] = None
+    page_size: int = 1
+
+    # Scheduling
+    max_running_requests: Optional[int] = None
+    max_prefill_tokens: int = 16384
+    chunked_prefill_size: Optional[int] = None  # None: device default; -1 disables chunking
+    enable_mixed_chunk: bool = False
+    schedule_policy: str = "fcfs"
+    schedule_conservativeness: float = 1.0
+    disable_overlap_schedule: bool = False
+    max_queued_requests: Optional[int] = None
+
+    # Radix cache
+    disable_radix_cache: bool = False
+    radix_eviction_policy: str = "lru"
+
+    # Kernels
+    attention_backend: Optional[str] = None  # None: flashinfer on CUDA, torch_native on CPU
+    sampling_backend: Optional[str] = None
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: Optional[int] = None
+    tp_size: int = 1
+
+    # HTTP server
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: Optional[str] = None
+    tenants_file: Optional[str] = None
+    graceful_shutdown_timeout: float = 30.0  # SIGTERM: seconds in-flight requests may finish before abort
+
+    # Logging and checks
+    log_level: str = "info"
+    decode_log_interval: int = 40
+    enable_metrics: bool = True
+    check_invariants_when_idle: bool = True
+    watchdog_timeout: float = 300.0
+    skip_server_warmup: bool = False
+
+    def __post_init__(self) -> None:
+        def check(ok: bool, message: str) -> None:
+            if not ok:
+                raise ValueError(message)
+
+        check(self.load_format in LOAD_FORMATS, f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
+        check(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        check(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
+              f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+        check(self.page_size >= 1, f"page_size must be >= 1, got {self.page_size}")
+        check(self.schedule_policy in SCHEDULE_POLICIES,
+              f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}")
+        check(self.radix_eviction_policy in EVICTION_POLICIES,
+              f"radix_eviction_policy must be one of {EVICTION_POLICIES}, got {self.radix_eviction_policy!r}")
+        check(self.attention_backend is None or self.attention_backend in ATTENTION_BACKENDS,
+              f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        check(self.mem_fraction_static is None or 0.0 < self.mem_fraction_static < 1.0,
+              f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
+        check(self.max_total_tokens is None or self.max_total_tokens > 0,
+              f"max_total_tokens must be positive, got {self.max_total_tokens}")
+        check(self.max_running_requests is None or self.max_running_requests > 0,
+              f"max_running_requests must be positive, got {self.max_running_requests}")
+        check(self.max_prefill_tokens > 0, f"max_prefill_tokens must be positive, got {self.max_prefill_tokens}")
+        check(self.chunked_prefill_size is None or self.chunked_prefill_size == -1 or self.chunked_prefill_size > 0,
+              f"chunked_prefill_size must be positive or -1, got {self.chunked_prefill_size}")
+        check(self.context_length is None or self.context_length > 0,
+              f"context_length must be positive, got {self.context_length}")
+        check(self.schedule_conservativeness > 0, "schedule_conservativeness must be positive")
+        check(self.tp_size >= 1, f"tp_size must be >= 1, got {self.tp_size}")
+        check(0 < self.port < 65536, f"port must be in 1..65535, got {self.port}")
+        check(self.api_key is None or self.tenants_file is None, "give either api_key or tenants_file, not both")
+        check(self.graceful_shutdown_timeout >= 0,
+              f"graceful_shutdown_timeout must be >= 0, got {self.graceful_shutdown_timeout}")
+        check(self.log_level.lower() in ("debug", "info", "warning", "error", "critical"),
+              f"unknown log_level {self.log_level!r}")
+
+    # ---- resolved values -------------------------------------------------------------------------
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        try:
+            import torch
+        except ImportError:  # pragma: no cover - torch is a dependency
+            return "cpu"
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def resolved_dtype(self) -> str:
+        if self.dtype != "auto":
+            return self.dtype
+        return "float32" if self.resolved_device() == "cpu" else "bfloat16"
+
+    def resolved_attention_backend(self) -> str:
+        if self.attention_backend is not None:
+            return self.attention_backend
+        return "torch_native" if self.resolved_device() == "cpu" else "flashinfer"
+
+    def resolved_chunked_prefill_size(self) -> Optional[int]:
+        """Tokens per prefill chunk, or None when chunking is off."""
+        if self.chunked_prefill_size == -1:
+            return None
+        if self.chunked_prefill_size is not None:
+            return self.chunked_prefill_size
+        return 512 if self.resolved_device() == "cpu" else 8192
+
+    # ---- CLI -------------------------------------------------------------------------------------
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        for f in fields(ServerArgs):
+            flag = "--" + f.name.replace("_", "-")
+            default = f.default if f.default is not dataclasses.MISSING else None
+            kind = _field_type(f)
+            if kind is bool:
+                parser.add_argument(flag, action="store_true", default=default, help=f"(default: {default})")
+            else:
+                parser.add_argument(flag, type=kind, default=default, help=f"(default: {default})")
+        parser.add_argument("--model", dest="model_path", help="alias of --model-path")
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "ServerArgs":
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _field_type(f: dataclasses.Field) -> type:
+    annotation = str(f.type)
+    for name, kind in (("bool", bool), ("int", int), ("float", float)):
+        if annotation == name or annotation == f"Optional[{name}]":
+            return kind
+    return str
+
+
+def make_server_args(model_path: Optional[str] = None, **kwargs: Any) -> ServerArgs:
+    """Build ServerArgs from keyword arguments, rejecting unknown names with a clear message."""
+    known = {f.name for f in fields(ServerArgs)}
+    if "model" in kwargs and model_path is None:
+        model_path = kwargs.pop("model")
+    unknown = sorted(set(kwargs) - known)
+    if unknown:
+        raise ValueError(f"unknown server argument(s): {', '.join(unknown)}")
+    return ServerArgs(model_path=model_path, **kwargs)

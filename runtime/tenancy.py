@@ -1,0 +1,87 @@
+"""API keys -> tenant ids.
+
+`--api-key KEY`: one key, one tenant; requests carry no tenant id (the default cache namespace), but every
+protected route needs the key. `--tenants-file FILE`: a JSON object mapping API keys to tenant ids, e.g.
+`{"sk-alpha": "alpha", "sk-beta": "beta"}`; the tenant id becomes part of each request's cache namespace,
+so tenants never share cached prefixes. Without either, the server is open and everyone shares the default
+namespace.
+
+The tenant is derived here, from the key, and never read from the request body. Keys are compared through
+their SHA-256 digests so the comparison's timing reveals nothing about a valid key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+from typing import Optional
+
+from radixserve.runtime.openai.errors import APIError
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode("utf-8")).digest()
+
+
+def load_tenants_file(path: str) -> dict[str, str]:
+    """Read and check a tenants file: a JSON object of non-empty API key -> non-empty tenant id."""
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    if not isinstance(data, dict) or not data:
+        raise ValueError(f"tenants file {path}: expected a non-empty JSON object mapping API keys to tenant ids")
+    for key, tenant in data.items():
+        if not isinstance(key, str) or not key or not isinstance(tenant, str) or not tenant:
+            raise ValueError(f"tenants file {path}: keys and tenant ids must be non-empty strings")
+        if "/" in tenant:  # server info names namespaces "tenant:<id>/salt:<salt>"
+            raise ValueError(f"tenants file {path}: tenant id {tenant!r} must not contain '/'")
+    return dict(data)
+
+
+class TenantResolver:
+    """Maps the `Authorization: Bearer <key>` header of a request to its tenant id (None: default namespace)."""
+
+    def __init__(self, keys_to_tenants: Optional[dict[str, Optional[str]]] = None) -> None:
+        self._tenant_by_digest = {_digest(k): t for k, t in (keys_to_tenants or {}).items()}
+
+    @classmethod
+    def from_server_args(cls, api_key: Optional[str], tenants_file: Optional[str]) -> "TenantResolver":
+        if api_key is not None and tenants_file is not None:
+            raise ValueError("give either api_key or tenants_file, not both")
+        if tenants_file is not None:
+            return cls(dict(load_tenants_file(tenants_file)))
+        if api_key is not None:
+            if not api_key:
+                raise ValueError("api_key must not be empty")
+            return cls({api_key: None})
+        return cls()
+
+    @property
+    def auth_required(self) -> bool:
+        return bool(self._tenant_by_digest)
+
+    def tenant_for(self, authorization: Optional[str]) -> Optional[str]:
+        """The caller's tenant id; raises a 401 APIError when a key is required and missing or wrong."""
+        if not self.auth_required:
+            return None
+        key = _bearer_token(authorization)
+        if key is None:
+            raise APIError(
+                "You didn't provide an API key. Send it in the Authorization header as 'Bearer <key>'.",
+                status_code=401,
+                code="missing_api_key",
+            )
+        presented = _digest(key)
+        for digest, tenant in self._tenant_by_digest.items():
+            if hmac.compare_digest(digest, presented):
+                return tenant
+        raise APIError("Incorrect API key provided.", status_code=401, code="invalid_api_key")
+
+
+def _bearer_token(authorization: Optional[str]) -> Optional[str]:
+    if not authorization:
+        return None
+    scheme, _, token = authorization.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        return None
+    return token.strip()

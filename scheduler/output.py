@@ -1,0 +1,56 @@
+"""Turning requests with news into one BatchTokenOut per step.
+
+A streaming request is sent whenever it has new tokens; a non-streaming one only once, when it finishes
+(its message then carries every token). A finished request is sent exactly once, with its finish reason,
+and never again. Logprob lists are per request only when some request in the message asked for them.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+from radixserve.runtime.messages import BatchTokenOut
+from radixserve.scheduler.req import Req
+
+
+def has_news(req: Req) -> bool:
+    if req.finish_sent:
+        return False
+    if req.finished:
+        return True
+    return req.stream and len(req.output_ids) > req.num_sent_tokens
+
+
+def build_batch_token_out(reqs: Iterable[Req]) -> Optional[BatchTokenOut]:
+    """The message for the requests among `reqs` that have news, marking what it sends as sent."""
+    ready = [req for req in reqs if has_news(req)]
+    if not ready:
+        return None
+    with_logprobs = any(req.return_logprob for req in ready)
+    out = BatchTokenOut(
+        rids=[], new_token_ids=[], finish_reasons=[], prompt_tokens=[], completion_tokens=[], cached_tokens=[],
+        skip_special_tokens=[], spaces_between_special_tokens=[], stop=[],
+    )
+    for req in ready:
+        start = req.num_sent_tokens
+        params = req.sampling_params
+        out.rids.append(req.rid)
+        out.new_token_ids.append(req.output_ids[start:])
+        out.finish_reasons.append(req.finished_reason)
+        out.prompt_tokens.append(req.prompt_len)
+        out.completion_tokens.append(len(req.output_ids))
+        out.cached_tokens.append(req.num_cached_tokens or 0)
+        out.skip_special_tokens.append(params.skip_special_tokens)
+        out.spaces_between_special_tokens.append(params.spaces_between_special_tokens)
+        out.stop.append(list(params.stop))
+        if with_logprobs:
+            first = start == 0
+            out.output_token_logprobs.append(req.output_token_logprobs[start:])
+            out.output_top_logprobs.append(req.output_top_logprobs[start:])
+            # Input-token logprobs are not computed yet; sent (empty) once with a request's first output.
+            out.input_token_logprobs.append([] if first and req.return_logprob else None)
+            out.input_top_logprobs.append([] if first and req.return_logprob else None)
+        req.num_sent_tokens = len(req.output_ids)
+        if req.finished:
+            req.finish_sent = True
+    return out

@@ -1,0 +1,100 @@
+"""The batch executor: forward, sample, and record sampled tokens in the device-side token table.
+
+Without overlap, `launch` runs the batch at once on the calling thread. With overlap, batches run in launch
+order on one worker thread (on a GPU, also on their own CUDA stream), so the scheduler thread can build batch
+N+1 and process batch N's results while batch N+1 runs. CPU kernels of torch release the GIL, so the two
+threads really do work at the same time.
+
+Ordering contract: batches execute strictly one after another in launch order. Everything a batch reads from
+the device (KV slots, `req_to_token` rows, the token table) was written either on the host before its launch
+or by an earlier batch. Hence a KV slot or request row freed by the scheduler can be handed to a later batch
+without waiting: every batch that used it has run before that later batch starts.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from radixserve.model_runner.sampling import Sampler
+from radixserve.scheduler.batch import ScheduleBatch
+
+
+@dataclass
+class BatchResult:
+    """Host copies of one batch's samples, entry-aligned with `ScheduleBatch.reqs`."""
+
+    next_token_ids: list[int]
+    logprobs: Optional[list[float]] = None
+    top_logprobs: Optional[list[list[tuple[int, float]]]] = None
+
+
+class LaunchedBatch:
+    """A batch that was handed to the executor; `result()` waits for it."""
+
+    def __init__(self, batch: ScheduleBatch, future: concurrent.futures.Future) -> None:
+        self.batch = batch
+        self._future = future
+
+    def result(self) -> BatchResult:
+        return self._future.result()
+
+
+class BatchExecutor:
+    """Runs ScheduleBatches on a ModelRunner, inline or (overlap) on a worker thread."""
+
+    def __init__(self, runner, overlap: bool) -> None:
+        self.runner = runner
+        self.device = torch.device(runner.device)
+        self.sampler = Sampler()
+        # token_table[row] = the latest token sampled for the request in that req_to_token row.
+        self.token_table = torch.zeros(runner.req_to_token_pool.size, dtype=torch.int64, device=self.device)
+        self.overlap = overlap
+        self._worker = (
+            concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="radixserve-forward")
+            if overlap else None
+        )
+        self._stream = torch.cuda.Stream(self.device) if overlap and self.device.type == "cuda" else None
+
+    def launch(self, batch: ScheduleBatch) -> LaunchedBatch:
+        if self._worker is None:
+            future: concurrent.futures.Future = concurrent.futures.Future()
+            future.set_result(self.run(batch))
+            return LaunchedBatch(batch, future)
+        ready = None
+        if self._stream is not None:
+            # The worker's stream must see the host thread's writes (req_to_token rows, H2D copies).
+            ready = torch.cuda.Event()
+            ready.record()
+        return LaunchedBatch(batch, self._worker.submit(self._run_on_worker, batch, ready))
+
+    def _run_on_worker(self, batch: ScheduleBatch, ready) -> BatchResult:
+        if self._stream is None:
+            return self.run(batch)
+        with torch.cuda.stream(self._stream):
+            self._stream.wait_event(ready)
+            return self.run(batch)
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduleBatch) -> BatchResult:
+        runner = self.runner
+        forward_batch = batch.to_forward_batch(
+            runner.req_to_token_pool, runner.token_to_kv_pool, self.token_table, self.device
+        )
+        logits = runner.forward(forward_batch)
+        out = self.sampler.sample(logits, batch.sampling_info, batch.return_logprob, batch.top_logprobs_num)
+        self.token_table[forward_batch.req_pool_indices] = out.next_token_ids
+        result = BatchResult(out.next_token_ids.tolist())
+        if out.logprobs is not None:
+            result.logprobs = out.logprobs.tolist()
+        if out.top_logprobs is not None:
+            values, ids = out.top_logprobs
+            result.top_logprobs = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+        return result
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)

@@ -1,0 +1,94 @@
+"""The scheduler process: ZMQ in, Scheduler steps, ZMQ out.
+
+    recv (block only when idle) -> handle messages -> step -> send outputs
+
+Sockets (see runtime/ipc.py): PULL bound on `tokenizer_to_scheduler`, PUSH connected to
+`scheduler_to_detokenizer`. Start-up sends `ProcessReady(process="scheduler", info=...)` once the model is
+loaded, or `ProcessFailed` with the traceback (then exits 1). The process dies with its parent: a watchdog
+thread polls the parent pid and exits when the parent is gone (no PR_SET_PDEATHSIG: it fires when the parent
+*thread* that spawned us exits, which kills the scheduler of an Engine created from a short-lived thread).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+import traceback
+
+import zmq
+
+from radixserve.runtime.ipc import IpcPaths, make_pull, make_push
+from radixserve.runtime.messages import ProcessFailed, ProcessReady, decode, encode
+from radixserve.runtime.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+PARENT_POLL_S = 0.5
+IDLE_POLL_MS = 1000  # an idle scheduler wakes up this often even without messages
+BUSY_POLL_MS = 1  # a scheduler with nothing runnable (e.g. waiting for memory) naps this long
+
+
+def run_scheduler_process(server_args: ServerArgs, ipc: IpcPaths, parent_pid: int) -> None:
+    """Process entry point (multiprocessing `spawn` target)."""
+    logging.basicConfig(
+        level=server_args.log_level.upper(),
+        format="%(asctime)s [scheduler] %(levelname)s %(name)s: %(message)s",
+    )
+    _watch_parent(parent_pid)
+    ctx = zmq.Context()
+    receiver = make_pull(ctx, ipc.tokenizer_to_scheduler)
+    sender = make_push(ctx, ipc.scheduler_to_detokenizer)
+    try:
+        from radixserve.scheduler.scheduler import Scheduler
+
+        scheduler = Scheduler(server_args)
+    except BaseException:
+        logger.exception("scheduler failed to start")
+        sender.send(encode(ProcessFailed(process="scheduler", error=traceback.format_exc())))
+        sender.close()  # lingers until the report is delivered (bounded by the socket's linger)
+        sys.exit(1)
+
+    sender.send(encode(ProcessReady(process="scheduler", info=scheduler.ready_info())))
+    logger.info("scheduler ready: %s", scheduler.ready_info())
+    try:
+        serve(scheduler, receiver, sender)
+    except BaseException:
+        logger.exception("scheduler crashed")
+        sender.send(encode(ProcessFailed(process="scheduler", error=traceback.format_exc())))
+        sender.close()
+        os._exit(1)
+
+
+def serve(scheduler, receiver: zmq.Socket, sender: zmq.Socket) -> None:
+    """The loop: never spins when idle (blocks on the socket), never blocks while there is work."""
+    poller = zmq.Poller()
+    poller.register(receiver, zmq.POLLIN)
+    worked = True
+    while True:
+        if scheduler.is_idle():
+            timeout = IDLE_POLL_MS
+        else:
+            timeout = 0 if worked else BUSY_POLL_MS
+        if poller.poll(timeout):
+            while True:
+                try:
+                    data = receiver.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                scheduler.handle_message(decode(data))
+        worked = scheduler.step()
+        for message in scheduler.take_outputs():
+            sender.send(encode(message))
+
+
+def _watch_parent(parent_pid: int) -> None:
+    def watch() -> None:
+        while True:
+            if os.getppid() != parent_pid:
+                os._exit(0)
+            time.sleep(PARENT_POLL_S)
+
+    threading.Thread(target=watch, name="radixserve-parent-watch", daemon=True).start()

@@ -1,0 +1,140 @@
+"""A generation request inside the scheduler, and its KV state.
+
+Token bookkeeping of a request with prompt length `L` (`origin_input_ids`) and `output_ids` generated so far:
+
+- `all_ids = origin_input_ids + output_ids`; `kv_len` leading tokens of it have KV slots recorded in the
+  request's `req_to_token` row (computed, or being computed by a launched batch). The scheduler raises
+  `kv_len` when it builds a batch, before the batch runs.
+- A batch that takes the request's KV up to `kv_len = K >= L` samples the token at position `K`, i.e.
+  `output_ids[K - L]`; so once every launched batch is processed the request holds `K - L + 1` outputs and
+  the last output has no KV yet. `num_outputs_when_done()` is that count, known without waiting for results.
+- `prefix_indices` / `last_node` are the radix cache's view: the KV slots of the row's leading tokens that
+  the tree owns, and the locked tree node that ends them. Slots after `len(prefix_indices)` up to `kv_len` are
+  the request's own ("held") until it is released into the cache.
+
+Ownership: a request's row and KV are released exactly once, through `release_kv` in the scheduler, and only
+when no launched batch that includes the request is still unprocessed (`num_inflight == 0`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from radixserve.runtime.messages import SamplingParams, TokenizedGenerateReq
+
+_EMPTY_SLOTS = torch.empty(0, dtype=torch.int64)
+
+
+class Req:
+    """One request: its prompt, sampling parameters, outputs so far and where its KV lives."""
+
+    def __init__(
+        self,
+        rid: str,
+        origin_input_ids: list[int],
+        sampling_params: SamplingParams,
+        namespace: tuple[str, ...] = (),
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
+        stream: bool = False,
+        arrival_seq: int = 0,
+    ) -> None:
+        self.rid = rid
+        self.origin_input_ids = list(origin_input_ids)
+        self.sampling_params = sampling_params
+        self.namespace = tuple(namespace)
+        self.return_logprob = return_logprob
+        self.top_logprobs_num = top_logprobs_num if return_logprob else 0
+        self.stream = stream
+        self.arrival_seq = arrival_seq  # order of arrival, for fcfs among re-queued requests
+
+        # Outputs
+        self.output_ids: list[int] = []
+        self.output_token_logprobs: list[float] = []
+        self.output_top_logprobs: list[list[tuple[int, float]]] = []
+        self.finished_reason: Optional[dict[str, Any]] = None
+        self.num_sent_tokens = 0  # outputs already sent in a BatchTokenOut
+        self.finish_sent = False
+
+        # KV state (see the module docstring)
+        self.req_pool_idx: Optional[int] = None
+        self.kv_len = 0
+        self.prefix_indices: torch.Tensor = _EMPTY_SLOTS
+        self.last_node: Any = None
+        self.num_inflight = 0  # launched batches holding this request whose results are not processed
+        self.kv_released = True  # no row and no KV yet
+
+        # Admission bookkeeping
+        self.num_cached_tokens: Optional[int] = None  # prefix matched at first admission
+        self.match_len_hint = 0  # prefix length last seen by the policy (ordering only)
+        self.num_retractions = 0
+
+    @classmethod
+    def from_message(cls, msg: TokenizedGenerateReq, arrival_seq: int) -> "Req":
+        return cls(
+            msg.rid, msg.input_ids, msg.sampling_params, msg.namespace, msg.return_logprob,
+            msg.top_logprobs_num, msg.stream, arrival_seq,
+        )
+
+    # ---- derived quantities ----------------------------------------------------------------------
+    @property
+    def prompt_len(self) -> int:
+        return len(self.origin_input_ids)
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.origin_input_ids + self.output_ids
+
+    @property
+    def finished(self) -> bool:
+        return self.finished_reason is not None
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.sampling_params.max_new_tokens
+
+    def fill_len(self) -> int:
+        """Tokens whose KV must exist before the request can decode: its prompt plus known outputs."""
+        return self.prompt_len + len(self.output_ids)
+
+    def num_outputs_when_done(self) -> int:
+        """Outputs the request will hold once every launched batch including it is processed."""
+        return max(len(self.output_ids), self.kv_len - self.prompt_len + 1)
+
+    def needs_more_tokens(self) -> bool:
+        """Whether scheduling one more token can still be useful (max_new_tokens not yet covered)."""
+        return not self.finished and self.num_outputs_when_done() < self.max_new_tokens
+
+    def remaining_new_tokens(self) -> int:
+        return max(0, self.max_new_tokens - self.num_outputs_when_done())
+
+    def held_kv_len(self) -> int:
+        """Tokens with KV slots that the request owns (not in the tree)."""
+        return self.kv_len - len(self.prefix_indices)
+
+    # ---- transitions -----------------------------------------------------------------------------
+    def finish(self, reason: dict[str, Any]) -> None:
+        if self.finished_reason is None:
+            self.finished_reason = reason
+
+    def reset_kv_state(self) -> None:
+        """Forget row and KV after they were handed back (finish or retraction)."""
+        self.req_pool_idx = None
+        self.kv_len = 0
+        self.prefix_indices = _EMPTY_SLOTS
+        self.last_node = None
+        self.kv_released = True
+
+    def append_token(self, token_id: int, logprob: Optional[float], top_logprobs: Optional[list]) -> None:
+        self.output_ids.append(token_id)
+        if self.return_logprob:
+            self.output_token_logprobs.append(logprob if logprob is not None else 0.0)
+            self.output_top_logprobs.append(list(top_logprobs or [])[: self.top_logprobs_num])
+
+    def __repr__(self) -> str:
+        return (
+            f"Req(rid={self.rid!r}, prompt={self.prompt_len}, outputs={len(self.output_ids)}, kv_len={self.kv_len}, "
+            f"row={self.req_pool_idx}, finished={self.finished_reason})"
+        )

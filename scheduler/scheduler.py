@@ -1,0 +1,477 @@
+"""The Scheduler: request queues, continuous batching, and the step loop.
+
+One step:  pick the next batch (prefill first, else decode) -> launch it -> process the previous results.
+
+    waiting --admit (policy order, PrefillAdder budgets)--> [chunked] --> running --finish--> released
+       ^                                                                     |
+       +---------------------------- retract (decode out of memory) ---------+
+
+- Prefill priority: when waiting requests fit, the step runs an extend batch (a long prompt is cut into
+  chunks over several steps); otherwise it decodes the running requests. With `enable_mixed_chunk` the
+  running requests ride along in the extend batch as one-token entries (ForwardMode.MIXED).
+- Overlap (default): batch N+1 is built and launched before batch N's results are processed; decode inputs
+  come from the executor's device-side token table, so building never waits for the device. A request that
+  finishes in batch N may already sit in batch N+1: its extra token is dropped, and its row and KV are
+  released once batch N+1 is processed too (`Req.num_inflight`). The scheduler waits for the batch in
+  flight only when it must see its results first: before retracting, and before sampling a request whose
+  penalties read its previous token.
+- Release: a finished, aborted or retracted request hands its KV to the cache (`cache_finished_req`, so a
+  retracted request's re-prefill reuses it) and frees its row, in `_release_kv` and nowhere else.
+
+Messages in (`handle_message`) and outputs out (`take_outputs`) are plain objects, so tests drive a Scheduler
+in-process; `process.py` wires it to ZMQ.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections import deque
+from typing import Any, Optional
+
+import torch
+
+from radixserve.model_runner.forward_batch import ForwardMode
+from radixserve.runtime.messages import (
+    AbortReq, FlushCacheReq, FlushCacheReqOutput, GetServerInfoReq, GetServerInfoReqOutput, TokenizedGenerateReq,
+)
+from radixserve.runtime.server_args import ServerArgs
+from radixserve.scheduler.batch import ScheduleBatch, allocate_slots, build_sampling_info, needs_exact_history
+from radixserve.scheduler.output import build_batch_token_out, has_news
+from radixserve.scheduler.overlap import BatchExecutor, LaunchedBatch
+from radixserve.scheduler.policy import CLIP_MAX_NEW_TOKENS, PrefillAdder, SchedulePolicy
+from radixserve.scheduler.req import Req
+from radixserve.scheduler.setup import check_request, make_cache, try_load_tokenizer
+from radixserve.scheduler.stats import SchedulerStats, decode_log_line
+from radixserve.scheduler.stop import StopChecker
+
+logger = logging.getLogger(__name__)
+
+# Expected share of max_new_tokens a request will really generate, for the admission reserve: starts here,
+# decays with every decode step down to INIT * MIN_FACTOR, and jumps back up after a retraction.
+INIT_NEW_TOKEN_RATIO = 0.7
+MIN_NEW_TOKEN_RATIO_FACTOR = 0.14
+NEW_TOKEN_RATIO_DECAY_STEPS = 600
+
+
+class Scheduler:
+    def __init__(self, server_args: ServerArgs, model_runner: Any = None, tokenizer: Any = None) -> None:
+        if model_runner is None:
+            from radixserve.model_runner.model_runner import ModelRunner
+
+            model_runner = ModelRunner(server_args)
+        self.args = server_args
+        self.runner = model_runner
+        self.req_to_token_pool = model_runner.req_to_token_pool
+        self.allocator = model_runner.allocator
+        self.page_size = self.allocator.page_size
+        self.max_running = model_runner.max_running_requests
+        self.cache = make_cache(server_args, self.req_to_token_pool, self.allocator)
+        self.tokenizer = tokenizer if tokenizer is not None else try_load_tokenizer(model_runner)
+        self.stop_checker = StopChecker(model_runner.model_config.eos_token_ids, self.tokenizer)
+        self.policy = SchedulePolicy(
+            server_args.schedule_policy, self.cache, not server_args.disable_radix_cache, server_args.random_seed
+        )
+        self.overlap = not server_args.disable_overlap_schedule
+        self.executor = BatchExecutor(model_runner, self.overlap)
+        self.chunk_size = server_args.resolved_chunked_prefill_size()
+
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []
+        self.chunked_req: Optional[Req] = None
+        self.reqs: dict[str, Req] = {}  # every request not yet released, by rid
+        self.inflight: deque[LaunchedBatch] = deque()
+        self.stats = SchedulerStats()
+        self._outputs: list[Any] = []
+        self._news: dict[str, Req] = {}  # requests to consider for the next BatchTokenOut
+        self._arrivals = itertools.count()
+        self._checked_since_work = True
+
+        self.init_new_token_ratio = min(INIT_NEW_TOKEN_RATIO * server_args.schedule_conservativeness, 1.0)
+        self.min_new_token_ratio = self.init_new_token_ratio * MIN_NEW_TOKEN_RATIO_FACTOR
+        self.new_token_ratio_decay = (self.init_new_token_ratio - self.min_new_token_ratio) / NEW_TOKEN_RATIO_DECAY_STEPS
+        self.new_token_ratio = self.init_new_token_ratio
+
+    # ---- the loop ----------------------------------------------------------------------------------
+    def step(self) -> bool:
+        """Run one scheduling step; returns whether there was any work."""
+        batch = self.get_next_batch()
+        if batch is not None:
+            self._checked_since_work = False
+            for req in batch.reqs:
+                req.num_inflight += 1
+            self.inflight.append(self.executor.launch(batch))
+        # With overlap, the batch just launched keeps running while the previous one is processed.
+        keep = 1 if self.overlap and batch is not None else 0
+        worked = bool(self.inflight)
+        while len(self.inflight) > keep:
+            self._process_result(self.inflight.popleft())
+        if self.is_idle():
+            self._on_idle()
+        return worked
+
+    def is_idle(self) -> bool:
+        return not (self.waiting or self.running or self.chunked_req or self.inflight)
+
+    def get_next_batch(self) -> Optional[ScheduleBatch]:
+        if self.chunked_req is not None:
+            # Its chunks so far go into the tree (locked), so other requests can share them.
+            req = self.chunked_req
+            self.cache.cache_unfinished_req(req, req.all_ids[: req.kv_len])
+        return self._schedule_prefill() or self._schedule_decode()
+
+    def take_outputs(self) -> list[Any]:
+        """Messages for the detokenizer produced since the last call, in order."""
+        self._flush_news()
+        outputs, self._outputs = self._outputs, []
+        return outputs
+
+    # ---- messages ----------------------------------------------------------------------------------
+    def handle_message(self, msg: Any) -> None:
+        if isinstance(msg, TokenizedGenerateReq):
+            self.add_request(msg)
+        elif isinstance(msg, AbortReq):
+            self.abort_request(msg.rid)
+        elif isinstance(msg, FlushCacheReq):
+            success, message = self.flush_cache()
+            self._reply(FlushCacheReqOutput(msg.rpc_id, success, message))
+        elif isinstance(msg, GetServerInfoReq):
+            self._reply(GetServerInfoReqOutput(msg.rpc_id, self.server_info()))
+        else:
+            logger.warning("scheduler ignores a message of type %s", type(msg).__name__)
+
+    def add_request(self, msg: TokenizedGenerateReq) -> None:
+        if msg.rid in self.reqs:
+            logger.error("request id %r is already in use; the new request is dropped", msg.rid)
+            return
+        req = Req.from_message(msg, next(self._arrivals))
+        self.reqs[req.rid] = req
+        error = check_request(req, self.runner, self.tokenizer)
+        if error is not None:
+            self._finish(req, {"type": "abort", "message": error})
+            return
+        self.waiting.append(req)
+
+    def abort_request(self, rid: str) -> None:
+        """Abort in any state; KV goes back through the same path as a finished request's."""
+        req = self.reqs.get(rid)
+        if req is None or req.finished:
+            return
+        if req in self.waiting:
+            self.waiting.remove(req)
+        if req is self.chunked_req:
+            self.chunked_req = None
+        self._finish(req, {"type": "abort", "message": "aborted by request"})
+
+    def flush_cache(self) -> tuple[bool, str]:
+        if self.waiting or self.running or self.chunked_req is not None:
+            return False, "cannot flush the cache while requests are running or queued"
+        self._resolve_inflight()
+        self.cache.reset()
+        self.check_invariants()
+        return True, ""
+
+    def server_info(self) -> dict[str, Any]:
+        total = self.allocator.size
+        free = self.allocator.available_size()
+        evictable = self.cache.evictable_size()
+        tree_stats = self.cache.stats()
+        namespaces = {"/".join(ns) if ns else "default": s for ns, s in tree_stats.pop("namespaces", {}).items()}
+        return {
+            **self.ready_info(),
+            **self.stats.as_dict(),
+            "memory": {"total_tokens": total, "free_tokens": free, "evictable_tokens": evictable,
+                       "protected_tokens": self.cache.protected_size()},
+            "cache": {"hit_rate": self.stats.cache_hit_rate, "matched_tokens": self.stats.cached_tokens,
+                      "queried_tokens": self.stats.queried_tokens, "tree": tree_stats, "namespaces": namespaces},
+            "num_running_reqs": len(self.running),
+            "num_queued_reqs": len(self.waiting) + (self.chunked_req is not None),
+            "token_usage": (total - free - evictable) / total,
+            "new_token_ratio": self.new_token_ratio,
+        }
+
+    def ready_info(self) -> dict[str, Any]:
+        runner, args = self.runner, self.args
+        return {
+            "max_total_num_tokens": self.allocator.size,
+            "max_running_requests": self.max_running,
+            "context_len": runner.context_len,
+            "vocab_size": runner.vocab_size,
+            "eos_token_ids": sorted(self.stop_checker.eos_token_ids),
+            "page_size": self.page_size,
+            "model_path": args.model_path or getattr(runner, "model_dir", None),
+            "device": str(runner.device),
+            "dtype": str(runner.dtype).replace("torch.", ""),
+            "attention_backend": args.resolved_attention_backend(),
+            "chunked_prefill_size": self.chunk_size,
+            "schedule_policy": args.schedule_policy,
+            "overlap_schedule": self.overlap,
+            "radix_cache": not args.disable_radix_cache,
+        }
+
+    # ---- prefill ----------------------------------------------------------------------------------
+    def _schedule_prefill(self) -> Optional[ScheduleBatch]:
+        if not self.waiting and self.chunked_req is None:
+            return None
+        adder = PrefillAdder(
+            memory_left=lambda: self.allocator.available_size() + self.cache.evictable_size(),
+            running_reserve=sum(min(r.remaining_new_tokens(), CLIP_MAX_NEW_TOKENS) for r in self.running)
+            * self.new_token_ratio,
+            new_token_ratio=self.new_token_ratio,
+            max_prefill_tokens=self.args.max_prefill_tokens,
+            chunk_size=self.chunk_size,
+            page_size=self.page_size,
+        )
+        entries: list[tuple[Req, int, int, torch.Tensor]] = []  # (request, prefix_len, extend_len, slots)
+        if self.chunked_req is not None:
+            req = self.chunked_req
+            if not self._extend(req, req.kv_len, adder, entries):
+                return None
+        for req in self.policy.order(self.waiting):
+            if adder.stopped or len(self.running) + len(entries) >= self.max_running:
+                break
+            if self.req_to_token_pool.available_size() == 0 or not self._admit(req, adder, entries):
+                break
+        if not entries:
+            return None
+
+        admitted = {id(entry[0]) for entry in entries}
+        self.waiting = [req for req in self.waiting if id(req) not in admitted]
+        self.chunked_req = None
+        decodes, decode_slots = self._mixed_decodes() if self.args.enable_mixed_chunk else ([], None)
+        for req, *_ in entries:
+            if req.kv_len < req.fill_len():
+                self.chunked_req = req
+            else:
+                self.running.append(req)
+        mode = ForwardMode.MIXED if decodes else ForwardMode.EXTEND
+        return self._make_batch(mode, entries, decodes, decode_slots)
+
+    def _admit(self, req: Req, adder: PrefillAdder, entries: list) -> bool:
+        """Match `req`'s cached prefix, lock it, take a row and slots for its first (or only) chunk."""
+        fill_len = req.fill_len()
+        # Keep at least one token to compute, so the batch yields the logits of the next token.
+        match = self.cache.match_prefix(req.all_ids[: fill_len - 1], req.namespace)
+        self.cache.inc_lock_ref(match.last_node)
+        row = self.req_to_token_pool.alloc()
+        req.req_pool_idx, req.prefix_indices, req.last_node = row, match.indices, match.last_node
+        req.kv_len, req.kv_released = match.length, False
+        if match.length:
+            table = self.req_to_token_pool.req_to_token
+            table[row, : match.length] = match.indices.to(table.device, table.dtype)
+        if not self._extend(req, match.length, adder, entries):
+            self.cache.dec_lock_ref(match.last_node)
+            self.req_to_token_pool.free(row)
+            req.reset_kv_state()
+            return False
+        if req.num_cached_tokens is None:
+            req.num_cached_tokens = match.length
+            self.stats.on_admitted(req.prompt_len, match.length)
+        return True
+
+    def _extend(self, req: Req, prefix_len: int, adder: PrefillAdder, entries: list) -> bool:
+        """Plan and allocate the next extend of a request that holds a row; False when it does not fit."""
+        fill_len = req.fill_len()
+        extend_len = adder.plan(req, prefix_len, fill_len)
+        if extend_len == 0:
+            return False
+        slots = allocate_slots(self.allocator, self.cache, self.req_to_token_pool, [req.req_pool_idx],
+                               [prefix_len], [extend_len])
+        if slots is None:
+            adder.stopped = True
+            return False
+        adder.commit(req, extend_len, fill_len, prefix_len)
+        req.kv_len = prefix_len + extend_len
+        entries.append((req, prefix_len, extend_len, slots))
+        return True
+
+    def _mixed_decodes(self) -> tuple[list[Req], Optional[torch.Tensor]]:
+        """Running requests that decode inside this extend batch (and their slots), if all of them fit."""
+        reqs = [r for r in self.running
+                if r.needs_more_tokens() and not (self.inflight and needs_exact_history(r))]
+        slots = self._allocate_decode(reqs) if reqs else None
+        return (reqs, slots) if slots is not None else ([], None)
+
+    # ---- decode -----------------------------------------------------------------------------------
+    def _schedule_decode(self) -> Optional[ScheduleBatch]:
+        reqs = [r for r in self.running if r.needs_more_tokens()]
+        if reqs and self.inflight and any(needs_exact_history(r) for r in reqs):
+            self._resolve_inflight()
+            reqs = [r for r in self.running if r.needs_more_tokens()]
+        slots = None
+        while reqs and (slots := self._allocate_decode(reqs)) is None:
+            if self.inflight:
+                # Finishing requests of the batch in flight may free enough; retract only if not.
+                self._resolve_inflight()
+                reqs = [r for r in self.running if r.needs_more_tokens()]
+                continue
+            victim = max(reqs, key=lambda r: (r.remaining_new_tokens(), r.kv_len))
+            reqs.remove(victim)
+            self._retract(victim)
+        if not reqs:
+            return None
+        self._decay_new_token_ratio()
+        return self._make_batch(ForwardMode.DECODE, [], reqs, slots)
+
+    def _allocate_decode(self, reqs: list[Req]) -> Optional[torch.Tensor]:
+        """One slot for each request's next token (evicting if needed), raising their kv_len; None if short."""
+        slots = allocate_slots(self.allocator, self.cache, self.req_to_token_pool,
+                               [r.req_pool_idx for r in reqs], [r.kv_len for r in reqs], [1] * len(reqs))
+        if slots is not None:
+            for req in reqs:
+                req.kv_len += 1
+        return slots
+
+    def _retract(self, req: Req) -> None:
+        """Send a running request back to the queue; its KV goes to the tree, its outputs are kept."""
+        self.running.remove(req)
+        self._release_kv(req)
+        req.num_retractions += 1
+        self.stats.num_retractions += 1
+        self.waiting.insert(0, req)
+        self.new_token_ratio = self.init_new_token_ratio
+        logger.info("retracted request %s (%d outputs so far) to free KV memory", req.rid, len(req.output_ids))
+
+    def _decay_new_token_ratio(self) -> None:
+        self.new_token_ratio = max(self.new_token_ratio - self.new_token_ratio_decay, self.min_new_token_ratio)
+
+    # ---- batches and results ----------------------------------------------------------------------
+    def _make_batch(
+        self, mode: ForwardMode, extends: list, decodes: list[Req], decode_slots: Optional[torch.Tensor]
+    ) -> ScheduleBatch:
+        """`extends`: (request, prefix_len, extend_len, slots) with kv_len already raised; `decodes`: requests
+        whose next token (already given a slot in `decode_slots`) is read from the token table."""
+        reqs, prefix_lens, extend_lens, input_ids, samples, slot_parts = [], [], [], [], [], []
+        for req, prefix_len, extend_len, slots in extends:
+            reqs.append(req)
+            prefix_lens.append(prefix_len)
+            extend_lens.append(extend_len)
+            input_ids.extend(req.all_ids[prefix_len: prefix_len + extend_len])
+            samples.append(req.kv_len == req.fill_len())
+            slot_parts.append(slots)
+        table_entries = list(range(len(reqs), len(reqs) + len(decodes)))
+        for req in decodes:
+            reqs.append(req)
+            prefix_lens.append(req.kv_len - 1)
+            extend_lens.append(1)
+            input_ids.append(0)
+            samples.append(True)
+        if decodes:
+            slot_parts.append(decode_slots)
+        rows = [req.req_pool_idx for req in reqs]
+        sampling_reqs = [r for r, s in zip(reqs, samples) if s]
+        self.stats.prefill_tokens_computed += sum(entry[2] for entry in extends)
+        self.stats.partial_chunks += samples.count(False)
+        if mode == ForwardMode.EXTEND:
+            self.stats.extend_batches += 1
+        elif mode == ForwardMode.MIXED:
+            self.stats.mixed_batches += 1
+        return ScheduleBatch(
+            mode=mode, reqs=reqs, rows=rows, prefix_lens=prefix_lens, extend_lens=extend_lens, input_ids=input_ids,
+            table_entries=table_entries, out_cache_loc=torch.cat(slot_parts), samples_output=samples,
+            sampling_info=build_sampling_info(reqs, samples, self.stop_checker, self.runner.vocab_size,
+                                              self.executor.device),
+            return_logprob=any(r.return_logprob for r in sampling_reqs),
+            top_logprobs_num=max((r.top_logprobs_num for r in sampling_reqs), default=0),
+        )
+
+    def _process_result(self, launched: LaunchedBatch) -> None:
+        batch, result = launched.batch, launched.result()
+        for i, req in enumerate(batch.reqs):
+            req.num_inflight -= 1
+            if req.finished:
+                self._maybe_release(req)
+                continue
+            if not batch.samples_output[i]:
+                continue  # an unfinished chunk: its sample is not an output
+            if req.max_new_tokens == 0:
+                self._finish(req, {"type": "length", "length": 0})
+                continue
+            logprob = result.logprobs[i] if result.logprobs is not None else None
+            top = result.top_logprobs[i] if result.top_logprobs is not None else None
+            req.append_token(result.next_token_ids[i], logprob, top)
+            self.stats.on_tokens(1)
+            reason = self.stop_checker.check(req)
+            if reason is not None:
+                self._finish(req, reason)
+            elif has_news(req):
+                self._news[req.rid] = req
+        if batch.mode == ForwardMode.DECODE:
+            self.stats.decode_steps += 1
+            interval = self.args.decode_log_interval
+            if interval > 0 and self.stats.decode_steps % interval == 0:
+                self._log_decode()
+
+    def _resolve_inflight(self) -> None:
+        self.stats.forced_syncs += bool(self.inflight)
+        while self.inflight:
+            self._process_result(self.inflight.popleft())
+
+    # ---- finishing and releasing ------------------------------------------------------------------
+    def _finish(self, req: Req, reason: dict[str, Any]) -> None:
+        req.finish(reason)
+        if req in self.running:
+            self.running.remove(req)
+        self.stats.num_finished += 1
+        self.stats.num_aborted += reason["type"] == "abort"
+        self._news[req.rid] = req
+        self._maybe_release(req)
+
+    def _maybe_release(self, req: Req) -> None:
+        """Release a finished request once no launched batch that includes it is left unprocessed."""
+        if req.finished and req.num_inflight == 0 and self.reqs.get(req.rid) is req:
+            self._release_kv(req)
+            del self.reqs[req.rid]
+
+    def _release_kv(self, req: Req) -> None:
+        """The one place a request's KV and row are handed back: KV to the cache, row to the pool."""
+        if req.req_pool_idx is not None:
+            assert req.kv_len <= req.fill_len(), f"{req!r} has KV for tokens it does not know"
+            self.cache.cache_finished_req(req, req.all_ids[: req.kv_len])
+            self.req_to_token_pool.free(req.req_pool_idx)
+        req.reset_kv_state()
+
+    # ---- checks, outputs, logs ----------------------------------------------------------------------
+    def check_invariants(self) -> None:
+        """Slot accounting (`total == free + evictable + protected + held`), locks and rows; raises
+        AssertionError on any violation. When idle, nothing may be held or protected."""
+        held = rows_in_use = 0
+        for req in self.reqs.values():
+            if req.req_pool_idx is not None:
+                rows_in_use += 1
+                held += -(-req.held_kv_len() // self.page_size) * self.page_size
+        self.cache.check_invariants(held)
+        pool = self.req_to_token_pool
+        assert pool.available_size() == pool.size - rows_in_use, (
+            f"request rows: {pool.size - pool.available_size()} taken, {rows_in_use} held by requests")
+        if self.is_idle():
+            assert not self.reqs, f"idle scheduler still tracks requests {list(self.reqs)}"
+            assert self.cache.protected_size() == 0, "idle scheduler with locked cache nodes"
+            total, free = self.allocator.size, self.allocator.available_size()
+            assert free + self.cache.evictable_size() == total, "idle scheduler leaked KV slots"
+
+    def _on_idle(self) -> None:
+        self.new_token_ratio = self.init_new_token_ratio
+        if self.args.check_invariants_when_idle and not self._checked_since_work:
+            self.check_invariants()
+        self._checked_since_work = True
+
+    def _reply(self, message: Any) -> None:
+        self._flush_news()  # keep token outputs ahead of the replies that follow them
+        self._outputs.append(message)
+
+    def _flush_news(self) -> None:
+        if self._news:
+            out = build_batch_token_out(self._news.values())
+            self._news = {}
+            if out is not None:
+                self._outputs.append(out)
+
+    def _log_decode(self) -> None:
+        total = self.allocator.size
+        used = total - self.allocator.available_size() - self.cache.evictable_size()
+        logger.info(decode_log_line(len(self.running), len(self.waiting), used, total,
+                                    self.stats.cache_hit_rate, self.stats.close_window()))
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

@@ -1,0 +1,70 @@
+"""What the scheduler builds once at start-up, and the checks a request passes before it is queued."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+from radixserve.model_runner.sampling_info import SamplingBatchInfo
+from radixserve.runtime.server_args import ServerArgs
+from radixserve.scheduler.req import Req
+
+logger = logging.getLogger(__name__)
+
+
+def make_cache(server_args: ServerArgs, req_to_token_pool: Any, allocator: Any) -> Any:
+    """The radix cache, or the never-sharing cache under `disable_radix_cache`."""
+    if server_args.disable_radix_cache:
+        from radixserve.radix_cache.no_share import NoShareCache
+
+        return NoShareCache(req_to_token_pool, allocator, allocator.page_size)
+    from radixserve.radix_cache.tree import RadixCache
+
+    return RadixCache(req_to_token_pool, allocator, allocator.page_size, server_args.radix_eviction_policy)
+
+
+def try_load_tokenizer(runner: Any) -> Optional[Any]:
+    """The model's tokenizer (needed for stop strings), or None when the model directory has none."""
+    from radixserve.model_runner.loader import load_tokenizer
+
+    path = runner.server_args.tokenizer_path or runner.model_dir
+    try:
+        return load_tokenizer(path)
+    except Exception as exc:  # a model without tokenizer files still serves token-id requests
+        logger.warning("no tokenizer in %s (%s); requests with stop strings will be rejected",
+                       path, type(exc).__name__)
+        return None
+
+
+def check_request(req: Req, runner: Any, tokenizer: Any) -> Optional[str]:
+    """Why `req` cannot be served, or None. The TokenizerManager validates first; this is the last line."""
+    params = req.sampling_params
+    prompt_len = req.prompt_len
+    if prompt_len == 0:
+        return "the prompt is empty"
+    if params.max_new_tokens < 0:
+        return f"max_new_tokens must be >= 0, got {params.max_new_tokens}"
+    if prompt_len + params.max_new_tokens > runner.context_len:
+        return (f"the prompt ({prompt_len} tokens) plus max_new_tokens ({params.max_new_tokens}) exceeds the "
+                f"context length ({runner.context_len})")
+    page_size = runner.allocator.page_size
+    needed = -(-(prompt_len + params.max_new_tokens) // page_size) * page_size
+    if needed > runner.allocator.size:
+        return (f"the prompt plus max_new_tokens needs {needed} KV slots, more than the whole KV pool "
+                f"({runner.allocator.size})")
+    vocab = runner.vocab_size
+    if min(req.origin_input_ids) < 0 or max(req.origin_input_ids) >= vocab:
+        return f"the prompt holds a token id outside [0, {vocab})"
+    if any(not 0 <= t < vocab for t in params.stop_token_ids):
+        return f"stop_token_ids hold a token id outside [0, {vocab})"
+    if params.stop and tokenizer is None:
+        return "stop strings need a tokenizer, and this model has none"
+    if req.top_logprobs_num < 0:
+        return f"top_logprobs_num must be >= 0, got {req.top_logprobs_num}"
+    if params.json_schema is not None or params.regex is not None or params.ebnf is not None:
+        return "structured output (json_schema / regex / ebnf) is not supported yet"
+    try:
+        SamplingBatchInfo.build([params], [[]], vocab, "cpu", prompt_ids=[req.origin_input_ids])
+    except ValueError as exc:
+        return f"invalid sampling parameters: {exc}"
+    return None

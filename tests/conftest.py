@@ -1,0 +1,119 @@
+"""Shared pytest fixtures.
+
+`default_model_dir` (session): the Hugging Face directory of the embedded default model (SmolLM2-135M-Instruct
+    GGUF, converted to float32 safetensors + tokenizer files). The conversion is cached in a stable folder,
+    `$RADIXSERVE_CACHE_DIR` if set, else ~/.cache/radixserve, so it happens once per machine, not once per run.
+
+`tiny_model_dir` (session): a factory `tiny_model_dir(arch, *, seed=0, with_tokenizer=False, **config_overrides)
+    -> str` that saves a small random-weight Hugging Face model (config.json + model.safetensors, float32) with
+    transformers' own classes and returns its directory. Same arguments -> same directory (built once per
+    session). `arch` is "llama", "mistral", "qwen2" or "qwen3" (or the architecture class name).
+    Defaults: hidden 64, 2 layers, 4 query heads, 2 KV heads, head_dim 16, intermediate 128, vocab 512,
+    rope_theta 50000 (not a library default, so a loader reading the wrong key fails), no EOS token (so
+    generation runs to max_new_tokens); Qwen2 ties its embeddings, the others do not. Weights are drawn
+    with a larger spread than transformers' init (matrices and biases ~ N(0, 0.2), norm scales ~ 1 + N(0, 0.1))
+    so attention is peaked and logits well separated: position or RoPE mistakes change greedy tokens.
+    `with_tokenizer=True` copies the default model's tokenizer files in and sets vocab_size to match, for
+    tests that need text and chat templates. Any transformers config field can be overridden, e.g.
+    `tiny_model_dir("llama", rope_scaling={"rope_type": "llama3", "factor": 8.0, ...})`.
+
+`cache_dir` (session): the GGUF conversion cache folder used by `default_model_dir`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+
+from radixserve.model_runner.loader import default_cache_dir, resolve_model
+
+TINY_ARCHITECTURES = {
+    "llama": "LlamaConfig",
+    "mistral": "MistralConfig",
+    "qwen2": "Qwen2Config",
+    "qwen3": "Qwen3Config",
+}
+_CLASS_NAME_TO_ARCH = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
+
+
+def _tiny_config_kwargs(arch: str) -> dict:
+    return {
+        "vocab_size": 512,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "max_position_embeddings": 512,
+        "rope_theta": 50000.0,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": arch == "qwen2",
+        "bos_token_id": None,
+        "eos_token_id": None,
+        "pad_token_id": None,
+    }
+
+
+def build_tiny_model(out_dir: str, arch: str, seed: int = 0, tokenizer_dir: str | None = None, **overrides) -> str:
+    """Save a seeded random-weight `arch` model to `out_dir` (see the module docstring); return out_dir."""
+    import torch
+    import transformers
+
+    arch = _CLASS_NAME_TO_ARCH.get(arch, arch)
+    if arch not in TINY_ARCHITECTURES:
+        raise ValueError(f"unknown tiny architecture {arch!r}; choose from {sorted(TINY_ARCHITECTURES)}")
+    kwargs = _tiny_config_kwargs(arch)
+    if tokenizer_dir is not None:
+        kwargs["vocab_size"] = len(transformers.AutoTokenizer.from_pretrained(tokenizer_dir))
+    kwargs.update(overrides)
+    config = getattr(transformers, TINY_ARCHITECTURES[arch])(**kwargs)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.copy_(1.0 + 0.1 * torch.randn_like(param))
+                else:
+                    param.normal_(0.0, 0.2)
+    model.save_pretrained(out_dir)
+    if tokenizer_dir is not None:
+        for name in TOKENIZER_FILES:
+            if os.path.isfile(os.path.join(tokenizer_dir, name)):
+                shutil.copy(os.path.join(tokenizer_dir, name), out_dir)
+    return out_dir
+
+
+@pytest.fixture(scope="session")
+def cache_dir() -> str:
+    return os.environ.get("RADIXSERVE_CACHE_DIR") or default_cache_dir()
+
+
+@pytest.fixture(scope="session")
+def default_model_dir(cache_dir: str) -> str:
+    return resolve_model(None, cache_dir=cache_dir).model_dir
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, request):
+    built: dict[str, str] = {}
+
+    def make(arch: str, *, seed: int = 0, with_tokenizer: bool = False, **overrides) -> str:
+        key = json.dumps([arch, seed, with_tokenizer, overrides], sort_keys=True)
+        if key not in built:
+            tokenizer_dir = request.getfixturevalue("default_model_dir") if with_tokenizer else None
+            out_dir = str(tmp_path_factory.mktemp(f"tiny-{_CLASS_NAME_TO_ARCH.get(arch, arch)}"))
+            built[key] = build_tiny_model(out_dir, arch, seed=seed, tokenizer_dir=tokenizer_dir, **overrides)
+        return built[key]
+
+    return make

@@ -1,0 +1,138 @@
+"""Drive a real Scheduler in-process (no processes, no ZMQ) for the scheduler tests.
+
+`SchedulerDriver` feeds messages, steps the scheduler, checks the invariants after every step, and folds the
+BatchTokenOut messages into per-request results while asserting the output contract: a request's tokens
+arrive in order, and its finish reason arrives exactly once, in its last message.
+
+Model runners are shared between drivers (`shared_runner`) because loading is the slow part; a driver flushes
+its scheduler's cache on `close()`, handing every KV slot back, so the next scheduler starts clean. Only one
+open driver may use a runner at a time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from radixserve.model_runner.model_runner import ModelRunner
+from radixserve.runtime.messages import (
+    AbortReq, BatchTokenOut, FlushCacheReq, FlushCacheReqOutput, GetServerInfoReq, GetServerInfoReqOutput,
+    SamplingParams, TokenizedGenerateReq,
+)
+from radixserve.runtime.server_args import ServerArgs
+from radixserve.scheduler.scheduler import Scheduler
+
+_RUNNERS: dict[tuple, ModelRunner] = {}
+# Server arguments that shape the runner (memory, pages); everything else only affects the scheduler.
+RUNNER_ARGS = ("page_size", "max_total_tokens", "max_running_requests", "context_length")
+
+
+def shared_runner(model_dir: str, **runner_args: Any) -> ModelRunner:
+    """A runner whose pools are all free; a new one if the cached one was left dirty (by a failed test)."""
+    key = (model_dir, tuple(sorted(runner_args.items())))
+    runner = _RUNNERS.get(key)
+    clean = runner is not None and runner.allocator.available_size() == runner.allocator.size and (
+        runner.req_to_token_pool.available_size() == runner.req_to_token_pool.size)
+    if not clean:
+        runner = _RUNNERS[key] = ModelRunner(ServerArgs(model_path=model_dir, device="cpu", **runner_args))
+    return runner
+
+
+@dataclass
+class Result:
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: Optional[dict] = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    num_messages: int = 0
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list] = field(default_factory=list)
+
+
+class SchedulerDriver:
+    def __init__(self, model_dir: str, check_every_step: bool = True, tokenizer: Any = None, **server_args: Any):
+        runner_args = {k: server_args[k] for k in RUNNER_ARGS if k in server_args}
+        self.runner = shared_runner(model_dir, **runner_args)
+        self.args = ServerArgs(model_path=model_dir, device="cpu", **server_args)
+        self.scheduler = Scheduler(self.args, self.runner, tokenizer=tokenizer)
+        self.check_every_step = check_every_step
+        self.results: dict[str, Result] = {}
+        self.replies: list[Any] = []
+        self.num_steps = 0
+
+    # ---- input -------------------------------------------------------------------------------------
+    def submit(self, rid: str, input_ids: list[int], namespace: tuple = (), return_logprob: bool = False,
+               top_logprobs_num: int = 0, stream: bool = True, **sampling: Any) -> None:
+        sampling.setdefault("temperature", 0.0)
+        self.results[rid] = Result()
+        self.scheduler.handle_message(TokenizedGenerateReq(
+            rid=rid, input_ids=list(input_ids), sampling_params=SamplingParams(**sampling), namespace=namespace,
+            return_logprob=return_logprob, top_logprobs_num=top_logprobs_num, stream=stream,
+        ))
+        self._collect()
+
+    def abort(self, rid: str) -> None:
+        self.scheduler.handle_message(AbortReq(rid))
+        self._collect()
+
+    def flush_cache(self) -> FlushCacheReqOutput:
+        self.scheduler.handle_message(FlushCacheReq(rpc_id="flush"))
+        self._collect()
+        return self.replies.pop()
+
+    def server_info(self) -> dict:
+        self.scheduler.handle_message(GetServerInfoReq(rpc_id="info"))
+        self._collect()
+        reply = self.replies.pop()
+        assert isinstance(reply, GetServerInfoReqOutput)
+        return reply.info
+
+    # ---- stepping ----------------------------------------------------------------------------------
+    def step(self) -> None:
+        self.scheduler.step()
+        self.num_steps += 1
+        if self.check_every_step:
+            self.scheduler.check_invariants()
+        self._collect()
+
+    def run_until_idle(self, max_steps: int = 5000) -> dict[str, Result]:
+        for _ in range(max_steps):
+            if self.scheduler.is_idle():
+                break
+            self.step()
+        assert self.scheduler.is_idle(), "scheduler did not go idle"
+        self.scheduler.check_invariants()
+        return self.results
+
+    def outputs(self) -> list[list[int]]:
+        return [r.output_ids for r in self.results.values()]
+
+    def close(self) -> None:
+        """Flush the cache so the shared runner's pools are all free for the next test."""
+        assert self.scheduler.is_idle()
+        reply = self.flush_cache()
+        assert reply.success, reply.message
+        allocator = self.runner.allocator
+        assert allocator.available_size() == allocator.size
+        self.scheduler.shutdown()
+
+    # ---- output contract ---------------------------------------------------------------------------
+    def _collect(self) -> None:
+        for message in self.scheduler.take_outputs():
+            if not isinstance(message, BatchTokenOut):
+                self.replies.append(message)
+                continue
+            for i, rid in enumerate(message.rids):
+                result = self.results[rid]
+                assert result.finish_reason is None, f"{rid} got a message after it finished"
+                result.num_messages += 1
+                result.output_ids.extend(message.new_token_ids[i])
+                result.finish_reason = message.finish_reasons[i]
+                result.prompt_tokens = message.prompt_tokens[i]
+                result.completion_tokens = message.completion_tokens[i]
+                result.cached_tokens = message.cached_tokens[i]
+                assert result.completion_tokens == len(result.output_ids)
+                if message.output_token_logprobs:
+                    result.logprobs.extend(message.output_token_logprobs[i])
+                    result.top_logprobs.extend(message.output_top_logprobs[i])

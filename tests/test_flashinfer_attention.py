@@ -1,0 +1,63 @@
+"""The FlashInfer attention backend (GPU only) against a float64 reference and torch_native, in bfloat16.
+
+Skips without a CUDA device or without the `flashinfer` package. The first run on a machine JIT-compiles
+FlashInfer's kernels (tens of seconds per head_dim / dtype); `benchmarks/gpu_check.py` covers the same
+ground with larger random batches and prints a table.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+pytest.importorskip("flashinfer")
+
+from attention_cases import kv_written, make_case, reference_attention, run_backend  # noqa: E402
+from radixserve.model_runner.attention.flashinfer_backend import FlashInferAttentionBackend  # noqa: E402
+from radixserve.model_runner.attention.torch_native import TorchNativeAttention  # noqa: E402
+from radixserve.model_runner.forward_batch import ForwardMode  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+HEAD_DIM = 128  # one JIT compile per head_dim and dtype: keep to one
+BF16_ATOL = 2e-2
+
+BATCHES = {
+    ForwardMode.EXTEND: ([0, 37, 64, 300, 5], [100, 1, 17, 60, 250]),
+    ForwardMode.DECODE: ([0, 15, 16, 700, 63, 2], [1, 1, 1, 1, 1, 1]),
+    ForwardMode.MIXED: ([40, 0, 129], [1, 33, 1]),
+}
+
+
+def _case(mode, page_size, num_heads, num_kv_heads, seed=0):
+    return make_case(mode, *BATCHES[mode], num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=HEAD_DIM,
+                     page_size=page_size, dtype=torch.bfloat16, device="cuda", seed=seed)
+
+
+@pytest.mark.parametrize("mode", list(BATCHES))
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(32, 8), (8, 8)])
+def test_matches_reference_and_torch_native(mode, page_size, num_heads, num_kv_heads):
+    backend = FlashInferAttentionBackend(num_heads, num_kv_heads, HEAD_DIM, torch.bfloat16, "cuda",
+                                         page_size=page_size)
+    case = _case(mode, page_size, num_heads, num_kv_heads)
+    out = run_backend(backend, case)
+    assert out.shape == case.q.shape and out.dtype == torch.bfloat16
+    assert kv_written(case)
+    reference = reference_attention(case, device="cuda")
+    error = (out.double() - reference).abs().max().item()
+    assert error < BF16_ATOL, f"max abs error vs float64 reference: {error}"
+    native = run_backend(TorchNativeAttention(), _case(mode, page_size, num_heads, num_kv_heads))
+    torch.testing.assert_close(out, native, atol=BF16_ATOL, rtol=2e-2)
+
+
+@pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.DECODE])
+def test_layer_scaling_other_than_planned(mode):
+    backend = FlashInferAttentionBackend(8, 2, HEAD_DIM, torch.bfloat16, "cuda", page_size=1)
+    case = _case(mode, 1, 8, 2, seed=3)
+    case.scaling = 0.05
+    out = run_backend(backend, case)
+    error = (out.double() - reference_attention(case, device="cuda")).abs().max().item()
+    assert error < BF16_ATOL, f"max abs error vs float64 reference: {error}"

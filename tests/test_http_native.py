@@ -1,0 +1,123 @@
+"""The native routes over a real server: /generate (single, batch, SSE), the RPC routes and metrics."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import httpx
+import pytest
+
+from http_fixtures import shared_server
+
+pytestmark = pytest.mark.timeout(300)
+PROMPT = "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def server():
+    return shared_server()
+
+
+def _post(server, path: str, body) -> httpx.Response:
+    return httpx.post(server.url + path, json=body, headers=server.headers(), timeout=120.0)
+
+
+def test_generate_single_batch_and_stream_agree(server):
+    params = {"max_new_tokens": 8, "temperature": 0}
+    single = _post(server, "/generate", {"text": PROMPT, "sampling_params": params}).json()
+    assert single["text"] and len(single["output_ids"]) == single["meta_info"]["completion_tokens"]
+    assert single["meta_info"]["finish_reason"]["type"] in ("length", "stop")
+
+    batch = _post(server, "/generate", {"text": [PROMPT, "Hello"], "sampling_params": params}).json()
+    assert isinstance(batch, list) and batch[0]["text"] == single["text"]
+    by_ids = _post(server, "/generate", {"input_ids": [single["output_ids"], single["output_ids"][:3]],
+                                         "sampling_params": [params, params]}).json()
+    assert len(by_ids) == 2 and by_ids[0]["meta_info"]["prompt_tokens"] == len(single["output_ids"])
+
+    with httpx.stream("POST", server.url + "/generate", headers=server.headers(), timeout=120.0,
+                      json={"text": PROMPT, "sampling_params": params, "stream": True}) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert "".join(c["text"] for c in chunks) == single["text"]
+    assert [c["meta_info"]["finish_reason"] is not None for c in chunks].count(True) == 1
+
+
+def test_generate_logprobs_and_n(server):
+    result = _post(server, "/generate", {"text": PROMPT, "return_logprob": True, "top_logprobs_num": 2,
+                                         "sampling_params": {"max_new_tokens": 4, "temperature": 0}}).json()
+    meta = result["meta_info"]
+    assert [entry[1] for entry in meta["output_token_logprobs"]] == result["output_ids"]
+    assert all(len(top) == 2 for top in meta["output_top_logprobs"])
+    samples = _post(server, "/generate", {"text": PROMPT, "sampling_params": {"max_new_tokens": 4, "n": 2,
+                                                                               "seed": 3}}).json()
+    assert isinstance(samples, list) and len(samples) == 2
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"sampling_params": {"max_new_tokens": 2}}, None),
+    ({"text": "a", "input_ids": [1]}, None),
+    ({"text": "a", "sampling_params": {"temperature": -1}}, "sampling_params.temperature"),
+    ({"text": "a", "sampling_params": {"unknown": 1}}, "sampling_params.unknown"),
+    ({"text": "a", "tenant": "beta"}, "tenant"),
+    ({"input_ids": [10**9]}, "input_ids"),
+    ({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 10**9}}, "input_ids"),
+    ({"text": ["a", "b"], "rid": "same"}, None),
+    ({"text": ["a", "b"], "rid": ["same", "same"]}, "rid"),
+])
+def test_generate_rejects_bad_requests_with_400(server, body, param):
+    response = _post(server, "/generate", body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["message"]
+    if param is not None:
+        assert error["param"] == param
+
+
+def test_context_length_error_code_for_text_prompts(server):
+    response = _post(server, "/generate", {"text": "word " * 12000, "sampling_params": {"max_new_tokens": 1}})
+    assert response.status_code == 400 and response.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_rpc_routes(server):
+    model_info = httpx.get(server.url + "/get_model_info", headers=server.headers()).json()
+    assert model_info["served_model_name"] == "SmolLM2-135M-Instruct" and model_info["context_length"] > 0
+    info = server.wait_idle()
+    for key in ("memory", "cache", "num_running_reqs", "num_queued_reqs", "token_usage", "max_total_num_tokens"):
+        assert key in info
+    assert httpx.get(server.url + "/health_generate", headers=server.headers(), timeout=60.0).status_code == 200
+    assert _post(server, "/flush_cache", {}).status_code == 200
+    prompt = "Flushed caches forget " * 20
+    _post(server, "/generate", {"text": prompt, "sampling_params": {"max_new_tokens": 1}})
+    again = _post(server, "/generate", {"text": prompt, "sampling_params": {"max_new_tokens": 1}}).json()
+    assert again["meta_info"]["cached_tokens"] > 0
+    server.wait_idle()
+    assert _post(server, "/flush_cache", {}).status_code == 200
+    after = _post(server, "/generate", {"text": prompt, "sampling_params": {"max_new_tokens": 1}}).json()
+    assert after["meta_info"]["cached_tokens"] == 0
+    assert _post(server, "/abort_request", {"rid": "not-running"}).status_code == 404
+
+
+def _metric(text: str, name: str) -> float:
+    match = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.MULTILINE)
+    assert match, name
+    return float(match.group(1))
+
+
+def test_metrics_count_requests(server):
+    before = httpx.get(server.url + "/metrics").text
+    result = _post(server, "/generate", {"text": PROMPT, "sampling_params": {"max_new_tokens": 3, "temperature": 0,
+                                                                              "ignore_eos": True}}).json()
+    after = httpx.get(server.url + "/metrics").text
+    for name, delta in (("radixserve_generation_tokens_total", 3),
+                        ("radixserve_prompt_tokens_total", result["meta_info"]["prompt_tokens"]),
+                        ("radixserve_time_to_first_token_seconds_count", 1),
+                        ("radixserve_e2e_request_latency_seconds_count", 1)):
+        assert _metric(after, name) - _metric(before, name) == delta, name
+    assert _metric(after, "radixserve_inter_token_latency_seconds_count") > _metric(
+        before, "radixserve_inter_token_latency_seconds_count")
+    for gauge in ("radixserve_num_running_reqs", "radixserve_num_queued_reqs", "radixserve_token_usage",
+                  "radixserve_cache_hit_rate"):
+        _metric(after, gauge)

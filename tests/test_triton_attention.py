@@ -1,0 +1,186 @@
+"""The Triton attention backend and the paged-KV index kernel against a float64 reference and torch_native.
+
+Without a GPU the kernels run under the Triton interpreter. Triton decides interpreter-or-compiler when a
+`@triton.jit` function is defined, and its own standard library (`tl.zeros`, `tl.max`, ...) is defined when
+`triton` is first imported, so `TRITON_INTERPRET=1` must be in the environment before the first
+`import triton` of the process. This module sets it (CPU only) before importing anything that imports
+triton, which works whenever it is the first to do so (alone, or in a suite whose earlier modules never
+touch triton). If triton was already imported without it, the in-process tests skip and
+`test_in_interpreter_subprocess` reruns this file in a child process with the variable set, so the
+kernels are tested either way. On a GPU the kernels are compiled and everything runs in-process.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import torch
+
+ON_GPU = torch.cuda.is_available()
+if not ON_GPU and "triton" not in sys.modules:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+from attention_cases import kv_written, make_case, reference_attention, run_backend  # noqa: E402
+from radixserve.kernels import kv_indices, triton_attention  # noqa: E402
+from radixserve.model_runner.attention.torch_native import TorchNativeAttention  # noqa: E402
+from radixserve.model_runner.attention.triton_backend import TritonAttentionBackend  # noqa: E402
+from radixserve.model_runner.forward_batch import ForwardMode  # noqa: E402
+
+
+def _interpreted(fn) -> bool:
+    return isinstance(fn, InterpretedFunction)
+
+
+RUNS_HERE = ON_GPU or all(
+    _interpreted(fn)
+    for fn in (tl.zeros, triton_attention._extend_kernel, triton_attention._decode_split_kernel,
+               kv_indices._build_kv_indices_kernel)
+)
+DEVICE = "cuda" if ON_GPU else "cpu"
+needs_kernels = pytest.mark.skipif(
+    not RUNS_HERE, reason="triton was imported before TRITON_INTERPRET=1 was set; the subprocess test runs these"
+)
+TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-2, torch.bfloat16: 4e-2}
+
+# (prefix_lens, extend_lens): empty prefixes, prefixes ending mid-page and on a page boundary, 1-token and
+# long extends, a request longer than one kernel block.
+EXTEND_BATCH = ([0, 7, 20, 16], [5, 19, 3, 1])
+DECODE_BATCH = ([0, 13, 40, 3], [1, 1, 1, 1])
+MIXED_BATCH = ([9, 0, 31], [1, 6, 1])
+
+
+def _backend(num_heads: int, num_kv_heads: int, head_dim: int, max_kv_splits: int = 4) -> TritonAttentionBackend:
+    return TritonAttentionBackend(num_heads, num_kv_heads, head_dim, DEVICE, max_batch_size=8,
+                                  max_kv_splits=max_kv_splits)
+
+
+def _check_case(mode, lens, *, num_heads, num_kv_heads, head_dim, page_size, dtype=torch.float32, seed=0):
+    case = make_case(mode, *lens, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                     page_size=page_size, dtype=dtype, device=DEVICE, seed=seed)
+    out = run_backend(_backend(num_heads, num_kv_heads, head_dim), case)
+    assert out.shape == case.q.shape and out.dtype == dtype
+    assert kv_written(case)
+    error = (out.double().cpu() - reference_attention(case)).abs().max().item()
+    assert error < TOLERANCE[dtype], f"max abs error {error}"
+
+
+@needs_kernels
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(4, 2, 16), (6, 2, 24), (2, 2, 32)])
+def test_extend_with_cached_prefixes(page_size, num_heads, num_kv_heads, head_dim):
+    _check_case(ForwardMode.EXTEND, EXTEND_BATCH, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                head_dim=head_dim, page_size=page_size)
+
+
+@needs_kernels
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(4, 2, 16), (6, 2, 24), (2, 2, 32)])
+def test_decode(page_size, num_heads, num_kv_heads, head_dim):
+    _check_case(ForwardMode.DECODE, DECODE_BATCH, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                head_dim=head_dim, page_size=page_size)
+
+
+@needs_kernels
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_mixed_batch_runs_through_extend(page_size):
+    _check_case(ForwardMode.MIXED, MIXED_BATCH, num_heads=4, num_kv_heads=1, head_dim=16, page_size=page_size)
+
+
+@needs_kernels
+@pytest.mark.parametrize("mode,lens", [(ForwardMode.EXTEND, EXTEND_BATCH), (ForwardMode.DECODE, DECODE_BATCH)])
+def test_half_precision(mode, lens):
+    dtype = torch.bfloat16 if ON_GPU else torch.float16
+    _check_case(mode, lens, num_heads=4, num_kv_heads=2, head_dim=16, page_size=4, dtype=dtype, seed=3)
+
+
+@needs_kernels
+@pytest.mark.parametrize("num_kv_splits", [1, 3, 8])
+def test_decode_split_count_does_not_change_the_result(num_kv_splits):
+    """Any number of shares, including shares longer than a request (empty ones) and a non-power of two."""
+    case = make_case(ForwardMode.DECODE, [70, 0, 5], [1, 1, 1], num_heads=4, num_kv_heads=2, head_dim=16,
+                     page_size=1, dtype=torch.float32, device=DEVICE, seed=5)
+    batch = case.batch
+    batch.token_to_kv_pool.set_kv_buffer(case.layer_id, batch.out_cache_loc, case.k, case.v)
+    k_buffer, v_buffer = batch.token_to_kv_pool.get_kv_buffer(case.layer_id)
+    partial_out = torch.empty(3, 4, num_kv_splits, 16, device=DEVICE)
+    partial_lse = torch.empty(3, 4, num_kv_splits, device=DEVICE)
+    out = torch.empty_like(case.q)
+    triton_attention.decode_attention(
+        case.q, k_buffer, v_buffer, out, batch.req_to_token_pool.req_to_token, batch.req_pool_indices,
+        batch.seq_lens, case.scaling, partial_out, partial_lse, num_kv_splits,
+    )
+    assert (out.double().cpu() - reference_attention(case)).abs().max().item() < TOLERANCE[torch.float32]
+
+
+@needs_kernels
+@pytest.mark.parametrize("mode,lens", [(ForwardMode.EXTEND, EXTEND_BATCH), (ForwardMode.DECODE, DECODE_BATCH),
+                                       (ForwardMode.MIXED, MIXED_BATCH)])
+def test_agrees_with_torch_native(mode, lens):
+    shape = dict(num_heads=4, num_kv_heads=2, head_dim=16, page_size=4, dtype=torch.float32, device=DEVICE, seed=7)
+    triton_out = run_backend(_backend(4, 2, 16), make_case(mode, *lens, **shape))
+    native_out = run_backend(TorchNativeAttention(), make_case(mode, *lens, **shape))
+    torch.testing.assert_close(triton_out, native_out, atol=2e-5, rtol=1e-5)
+
+
+@needs_kernels
+@pytest.mark.parametrize("mode,lens", [(ForwardMode.EXTEND, EXTEND_BATCH), (ForwardMode.DECODE, DECODE_BATCH)])
+def test_strided_queries_and_custom_scaling(mode, lens):
+    """q as a column slice of a fused QKV projection output, and a softmax scale other than 1/sqrt(d)."""
+    case = make_case(mode, *lens, num_heads=4, num_kv_heads=2, head_dim=16, page_size=1,
+                     dtype=torch.float32, device=DEVICE, seed=11)
+    fused = torch.cat([case.q, case.k, case.v], dim=1)  # [tokens, 4 + 2 + 2, 16]
+    case.q = fused[:, :4]
+    assert not case.q.is_contiguous()
+    case.scaling = 0.37
+    out = run_backend(_backend(4, 2, 16), case)
+    assert (out.double().cpu() - reference_attention(case)).abs().max().item() < TOLERANCE[torch.float32]
+
+
+def _reference_page_table(req_to_token, rows, seq_lens, page_size):
+    indptr, indices, last = [0], [], []
+    for row, seq_len in zip(rows, seq_lens):
+        num_pages = -(-seq_len // page_size)
+        indices += (req_to_token[row, 0:seq_len:page_size].long() // page_size).tolist()
+        indptr.append(indptr[-1] + num_pages)
+        last.append(seq_len - (num_pages - 1) * page_size)
+    return indptr, indices, last
+
+
+@needs_kernels
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_paged_kv_index_kernel(page_size):
+    prefix_lens, extend_lens = [0, 15, 16, 40, 3], [1, 1, 20, 9, 200]
+    case = make_case(ForwardMode.EXTEND, prefix_lens, extend_lens, num_heads=1, num_kv_heads=1, head_dim=16,
+                     page_size=page_size, dtype=torch.float32, device=DEVICE)
+    batch = case.batch
+    req_to_token = batch.req_to_token_pool.req_to_token
+    index = kv_indices.build_paged_kv_index(req_to_token, batch.req_pool_indices, batch.seq_lens,
+                                            batch.seq_lens_cpu, page_size)
+    rows = batch.req_pool_indices.tolist()
+    indptr, indices, last = _reference_page_table(req_to_token.cpu(), rows, batch.seq_lens_cpu, page_size)
+    assert index.indptr.tolist() == indptr == index.indptr_host.tolist()
+    assert index.indices.tolist() == indices
+    assert index.last_page_len.tolist() == last == index.last_page_len_host.tolist()
+    assert index.indices.dtype == index.indptr.dtype == index.last_page_len.dtype == torch.int32
+    # The page table addresses exactly the request's slots: position p is at page_ids[p // P] * P + p % P.
+    for i, (row, seq_len) in enumerate(zip(rows, batch.seq_lens_cpu)):
+        pages = torch.tensor(indices[indptr[i]:indptr[i + 1]])
+        positions = torch.arange(seq_len)
+        expected = pages[positions // page_size] * page_size + positions % page_size
+        assert torch.equal(expected, req_to_token[row, :seq_len].long().cpu())
+
+
+@pytest.mark.skipif(RUNS_HERE, reason="the kernels run in this process")
+def test_in_interpreter_subprocess():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+        env=env, capture_output=True, text=True, timeout=600, cwd=os.path.dirname(os.path.dirname(__file__)),
+    )
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]

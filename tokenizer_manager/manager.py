@@ -1,0 +1,316 @@
+"""The TokenizerManager: the main process's side of the pipeline, on one asyncio event loop.
+
+    generate_request(obj)  -> tokenize + validate the whole batch (ValueError: nothing was sent),
+                              send one TokenizedGenerateReq per prompt and sample, then yield chunks
+                              (stream=True) or the final result(s)
+    _recv_loop             -> BatchTextOut from the detokenizer, routed to each request's ReqState
+    abort / flush_cache / get_server_info / mark_dead
+
+Every method runs on the loop that called `start()`; other threads reach it through the Engine's bridge.
+Abandoning a request's async generator (cancellation, aclose, break) aborts its unfinished requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from typing import Any, AsyncIterator, Callable, Optional
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from radixserve.runtime.messages import (
+    AbortReq,
+    BatchTextOut,
+    FlushCacheReq,
+    FlushCacheReqOutput,
+    GetServerInfoReq,
+    GetServerInfoReqOutput,
+    ProcessFailed,
+    ProcessReady,
+    TokenizedGenerateReq,
+    decode,
+    encode,
+)
+from radixserve.tokenizer_manager.errors import EngineDeadError
+from radixserve.tokenizer_manager.io import GenerateReqInput, SingleReq, make_namespace, split_requests
+from radixserve.tokenizer_manager.state import ReqGroup, ReqState
+from radixserve.tokenizer_manager.validation import build_sampling_params, check_length
+
+logger = logging.getLogger(__name__)
+
+RequestObserver = Callable[[dict[str, Any], list[float]], None]
+
+
+class TokenizerManager:
+    """Owns the sockets to the scheduler (PUSH) and from the detokenizer (PULL) and all request state.
+
+    model_info: the scheduler's ProcessReady info (context_len, vocab_size, max_total_num_tokens, ...).
+    """
+
+    def __init__(self, tokenizer: Any, model_info: dict[str, Any], send_socket: zmq.Socket, recv_socket: zmq.Socket):
+        self.tokenizer = tokenizer
+        self.model_info = model_info
+        self.context_len = int(model_info["context_len"])
+        self.vocab_size = int(model_info["vocab_size"])
+        self.max_total_tokens = model_info.get("max_total_num_tokens")
+        self.page_size = int(model_info.get("page_size") or 1)
+        self.send_socket = send_socket
+        self._recv_socket_sync = recv_socket
+        self.recv_socket = zmq.asyncio.Socket.from_socket(recv_socket)
+        self.rid_to_state: dict[str, tuple[ReqState, ReqGroup]] = {}
+        self.groups: set[ReqGroup] = set()
+        self.rpc_futures: dict[str, asyncio.Future] = {}
+        self.dead: Optional[EngineDeadError] = None
+        self.request_observer: Optional[RequestObserver] = None
+        self._recv_task: Optional[asyncio.Task] = None
+
+    def start(self) -> None:
+        """Start the receive loop on the running event loop."""
+        self._recv_task = asyncio.get_running_loop().create_task(self._recv_loop(), name="radixserve-recv")
+
+    # ---- requests --------------------------------------------------------------------------------
+
+    async def generate_request(self, obj: GenerateReqInput) -> AsyncIterator[Any]:
+        """Yield streaming chunks, or once the final result (a dict, or a list for a batch or n > 1).
+
+        Raises ValueError (nothing sent) for bad arguments, EngineDeadError if the engine is or goes down.
+        """
+        group = self.submit(obj)
+        async for item in self.iterate(group, obj):
+            yield item
+
+    def submit(self, obj: GenerateReqInput) -> ReqGroup:
+        """Tokenize, validate and send every request of `obj`; the caller must then `iterate` (or `release`).
+
+        Raises ValueError before anything is sent, EngineDeadError when the engine is down.
+        """
+        self._check_alive()
+        return self._submit(self._tokenize_and_check(obj), obj)
+
+    async def iterate(self, group: ReqGroup, obj: GenerateReqInput) -> AsyncIterator[Any]:
+        """The chunks (stream) or final result(s) of a submitted group; releases it when done or abandoned."""
+        token_text = self._token_text_fn(obj)
+        try:
+            if obj.stream:
+                while True:
+                    for state in await group.wait():
+                        yield state.take_chunk(token_text)
+                    if group.all_finished and not group.dirty:
+                        return
+            else:
+                while not group.all_finished:
+                    await group.wait()
+                results = [state.result(token_text) for state in group.states]
+                yield results[0] if obj.is_single and len(results) == 1 else results
+        finally:
+            self.release(group)
+
+    def _tokenize_and_check(self, obj: GenerateReqInput) -> list[tuple[SingleReq, list[int], Any]]:
+        """Tokenize and validate every prompt of the batch: (request, input ids, sampling params) each."""
+        checked = []
+        for request in split_requests(obj):
+            try:
+                sampling = build_sampling_params(request.sampling_params, self.vocab_size)
+                if request.input_ids is not None:
+                    input_ids = request.input_ids
+                    bad = [t for t in input_ids if not 0 <= t < self.vocab_size]
+                    if bad:
+                        raise ValueError(
+                            f"input_ids hold token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}"
+                        )
+                else:
+                    input_ids = self.tokenizer.encode(request.text)
+                sampling = check_length(sampling, len(input_ids), self.context_len, self.max_total_tokens,
+                                        self.page_size)
+                if request.top_logprobs_num < 0:
+                    raise ValueError(f"top_logprobs_num must be >= 0, got {request.top_logprobs_num}")
+                if not -1 <= request.logprob_start_len <= len(input_ids):
+                    raise ValueError(f"logprob_start_len must be -1 or in [0, {len(input_ids)}], "
+                                     f"got {request.logprob_start_len}")
+            except ValueError as exc:
+                if not obj.is_single:  # name the culprit; keep the type (ContextLengthExceededError)
+                    raise type(exc)(f"prompt {request.index} of the batch: {exc}") from None
+                raise
+            checked.append((request, input_ids, sampling))
+        return checked
+
+    def _submit(self, requests: list[tuple[SingleReq, list[int], Any]], obj: GenerateReqInput) -> ReqGroup:
+        """Expand n, register the states, then send: either all of the batch is queued or none of it."""
+        expanded = []
+        for request, input_ids, sampling in requests:
+            n = sampling.n
+            for sample in range(n):
+                rid = request.rid if n == 1 else f"{request.rid}-{sample}"
+                seed = sampling.seed + sample if sampling.seed is not None and n > 1 else sampling.seed
+                expanded.append((request, rid, input_ids, msgspec.structs.replace(sampling, n=1, seed=seed)))
+        in_use = [rid for _, rid, _, _ in expanded if rid in self.rid_to_state]
+        if in_use:
+            raise ValueError(f"request id(s) already in use: {', '.join(in_use[:5])}")
+
+        states = [
+            ReqState(rid=rid, user_rid=request.rid, index=i, prompt_ids=input_ids,
+                     return_logprob=request.return_logprob, logprob_start_len=request.logprob_start_len)
+            for i, (request, rid, input_ids, _) in enumerate(expanded)
+        ]
+        group = ReqGroup(states)
+        self.groups.add(group)
+        for state, (request, rid, input_ids, sampling) in zip(states, expanded):
+            self.rid_to_state[rid] = (state, group)
+            self._send(TokenizedGenerateReq(
+                rid=rid,
+                input_ids=input_ids,
+                sampling_params=sampling,
+                namespace=make_namespace(obj.tenant, request.cache_salt),
+                return_logprob=request.return_logprob,
+                logprob_start_len=request.logprob_start_len,
+                top_logprobs_num=request.top_logprobs_num,
+                stream=obj.stream,
+            ))
+        return group
+
+    def release(self, group: ReqGroup) -> None:
+        """Forget the group's states; abort those still running (the caller went away or failed). Idempotent."""
+        if group not in self.groups:
+            return
+        self.groups.discard(group)
+        for state in group.states:
+            self.rid_to_state.pop(state.rid, None)
+            if not state.finished and self.dead is None:
+                self._send(AbortReq(rid=state.rid))
+
+    def _token_text_fn(self, obj: GenerateReqInput) -> Callable[[int], Optional[str]]:
+        if not obj.return_text_in_logprobs:
+            return lambda token_id: None
+        return lambda token_id: self.tokenizer.decode([token_id])
+
+    def abort(self, rid: str) -> None:
+        """Abort a request by its id, or every sample of an n > 1 request by the caller's id.
+
+        Its caller gets the output so far with finish_reason {"type": "abort"}. Unknown ids are ignored.
+        """
+        for state, _ in list(self.rid_to_state.values()):
+            if (state.rid == rid or state.user_rid == rid) and not state.finished:
+                self._send(AbortReq(rid=state.rid))
+
+    def num_pending_requests(self) -> int:
+        return len(self.rid_to_state)
+
+    # ---- RPCs ------------------------------------------------------------------------------------
+
+    async def flush_cache(self) -> bool:
+        reply = await self._rpc(FlushCacheReq)
+        if not reply.success:
+            logger.warning("flush_cache refused: %s", reply.message)
+        return reply.success
+
+    async def get_server_info(self) -> dict[str, Any]:
+        reply = await self._rpc(GetServerInfoReq)
+        info = dict(reply.info)
+        info["num_pending_requests_in_tokenizer_manager"] = self.num_pending_requests()
+        return info
+
+    async def _rpc(self, request_type: type) -> Any:
+        self._check_alive()
+        rpc_id = uuid.uuid4().hex
+        future = asyncio.get_running_loop().create_future()
+        self.rpc_futures[rpc_id] = future
+        try:
+            self._send(request_type(rpc_id=rpc_id))
+            return await future
+        finally:
+            self.rpc_futures.pop(rpc_id, None)
+
+    # ---- receiving -------------------------------------------------------------------------------
+
+    async def _recv_loop(self) -> None:
+        try:
+            while True:
+                message = decode(await self.recv_socket.recv())
+                if isinstance(message, BatchTextOut):
+                    self._handle_text_out(message)
+                elif isinstance(message, (FlushCacheReqOutput, GetServerInfoReqOutput)):
+                    future = self.rpc_futures.get(message.rpc_id)
+                    if future is not None and not future.done():
+                        future.set_result(message)
+                elif isinstance(message, ProcessFailed):
+                    self.mark_dead(f"the {message.process} process failed:\n{message.error}")
+                elif not isinstance(message, ProcessReady):
+                    logger.warning("unexpected message %s", type(message).__name__)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a bug here would otherwise leave every caller waiting forever
+            logger.exception("the TokenizerManager's receive loop failed")
+            self.mark_dead(f"the TokenizerManager's receive loop failed: {exc!r}")
+
+    def _handle_text_out(self, out: BatchTextOut) -> None:
+        with_logprobs = len(out.output_token_logprobs) == len(out.rids)
+        with_input_logprobs = len(out.input_token_logprobs) == len(out.rids)
+        for i, rid in enumerate(out.rids):
+            entry = self.rid_to_state.get(rid)
+            if entry is None:
+                continue  # its caller went away; the abort is on its way
+            state, group = entry
+            if state.finished:
+                continue
+            if with_logprobs and state.return_logprob:
+                state.output_token_logprobs.extend(out.output_token_logprobs[i])
+                if len(out.output_top_logprobs) == len(out.rids):
+                    state.output_top_logprobs.extend(out.output_top_logprobs[i])
+            if with_input_logprobs and out.input_token_logprobs[i] is not None:
+                state.input_token_logprobs = out.input_token_logprobs[i]
+            state.append(out.text_deltas[i], out.new_token_ids[i], out.finish_reasons[i],
+                         out.prompt_tokens[i], out.completion_tokens[i], out.cached_tokens[i])
+            group.notify(state.index)
+            if state.finished:
+                self._observe(state)
+
+    def _observe(self, state: ReqState) -> None:
+        if self.request_observer is None:
+            return
+        try:
+            self.request_observer(state.meta_info(lambda token_id: None), list(state.token_times))
+        except Exception:
+            logger.exception("request_observer failed")
+
+    # ---- failure ---------------------------------------------------------------------------------
+
+    def mark_dead(self, reason: str, expected: bool = False) -> None:
+        """Fail every pending request and RPC with EngineDeadError; later calls fail at once.
+
+        `expected`: a deliberate shutdown (logged quietly) rather than a failure.
+        """
+        if self.dead is not None:
+            return
+        logger.log(logging.INFO if expected else logging.ERROR, "engine stopped: %s", reason)
+        self.dead = EngineDeadError(reason)
+        for group in list(self.groups):
+            group.fail(self.dead)
+        for future in self.rpc_futures.values():
+            if not future.done():
+                future.set_exception(EngineDeadError(reason))
+
+    def _check_alive(self) -> None:
+        if self.dead is not None:
+            raise EngineDeadError(*self.dead.args)
+
+    def _send(self, message: Any) -> None:
+        self.send_socket.send(encode(message))
+
+    def shutdown(self) -> None:
+        """Abort every pending request, fail its caller with EngineDeadError, close the sockets."""
+        for state, _ in list(self.rid_to_state.values()):
+            if not state.finished and self.dead is None:
+                self._send(AbortReq(rid=state.rid))
+        self.mark_dead("the engine was shut down", expected=True)
+        self.close()
+
+    def close(self) -> None:
+        """Stop receiving and close the sockets (on the loop thread)."""
+        if self._recv_task is not None:
+            self._recv_task.cancel()
+        self.recv_socket.close(linger=0)
+        self._recv_socket_sync.close(linger=0)
+        self.send_socket.close(linger=0)

@@ -1,0 +1,138 @@
+"""Per-request state in the TokenizerManager, and the result dicts built from it.
+
+A caller's GenerateReqInput becomes a `ReqGroup` of `ReqState`s (one per prompt and per sample of `n`). The
+receive loop appends each BatchTextOut entry to its ReqState and marks it dirty in its group; the caller's
+coroutine waits on the group's event, then takes streaming chunks (what is new since the last chunk) or, once
+every state finished, the final results. All of it lives on the TokenizerManager's event loop thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+TokenText = Callable[[int], Optional[str]]  # token id -> its text, or None when texts were not asked for
+
+
+@dataclass
+class ReqState:
+    rid: str
+    user_rid: str  # the caller's rid, before the n expansion added "-<i>"
+    index: int  # position in the caller's (n-expanded) batch, and in its ReqGroup's states
+    prompt_ids: list[int]
+    return_logprob: bool
+    logprob_start_len: int
+    created: float = field(default_factory=time.monotonic)
+    text: str = ""
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: Optional[dict[str, Any]] = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    output_token_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    input_token_logprobs: Optional[list[Optional[float]]] = None
+    token_times: list[float] = field(default_factory=list)  # arrival time of each chunk of new tokens
+    finished_at: Optional[float] = None
+    # How much of text / output_ids the streaming consumer has already taken.
+    text_taken: int = 0
+    ids_taken: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def append(self, text: str, ids: list[int], finish_reason: Optional[dict], prompt_tokens: int,
+               completion_tokens: int, cached_tokens: int) -> None:
+        now = time.monotonic()
+        self.text += text
+        self.output_ids.extend(ids)
+        if ids:
+            self.token_times.append(now)
+        self.prompt_tokens, self.completion_tokens, self.cached_tokens = prompt_tokens, completion_tokens, cached_tokens
+        if finish_reason is not None:
+            self.finish_reason = dict(finish_reason)
+            self.finished_at = now
+
+    def meta_info(self, token_text: TokenText, logprobs_from: int = 0) -> dict[str, Any]:
+        """meta_info with the output logprobs of tokens [logprobs_from:] (all of them by default)."""
+        meta: dict[str, Any] = {
+            "id": self.rid,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "cached_tokens": self.cached_tokens,
+            "finish_reason": self.finish_reason,
+        }
+        if self.finished_at is not None:
+            meta["e2e_latency"] = self.finished_at - self.created
+            if self.token_times:
+                meta["ttft"] = self.token_times[0] - self.created
+        if self.return_logprob:
+            ids = self.output_ids[logprobs_from:]
+            meta["output_token_logprobs"] = [
+                (lp, tid, token_text(tid)) for lp, tid in zip(self.output_token_logprobs[logprobs_from:], ids)
+            ]
+            meta["output_top_logprobs"] = [
+                [(lp, tid, token_text(tid)) for tid, lp in top] for top in self.output_top_logprobs[logprobs_from:]
+            ]
+            if logprobs_from == 0:
+                meta["input_token_logprobs"] = self._input_logprobs(token_text)
+        return meta
+
+    def _input_logprobs(self, token_text: TokenText) -> list[tuple[Optional[float], int, Optional[str]]]:
+        if not self.input_token_logprobs:
+            return []
+        start = max(self.logprob_start_len, 0)
+        ids = self.prompt_ids[start : start + len(self.input_token_logprobs)]
+        return [(lp, tid, token_text(tid)) for lp, tid in zip(self.input_token_logprobs, ids)]
+
+    def result(self, token_text: TokenText) -> dict[str, Any]:
+        return {"text": self.text, "output_ids": list(self.output_ids), "meta_info": self.meta_info(token_text)}
+
+    def take_chunk(self, token_text: TokenText) -> dict[str, Any]:
+        """What is new since the previous chunk: text, output_ids and their logprobs, meta_info so far."""
+        ids_from = self.ids_taken
+        chunk = {
+            "text": self.text[self.text_taken :],
+            "output_ids": self.output_ids[ids_from:],
+            "meta_info": self.meta_info(token_text, logprobs_from=ids_from),
+            "index": self.index,
+        }
+        self.text_taken, self.ids_taken = len(self.text), len(self.output_ids)
+        return chunk
+
+
+class ReqGroup:
+    """The states of one caller's request, the event its coroutine waits on, and any engine failure."""
+
+    def __init__(self, states: list[ReqState]):
+        self.states = states
+        self.event = asyncio.Event()
+        self.dirty: dict[int, None] = {}  # indices (into states) with news, in arrival order
+        self.error: Optional[BaseException] = None
+
+    def notify(self, position: int) -> None:
+        self.dirty[position] = None
+        self.event.set()
+
+    def fail(self, error: BaseException) -> None:
+        self.error = error
+        self.event.set()
+
+    @property
+    def all_finished(self) -> bool:
+        return all(state.finished for state in self.states)
+
+    async def wait(self) -> list[ReqState]:
+        """Wait for news; return the states that have some (raises the group's error, if any)."""
+        while not self.dirty and self.error is None:
+            self.event.clear()
+            await self.event.wait()
+        if self.error is not None:
+            # A fresh instance per raise: one failure may reach many callers, each with its own traceback.
+            raise type(self.error)(*self.error.args)
+        news = [self.states[position] for position in self.dirty]
+        self.dirty.clear()
+        return news
