@@ -25,29 +25,10 @@ import random
 import sys
 import time
 import traceback
-import types
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from _srcpath import ROOT  # importing it maps radixserve.<folder> onto the checkout
 
-
-def _import_project() -> None:
-    """Make `radixserve.<folder>` importable from the source tree when the project is not pip-installed
-    (the GPU host runs it with PYTHONPATH=<checkout>): the folders live beside `radixserve/`."""
-    try:
-        import radixserve.kernels  # noqa: F401
-        return
-    except ImportError:
-        pass
-    package = sys.modules.get("radixserve")
-    if package is None:
-        package = types.ModuleType("radixserve")
-        package.__path__ = [str(ROOT / "radixserve")]
-        sys.modules["radixserve"] = package
-    package.__path__.append(str(ROOT))
-
-
-_import_project()
 sys.path.insert(0, str(ROOT / "tests"))
 os.environ.setdefault("FLASHINFER_WORKSPACE_BASE", str(ROOT / ".gpu-cache"))
 

@@ -2,17 +2,95 @@
 
 Each block reproduces the arithmetic of the Hugging Face reference implementation operation for operation
 (same casts, same order), so a float32 model here yields the same greedy tokens as `transformers`.
+
+Two implementations sit behind the blocks, chosen in one place (`ops_for`) by the device of the input:
+`TORCH_OPS`, plain torch and the reference (bit-exact with `transformers` on the CPU), and on CUDA the fused
+Triton kernels of `radixserve.kernels` (one launch per block instead of up to eighteen; same roundings, so
+they differ from the torch path on the same GPU only by float32 reduction order and intrinsics).
 """
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+
+# ---- the two implementations of the elementwise blocks ---------------------------------------------
+
+def _torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    input_dtype = x.dtype
+    x32 = x.to(torch.float32)
+    variance = x32.pow(2).mean(-1, keepdim=True)
+    x32 = x32 * torch.rsqrt(variance + eps)
+    return weight * x32.to(input_dtype)
+
+
+def _torch_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    summed = residual + x
+    return _torch_rms_norm(summed, weight, eps), summed
+
+
+def _torch_silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _torch_rotary(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    cos = cos_table[positions].to(q.dtype).unsqueeze(1)  # [T, 1, D/2]
+    sin = sin_table[positions].to(q.dtype).unsqueeze(1)
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # Equals `x * [cos, cos] + rotate_half(x) * [sin, sin]` bit for bit (a + (-b) == a - b in IEEE).
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class Ops(NamedTuple):
+    """One implementation of the blocks. Contracts (both implementations, all return new tensors):
+
+    - `rms_norm(x, weight, eps)`: `weight * norm(x)` over the last dim, statistics in float32, the normed
+      value rounded to x's dtype before the weight product.
+    - `add_rms_norm(x, residual, weight, eps)`: `(rms_norm(s), s)` with `s = residual + x`.
+    - `silu_and_mul(gate_up)`: `silu(gate) * up` for `gate_up = [..., 2 * I]` laid out `[gate | up]`.
+    - `rotary(positions, q, k, cos_table, sin_table)`: neox rotation of `q [T, Hq, D]`, `k [T, Hk, D]` by
+      float32 tables `[max_positions, D/2]` indexed by `positions [T]`; returns `(q_rot, k_rot)`.
+    """
+
+    rms_norm: Callable[..., torch.Tensor]
+    add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
+    rotary: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+TORCH_OPS = Ops(_torch_rms_norm, _torch_add_rms_norm, _torch_silu_and_mul, _torch_rotary)
+
+
+@functools.cache
+def fused_ops() -> Ops:
+    """The Triton implementation (imported on first use, so CPU-only processes never import triton)."""
+    from radixserve.kernels import fused_activation, fused_norm, fused_rotary
+
+    return Ops(fused_norm.rms_norm, fused_norm.fused_add_rms_norm, fused_activation.silu_and_mul,
+               fused_rotary.apply_rotary)
+
+
+def ops_for(x: torch.Tensor) -> Ops:
+    """The implementation for tensors on x's device: fused kernels on CUDA, the torch reference elsewhere."""
+    return fused_ops() if x.is_cuda else TORCH_OPS
+
+
+# ---- blocks ----------------------------------------------------------------------------------------
 
 class RMSNorm(nn.Module):
     """Root-mean-square norm with an optional fused residual add.
@@ -27,20 +105,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        input_dtype = x.dtype
-        x32 = x.to(torch.float32)
-        variance = x32.pow(2).mean(-1, keepdim=True)
-        x32 = x32 * torch.rsqrt(variance + self.eps)
-        return self.weight * x32.to(input_dtype)
-
     def forward(
         self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        ops = ops_for(x)
         if residual is None:
-            return self._norm(x)
-        summed = residual + x
-        return self._norm(summed), summed
+            return ops.rms_norm(x, self.weight, self.eps)
+        return ops.add_rms_norm(x, residual, self.weight, self.eps)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}"
@@ -48,8 +119,7 @@ class RMSNorm(nn.Module):
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """`silu(gate) * up` for a fused `[..., 2 * intermediate]` projection laid out as `[gate | up]`."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return ops_for(gate_up).silu_and_mul(gate_up)
 
 
 # ---- rotary position embedding -------------------------------------------------------------------
@@ -132,12 +202,4 @@ class RotaryEmbedding:
         if self.cos.device != positions.device:
             self.cos = self.cos.to(positions.device)
             self.sin = self.sin.to(positions.device)
-        cos = self.cos[positions].to(q.dtype).unsqueeze(1)  # [T, 1, D/2]
-        sin = self.sin[positions].to(q.dtype).unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # Equals `x * [cos, cos] + rotate_half(x) * [sin, sin]` bit for bit (a + (-b) == a - b in IEEE).
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        return ops_for(q).rotary(positions, q, k, self.cos, self.sin)

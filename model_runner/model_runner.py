@@ -7,6 +7,7 @@ already allocated and recorded in `req_to_token`, and returns logits.
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -17,6 +18,9 @@ from radixserve.model_runner.model_config import ModelConfig
 from radixserve.model_runner.models import get_model_class
 from radixserve.radix_cache.pool import KVAllocator, ReqToTokenPool, TokenToKVPool
 from radixserve.runtime.server_args import ServerArgs
+
+if TYPE_CHECKING:
+    from radixserve.model_runner.cuda_graph import CudaGraphRunner
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +43,8 @@ class ModelRunner:
 
     Attributes the scheduler uses: `model_config`, `device`, `dtype`, `context_len`, `vocab_size`,
     `max_total_num_tokens` (usable KV slots), `max_running_requests`, `req_to_token_pool`, `allocator`,
-    `token_to_kv_pool`, `attn_backend`, `page_size`.
+    `token_to_kv_pool`, `attn_backend`, `page_size`, `cuda_graph_runner` (None unless decode runs in
+    CUDA graphs).
     """
 
     def __init__(self, server_args: ServerArgs) -> None:
@@ -68,6 +73,7 @@ class ModelRunner:
         )
         self.attn_backend = self._create_attention_backend()
         self.model.set_attention_backend(self.attn_backend)
+        self.cuda_graph_runner = self._create_cuda_graph_runner()
         logger.info(
             "model %s loaded on %s (%s); KV pool %d tokens, %d running requests, context %d",
             config.architecture, self.device, self.dtype, self.max_total_num_tokens,
@@ -76,9 +82,16 @@ class ModelRunner:
 
     # ---- execution -------------------------------------------------------------------------------
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, use_cuda_graph: bool = True) -> torch.Tensor:
         """Float32 logits `[num logits positions, vocab]` of the batch (see `ForwardBatch.logits_indices`);
-        writes the batch's new K/V into the pool as a side effect."""
+        writes the batch's new K/V into the pool as a side effect.
+
+        A DECODE batch replays a captured CUDA graph when one fits (unless `use_cuda_graph` is False); its
+        logits then live in the graph's output buffer, which the next decode step overwrites: consume them
+        (sample) before the next forward.
+        """
+        if use_cuda_graph and self.cuda_graph_runner is not None and self.cuda_graph_runner.can_run(batch):
+            return self.cuda_graph_runner.replay(batch)
         self.attn_backend.plan(batch)
         hidden = self.model(batch.input_ids, batch.positions, batch)
         return self.model.compute_logits(hidden, batch)
@@ -99,6 +112,15 @@ class ModelRunner:
                     raise
                 logger.warning("attention backend %s unavailable (%s); trying %s", candidate, exc, candidates[i + 1])
         raise AssertionError("unreachable")
+
+    def _create_cuda_graph_runner(self) -> Optional["CudaGraphRunner"]:
+        """Capture decode CUDA graphs on CUDA unless `disable_cuda_graph`; None on the CPU, when disabled, or
+        when the attention backend cannot be captured (decode then runs eagerly)."""
+        if self.device.type != "cuda" or self.server_args.disable_cuda_graph:
+            return None
+        from radixserve.model_runner.cuda_graph import create_cuda_graph_runner
+
+        return create_cuda_graph_runner(self)
 
     def _resolve_kv_cache_dtype(self) -> torch.dtype:
         name = self.server_args.kv_cache_dtype

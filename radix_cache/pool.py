@@ -59,16 +59,20 @@ class KVAllocator:
         self.clear()
 
     def clear(self) -> None:
-        # Page 0 is the dummy page; usable pages are 1..num_pages.
+        # Page 0 is the dummy page; usable pages are 1..num_pages. Freed pages wait in `_pending_free` and are
+        # merged into `_free_pages` only when an allocation needs them, so a free never copies the free list.
         self._free_pages = torch.arange(1, self.num_pages + 1, dtype=torch.int64)
         self._pending_free: list[torch.Tensor] = []
-        self._batching_frees = False
+        self._num_pending = 0
 
     # ---- accounting ------------------------------------------------------------------------------
     def available_size(self) -> int:
         """Free token slots (whole free pages times page_size)."""
-        self._flush_pending()
-        return len(self._free_pages) * self.page_size
+        return (len(self._free_pages) + self._num_pending) * self.page_size
+
+    def free_page_list(self) -> list[int]:
+        """Every free page index, pending frees included (for invariant checks and tests)."""
+        return torch.cat([self._free_pages, *self._pending_free]).tolist()
 
     # ---- allocation ------------------------------------------------------------------------------
     def alloc(self, num_tokens: int) -> Optional[torch.Tensor]:
@@ -121,27 +125,19 @@ class KVAllocator:
         pages = slots.detach().to("cpu", torch.int64)
         if self.page_size > 1:
             pages = torch.unique(pages // self.page_size)
-        if self._batching_frees:
-            self._pending_free.append(pages)
-        else:
-            self._free_pages = torch.cat([self._free_pages, pages])
-
-    def free_group_begin(self) -> None:
-        """Collect frees until `free_group_end` and return them in one concatenation."""
-        self._batching_frees = True
-
-    def free_group_end(self) -> None:
-        self._batching_frees = False
-        self._flush_pending()
+        self._pending_free.append(pages)
+        self._num_pending += len(pages)
 
     # ---- helpers ---------------------------------------------------------------------------------
     def _flush_pending(self) -> None:
         if self._pending_free:
             self._free_pages = torch.cat([self._free_pages, *self._pending_free])
             self._pending_free = []
+            self._num_pending = 0
 
     def _take_pages(self, num_pages: int) -> Optional[torch.Tensor]:
-        self._flush_pending()
+        if num_pages > len(self._free_pages):
+            self._flush_pending()
         if num_pages > len(self._free_pages):
             return None
         pages = self._free_pages[:num_pages]
@@ -189,5 +185,13 @@ class TokenToKVPool:
 
     def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write K and V of shape `[num_tokens, num_kv_heads, head_dim]` at slots `loc`."""
-        self.k_buffer[layer_id][loc] = k.to(self.dtype)
-        self.v_buffer[layer_id][loc] = v.to(self.dtype)
+        k_buffer, v_buffer = self.k_buffer[layer_id], self.v_buffer[layer_id]
+        if k_buffer.is_cuda and k.stride(-1) == 1 and v.stride(-1) == 1:
+            # One Triton launch writes both (two indexed scatters otherwise); imported here so that
+            # CPU-only processes never import triton.
+            from radixserve.kernels.kv_store import store_kv
+
+            store_kv(k_buffer, v_buffer, loc, k, v)
+            return
+        k_buffer[loc] = k.to(self.dtype)
+        v_buffer[loc] = v.to(self.dtype)

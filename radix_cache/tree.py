@@ -39,7 +39,7 @@ def common_prefix_length(key: list, query: list, start: int, end: int) -> int:
     """
     n = min(len(key), end - start)
     if n == len(key):
-        if query[start:start + n - 1] == key[:-1]:
+        if query[start:start + n] == key:
             return n
     elif key[:n] == query[start:start + n]:
         return n
@@ -282,22 +282,21 @@ class RadixCache:
         Returns the tokens freed: at least `num_tokens`, or fewer when nothing evictable is left. A parent whose
         last child goes becomes a leaf and may be evicted in the same call.
         """
-        freed = 0
-        self.allocator.free_group_begin()
-        try:
-            while freed < num_tokens:
-                leaf = self._queue.pop()
-                if leaf is None:
-                    break
-                self.allocator.free(leaf.value)
-                freed += len(leaf.key)
-                self._evictable -= len(leaf.key)
-                self._stats.of(leaf.namespace).evicted_tokens += len(leaf.key)
-                parent = self._delete_leaf(leaf)
-                if parent.is_evictable_leaf():
-                    self._queue.push(parent, self._num_nodes)
-        finally:
-            self.allocator.free_group_end()
+        freed, values = 0, []
+        while freed < num_tokens:
+            leaf = self._queue.pop()
+            if leaf is None:
+                break
+            values.append(leaf.value)
+            freed += len(leaf.key)
+            self._evictable -= len(leaf.key)
+            self._stats.of(leaf.namespace).evicted_tokens += len(leaf.key)
+            parent = self._delete_leaf(leaf)
+            if parent.is_evictable_leaf():
+                self._queue.push(parent, self._num_nodes)
+        if values:
+            # One free call: the allocator's cost per call, not per leaf.
+            self.allocator.free(torch.cat(values) if len(values) > 1 else values[0])
         return freed
 
     def reset(self) -> None:

@@ -29,7 +29,8 @@ def _parser() -> argparse.ArgumentParser:
     generate.add_argument("--max-new-tokens", type=int, default=128)
     generate.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
     generate.add_argument("--top-p", type=float, default=1.0)
-    generate.add_argument("--raw", action="store_true", help="complete the prompt text as is, without the chat template")
+    generate.add_argument("--raw", action="store_true",
+                          help="complete the prompt text as is, without the chat template")
     ServerArgs.add_cli_args(generate)
     return parser
 

@@ -109,11 +109,7 @@ class Engine:
         res.children.start()
         self.tokenizer = load_tokenizer(child_args.tokenizer_path)  # while the children load
         infos = res.children.wait_ready(recv_socket)
-        self.model_info: dict[str, Any] = {
-            **infos["scheduler"],
-            "model_path": self.server_args.model_path,
-            "tokenizer_path": child_args.tokenizer_path,
-        }
+        self.model_info: dict[str, Any] = {**infos["scheduler"], "tokenizer_path": child_args.tokenizer_path}
 
         res.loop_thread = LoopThread()
 

@@ -32,6 +32,7 @@ from radixserve.runtime.http_state import InflightRequests, ServerState, caller_
 from radixserve.runtime.metrics import ServerMetrics
 from radixserve.runtime.native_api import health_route
 from radixserve.runtime.native_api import router as native_router
+from radixserve.runtime.openai.capabilities import CapabilityCheck
 from radixserve.runtime.openai.errors import APIError, install_error_handlers
 from radixserve.runtime.openai.logprobs import TokenTexts
 from radixserve.runtime.openai.protocol import ChatCompletionRequest, CompletionRequest, parse_request
@@ -88,6 +89,7 @@ def create_app(engine: Any, server_args: ServerArgs) -> FastAPI:
         vocab_size=int(model_info["vocab_size"]),
         max_total_tokens=model_info.get("max_total_num_tokens"),
         token_texts=TokenTexts(engine.tokenizer),
+        capabilities=CapabilityCheck(),
         chat_template=load_chat_template(server_args.chat_template),
     )
     if state.chat_template is not None:  # fail at start-up, not on the first chat request
@@ -120,13 +122,10 @@ def create_app(engine: Any, server_args: ServerArgs) -> FastAPI:
 
 
 async def _warmup(state: ServerState) -> None:
-    """One tiny generation before serving, so the first client does not pay for lazy initialisation."""
-    from radixserve.tokenizer_manager.io import GenerateReqInput
-
-    probe = GenerateReqInput(input_ids=list(state.tokenizer.encode("warm up")) or [0],
-                             sampling_params={"max_new_tokens": 1, "temperature": 0.0}, rid="warmup")
-    async for _ in state.engine.generate_request(probe):
-        pass
+    """Tiny generations before serving, so the first client does not pay for lazy initialisation; they
+    also find out which optional features the engine supports."""
+    capabilities = await state.capabilities.get(state.engine, state.tokenizer)
+    logger.info("engine capabilities: %s", capabilities)
 
 
 def _state(request: Request) -> ServerState:

@@ -72,7 +72,18 @@ def _child_main(name: str, entry: ChildEntry, server_args: ServerArgs, ipc: IpcP
         level=server_args.log_level.upper(),
         format=f"%(asctime)s [{name} %(process)d] %(levelname)s %(name)s: %(message)s",
     )
+    _use_thread_lock_for_tqdm()
     entry(server_args, ipc, parent_pid)
+
+
+def _use_thread_lock_for_tqdm() -> None:
+    """Progress bars in a child (weight loading) would otherwise create a multiprocessing semaphore, which a
+    terminated child cannot release: the resource tracker then warns about a leak at the parent's exit."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return
+    tqdm.set_lock(threading.RLock())
 
 
 # ---- in the parent -------------------------------------------------------------------------------
@@ -101,14 +112,19 @@ def _main_module_hidden() -> Iterator[None]:
     radixserve functions, so they do not need the main module: hide its file and spec while starting them.
     """
     main = sys.modules.get("__main__")
+    if main is None:
+        yield
+        return
     saved = {name: getattr(main, name) for name in ("__file__", "__spec__") if hasattr(main, name)}
+    had_spec = "__spec__" in saved
     try:
-        if main is not None:
-            main.__spec__ = None
-            if hasattr(main, "__file__"):
-                del main.__file__
+        main.__spec__ = None
+        if "__file__" in saved:
+            del main.__file__
         yield
     finally:
+        if not had_spec:
+            del main.__spec__
         for name, value in saved.items():
             setattr(main, name, value)
 
@@ -216,30 +232,31 @@ class ChildProcesses:
         self._stopping.set()
         import psutil
 
-        victims: list[psutil.Process] = []
+        descendants: list[psutil.Process] = []  # e.g. tensor-parallel workers; they also watch their parent
         for process in self.processes.values():
+            if process.pid is not None and process.is_alive():
+                try:
+                    descendants.extend(psutil.Process(process.pid).children(recursive=True))
+                except psutil.NoSuchProcess:
+                    pass
+        for process in self.processes.values():
+            if process.is_alive():
+                process.terminate()
+        for victim in descendants:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                victim.terminate()
+        deadline = time.monotonic() + timeout_s
+        for name, process in self.processes.items():
             if process.pid is None:
                 continue
-            try:
-                parent = psutil.Process(process.pid)
-                victims.extend(parent.children(recursive=True))
-                victims.append(parent)
-            except psutil.NoSuchProcess:
-                pass
-        for victim in victims:
-            try:
-                victim.terminate()
-            except psutil.NoSuchProcess:
-                pass
-        _, alive = psutil.wait_procs(victims, timeout=timeout_s)
+            process.join(timeout=max(0.0, deadline - time.monotonic()))
+            if process.is_alive():
+                logger.warning("killing the %s process (pid %d): it ignored SIGTERM", name, process.pid)
+                process.kill()
+                process.join(timeout=timeout_s)
+        _, alive = psutil.wait_procs(descendants, timeout=max(0.0, deadline - time.monotonic()))
         for victim in alive:
-            logger.warning("killing %s (pid %d): it ignored SIGTERM", victim.name(), victim.pid)
-            try:
+            with contextlib.suppress(psutil.NoSuchProcess):
                 victim.kill()
-            except psutil.NoSuchProcess:
-                pass
-        psutil.wait_procs(alive, timeout=timeout_s)
-        for process in self.processes.values():
-            process.join(timeout=1.0)  # reap, so no zombie is left
         if self._supervisor is not None and self._supervisor is not threading.current_thread():
             self._supervisor.join(timeout=1.0)

@@ -9,6 +9,7 @@ may abort its own requests with `POST /abort_request {"rid": ...}` (another tena
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import uuid
 from typing import Annotated, Any, AsyncIterator, Optional, Union
 
@@ -97,8 +98,8 @@ def _sampling(body: NativeGenerateRequest, i: int) -> SamplingParamsModel:
 
 
 def _engine_rids(rid: str, params: SamplingParamsModel) -> list[str]:
-    """The rids the engine creates for one prompt: itself, and `{rid}-{i}` per choice when n > 1."""
-    return [rid] + ([f"{rid}-{i}" for i in range(params.n)] if params.n > 1 else [])
+    """The rids the engine creates for one prompt: the rid itself, or `{rid}-{i}` per sample when n > 1."""
+    return [f"{rid}-{i}" for i in range(params.n)] if params.n > 1 else [rid]
 
 
 def _build(state: ServerState, body: NativeGenerateRequest, tenant: Optional[str]) -> tuple[Any, dict[str, list[str]]]:
@@ -231,7 +232,8 @@ async def get_server_info(request: Request, tenant: Optional[str] = Depends(call
     info["http"] = {"served_model_name": state.served_model_name,
                     "inflight_requests": len(state.inflight),
                     "inflight_engine_requests": state.inflight.num_engine_requests,
-                    "capacity": state.inflight.capacity}
+                    "capacity": state.inflight.capacity,
+                    "capabilities": dataclasses.asdict(await state.capabilities.get(state.engine, state.tokenizer))}
     return json_response(info)
 
 
@@ -261,15 +263,15 @@ async def health_generate(request: Request, tenant: Optional[str] = Depends(call
         return result
 
     try:
+        # On timeout, cancelling the iteration aborts the probe in the engine.
         await asyncio.wait_for(one_token(), HEALTH_GENERATE_TIMEOUT_SECONDS)
     except Exception as error:
-        state.engine.abort(rid)
         raise APIError(f"health check generation failed: {type(error).__name__}: {error}", status_code=503,
                        type="server_error") from None
     return json_response({"healthy": True})
 
 
-def health_route(request: Request) -> Response:
+async def health_route(request: Request) -> Response:
     """GET /health (open, no key): 200 when the engine is up and the server is not draining, else 503."""
     state = _state(request)
     healthy = not state.inflight.draining

@@ -32,6 +32,7 @@ from typing import Any, Optional
 import torch
 
 from radixserve.model_runner.forward_batch import ForwardMode
+from radixserve.radix_cache.tree import common_prefix_length
 from radixserve.runtime.messages import (
     AbortReq, FlushCacheReq, FlushCacheReqOutput, GetServerInfoReq, GetServerInfoReqOutput, TokenizedGenerateReq,
 )
@@ -47,6 +48,9 @@ from radixserve.scheduler.stop import StopChecker
 
 logger = logging.getLogger(__name__)
 
+# A request whose prefix is computed by a request already in the batch by at least this many more tokens than
+# the tree holds waits for the next batch, which finds that prefix in the tree instead of computing it twice.
+IN_BATCH_PREFIX_MIN_GAIN = 32
 # Expected share of max_new_tokens a request will really generate, for the admission reserve: starts here,
 # decays with every decode step down to INIT * MIN_FACTOR, and jumps back up after a retraction.
 INIT_NEW_TOKEN_RATIO = 0.7
@@ -114,10 +118,6 @@ class Scheduler:
         return not (self.waiting or self.running or self.chunked_req or self.inflight)
 
     def get_next_batch(self) -> Optional[ScheduleBatch]:
-        if self.chunked_req is not None:
-            # Its chunks so far go into the tree (locked), so other requests can share them.
-            req = self.chunked_req
-            self.cache.cache_unfinished_req(req, req.all_ids[: req.kv_len])
         return self._schedule_prefill() or self._schedule_decode()
 
     def take_outputs(self) -> list[Any]:
@@ -230,10 +230,14 @@ class Scheduler:
         for req in self.policy.order(self.waiting):
             if adder.stopped or len(self.running) + len(entries) >= self.max_running:
                 break
-            if self.req_to_token_pool.available_size() == 0 or not self._admit(req, adder, entries):
+            if self.req_to_token_pool.available_size() == 0 or self._admit(req, adder, entries) is False:
                 break
         if not entries:
             return None
+        # What this batch computes goes into the tree now (locked by its requests), so the next batch can share
+        # it even before this one has run: any batch that reads it runs after this one.
+        for req, *_ in entries:
+            self.cache.cache_unfinished_req(req, req.all_ids[: req.kv_len])
 
         admitted = {id(entry[0]) for entry in entries}
         self.waiting = [req for req in self.waiting if id(req) not in admitted]
@@ -247,11 +251,18 @@ class Scheduler:
         mode = ForwardMode.MIXED if decodes else ForwardMode.EXTEND
         return self._make_batch(mode, entries, decodes, decode_slots)
 
-    def _admit(self, req: Req, adder: PrefillAdder, entries: list) -> bool:
-        """Match `req`'s cached prefix, lock it, take a row and slots for its first (or only) chunk."""
+    def _admit(self, req: Req, adder: PrefillAdder, entries: list) -> Optional[bool]:
+        """Match `req`'s cached prefix, lock it, take a row and slots for its first (or only) chunk.
+
+        Returns True when admitted, False when the batch is full, None when `req` waits for the next batch
+        because a request already in this batch computes a longer part of its prefix.
+        """
         fill_len = req.fill_len()
         # Keep at least one token to compute, so the batch yields the logits of the next token.
-        match = self.cache.match_prefix(req.all_ids[: fill_len - 1], req.namespace)
+        key = req.all_ids[: fill_len - 1]
+        match = self.cache.match_prefix(key, req.namespace)
+        if _longest_in_batch_prefix(key, req.namespace, entries) >= match.length + IN_BATCH_PREFIX_MIN_GAIN:
+            return None
         self.cache.inc_lock_ref(match.last_node)
         row = self.req_to_token_pool.alloc()
         req.req_pool_idx, req.prefix_indices, req.last_node = row, match.indices, match.last_node
@@ -475,3 +486,13 @@ class Scheduler:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+
+
+def _longest_in_batch_prefix(key: list[int], namespace: tuple, entries: list) -> int:
+    """Longest common prefix of `key` with the tokens computed so far by the batch's requests (same namespace)."""
+    best = 0
+    for other, *_ in entries:
+        if other.namespace == namespace:
+            other_ids = other.all_ids
+            best = max(best, common_prefix_length(other_ids[: other.kv_len], key, 0, len(key)))
+    return best

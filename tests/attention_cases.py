@@ -37,10 +37,8 @@ def _shuffle_free_pages(allocator: KVAllocator, generator: torch.Generator) -> N
     if allocator.page_size == 1:
         allocator.free(pages.reshape(-1))  # freed in the order given
         return
-    allocator.free_group_begin()  # one free per page keeps the shuffled page order
-    for page in pages:
+    for page in pages:  # one free per page keeps the shuffled page order
         allocator.free(page)
-    allocator.free_group_end()
 
 
 def make_case(

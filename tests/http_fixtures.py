@@ -1,7 +1,8 @@
 """A real `python -m radixserve serve` process for the HTTP tests.
 
 `shared_server(name)` starts one server per configuration and pytest session (start-up costs seconds on a
-small CPU machine, so several test modules share it) and stops it with SIGTERM at exit. Servers die with the
+small CPU machine, so several test modules share it) and stops it with SIGTERM at exit; the shutdown test,
+which runs last in name order, takes it over with `take_shared_server` and stops it itself. Servers die with the
 test process (PR_SET_PDEATHSIG), so an interrupted run leaves no server behind.
 """
 
@@ -78,6 +79,8 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+        if self.process.returncode == 0 and os.path.exists(self.log.name):
+            os.unlink(self.log.name)  # kept only when something went wrong
         return self.process.returncode
 
     def server_info(self) -> dict:
@@ -110,16 +113,25 @@ def tenants_file() -> str:
     return path
 
 
-MAIN_SERVER_FLAGS = ("--max-running-requests", "8", "--max-queued-requests", "4", "--log-level", "warning")
+MAIN_SERVER_FLAGS = ("--max-running-requests", "8", "--max-queued-requests", "4", "--graceful-shutdown-timeout", "4",
+                     "--log-level", "warning")
 
 
 def shared_server(name: str = "main") -> ServerProcess:
-    """The session's server: "main" has tenants A and B (KEY_A / KEY_B) and room for 8 + 4 requests."""
+    """The session's server: "main" has tenants A and B (KEY_A / KEY_B), room for 8 + 4 requests, and drains
+    for 4 s on SIGTERM."""
     if name not in _servers:
         if name != "main":
             raise ValueError(name)
         _servers[name] = ServerProcess(*MAIN_SERVER_FLAGS, "--tenants-file", tenants_file(), api_key=KEY_A)
     return _servers[name]
+
+
+def take_shared_server(name: str = "main") -> ServerProcess:
+    """The shared server, handed over to a caller that will stop it (later users get a fresh one)."""
+    server = shared_server(name)
+    del _servers[name]
+    return server
 
 
 @atexit.register

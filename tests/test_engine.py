@@ -6,11 +6,13 @@ One Engine serves the whole module (a start costs seconds). Generation is kept s
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 
+import psutil
 import pytest
 
-from radixserve import ContextLengthExceededError, Engine, GenerateReqInput
+from radixserve import ContextLengthExceededError, Engine, EngineDeadError, GenerateReqInput
 
 GREEDY = {"temperature": 0.0}
 PROMPTS = [
@@ -255,3 +257,18 @@ def test_flush_cache_and_server_info(engine):
     for key in ("cache", "num_running_reqs", "num_queued_reqs", "token_usage", "context_len", "vocab_size"):
         assert key in info
     assert engine.is_healthy()
+
+
+def test_shutdown_leaves_no_child_processes(engine):
+    """Runs last in this module: it shuts the module's engine down (the fixture's own shutdown is a no-op)."""
+    pids = list(engine._resources.children.pids().values())
+    ipc_dir = engine._resources.ipc.tmp_dir
+    assert all(psutil.pid_exists(pid) for pid in pids)
+    engine.shutdown()
+    for pid in pids:
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    assert not any(child.pid in pids for child in psutil.Process().children(recursive=True))
+    assert not os.path.exists(ipc_dir)
+    assert not engine.is_healthy()
+    with pytest.raises(EngineDeadError, match="shut down"):
+        engine.generate("x")

@@ -3,6 +3,7 @@ normal request still works afterwards."""
 
 from __future__ import annotations
 
+import collections
 import json
 
 import httpx
@@ -81,6 +82,7 @@ def server():
 def test_fuzzed_bodies_never_cause_a_server_error(server):
     client = httpx.Client(base_url=server.url, headers={**server.headers(), "Content-Type": "application/json"},
                           timeout=120.0)
+    statuses: collections.Counter = collections.Counter()
 
     @settings(max_examples=80, deadline=None, derandomize=True,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -88,6 +90,7 @@ def test_fuzzed_bodies_never_cause_a_server_error(server):
     def check(request, get_path):
         path, payload = request
         response = client.post(path, content=payload)
+        statuses[response.status_code] += 1
         assert response.status_code < 500, (path, payload[:300], response.status_code, response.text[:500])
         if response.status_code >= 400:
             assert set(response.json()["error"]) == {"message", "type", "param", "code"}
@@ -95,6 +98,8 @@ def test_fuzzed_bodies_never_cause_a_server_error(server):
         assert get.status_code < 500, (get_path, get.text[:300])
 
     check()
+    # The examples reached both the validation and the generation paths.
+    assert statuses[400] >= 20 and statuses[200] >= 3, statuses
     assert server.process.poll() is None
     server.wait_idle(timeout=10.0)
     ok = client.post("/v1/chat/completions", json=ROUTES["/v1/chat/completions"])

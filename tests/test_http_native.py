@@ -102,22 +102,29 @@ def test_rpc_routes(server):
 
 def _metric(text: str, name: str) -> float:
     match = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.MULTILINE)
+    if match is None and name not in text:
+        return 0.0  # a labelled counter appears only once it was incremented
     assert match, name
     return float(match.group(1))
 
 
 def test_metrics_count_requests(server):
     before = httpx.get(server.url + "/metrics").text
-    result = _post(server, "/generate", {"text": PROMPT, "sampling_params": {"max_new_tokens": 3, "temperature": 0,
-                                                                              "ignore_eos": True}}).json()
+    params = {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}
+    result = _post(server, "/generate", {"text": PROMPT, "sampling_params": params}).json()
+    with httpx.stream("POST", server.url + "/generate", headers=server.headers(), timeout=120.0,
+                      json={"text": PROMPT, "sampling_params": params, "stream": True}) as response:
+        assert sum(1 for line in response.iter_lines() if line.startswith("data: ")) >= 3
     after = httpx.get(server.url + "/metrics").text
-    for name, delta in (("radixserve_generation_tokens_total", 3),
-                        ("radixserve_prompt_tokens_total", result["meta_info"]["prompt_tokens"]),
-                        ("radixserve_time_to_first_token_seconds_count", 1),
-                        ("radixserve_e2e_request_latency_seconds_count", 1)):
+    for name, delta in (("radixserve_generation_tokens_total", 6),
+                        ("radixserve_prompt_tokens_total", 2 * result["meta_info"]["prompt_tokens"]),
+                        ("radixserve_time_to_first_token_seconds_count", 2),
+                        ("radixserve_e2e_request_latency_seconds_count", 2),
+                        ('radixserve_requests_total{finish_reason="length"}', 2)):
         assert _metric(after, name) - _metric(before, name) == delta, name
-    assert _metric(after, "radixserve_inter_token_latency_seconds_count") > _metric(
-        before, "radixserve_inter_token_latency_seconds_count")
+    # The streamed request's three tokens arrived in separate chunks: two gaps.
+    assert _metric(after, "radixserve_inter_token_latency_seconds_count") - _metric(
+        before, "radixserve_inter_token_latency_seconds_count") >= 2
     for gauge in ("radixserve_num_running_reqs", "radixserve_num_queued_reqs", "radixserve_token_usage",
                   "radixserve_cache_hit_rate"):
         _metric(after, gauge)

@@ -153,10 +153,45 @@ def test_completions_logprobs(client, model):
     assert logprobs.text_offset[0] == len(PROMPT)
     for token, logprob, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs):
         assert logprob <= 0.0 and len(top) <= 2 and max(top.values()) == pytest.approx(logprob, abs=1e-4)
+
+
+def test_echo_with_logprobs_needs_prompt_logprobs_from_the_engine(server, client, model):
+    """Prompt-token logprobs are served when the engine computes them (as the native route shows), else 400."""
+    native = httpx.post(server.url + "/generate", headers=server.headers(), timeout=60.0, json={
+        "text": PROMPT, "return_logprob": True, "logprob_start_len": 0,
+        "sampling_params": {"max_new_tokens": 1, "temperature": 0}}).json()
+    engine_has_them = any(entry[0] is not None for entry in native["meta_info"]["input_token_logprobs"])
+    assert server.server_info()["http"]["capabilities"]["input_logprobs"] == engine_has_them
+    if not engine_has_them:
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model=model, prompt=PROMPT, max_tokens=1, logprobs=1, echo=True)
+        assert info.value.param == "echo"
+        return
     echoed = client.completions.create(model=model, prompt=PROMPT, max_tokens=1, temperature=0, logprobs=1,
                                        echo=True).choices[0].logprobs
+    prompt_len = native["meta_info"]["prompt_tokens"]
     assert echoed.token_logprobs[0] is None and echoed.text_offset[0] == 0
-    assert "".join(echoed.tokens).startswith(PROMPT)
+    assert all(lp is not None and lp <= 0 for lp in echoed.token_logprobs[1:])
+    assert len(echoed.tokens) == prompt_len + 1 and "".join(echoed.tokens).startswith(PROMPT)
+
+
+def test_response_format_json(server, client, model):
+    """JSON output is served when the engine supports structured output, else refused with 400."""
+    supported = server.server_info()["http"]["capabilities"]["structured_output"]
+    schema = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+    kwargs = dict(model=model, messages=[{"role": "user", "content": "Give me a JSON object with a name."}],
+                  max_tokens=40, temperature=0,
+                  response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema}})
+    if not supported:
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(**kwargs)
+        assert info.value.param == "response_format"
+        return
+    import json
+
+    reply = client.chat.completions.create(**kwargs).choices[0]
+    if reply.finish_reason == "stop":
+        assert isinstance(json.loads(reply.message.content)["name"], str)
 
 
 def test_stop_strings(client, model):

@@ -51,9 +51,11 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
 def test_chat_request_accepts_what_the_openai_client_sends():
     body = {
-        **CHAT, "messages": [{"role": "system", "content": "s"}, {"role": "user", "content": [{"type": "text", "text": "a"},
-                                                                                            {"type": "text", "text": "b"}]},
-                             {"role": "assistant", "content": "c", "refusal": None, "tool_calls": None}],
+        **CHAT, "messages": [
+            {"role": "system", "content": "s"},
+            {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+            {"role": "assistant", "content": "c", "refusal": None, "tool_calls": None},
+        ],
         "temperature": 0, "top_p": 1, "n": 2, "stop": ["x"], "max_completion_tokens": 5, "seed": -3,
         "logprobs": True, "top_logprobs": 3, "stream": True, "stream_options": {"include_usage": True},
         "user": "u", "logit_bias": {"17": -100}, "cache_salt": "s", "top_k": 5, "min_p": 0.1, "ignore_eos": True,
@@ -110,7 +112,8 @@ def test_malformed_bodies_are_400(raw, message):
 
 
 def test_cross_field_rules():
-    assert "stream_options" in _error(ChatCompletionRequest, {**CHAT, "stream_options": {"include_usage": True}}).message
+    no_stream = {**CHAT, "stream_options": {"include_usage": True}}
+    assert "stream_options" in _error(ChatCompletionRequest, no_stream).message
     assert "top_logprobs" in _error(ChatCompletionRequest, {**CHAT, "top_logprobs": 2}).message
     assert "best_of" in _error(CompletionRequest, {"prompt": "x", "n": 1, "best_of": 3}).message
     assert _error(CompletionRequest, {"prompt": "x", "suffix": "y"}).param == "suffix"
@@ -140,13 +143,15 @@ def test_openai_fields_become_sampling_params_the_tokenizer_manager_accepts():
     assert checked.stop == ["END"] and checked.stop_token_ids == [3] and checked.logit_bias == {12: 5.5}
     assert checked.ignore_eos and not checked.skip_special_tokens
     # top_p = 0 keeps only the most likely token: greedy.
-    greedy = sampling_params(_state(), parse_request(ChatCompletionRequest, json.dumps({**CHAT, "top_p": 0}).encode()), 4)
-    assert build_sampling_params(greedy, VOCAB).is_greedy()
+    def chat(**fields) -> ChatCompletionRequest:
+        return parse_request(ChatCompletionRequest, json.dumps({**CHAT, **fields}).encode())
+
+    assert build_sampling_params(sampling_params(_state(), chat(top_p=0), 4), VOCAB).is_greedy()
     with pytest.raises(APIError) as info:
-        sampling_params(_state(), parse_request(ChatCompletionRequest, json.dumps({**CHAT, "logit_bias": {"5000": 1}}).encode()), 4)
+        sampling_params(_state(), chat(logit_bias={"5000": 1}), 4)
     assert info.value.param == "logit_bias"
     with pytest.raises(APIError):
-        sampling_params(_state(), parse_request(ChatCompletionRequest, json.dumps({**CHAT, "min_tokens": 9}).encode()), 4)
+        sampling_params(_state(), chat(min_tokens=9), 4)
 
 
 def test_native_sampling_params_match_the_engine_struct():
@@ -189,8 +194,9 @@ def test_choice_output_accepts_per_chunk_and_cumulative_logprobs():
         d1 = per_chunk.add({"text": "x", "output_ids": ids, "meta_info": {"output_token_logprobs": lps}})
         d2 = cumulative.add({"text": "x", "output_ids": ids, "meta_info": {"output_token_logprobs": list(seen)}})
         assert d1.token_logprobs == d2.token_logprobs == lps
-    final = {"text": "", "output_ids": [], "meta_info": {"finish_reason": {"type": "stop", "matched": 2},
-                                                         "prompt_tokens": 4, "completion_tokens": 3, "cached_tokens": 1}}
+    final_meta = {"finish_reason": {"type": "stop", "matched": 2}, "prompt_tokens": 4, "completion_tokens": 3,
+                  "cached_tokens": 1}
+    final = {"text": "", "output_ids": [], "meta_info": final_meta}
     assert per_chunk.add(final).finish_reason == {"type": "stop", "matched": 2}
     assert per_chunk.text == "xx" and per_chunk.output_ids == [5, 6, 7] and len(per_chunk.token_logprobs) == 3
     assert usage([[per_chunk, per_chunk]]) == {"prompt_tokens": 4, "completion_tokens": 6, "total_tokens": 10,

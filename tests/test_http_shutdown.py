@@ -14,23 +14,20 @@ import httpx
 import psutil
 import pytest
 
-from http_fixtures import ServerProcess
+from http_fixtures import shared_server, take_shared_server
 
 pytestmark = pytest.mark.timeout(300)
-DRAIN_SECONDS = 4.0
+DRAIN_SECONDS = 4.0  # the shared server's --graceful-shutdown-timeout
 
 
 @pytest.fixture(scope="module")
 def server():
-    server = ServerProcess("--graceful-shutdown-timeout", str(DRAIN_SECONDS), "--skip-server-warmup",
-                           "--log-level", "warning")
-    yield server
-    server.stop()
+    return shared_server()
 
 
 def test_cli_generate_prints_the_greedy_completion(server):
     prompt = "Name a fruit."
-    served = httpx.post(server.url + "/v1/chat/completions", timeout=60.0, json={
+    served = httpx.post(server.url + "/v1/chat/completions", timeout=60.0, headers=server.headers(), json={
         "messages": [{"role": "user", "content": prompt}], "max_tokens": 8, "temperature": 0}).json()
     printed = subprocess.run([sys.executable, "-m", "radixserve", "generate", prompt, "--max-new-tokens", "8",
                               "--log-level", "warning"], capture_output=True, text=True, timeout=240)
@@ -41,12 +38,21 @@ def test_cli_generate_prints_the_greedy_completion(server):
 def _stream(server, max_tokens: int, out: dict) -> None:
     body = {"prompt": "Count to a thousand:", "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0,
             "stream": True}
-    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120.0) as response:
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120.0,
+                      headers=server.headers()) as response:
         out["events"] = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
     out["ended"] = time.monotonic()
 
 
-def test_sigterm_drains_aborts_the_rest_and_exits_zero(server):
+def test_sigterm_drains_aborts_the_rest_and_exits_zero():
+    server = take_shared_server()
+    try:
+        _check_graceful_shutdown(server)
+    finally:
+        server.stop()
+
+
+def _check_graceful_shutdown(server) -> None:
     children = psutil.Process(server.process.pid).children(recursive=True)
     assert len(children) >= 2  # the scheduler and the detokenizer
     short, long = {}, {}
@@ -55,7 +61,7 @@ def test_sigterm_drains_aborts_the_rest_and_exits_zero(server):
     for thread in threads:
         thread.start()
     deadline = time.monotonic() + 30
-    while httpx.get(server.url + "/get_server_info").json()["num_running_reqs"] < 2:
+    while server.server_info()["num_running_reqs"] < 2:
         assert time.monotonic() < deadline
         time.sleep(0.05)
 

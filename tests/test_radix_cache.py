@@ -30,7 +30,7 @@ def make_cache(size: int, page_size: int = 1, policy: str = "lru") -> RadixCache
 
 def free_pages(allocator: KVAllocator) -> list[int]:
     allocator.available_size()  # applies batched frees
-    return allocator._free_pages.tolist()
+    return allocator.free_page_list()
 
 
 def path_tokens(node) -> list[int]:

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import time
-
 import psutil
 import pytest
 import zmq
@@ -115,13 +113,16 @@ def test_start_up_failure_is_reported(tmp_path):
 
 
 def _short_lived_parent(server_args: ServerArgs, ipc: IpcPaths, pid_queue) -> None:
-    """Start a scheduler, report its pid, then die without any clean-up (like a killed Engine)."""
+    """Start a scheduler, wait until it is ready, report its pid, then die without any clean-up."""
+    peer = Peer(ipc)
     child = mp.get_context("spawn").Process(
         target=run_scheduler_process, args=(server_args, ipc, os.getpid()), daemon=True
     )
     child.start()
-    pid_queue.put(child.pid)
-    time.sleep(0.5)
+    ready = peer.recv(START_TIMEOUT_S)
+    pid_queue.put((child.pid, isinstance(ready, ProcessReady)))
+    pid_queue.close()
+    pid_queue.join_thread()  # the queue's feeder thread must deliver before the hard exit
     os._exit(0)
 
 
@@ -132,7 +133,8 @@ def test_scheduler_exits_when_its_parent_dies(tiny_model_dir):
     server_args = ServerArgs(model_path=tiny_model_dir("llama"), device="cpu", log_level="critical")
     parent = context.Process(target=_short_lived_parent, args=(server_args, ipc, pid_queue))
     parent.start()
-    child_pid = pid_queue.get(timeout=START_TIMEOUT_S)
+    child_pid, was_ready = pid_queue.get(timeout=START_TIMEOUT_S)
+    assert was_ready
     parent.join(30)
     try:
         child = psutil.Process(child_pid)

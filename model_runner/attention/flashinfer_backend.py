@@ -5,6 +5,11 @@ loop) and plans one FlashInfer wrapper; per layer, `forward` writes the new K/V 
 planned wrapper over the pool's buffers viewed as NHD pages. Extend (and MIXED) batches run as paged
 prefill over prefix + new tokens together, causally: one kernel, no separate ragged pass and merge.
 
+Decode under CUDA graphs (`init_cuda_graph_state`, `plan_for_capture`, `plan_for_replay`): one decode
+wrapper per captured batch size, in FlashInfer's CUDA-graph mode, whose page table lives in fixed buffers
+shared by all sizes (one graph runs at a time); re-planning before each replay rewrites those buffers and
+the wrapper's own scheduling workspace in place, which the captured kernels read.
+
 `flashinfer` is imported when the backend is constructed, never when this module is imported.
 """
 
@@ -61,9 +66,11 @@ class FlashInferAttentionBackend(AttentionBackend):
         if decode_use_tensor_cores is None:
             # Several query heads per KV head make decode a small matrix product per KV head.
             decode_use_tensor_cores = num_heads // num_kv_heads >= 4
+        self.decode_use_tensor_cores = decode_use_tensor_cores
         self._workspace = fi.new_workspace(self.device, workspace_bytes)
         self._decode_wrapper = fi.make_decode_wrapper(self._workspace, decode_use_tensor_cores)
         self._prefill_wrapper = fi.make_prefill_wrapper(self._workspace, prefill_backend)
+        self._graph_wrappers: dict[int, Any] = {}  # captured batch size -> CUDA-graph decode wrapper
 
     def plan(self, batch: ForwardBatch) -> None:
         assert batch.token_to_kv_pool.page_size == self.page_size, "pool page size differs from the backend's"
@@ -86,6 +93,50 @@ class FlashInferAttentionBackend(AttentionBackend):
                 self._prefill_wrapper, qo_indptr_host, kv_index, *shape, self.dtype, kv_dtype, self.sm_scale
             )
             wrapper = self._prefill_wrapper
+        batch.attn_metadata = FlashInferMetadata(wrapper, kv_index)
+
+    # ---- CUDA graphs (decode) --------------------------------------------------------------------
+    def init_cuda_graph_state(self, max_bs: int, max_context_len: int) -> None:
+        """Allocate the fixed page-table buffers for decode graphs of up to `max_bs` requests of up to
+        `max_context_len` positions each."""
+        max_pages = max_bs * -(-max_context_len // self.page_size)
+        self._graph_indptr = torch.zeros(max_bs + 1, dtype=torch.int32, device=self.device)
+        self._graph_indices = torch.zeros(max_pages, dtype=torch.int32, device=self.device)
+        self._graph_last_page_len = torch.ones(max_bs, dtype=torch.int32, device=self.device)
+        self._graph_wrappers = {}
+
+    def plan_for_capture(self, batch: ForwardBatch) -> None:
+        """Make the CUDA-graph decode wrapper of `batch.batch_size` and plan it for `batch` (the graph
+        runner's static batch, outside the capture)."""
+        assert batch.mode == ForwardMode.DECODE, "only decode batches are captured"
+        bs = batch.batch_size
+        flashinfer = fi.require_flashinfer()
+        self._graph_wrappers[bs] = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self._workspace,
+            "NHD",
+            use_cuda_graph=True,
+            use_tensor_cores=self.decode_use_tensor_cores,
+            paged_kv_indptr_buffer=self._graph_indptr[: bs + 1],
+            paged_kv_indices_buffer=self._graph_indices,
+            paged_kv_last_page_len_buffer=self._graph_last_page_len[:bs],
+        )
+        self.plan_for_replay(batch)
+
+    def plan_for_replay(self, batch: ForwardBatch) -> None:
+        """Re-plan the captured wrapper of `batch.batch_size` for the values now in the static batch
+        (host work plus copies into the fixed buffers, queued on the current stream before the replay)."""
+        wrapper = self._graph_wrappers[batch.batch_size]
+        kv_index = build_paged_kv_index(
+            batch.req_to_token_pool.req_to_token,
+            batch.req_pool_indices,
+            batch.seq_lens,
+            batch.seq_lens_cpu,
+            self.page_size,
+        )
+        fi.plan_decode(
+            wrapper, kv_index, self.num_heads, self.num_kv_heads, self.head_dim, self.page_size,
+            self.dtype, batch.token_to_kv_pool.dtype, self.sm_scale,
+        )
         batch.attn_metadata = FlashInferMetadata(wrapper, kv_index)
 
     def forward(

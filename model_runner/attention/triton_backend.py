@@ -83,6 +83,23 @@ class TritonAttentionBackend(AttentionBackend):
             extend_starts = torch.cumsum(batch.extend_lens, dim=0) - batch.extend_lens
             batch.attn_metadata = TritonExtendMetadata(extend_starts, max(batch.extend_lens_cpu, default=0))
 
+    # ---- CUDA graphs (decode) --------------------------------------------------------------------
+    # The decode kernels read every per-request value (rows, lengths) from device tensors and their launch
+    # shape depends only on the batch size, so a captured decode needs no re-planning.
+    def init_cuda_graph_state(self, max_bs: int, max_context_len: int) -> None:
+        """Check that the split-KV scratch covers graphs of up to `max_bs` requests."""
+        assert max_bs <= self.max_batch_size, (
+            f"CUDA graphs for {max_bs} requests exceed the backend's max_batch_size {self.max_batch_size}"
+        )
+
+    def plan_for_capture(self, batch: ForwardBatch) -> None:
+        """Plan the graph runner's static decode batch once, before its capture."""
+        assert batch.mode == ForwardMode.DECODE, "only decode batches are captured"
+        self.plan(batch)
+
+    def plan_for_replay(self, batch: ForwardBatch) -> None:
+        """Nothing to do: the metadata planned at capture depends only on the (fixed) batch size."""
+
     def forward(
         self,
         q: torch.Tensor,

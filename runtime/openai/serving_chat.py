@@ -70,6 +70,8 @@ async def create_chat_completion(
     state: ServerState, http_request: Request, body: ChatCompletionRequest, tenant: Optional[str]
 ) -> Response:
     check_model(state, body.model)
+    if body.response_format is not None and body.response_format.type != "text":
+        await state.capabilities.require(state.engine, state.tokenizer, "structured_output", "response_format")
     input_ids = render_chat(state, body.messages)
     max_new_tokens = plan_max_new_tokens(state, len(input_ids), body.max_new_tokens, "messages")
     params = {**sampling_params(state, body, max_new_tokens), **_response_format_params(body)}

@@ -59,6 +59,8 @@ async def create_completion(
     state: ServerState, http_request: Request, body: CompletionRequest, tenant: Optional[str]
 ) -> Response:
     check_model(state, body.model)
+    if body.echo and body.logprobs is not None:
+        await state.capabilities.require(state.engine, state.tokenizer, "input_logprobs", "echo")
     raw_prompts = body.prompts()
     prompts = [_tokenize(state, p, "prompt" if len(raw_prompts) == 1 else f"prompt[{i}]")
                for i, p in enumerate(raw_prompts)]
@@ -138,17 +140,14 @@ def _choice_text(
 
 
 def _prompt_logprobs(prompt: _Prompt, out: ChoiceOutput) -> tuple[list[Any], list[Any]]:
-    """Prompt token entries (logprob, token id): the engine's when it returned one per prompt token, else
-    null logprobs; the first token's logprob is null either way."""
-    engine_entries = out.input_token_logprobs or []
-    engine_tops = out.input_top_logprobs or []
+    """Prompt token entries (logprob, token id) from the engine's input logprobs (the first token's logprob
+    is null: nothing precedes it); null where the engine returned none."""
+    engine_entries = list(out.input_token_logprobs or [])
+    engine_tops = list(out.input_top_logprobs or [])
     entries, tops = [], []
     for position, token_id in enumerate(prompt.input_ids):
-        logprob = None
-        top = None
-        if len(engine_entries) == len(prompt.input_ids) and position > 0:
-            logprob = engine_entries[position][0]
-            top = engine_tops[position] if position < len(engine_tops) else None
+        logprob = engine_entries[position][0] if position < len(engine_entries) and position > 0 else None
+        top = engine_tops[position] if position < len(engine_tops) and logprob is not None else None
         entries.append((logprob, token_id))
         tops.append(top)
     return entries, tops
