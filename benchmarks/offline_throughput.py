@@ -103,7 +103,8 @@ def run_engine(args, workload: Workload, radix_cache: bool) -> RunResult:
     from radixserve import Engine
 
     params = {"max_new_tokens": workload.output_len, "temperature": 0.0, "ignore_eos": True}
-    engine_args = {"dtype": args.dtype, "log_level": args.log_level, "disable_radix_cache": not radix_cache,
+    engine_args = {"dtype": args.dtype, "load_format": args.load_format, "log_level": args.log_level,
+                   "disable_radix_cache": not radix_cache,
                    **parse_engine_args(args.engine_arg)}
     with Engine(args.model, **engine_args) as engine:
         # Warm-up on ids that share nothing with the workload, then start from an empty cache.
@@ -131,26 +132,35 @@ def run_hf(args, workload: Workload, model_dir: str) -> RunResult:
     from transformers import AutoModelForCausalLM
 
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "auto": torch.float32}[args.dtype]
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    if args.load_format == "dummy":  # random weights of the same shape: the speed does not depend on the values
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(model_dir)
+        with torch.device(args.hf_device):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(args.hf_device).eval()
+    prompts = workload.prompts[:args.hf_num_prompts] if args.hf_num_prompts else workload.prompts
     # EOS ignored, as for the engine: no stopping and no banning.
     model.generation_config.eos_token_id = None
     pad_id = 0
     outputs: list[list[int]] = []
     start = time.perf_counter()
     with torch.no_grad():
-        for first in range(0, len(workload.prompts), args.hf_batch_size):
-            batch = workload.prompts[first:first + args.hf_batch_size]
+        for first in range(0, len(prompts), args.hf_batch_size):
+            batch = prompts[first:first + args.hf_batch_size]
             width = max(len(p) for p in batch)
             ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in batch])  # left padding
             mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+            ids, mask = ids.to(args.hf_device), mask.to(args.hf_device)
             out = model.generate(ids, attention_mask=mask, max_new_tokens=workload.output_len, do_sample=False,
                                  pad_token_id=pad_id)
             outputs.extend(row[width:].tolist() for row in out)
     seconds = time.perf_counter() - start
     return RunResult(
-        system=f"Hugging Face generate (padded batches of {args.hf_batch_size})",
+        system=f"Hugging Face generate (padded batches of {args.hf_batch_size}, {len(prompts)} requests)",
         seconds=seconds,
-        input_tokens=workload.input_tokens,
+        input_tokens=sum(len(p) for p in prompts),
         output_tokens=sum(len(o) for o in outputs),
         outputs=outputs,
     )
@@ -162,7 +172,8 @@ def report(workload: Workload, results: list[RunResult], baseline: Optional[RunR
              f"{'system':<46} {'time (s)':>9} {'input tok/s':>12} {'output tok/s':>13} {'vs HF':>7} "
              f"{'hit rate':>9} {'same as HF':>11}"]
     for r in results:
-        speedup = f"{baseline.seconds / r.seconds:.2f}x" if baseline else "-"
+        # A ratio of throughputs, so a baseline run on a subset of the prompts compares fairly.
+        speedup = f"{r.output_throughput / baseline.output_throughput:.2f}x" if baseline else "-"
         hit = f"{r.cache_hit_rate:.1%}" if r.cache_hit_rate is not None else "-"
         same = "-"
         if baseline is not None and r is not baseline:
@@ -187,6 +198,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--gsp-output-len", type=int, default=32)
     parser.add_argument("--cache", default="on,off", help="radix cache modes to run: on, off or on,off")
     parser.add_argument("--hf-batch-size", type=int, default=16)
+    parser.add_argument("--hf-device", default="cpu", help="device of the Hugging Face baseline (cpu or cuda)")
+    parser.add_argument("--hf-num-prompts", type=int, default=None,
+                        help="run the baseline on the first N prompts only (throughputs are compared)")
+    parser.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"])
     parser.add_argument("--skip-hf", action="store_true", help="do not run the Hugging Face baseline")
     parser.add_argument("--engine-arg", action="append", default=[], metavar="NAME=VALUE")
     parser.add_argument("--seed", type=int, default=0)
@@ -196,7 +211,7 @@ def main(argv: Optional[list[str]] = None) -> None:
 
     from radixserve.model_runner.loader import load_tokenizer, resolve_model
 
-    model_dir = resolve_model(args.model).model_dir
+    model_dir = resolve_model(args.model, load_format=args.load_format).model_dir
     workload = make_workload(args, load_tokenizer(model_dir))
     results = []
     for mode in args.cache.split(","):

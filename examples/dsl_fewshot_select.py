@@ -14,27 +14,27 @@ import argparse
 
 from radixserve.frontend import RuntimeEndpoint, function, select, set_default_backend
 
-LABELS = ["positive", "negative", "neutral"]
+LABELS = ["positive", "negative"]
 EXAMPLES = [
     ("I love this phone, the battery lasts for days.", "positive"),
     ("The delivery was late and the box was damaged.", "negative"),
-    ("The package arrived on Tuesday.", "neutral"),
     ("Best concert I have been to in years!", "positive"),
     ("The app crashes every time I open it.", "negative"),
-    ("The meeting is scheduled for 3 pm.", "neutral"),
+    ("Our guide was friendly and knew every street.", "positive"),
+    ("The room smelled of smoke and the sheets were dirty.", "negative"),
 ]
 INPUTS = [
     "The food was cold and the waiter ignored us.",
     "What a fantastic view from the hotel room!",
-    "The train leaves from platform 4.",
     "I would not recommend this course to anyone.",
     "My new running shoes are incredibly comfortable.",
+    "The battery died after one hour, what a waste of money.",
 ]
 
 
 @function
 def classify(s, text):
-    s += "Classify the sentiment of each sentence as positive, negative or neutral.\n\n"
+    s += "Classify the sentiment of each sentence as positive or negative.\n\n"
     for example, label in EXAMPLES:
         s += f"Sentence: {example}\nSentiment: {label}\n\n"
     s += "Sentence: " + text + "\nSentiment: " + select("label", LABELS)

@@ -1,6 +1,6 @@
 """The DSL's public functions (SGLang's frontend names, so an SGLang script only changes its import).
 
-    from radixserve import function, gen, select, system, user, assistant, set_default_backend, RuntimeEndpoint
+    from radixserve.frontend import function, gen, select, system, user, assistant, set_default_backend, RuntimeEndpoint
 
     @function
     def qa(s, question):

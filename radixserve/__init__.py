@@ -4,6 +4,8 @@
     with Engine() as engine:                       # the embedded SmolLM2-135M-Instruct
         print(engine.generate("Hello", {"max_new_tokens": 16})["text"])
 
+    from radixserve import function, gen, select  # the frontend DSL
+
 Public names load lazily, so `import radixserve` stays cheap (no torch until an Engine is made).
 """
 
@@ -21,6 +23,13 @@ _LAZY = {
     "ContextLengthExceededError": ("radixserve.tokenizer_manager.errors", "ContextLengthExceededError"),
     "EngineStartupError": ("radixserve.runtime.launch", "EngineStartupError"),
 }
+# The frontend DSL, SGLang's names: `from radixserve import function, gen, select, ...`.
+_DSL_NAMES = (
+    "function", "gen", "select", "system", "user", "assistant", "system_begin", "system_end", "user_begin",
+    "user_end", "assistant_begin", "assistant_end", "set_default_backend", "RuntimeEndpoint", "EngineBackend",
+    "token_length_normalized", "greedy_token_selection", "unconditional_likelihood_normalized",
+)
+_LAZY.update({name: ("radixserve.frontend", name) for name in _DSL_NAMES})
 
 __all__ = ["__version__", *_LAZY]
 

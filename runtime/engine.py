@@ -135,7 +135,8 @@ class Engine:
 
     @staticmethod
     def _request(prompt: Prompt, sampling_params: Params, input_ids: Any, return_logprob: Any,
-                 logprob_start_len: Any, top_logprobs_num: Any, stream: bool, cache_salt: Any) -> GenerateReqInput:
+                 logprob_start_len: Any, top_logprobs_num: Any, stream: bool, cache_salt: Any,
+                 return_text_in_logprobs: bool = False) -> GenerateReqInput:
         return GenerateReqInput(
             text=prompt,
             input_ids=input_ids,
@@ -143,6 +144,7 @@ class Engine:
             return_logprob=return_logprob,
             logprob_start_len=-1 if logprob_start_len is None else logprob_start_len,
             top_logprobs_num=0 if top_logprobs_num is None else top_logprobs_num,
+            return_text_in_logprobs=return_text_in_logprobs,
             stream=stream,
             cache_salt=cache_salt,
         )
@@ -150,7 +152,8 @@ class Engine:
     def generate(self, prompt: Prompt = None, sampling_params: Params = None, input_ids: Any = None,
                  return_logprob: Union[bool, list[bool]] = False, logprob_start_len: Any = None,
                  top_logprobs_num: Any = None, stream: bool = False,
-                 cache_salt: Union[str, list[str], None] = None) -> Union[dict, list[dict], Iterator[dict]]:
+                 cache_salt: Union[str, list[str], None] = None,
+                 return_text_in_logprobs: bool = False) -> Union[dict, list[dict], Iterator[dict]]:
         """Generate for one prompt (a str or token-id list) or a batch (a list of them).
 
         Returns the result (a dict, or a list for a batch or n > 1), or with stream=True an iterator of
@@ -159,7 +162,7 @@ class Engine:
         """
         self._check_open()
         obj = self._request(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
-                            top_logprobs_num, stream, cache_salt)
+                            top_logprobs_num, stream, cache_salt, return_text_in_logprobs)
         if stream:
             return self._loop.stream(lambda: self._tm.submit(obj), lambda group: self._tm.iterate(group, obj))
         return self._loop.call(self._collect(obj))
@@ -168,11 +171,12 @@ class Engine:
                              return_logprob: Union[bool, list[bool]] = False, logprob_start_len: Any = None,
                              top_logprobs_num: Any = None, stream: bool = False,
                              cache_salt: Union[str, list[str], None] = None,
+                             return_text_in_logprobs: bool = False,
                              ) -> Union[dict, list[dict], AsyncIterator[dict]]:
         """`generate` for async callers: await it for the result, or (stream=True) for an async iterator."""
         self._check_open()
         obj = self._request(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
-                            top_logprobs_num, stream, cache_salt)
+                            top_logprobs_num, stream, cache_salt, return_text_in_logprobs)
         if stream:
             return await self._loop.stream_async(lambda: self._tm.submit(obj),
                                                  lambda group: self._tm.iterate(group, obj))

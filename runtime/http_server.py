@@ -20,6 +20,7 @@ import contextlib
 import logging
 import os
 import signal
+import uuid
 from typing import Any, AsyncIterator, Optional
 
 import uvicorn
@@ -32,7 +33,6 @@ from radixserve.runtime.http_state import InflightRequests, ServerState, caller_
 from radixserve.runtime.metrics import ServerMetrics
 from radixserve.runtime.native_api import health_route
 from radixserve.runtime.native_api import router as native_router
-from radixserve.runtime.openai.capabilities import CapabilityCheck
 from radixserve.runtime.openai.errors import APIError, install_error_handlers
 from radixserve.runtime.openai.logprobs import TokenTexts
 from radixserve.runtime.openai.protocol import ChatCompletionRequest, CompletionRequest, parse_request
@@ -40,6 +40,7 @@ from radixserve.runtime.openai.serving_chat import create_chat_completion, rende
 from radixserve.runtime.openai.serving_completions import create_completion
 from radixserve.runtime.server_args import ServerArgs
 from radixserve.runtime.tenancy import TenantResolver
+from radixserve.tokenizer_manager.io import GenerateReqInput
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +90,6 @@ def create_app(engine: Any, server_args: ServerArgs) -> FastAPI:
         vocab_size=int(model_info["vocab_size"]),
         max_total_tokens=model_info.get("max_total_num_tokens"),
         token_texts=TokenTexts(engine.tokenizer),
-        capabilities=CapabilityCheck(),
         chat_template=load_chat_template(server_args.chat_template),
     )
     if state.chat_template is not None:  # fail at start-up, not on the first chat request
@@ -122,10 +122,22 @@ def create_app(engine: Any, server_args: ServerArgs) -> FastAPI:
 
 
 async def _warmup(state: ServerState) -> None:
-    """Tiny generations before serving, so the first client does not pay for lazy initialisation; they
-    also find out which optional features the engine supports."""
-    capabilities = await state.capabilities.get(state.engine, state.tokenizer)
-    logger.info("engine capabilities: %s", capabilities)
+    """Tiny generations before serving, so the first client does not pay for lazy initialisation: one plain,
+    one JSON-constrained (which builds the grammar compiler's tokenizer tables)."""
+    prompt = list(state.tokenizer.encode("Hello")) or [0]
+    one_token = {"max_new_tokens": 1, "temperature": 0.0}
+    requests = [GenerateReqInput(input_ids=prompt, sampling_params=one_token, rid=f"warmup-{uuid.uuid4().hex}"),
+                GenerateReqInput(input_ids=prompt, rid=f"warmup-json-{uuid.uuid4().hex}",
+                                 sampling_params={**one_token, "json_schema": '{"type": "object"}'})]
+
+    async def run(request: GenerateReqInput) -> Any:
+        result = None
+        async for result in state.engine.generate_request(request):
+            pass
+        return result
+
+    results = await asyncio.gather(*(run(r) for r in requests))
+    logger.info("warm-up done: %s", [r["meta_info"]["finish_reason"] for r in results])
 
 
 def _state(request: Request) -> ServerState:

@@ -96,7 +96,6 @@ class ServerState:
     vocab_size: int
     max_total_tokens: Optional[int]
     token_texts: Any = None  # radixserve.runtime.openai.logprobs.TokenTexts of the tokenizer
-    capabilities: Any = None  # radixserve.runtime.openai.capabilities.CapabilityCheck
     chat_template: Optional[str] = None
     metrics: Any = None  # radixserve.runtime.metrics.ServerMetrics, when enabled
     created: int = field(default_factory=lambda: int(time.time()))

@@ -9,7 +9,6 @@ may abort its own requests with `POST /abort_request {"rid": ...}` (another tena
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import uuid
 from typing import Annotated, Any, AsyncIterator, Optional, Union
 
@@ -232,8 +231,7 @@ async def get_server_info(request: Request, tenant: Optional[str] = Depends(call
     info["http"] = {"served_model_name": state.served_model_name,
                     "inflight_requests": len(state.inflight),
                     "inflight_engine_requests": state.inflight.num_engine_requests,
-                    "capacity": state.inflight.capacity,
-                    "capabilities": dataclasses.asdict(await state.capabilities.get(state.engine, state.tokenizer))}
+                    "capacity": state.inflight.capacity}
     return json_response(info)
 
 

@@ -12,7 +12,7 @@ the host. That is what lets the overlap scheduler build batch N+1 before batch N
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 
@@ -21,6 +21,10 @@ from radixserve.model_runner.sampling_info import SamplingBatchInfo
 from radixserve.radix_cache.pool import KVAllocator, ReqToTokenPool, TokenToKVPool
 from radixserve.scheduler.req import Req
 from radixserve.scheduler.stop import StopChecker
+
+if TYPE_CHECKING:
+    from radixserve.model_runner.logprobs import InputLogprobPlan
+    from radixserve.scheduler.grammar import GrammarMask
 
 
 @dataclass
@@ -37,6 +41,10 @@ class ScheduleBatch:
     sampling_info: SamplingBatchInfo
     return_logprob: bool
     top_logprobs_num: int
+    # Extra logits rows for prompt-token logprobs (scheduler/input_logprobs.py), and the grammar entries'
+    # allowed-token mask (scheduler/grammar.py); set by the scheduler after assembly, None when unused.
+    input_logprobs: Optional[InputLogprobPlan] = None
+    grammar_mask: Optional[GrammarMask] = None
 
     @property
     def batch_size(self) -> int:
@@ -88,6 +96,45 @@ class ScheduleBatch:
             req_to_token_pool=req_to_token_pool,
             token_to_kv_pool=token_to_kv_pool,
         )
+
+
+def assemble_batch(
+    mode: ForwardMode,
+    extends: Sequence[tuple[Req, int, int, torch.Tensor]],
+    decodes: Sequence[Req],
+    decode_slots: Optional[torch.Tensor],
+    stop_checker: StopChecker,
+    vocab_size: int,
+    device: torch.device,
+) -> ScheduleBatch:
+    """The batch of `extends` (request, prefix_len, extend_len, slots; kv_len already raised) followed by
+    `decodes` (requests whose next token, already given a slot in `decode_slots`, is read from the token table)."""
+    reqs, prefix_lens, extend_lens, input_ids, samples, slot_parts = [], [], [], [], [], []
+    for req, prefix_len, extend_len, slots in extends:
+        reqs.append(req)
+        prefix_lens.append(prefix_len)
+        extend_lens.append(extend_len)
+        input_ids.extend(req.all_ids[prefix_len: prefix_len + extend_len])
+        samples.append(req.kv_len == req.fill_len())
+        slot_parts.append(slots)
+    table_entries = list(range(len(reqs), len(reqs) + len(decodes)))
+    for req in decodes:
+        reqs.append(req)
+        prefix_lens.append(req.kv_len - 1)
+        extend_lens.append(1)
+        input_ids.append(0)
+        samples.append(True)
+    if decodes:
+        slot_parts.append(decode_slots)
+    sampling_reqs = [r for r, s in zip(reqs, samples) if s]
+    return ScheduleBatch(
+        mode=mode, reqs=reqs, rows=[req.req_pool_idx for req in reqs], prefix_lens=prefix_lens,
+        extend_lens=extend_lens, input_ids=input_ids, table_entries=table_entries,
+        out_cache_loc=torch.cat(slot_parts), samples_output=samples,
+        sampling_info=build_sampling_info(reqs, samples, stop_checker, vocab_size, device),
+        return_logprob=any(r.return_logprob for r in sampling_reqs),
+        top_logprobs_num=max((r.top_logprobs_num for r in sampling_reqs), default=0),
+    )
 
 
 def pages_needed(last_slots: Sequence[int], extend_lens: Sequence[int], page_size: int) -> int:

@@ -47,9 +47,10 @@ def build_batch_token_out(reqs: Iterable[Req]) -> Optional[BatchTokenOut]:
             first = start == 0
             out.output_token_logprobs.append(req.output_token_logprobs[start:])
             out.output_top_logprobs.append(req.output_top_logprobs[start:])
-            # Input-token logprobs are not computed yet; sent (empty) once with a request's first output.
-            out.input_token_logprobs.append([] if first and req.return_logprob else None)
-            out.input_top_logprobs.append([] if first and req.return_logprob else None)
+            # Prompt-token logprobs (from logprob_start_len on) travel once, with a request's first output.
+            send_input = first and req.return_logprob
+            out.input_token_logprobs.append(list(req.input_token_logprobs) if send_input else None)
+            out.input_top_logprobs.append(list(req.input_top_logprobs) if send_input else None)
         req.num_sent_tokens = len(req.output_ids)
         if req.finished:
             req.finish_sent = True

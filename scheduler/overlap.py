@@ -6,8 +6,8 @@ N+1 and process batch N's results while batch N+1 runs. CPU kernels of torch rel
 threads really do work at the same time.
 
 Ordering contract: batches execute strictly one after another in launch order. Everything a batch reads from
-the device (KV slots, `req_to_token` rows, the token table) was written either on the host before its launch
-or by an earlier batch. Hence a KV slot or request row freed by the scheduler can be handed to a later batch
+the device (KV slots, `req_to_token` rows, the token table) was written on the host before its launch, by an
+earlier batch, or by itself (its new K/V, written in each layer before that layer attends). Hence a KV slot or request row freed by the scheduler can be handed to a later batch
 without waiting: every batch that used it has run before that later batch starts.
 """
 
@@ -19,6 +19,7 @@ from typing import Optional
 
 import torch
 
+from radixserve.model_runner.logprobs import InputLogprobs, compute_input_logprobs
 from radixserve.model_runner.sampling import Sampler
 from radixserve.scheduler.batch import ScheduleBatch
 
@@ -30,6 +31,7 @@ class BatchResult:
     next_token_ids: list[int]
     logprobs: Optional[list[float]] = None
     top_logprobs: Optional[list[list[tuple[int, float]]]] = None
+    input_logprobs: Optional[InputLogprobs] = None  # prompt-token logprobs, when the batch planned any
 
 
 class LaunchedBatch:
@@ -84,10 +86,19 @@ class BatchExecutor:
         forward_batch = batch.to_forward_batch(
             runner.req_to_token_pool, runner.token_to_kv_pool, self.token_table, self.device
         )
+        plan = batch.input_logprobs
+        if plan is not None:
+            forward_batch.logits_indices = plan.logits_indices(forward_batch.last_token_indices())
         logits = runner.forward(forward_batch)
+        input_logprobs = None
+        if plan is not None:
+            input_logprobs = compute_input_logprobs(logits[batch.batch_size:], plan)
+            logits = logits[: batch.batch_size]
+        if batch.grammar_mask is not None:
+            batch.grammar_mask.apply(logits)  # waits for the previous batch's tokens under overlap
         out = self.sampler.sample(logits, batch.sampling_info, batch.return_logprob, batch.top_logprobs_num)
         self.token_table[forward_batch.req_pool_indices] = out.next_token_ids
-        result = BatchResult(out.next_token_ids.tolist())
+        result = BatchResult(out.next_token_ids.tolist(), input_logprobs=input_logprobs)
         if out.logprobs is not None:
             result.logprobs = out.logprobs.tolist()
         if out.top_logprobs is not None:

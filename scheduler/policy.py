@@ -31,6 +31,12 @@ from radixserve.scheduler.req import Req
 # Expected outputs are clipped at this many tokens per request when reserving memory, so one request with a
 # huge max_new_tokens does not block admission on its own (SGLang uses the same idea).
 CLIP_MAX_NEW_TOKENS = 4096
+# Expected share of max_new_tokens a request will really generate, for the admission reserve: starts at
+# INIT (times schedule_conservativeness), decays with every decode step down to INIT * MIN_FACTOR, and jumps
+# back to the start after a retraction (admission was too optimistic) or when the scheduler goes idle.
+INIT_NEW_TOKEN_RATIO = 0.7
+MIN_NEW_TOKEN_RATIO_FACTOR = 0.14
+NEW_TOKEN_RATIO_DECAY_STEPS = 600
 # Matching every waiting request costs O(total prompt length); beyond this queue length lpm/dfs-weight
 # fall back to fcfs.
 PREFIX_POLICY_MAX_QUEUE = 128
@@ -92,6 +98,22 @@ class SchedulePolicy:
             children.sort(key=lambda c: weight[c])
             stack.extend(children)
         return ordered
+
+
+class NewTokenRatio:
+    """The admission reserve's estimate of how much of its max_new_tokens a running request will still use."""
+
+    def __init__(self, schedule_conservativeness: float = 1.0) -> None:
+        self.initial = min(INIT_NEW_TOKEN_RATIO * schedule_conservativeness, 1.0)
+        self.minimum = self.initial * MIN_NEW_TOKEN_RATIO_FACTOR
+        self.step_decay = (self.initial - self.minimum) / NEW_TOKEN_RATIO_DECAY_STEPS
+        self.value = self.initial
+
+    def decay(self) -> None:
+        self.value = max(self.value - self.step_decay, self.minimum)
+
+    def reset(self) -> None:
+        self.value = self.initial
 
 
 class PrefillAdder:

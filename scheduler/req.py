@@ -40,6 +40,7 @@ class Req:
         top_logprobs_num: int = 0,
         stream: bool = False,
         arrival_seq: int = 0,
+        logprob_start_len: int = -1,
     ) -> None:
         self.rid = rid
         self.origin_input_ids = list(origin_input_ids)
@@ -49,6 +50,7 @@ class Req:
         self.top_logprobs_num = top_logprobs_num if return_logprob else 0
         self.stream = stream
         self.arrival_seq = arrival_seq  # order of arrival, for fcfs among re-queued requests
+        self.logprob_start_len = logprob_start_len if return_logprob else -1
 
         # Outputs
         self.output_ids: list[int] = []
@@ -57,6 +59,11 @@ class Req:
         self.finished_reason: Optional[dict[str, Any]] = None
         self.num_sent_tokens = 0  # outputs already sent in a BatchTokenOut
         self.finish_sent = False
+        # Prompt-token logprobs from logprob_start_len on (see scheduler/input_logprobs.py)
+        self.input_token_logprobs: list[Optional[float]] = []
+        self.input_top_logprobs: list[Optional[list[tuple[int, float]]]] = []
+        self.input_logprobs_done = self.logprob_start_len < 0
+        self.grammar: Any = None  # scheduler.grammar.GrammarState, once its grammar is compiled
 
         # KV state (see the module docstring)
         self.req_pool_idx: Optional[int] = None
@@ -75,7 +82,7 @@ class Req:
     def from_message(cls, msg: TokenizedGenerateReq, arrival_seq: int) -> "Req":
         return cls(
             msg.rid, msg.input_ids, msg.sampling_params, msg.namespace, msg.return_logprob,
-            msg.top_logprobs_num, msg.stream, arrival_seq,
+            msg.top_logprobs_num, msg.stream, arrival_seq, msg.logprob_start_len,
         )
 
     # ---- derived quantities ----------------------------------------------------------------------

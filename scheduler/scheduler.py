@@ -15,6 +15,11 @@ One step:  pick the next batch (prefill first, else decode) -> launch it -> proc
   released once batch N+1 is processed too (`Req.num_inflight`). The scheduler waits for the batch in
   flight only when it must see its results first: before retracting, and before sampling a request whose
   penalties read its previous token.
+- Sharing: the tokens an extend batch computes go into the tree (`cache_unfinished_req`) as soon as the batch
+  is built, before it runs: every batch that can read them runs after it. If a request's tokens were already
+  in the tree (put there by another request of the same batch), its row is pointed at the tree's copy, which
+  that batch writes in the same layer before attending (the AttentionBackend contract: write, then attend).
+  A request whose prefix another request of the batch is computing waits one batch rather than compute it too.
 - Release: a finished, aborted or retracted request hands its KV to the cache (`cache_finished_req`, so a
   retracted request's re-prefill reuses it) and frees its row, in `_release_kv` and nowhere else.
 
@@ -37,10 +42,13 @@ from radixserve.runtime.messages import (
     AbortReq, FlushCacheReq, FlushCacheReqOutput, GetServerInfoReq, GetServerInfoReqOutput, TokenizedGenerateReq,
 )
 from radixserve.runtime.server_args import ServerArgs
-from radixserve.scheduler.batch import ScheduleBatch, allocate_slots, build_sampling_info, needs_exact_history
+from radixserve.scheduler.batch import ScheduleBatch, allocate_slots, assemble_batch, needs_exact_history
+from radixserve.scheduler.grammar import GrammarManager
+from radixserve.scheduler.info import ready_info, server_info
+from radixserve.scheduler.input_logprobs import collect_input_logprobs, plan_input_logprobs, prefix_limit
 from radixserve.scheduler.output import build_batch_token_out, has_news
 from radixserve.scheduler.overlap import BatchExecutor, LaunchedBatch
-from radixserve.scheduler.policy import CLIP_MAX_NEW_TOKENS, PrefillAdder, SchedulePolicy
+from radixserve.scheduler.policy import CLIP_MAX_NEW_TOKENS, NewTokenRatio, PrefillAdder, SchedulePolicy
 from radixserve.scheduler.req import Req
 from radixserve.scheduler.setup import check_request, make_cache, try_load_tokenizer
 from radixserve.scheduler.stats import SchedulerStats, decode_log_line
@@ -51,11 +59,6 @@ logger = logging.getLogger(__name__)
 # A request whose prefix is computed by a request already in the batch by at least this many more tokens than
 # the tree holds waits for the next batch, which finds that prefix in the tree instead of computing it twice.
 IN_BATCH_PREFIX_MIN_GAIN = 32
-# Expected share of max_new_tokens a request will really generate, for the admission reserve: starts here,
-# decays with every decode step down to INIT * MIN_FACTOR, and jumps back up after a retraction.
-INIT_NEW_TOKEN_RATIO = 0.7
-MIN_NEW_TOKEN_RATIO_FACTOR = 0.14
-NEW_TOKEN_RATIO_DECAY_STEPS = 600
 
 
 class Scheduler:
@@ -73,6 +76,7 @@ class Scheduler:
         self.cache = make_cache(server_args, self.req_to_token_pool, self.allocator)
         self.tokenizer = tokenizer if tokenizer is not None else try_load_tokenizer(model_runner)
         self.stop_checker = StopChecker(model_runner.model_config.eos_token_ids, self.tokenizer)
+        self.grammars = GrammarManager(self.tokenizer, model_runner.vocab_size, self.stop_checker.eos_token_ids)
         self.policy = SchedulePolicy(
             server_args.schedule_policy, self.cache, not server_args.disable_radix_cache, server_args.random_seed
         )
@@ -90,11 +94,7 @@ class Scheduler:
         self._news: dict[str, Req] = {}  # requests to consider for the next BatchTokenOut
         self._arrivals = itertools.count()
         self._checked_since_work = True
-
-        self.init_new_token_ratio = min(INIT_NEW_TOKEN_RATIO * server_args.schedule_conservativeness, 1.0)
-        self.min_new_token_ratio = self.init_new_token_ratio * MIN_NEW_TOKEN_RATIO_FACTOR
-        self.new_token_ratio_decay = (self.init_new_token_ratio - self.min_new_token_ratio) / NEW_TOKEN_RATIO_DECAY_STEPS
-        self.new_token_ratio = self.init_new_token_ratio
+        self.new_token_ratio = NewTokenRatio(server_args.schedule_conservativeness)
 
     # ---- the loop ----------------------------------------------------------------------------------
     def step(self) -> bool:
@@ -115,9 +115,10 @@ class Scheduler:
         return worked
 
     def is_idle(self) -> bool:
-        return not (self.waiting or self.running or self.chunked_req or self.inflight)
+        return not (self.waiting or self.running or self.chunked_req or self.inflight or self.grammars.num_queued)
 
     def get_next_batch(self) -> Optional[ScheduleBatch]:
+        self._admit_grammar_ready()
         return self._schedule_prefill() or self._schedule_decode()
 
     def take_outputs(self) -> list[Any]:
@@ -150,7 +151,15 @@ class Scheduler:
         if error is not None:
             self._finish(req, {"type": "abort", "message": error})
             return
-        self.waiting.append(req)
+        if self.grammars.submit(req):  # else it waits for its grammar (see _admit_grammar_ready)
+            self.waiting.append(req)
+
+    def _admit_grammar_ready(self) -> None:
+        """Queue the requests whose grammar finished compiling; fail those whose grammar is invalid."""
+        ready, failed = self.grammars.poll()
+        self.waiting.extend(ready)
+        for req, message in failed:
+            self._finish(req, {"type": "abort", "message": message})
 
     def abort_request(self, rid: str) -> None:
         """Abort in any state; KV goes back through the same path as a finished request's."""
@@ -159,6 +168,7 @@ class Scheduler:
             return
         if req in self.waiting:
             self.waiting.remove(req)
+        self.grammars.discard(req)
         if req is self.chunked_req:
             self.chunked_req = None
         self._finish(req, {"type": "abort", "message": "aborted by request"})
@@ -172,42 +182,10 @@ class Scheduler:
         return True, ""
 
     def server_info(self) -> dict[str, Any]:
-        total = self.allocator.size
-        free = self.allocator.available_size()
-        evictable = self.cache.evictable_size()
-        tree_stats = self.cache.stats()
-        namespaces = {"/".join(ns) if ns else "default": s for ns, s in tree_stats.pop("namespaces", {}).items()}
-        return {
-            **self.ready_info(),
-            **self.stats.as_dict(),
-            "memory": {"total_tokens": total, "free_tokens": free, "evictable_tokens": evictable,
-                       "protected_tokens": self.cache.protected_size()},
-            "cache": {"hit_rate": self.stats.cache_hit_rate, "matched_tokens": self.stats.cached_tokens,
-                      "queried_tokens": self.stats.queried_tokens, "tree": tree_stats, "namespaces": namespaces},
-            "num_running_reqs": len(self.running),
-            "num_queued_reqs": len(self.waiting) + (self.chunked_req is not None),
-            "token_usage": (total - free - evictable) / total,
-            "new_token_ratio": self.new_token_ratio,
-        }
+        return server_info(self)
 
     def ready_info(self) -> dict[str, Any]:
-        runner, args = self.runner, self.args
-        return {
-            "max_total_num_tokens": self.allocator.size,
-            "max_running_requests": self.max_running,
-            "context_len": runner.context_len,
-            "vocab_size": runner.vocab_size,
-            "eos_token_ids": sorted(self.stop_checker.eos_token_ids),
-            "page_size": self.page_size,
-            "model_path": args.model_path or getattr(runner, "model_dir", None),
-            "device": str(runner.device),
-            "dtype": str(runner.dtype).replace("torch.", ""),
-            "attention_backend": args.resolved_attention_backend(),
-            "chunked_prefill_size": self.chunk_size,
-            "schedule_policy": args.schedule_policy,
-            "overlap_schedule": self.overlap,
-            "radix_cache": not args.disable_radix_cache,
-        }
+        return ready_info(self)
 
     # ---- prefill ----------------------------------------------------------------------------------
     def _schedule_prefill(self) -> Optional[ScheduleBatch]:
@@ -216,8 +194,8 @@ class Scheduler:
         adder = PrefillAdder(
             memory_left=lambda: self.allocator.available_size() + self.cache.evictable_size(),
             running_reserve=sum(min(r.remaining_new_tokens(), CLIP_MAX_NEW_TOKENS) for r in self.running)
-            * self.new_token_ratio,
-            new_token_ratio=self.new_token_ratio,
+            * self.new_token_ratio.value,
+            new_token_ratio=self.new_token_ratio.value,
             max_prefill_tokens=self.args.max_prefill_tokens,
             chunk_size=self.chunk_size,
             page_size=self.page_size,
@@ -259,7 +237,7 @@ class Scheduler:
         """
         fill_len = req.fill_len()
         # Keep at least one token to compute, so the batch yields the logits of the next token.
-        key = req.all_ids[: fill_len - 1]
+        key = req.all_ids[: prefix_limit(req, fill_len - 1)]
         match = self.cache.match_prefix(key, req.namespace)
         if _longest_in_batch_prefix(key, req.namespace, entries) >= match.length + IN_BATCH_PREFIX_MIN_GAIN:
             return None
@@ -321,7 +299,7 @@ class Scheduler:
             self._retract(victim)
         if not reqs:
             return None
-        self._decay_new_token_ratio()
+        self.new_token_ratio.decay()
         return self._make_batch(ForwardMode.DECODE, [], reqs, slots)
 
     def _allocate_decode(self, reqs: list[Req]) -> Optional[torch.Tensor]:
@@ -340,54 +318,23 @@ class Scheduler:
         req.num_retractions += 1
         self.stats.num_retractions += 1
         self.waiting.insert(0, req)
-        self.new_token_ratio = self.init_new_token_ratio
+        self.new_token_ratio.reset()
         logger.info("retracted request %s (%d outputs so far) to free KV memory", req.rid, len(req.output_ids))
-
-    def _decay_new_token_ratio(self) -> None:
-        self.new_token_ratio = max(self.new_token_ratio - self.new_token_ratio_decay, self.min_new_token_ratio)
 
     # ---- batches and results ----------------------------------------------------------------------
     def _make_batch(
         self, mode: ForwardMode, extends: list, decodes: list[Req], decode_slots: Optional[torch.Tensor]
     ) -> ScheduleBatch:
-        """`extends`: (request, prefix_len, extend_len, slots) with kv_len already raised; `decodes`: requests
-        whose next token (already given a slot in `decode_slots`) is read from the token table."""
-        reqs, prefix_lens, extend_lens, input_ids, samples, slot_parts = [], [], [], [], [], []
-        for req, prefix_len, extend_len, slots in extends:
-            reqs.append(req)
-            prefix_lens.append(prefix_len)
-            extend_lens.append(extend_len)
-            input_ids.extend(req.all_ids[prefix_len: prefix_len + extend_len])
-            samples.append(req.kv_len == req.fill_len())
-            slot_parts.append(slots)
-        table_entries = list(range(len(reqs), len(reqs) + len(decodes)))
-        for req in decodes:
-            reqs.append(req)
-            prefix_lens.append(req.kv_len - 1)
-            extend_lens.append(1)
-            input_ids.append(0)
-            samples.append(True)
-        if decodes:
-            slot_parts.append(decode_slots)
-        rows = [req.req_pool_idx for req in reqs]
-        sampling_reqs = [r for r, s in zip(reqs, samples) if s]
-        self.stats.prefill_tokens_computed += sum(entry[2] for entry in extends)
-        self.stats.partial_chunks += samples.count(False)
-        if mode == ForwardMode.EXTEND:
-            self.stats.extend_batches += 1
-        elif mode == ForwardMode.MIXED:
-            self.stats.mixed_batches += 1
-        return ScheduleBatch(
-            mode=mode, reqs=reqs, rows=rows, prefix_lens=prefix_lens, extend_lens=extend_lens, input_ids=input_ids,
-            table_entries=table_entries, out_cache_loc=torch.cat(slot_parts), samples_output=samples,
-            sampling_info=build_sampling_info(reqs, samples, self.stop_checker, self.runner.vocab_size,
-                                              self.executor.device),
-            return_logprob=any(r.return_logprob for r in sampling_reqs),
-            top_logprobs_num=max((r.top_logprobs_num for r in sampling_reqs), default=0),
-        )
+        batch = assemble_batch(mode, extends, decodes, decode_slots, self.stop_checker, self.runner.vocab_size,
+                               self.executor.device)
+        batch.input_logprobs = plan_input_logprobs(batch)
+        batch.grammar_mask = self.grammars.mask_for(batch)
+        self.stats.on_batch(batch)
+        return batch
 
     def _process_result(self, launched: LaunchedBatch) -> None:
         batch, result = launched.batch, launched.result()
+        collect_input_logprobs(batch, result)
         for i, req in enumerate(batch.reqs):
             req.num_inflight -= 1
             if req.finished:
@@ -402,11 +349,14 @@ class Scheduler:
             top = result.top_logprobs[i] if result.top_logprobs is not None else None
             req.append_token(result.next_token_ids[i], logprob, top)
             self.stats.on_tokens(1)
-            reason = self.stop_checker.check(req)
+            grammar_reason = self.grammars.accept(req, result.next_token_ids[i])
+            reason = self.stop_checker.check(req) or grammar_reason
             if reason is not None:
                 self._finish(req, reason)
             elif has_news(req):
                 self._news[req.rid] = req
+        # The grammar masks of the batch in flight may have waited for exactly these tokens.
+        self.grammars.fill_pending()
         if batch.mode == ForwardMode.DECODE:
             self.stats.decode_steps += 1
             interval = self.args.decode_log_interval
@@ -462,7 +412,7 @@ class Scheduler:
             assert free + self.cache.evictable_size() == total, "idle scheduler leaked KV slots"
 
     def _on_idle(self) -> None:
-        self.new_token_ratio = self.init_new_token_ratio
+        self.new_token_ratio.reset()
         if self.args.check_invariants_when_idle and not self._checked_since_work:
             self.check_invariants()
         self._checked_since_work = True
@@ -485,6 +435,7 @@ class Scheduler:
                                     self.stats.cache_hit_rate, self.stats.close_window()))
 
     def shutdown(self) -> None:
+        self.grammars.shutdown()
         self.executor.shutdown()
 
 

@@ -61,8 +61,10 @@ def check_request(req: Req, runner: Any, tokenizer: Any) -> Optional[str]:
         return "stop strings need a tokenizer, and this model has none"
     if req.top_logprobs_num < 0:
         return f"top_logprobs_num must be >= 0, got {req.top_logprobs_num}"
-    if params.json_schema is not None or params.regex is not None or params.ebnf is not None:
-        return "structured output (json_schema / regex / ebnf) is not supported yet"
+    if sum(g is not None for g in (params.json_schema, params.regex, params.ebnf)) > 1:
+        return "give at most one of json_schema, regex and ebnf"
+    if req.logprob_start_len > prompt_len:
+        return f"logprob_start_len ({req.logprob_start_len}) exceeds the prompt length ({prompt_len})"
     try:
         SamplingBatchInfo.build([params], [[]], vocab, "cpu", prompt_ids=[req.origin_input_ids])
     except ValueError as exc:

@@ -39,6 +39,15 @@ class SchedulerStats:
         self.queried_tokens += prompt_len
         self.cached_tokens += cached_len
 
+    def on_batch(self, batch) -> None:
+        """Count a ScheduleBatch that is about to run."""
+        self.prefill_tokens_computed += sum(batch.extend_lens) - len(batch.table_entries)
+        self.partial_chunks += batch.samples_output.count(False)
+        if batch.mode.name == "EXTEND":
+            self.extend_batches += 1
+        elif batch.mode.name == "MIXED":
+            self.mixed_batches += 1
+
     def on_tokens(self, num_tokens: int) -> None:
         self.generated_tokens += num_tokens
         self._window_tokens += num_tokens

@@ -24,7 +24,8 @@ from radixserve.scheduler.scheduler import Scheduler
 
 _RUNNERS: dict[tuple, ModelRunner] = {}
 # Server arguments that shape the runner (memory, pages); everything else only affects the scheduler.
-RUNNER_ARGS = ("page_size", "max_total_tokens", "max_running_requests", "context_length")
+RUNNER_ARGS = ("page_size", "max_total_tokens", "max_running_requests", "context_length", "device", "dtype",
+               "attention_backend")
 
 
 def shared_runner(model_dir: str, **runner_args: Any) -> ModelRunner:
@@ -34,7 +35,8 @@ def shared_runner(model_dir: str, **runner_args: Any) -> ModelRunner:
     clean = runner is not None and runner.allocator.available_size() == runner.allocator.size and (
         runner.req_to_token_pool.available_size() == runner.req_to_token_pool.size)
     if not clean:
-        runner = _RUNNERS[key] = ModelRunner(ServerArgs(model_path=model_dir, device="cpu", **runner_args))
+        runner_args.setdefault("device", "cpu")
+        runner = _RUNNERS[key] = ModelRunner(ServerArgs(model_path=model_dir, **runner_args))
     return runner
 
 
@@ -54,7 +56,8 @@ class SchedulerDriver:
     def __init__(self, model_dir: str, check_every_step: bool = True, tokenizer: Any = None, **server_args: Any):
         runner_args = {k: server_args[k] for k in RUNNER_ARGS if k in server_args}
         self.runner = shared_runner(model_dir, **runner_args)
-        self.args = ServerArgs(model_path=model_dir, device="cpu", **server_args)
+        server_args.setdefault("device", "cpu")
+        self.args = ServerArgs(model_path=model_dir, **server_args)
         self.scheduler = Scheduler(self.args, self.runner, tokenizer=tokenizer)
         self.check_every_step = check_every_step
         self.results: dict[str, Result] = {}

@@ -16,7 +16,6 @@ from http_fixtures import KEY_A, shared_server
 from radixserve.frontend import (
     EngineBackend,
     RuntimeEndpoint,
-    assistant,
     assistant_begin,
     assistant_end,
     function,
@@ -94,7 +93,7 @@ def test_fork_and_select_same_greedy_results_on_both_backends_with_the_prefix_co
         state, branches, before, after = run_tips(backend)
         fork_text = branches[0].text().rsplit("Tip 1:", 1)[0]
         prefix_ids = backend.encode(fork_text)
-        assert len(prefix_ids) > 40
+        assert len(prefix_ids) > 30
         for i, branch in enumerate(branches):
             meta = branch.get_meta_info("tip")
             shared = common_prefix_len(prefix_ids, backend.encode(fork_text + f"Tip {i + 1}:"))
@@ -254,7 +253,8 @@ def test_run_batch_computes_the_shared_prefix_once(endpoint, server):
 def chat(s, question):
     s += system("You answer with a single word.")
     s += user(question)
-    s += assistant(gen("answer", max_tokens=12))
+    with s.assistant():
+        s += gen("answer", max_tokens=12)
 
 
 def test_roles_render_the_models_chat_template(engine, engine_backend):
@@ -362,7 +362,7 @@ def test_example_scripts_run_against_the_server(name, server, capsys):
         assert len(cached) == 3 and all(not line.split("] ")[1].startswith("0 ") for line in cached)
         assert lines[-1].strip().startswith("summary:")
     elif name == "dsl_fewshot_select":
-        assert [line.split()[0] for line in lines] == ["negative", "positive", "neutral", "negative", "positive"]
+        assert [line.split()[0] for line in lines] == ["negative", "positive", "negative", "positive", "negative"]
     else:
         people = [json.loads(line) for line in lines]
         assert len(people) == 2 and all(set(p) == {"name", "age", "city", "occupation"} for p in people)

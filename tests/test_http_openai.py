@@ -155,43 +155,84 @@ def test_completions_logprobs(client, model):
         assert logprob <= 0.0 and len(top) <= 2 and max(top.values()) == pytest.approx(logprob, abs=1e-4)
 
 
-def test_echo_with_logprobs_needs_prompt_logprobs_from_the_engine(server, client, model):
-    """Prompt-token logprobs are served when the engine computes them (as the native route shows), else 400."""
+def test_echo_with_logprobs_returns_prompt_logprobs(server, client, model):
+    """echo + logprobs reports every prompt token (the first one's logprob is null), with the same values as
+    the native route's input_token_logprobs, followed by the completion."""
     native = httpx.post(server.url + "/generate", headers=server.headers(), timeout=60.0, json={
         "text": PROMPT, "return_logprob": True, "logprob_start_len": 0,
         "sampling_params": {"max_new_tokens": 1, "temperature": 0}}).json()
-    engine_has_them = any(entry[0] is not None for entry in native["meta_info"]["input_token_logprobs"])
-    assert server.server_info()["http"]["capabilities"]["input_logprobs"] == engine_has_them
-    if not engine_has_them:
-        with pytest.raises(openai.BadRequestError) as info:
-            client.completions.create(model=model, prompt=PROMPT, max_tokens=1, logprobs=1, echo=True)
-        assert info.value.param == "echo"
-        return
-    echoed = client.completions.create(model=model, prompt=PROMPT, max_tokens=1, temperature=0, logprobs=1,
-                                       echo=True).choices[0].logprobs
+    prompt_entries = native["meta_info"]["input_token_logprobs"]
     prompt_len = native["meta_info"]["prompt_tokens"]
+    assert len(prompt_entries) == prompt_len and prompt_entries[0][0] is None
+    assert all(lp is not None and lp <= 0 for lp, _, _ in prompt_entries[1:])
+    echoed = client.completions.create(model=model, prompt=PROMPT, max_tokens=1, temperature=0, logprobs=2,
+                                       echo=True).choices[0].logprobs
     assert echoed.token_logprobs[0] is None and echoed.text_offset[0] == 0
-    assert all(lp is not None and lp <= 0 for lp in echoed.token_logprobs[1:])
     assert len(echoed.tokens) == prompt_len + 1 and "".join(echoed.tokens).startswith(PROMPT)
+    assert echoed.token_logprobs[1:prompt_len] == pytest.approx([lp for lp, _, _ in prompt_entries[1:]], abs=1e-4)
+    for position in range(1, prompt_len + 1):
+        top = echoed.top_logprobs[position]
+        assert 1 <= len(top) <= 2 and max(top.values()) >= echoed.token_logprobs[position] - 1e-4
 
 
-def test_response_format_json(server, client, model):
-    """JSON output is served when the engine supports structured output, else refused with 400."""
-    supported = server.server_info()["http"]["capabilities"]["structured_output"]
-    schema = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
-    kwargs = dict(model=model, messages=[{"role": "user", "content": "Give me a JSON object with a name."}],
-                  max_tokens=40, temperature=0,
-                  response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema}})
-    if not supported:
-        with pytest.raises(openai.BadRequestError) as info:
-            client.chat.completions.create(**kwargs)
-        assert info.value.param == "response_format"
-        return
+def test_response_format_json_schema_and_object(client, model):
+    """JSON output parses and follows the schema; json_object gives an object."""
     import json
 
-    reply = client.chat.completions.create(**kwargs).choices[0]
-    if reply.finish_reason == "stop":
-        assert isinstance(json.loads(reply.message.content)["name"], str)
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20}},
+              "required": ["name"]}
+    messages = [{"role": "user", "content": "Give me a JSON object with a name."}]
+    reply = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=40, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema}}).choices[0]
+    assert reply.finish_reason == "stop", reply
+    assert set(json.loads(reply.message.content)) == {"name"}
+    streamed, finishes = _stream_texts(client.chat.completions.create(
+        model=model, messages=messages, max_tokens=40, temperature=0, stream=True,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema}}))
+    assert streamed == {0: reply.message.content} and finishes == {0: ["stop"]}
+    any_object = client.chat.completions.create(model=model, messages=messages, max_tokens=60, temperature=0,
+                                                response_format={"type": "json_object"}).choices[0]
+    if any_object.finish_reason == "stop":
+        assert isinstance(json.loads(any_object.message.content), dict)
+    else:
+        assert any_object.message.content.startswith("{")
+    completion = client.completions.create(model=model, prompt="A person as JSON:", max_tokens=40, temperature=0,
+                                           extra_body={"response_format": {"type": "json_schema",
+                                                                           "json_schema": {"name": "p",
+                                                                                           "schema": schema}}})
+    assert set(json.loads(completion.choices[0].text)) == {"name"}
+
+
+def test_regex_and_ebnf_extras(client, model):
+    import re
+
+    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Is the sky blue?"}],
+                                          max_tokens=5, temperature=0, extra_body={"regex": "(yes|no)"})
+    assert re.fullmatch("(yes|no)", chat.choices[0].message.content)
+    date = client.completions.create(model=model, prompt="Today's date is", max_tokens=16, temperature=0,
+                                     extra_body={"regex": r"[0-9]{4}-[0-9]{2}-[0-9]{2}"}).choices[0]
+    assert re.fullmatch(r"[0-9]{4}-[0-9]{2}-[0-9]{2}", date.text) and date.finish_reason == "stop"
+    color = client.completions.create(model=model, prompt="My favourite color:", max_tokens=5, temperature=0,
+                                      extra_body={"ebnf": 'root ::= " red" | " green" | " blue"'}).choices[0]
+    assert color.text in (" red", " green", " blue")
+
+
+@pytest.mark.parametrize("kwargs, param, words", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+     "response_format", "nope"),
+    ({"extra_body": {"regex": "(unclosed"}}, "regex", "regex"),
+    ({"extra_body": {"ebnf": "root ::= missing_rule"}}, "ebnf", "missing_rule"),
+    ({"extra_body": {"regex": "a", "ebnf": 'root ::= "a"'}}, "ebnf", "at most one"),
+])
+def test_invalid_constraints_are_400s_naming_the_problem(client, model, kwargs, param, words):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=4, **kwargs)
+    assert info.value.param == param and words in info.value.body["message"]
+    extra_body = kwargs.get("extra_body") or {"response_format": kwargs["response_format"]}
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=model, prompt=PROMPT, max_tokens=4, extra_body=extra_body)
+    assert info.value.param == param
 
 
 def test_stop_strings(client, model):

@@ -122,3 +122,52 @@ def test_cached_prefix_is_not_recomputed(tiny_llama, prompts, reference):
     assert [r.cached_tokens for r in again] == [len(p) - 1 for p in prompts]
     assert driver.scheduler.stats.prefill_tokens_computed - computed_once == len(prompts)
     driver.close()
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["no-overlap", "overlap"])
+def test_shared_system_prompts_are_computed_once(overlap, tiny_llama):
+    """Generated-shared-prefix workload submitted at once: each group's system prompt is computed once, even
+    for requests that arrive in the same batch as the first of their group (they wait one batch)."""
+    systems = make_prompts(30, 3, 512, 64, 65)
+    questions = make_prompts(31, 12, 512, 8, 9)
+    prompts = [systems[i % 3] + q for i, q in enumerate(questions)]
+    expected = hf_greedy(tiny_llama, prompts, 4)
+    driver = SchedulerDriver(tiny_llama, disable_overlap_schedule=not overlap)
+    for i, prompt in enumerate(prompts):
+        driver.submit(f"r{i}", prompt, max_new_tokens=4)
+    driver.run_until_idle()
+    assert driver.outputs() == expected
+    stats = driver.scheduler.stats
+    assert stats.prefill_tokens_computed == 3 * 64 + 12 * 8
+    assert stats.cached_tokens == 9 * 64
+    driver.close()
+
+
+def test_default_model_matches_hf_with_chunks_mixed_and_overlap(default_model_dir):
+    """The embedded SmolLM2 model, chat-templated prompts, chunked prefill of 16 tokens with mixed decoding
+    and overlap: the tokens equal Hugging Face greedy generation, EOS included."""
+    import transformers
+
+    from radixserve.model_runner.loader import load_tokenizer
+
+    tokenizer = load_tokenizer(default_model_dir)
+    questions = ["What is 2+2?", "Name a color.", "Say hello in Spanish.", "What is the capital of Italy?",
+                 "Write a haiku about rain.", "Count to five.", "What is water made of?", "Give me a fruit."]
+    prompts = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                                              add_generation_prompt=True)) for q in questions]
+    driver = SchedulerDriver(default_model_dir, chunked_prefill_size=16, enable_mixed_chunk=True,
+                             tokenizer=tokenizer)
+    eos = list(driver.runner.model_config.eos_token_ids)
+    for i, prompt in enumerate(prompts):
+        driver.submit(f"r{i}", prompt, max_new_tokens=10)
+    driver.run_until_idle()
+    model = transformers.AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        for prompt, result in zip(prompts, driver.results.values()):
+            ids = torch.tensor([prompt])
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False,
+                                 eos_token_id=eos, pad_token_id=eos[0])
+            assert result.output_ids == out[0, len(prompt):].tolist()
+            if result.finish_reason["type"] == "stop":
+                assert result.output_ids[-1] in eos
+    driver.close()

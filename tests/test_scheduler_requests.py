@@ -317,3 +317,16 @@ def test_greedy_matches_hf_with_random_arrivals(tiny_llama):
         driver.step()
     assert driver.outputs() == expected
     driver.close()
+
+
+def test_decode_log_line_every_interval(tiny_llama, caplog):
+    driver = driver_for(tiny_llama, True, decode_log_interval=4)
+    for i, prompt in enumerate(make_prompts(14, 3, 512, 5, 10)):
+        driver.submit(f"r{i}", prompt, max_new_tokens=13)
+    with caplog.at_level("INFO", logger="radixserve.scheduler.scheduler"):
+        driver.run_until_idle()
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Decode batch.")]
+    assert len(lines) == driver.scheduler.stats.decode_steps // 4 == 3
+    for field in ("#running-req: 3", "#queue-req: 0", "token usage:", "cache hit rate:", "gen throughput (token/s):"):
+        assert field in lines[0], field
+    driver.close()

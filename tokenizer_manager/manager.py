@@ -261,6 +261,8 @@ class TokenizerManager:
                     state.output_top_logprobs.extend(out.output_top_logprobs[i])
             if with_input_logprobs and out.input_token_logprobs[i] is not None:
                 state.input_token_logprobs = out.input_token_logprobs[i]
+                if len(out.input_top_logprobs) == len(out.rids):
+                    state.input_top_logprobs = out.input_top_logprobs[i]
             state.append(out.text_deltas[i], out.new_token_ids[i], out.finish_reasons[i],
                          out.prompt_tokens[i], out.completion_tokens[i], out.cached_tokens[i])
             group.notify(state.index)

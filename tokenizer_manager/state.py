@@ -34,6 +34,7 @@ class ReqState:
     output_token_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     input_token_logprobs: Optional[list[Optional[float]]] = None
+    input_top_logprobs: Optional[list[Optional[list[tuple[int, float]]]]] = None
     token_times: list[float] = field(default_factory=list)  # arrival time of each chunk of new tokens
     finished_at: Optional[float] = None
     # How much of text / output_ids the streaming consumer has already taken.
@@ -79,6 +80,7 @@ class ReqState:
             ]
             if logprobs_from == 0:
                 meta["input_token_logprobs"] = self._input_logprobs(token_text)
+                meta["input_top_logprobs"] = self._input_top_logprobs(token_text)
         return meta
 
     def _input_logprobs(self, token_text: TokenText) -> list[tuple[Optional[float], int, Optional[str]]]:
@@ -87,6 +89,12 @@ class ReqState:
         start = max(self.logprob_start_len, 0)
         ids = self.prompt_ids[start : start + len(self.input_token_logprobs)]
         return [(lp, tid, token_text(tid)) for lp, tid in zip(self.input_token_logprobs, ids)]
+
+    def _input_top_logprobs(self, token_text: TokenText) -> list[Optional[list[tuple[float, int, Optional[str]]]]]:
+        """Per prompt position from logprob_start_len: its top alternatives (None at position 0); [] when
+        top_logprobs_num was 0."""
+        return [None if top is None else [(lp, tid, token_text(tid)) for tid, lp in top]
+                for top in self.input_top_logprobs or []]
 
     def result(self, token_text: TokenText) -> dict[str, Any]:
         return {"text": self.text, "output_ids": list(self.output_ids), "meta_info": self.meta_info(token_text)}

@@ -15,6 +15,7 @@ import msgspec
 
 from radixserve.runtime.messages import SamplingParams
 from radixserve.tokenizer_manager.errors import ContextLengthExceededError
+from radixserve.tokenizer_manager.grammar_check import check_grammar
 
 
 KNOWN_PARAMS = frozenset(f for f in SamplingParams.__struct_fields__)
@@ -107,6 +108,7 @@ def build_sampling_params(params: Optional[dict[str, Any]], vocab_size: int) -> 
             value = json.dumps(value)
         if not isinstance(value, str):
             raise ValueError(f"{name} must be a string")
+        check_grammar(name, value)
         out[name] = value
 
     sampling = msgspec.convert(out, SamplingParams)

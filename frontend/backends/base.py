@@ -124,9 +124,9 @@ class Backend(ABC):
             "input_ids": [list(ids) for ids in input_ids],
             "sampling_params": {"max_new_tokens": 0},
             "return_logprob": True,
-            # One position early: a server that recomputes (rather than serves from its cache) the positions
-            # from logprob_start_len on then surely has the logits that predict token `start`.
-            "logprob_start_len": [start - 1 for start in starts],
+            # The server then reuses at most start - 1 cached tokens and computes the logits at start - 1
+            # onwards itself, which is what the logprob of token `start` needs.
+            "logprob_start_len": list(starts),
         })
         return [_prompt_logprobs_of(result, ids, start) for result, ids, start in zip(results, input_ids, starts)]
 
@@ -150,7 +150,7 @@ def _payload(text: str, sampling_params: dict[str, Any], options: dict[str, Any]
 
 def _prompt_logprobs_of(result: dict[str, Any], ids: list[int], start: int) -> list[float]:
     _check_not_aborted(result)
-    entries = (result["meta_info"].get("input_token_logprobs") or [])[1:]  # drop position start - 1
+    entries = result["meta_info"].get("input_token_logprobs") or []
     expected = ids[start:]
     if len(entries) < len(expected):
         raise BackendError(f"the backend returned {len(entries)} prompt logprobs from position {start}, "

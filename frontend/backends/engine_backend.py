@@ -1,6 +1,7 @@
 """Run DSL programs on an in-process radixserve Engine.
 
-    from radixserve import Engine, set_default_backend
+    from radixserve import Engine
+    from radixserve.frontend import set_default_backend
     engine = Engine()
     set_default_backend(engine)          # wraps it in an EngineBackend
 

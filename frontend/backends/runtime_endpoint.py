@@ -1,6 +1,6 @@
 """Run DSL programs against a radixserve server over HTTP (`POST /generate`).
 
-    from radixserve import RuntimeEndpoint, set_default_backend
+    from radixserve.frontend import RuntimeEndpoint, set_default_backend
     set_default_backend(RuntimeEndpoint("http://127.0.0.1:30000", api_key=None))
 
 The constructor asks `/get_model_info` (so a wrong URL or key fails at once). The tokenizer, needed for

@@ -7,8 +7,9 @@ ignores, because they cannot change the generated text: `user`, `store`, `metada
 works or is a 400.
 
 Extras (SGLang's names): `top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `min_tokens`, `stop_token_ids`,
-`skip_special_tokens`, `cache_salt`. The native `/generate` route takes SGLang's `sampling_params` dict,
-validated by `SamplingParamsModel`.
+`skip_special_tokens`, `cache_salt`, and the structured-output constraints `regex` and `ebnf` (besides OpenAI's
+`response_format`, which both routes take; at most one of the three). The native `/generate` route takes
+SGLang's `sampling_params` dict, validated by `SamplingParamsModel`.
 """
 
 from __future__ import annotations
@@ -148,6 +149,8 @@ class OpenAISamplingFields(StrictModel):
     stop_token_ids: Annotated[list[TokenId], Field(max_length=256)] = []
     skip_special_tokens: bool = True
     cache_salt: Optional[Annotated[str, Field(max_length=256)]] = None
+    regex: Optional[str] = None
+    ebnf: Optional[str] = None
 
     @field_validator("logit_bias")
     @classmethod
@@ -252,6 +255,7 @@ class CompletionRequest(OpenAISamplingFields):
     logprobs: Optional[Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]] = None
     max_tokens: Optional[Annotated[int, Field(ge=0, le=INT64_MAX)]] = 16
     suffix: Optional[Literal[""]] = None
+    response_format: Optional[ResponseFormat] = None
 
     @model_validator(mode="after")
     def _check_completion(self) -> "CompletionRequest":

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from typing import Any, AsyncIterator, Optional
@@ -56,25 +55,13 @@ def render_chat(state: ServerState, messages: list[ChatMessage]) -> list[int]:
     return list(encoded["input_ids"])
 
 
-def _response_format_params(body: ChatCompletionRequest) -> dict[str, Any]:
-    fmt = body.response_format
-    if fmt is None or fmt.type == "text":
-        return {}
-    if fmt.type == "json_object":
-        return {"json_schema": json.dumps({"type": "object"})}
-    assert fmt.json_schema is not None
-    return {"json_schema": json.dumps(fmt.json_schema.get("schema", {}))}
-
-
 async def create_chat_completion(
     state: ServerState, http_request: Request, body: ChatCompletionRequest, tenant: Optional[str]
 ) -> Response:
     check_model(state, body.model)
-    if body.response_format is not None and body.response_format.type != "text":
-        await state.capabilities.require(state.engine, state.tokenizer, "structured_output", "response_format")
     input_ids = render_chat(state, body.messages)
     max_new_tokens = plan_max_new_tokens(state, len(input_ids), body.max_new_tokens, "messages")
-    params = {**sampling_params(state, body, max_new_tokens), **_response_format_params(body)}
+    params = sampling_params(state, body, max_new_tokens)
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
     rids = [f"{response_id}-{i}" for i in range(body.n)]
     requests = [

@@ -3,6 +3,7 @@ per-choice accumulation of engine output, finish reasons and usage."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
@@ -15,6 +16,7 @@ from radixserve.runtime.openai.protocol import (
     parse_logit_bias,
     stop_list,
 )
+from radixserve.tokenizer_manager.grammar_check import check_grammar
 
 
 def check_model(state: ServerState, model: Optional[str]) -> None:
@@ -88,7 +90,35 @@ def sampling_params(state: ServerState, body: OpenAISamplingFields, max_new_toke
         params["logit_bias"] = logit_bias
     if body.seed is not None:
         params["seed"] = body.seed
+    params.update(constraint_params(body))
     return params
+
+
+def constraint_params(body: OpenAISamplingFields) -> dict[str, Any]:
+    """The structured-output sampling parameter of `response_format` (json_object: any JSON object;
+    json_schema: its `schema`), or of the `regex` / `ebnf` extras; {} when unconstrained. At most one of the
+    three may be given; an invalid schema, regex or grammar is a 400 naming the field."""
+    given: list[tuple[str, str, str]] = []  # (param, sampling parameter, grammar text)
+    fmt = getattr(body, "response_format", None)
+    if fmt is not None and fmt.type == "json_object":
+        given.append(("response_format", "json_schema", json.dumps({"type": "object"})))
+    elif fmt is not None and fmt.type == "json_schema":
+        given.append(("response_format", "json_schema", json.dumps((fmt.json_schema or {}).get("schema", {}))))
+    if body.regex is not None:
+        given.append(("regex", "regex", body.regex))
+    if body.ebnf is not None:
+        given.append(("ebnf", "ebnf", body.ebnf))
+    if len(given) > 1:
+        raise bad_request(f"give at most one of response_format (json), regex and ebnf; got "
+                          f"{', '.join(param for param, _, _ in given)}", param=given[1][0])
+    if not given:
+        return {}
+    param, name, text = given[0]
+    try:
+        check_grammar(name, text)
+    except ValueError as error:
+        raise bad_request(str(error), param=param) from None
+    return {name: text}
 
 
 def choice_params(params: dict[str, Any], choice: int) -> dict[str, Any]:

@@ -2,7 +2,7 @@
 
 Choice `index` = prompt number * n + choice number, as OpenAI orders them. `echo` prepends the prompt to each
 choice's text (in the first chunk when streaming); with `logprobs` it also reports the prompt tokens'
-logprobs (the first one is null: nothing precedes it) as far as the engine provides them.
+logprobs (the first one is null: nothing precedes it), which the engine computes in the prompt's extend pass.
 """
 
 from __future__ import annotations
@@ -59,8 +59,6 @@ async def create_completion(
     state: ServerState, http_request: Request, body: CompletionRequest, tenant: Optional[str]
 ) -> Response:
     check_model(state, body.model)
-    if body.echo and body.logprobs is not None:
-        await state.capabilities.require(state.engine, state.tokenizer, "input_logprobs", "echo")
     raw_prompts = body.prompts()
     prompts = [_tokenize(state, p, "prompt" if len(raw_prompts) == 1 else f"prompt[{i}]")
                for i, p in enumerate(raw_prompts)]

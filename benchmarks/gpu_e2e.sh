@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# End-to-end speed on the GPU host in ONE call (at most ~9 minutes), Llama-3.1-8B shape with dummy bf16 weights:
+#   1. pytest of the scheduler on CUDA (overlap on/off, chunked + mixed, retraction: outputs equal HF's);
+#   2. offline throughput, 1000 requests of 256 in / 256 out, overlap on; HF `generate` baseline on a subset
+#      (padded batches of 64) on the same GPU, compared by output tokens/s;
+#   3. the same with the overlap scheduler off;
+#   4. serving.py generated-shared-prefix against `radixserve serve`, radix cache on and off;
+#   5. serving.py random 1024/512 at Poisson rates 4, 8 and 16.
+# Needs .whl/ (see ../shared/gpu/README.md) and .gpu-assets/llama-3.1-8b-dummy/ (config.json + a tokenizer) carried.
+set -u
+cd "$(dirname "$0")/.." || exit 1
+ROOT=$PWD
+OUT=${OUT:-$ROOT/benchmarks/results}
+mkdir -p "$OUT"
+DEADLINE=$((SECONDS + ${SUITE_SECONDS:-540}))
+PY=${PYTHON:-python3}
+MODEL=$ROOT/.gpu-assets/llama-3.1-8b-dummy
+declare -a SUMMARY=()
+
+run_step() {  # NAME CAP COMMAND...: run with a time limit, log to $OUT/NAME.log
+    local name=$1 cap=$2
+    shift 2
+    local limit=$((DEADLINE - SECONDS))
+    ((limit > cap)) && limit=$cap
+    if ((limit < 20)); then SUMMARY+=("$name SKIPPED (no time left)"); return; fi
+    echo "=================== $name (limit ${limit}s): $*"
+    local started=$SECONDS
+    timeout --signal=TERM --kill-after=15 "$limit" "$@" > "$OUT/$name.log" 2>&1
+    local status=$?
+    tail -n 25 "$OUT/$name.log"
+    SUMMARY+=("$(printf '%-14s exit %-4s %4ds' "$name" "$status" $((SECONDS - started)))")
+}
+
+python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl || exit 1
+# Installed (not mapped from the source tree), so that the Engine's spawned processes import it too.
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . \
+    || echo "WARNING: installing radixserve failed"
+export PYTHONPATH=/tmp/site:$ROOT/benchmarks
+export FLASHINFER_WORKSPACE_BASE=$ROOT/.gpu-cache
+mkdir -p "$FLASHINFER_WORKSPACE_BASE"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+
+run_step sched_pytest 120 "$PY" -m pytest -p _srcpath -p no:cacheprovider -q -x tests/test_scheduler_gpu.py
+
+OFFLINE=("$PY" benchmarks/offline_throughput.py)
+run_step offline_overlap 200 "${OFFLINE[@]}" --model "$MODEL" --load-format dummy --dtype bfloat16 \
+    --dataset random --num-prompts 1000 --random-input-len 256 --random-output-len 256 --cache on \
+    --hf-device cuda --hf-batch-size 64 --hf-num-prompts 128 --output-json "$OUT/offline.jsonl"
+run_step offline_no_overlap 120 "${OFFLINE[@]}" --model "$MODEL" --load-format dummy --dtype bfloat16 \
+    --dataset random --num-prompts 1000 --random-input-len 256 --random-output-len 256 --cache on --skip-hf \
+    --engine-arg disable_overlap_schedule=true --output-json "$OUT/offline.jsonl"
+
+serve() {  # start a server with extra flags; wait for /health
+    # From /tmp: `python -m` puts the working directory first on sys.path, where the checkout's thin
+    # radixserve/ would shadow the installed package.
+    (cd /tmp && exec "$PY" -m radixserve serve \
+        --model-path "$MODEL" --load-format dummy --dtype bfloat16 --port 30000 --log-level warning "$@" \
+        > "$OUT/server-$RANDOM.log" 2>&1) &
+    SERVER=$!
+    for _ in $(seq 1 240); do
+        curl -sf http://127.0.0.1:30000/health > /dev/null && return 0
+        sleep 0.5
+    done
+    return 1
+}
+stop_server() { kill -TERM "$SERVER" 2>/dev/null; wait "$SERVER" 2>/dev/null; }
+BENCH=("$PY" benchmarks/serving.py --backend radixserve --base-url http://127.0.0.1:30000 --tokenizer "$MODEL" --disable-tqdm)
+
+if serve; then
+    run_step gsp_cache_on 90 "${BENCH[@]}" --dataset generated-shared-prefix --request-rate inf \
+        --label cache-on --output-file "$OUT/gsp_on.json"
+    for rate in 4 8 16; do
+        run_step "random_rate_$rate" 60 "${BENCH[@]}" --dataset random --num-prompts $((rate * 12)) \
+            --random-input-len 1024 --random-output-len 512 --request-rate $rate \
+            --label "rate-$rate" --output-file "$OUT/random_rate_$rate.json"
+    done
+    stop_server
+else
+    SUMMARY+=("server (cache on) did not start"); stop_server
+fi
+if serve --disable-radix-cache; then
+    run_step gsp_cache_off 90 "${BENCH[@]}" --dataset generated-shared-prefix --request-rate inf \
+        --label cache-off --output-file "$OUT/gsp_off.json"
+    stop_server
+else
+    SUMMARY+=("server (cache off) did not start"); stop_server
+fi
+"$PY" benchmarks/serving.py plot "$OUT"/random_rate_*.json -o "$OUT/latency_vs_rate.png" > /dev/null 2>&1
+
+echo "=================== summary"
+grep -h -A12 "^workload" "$OUT"/offline_*.log 2>/dev/null
+for line in "${SUMMARY[@]}"; do echo "$line"; done
+echo "total ${SECONDS}s"

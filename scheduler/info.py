@@ -1,0 +1,57 @@
+"""What the scheduler reports about itself: at start-up (`ready_info`, sent in ProcessReady) and on request
+(`server_info`, the GetServerInfoReq reply, which includes the start-up facts).
+
+`memory` counts KV token slots: `free + evictable + protected + held by running requests == total`, so an idle
+scheduler has `free + evictable == total`. `cache.hit_rate` is the share of prompt tokens served from the radix
+cache at each request's first admission; `cache.tree` holds the tree's own counters (every match query) and
+`cache.namespaces` the same per namespace, keyed `"default"` or the namespace parts joined by "/".
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from radixserve.scheduler.scheduler import Scheduler
+
+
+def ready_info(scheduler: "Scheduler") -> dict[str, Any]:
+    runner, args = scheduler.runner, scheduler.args
+    return {
+        "max_total_num_tokens": scheduler.allocator.size,
+        "max_running_requests": scheduler.max_running,
+        "context_len": runner.context_len,
+        "vocab_size": runner.vocab_size,
+        "eos_token_ids": list(runner.model_config.eos_token_ids),
+        "page_size": scheduler.page_size,
+        "model_path": args.model_path or getattr(runner, "model_dir", None),
+        "device": str(runner.device),
+        "dtype": str(runner.dtype).replace("torch.", ""),
+        "attention_backend": args.resolved_attention_backend(),
+        "chunked_prefill_size": scheduler.chunk_size,
+        "schedule_policy": args.schedule_policy,
+        "overlap_schedule": scheduler.overlap,
+        "radix_cache": not args.disable_radix_cache,
+    }
+
+
+def server_info(scheduler: "Scheduler") -> dict[str, Any]:
+    allocator, cache, stats = scheduler.allocator, scheduler.cache, scheduler.stats
+    total = allocator.size
+    free = allocator.available_size()
+    evictable = cache.evictable_size()
+    tree_stats = cache.stats()
+    namespaces = {"/".join(ns) if ns else "default": counters
+                  for ns, counters in tree_stats.pop("namespaces", {}).items()}
+    return {
+        **ready_info(scheduler),
+        **stats.as_dict(),
+        "memory": {"total_tokens": total, "free_tokens": free, "evictable_tokens": evictable,
+                   "protected_tokens": cache.protected_size()},
+        "cache": {"hit_rate": stats.cache_hit_rate, "matched_tokens": stats.cached_tokens,
+                  "queried_tokens": stats.queried_tokens, "tree": tree_stats, "namespaces": namespaces},
+        "num_running_reqs": len(scheduler.running),
+        "num_queued_reqs": len(scheduler.waiting) + (scheduler.chunked_req is not None) + scheduler.grammars.num_queued,
+        "token_usage": (total - free - evictable) / total,
+        "new_token_ratio": scheduler.new_token_ratio.value,
+    }
