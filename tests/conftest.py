@@ -27,8 +27,14 @@ import os
 import shutil
 
 import pytest
+import torch
 
-from radixserve.model_runner.loader import default_cache_dir, resolve_model
+# Triton decides between compiling and interpreting when it is first imported. Without a GPU the Triton kernels
+# are tested under its interpreter, so the switch must be set here, before any test module imports triton.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from radixserve.model_runner.loader import default_cache_dir, resolve_model  # noqa: E402
 
 TINY_ARCHITECTURES = {
     "llama": "LlamaConfig",

@@ -8,7 +8,9 @@ are a few tokens long.
 from __future__ import annotations
 
 import json
+import os
 import re
+import sys
 
 import pytest
 
@@ -193,28 +195,10 @@ def test_select_picks_paris_with_hugging_face_scores(engine, hf_model):
 
 # ---- acceptance: run_batch over a shared 400-token few-shot prefix ----------------------------------
 
-EXAMPLES = [
-    ("The plot was gripping from start to finish and the acting superb.", "positive"),
-    ("I walked out halfway through; a dull and predictable mess.", "negative"),
-    ("A warm, funny film that the whole family enjoyed together.", "positive"),
-    ("The dialogue was wooden and the special effects looked cheap.", "negative"),
-    ("Beautiful cinematography and a soundtrack I keep listening to.", "positive"),
-    ("Two hours of my life I will never get back, sadly.", "negative"),
-    ("An inspiring story told with honesty, heart and great restraint.", "positive"),
-    ("The jokes fell flat and the pacing dragged terribly throughout.", "negative"),
-    ("Clever twists kept me guessing until the very last scene.", "positive"),
-    ("Confusing, overlong and strangely joyless despite its big budget.", "negative"),
-    ("The lead performance is the best I have seen in years.", "positive"),
-    ("Even the talented cast could not rescue this lazy script.", "negative"),
-    ("A small gem: modest, tender and surprisingly moving overall.", "positive"),
-    ("Loud, messy and forgettable; the sequel nobody asked for.", "negative"),
-    ("Every frame is lovingly crafted, and the ending made me cry.", "positive"),
-    ("The characters were flat and I stopped caring after ten minutes.", "negative"),
-    ("A delightful surprise with a sharp script and charming leads.", "positive"),
-    ("Painfully slow, with a twist you can see coming a mile away.", "negative"),
-]
-FEW_SHOT = ("Classify the sentiment of each movie review as positive or negative.\n\n"
-            + "".join(f"Review: {text}\nSentiment: {label}\n\n" for text, label in EXAMPLES))
+# The same few-shot prompt as benchmarks/dsl_run_batch.py (about 400 tokens).
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+from dsl_run_batch import FEW_SHOT  # noqa: E402
+
 REVIEWS = [f"Review number {i}: the {adjective} film {verdict}."
            for i, (adjective, verdict) in enumerate(
                [(a, v) for a in ("new", "old", "long", "short", "French", "quiet", "loud", "strange")

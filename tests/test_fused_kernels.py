@@ -3,17 +3,14 @@ torch reference implementations in `model_runner/layers.py` (the ones the CPU mo
 tests hold bit-exact to `transformers`) and against plain indexed writes.
 
 Without a GPU the kernels run under the Triton interpreter; `TRITON_INTERPRET=1` has to be in the
-environment before the process first imports triton, so this module sets it (CPU only) before importing
-anything that imports triton. If triton was already imported without it (an earlier test module), the
-in-process tests skip and `test_in_interpreter_subprocess` reruns this file in a child process with the
-variable set. On a GPU the kernels are compiled and also compared in bfloat16, and one test replays them
+environment before the process first imports triton: tests/conftest.py sets it on machines without a GPU.
+On a GPU the kernels are compiled and also compared in bfloat16, and one test replays them
 inside a CUDA graph.
 """
 
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import torch
@@ -35,9 +32,8 @@ RUNS_HERE = ON_GPU or all(
                fused_rotary._rotary_kernel, kv_store._store_kv_kernel)
 )
 DEVICE = "cuda" if ON_GPU else "cpu"
-needs_kernels = pytest.mark.skipif(
-    not RUNS_HERE, reason="triton was imported before TRITON_INTERPRET=1 was set; the subprocess test runs these"
-)
+# tests/conftest.py sets TRITON_INTERPRET=1 on machines without a GPU before anything imports triton.
+assert RUNS_HERE, "triton was imported before TRITON_INTERPRET=1 was set: the kernels would not run"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_GPU else [])
 # Normalization differs from the reference only in float32 summation order and the rsqrt intrinsic, which
 # can move a rounded result by one unit in the last place of the activation dtype.
@@ -63,7 +59,6 @@ NORM_SHAPES = [(1, 4096, fused_norm.MAX_SINGLE_PASS), (3, 37, fused_norm.MAX_SIN
                (5, 1000, fused_norm.MAX_SINGLE_PASS), (4, 300, 64)]
 
 
-@needs_kernels
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,cols,max_single_pass", NORM_SHAPES)
 def test_rms_norm_matches_torch(dtype, rows, cols, max_single_pass):
@@ -75,7 +70,6 @@ def test_rms_norm_matches_torch(dtype, rows, cols, max_single_pass):
     assert torch.equal(x, x_before)
 
 
-@needs_kernels
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,cols,max_single_pass", NORM_SHAPES)
 def test_add_rms_norm_matches_torch(dtype, rows, cols, max_single_pass):
@@ -91,7 +85,6 @@ def test_add_rms_norm_matches_torch(dtype, rows, cols, max_single_pass):
     assert torch.equal(x, inputs_before[0]) and torch.equal(residual, inputs_before[1])
 
 
-@needs_kernels
 def test_rms_norm_strided_rows_and_weight_promotion():
     """Rows read through a strided view (a slice of a wider buffer, and per-head rows of a 3-D tensor);
     a float32 weight over float16 activations gives float32 output, as the torch reference does."""
@@ -110,7 +103,6 @@ def test_rms_norm_strided_rows_and_weight_promotion():
 
 # ---- SiLU-and-mul --------------------------------------------------------------------------------
 
-@needs_kernels
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(1, 14), (3, 2 * 1100), (2, 3, 2 * 50)])
 def test_silu_and_mul_matches_torch(dtype, shape):
@@ -119,7 +111,6 @@ def test_silu_and_mul_matches_torch(dtype, shape):
     _assert_close(fused_activation.silu_and_mul(gate_up), TORCH_OPS.silu_and_mul(gate_up), dtype)
 
 
-@needs_kernels
 def test_silu_and_mul_strided_rows():
     wide = _randn(4, 90, dtype=torch.float32, seed=11)
     gate_up = wide[:, 5:85]  # row stride 90, intermediate 40
@@ -144,7 +135,6 @@ def _assert_rotary_close(actual: torch.Tensor, expected: torch.Tensor, dtype: to
     assert torch.equal(actual, expected), f"max difference {(actual.float() - expected.float()).abs().max()}"
 
 
-@needs_kernels
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("position_dtype", [torch.int64, torch.int32])
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(6, 2, 40), (4, 4, 16), (5, 1, 64)])
@@ -165,7 +155,6 @@ def test_rotary_matches_torch(dtype, position_dtype, num_heads, num_kv_heads, he
     assert torch.equal(qkv, qkv_before)
 
 
-@needs_kernels
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rotary_in_place(dtype):
     """With `out_q=q, out_k=k` the rotation lands in the fused qkv buffer itself and v is left alone."""
@@ -186,7 +175,6 @@ def test_rotary_in_place(dtype):
 
 # ---- KV store ----------------------------------------------------------------------------------
 
-@needs_kernels
 @pytest.mark.parametrize("kv_dtype,buffer_dtype", [(torch.float32, torch.float32), (torch.float16, torch.float16),
                                                    (torch.float32, torch.float16)])
 @pytest.mark.parametrize("loc_dtype", [torch.int64, torch.int32])
@@ -253,13 +241,3 @@ def test_fused_ops_replay_in_a_cuda_graph():
     for got, want in zip(captured, eager):
         assert torch.equal(got, want)
     assert torch.equal(k_after_replay, k_buffer)
-
-
-@pytest.mark.skipif(RUNS_HERE, reason="the kernels run in this process")
-def test_in_interpreter_subprocess():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-        env=env, capture_output=True, text=True, timeout=600, cwd=os.path.dirname(os.path.dirname(__file__)),
-    )
-    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]

@@ -3,17 +3,13 @@
 Without a GPU the kernels run under the Triton interpreter. Triton decides interpreter-or-compiler when a
 `@triton.jit` function is defined, and its own standard library (`tl.zeros`, `tl.max`, ...) is defined when
 `triton` is first imported, so `TRITON_INTERPRET=1` must be in the environment before the first
-`import triton` of the process. This module sets it (CPU only) before importing anything that imports
-triton, which works whenever it is the first to do so (alone, or in a suite whose earlier modules never
-touch triton). If triton was already imported without it, the in-process tests skip and
-`test_in_interpreter_subprocess` reruns this file in a child process with the variable set, so the
-kernels are tested either way. On a GPU the kernels are compiled and everything runs in-process.
+`import triton` of the process: tests/conftest.py sets it on machines without a GPU (and this module
+too, when run on its own without the conftest). On a GPU the kernels are compiled.
 """
 
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import torch
@@ -43,9 +39,8 @@ RUNS_HERE = ON_GPU or all(
                kv_indices._build_kv_indices_kernel)
 )
 DEVICE = "cuda" if ON_GPU else "cpu"
-needs_kernels = pytest.mark.skipif(
-    not RUNS_HERE, reason="triton was imported before TRITON_INTERPRET=1 was set; the subprocess test runs these"
-)
+# tests/conftest.py sets TRITON_INTERPRET=1 on machines without a GPU before anything imports triton.
+assert RUNS_HERE, "triton was imported before TRITON_INTERPRET=1 was set: the kernels would not run"
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-2, torch.bfloat16: 4e-2}
 
 # (prefix_lens, extend_lens): empty prefixes, prefixes ending mid-page and on a page boundary, 1-token and
@@ -70,7 +65,6 @@ def _check_case(mode, lens, *, num_heads, num_kv_heads, head_dim, page_size, dty
     assert error < TOLERANCE[dtype], f"max abs error {error}"
 
 
-@needs_kernels
 @pytest.mark.parametrize("page_size", [1, 4])
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(4, 2, 16), (6, 2, 24), (2, 2, 32)])
 def test_extend_with_cached_prefixes(page_size, num_heads, num_kv_heads, head_dim):
@@ -78,7 +72,6 @@ def test_extend_with_cached_prefixes(page_size, num_heads, num_kv_heads, head_di
                 head_dim=head_dim, page_size=page_size)
 
 
-@needs_kernels
 @pytest.mark.parametrize("page_size", [1, 4])
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(4, 2, 16), (6, 2, 24), (2, 2, 32)])
 def test_decode(page_size, num_heads, num_kv_heads, head_dim):
@@ -86,20 +79,17 @@ def test_decode(page_size, num_heads, num_kv_heads, head_dim):
                 head_dim=head_dim, page_size=page_size)
 
 
-@needs_kernels
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_mixed_batch_runs_through_extend(page_size):
     _check_case(ForwardMode.MIXED, MIXED_BATCH, num_heads=4, num_kv_heads=1, head_dim=16, page_size=page_size)
 
 
-@needs_kernels
 @pytest.mark.parametrize("mode,lens", [(ForwardMode.EXTEND, EXTEND_BATCH), (ForwardMode.DECODE, DECODE_BATCH)])
 def test_half_precision(mode, lens):
     dtype = torch.bfloat16 if ON_GPU else torch.float16
     _check_case(mode, lens, num_heads=4, num_kv_heads=2, head_dim=16, page_size=4, dtype=dtype, seed=3)
 
 
-@needs_kernels
 @pytest.mark.parametrize("num_kv_splits", [1, 3, 8])
 def test_decode_split_count_does_not_change_the_result(num_kv_splits):
     """Any number of shares, including shares longer than a request (empty ones) and a non-power of two."""
@@ -118,7 +108,6 @@ def test_decode_split_count_does_not_change_the_result(num_kv_splits):
     assert (out.double().cpu() - reference_attention(case)).abs().max().item() < TOLERANCE[torch.float32]
 
 
-@needs_kernels
 @pytest.mark.parametrize("mode,lens", [(ForwardMode.EXTEND, EXTEND_BATCH), (ForwardMode.DECODE, DECODE_BATCH),
                                        (ForwardMode.MIXED, MIXED_BATCH)])
 def test_agrees_with_torch_native(mode, lens):
@@ -128,7 +117,6 @@ def test_agrees_with_torch_native(mode, lens):
     torch.testing.assert_close(triton_out, native_out, atol=2e-5, rtol=1e-5)
 
 
-@needs_kernels
 @pytest.mark.parametrize("mode,lens", [(ForwardMode.EXTEND, EXTEND_BATCH), (ForwardMode.DECODE, DECODE_BATCH)])
 def test_strided_queries_and_custom_scaling(mode, lens):
     """q as a column slice of a fused QKV projection output, and a softmax scale other than 1/sqrt(d)."""
@@ -152,7 +140,6 @@ def _reference_page_table(req_to_token, rows, seq_lens, page_size):
     return indptr, indices, last
 
 
-@needs_kernels
 @pytest.mark.parametrize("page_size", [1, 4, 16])
 def test_paged_kv_index_kernel(page_size):
     prefix_lens, extend_lens = [0, 15, 16, 40, 3], [1, 1, 20, 9, 200]
@@ -174,13 +161,3 @@ def test_paged_kv_index_kernel(page_size):
         positions = torch.arange(seq_len)
         expected = pages[positions // page_size] * page_size + positions % page_size
         assert torch.equal(expected, req_to_token[row, :seq_len].long().cpu())
-
-
-@pytest.mark.skipif(RUNS_HERE, reason="the kernels run in this process")
-def test_in_interpreter_subprocess():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-        env=env, capture_output=True, text=True, timeout=600, cwd=os.path.dirname(os.path.dirname(__file__)),
-    )
-    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
