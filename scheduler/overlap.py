@@ -9,6 +9,10 @@ Ordering contract: batches execute strictly one after another in launch order. E
 the device (KV slots, `req_to_token` rows, the token table) was written on the host before its launch, by an
 earlier batch, or by itself (its new K/V, written in each layer before that layer attends). Hence a KV slot or request row freed by the scheduler can be handed to a later batch
 without waiting: every batch that used it has run before that later batch starts.
+
+Besides the sampler's rows, a batch may ask for logits at prompt positions (prompt-token logprobs,
+`batch.input_logprobs`), and may carry a grammar mask (`batch.grammar_mask`) that its sampling waits for: under
+overlap the scheduler fills it once it has processed the previous batch's tokens (see scheduler/grammar.py).
 """
 
 from __future__ import annotations

@@ -173,9 +173,18 @@ REGEX_CASES = [
 ]
 
 
-@OVERLAP
-def test_regex_and_ebnf_outputs_fully_match(overlap, default_model_dir, tokenizer):
-    driver = SchedulerDriver(default_model_dir, tokenizer=tokenizer, disable_overlap_schedule=not overlap)
+SCHEDULES = {
+    "no-overlap": {"disable_overlap_schedule": True},
+    "overlap": {},
+    "overlap-mixed-chunks": {"enable_mixed_chunk": True, "chunked_prefill_size": 16},
+}
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_regex_and_ebnf_outputs_fully_match(schedule, default_model_dir, tokenizer):
+    """Also with decode steps riding in chunked extend batches (mixed chunks), whose masks wait for the
+    previous batch's tokens just like decode batches' do."""
+    driver = SchedulerDriver(default_model_dir, tokenizer=tokenizer, **SCHEDULES[schedule])
     for i, (question, pattern) in enumerate(REGEX_CASES):
         driver.submit(f"re{i}", chat_ids(tokenizer, question), max_new_tokens=24, regex=pattern)
     # ignore_eos does not outlive the grammar: once it is complete and can go no further, EOS ends it.
@@ -185,6 +194,8 @@ def test_regex_and_ebnf_outputs_fully_match(overlap, default_model_dir, tokenize
     driver.submit("ebnf", chat_ids(tokenizer, "Name a color."), max_new_tokens=24, ebnf=grammar)
     driver.submit("free", chat_ids(tokenizer, "Name a fruit."), max_new_tokens=8)
     results = run_all(driver)
+    if schedule == "overlap-mixed-chunks":
+        assert driver.scheduler.stats.mixed_batches > 0
     driver.close()
     for i, (_, pattern) in enumerate(REGEX_CASES):
         result = results[f"re{i}"]
