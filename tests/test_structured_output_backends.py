@@ -2,9 +2,8 @@
 triton (under the Triton interpreter on CPU) and, on a GPU, flashinfer, with the overlap scheduler on.
 
 A tiny random-weight Llama with the embedded model's tokenizer: its logits are far from anything a grammar
-would pick on its own, so only the mask keeps the outputs valid. Triton must be imported with
-`TRITON_INTERPRET=1` on CPU (see test_triton_attention.py); when an earlier module imported it without, the
-triton case reruns this file in a subprocess.
+would pick on its own, so only the mask keeps the outputs valid. On CPU the triton backend runs under the
+Triton interpreter (tests/conftest.py sets `TRITON_INTERPRET=1` before anything imports triton).
 """
 
 from __future__ import annotations
@@ -12,21 +11,15 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
-import sys
 
+import pytest
 import torch
 
+from radixserve.model_runner.loader import load_tokenizer
+from scheduler_driver import SchedulerDriver
+
 ON_GPU = torch.cuda.is_available()
-if not ON_GPU and "triton" not in sys.modules:
-    os.environ["TRITON_INTERPRET"] = "1"
-
-import pytest  # noqa: E402
-
-from radixserve.model_runner.loader import load_tokenizer  # noqa: E402
-from scheduler_driver import SchedulerDriver  # noqa: E402
-
-TRITON_RUNS_HERE = ON_GPU or os.environ.get("TRITON_INTERPRET") == "1"
+assert ON_GPU or os.environ.get("TRITON_INTERPRET") == "1", "tests/conftest.py sets TRITON_INTERPRET=1 without a GPU"
 BACKENDS = ["torch_native", "triton"] + (["flashinfer"] if ON_GPU else [])
 DATE = r"[0-9]{4}-[0-9]{2}-[0-9]{2}"
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
@@ -62,17 +55,4 @@ def test_grammar_mask_in_every_attention_backend(backend, tiny_with_tokenizer, r
     assert re.fullmatch(DATE, reference["date"])
     parsed = json.loads(reference["json"])
     assert set(parsed) == {"a", "b"} and 0 <= parsed["a"] <= 99 and parsed["b"] in ("x", "y")
-    if backend == "triton" and not TRITON_RUNS_HERE:
-        pytest.skip("triton was imported without TRITON_INTERPRET=1; test_triton_in_interpreter_subprocess runs it")
     assert constrained_outputs(tiny_with_tokenizer, backend) == reference
-
-
-@pytest.mark.skipif(TRITON_RUNS_HERE, reason="the triton case runs in this process")
-def test_triton_in_interpreter_subprocess():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"{__file__}::"
-         "test_grammar_mask_in_every_attention_backend[triton]"],
-        env=env, capture_output=True, text=True, timeout=600, cwd=os.path.dirname(os.path.dirname(__file__)),
-    )
-    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
