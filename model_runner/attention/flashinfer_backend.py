@@ -74,13 +74,7 @@ class FlashInferAttentionBackend(AttentionBackend):
 
     def plan(self, batch: ForwardBatch) -> None:
         assert batch.token_to_kv_pool.page_size == self.page_size, "pool page size differs from the backend's"
-        kv_index = build_paged_kv_index(
-            batch.req_to_token_pool.req_to_token,
-            batch.req_pool_indices,
-            batch.seq_lens,
-            batch.seq_lens_cpu,
-            self.page_size,
-        )
+        kv_index = self._kv_index(batch)
         shape = (self.num_heads, self.num_kv_heads, self.head_dim, self.page_size)
         kv_dtype = batch.token_to_kv_pool.dtype
         if batch.mode == ForwardMode.DECODE:
@@ -122,17 +116,21 @@ class FlashInferAttentionBackend(AttentionBackend):
         )
         self.plan_for_replay(batch)
 
-    def plan_for_replay(self, batch: ForwardBatch) -> None:
-        """Re-plan the captured wrapper of `batch.batch_size` for the values now in the static batch
-        (host work plus copies into the fixed buffers, queued on the current stream before the replay)."""
-        wrapper = self._graph_wrappers[batch.batch_size]
-        kv_index = build_paged_kv_index(
+    def _kv_index(self, batch: ForwardBatch) -> PagedKVIndex:
+        """The batch's paged-KV index arrays, built on the device from req_to_token."""
+        return build_paged_kv_index(
             batch.req_to_token_pool.req_to_token,
             batch.req_pool_indices,
             batch.seq_lens,
             batch.seq_lens_cpu,
             self.page_size,
         )
+
+    def plan_for_replay(self, batch: ForwardBatch) -> None:
+        """Re-plan the captured wrapper of `batch.batch_size` for the values now in the static batch
+        (host work plus copies into the fixed buffers, queued on the current stream before the replay)."""
+        wrapper = self._graph_wrappers[batch.batch_size]
+        kv_index = self._kv_index(batch)
         fi.plan_decode(
             wrapper, kv_index, self.num_heads, self.num_kv_heads, self.head_dim, self.page_size,
             self.dtype, batch.token_to_kv_pool.dtype, self.sm_scale,
