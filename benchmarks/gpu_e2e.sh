@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
 # End-to-end speed on the GPU host in ONE call (at most ~9 minutes), Llama-3.1-8B shape with dummy bf16 weights:
-#   1. pytest of the scheduler on CUDA (overlap on/off, chunked + mixed, retraction: outputs equal HF's);
-#   2. offline throughput, 1000 requests of 256 in / 256 out, overlap on; HF `generate` baseline on a subset
-#      (padded batches of 64) on the same GPU, compared by output tokens/s;
-#   3. the same with the overlap scheduler off;
-#   4. serving.py generated-shared-prefix against `radixserve serve`, radix cache on and off;
-#   5. serving.py random 1024/512 at Poisson rates 4, 8 and 16.
+#   tests:   pytest of the scheduler and the FlashInfer backend on CUDA (outputs equal HF's / a float64 reference);
+#   overlap: benchmarks/overlap_idle.py, batch 64 decode-heavy, overlap on vs off, GPU idle fraction;
+#   offline: offline throughput, 1000 requests of 256 in / 256 out, overlap on, with the HF `generate` baseline
+#            on a subset (padded batches of 64) on the same GPU, compared by output tokens/s;
+#   offline-off: the same with the overlap scheduler off;
+#   rates:   serving.py random 1024/512 against `radixserve serve` at Poisson rates 4, 8 and 16, 300 requests
+#            each, the cache flushed before each rate (the prompts repeat), and the latency-vs-rate plot;
+#   gsp:     serving.py generated-shared-prefix (SGLang's defaults, all at once), radix cache on and off.
+# STEPS selects (default: all, in that order; a call is limited to ~10 minutes, so split them), e.g.
+#   STEPS="tests overlap" bash benchmarks/gpu_e2e.sh
 # Needs .whl/ (see ../shared/gpu/README.md) and .gpu-assets/llama-3.1-8b-dummy/ (config.json + a tokenizer) carried.
 set -u
 cd "$(dirname "$0")/.." || exit 1
@@ -15,6 +19,8 @@ mkdir -p "$OUT"
 DEADLINE=$((SECONDS + ${SUITE_SECONDS:-540}))
 PY=${PYTHON:-python3}
 MODEL=$ROOT/.gpu-assets/llama-3.1-8b-dummy
+STEPS=${STEPS:-tests overlap offline offline-off rates gsp}
+want() { [[ " $STEPS " == *" $1 "* ]]; }
 declare -a SUMMARY=()
 
 run_step() {  # NAME CAP COMMAND...: run with a time limit, log to $OUT/NAME.log
@@ -40,15 +46,25 @@ export FLASHINFER_WORKSPACE_BASE=$ROOT/.gpu-cache
 mkdir -p "$FLASHINFER_WORKSPACE_BASE"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 
-run_step sched_pytest 120 "$PY" -m pytest -p _srcpath -p no:cacheprovider -q -x tests/test_scheduler_gpu.py
-
+if want tests; then
+    run_step gpu_pytest 200 "$PY" -m pytest -p _srcpath -p no:cacheprovider -q -x tests/test_scheduler_gpu.py \
+        tests/test_flashinfer_attention.py tests/test_cuda_graph.py
+fi
+if want overlap; then
+    run_step overlap_idle 200 "$PY" benchmarks/overlap_idle.py --model "$MODEL" --load-format dummy --dtype bfloat16 \
+        --batch-size 64 --input-len 256 --output-len 512 --out "$OUT"
+fi
 OFFLINE=("$PY" benchmarks/offline_throughput.py)
-run_step offline_overlap 200 "${OFFLINE[@]}" --model "$MODEL" --load-format dummy --dtype bfloat16 \
-    --dataset random --num-prompts 1000 --random-input-len 256 --random-output-len 256 --cache on \
-    --hf-device cuda --hf-batch-size 64 --hf-num-prompts 128 --output-json "$OUT/offline.jsonl"
-run_step offline_no_overlap 120 "${OFFLINE[@]}" --model "$MODEL" --load-format dummy --dtype bfloat16 \
-    --dataset random --num-prompts 1000 --random-input-len 256 --random-output-len 256 --cache on --skip-hf \
-    --engine-arg disable_overlap_schedule=true --output-json "$OUT/offline.jsonl"
+if want offline; then
+    run_step offline_overlap 200 "${OFFLINE[@]}" --model "$MODEL" --load-format dummy --dtype bfloat16 \
+        --dataset random --num-prompts 1000 --random-input-len 256 --random-output-len 256 --cache on \
+        --hf-device cuda --hf-batch-size 64 --hf-num-prompts 128 --output-json "$OUT/offline.jsonl"
+fi
+if want offline-off; then
+    run_step offline_no_overlap 120 "${OFFLINE[@]}" --model "$MODEL" --load-format dummy --dtype bfloat16 \
+        --dataset random --num-prompts 1000 --random-input-len 256 --random-output-len 256 --cache on --skip-hf \
+        --engine-arg disable_overlap_schedule=true --output-json "$OUT/offline.jsonl"
+fi
 
 serve() {  # start a server with extra flags; wait for /health
     # From /tmp: `python -m` puts the working directory first on sys.path, where the checkout's thin
@@ -57,7 +73,7 @@ serve() {  # start a server with extra flags; wait for /health
         --model-path "$MODEL" --load-format dummy --dtype bfloat16 --port 30000 --log-level warning "$@" \
         > "$OUT/server-$RANDOM.log" 2>&1) &
     SERVER=$!
-    for _ in $(seq 1 240); do
+    for _ in $(seq 1 360); do  # up to 3 minutes: a fresh host JIT-compiles the FlashInfer kernels
         curl -sf http://127.0.0.1:30000/health > /dev/null && return 0
         sleep 0.5
     done
@@ -66,26 +82,32 @@ serve() {  # start a server with extra flags; wait for /health
 stop_server() { kill -TERM "$SERVER" 2>/dev/null; wait "$SERVER" 2>/dev/null; }
 BENCH=("$PY" benchmarks/serving.py --backend radixserve --base-url http://127.0.0.1:30000 --tokenizer "$MODEL" --disable-tqdm)
 
-if serve; then
-    run_step gsp_cache_on 90 "${BENCH[@]}" --dataset generated-shared-prefix --request-rate inf \
-        --label cache-on --output-file "$OUT/gsp_on.json"
-    for rate in 4 8 16; do
-        run_step "random_rate_$rate" 60 "${BENCH[@]}" --dataset random --num-prompts $((rate * 12)) \
-            --random-input-len 1024 --random-output-len 512 --request-rate $rate \
-            --label "rate-$rate" --output-file "$OUT/random_rate_$rate.json"
-    done
+if want rates || want gsp; then
+    if serve; then
+        if want rates; then
+            for rate in 4 8 16; do
+                run_step "random_rate_$rate" $((300 / rate + 45)) "${BENCH[@]}" --dataset random --num-prompts 300 \
+                    --random-input-len 1024 --random-output-len 512 --request-rate $rate --flush-cache \
+                    --label radixserve --output-file "$OUT/random_rate_$rate.json"
+            done
+            "$PY" benchmarks/serving.py plot "$OUT"/random_rate_*.json -o "$OUT/latency_vs_rate.png" > /dev/null 2>&1
+        fi
+        want gsp && run_step gsp_cache_on 90 "${BENCH[@]}" --dataset generated-shared-prefix --request-rate inf \
+            --flush-cache --label cache-on --output-file "$OUT/gsp_on.json"
+    else
+        SUMMARY+=("server (cache on) did not start")
+    fi
     stop_server
-else
-    SUMMARY+=("server (cache on) did not start"); stop_server
 fi
-if serve --disable-radix-cache; then
-    run_step gsp_cache_off 90 "${BENCH[@]}" --dataset generated-shared-prefix --request-rate inf \
-        --label cache-off --output-file "$OUT/gsp_off.json"
+if want gsp; then
+    if serve --disable-radix-cache; then
+        run_step gsp_cache_off 150 "${BENCH[@]}" --dataset generated-shared-prefix --request-rate inf \
+            --label cache-off --output-file "$OUT/gsp_off.json"
+    else
+        SUMMARY+=("server (cache off) did not start")
+    fi
     stop_server
-else
-    SUMMARY+=("server (cache off) did not start"); stop_server
 fi
-"$PY" benchmarks/serving.py plot "$OUT"/random_rate_*.json -o "$OUT/latency_vs_rate.png" > /dev/null 2>&1
 
 echo "=================== summary"
 grep -h -A12 "^workload" "$OUT"/offline_*.log 2>/dev/null

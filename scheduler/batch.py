@@ -160,7 +160,7 @@ def allocate_slots(
     `req_to_token`; evicts from the cache when free pages are short. Returns None (allocating nothing) when
     even eviction cannot make room."""
     table = req_to_token_pool.req_to_token
-    if any(kv_lens):
+    if allocator.page_size > 1 and any(kv_lens):  # the last slot only matters to fill a partial page
         rows_t = torch.tensor(rows, dtype=torch.int64)
         lens_t = torch.tensor(kv_lens, dtype=torch.int64)
         last = table[rows_t.to(table.device), (lens_t - 1).clamp(min=0).to(table.device)].tolist()

@@ -5,10 +5,17 @@ order on one worker thread (on a GPU, also on their own CUDA stream), so the sch
 N+1 and process batch N's results while batch N+1 runs. CPU kernels of torch release the GIL, so the two
 threads really do work at the same time.
 
+On a GPU the worker only queues a batch: its kernels, the sampled tokens' copy to pinned host memory, and an
+event after that copy (`PendingResult`). It does not wait for the device, so it prepares and queues batch
+N+1 (inputs, attention plan, graph replay) while batch N still runs, and the device goes from one batch to
+the next without waiting for the host. The scheduler thread waits on the event when it takes the result;
+`Event.synchronize` releases the GIL, so the worker keeps going meanwhile.
+
 Ordering contract: batches execute strictly one after another in launch order. Everything a batch reads from
 the device (KV slots, `req_to_token` rows, the token table) was written on the host before its launch, by an
-earlier batch, or by itself (its new K/V, written in each layer before that layer attends). Hence a KV slot or request row freed by the scheduler can be handed to a later batch
-without waiting: every batch that used it has run before that later batch starts.
+earlier batch, or by itself (its new K/V, written in each layer before that layer attends). Hence a KV slot
+or request row freed by the scheduler can be handed to a later batch without waiting: every batch that used
+it has run before that later batch starts.
 
 Besides the sampler's rows, a batch may ask for logits at prompt positions (prompt-token logprobs,
 `batch.input_logprobs`), and may carry a grammar mask (`batch.grammar_mask`) that its sampling waits for: under
@@ -38,6 +45,29 @@ class BatchResult:
     input_logprobs: Optional[InputLogprobs] = None  # prompt-token logprobs, when the batch planned any
 
 
+@dataclass
+class PendingResult:
+    """One batch's outputs as queued on the device: host copies that are complete once `copied` has
+    fired (None: already complete, as on the CPU)."""
+
+    next_token_ids: torch.Tensor
+    logprobs: Optional[torch.Tensor]
+    top_logprobs: Optional[tuple[torch.Tensor, torch.Tensor]]  # (values, ids)
+    input_logprobs: Optional[InputLogprobs]
+    copied: Optional[torch.cuda.Event] = None
+
+    def wait(self) -> BatchResult:
+        if self.copied is not None:
+            self.copied.synchronize()  # releases the GIL while the device finishes the batch
+        result = BatchResult(self.next_token_ids.tolist(), input_logprobs=self.input_logprobs)
+        if self.logprobs is not None:
+            result.logprobs = self.logprobs.tolist()
+        if self.top_logprobs is not None:
+            values, ids = self.top_logprobs
+            result.top_logprobs = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+        return result
+
+
 class LaunchedBatch:
     """A batch that was handed to the executor; `result()` waits for it."""
 
@@ -46,7 +76,7 @@ class LaunchedBatch:
         self._future = future
 
     def result(self) -> BatchResult:
-        return self._future.result()
+        return self._future.result().wait()
 
 
 class BatchExecutor:
@@ -68,7 +98,7 @@ class BatchExecutor:
     def launch(self, batch: ScheduleBatch) -> LaunchedBatch:
         if self._worker is None:
             future: concurrent.futures.Future = concurrent.futures.Future()
-            future.set_result(self.run(batch))
+            future.set_result(self.enqueue(batch))
             return LaunchedBatch(batch, future)
         ready = None
         if self._stream is not None:
@@ -77,15 +107,21 @@ class BatchExecutor:
             ready.record()
         return LaunchedBatch(batch, self._worker.submit(self._run_on_worker, batch, ready))
 
-    def _run_on_worker(self, batch: ScheduleBatch, ready) -> BatchResult:
+    def _run_on_worker(self, batch: ScheduleBatch, ready) -> PendingResult:
         if self._stream is None:
-            return self.run(batch)
+            return self.enqueue(batch)
         with torch.cuda.stream(self._stream):
             self._stream.wait_event(ready)
-            return self.run(batch)
+            return self.enqueue(batch)
+
+    def run(self, batch: ScheduleBatch) -> BatchResult:
+        """Run the batch on the calling thread and wait for its results."""
+        return self.enqueue(batch).wait()
 
     @torch.inference_mode()
-    def run(self, batch: ScheduleBatch) -> BatchResult:
+    def enqueue(self, batch: ScheduleBatch) -> PendingResult:
+        """Queue the batch's forward pass and sampling on the current stream; on a GPU, returns without
+        waiting for the device."""
         runner = self.runner
         forward_batch = batch.to_forward_batch(
             runner.req_to_token_pool, runner.token_to_kv_pool, self.token_table, self.device
@@ -102,14 +138,19 @@ class BatchExecutor:
             batch.grammar_mask.apply(logits)  # waits for the previous batch's tokens under overlap
         out = self.sampler.sample(logits, batch.sampling_info, batch.return_logprob, batch.top_logprobs_num)
         self.token_table[forward_batch.req_pool_indices] = out.next_token_ids
-        result = BatchResult(out.next_token_ids.tolist(), input_logprobs=input_logprobs)
-        if out.logprobs is not None:
-            result.logprobs = out.logprobs.tolist()
-        if out.top_logprobs is not None:
-            values, ids = out.top_logprobs
-            result.top_logprobs = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
-        return result
+        if self.device.type != "cuda":
+            return PendingResult(out.next_token_ids, out.logprobs, out.top_logprobs, input_logprobs)
+
+        def to_host(tensor):  # into pinned memory, complete once `copied` fires
+            return None if tensor is None else tensor.to("cpu", non_blocking=True)
+
+        top = None if out.top_logprobs is None else tuple(to_host(t) for t in out.top_logprobs)
+        pending = PendingResult(to_host(out.next_token_ids), to_host(out.logprobs), top, input_logprobs,
+                                torch.cuda.Event())
+        pending.copied.record()
+        return pending
 
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown(wait=True)
+

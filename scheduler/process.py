@@ -11,6 +11,7 @@ thread polls the parent pid and exits when the parent is gone (no PR_SET_PDEATHS
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import sys
@@ -51,6 +52,10 @@ def run_scheduler_process(server_args: ServerArgs, ipc: IpcPaths, parent_pid: in
         sender.close()  # lingers until the report is delivered (bounded by the socket's linger)
         sys.exit(1)
 
+    # Everything loaded so far (modules, the model, the pools) lives as long as the process: keep it out of
+    # the cyclic garbage collector, whose full collections otherwise rescan it while requests run.
+    gc.collect()
+    gc.freeze()
     sender.send(encode(ProcessReady(process="scheduler", info=scheduler.ready_info())))
     logger.info("scheduler ready: %s", scheduler.ready_info())
     try:

@@ -70,11 +70,13 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._workspace = fi.new_workspace(self.device, workspace_bytes)
         self._decode_wrapper = fi.make_decode_wrapper(self._workspace, decode_use_tensor_cores)
         self._prefill_wrapper = fi.make_prefill_wrapper(self._workspace, prefill_backend)
+        self._planned: Optional[torch.cuda.Event] = None  # recorded after the latest plan's copies
         self._graph_wrappers: dict[int, Any] = {}  # captured batch size -> CUDA-graph decode wrapper
 
     def plan(self, batch: ForwardBatch) -> None:
         assert batch.token_to_kv_pool.page_size == self.page_size, "pool page size differs from the backend's"
         kv_index = self._kv_index(batch)
+        self._wait_for_previous_plan()
         shape = (self.num_heads, self.num_kv_heads, self.head_dim, self.page_size)
         kv_dtype = batch.token_to_kv_pool.dtype
         if batch.mode == ForwardMode.DECODE:
@@ -87,7 +89,18 @@ class FlashInferAttentionBackend(AttentionBackend):
                 self._prefill_wrapper, qo_indptr_host, kv_index, *shape, self.dtype, kv_dtype, self.sm_scale
             )
             wrapper = self._prefill_wrapper
+        self._mark_planned()
         batch.attn_metadata = FlashInferMetadata(wrapper, kv_index)
+
+    def _wait_for_previous_plan(self) -> None:
+        """A plan writes a pinned host buffer and queues its copy to the device. The overlap scheduler
+        plans batch N+1 while batch N is queued, possibly before the device ran N's copy: wait for it."""
+        if self._planned is not None:
+            self._planned.synchronize()
+
+    def _mark_planned(self) -> None:
+        self._planned = torch.cuda.Event()
+        self._planned.record()
 
     # ---- CUDA graphs (decode) --------------------------------------------------------------------
     def init_cuda_graph_state(self, max_bs: int, max_context_len: int) -> None:
@@ -131,10 +144,12 @@ class FlashInferAttentionBackend(AttentionBackend):
         (host work plus copies into the fixed buffers, queued on the current stream before the replay)."""
         wrapper = self._graph_wrappers[batch.batch_size]
         kv_index = self._kv_index(batch)
+        self._wait_for_previous_plan()
         fi.plan_decode(
             wrapper, kv_index, self.num_heads, self.num_kv_heads, self.head_dim, self.page_size,
             self.dtype, batch.token_to_kv_pool.dtype, self.sm_scale,
         )
+        self._mark_planned()
         batch.attn_metadata = FlashInferMetadata(wrapper, kv_index)
 
     def forward(

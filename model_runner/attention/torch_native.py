@@ -1,9 +1,9 @@
 """Paged attention in plain PyTorch: the reference backend, for CPU and GPU.
 
 Per batch, `plan` splits the requests into chunks of consecutive requests and, per chunk, gathers the KV slot
-indices `req_to_token[row, :seq_len]` into a padded `[requests, max_seq_len]` table and builds the causal
+indices `req_to_token[row, start:seq_len]` into a padded `[requests, max_keys]` table and builds the causal
 mask. Per layer, `forward` writes the new tokens' K/V into the pool, then for each chunk gathers the K/V
-through that table and runs `scaled_dot_product_attention` once per KV head: the query heads sharing a KV
+through that table and runs scaled-dot-product attention once per KV head: the query heads sharing a KV
 head are folded into the query-row dimension, so K and V are never repeated for grouped-query attention.
 
 Why chunks: one padded batch over all requests costs one call per layer but pads every request to the
@@ -15,6 +15,15 @@ gathered K/V rows) and under `max_padding_waste` times its real pairs. On CPU, d
 of a few thousand KV rows, short prompts are batched and long prompts run one by one; on a GPU a batch is
 usually one chunk. EXTEND, DECODE and MIXED batches all take this one path.
 
+Shared prefixes (cascade attention): requests that extend the same cached prefix hold the same KV slots
+for it, because the radix cache hands them the same pages. `plan` finds such groups (same first slot, then
+the longest run of equal slots, never past a member's own prefix length, so every key of the shared part
+precedes every query of the group). `forward` then attends all the group's new tokens to the shared keys
+in one call, which reads the prefix's K/V once per group instead of gathering a copy per request; the
+chunks cover only each request's keys after the shared part (`start` above); the two partial results
+are merged by their log-sum-exp. Softmax over a split key set is exact, so this changes only the float
+rounding. It pays off on the CPU, where the gathers dominate decode; on a GPU it is off by default.
+
 Causality: new token j of request i sits at position `prefix_lens[i] + j` and attends to key positions
 `<= prefix_lens[i] + j`. Padded key columns point at slot 0 (the pool's dummy page) and are masked out;
 padded query rows see the whole sequence (so no row is empty) and their output is dropped.
@@ -22,6 +31,8 @@ padded query rows see the whole sequence (so no row is empty) and their output i
 
 from __future__ import annotations
 
+import math
+from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -36,6 +47,9 @@ from radixserve.model_runner.forward_batch import ForwardBatch
 # costs launches rather than cache misses, so chunks are as large as memory for the mask comfortably allows
 # (one padded call: about 2x faster than per-request calls for 32 decodes of 1k tokens on an H200).
 CHUNK_LIMITS = {"cpu": (2048, 2.0), "cuda": (1 << 24, 4.0)}
+# Shortest shared prefix attended once per group, per device type (inf: never). Below it, the extra call
+# and the merge cost more than the gathers they save.
+MIN_SHARED_PREFIX = {"cpu": 32, "cuda": math.inf}
 
 
 @dataclass
@@ -47,67 +61,100 @@ class AttentionChunk:
     token_end: int
     num_requests: int
     max_extend_len: int
-    kv_indices: torch.Tensor  # [requests, max_seq_len] int64 KV slots; padding -> slot 0
-    mask: torch.Tensor  # [requests, 1, max_extend_len, max_seq_len] bool, True = attend
+    kv_indices: torch.Tensor  # [requests, max_keys] int64 KV slots; padding -> slot 0
+    mask: torch.Tensor  # [requests, 1, max_extend_len, max_keys] bool, True = attend
     # Row of each new token in the [requests * max_extend_len] query grid; None when no padding is needed.
     query_slots: Optional[torch.Tensor]
-    _grouped_masks: dict = field(default_factory=dict, repr=False)
+    _masks: dict = field(default_factory=dict, repr=False)
 
-    def grouped_mask(self, group: int) -> torch.Tensor:
-        """The mask with each query row repeated `group` times (see `_group_queries`), built once."""
-        if self.max_extend_len == 1:  # one mask row broadcasts over the group's query rows
-            return self.mask
-        if group not in self._grouped_masks:
-            self._grouped_masks[group] = self.mask.repeat_interleave(group, dim=2)
-        return self._grouped_masks[group]
+    def grouped_mask(self, group: int, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """The mask with each query row repeated `group` times (see `_group_queries`), built once; boolean,
+        or additive (0 / -inf) in `dtype`."""
+        key = (group, dtype)
+        if key not in self._masks:
+            # One mask row broadcasts over the group's query rows when each request has one query.
+            mask = self.mask if self.max_extend_len == 1 else self.mask.repeat_interleave(group, dim=2)
+            if dtype is not None:
+                mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, -math.inf)
+            self._masks[key] = mask
+        return self._masks[key]
+
+
+@dataclass
+class SharedPrefix:
+    """Requests whose first `kv_indices.numel()` KV slots are the same, all before any of their queries."""
+
+    token_index: torch.Tensor  # [tokens] int64: the members' new tokens, as positions in the batch
+    kv_indices: torch.Tensor  # [length] int64: the shared KV slots
+    # The first slot when the slots are consecutive (the usual case: a prefix prefilled in one piece from a
+    # sorted free list), so the prefix's K/V is a view of the pool instead of a gathered copy.
+    first_slot: Optional[int] = None
 
 
 @dataclass
 class TorchNativeMetadata:
     chunks: list[AttentionChunk]
+    shared: list[SharedPrefix] = field(default_factory=list)
+    shared_token_index: Optional[torch.Tensor] = None  # the groups' token_index, concatenated
 
 
 class TorchNativeAttention(AttentionBackend):
     """Reference attention backend; correct for EXTEND, DECODE and MIXED batches of any lengths.
 
-    Limits left as None take `CHUNK_LIMITS` of the batch's device type. `max_chunk_pairs=0` runs request by
-    request; both limits at infinity run one padded batch.
+    Limits left as None take `CHUNK_LIMITS` and `MIN_SHARED_PREFIX` of the batch's device type.
+    `max_chunk_pairs=0` runs request by request; both chunk limits at infinity run one padded batch.
+    `min_shared_prefix=math.inf` turns cascade attention off; 1 uses it for any shared prefix.
     """
 
-    def __init__(self, max_chunk_pairs: Optional[float] = None, max_padding_waste: Optional[float] = None) -> None:
+    def __init__(
+        self,
+        max_chunk_pairs: Optional[float] = None,
+        max_padding_waste: Optional[float] = None,
+        min_shared_prefix: Optional[float] = None,
+    ) -> None:
         self.max_chunk_pairs = max_chunk_pairs
         self.max_padding_waste = max_padding_waste
+        self.min_shared_prefix = min_shared_prefix
 
     # ---- planning --------------------------------------------------------------------------------
     def plan(self, batch: ForwardBatch) -> None:
+        device_type = batch.req_pool_indices.device.type
+        min_shared = self.min_shared_prefix
+        if min_shared is None:
+            min_shared = MIN_SHARED_PREFIX.get(device_type, math.inf)
+        shared, key_starts = [], [0] * batch.batch_size
+        if batch.batch_size > 1 and min_shared != math.inf:
+            shared, key_starts = find_shared_prefixes(batch, max(1, int(min_shared)))
+        key_lens = [seq - start for seq, start in zip(batch.seq_lens_cpu, key_starts)]
         chunks = []
         token_start = 0
-        device_type = batch.req_pool_indices.device.type
-        for first, last in self.split_requests(batch.extend_lens_cpu, batch.seq_lens_cpu, device_type):
-            chunk = _plan_chunk(batch, first, last, token_start)
+        for first, last in self.split_requests(batch.extend_lens_cpu, key_lens, device_type):
+            chunk = _plan_chunk(batch, first, last, token_start, key_starts[first:last])
             chunks.append(chunk)
             token_start = chunk.token_end
-        batch.attn_metadata = TorchNativeMetadata(chunks)
+        shared_index = torch.cat([group.token_index for group in shared]) if shared else None
+        batch.attn_metadata = TorchNativeMetadata(chunks, shared, shared_index)
 
     def split_requests(
-        self, extend_lens: list[int], seq_lens: list[int], device_type: str = "cpu"
+        self, extend_lens: list[int], key_lens: list[int], device_type: str = "cpu"
     ) -> list[tuple[int, int]]:
-        """Request ranges `[first, last)` of the chunks, grown greedily in batch order."""
+        """Request ranges `[first, last)` of the chunks, grown greedily in batch order; request i attends
+        `extend_lens[i]` queries to `key_lens[i]` keys."""
         default_pairs, default_waste = CHUNK_LIMITS.get(device_type, CHUNK_LIMITS["cuda"])
         max_pairs = default_pairs if self.max_chunk_pairs is None else self.max_chunk_pairs
         max_waste = default_waste if self.max_padding_waste is None else self.max_padding_waste
         ranges = []
-        first, num_requests = 0, len(seq_lens)
+        first, num_requests = 0, len(key_lens)
         while first < num_requests:
             last = first + 1
-            max_ext, max_seq, real_work = extend_lens[first], seq_lens[first], extend_lens[first] * seq_lens[first]
+            max_ext, max_keys, real_work = extend_lens[first], key_lens[first], extend_lens[first] * key_lens[first]
             while last < num_requests:
-                ext, seq = max(max_ext, extend_lens[last]), max(max_seq, seq_lens[last])
-                work = real_work + extend_lens[last] * seq_lens[last]
-                padded_pairs = (last + 1 - first) * ext * seq
+                ext, keys = max(max_ext, extend_lens[last]), max(max_keys, key_lens[last])
+                work = real_work + extend_lens[last] * key_lens[last]
+                padded_pairs = (last + 1 - first) * ext * keys
                 if padded_pairs > max_pairs or padded_pairs > max_waste * work:
                     break
-                max_ext, max_seq, real_work = ext, seq, work
+                max_ext, max_keys, real_work = ext, keys, work
                 last += 1
             ranges.append((first, last))
             first = last
@@ -127,25 +174,90 @@ class TorchNativeAttention(AttentionBackend):
         pool = batch.token_to_kv_pool
         pool.set_kv_buffer(layer_id, batch.out_cache_loc, k, v)
         k_buffer, v_buffer = pool.get_kv_buffer(layer_id)
+        with_lse = bool(meta.shared)
         if len(meta.chunks) == 1:
-            return _attend_chunk(q, k_buffer, v_buffer, meta.chunks[0], scaling)
-        out = torch.empty_like(q)
-        for chunk in meta.chunks:
-            queries = q[chunk.token_start:chunk.token_end]
-            out[chunk.token_start:chunk.token_end] = _attend_chunk(queries, k_buffer, v_buffer, chunk, scaling)
+            out, lse = _attend_chunk(q, k_buffer, v_buffer, meta.chunks[0], scaling, with_lse)
+        else:
+            out = torch.empty_like(q)
+            lse = q.new_empty(q.shape[:2], dtype=torch.float32) if with_lse else None
+            for chunk in meta.chunks:
+                rows = slice(chunk.token_start, chunk.token_end)
+                out[rows], chunk_lse = _attend_chunk(q[rows], k_buffer, v_buffer, chunk, scaling, with_lse)
+                if with_lse:
+                    lse[rows] = chunk_lse
+        if not with_lse:
+            return out
+        index = meta.shared_token_index
+        prefix_out = q.new_empty((index.numel(), *q.shape[1:]))
+        prefix_lse = q.new_empty((index.numel(), q.shape[1]), dtype=torch.float32)
+        start = 0
+        for group in meta.shared:
+            rows = slice(start, start + group.token_index.numel())
+            prefix_out[rows], prefix_lse[rows] = _attend_shared(q[group.token_index], k_buffer, v_buffer, group, scaling)
+            start = rows.stop
+        out[index] = merge_partial_attention(out[index], lse[index], prefix_out, prefix_lse)
         return out
 
 
-def _plan_chunk(batch: ForwardBatch, first: int, last: int, token_start: int) -> AttentionChunk:
+def find_shared_prefixes(batch: ForwardBatch, min_len: int) -> tuple[list[SharedPrefix], list[int]]:
+    """Groups of at least two requests sharing the KV slots of a cached prefix of `min_len` or more tokens,
+    and per request the first key position its chunk still attends (the group's shared length, or 0)."""
+    prefix_lens = batch.prefix_lens_cpu
+    key_starts = [0] * batch.batch_size
+    candidates = [i for i, length in enumerate(prefix_lens) if length >= min_len]
+    if len(candidates) < 2:
+        return [], key_starts
+    device = batch.req_pool_indices.device
+    pool_rows = batch.req_pool_indices[torch.tensor(candidates, device=device)]
+    rows = batch.req_to_token_pool.req_to_token[pool_rows, :max(prefix_lens[i] for i in candidates)].to(torch.int64)
+    by_first_slot = defaultdict(list)
+    for position, slot in enumerate(rows[:, 0].tolist()):
+        by_first_slot[slot].append(position)
+    token_starts = [0]
+    for extend_len in batch.extend_lens_cpu:
+        token_starts.append(token_starts[-1] + extend_len)
+    groups = []
+    for positions in by_first_slot.values():
+        if len(positions) < 2:
+            continue
+        members = [candidates[p] for p in positions]
+        block = rows[positions, :min(prefix_lens[m] for m in members)]
+        differs = (block != block[:1]).any(dim=0)
+        length = int(differs.to(torch.int8).argmax()) if bool(differs.any()) else block.shape[1]
+        if length < min_len:
+            continue
+        tokens = [t for m in members for t in range(token_starts[m], token_starts[m + 1])]
+        slots = block[0, :length]
+        first, last = slots[[0, -1]].tolist()
+        consecutive = last - first == length - 1 and bool((slots[1:] - slots[:-1] == 1).all())
+        groups.append(SharedPrefix(torch.tensor(tokens, dtype=torch.int64, device=device), slots,
+                                   first if consecutive else None))
+        for m in members:
+            key_starts[m] = length
+    return groups, key_starts
+
+
+def _plan_chunk(batch: ForwardBatch, first: int, last: int, token_start: int, key_starts: list[int]) -> AttentionChunk:
     device = batch.req_pool_indices.device
     extend_lens = batch.extend_lens_cpu[first:last]
-    max_ext, max_seq = max(extend_lens), max(batch.seq_lens_cpu[first:last])
-    key_pos = torch.arange(max_seq, device=device)
-    in_seq = key_pos[None, :] < batch.seq_lens[first:last, None]  # [n, max_seq]
-    rows = batch.req_to_token_pool.req_to_token[batch.req_pool_indices[first:last], :max_seq].to(torch.int64)
+    seq_lens = batch.seq_lens[first:last]
+    max_ext = max(extend_lens)
+    max_keys = max(seq - start for seq, start in zip(batch.seq_lens_cpu[first:last], key_starts))
+    req_to_token = batch.req_to_token_pool.req_to_token
+    offsets = torch.arange(max_keys, device=device)
+    if any(key_starts):
+        starts = torch.tensor(key_starts, dtype=torch.int64, device=device)
+        key_pos = starts[:, None] + offsets[None, :]  # [n, max_keys]
+        columns = key_pos.clamp(max=req_to_token.shape[1] - 1)
+        rows = req_to_token[batch.req_pool_indices[first:last, None], columns].to(torch.int64)
+        in_seq = key_pos < seq_lens[:, None]
+    else:
+        key_pos = offsets[None, :]
+        rows = req_to_token[batch.req_pool_indices[first:last], :max_keys].to(torch.int64)
+        in_seq = key_pos < seq_lens[:, None]
     kv_indices = torch.where(in_seq, rows, torch.zeros_like(rows))
     query_pos = batch.prefix_lens[first:last, None] + torch.arange(max_ext, device=device)[None, :]
-    causal = key_pos[None, None, :] <= query_pos[:, :, None]  # [n, max_ext, max_seq]
+    causal = key_pos[:, None, :] <= query_pos[:, :, None]  # [n, max_ext, max_keys]
     mask = (causal & in_seq[:, None, :])[:, None]
     query_slots = None
     if any(e != max_ext for e in extend_lens):
@@ -156,12 +268,13 @@ def _plan_chunk(batch: ForwardBatch, first: int, last: int, token_start: int) ->
     )
 
 
-def _attend_chunk(q, k_buffer, v_buffer, chunk: AttentionChunk, scaling: float) -> torch.Tensor:
-    """Attention output `[chunk tokens, H, D]` for the chunk's new queries `q`."""
+def _attend_chunk(q, k_buffer, v_buffer, chunk: AttentionChunk, scaling: float, with_lse: bool):
+    """Attention output `[chunk tokens, H, D]` for the chunk's new queries `q`, and with `with_lse` the
+    log-sum-exp of each row's scores `[chunk tokens, H]` (float32), else None."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_buffer.shape[1]
     n, queries = chunk.num_requests, chunk.max_extend_len
-    keys = _gather(k_buffer, chunk.kv_indices, q.dtype).transpose(1, 2)  # [n, Hkv, max_seq, D]
+    keys = _gather(k_buffer, chunk.kv_indices, q.dtype).transpose(1, 2)  # [n, Hkv, max_keys, D]
     values = _gather(v_buffer, chunk.kv_indices, q.dtype).transpose(1, 2)
     if chunk.query_slots is None:
         grid = q
@@ -169,11 +282,68 @@ def _attend_chunk(q, k_buffer, v_buffer, chunk: AttentionChunk, scaling: float) 
         grid = q.new_zeros(n * queries, num_heads, head_dim)
         grid[chunk.query_slots] = q
     grouped = _group_queries(grid.view(n, queries, num_heads, head_dim), num_kv_heads)
-    out = F.scaled_dot_product_attention(
-        grouped, keys, values, attn_mask=chunk.grouped_mask(num_heads // num_kv_heads), scale=scaling
-    )  # [n, Hkv, Q * G, D]
-    out = _ungroup_queries(out, queries).reshape(n * queries, num_heads, head_dim)
-    return out if chunk.query_slots is None else out[chunk.query_slots]
+    group = num_heads // num_kv_heads
+    if q.device.type == "cpu":  # an additive mask, built once per chunk, spares a conversion per call
+        out, lse = _sdpa(grouped, keys, values, chunk.grouped_mask(group, q.dtype), scaling, with_lse)
+    else:
+        out, lse = _sdpa(grouped, keys, values, chunk.grouped_mask(group), scaling, with_lse)
+    out = _ungroup_queries(out, queries).reshape(n * queries, num_heads, head_dim)  # from [n, Hkv, Q * G, D]
+    if lse is not None:
+        lse = _ungroup_queries(lse.unsqueeze(-1), queries).reshape(n * queries, num_heads)
+    if chunk.query_slots is not None:
+        out = out[chunk.query_slots]
+        lse = None if lse is None else lse[chunk.query_slots]
+    return out, lse
+
+
+def _attend_shared(q, k_buffer, v_buffer, group: SharedPrefix, scaling: float):
+    """All of a group's new queries `q [T, H, D]` against its shared prefix (no mask: every shared key
+    precedes every query): output `[T, H, D]` and log-sum-exp `[T, H]`."""
+    tokens, num_heads, head_dim = q.shape
+    if group.first_slot is not None:
+        rows = slice(group.first_slot, group.first_slot + group.kv_indices.numel())
+        keys, values = k_buffer[rows].to(q.dtype), v_buffer[rows].to(q.dtype)
+    else:
+        keys, values = _gather(k_buffer, group.kv_indices, q.dtype), _gather(v_buffer, group.kv_indices, q.dtype)
+    keys, values = keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
+    grouped = _group_queries(q.view(1, tokens, num_heads, head_dim), keys.shape[1])
+    out, lse = _sdpa(grouped, keys, values, None, scaling, with_lse=True)
+    out = _ungroup_queries(out, tokens).reshape(tokens, num_heads, head_dim)
+    return out, _ungroup_queries(lse.unsqueeze(-1), tokens).reshape(tokens, num_heads)
+
+
+def merge_partial_attention(
+    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+) -> torch.Tensor:
+    """Attention over the union of two disjoint key sets from each set's output `[T, H, D]` and log-sum-exp
+    `[T, H]`: the outputs weighted by their share of the total softmax mass."""
+    compute = torch.promote_types(out_a.dtype, torch.float32)
+    top = torch.maximum(lse_a, lse_b)
+    weight_a, weight_b = torch.exp(lse_a - top), torch.exp(lse_b - top)
+    total = weight_a + weight_b
+    merged = (out_a.to(compute) * (weight_a / total).unsqueeze(-1)
+              + out_b.to(compute) * (weight_b / total).unsqueeze(-1))
+    return merged.to(out_a.dtype)
+
+
+def _sdpa(q, k, v, mask, scale: float, with_lse: bool):
+    """Scaled-dot-product attention `[B, Hkv, rows, D]`; `mask` is boolean (True = attend) or additive;
+    returns `(out, lse [B, Hkv, rows] float32 or None)`."""
+    if q.device.type == "cpu":
+        if mask is not None and mask.dtype == torch.bool:
+            mask = torch.zeros(mask.shape, dtype=q.dtype).masked_fill_(~mask, -math.inf)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, False, attn_mask=mask, scale=scale
+        )
+        return out, (lse if with_lse else None)
+    if not with_lse:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale), None
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool else scores + mask.float()
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v.float()).to(q.dtype)
+    return out, lse
 
 
 def _group_queries(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
