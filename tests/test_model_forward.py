@@ -36,7 +36,8 @@ LLAMA3_ROPE = {
 def make_runner(model_dir: str, **kwargs) -> ModelRunner:
     kwargs.setdefault("max_total_tokens", 4096)
     kwargs.setdefault("max_running_requests", 16)
-    return ModelRunner(ServerArgs(model_path=model_dir, device="cpu", dtype="float32", **kwargs))
+    kwargs.setdefault("dtype", "float32")
+    return ModelRunner(ServerArgs(model_path=model_dir, device="cpu", **kwargs))
 
 
 def hf_model(model_dir: str):
@@ -105,6 +106,29 @@ def test_default_model_matches_transformers(default_model_dir):
     # Not a degenerate comparison: real text came out, and at least some requests ran all 32 steps.
     assert "Paris" in tokenizer.decode(outputs[0])
     assert any(len(tokens) == MAX_NEW_TOKENS for tokens in outputs)
+
+
+def test_default_model_in_bfloat16_on_cpu(default_model_dir):
+    """The CPU bfloat16 mode: next-token logits are as close to float32 ones as Hugging Face's own bfloat16
+    model's are, and the top token agrees with float32 on every prompt."""
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = load_tokenizer(default_model_dir)
+    prompts = [tokenizer.encode(text) for text in PLAIN_PROMPTS]
+    runner = make_runner(default_model_dir, dtype="bfloat16")
+    assert runner.dtype == torch.bfloat16 and runner.token_to_kv_pool.dtype == torch.bfloat16
+    ours = run_extend(runner, prompts, [0] * len(prompts)).float()
+
+    def hf_last_logits(dtype):
+        model = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=dtype).eval()
+        with torch.inference_mode():
+            return torch.stack([model(torch.tensor([p])).logits[0, -1].float() for p in prompts])
+
+    exact, hf_bf16 = hf_last_logits(torch.float32), hf_last_logits(torch.bfloat16)
+    our_error = (ours - exact).abs().max(dim=-1).values
+    hf_error = (hf_bf16 - exact).abs().max(dim=-1).values
+    assert torch.equal(ours.argmax(-1), exact.argmax(-1))
+    assert bool((our_error <= 2 * hf_error + 0.05).all()), (our_error, hf_error)
 
 
 PROMPT_LENGTHS = [3, 17, 8, 1, 25, 12, 5, 30]

@@ -115,6 +115,7 @@ class TorchNativeAttention(AttentionBackend):
         self.max_chunk_pairs = max_chunk_pairs
         self.max_padding_waste = max_padding_waste
         self.min_shared_prefix = min_shared_prefix
+        self.num_cascade_batches = 0  # batches planned with at least one shared-prefix group
 
     # ---- planning --------------------------------------------------------------------------------
     def plan(self, batch: ForwardBatch) -> None:
@@ -132,7 +133,10 @@ class TorchNativeAttention(AttentionBackend):
             chunk = _plan_chunk(batch, first, last, token_start, key_starts[first:last])
             chunks.append(chunk)
             token_start = chunk.token_end
-        shared_index = torch.cat([group.token_index for group in shared]) if shared else None
+        shared_index = None
+        if shared:
+            shared_index = torch.cat([group.token_index for group in shared])
+            self.num_cascade_batches += 1
         batch.attn_metadata = TorchNativeMetadata(chunks, shared, shared_index)
 
     def split_requests(
