@@ -80,7 +80,7 @@ class Scheduler:
         self.policy = SchedulePolicy(
             server_args.schedule_policy, self.cache, not server_args.disable_radix_cache, server_args.random_seed
         )
-        self.overlap = not server_args.disable_overlap_schedule
+        self.overlap = server_args.resolved_overlap_schedule()
         self.executor = BatchExecutor(model_runner, self.overlap)
         self.chunk_size = server_args.resolved_chunked_prefill_size()
 

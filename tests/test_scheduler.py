@@ -69,11 +69,11 @@ def run_batch(model_dir: str, prompts: list[list[int]], **server_args) -> Schedu
 
 CONFIGS = {
     "baseline": dict(disable_overlap_schedule=True),
-    "overlap": dict(),
+    "overlap": dict(disable_overlap_schedule=False),
     "no-radix-cache": dict(disable_radix_cache=True),
-    "chunk-16": dict(chunked_prefill_size=16),
+    "chunk-16": dict(chunked_prefill_size=16, disable_overlap_schedule=False),
     "chunk-16-no-overlap": dict(chunked_prefill_size=16, disable_overlap_schedule=True),
-    "mixed-chunk": dict(chunked_prefill_size=16, enable_mixed_chunk=True),
+    "mixed-chunk": dict(chunked_prefill_size=16, enable_mixed_chunk=True, disable_overlap_schedule=False),
     "mixed-no-overlap": dict(chunked_prefill_size=16, enable_mixed_chunk=True, disable_overlap_schedule=True),
     "lpm": dict(schedule_policy="lpm"),
     "dfs-weight": dict(schedule_policy="dfs-weight", chunked_prefill_size=16),

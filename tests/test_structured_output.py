@@ -175,8 +175,8 @@ REGEX_CASES = [
 
 SCHEDULES = {
     "no-overlap": {"disable_overlap_schedule": True},
-    "overlap": {},
-    "overlap-mixed-chunks": {"enable_mixed_chunk": True, "chunked_prefill_size": 16},
+    "overlap": {"disable_overlap_schedule": False},
+    "overlap-mixed-chunks": {"enable_mixed_chunk": True, "chunked_prefill_size": 16, "disable_overlap_schedule": False},
 }
 
 
