@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from radixserve.model_runner.attention import AttentionBackend, create_attention_backend
+from radixserve.model_runner.cpu_packed import pack_cpu_linears
 from radixserve.model_runner.forward_batch import ForwardBatch
 from radixserve.model_runner.loader import dummy_weights, iter_weights, resolve_model
 from radixserve.model_runner.model_config import ModelConfig
@@ -156,6 +157,8 @@ class ModelRunner:
         with torch.no_grad():
             model.load_weights(weights)
         model.eval().requires_grad_(False)
+        if self.device.type == "cpu" and self.dtype == torch.bfloat16:
+            pack_cpu_linears(model)  # the weights are final now; see model_runner/cpu_packed.py
         return model
 
     def _size_memory(self) -> tuple[int, int]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from radixserve.model_runner.cpu_packed import PackedLinear, packing_supported
 from radixserve.model_runner.forward_batch import ForwardMode
 from radixserve.model_runner.layers import rope_inverse_frequencies
 from radixserve.model_runner.loader import load_tokenizer
@@ -117,6 +118,8 @@ def test_default_model_in_bfloat16_on_cpu(default_model_dir):
     prompts = [tokenizer.encode(text) for text in PLAIN_PROMPTS]
     runner = make_runner(default_model_dir, dtype="bfloat16")
     assert runner.dtype == torch.bfloat16 and runner.token_to_kv_pool.dtype == torch.bfloat16
+    if packing_supported():  # the projections run on pre-packed oneDNN weights
+        assert isinstance(runner.model.model.layers[0].self_attn.qkv_proj, PackedLinear)
     ours = run_extend(runner, prompts, [0] * len(prompts)).float()
 
     def hf_last_logits(dtype):
@@ -129,6 +132,17 @@ def test_default_model_in_bfloat16_on_cpu(default_model_dir):
     hf_error = (hf_bf16 - exact).abs().max(dim=-1).values
     assert torch.equal(ours.argmax(-1), exact.argmax(-1))
     assert bool((our_error <= 2 * hf_error + 0.05).all()), (our_error, hf_error)
+
+
+@pytest.mark.skipif(not packing_supported(), reason="needs oneDNN bfloat16 support on this CPU")
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_equals_linear(bias):
+    generator = torch.Generator().manual_seed(0)
+    linear = torch.nn.Linear(96, 80, bias=bias).to(torch.bfloat16).requires_grad_(False)
+    packed = PackedLinear(linear)
+    for shape in [(1, 96), (7, 96), (64, 96), (2, 5, 96)]:
+        x = torch.randn(shape, generator=generator).to(torch.bfloat16)
+        assert torch.equal(packed(x), linear(x))
 
 
 PROMPT_LENGTHS = [3, 17, 8, 1, 25, 12, 5, 30]

@@ -1,0 +1,56 @@
+"""bfloat16 linear layers on the CPU with their weights packed once into oneDNN's blocked layout.
+
+`F.linear` on bfloat16 CPU tensors goes through oneDNN, which reorders the weight into its blocked layout on
+every call; for the small batches of decode that reorder is a large part of the cost. `PackedLinear` does it
+once, at load time (`torch.ops.mkldnn._reorder_linear_weight`), and multiplies with
+`torch.ops.mkldnn._linear_pointwise`. Same kernels, same rounding: the outputs equal `F.linear`'s bit for bit
+(`tests/test_model_forward.py`).
+Measured on a 2-core AVX-512-BF16 machine, the four projections of a SmolLM2-135M layer: 36% less time at 8
+tokens, 14% at 64, 10% at 512.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def packing_supported() -> bool:
+    """Whether this torch can pack and run bfloat16 linear weights through oneDNN on this CPU."""
+    try:
+        return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+class PackedLinear(nn.Module):
+    """`nn.Linear` with a pre-packed bfloat16 weight. The plain weight stays, for `state_dict` and readers."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight
+        self.bias = linear.bias
+        self._packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """`x [..., in_features]` bfloat16 on the CPU, like the weight."""
+        rows = x.reshape(-1, self.in_features)
+        out = torch.ops.mkldnn._linear_pointwise(rows, self._packed, self.bias, "none", [], "")
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+
+def pack_cpu_linears(model: nn.Module) -> int:
+    """Replace every bfloat16 `nn.Linear` of `model` that lives on the CPU by a `PackedLinear`; returns how
+    many were replaced (0 when packing is not supported here)."""
+    if not packing_supported():
+        return 0
+    targets = [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if type(child) is nn.Linear and child.weight.dtype == torch.bfloat16 and child.weight.device.type == "cpu"
+    ]
+    for parent, name, child in targets:
+        setattr(parent, name, PackedLinear(child))
+    return len(targets)
