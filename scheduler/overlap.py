@@ -114,10 +114,6 @@ class BatchExecutor:
             self._stream.wait_event(ready)
             return self.enqueue(batch)
 
-    def run(self, batch: ScheduleBatch) -> BatchResult:
-        """Run the batch on the calling thread and wait for its results."""
-        return self.enqueue(batch).wait()
-
     @torch.inference_mode()
     def enqueue(self, batch: ScheduleBatch) -> PendingResult:
         """Queue the batch's forward pass and sampling on the current stream; on a GPU, returns without
@@ -153,4 +149,3 @@ class BatchExecutor:
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown(wait=True)
-

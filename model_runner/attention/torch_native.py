@@ -254,11 +254,10 @@ def _plan_chunk(batch: ForwardBatch, first: int, last: int, token_start: int, ke
         key_pos = starts[:, None] + offsets[None, :]  # [n, max_keys]
         columns = key_pos.clamp(max=req_to_token.shape[1] - 1)
         rows = req_to_token[batch.req_pool_indices[first:last, None], columns].to(torch.int64)
-        in_seq = key_pos < seq_lens[:, None]
     else:
         key_pos = offsets[None, :]
         rows = req_to_token[batch.req_pool_indices[first:last], :max_keys].to(torch.int64)
-        in_seq = key_pos < seq_lens[:, None]
+    in_seq = key_pos < seq_lens[:, None]
     kv_indices = torch.where(in_seq, rows, torch.zeros_like(rows))
     query_pos = batch.prefix_lens[first:last, None] + torch.arange(max_ext, device=device)[None, :]
     causal = key_pos[:, None, :] <= query_pos[:, :, None]  # [n, max_ext, max_keys]
@@ -331,11 +330,10 @@ def merge_partial_attention(
 
 
 def _sdpa(q, k, v, mask, scale: float, with_lse: bool):
-    """Scaled-dot-product attention `[B, Hkv, rows, D]`; `mask` is boolean (True = attend) or additive;
-    returns `(out, lse [B, Hkv, rows] float32 or None)`."""
+    """Scaled-dot-product attention `[B, Hkv, rows, D]`; returns `(out, lse [B, Hkv, rows] float32 or None)`.
+    `mask` is None, or additive in q's dtype on the CPU (its flash kernel takes no other), boolean (True =
+    attend) elsewhere."""
     if q.device.type == "cpu":
-        if mask is not None and mask.dtype == torch.bool:
-            mask = torch.zeros(mask.shape, dtype=q.dtype).masked_fill_(~mask, -math.inf)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, False, attn_mask=mask, scale=scale
         )
@@ -344,7 +342,7 @@ def _sdpa(q, k, v, mask, scale: float, with_lse: bool):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale), None
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
     if mask is not None:
-        scores = scores.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool else scores + mask.float()
+        scores = scores.masked_fill(~mask, -math.inf)
     lse = torch.logsumexp(scores, dim=-1)
     out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v.float()).to(q.dtype)
     return out, lse
