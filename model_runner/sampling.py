@@ -41,20 +41,25 @@ import torch
 
 from radixserve.model_runner.sampling_info import SamplingBatchInfo, seeded_uniform
 
-__all__ = ["SampleOutput", "Sampler", "SamplingBatchInfo", "seeded_uniform", "keep_mask", "keep_thresholds"]
+__all__ = ["PLACEHOLDER_TOKEN_ID", "SampleOutput", "Sampler", "SamplingBatchInfo", "seeded_uniform", "keep_mask", "keep_thresholds"]
 
 # On CPU, top-p first looks at each row's TOP_P_CANDIDATES largest probabilities; rows whose nucleus
 # is wider look again at WIDER_TOP_P_CANDIDATES, and only rows wider still are fully sorted. Sorting a
 # 150k vocabulary costs ~10 ms per row on CPU, a top-256 a small fraction of that, and the nucleus of
 # a language model's next-token distribution is usually far smaller than the vocabulary.
 TOP_P_CANDIDATES = 256
+# The id given to a row where no token could be chosen (SampleOutput.no_token).
+PLACEHOLDER_TOKEN_ID = 0
 WIDER_TOP_P_CANDIDATES = 4096
 
 
 class SampleOutput(NamedTuple):
-    next_token_ids: torch.Tensor  # [bs] int64
+    next_token_ids: torch.Tensor  # [bs] int64, always inside the vocabulary
     logprobs: Optional[torch.Tensor]  # [bs] float32: logprob of each chosen token, when asked
     top_logprobs: Optional[tuple[torch.Tensor, torch.Tensor]]  # (values [bs, k], ids [bs, k]), when asked
+    # [bs] bool: rows where no token could be chosen (every logit -inf or NaN: constraints that leave
+    # nothing, or a broken forward pass). Their id is PLACEHOLDER_TOKEN_ID, which the caller must not emit.
+    no_token: Optional[torch.Tensor] = None
 
 
 def _top_p_from_prefix(values: torch.Tensor, top_ps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -215,6 +220,11 @@ class Sampler:
         if info.adjustments is not None:
             info.adjustments.apply(logits)
 
+        # A row whose constraints (grammar mask, bans) leave no token has no distribution to sample from;
+        # flag it and give it a placeholder id (below), so one request's impossible constraints never produce
+        # an out-of-vocabulary id that would fail the whole batch or poison the next batch's inputs.
+        no_token = ~torch.isfinite(logits.amax(dim=-1))
+
         logprobs_all = None
         if return_logprob or top_logprobs_num > 0:
             logprobs_all = torch.log_softmax(logits, dim=-1)
@@ -227,6 +237,8 @@ class Sampler:
         else:
             next_ids = self._sample_rows(logits, info)
 
+        next_ids = next_ids.masked_fill(no_token, PLACEHOLDER_TOKEN_ID)
+
         chosen_logprobs = None
         if return_logprob:
             chosen_logprobs = logprobs_all.gather(1, next_ids.unsqueeze(1)).squeeze(1)
@@ -234,7 +246,7 @@ class Sampler:
         if top_logprobs_num > 0:
             values, ids = torch.topk(logprobs_all, min(top_logprobs_num, info.vocab_size), dim=-1)
             top = (values, ids)
-        return SampleOutput(next_ids, chosen_logprobs, top)
+        return SampleOutput(next_ids, chosen_logprobs, top, no_token)
 
     @staticmethod
     def _sample_rows(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:

@@ -22,6 +22,8 @@ _LAZY = {
     "EngineDeadError": ("radixserve.tokenizer_manager.errors", "EngineDeadError"),
     "ContextLengthExceededError": ("radixserve.tokenizer_manager.errors", "ContextLengthExceededError"),
     "EngineStartupError": ("radixserve.runtime.launch", "EngineStartupError"),
+    "RequestFailedError": ("radixserve.tokenizer_manager.errors", "RequestFailedError"),
+    "InvalidRequestError": ("radixserve.tokenizer_manager.errors", "InvalidRequestError"),
 }
 # The frontend DSL, SGLang's names: `from radixserve import function, gen, select, ...`.
 _DSL_NAMES = (

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import weakref
-from typing import Any, AsyncIterator, Iterator, Optional, Union
+from typing import Any, AsyncIterator, Callable, Iterator, Optional, Union
 
 import zmq
 
@@ -88,6 +89,8 @@ class Engine:
         self.server_args: ServerArgs = make_server_args(model_path, **server_args)
         _configure_logging(self.server_args.log_level)
         self._resources = _Resources()
+        # Called once, from a helper thread, with the reason when the engine fails for good (see _on_fatal).
+        self.on_death: Optional[Callable[[str], None]] = None
         self._finalizer = weakref.finalize(self, self._resources.close)
         try:
             self._start()
@@ -127,6 +130,7 @@ class Engine:
             reason = f"the {name} process died unexpectedly (exit code {exitcode})"
             loop.call_soon_threadsafe(tm.mark_dead, reason)
 
+        tm.on_fatal = self._on_fatal
         res.children.start_supervisor(on_death)
         logger.info("engine ready: %s", {k: self.model_info.get(k) for k in ("model_path", "max_total_num_tokens",
                                                                              "context_len", "device", "dtype")})
@@ -227,6 +231,21 @@ class Engine:
     async def async_get_server_info(self) -> dict[str, Any]:
         self._check_open()
         return await self._loop.call_async(self._tm.get_server_info())
+
+    def _on_fatal(self, reason: str) -> None:
+        """The engine failed for good (a child died, or the receive loop broke); runs on the loop thread
+        after every pending request has failed. Stop the surviving children at once, so none goes on
+        computing abandoned requests, then tell `on_death` (the HTTP server exits on it). Later calls keep
+        raising EngineDeadError until `shutdown()`."""
+        children, callback = self._resources.children, self.on_death
+
+        def stop() -> None:
+            if children is not None:
+                children.stop()
+            if callback is not None:
+                callback(reason)
+
+        threading.Thread(target=stop, name="radixserve-engine-failed", daemon=True).start()
 
     def is_healthy(self) -> bool:
         """False once a child process died or the engine was shut down."""

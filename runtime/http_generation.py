@@ -11,7 +11,8 @@ Guarantees:
   request it started that has not finished is aborted, so its KV is released;
 - `close()` is synchronous, so it also runs when the route's task is being cancelled (Starlette cancels a
   streaming response when the client goes away; uvicorn cancels requests at the end of a drain);
-- engine ValueErrors become 400s, anything else the engine raises becomes a 5xx, via `APIError`.
+- engine ValueErrors become 400s, a request the engine failed alone gets its own status, a dead engine 503,
+  anything else 500, via `APIError`; internal details (tracebacks, exception texts) stay in the server log.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from starlette.responses import Response, StreamingResponse
 
 from radixserve.runtime.http_state import ServerState
 from radixserve.runtime.openai.errors import APIError, from_value_error
-from radixserve.tokenizer_manager.errors import EngineDeadError
+from radixserve.tokenizer_manager.errors import EngineDeadError, RequestFailedError
 
 logger = logging.getLogger(__name__)
 
@@ -56,14 +57,23 @@ def engine_error(state: ServerState, error: BaseException) -> APIError:
     the engine is down, 500 otherwise."""
     if isinstance(error, APIError):
         return error
+    if isinstance(error, RequestFailedError):
+        if error.status_code < 500:
+            return APIError(str(error), status_code=error.status_code)
+        return APIError(str(error), status_code=error.status_code, type="server_error")
     if isinstance(error, ValueError):
         return from_value_error(error)
-    logger.error("engine request failed: %r", error)
     if isinstance(error, EngineDeadError) or not _is_healthy(state):
-        return APIError(f"the engine is not available: {error}", status_code=503, type="server_error",
-                        code="engine_unavailable")
-    return APIError(f"the engine failed to serve the request: {type(error).__name__}: {error}",
-                    status_code=500, type="server_error")
+        logger.warning("request failed: the engine is not available (%s)", error)
+        return engine_unavailable()
+    logger.error("engine request failed", exc_info=error)
+    return APIError("the engine failed to serve the request (see the server log)", status_code=500,
+                    type="server_error")
+
+
+def engine_unavailable() -> APIError:
+    return APIError("The engine is not available.", status_code=503, type="server_error",
+                    code="engine_unavailable", headers={"Retry-After": "5"})
 
 
 def _is_healthy(state: ServerState) -> bool:

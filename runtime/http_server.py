@@ -10,7 +10,8 @@ configured. Every error uses the OpenAI envelope (openai/errors.py).
 
 SIGTERM (or Ctrl-C): stop accepting connections, let in-flight requests finish for up to
 `--graceful-shutdown-timeout` seconds, abort what is left (those responses end with finish_reason "abort"),
-shut the engine and its processes down, and exit 0.
+shut the engine and its processes down, and exit 0. A child process that dies fails every pending request
+(503), stops the other child, and ends the server with exit code 1, so a supervisor restarts it.
 """
 
 from __future__ import annotations
@@ -232,12 +233,22 @@ def launch_server(server_args: ServerArgs) -> None:
             timeout_keep_alive=5,
         )
         server = _DrainingServer(config, app.state.server, server_args.graceful_shutdown_timeout)
+        failure: list[str] = []
+
+        def on_engine_death(reason: str) -> None:
+            # A dead child ends the whole server with a non-zero exit, so a supervisor (systemd, Kubernetes)
+            # restarts it instead of leaving a server that answers 503 forever.
+            logger.error("the engine failed (%s): shutting the server down", reason)
+            failure.append(reason)
+            server.should_exit = True
+
+        engine.on_death = on_engine_death
         # uvicorn re-raises the signal it caught once it has shut down; with these no-op handlers in place
         # that re-raise is harmless and the process exits 0 after the engine is stopped below.
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: None)
         server.run()
-        if not server.started:
+        if not server.started or failure:
             raise SystemExit(1)
     finally:
         engine.shutdown()

@@ -44,6 +44,46 @@ class SamplingParams(msgspec.Struct, kw_only=True):
         return self.temperature == 0.0 or self.top_k == 1
 
 
+class FinishReason(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Why a request finished. `type` is "stop" (EOS, a stop token or string, or the grammar's end; `matched`
+    names it), "length" (max_new_tokens; `length`) or "abort" (`message` says why). An abort that is an error
+    rather than the caller's own abort carries the HTTP status it maps to (`status_code`: 400 when the request
+    itself cannot be served, 500 for an internal fault)."""
+
+    type: str
+    matched: Union[int, str, None] = None
+    length: Optional[int] = None
+    message: Optional[str] = None
+    status_code: Optional[int] = None
+
+    @classmethod
+    def stop(cls, matched: Union[int, str, None]) -> "FinishReason":
+        return cls(type="stop", matched=matched)
+
+    @classmethod
+    def max_length(cls, length: int) -> "FinishReason":
+        return cls(type="length", length=length)
+
+    @classmethod
+    def abort(cls, message: str, status_code: Optional[int] = None) -> "FinishReason":
+        return cls(type="abort", message=message, status_code=status_code)
+
+    @property
+    def is_error(self) -> bool:
+        return self.status_code is not None
+
+    def to_dict(self) -> dict[str, Any]:
+        """SGLang's meta_info shape: {"type": ..., "matched": ...} and the other fields that are set."""
+        out: dict[str, Any] = {"type": self.type}
+        if self.type == "stop":
+            out["matched"] = self.matched
+        for name in ("length", "message", "status_code"):
+            value = getattr(self, name)
+            if value is not None:
+                out[name] = value
+        return out
+
+
 class TokenizedGenerateReq(msgspec.Struct, tag=True):
     rid: str
     input_ids: list[int]
@@ -83,7 +123,7 @@ class BatchTokenOut(msgspec.Struct, tag=True):
 
     rids: list[str]
     new_token_ids: list[list[int]]
-    finish_reasons: list[Optional[dict[str, Any]]]  # None while running; {"type": "stop"|"length"|"abort", ...}
+    finish_reasons: list[Optional[FinishReason]]  # None while running
     prompt_tokens: list[int]
     completion_tokens: list[int]
     cached_tokens: list[int]
@@ -104,7 +144,7 @@ class BatchTextOut(msgspec.Struct, tag=True):
     rids: list[str]
     text_deltas: list[str]
     new_token_ids: list[list[int]]
-    finish_reasons: list[Optional[dict[str, Any]]]
+    finish_reasons: list[Optional[FinishReason]]
     prompt_tokens: list[int]
     completion_tokens: list[int]
     cached_tokens: list[int]

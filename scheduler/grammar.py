@@ -42,7 +42,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from radixserve.runtime.messages import SamplingParams
+from radixserve.runtime.messages import FinishReason, SamplingParams
 
 GRAMMAR_KINDS = ("json_schema", "regex", "ebnf")
 GrammarKey = tuple[str, str]  # (kind, grammar text)
@@ -146,17 +146,30 @@ class GrammarState:
         self.matcher = xgrammar.GrammarMatcher(compiled)
         self.num_accepted = 0
 
-    def accept(self, token_id: int) -> Optional[dict[str, Any]]:
+    def accept(self, token_id: int) -> Optional[FinishReason]:
         """Feed the next output token; a finish reason when the grammar ends the request here, else None."""
         if not self.matcher.accept_token(int(token_id)):
-            return {"type": "abort", "message": f"token {token_id} does not fit the request's grammar"}
+            return FinishReason.abort(f"token {token_id} does not fit the request's grammar", status_code=500)
         self.num_accepted += 1
         if self.matcher.is_terminated():
-            return {"type": "stop", "matched": int(token_id)}
+            return FinishReason.stop(int(token_id))
         return None
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         self.matcher.fill_next_token_bitmask(bitmask, row)
+
+    def allows_a_token(self, vocab_size: int, banned: Sequence[int]) -> bool:
+        """Whether the grammar's next step allows some token outside `banned` (checked before the request runs,
+        so a grammar that matches nothing, or allows only a banned end, is refused up front)."""
+        import xgrammar
+
+        bitmask = xgrammar.allocate_token_bitmask(1, vocab_size)
+        self.fill(bitmask, 0)
+        bits = (bitmask[0].unsqueeze(1) >> torch.arange(32, dtype=torch.int32)) & 1
+        allowed = bits.flatten()[:vocab_size].bool()
+        if banned:
+            allowed[torch.tensor(list(banned), dtype=torch.int64)] = False
+        return bool(allowed.any())
 
 
 class GrammarMask:
@@ -279,7 +292,7 @@ class GrammarManager:
         """Forget a queued request (aborted before its grammar was ready)."""
         self.queue = [(r, f) for r, f in self.queue if r is not req]
 
-    def accept(self, req: Any, token_id: int) -> Optional[dict[str, Any]]:
+    def accept(self, req: Any, token_id: int) -> Optional[FinishReason]:
         """Feed a new output token of `req` to its matcher; the grammar's finish reason, if any."""
         if req.grammar is None:
             return None

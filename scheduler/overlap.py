@@ -43,6 +43,8 @@ class BatchResult:
     logprobs: Optional[list[float]] = None
     top_logprobs: Optional[list[list[tuple[int, float]]]] = None
     input_logprobs: Optional[InputLogprobs] = None  # prompt-token logprobs, when the batch planned any
+    # Entries where no token could be sampled (see SampleOutput.no_token); None when there are none.
+    no_token: Optional[list[bool]] = None
 
 
 @dataclass
@@ -54,6 +56,7 @@ class PendingResult:
     logprobs: Optional[torch.Tensor]
     top_logprobs: Optional[tuple[torch.Tensor, torch.Tensor]]  # (values, ids)
     input_logprobs: Optional[InputLogprobs]
+    no_token: Optional[torch.Tensor] = None
     copied: Optional[torch.cuda.Event] = None
 
     def wait(self) -> BatchResult:
@@ -65,6 +68,9 @@ class PendingResult:
         if self.top_logprobs is not None:
             values, ids = self.top_logprobs
             result.top_logprobs = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+        if self.no_token is not None:
+            no_token = self.no_token.tolist()
+            result.no_token = no_token if any(no_token) else None
         return result
 
 
@@ -135,14 +141,14 @@ class BatchExecutor:
         out = self.sampler.sample(logits, batch.sampling_info, batch.return_logprob, batch.top_logprobs_num)
         self.token_table[forward_batch.req_pool_indices] = out.next_token_ids
         if self.device.type != "cuda":
-            return PendingResult(out.next_token_ids, out.logprobs, out.top_logprobs, input_logprobs)
+            return PendingResult(out.next_token_ids, out.logprobs, out.top_logprobs, input_logprobs, out.no_token)
 
         def to_host(tensor):  # into pinned memory, complete once `copied` fires
             return None if tensor is None else tensor.to("cpu", non_blocking=True)
 
         top = None if out.top_logprobs is None else tuple(to_host(t) for t in out.top_logprobs)
         pending = PendingResult(to_host(out.next_token_ids), to_host(out.logprobs), top, input_logprobs,
-                                torch.cuda.Event())
+                                to_host(out.no_token), torch.cuda.Event())
         pending.copied.record()
         return pending
 

@@ -22,7 +22,7 @@ from typing import Any, Optional
 
 import torch
 
-from radixserve.runtime.messages import SamplingParams, TokenizedGenerateReq
+from radixserve.runtime.messages import FinishReason, SamplingParams, TokenizedGenerateReq
 
 _EMPTY_SLOTS = torch.empty(0, dtype=torch.int64)
 
@@ -56,7 +56,7 @@ class Req:
         self.output_ids: list[int] = []
         self.output_token_logprobs: list[float] = []
         self.output_top_logprobs: list[list[tuple[int, float]]] = []
-        self.finished_reason: Optional[dict[str, Any]] = None
+        self.finished_reason: Optional[FinishReason] = None
         self.num_sent_tokens = 0  # outputs already sent in a BatchTokenOut
         self.finish_sent = False
         # Prompt-token logprobs from logprob_start_len on (see scheduler/input_logprobs.py)
@@ -64,6 +64,7 @@ class Req:
         self.input_top_logprobs: list[Optional[list[tuple[int, float]]]] = []
         self.input_logprobs_done = self.logprob_start_len < 0
         self.grammar: Any = None  # scheduler.grammar.GrammarState, once its grammar is compiled
+        self.ended_without_sample = False  # finished because no token could be sampled (see the scheduler)
 
         # KV state (see the module docstring)
         self.req_pool_idx: Optional[int] = None
@@ -122,7 +123,7 @@ class Req:
         return self.kv_len - len(self.prefix_indices)
 
     # ---- transitions -----------------------------------------------------------------------------
-    def finish(self, reason: dict[str, Any]) -> None:
+    def finish(self, reason: FinishReason) -> None:
         if self.finished_reason is None:
             self.finished_reason = reason
 

@@ -37,9 +37,11 @@ from typing import Any, Optional
 import torch
 
 from radixserve.model_runner.forward_batch import ForwardMode
+from radixserve.model_runner.sampling import PLACEHOLDER_TOKEN_ID
 from radixserve.radix_cache.tree import common_prefix_length
 from radixserve.runtime.messages import (
-    AbortReq, FlushCacheReq, FlushCacheReqOutput, GetServerInfoReq, GetServerInfoReqOutput, TokenizedGenerateReq,
+    AbortReq, FinishReason, FlushCacheReq, FlushCacheReqOutput, GetServerInfoReq, GetServerInfoReqOutput,
+    TokenizedGenerateReq,
 )
 from radixserve.runtime.server_args import ServerArgs
 from radixserve.scheduler.batch import ScheduleBatch, allocate_slots, assemble_batch, needs_exact_history
@@ -149,7 +151,7 @@ class Scheduler:
         self.reqs[req.rid] = req
         error = check_request(req, self.runner, self.tokenizer)
         if error is not None:
-            self._finish(req, {"type": "abort", "message": error})
+            self._finish(req, FinishReason.abort(error, status_code=400))
             return
         if self.grammars.submit(req):  # else it waits for its grammar (see _admit_grammar_ready)
             self.waiting.append(req)
@@ -157,9 +159,14 @@ class Scheduler:
     def _admit_grammar_ready(self) -> None:
         """Queue the requests whose grammar finished compiling; fail those whose grammar is invalid."""
         ready, failed = self.grammars.poll()
-        self.waiting.extend(ready)
+        for req in ready:
+            if req.grammar.allows_a_token(self.runner.vocab_size, self.stop_checker.banned_token_ids(req, 0)):
+                self.waiting.append(req)
+            else:
+                failed.append((req, "the request's grammar allows no first token (with min_new_tokens, its "
+                                    "end-of-sequence is banned too): it matches nothing that can be generated"))
         for req, message in failed:
-            self._finish(req, {"type": "abort", "message": message})
+            self._finish(req, FinishReason.abort(message, status_code=400))
 
     def abort_request(self, rid: str) -> None:
         """Abort in any state; KV goes back through the same path as a finished request's."""
@@ -171,7 +178,7 @@ class Scheduler:
         self.grammars.discard(req)
         if req is self.chunked_req:
             self.chunked_req = None
-        self._finish(req, {"type": "abort", "message": "aborted by request"})
+        self._finish(req, FinishReason.abort("aborted by request"))
 
     def flush_cache(self) -> tuple[bool, str]:
         if self.waiting or self.running or self.chunked_req is not None:
@@ -342,19 +349,12 @@ class Scheduler:
                 continue
             if not batch.samples_output[i]:
                 continue  # an unfinished chunk: its sample is not an output
-            if req.max_new_tokens == 0:
-                self._finish(req, {"type": "length", "length": 0})
-                continue
-            logprob = result.logprobs[i] if result.logprobs is not None else None
-            top = result.top_logprobs[i] if result.top_logprobs is not None else None
-            req.append_token(result.next_token_ids[i], logprob, top)
-            self.stats.on_tokens(1)
-            grammar_reason = self.grammars.accept(req, result.next_token_ids[i])
-            reason = self.stop_checker.check(req) or grammar_reason
-            if reason is not None:
-                self._finish(req, reason)
-            elif has_news(req):
-                self._news[req.rid] = req
+            try:
+                self._process_output(req, result, i)
+            except Exception as error:  # one request's failure must not take the batch or the server down
+                logger.exception("processing the output of request %s failed", req.rid)
+                self._finish(req, FinishReason.abort(
+                    f"internal error while processing this request's output ({type(error).__name__})", 500))
         # The grammar masks of the batch in flight may have waited for exactly these tokens.
         self.grammars.fill_pending()
         if batch.mode == ForwardMode.DECODE:
@@ -363,18 +363,40 @@ class Scheduler:
             if interval > 0 and self.stats.decode_steps % interval == 0:
                 self._log_decode()
 
+    def _process_output(self, req: Req, result: Any, i: int) -> None:
+        """Take entry i's sampled token into `req` and finish it if it stops here."""
+        if req.max_new_tokens == 0:
+            self._finish(req, FinishReason.max_length(0))
+            return
+        if result.no_token is not None and result.no_token[i]:
+            req.ended_without_sample = True
+            self._finish(req, FinishReason.abort(
+                f"no token satisfies the request's constraints at output position {len(req.output_ids)} (its "
+                "grammar, min_new_tokens and banned tokens together allow none)", status_code=400))
+            return
+        logprob = result.logprobs[i] if result.logprobs is not None else None
+        top = result.top_logprobs[i] if result.top_logprobs is not None else None
+        req.append_token(result.next_token_ids[i], logprob, top)
+        self.stats.on_tokens(1)
+        grammar_reason = self.grammars.accept(req, result.next_token_ids[i])
+        reason = self.stop_checker.check(req) or grammar_reason
+        if reason is not None:
+            self._finish(req, reason)
+        elif has_news(req):
+            self._news[req.rid] = req
+
     def _resolve_inflight(self) -> None:
         self.stats.forced_syncs += bool(self.inflight)
         while self.inflight:
             self._process_result(self.inflight.popleft())
 
     # ---- finishing and releasing ------------------------------------------------------------------
-    def _finish(self, req: Req, reason: dict[str, Any]) -> None:
+    def _finish(self, req: Req, reason: FinishReason) -> None:
         req.finish(reason)
         if req in self.running:
             self.running.remove(req)
         self.stats.num_finished += 1
-        self.stats.num_aborted += reason["type"] == "abort"
+        self.stats.num_aborted += reason.type == "abort"
         self._news[req.rid] = req
         self._maybe_release(req)
 
@@ -387,8 +409,13 @@ class Scheduler:
     def _release_kv(self, req: Req) -> None:
         """The one place a request's KV and row are handed back: KV to the cache, row to the pool."""
         if req.req_pool_idx is not None:
-            assert req.kv_len <= req.fill_len(), f"{req!r} has KV for tokens it does not know"
-            self.cache.cache_finished_req(req, req.all_ids[: req.kv_len])
+            token_ids = req.all_ids[: req.kv_len]
+            if len(token_ids) < req.kv_len:
+                # Only a request whose last step had no token to sample: under overlap the batch after it
+                # already computed the next position, from the placeholder id the sampler wrote instead.
+                assert req.ended_without_sample, f"{req!r} has KV for tokens it does not know"
+                token_ids += [PLACEHOLDER_TOKEN_ID] * (req.kv_len - len(token_ids))
+            self.cache.cache_finished_req(req, token_ids)
             self.req_to_token_pool.free(req.req_pool_idx)
         req.reset_kv_state()
 

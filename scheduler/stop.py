@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
+from radixserve.runtime.messages import FinishReason
 from radixserve.scheduler.req import Req
 
 # Tokens decoded per character of the longest stop string (byte-level tokens can split one character
@@ -39,20 +40,20 @@ class StopChecker:
             banned |= self.eos_token_ids
         return sorted(banned)
 
-    def check(self, req: Req) -> Optional[dict[str, Any]]:
+    def check(self, req: Req) -> Optional[FinishReason]:
         """The finish reason of `req` given its outputs so far, or None while it should go on."""
         params = req.sampling_params
         num_outputs = len(req.output_ids)
         if num_outputs >= params.min_new_tokens and num_outputs > 0:
             last = req.output_ids[-1]
             if last in params.stop_token_ids or (not params.ignore_eos and last in self.eos_token_ids):
-                return {"type": "stop", "matched": last}
+                return FinishReason.stop(last)
             if params.stop:
                 matched = self._match_stop_string(req.output_ids, params.stop, params.skip_special_tokens)
                 if matched is not None:
-                    return {"type": "stop", "matched": matched}
+                    return FinishReason.stop(matched)
         if num_outputs >= params.max_new_tokens:
-            return {"type": "length", "length": num_outputs}
+            return FinishReason.max_length(num_outputs)
         return None
 
     def _match_stop_string(self, output_ids: list[int], stops: Sequence[str], skip_special: bool) -> Optional[str]:

@@ -131,7 +131,8 @@ class SchedulerDriver:
                 assert result.finish_reason is None, f"{rid} got a message after it finished"
                 result.num_messages += 1
                 result.output_ids.extend(message.new_token_ids[i])
-                result.finish_reason = message.finish_reasons[i]
+                reason = message.finish_reasons[i]
+                result.finish_reason = None if reason is None else reason.to_dict()
                 result.prompt_tokens = message.prompt_tokens[i]
                 result.completion_tokens = message.completion_tokens[i]
                 result.cached_tokens = message.cached_tokens[i]

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from radixserve.detokenizer_manager.incremental import IncrementalDecoder
 from radixserve.detokenizer_manager.manager import DetokenizerManager
 from radixserve.model_runner.loader import load_tokenizer
-from radixserve.runtime.messages import BatchTokenOut
+from radixserve.runtime.messages import BatchTokenOut, FinishReason
 
 TEXTS = [
     "你好，世界！今天天气很好。",
@@ -155,7 +155,7 @@ def _batch(rids, new_ids, finished, stop=None):
     return BatchTokenOut(
         rids=rids,
         new_token_ids=new_ids,
-        finish_reasons=[{"type": "length", "length": 1} if f else None for f in finished],
+        finish_reasons=[FinishReason.max_length(1) if f else None for f in finished],
         prompt_tokens=[3] * n,
         completion_tokens=[len(x) for x in new_ids],
         cached_tokens=[0] * n,
@@ -188,9 +188,9 @@ def test_manager_abort_with_no_new_tokens(tokenizer):
     manager = DetokenizerManager(tokenizer)
     manager.handle(_batch(["r"], [tokenizer.encode("hi")], [False]))
     batch = _batch(["r"], [[]], [True])
-    batch.finish_reasons[0] = {"type": "abort", "message": "aborted"}
+    batch.finish_reasons[0] = FinishReason.abort("aborted")
     out = manager.handle(batch)
-    assert out.text_deltas == [""] and out.finish_reasons[0]["type"] == "abort"
+    assert out.text_deltas == [""] and out.finish_reasons[0].type == "abort"
     assert "r" not in manager.decoders
 
 

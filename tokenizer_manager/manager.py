@@ -34,7 +34,7 @@ from radixserve.runtime.messages import (
     decode,
     encode,
 )
-from radixserve.tokenizer_manager.errors import EngineDeadError
+from radixserve.tokenizer_manager.errors import EngineDeadError, request_failed
 from radixserve.tokenizer_manager.io import GenerateReqInput, SingleReq, make_namespace, split_requests
 from radixserve.tokenizer_manager.state import ReqGroup, ReqState
 from radixserve.tokenizer_manager.validation import build_sampling_params, check_length
@@ -65,6 +65,8 @@ class TokenizerManager:
         self.rpc_futures: dict[str, asyncio.Future] = {}
         self.dead: Optional[EngineDeadError] = None
         self.request_observer: Optional[RequestObserver] = None
+        # Called with the reason when the engine fails (not on a deliberate shutdown), after the callers failed.
+        self.on_fatal: Optional[Callable[[str], None]] = None
         self._recv_task: Optional[asyncio.Task] = None
 
     def start(self) -> None:
@@ -97,12 +99,14 @@ class TokenizerManager:
             if obj.stream:
                 while True:
                     for state in await group.wait():
+                        _raise_if_failed(state)
                         yield state.take_chunk(token_text)
                     if group.all_finished and not group.dirty:
                         return
             else:
                 while not group.all_finished:
-                    await group.wait()
+                    for state in await group.wait():
+                        _raise_if_failed(state)
                 results = [state.result(token_text) for state in group.states]
                 yield results[0] if obj.is_single and len(results) == 1 else results
         finally:
@@ -236,7 +240,8 @@ class TokenizerManager:
                     if future is not None and not future.done():
                         future.set_result(message)
                 elif isinstance(message, ProcessFailed):
-                    self.mark_dead(f"the {message.process} process failed:\n{message.error}")
+                    logger.error("the %s process failed:\n%s", message.process, message.error)
+                    self.mark_dead(f"the {message.process} process failed (its traceback is in the server log)")
                 elif not isinstance(message, ProcessReady):
                     logger.warning("unexpected message %s", type(message).__name__)
         except asyncio.CancelledError:
@@ -293,6 +298,8 @@ class TokenizerManager:
         for future in self.rpc_futures.values():
             if not future.done():
                 future.set_exception(EngineDeadError(reason))
+        if not expected and self.on_fatal is not None:
+            self.on_fatal(reason)
 
     def _check_alive(self) -> None:
         if self.dead is not None:
@@ -316,3 +323,9 @@ class TokenizerManager:
         self.recv_socket.close(linger=0)
         self._recv_socket_sync.close(linger=0)
         self.send_socket.close(linger=0)
+
+
+def _raise_if_failed(state: ReqState) -> None:
+    """A request that finished with an error (not a plain abort) raises its typed exception to the caller."""
+    if state.error_status is not None:
+        raise request_failed(state.finish_reason.get("message") or "the request failed", state.error_status)

@@ -13,6 +13,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+from radixserve.runtime.messages import FinishReason
+
 TokenText = Callable[[int], Optional[str]]  # token id -> its text, or None when texts were not asked for
 
 
@@ -27,7 +29,8 @@ class ReqState:
     created: float = field(default_factory=time.monotonic)
     text: str = ""
     output_ids: list[int] = field(default_factory=list)
-    finish_reason: Optional[dict[str, Any]] = None
+    finish_reason: Optional[dict[str, Any]] = None  # FinishReason.to_dict(), SGLang's meta_info shape
+    error_status: Optional[int] = None  # set when the request finished with an error (its HTTP status)
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
@@ -45,7 +48,7 @@ class ReqState:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def append(self, text: str, ids: list[int], finish_reason: Optional[dict], prompt_tokens: int,
+    def append(self, text: str, ids: list[int], finish_reason: Optional[FinishReason], prompt_tokens: int,
                completion_tokens: int, cached_tokens: int) -> None:
         now = time.monotonic()
         self.text += text
@@ -54,7 +57,8 @@ class ReqState:
             self.token_times.append(now)
         self.prompt_tokens, self.completion_tokens, self.cached_tokens = prompt_tokens, completion_tokens, cached_tokens
         if finish_reason is not None:
-            self.finish_reason = dict(finish_reason)
+            self.finish_reason = finish_reason.to_dict()
+            self.error_status = finish_reason.status_code
             self.finished_at = now
 
     def meta_info(self, token_text: TokenText, logprobs_from: int = 0) -> dict[str, Any]:

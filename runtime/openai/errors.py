@@ -9,6 +9,7 @@ for genuine server faults.
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Optional
 
 import orjson
@@ -17,6 +18,8 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
+
+logger = logging.getLogger(__name__)
 
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 
@@ -155,5 +158,11 @@ def install_error_handlers(app: FastAPI) -> None:
         return APIError(message, status_code=exc.status_code, code=code, headers=exc.headers).response()
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> Response:
-        return APIError(f"internal server error: {type(exc).__name__}: {exc}", status_code=500).response()
+    async def _unexpected(request: Request, exc: Exception) -> Response:
+        from radixserve.tokenizer_manager.errors import EngineDeadError
+
+        if isinstance(exc, EngineDeadError):
+            return APIError("The engine is not available.", status_code=503, type="server_error",
+                            code="engine_unavailable", headers={"Retry-After": "5"}).response()
+        logger.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+        return APIError("internal server error (see the server log)", status_code=500).response()
