@@ -252,7 +252,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--output-json", default=None, help="append a JSON record of the run to this file")
     args = parser.parse_args(argv)
 
-    from radixserve.model_runner.loader import load_tokenizer, resolve_model
+    from radixserve.runtime.model_files import load_tokenizer, resolve_model
 
     model_dir = resolve_model(args.model, load_format=args.load_format).model_dir
     workload = make_workload(args, load_tokenizer(model_dir))

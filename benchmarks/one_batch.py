@@ -53,7 +53,7 @@ from radixserve.model_runner.forward_batch import ForwardBatch, ForwardMode  # n
 from radixserve.model_runner.model_runner import ModelRunner  # noqa: E402
 from radixserve.model_runner.static_generate import assign_kv_slots, make_forward_batch  # noqa: E402
 from radixserve.radix_cache.pool import TokenToKVPool  # noqa: E402
-from radixserve.runtime.server_args import ServerArgs  # noqa: E402
+from radixserve.runtime.wire.server_args import ServerArgs  # noqa: E402
 
 PROFILE_STEPS = 5
 PROFILE_TOP_KERNELS = 15

@@ -32,8 +32,8 @@ import _srcpath  # noqa: E402,F401
 import torch  # noqa: E402
 
 from radixserve.model_runner.model_runner import ModelRunner  # noqa: E402
-from radixserve.runtime.messages import SamplingParams, TokenizedGenerateReq  # noqa: E402
-from radixserve.runtime.server_args import ServerArgs  # noqa: E402
+from radixserve.runtime.wire.messages import SamplingParams, TokenizedGenerateReq  # noqa: E402
+from radixserve.runtime.wire.server_args import ServerArgs  # noqa: E402
 from radixserve.scheduler.scheduler import Scheduler  # noqa: E402
 
 

@@ -106,7 +106,7 @@ def dataset_params(args: argparse.Namespace) -> dict[str, Any]:
 
 def load_tokenizer_for(path: Optional[str]):
     """The tokenizer at `path`, or the embedded default model's (its converted directory loads fastest)."""
-    from radixserve.model_runner.loader import load_tokenizer, resolve_model
+    from radixserve.runtime.model_files import load_tokenizer, resolve_model
 
     return load_tokenizer(path or resolve_model(None).model_dir)
 

@@ -12,7 +12,7 @@ from collections import OrderedDict
 from typing import Any
 
 from radixserve.detokenizer_manager.incremental import IncrementalDecoder
-from radixserve.runtime.messages import BatchTextOut, BatchTokenOut
+from radixserve.runtime.wire.messages import BatchTextOut, BatchTokenOut
 
 logger = logging.getLogger(__name__)
 

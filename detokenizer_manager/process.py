@@ -12,9 +12,9 @@ import traceback
 
 import zmq
 
-from radixserve.runtime.ipc import IpcPaths, make_pull, make_push
-from radixserve.runtime.messages import BatchTokenOut, ProcessFailed, ProcessReady, decode, encode
-from radixserve.runtime.server_args import ServerArgs
+from radixserve.runtime.wire.ipc import IpcPaths, make_pull, make_push
+from radixserve.runtime.wire.messages import BatchTokenOut, ProcessFailed, ProcessReady, decode, encode
+from radixserve.runtime.wire.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
@@ -25,7 +25,7 @@ def run_detokenizer_process(server_args: ServerArgs, ipc: IpcPaths, parent_pid: 
     sender = make_push(ctx, ipc.detokenizer_to_tokenizer)
     try:
         from radixserve.detokenizer_manager.manager import DetokenizerManager
-        from radixserve.model_runner.loader import load_tokenizer, resolve_model
+        from radixserve.runtime.model_files import load_tokenizer, resolve_model
 
         tokenizer_path = server_args.tokenizer_path
         if tokenizer_path is None:

@@ -14,11 +14,12 @@ import torch
 from radixserve.model_runner.attention import AttentionBackend, create_attention_backend
 from radixserve.model_runner.cpu_packed import pack_cpu_linears
 from radixserve.model_runner.forward_batch import ForwardBatch
-from radixserve.model_runner.loader import dummy_weights, iter_weights, resolve_model
+from radixserve.model_runner.loader import dummy_weights, iter_weights
+from radixserve.runtime.model_files import resolve_model
 from radixserve.model_runner.model_config import ModelConfig
 from radixserve.model_runner.models import get_model_class
 from radixserve.radix_cache.pool import KVAllocator, ReqToTokenPool, TokenToKVPool
-from radixserve.runtime.server_args import ServerArgs
+from radixserve.runtime.wire.server_args import ServerArgs
 
 if TYPE_CHECKING:
     from radixserve.model_runner.cuda_graph import CudaGraphRunner

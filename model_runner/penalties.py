@@ -17,21 +17,19 @@ only for the rows that need each edit, so a batch without penalties carries noth
 from __future__ import annotations
 
 import itertools
-import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
 
-from radixserve.runtime.messages import SamplingParams
+from radixserve.runtime.wire.messages import SamplingParams
 
 
-def _flat_ids(id_lists: Sequence[Sequence[int]], vocab_size: int, what: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Concatenate token id lists into (row index, token id) int64 CPU tensors; ids must be in range."""
+def _flat_ids(id_lists: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Concatenate token id lists (checked on entry to be inside the vocabulary) into (row index, token id)
+    int64 CPU tensors."""
     lengths = torch.tensor([len(ids) for ids in id_lists], dtype=torch.int64)
     flat = torch.tensor(list(itertools.chain.from_iterable(id_lists)), dtype=torch.int64)
-    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= vocab_size):
-        raise ValueError(f"{what} contain a token id outside [0, {vocab_size})")
     rows = torch.repeat_interleave(torch.arange(len(id_lists), dtype=torch.int64), lengths)
     return rows, flat
 
@@ -45,15 +43,10 @@ def history_counts(
     counts), sorted by row then token. Sparse on purpose: a history has hundreds of distinct tokens,
     the vocabulary 50k-150k, so editing only these pairs costs O(history) instead of O(rows x vocab).
     """
-    local_rows, flat = _flat_ids(id_lists, vocab_size, "token histories")
+    local_rows, flat = _flat_ids(id_lists)
     batch_rows = torch.tensor(list(rows), dtype=torch.int64)[local_rows]
     keys, counts = torch.unique(batch_rows * vocab_size + flat, sorted=True, return_counts=True)
     return keys // vocab_size, keys % vocab_size, counts
-
-
-def _finite(value: float, name: str, row: int) -> None:
-    if not math.isfinite(value):
-        raise ValueError(f"request {row}: {name} must be finite, got {value}")
 
 
 @dataclass
@@ -108,10 +101,6 @@ class LogitAdjustments:
         if repetition:
             if prompt_ids is None:
                 raise ValueError("prompt_ids are required when a request has repetition_penalty != 1")
-            for i in repetition:
-                _finite(params[i].repetition_penalty, "repetition_penalty", i)
-                if params[i].repetition_penalty <= 0:
-                    raise ValueError(f"request {i}: repetition_penalty must be > 0")
             histories = [list(prompt_ids[i]) + list(output_ids[i]) for i in repetition]
             rows, ids, _ = history_counts(repetition, histories, vocab_size)
             per_row = torch.tensor([p.repetition_penalty for p in params], dtype=dtype)
@@ -121,9 +110,6 @@ class LogitAdjustments:
 
         additive = [i for i, p in enumerate(params) if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0]
         if additive:
-            for i in additive:
-                _finite(params[i].frequency_penalty, "frequency_penalty", i)
-                _finite(params[i].presence_penalty, "presence_penalty", i)
             rows, ids, counts = history_counts(additive, [output_ids[i] for i in additive], vocab_size)
             frequency = torch.tensor([p.frequency_penalty for p in params], dtype=dtype)
             presence = torch.tensor([p.presence_penalty for p in params], dtype=dtype)
@@ -137,12 +123,8 @@ class LogitAdjustments:
         bias_values: list[float] = []
         for i, p in enumerate(params):
             for token, bias in (p.logit_bias or {}).items():
-                token = int(token)
-                if not 0 <= token < vocab_size:
-                    raise ValueError(f"request {i}: logit_bias token id {token} outside [0, {vocab_size})")
-                _finite(float(bias), "logit_bias value", i)
                 bias_rows.append(i)
-                bias_ids.append(token)
+                bias_ids.append(int(token))
                 bias_values.append(float(bias))
         if bias_rows:
             adj.bias_rows = torch.tensor(bias_rows, dtype=torch.int64, device=device)
@@ -153,7 +135,7 @@ class LogitAdjustments:
         if banned_token_ids is not None and any(banned_token_ids):
             if len(banned_token_ids) != len(params):
                 raise ValueError("banned_token_ids must have one list per request")
-            rows, ids = _flat_ids(banned_token_ids, vocab_size, "banned_token_ids")
+            rows, ids = _flat_ids(banned_token_ids)
             adj.banned_rows, adj.banned_ids = to_device(rows), to_device(ids)
             found = True
 

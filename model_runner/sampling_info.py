@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
 
 from radixserve.model_runner.penalties import LogitAdjustments
-from radixserve.runtime.messages import SamplingParams
+from radixserve.runtime.wire.messages import SamplingParams
 
 _MASK64 = (1 << 64) - 1
 _UNIFORM_BITS = 24  # a float32 in [0, 1) holds 24 bits exactly
@@ -32,21 +31,6 @@ def seeded_uniform(seed: int, step: int) -> float:
     """
     mixed = _splitmix64(_splitmix64(seed & _MASK64) ^ (step & _MASK64))
     return (mixed >> (64 - _UNIFORM_BITS)) / float(1 << _UNIFORM_BITS)
-
-
-def _check_params(row: int, p: SamplingParams) -> None:
-    """Reject values the sampler cannot give a meaning to (the API layer checks first)."""
-    for name in ("temperature", "top_p", "min_p"):
-        if not math.isfinite(getattr(p, name)):
-            raise ValueError(f"request {row}: {name} must be finite")
-    if p.temperature < 0:
-        raise ValueError(f"request {row}: temperature must be >= 0, got {p.temperature}")
-    if not 0 < p.top_p <= 1:
-        raise ValueError(f"request {row}: top_p must be in (0, 1], got {p.top_p}")
-    if not 0 <= p.min_p <= 1:
-        raise ValueError(f"request {row}: min_p must be in [0, 1], got {p.min_p}")
-    if p.top_k < -1:
-        raise ValueError(f"request {row}: top_k must be -1, 0 (off) or >= 1, got {p.top_k}")
 
 
 @dataclass
@@ -107,7 +91,8 @@ class SamplingBatchInfo:
         `repetition_penalty != 1`. `banned_token_ids[i]` are ids masked to -inf for request i at this
         step (EOS / stop ids while below `min_new_tokens`; the scheduler decides). Everything is
         computed host-side here, so sampling makes no device-to-host round trip for its decisions.
-        Raises ValueError on out-of-range parameters or token ids.
+        The parameters were checked once, when the request entered (SamplingParams.from_request); nothing here
+        re-checks their values. Raises ValueError only when the lists do not match the batch.
         """
         device = torch.device(device)
         bs = len(params)
@@ -115,8 +100,6 @@ class SamplingBatchInfo:
             raise ValueError("output_ids must have one list per request")
         if prompt_ids is not None and len(prompt_ids) != bs:
             raise ValueError("prompt_ids must have one list per request")
-        for row, p in enumerate(params):
-            _check_params(row, p)
 
         greedy = [p.is_greedy() for p in params]
         sampled = [i for i in range(bs) if not greedy[i]]

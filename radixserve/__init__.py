@@ -17,13 +17,13 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "Engine": ("radixserve.runtime.engine", "Engine"),
-    "ServerArgs": ("radixserve.runtime.server_args", "ServerArgs"),
+    "ServerArgs": ("radixserve.runtime.wire.server_args", "ServerArgs"),
     "GenerateReqInput": ("radixserve.tokenizer_manager.io", "GenerateReqInput"),
-    "EngineDeadError": ("radixserve.tokenizer_manager.errors", "EngineDeadError"),
-    "ContextLengthExceededError": ("radixserve.tokenizer_manager.errors", "ContextLengthExceededError"),
+    "EngineDeadError": ("radixserve.runtime.wire.errors", "EngineDeadError"),
+    "ContextLengthExceededError": ("radixserve.runtime.wire.errors", "ContextLengthExceededError"),
     "EngineStartupError": ("radixserve.runtime.launch", "EngineStartupError"),
-    "RequestFailedError": ("radixserve.tokenizer_manager.errors", "RequestFailedError"),
-    "InvalidRequestError": ("radixserve.tokenizer_manager.errors", "InvalidRequestError"),
+    "RequestFailedError": ("radixserve.runtime.wire.errors", "RequestFailedError"),
+    "InvalidRequestError": ("radixserve.runtime.wire.errors", "InvalidRequestError"),
 }
 # The frontend DSL, SGLang's names: `from radixserve import function, gen, select, ...`.
 _DSL_NAMES = (

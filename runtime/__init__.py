@@ -1,6 +1,6 @@
 """radixserve.runtime: the Engine, server arguments, process launch and supervision, the HTTP server.
 
-Light on import: `import radixserve.runtime.messages` (or server_args) must not pull in torch, so the Engine
+Light on import: `import radixserve.runtime.wire.messages` (or server_args) must not pull in torch, so the Engine
 is loaded lazily on first attribute access.
 """
 
@@ -21,7 +21,7 @@ def __getattr__(name: str) -> Any:
 
         return EngineStartupError
     if name == "EngineDeadError":
-        from radixserve.tokenizer_manager.errors import EngineDeadError
+        from radixserve.runtime.wire.errors import EngineDeadError
 
         return EngineDeadError
     if name == "GenerateReqInput":

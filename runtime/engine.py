@@ -18,6 +18,7 @@ returns a list, prompt-major (prompt i's samples at i*n .. i*n+n-1). Streaming c
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import threading
 import weakref
@@ -25,13 +26,14 @@ from typing import Any, AsyncIterator, Callable, Iterator, Optional, Union
 
 import zmq
 
-from radixserve.runtime.ipc import IpcPaths, make_pull, make_push
+from radixserve.runtime.wire.ipc import IpcPaths, make_pull, make_push
 from radixserve.runtime.launch import ChildProcesses, resolve_for_launch
 from radixserve.runtime.loop_thread import LoopThread
-from radixserve.runtime.server_args import ServerArgs, make_server_args
-from radixserve.tokenizer_manager.errors import EngineDeadError
+from radixserve.runtime.wire.server_args import ServerArgs, make_server_args
+from radixserve.runtime.wire.errors import EngineDeadError
 from radixserve.tokenizer_manager.io import GenerateReqInput
 from radixserve.tokenizer_manager.manager import TokenizerManager
+from radixserve.tokenizer_manager.tokenize import TokenizerWorker, load_chat_template
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +101,7 @@ class Engine:
             raise
 
     def _start(self) -> None:
-        from radixserve.model_runner.loader import load_tokenizer
+        from radixserve.runtime.model_files import load_tokenizer
 
         res = self._resources
         child_args = resolve_for_launch(self.server_args)
@@ -116,8 +118,12 @@ class Engine:
 
         res.loop_thread = LoopThread()
 
+        # One tokenizer per thread that uses one: this Engine's caller, the manager's loop, the tokenizing worker.
+        worker = TokenizerWorker(copy.deepcopy(self.tokenizer), load_chat_template(self.server_args.chat_template))
+        loop_tokenizer = copy.deepcopy(self.tokenizer)
+
         async def make_tokenizer_manager() -> TokenizerManager:
-            tm = TokenizerManager(self.tokenizer, self.model_info, send_socket, recv_socket)
+            tm = TokenizerManager(loop_tokenizer, self.model_info, send_socket, recv_socket, worker)
             tm.start()
             return tm
 
@@ -206,6 +212,19 @@ class Engine:
             async for result in results:
                 return result
         raise RuntimeError("no result")  # pragma: no cover - generate_request always yields once
+
+    # ---- tokenization ----------------------------------------------------------------------------
+
+    async def async_encode(self, text: str) -> list[int]:
+        """Token ids of `text`, tokenized off the caller's loop (on the engine's tokenizer thread)."""
+        self._check_open()
+        return await self._loop.call_async(self._tm.encode(text))
+
+    async def async_encode_chat(self, conversation: list[dict[str, Any]], **template_kwargs: Any) -> list[int]:
+        """Token ids of a conversation through the chat template (`--chat-template`, else the model's), off the
+        caller's loop. Raises ValueError when the model has no template or the template refuses the messages."""
+        self._check_open()
+        return await self._loop.call_async(self._tm.encode_chat(conversation, **template_kwargs))
 
     # ---- control ---------------------------------------------------------------------------------
 

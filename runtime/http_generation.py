@@ -27,7 +27,7 @@ from starlette.responses import Response, StreamingResponse
 
 from radixserve.runtime.http_state import ServerState
 from radixserve.runtime.openai.errors import APIError, from_value_error
-from radixserve.tokenizer_manager.errors import EngineDeadError, RequestFailedError
+from radixserve.runtime.wire.errors import EngineDeadError, RequestFailedError
 
 logger = logging.getLogger(__name__)
 
@@ -52,9 +52,9 @@ def sse_event(content: Any) -> bytes:
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def engine_error(state: ServerState, error: BaseException) -> APIError:
+def engine_error(state: ServerState, error: BaseException, param: Optional[str] = None) -> APIError:
     """What the engine raised, as the error the client sees: 400 for its own mistakes (ValueError), 503 when
-    the engine is down, 500 otherwise."""
+    the engine is down, 500 otherwise. `param`: the request field a 400 is about, when the caller knows it."""
     if isinstance(error, APIError):
         return error
     if isinstance(error, RequestFailedError):
@@ -62,7 +62,7 @@ def engine_error(state: ServerState, error: BaseException) -> APIError:
             return APIError(str(error), status_code=error.status_code)
         return APIError(str(error), status_code=error.status_code, type="server_error")
     if isinstance(error, ValueError):
-        return from_value_error(error)
+        return from_value_error(error, param=param or getattr(error, "field", None))
     if isinstance(error, EngineDeadError) or not _is_healthy(state):
         logger.warning("request failed: the engine is not available (%s)", error)
         return engine_unavailable()

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import signal
 import uuid
 from typing import Any, AsyncIterator, Optional
@@ -29,6 +28,7 @@ from fastapi import APIRouter, Depends, FastAPI
 from starlette.requests import Request
 from starlette.responses import Response
 
+from radixserve.runtime.body_limit import BodyLimitMiddleware
 from radixserve.runtime.http_generation import json_response
 from radixserve.runtime.http_state import InflightRequests, ServerState, caller_tenant
 from radixserve.runtime.metrics import ServerMetrics
@@ -37,10 +37,11 @@ from radixserve.runtime.native_api import router as native_router
 from radixserve.runtime.openai.errors import APIError, install_error_handlers
 from radixserve.runtime.openai.logprobs import TokenTexts
 from radixserve.runtime.openai.protocol import ChatCompletionRequest, CompletionRequest, parse_request
-from radixserve.runtime.openai.serving_chat import create_chat_completion, render_chat
+from radixserve.runtime.openai.serving_chat import create_chat_completion, encode_chat
 from radixserve.runtime.openai.serving_completions import create_completion
-from radixserve.runtime.server_args import ServerArgs
+from radixserve.runtime.wire.server_args import ServerArgs
 from radixserve.runtime.tenancy import TenantResolver
+from radixserve.tokenizer_manager.tokenize import load_chat_template
 from radixserve.tokenizer_manager.io import GenerateReqInput
 
 logger = logging.getLogger(__name__)
@@ -50,25 +51,13 @@ WARMUP_TIMEOUT_SECONDS = 120.0
 ABORT_GRACE_SECONDS = 5.0
 
 
-def load_chat_template(value: Optional[str]) -> Optional[str]:
-    """`--chat-template`: a path to a Jinja file, or the Jinja template itself."""
-    if value is None:
-        return None
-    if os.path.isfile(value):
-        with open(value, encoding="utf-8") as f:
-            return f.read()
-    if "{" not in value:
-        raise ValueError(f"--chat-template {value!r} is neither an existing file nor a Jinja template")
-    return value
-
-
 def served_model_name(server_args: ServerArgs) -> str:
     """The model id of the OpenAI API: --served-model-name, else --model-path, else the embedded model's name."""
     if server_args.served_model_name:
         return server_args.served_model_name
     if server_args.model_path:
         return server_args.model_path
-    from radixserve.model_runner.loader.resolve import DEFAULT_MODEL_FILE
+    from radixserve.runtime.model_files import DEFAULT_MODEL_FILE
 
     return DEFAULT_MODEL_FILE.split(".", 1)[0]
 
@@ -91,24 +80,24 @@ def create_app(engine: Any, server_args: ServerArgs) -> FastAPI:
         vocab_size=int(model_info["vocab_size"]),
         max_total_tokens=model_info.get("max_total_num_tokens"),
         token_texts=TokenTexts(engine.tokenizer),
-        chat_template=load_chat_template(server_args.chat_template),
     )
-    if state.chat_template is not None:  # fail at start-up, not on the first chat request
-        from radixserve.runtime.openai.protocol import ChatMessage
-
-        render_chat(state, [ChatMessage(role="user", content="hello")])
     if server_args.enable_metrics:
         state.metrics = ServerMetrics()
         engine.request_observer = state.metrics.observe_request
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if server_args.chat_template is not None:  # fail at start-up, not on the first chat request
+            from radixserve.runtime.openai.protocol import ChatMessage
+
+            await encode_chat(state, [ChatMessage(role="user", content="hello")])
         if not server_args.skip_server_warmup:
             await asyncio.wait_for(_warmup(state), WARMUP_TIMEOUT_SECONDS)
         yield
 
     app = FastAPI(title="radixserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = state
+    app.add_middleware(BodyLimitMiddleware, max_bytes=server_args.max_request_bytes)
     install_error_handlers(app)
     app.add_api_route("/health", health_route, methods=["GET"])
     app.add_api_route("/metrics", _metrics, methods=["GET"])
@@ -125,10 +114,9 @@ def create_app(engine: Any, server_args: ServerArgs) -> FastAPI:
 async def _warmup(state: ServerState) -> None:
     """Tiny generations before serving, so the first client does not pay for lazy initialisation: one plain,
     one JSON-constrained (which builds the grammar compiler's tokenizer tables)."""
-    prompt = list(state.tokenizer.encode("Hello")) or [0]
     one_token = {"max_new_tokens": 1, "temperature": 0.0}
-    requests = [GenerateReqInput(input_ids=prompt, sampling_params=one_token, rid=f"warmup-{uuid.uuid4().hex}"),
-                GenerateReqInput(input_ids=prompt, rid=f"warmup-json-{uuid.uuid4().hex}",
+    requests = [GenerateReqInput(text="Hello", sampling_params=one_token, rid=f"warmup-{uuid.uuid4().hex}"),
+                GenerateReqInput(text="Hello", rid=f"warmup-json-{uuid.uuid4().hex}",
                                  sampling_params={**one_token, "json_schema": '{"type": "object"}'})]
 
     async def run(request: GenerateReqInput) -> Any:
@@ -219,7 +207,7 @@ def launch_server(server_args: ServerArgs) -> None:
 
     # Configuration mistakes should fail before the (slow) engine start.
     TenantResolver.from_server_args(server_args.api_key, server_args.tenants_file)
-    load_chat_template(server_args.chat_template)
+    load_chat_template(server_args.chat_template)  # a missing file fails before the engine starts
     engine = Engine(**server_args.to_dict())
     try:
         app = create_app(engine, server_args)

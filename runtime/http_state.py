@@ -17,7 +17,7 @@ from typing import Any, Optional
 from starlette.requests import Request
 
 from radixserve.runtime.openai.errors import APIError
-from radixserve.runtime.server_args import ServerArgs
+from radixserve.runtime.wire.server_args import ServerArgs
 from radixserve.runtime.tenancy import TenantResolver
 
 RETRY_AFTER_SECONDS = 1
@@ -96,7 +96,6 @@ class ServerState:
     vocab_size: int
     max_total_tokens: Optional[int]
     token_texts: Any = None  # radixserve.runtime.openai.logprobs.TokenTexts of the tokenizer
-    chat_template: Optional[str] = None
     metrics: Any = None  # radixserve.runtime.metrics.ServerMetrics, when enabled
     created: int = field(default_factory=lambda: int(time.time()))
 

@@ -32,9 +32,9 @@ from typing import Any, Callable, Iterator, Optional
 
 import zmq
 
-from radixserve.runtime.ipc import IpcPaths
-from radixserve.runtime.messages import ProcessFailed, ProcessReady, decode
-from radixserve.runtime.server_args import ServerArgs
+from radixserve.runtime.wire.ipc import IpcPaths
+from radixserve.runtime.wire.messages import ProcessFailed, ProcessReady, decode
+from radixserve.runtime.wire.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ def resolve_for_launch(server_args: ServerArgs) -> ServerArgs:
     Returns the arguments the children get: tokenizer_path filled in with the resolved Hugging Face directory
     when it was None, so the detokenizer loads the tokenizer without resolving again.
     """
-    from radixserve.model_runner.loader import resolve_model
+    from radixserve.runtime.model_files import resolve_model
 
     resolved = resolve_model(server_args.model_path, server_args.load_format, server_args.model_cache_dir)
     if server_args.tokenizer_path is not None:

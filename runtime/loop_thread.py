@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import inspect
 import queue
 import threading
 from typing import Any, AsyncIterator, Awaitable, Callable, Iterator, TypeVar
@@ -71,6 +72,8 @@ class LoopThread:
         async def pump() -> None:
             try:
                 started = start()
+                if inspect.isawaitable(started):
+                    started = await started
             except BaseException as exc:
                 emit((_ERROR, exc))
                 return

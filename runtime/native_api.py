@@ -28,14 +28,8 @@ from radixserve.runtime.http_generation import (
 )
 from radixserve.runtime.http_state import ServerState, caller_tenant
 from radixserve.runtime.openai.errors import APIError, bad_request
-from radixserve.runtime.openai.protocol import (
-    MAX_TOP_LOGPROBS,
-    SamplingParamsModel,
-    StrictModel,
-    TokenId,
-    parse_request,
-)
-from radixserve.runtime.openai.serving_common import check_token_ids, plan_max_new_tokens
+from radixserve.runtime.openai.protocol import MAX_TOP_LOGPROBS, StrictModel, TokenId, parse_request
+from radixserve.runtime.wire.sampling_params import InvalidSamplingParams, SamplingParams
 from radixserve.tokenizer_manager.io import GenerateReqInput
 
 HEALTH_GENERATE_TIMEOUT_SECONDS = 30.0
@@ -52,7 +46,8 @@ class NativeGenerateRequest(StrictModel):
         Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=MAX_BATCH)],
         None,
     ] = None
-    sampling_params: Union[SamplingParamsModel, list[SamplingParamsModel], None] = None
+    # Checked by SamplingParams.from_request (the one validator), not here.
+    sampling_params: Union[dict[str, Any], list[Optional[dict[str, Any]]], None] = None
     rid: Union[Rid, list[Rid], None] = None
     return_logprob: Union[bool, list[bool]] = False
     logprob_start_len: Union[LogprobStart, list[LogprobStart]] = -1
@@ -92,11 +87,16 @@ class NativeGenerateRequest(StrictModel):
         return value[i] if isinstance(value, list) else value
 
 
-def _sampling(body: NativeGenerateRequest, i: int) -> SamplingParamsModel:
-    return body.item("sampling_params", i) or SamplingParamsModel()
+def _sampling(state: ServerState, body: NativeGenerateRequest, i: int) -> SamplingParams:
+    try:
+        return SamplingParams.from_request(body.item("sampling_params", i), state.vocab_size)
+    except InvalidSamplingParams as error:
+        where = "sampling_params" if body.batch_size is None else f"sampling_params[{i}]"
+        param = where if error.field is None else f"{where}.{error.field}"
+        raise bad_request(f"{param}: {error}", param=param) from None
 
 
-def _engine_rids(rid: str, params: SamplingParamsModel) -> list[str]:
+def _engine_rids(rid: str, params: SamplingParams) -> list[str]:
     """The rids the engine creates for one prompt: the rid itself, or `{rid}-{i}` per sample when n > 1."""
     return [f"{rid}-{i}" for i in range(params.n)] if params.n > 1 else [rid]
 
@@ -110,21 +110,11 @@ def _build(state: ServerState, body: NativeGenerateRequest, tenant: Optional[str
         rids = [body.rid or uuid.uuid4().hex]
     else:
         rids = [uuid.uuid4().hex for _ in range(count)]
-    for i in range(count):
-        params = _sampling(body, i)
-        if params.stop_token_ids:
-            check_token_ids(params.stop_token_ids, state.vocab_size, "sampling_params.stop_token_ids")
-        if params.logit_bias:
-            check_token_ids([int(k) for k in params.logit_bias], state.vocab_size, "sampling_params.logit_bias")
-        if body.input_ids is not None:
-            ids = body.input_ids if size is None else body.input_ids[i]
-            check_token_ids(ids, state.vocab_size, "input_ids")  # type: ignore[arg-type]
-            plan_max_new_tokens(state, len(ids), params.max_new_tokens, "input_ids")  # type: ignore[arg-type]
-    handles = {rids[i]: _engine_rids(rids[i], _sampling(body, i)) for i in range(count)}
+    params = [_sampling(state, body, i) for i in range(count)]
+    handles = {rids[i]: _engine_rids(rids[i], params[i]) for i in range(count)}
     if len(handles) != count:
         raise bad_request("rids in a batch must be distinct", param="rid")
-    sampling: Any = (_sampling(body, 0).to_engine_dict() if size is None
-                     else [_sampling(body, i).to_engine_dict() for i in range(count)])
+    sampling: Any = params[0] if size is None else params
     request = GenerateReqInput(
         text=body.text,
         input_ids=body.input_ids,
@@ -251,7 +241,7 @@ async def health_generate(request: Request, tenant: Optional[str] = Depends(call
     """Healthy only if the engine really produces a token within the timeout."""
     state = _state(request)
     rid = f"health-{uuid.uuid4().hex}"
-    probe = GenerateReqInput(input_ids=list(state.tokenizer.encode("ping")) or [0],
+    probe = GenerateReqInput(text="ping",
                              sampling_params={"max_new_tokens": 1, "temperature": 0.0}, rid=rid)
 
     async def one_token() -> Any:

@@ -35,16 +35,15 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import re
 import threading
 from collections import OrderedDict
 from typing import Any, Optional, Sequence
 
 import torch
 
-from radixserve.runtime.messages import FinishReason, SamplingParams
+from radixserve.runtime.wire.grammar_check import GRAMMAR_KINDS, grammar_error_message
+from radixserve.runtime.wire.messages import FinishReason, SamplingParams
 
-GRAMMAR_KINDS = ("json_schema", "regex", "ebnf")
 GrammarKey = tuple[str, str]  # (kind, grammar text)
 
 # Compiled grammars kept; a small JSON schema compiled over a 49k vocabulary takes 50-100 KB.
@@ -52,8 +51,6 @@ MAX_CACHED_GRAMMARS = 256
 COMPILER_THREADS = 2
 # The executor gives up on a mask that was never filled after this long: a scheduler bug, not a slow step.
 MASK_WAIT_TIMEOUT_S = 120.0
-# xgrammar prefixes its messages with "[time] file.cc:line: "; the rest names the problem.
-_XGRAMMAR_LOCATION = re.compile(r"^\s*\[[0-9:. ]+\]\s*\S+:\d+:\s*")
 
 
 def grammar_key(params: SamplingParams) -> Optional[GrammarKey]:
@@ -63,12 +60,6 @@ def grammar_key(params: SamplingParams) -> Optional[GrammarKey]:
         if text is not None:
             return kind, text
     return None
-
-
-def grammar_error_message(kind: str, error: BaseException) -> str:
-    """A one-line message naming what is wrong with a `kind` grammar, from xgrammar's exception."""
-    detail = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    return f"invalid {kind}: {_XGRAMMAR_LOCATION.sub('', detail)}"
 
 
 class GrammarCache:

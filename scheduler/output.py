@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Iterable, Optional
 
-from radixserve.runtime.messages import BatchTokenOut
+from radixserve.runtime.wire.messages import BatchTokenOut
 from radixserve.scheduler.req import Req
 
 

@@ -21,9 +21,9 @@ import traceback
 
 import zmq
 
-from radixserve.runtime.ipc import IpcPaths, make_pull, make_push
-from radixserve.runtime.messages import ProcessFailed, ProcessReady, decode, encode
-from radixserve.runtime.server_args import ServerArgs
+from radixserve.runtime.wire.ipc import IpcPaths, make_pull, make_push
+from radixserve.runtime.wire.messages import ProcessFailed, ProcessReady, decode, encode
+from radixserve.runtime.wire.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from typing import Any, Optional
 
 import torch
 
-from radixserve.runtime.messages import FinishReason, SamplingParams, TokenizedGenerateReq
+from radixserve.runtime.wire.messages import FinishReason, SamplingParams, TokenizedGenerateReq
 
 _EMPTY_SLOTS = torch.empty(0, dtype=torch.int64)
 

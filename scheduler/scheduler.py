@@ -39,11 +39,11 @@ import torch
 from radixserve.model_runner.forward_batch import ForwardMode
 from radixserve.model_runner.sampling import PLACEHOLDER_TOKEN_ID
 from radixserve.radix_cache.tree import common_prefix_length
-from radixserve.runtime.messages import (
+from radixserve.runtime.wire.messages import (
     AbortReq, FinishReason, FlushCacheReq, FlushCacheReqOutput, GetServerInfoReq, GetServerInfoReqOutput,
     TokenizedGenerateReq,
 )
-from radixserve.runtime.server_args import ServerArgs
+from radixserve.runtime.wire.server_args import ServerArgs
 from radixserve.scheduler.batch import ScheduleBatch, allocate_slots, assemble_batch, needs_exact_history
 from radixserve.scheduler.grammar import GrammarManager
 from radixserve.scheduler.info import ready_info, server_info

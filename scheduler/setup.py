@@ -5,8 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Optional
 
-from radixserve.model_runner.sampling_info import SamplingBatchInfo
-from radixserve.runtime.server_args import ServerArgs
+from radixserve.runtime.wire.server_args import ServerArgs
 from radixserve.scheduler.req import Req
 
 logger = logging.getLogger(__name__)
@@ -25,7 +24,7 @@ def make_cache(server_args: ServerArgs, req_to_token_pool: Any, allocator: Any) 
 
 def try_load_tokenizer(runner: Any) -> Optional[Any]:
     """The model's tokenizer (needed for stop strings), or None when the model directory has none."""
-    from radixserve.model_runner.loader import load_tokenizer
+    from radixserve.runtime.model_files import load_tokenizer
 
     path = runner.server_args.tokenizer_path or runner.model_dir
     try:
@@ -37,36 +36,14 @@ def try_load_tokenizer(runner: Any) -> Optional[Any]:
 
 
 def check_request(req: Req, runner: Any, tokenizer: Any) -> Optional[str]:
-    """Why `req` cannot be served, or None. The TokenizerManager validates first; this is the last line."""
+    """Why `req` cannot be served, or None. The TokenizerManager has checked the request (SamplingParams and the
+    length rule); this checks only what the scheduler alone knows: its KV pool and whether it has a tokenizer."""
     params = req.sampling_params
-    prompt_len = req.prompt_len
-    if prompt_len == 0:
-        return "the prompt is empty"
-    if params.max_new_tokens < 0:
-        return f"max_new_tokens must be >= 0, got {params.max_new_tokens}"
-    if prompt_len + params.max_new_tokens > runner.context_len:
-        return (f"the prompt ({prompt_len} tokens) plus max_new_tokens ({params.max_new_tokens}) exceeds the "
-                f"context length ({runner.context_len})")
     page_size = runner.allocator.page_size
-    needed = -(-(prompt_len + params.max_new_tokens) // page_size) * page_size
+    needed = -(-(req.prompt_len + params.max_new_tokens) // page_size) * page_size
     if needed > runner.allocator.size:
         return (f"the prompt plus max_new_tokens needs {needed} KV slots, more than the whole KV pool "
                 f"({runner.allocator.size})")
-    vocab = runner.vocab_size
-    if min(req.origin_input_ids) < 0 or max(req.origin_input_ids) >= vocab:
-        return f"the prompt holds a token id outside [0, {vocab})"
-    if any(not 0 <= t < vocab for t in params.stop_token_ids):
-        return f"stop_token_ids hold a token id outside [0, {vocab})"
     if params.stop and tokenizer is None:
         return "stop strings need a tokenizer, and this model has none"
-    if req.top_logprobs_num < 0:
-        return f"top_logprobs_num must be >= 0, got {req.top_logprobs_num}"
-    if sum(g is not None for g in (params.json_schema, params.regex, params.ebnf)) > 1:
-        return "give at most one of json_schema, regex and ebnf"
-    if req.logprob_start_len > prompt_len:
-        return f"logprob_start_len ({req.logprob_start_len}) exceeds the prompt length ({prompt_len})"
-    try:
-        SamplingBatchInfo.build([params], [[]], vocab, "cpu", prompt_ids=[req.origin_input_ids])
-    except ValueError as exc:
-        return f"invalid sampling parameters: {exc}"
     return None

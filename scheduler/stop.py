@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
-from radixserve.runtime.messages import FinishReason
+from radixserve.runtime.wire.messages import FinishReason
 from radixserve.scheduler.req import Req
 
 # Tokens decoded per character of the longest stop string (byte-level tokens can split one character

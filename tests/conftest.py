@@ -34,7 +34,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from radixserve.model_runner.loader import default_cache_dir, resolve_model  # noqa: E402
+from radixserve.runtime.model_files import default_cache_dir, resolve_model  # noqa: E402
 
 TINY_ARCHITECTURES = {
     "llama": "LlamaConfig",

@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from radixserve.model_runner.model_runner import ModelRunner
-from radixserve.runtime.messages import (
+from radixserve.runtime.wire.messages import (
     AbortReq, BatchTokenOut, FlushCacheReq, FlushCacheReqOutput, GetServerInfoReq, GetServerInfoReqOutput,
     SamplingParams, TokenizedGenerateReq,
 )
-from radixserve.runtime.server_args import ServerArgs
+from radixserve.runtime.wire.server_args import ServerArgs
 from radixserve.scheduler.scheduler import Scheduler
 
 _RUNNERS: dict[tuple, ModelRunner] = {}

@@ -44,7 +44,7 @@ def server():
 
 @pytest.fixture(scope="module")
 def tokenizer(default_model_dir):
-    from radixserve.model_runner.loader import load_tokenizer
+    from radixserve.runtime.model_files import load_tokenizer
 
     return load_tokenizer(default_model_dir)
 

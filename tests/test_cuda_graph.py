@@ -27,7 +27,7 @@ from radixserve.model_runner.cuda_graph import (
 from radixserve.model_runner.forward_batch import ForwardBatch, ForwardMode
 from radixserve.model_runner.model_runner import ModelRunner
 from radixserve.model_runner.static_generate import assign_kv_slots, greedy_generate, make_forward_batch
-from radixserve.runtime.server_args import ServerArgs
+from radixserve.runtime.wire.server_args import ServerArgs
 
 ON_GPU = torch.cuda.is_available()
 needs_gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device")

@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 from radixserve.detokenizer_manager.incremental import IncrementalDecoder
 from radixserve.detokenizer_manager.manager import DetokenizerManager
-from radixserve.model_runner.loader import load_tokenizer
-from radixserve.runtime.messages import BatchTokenOut, FinishReason
+from radixserve.runtime.model_files import load_tokenizer
+from radixserve.runtime.wire.messages import BatchTokenOut, FinishReason
 
 TEXTS = [
     "你好，世界！今天天气很好。",

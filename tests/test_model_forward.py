@@ -15,12 +15,12 @@ import torch
 from radixserve.model_runner.cpu_packed import PackedLinear, packing_supported
 from radixserve.model_runner.forward_batch import ForwardMode
 from radixserve.model_runner.layers import rope_inverse_frequencies
-from radixserve.model_runner.loader import load_tokenizer
+from radixserve.runtime.model_files import load_tokenizer
 from radixserve.model_runner.model_config import ModelConfig
 from radixserve.model_runner.model_runner import ModelRunner
 from radixserve.model_runner.models import get_model_class
 from radixserve.model_runner.static_generate import assign_kv_slots, greedy_generate, make_forward_batch
-from radixserve.runtime.server_args import ServerArgs
+from radixserve.runtime.wire.server_args import ServerArgs
 
 MAX_NEW_TOKENS = 32
 

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from http_fixtures import shared_server
-from radixserve.model_runner.loader import load_tokenizer
+from radixserve.runtime.model_files import load_tokenizer
 from scheduler_driver import SchedulerDriver
 
 MATCHES_NOTHING = r"[^\s\S]"  # a character class that admits no character

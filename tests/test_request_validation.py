@@ -6,10 +6,17 @@ import json
 
 import pytest
 
-from radixserve.runtime.messages import SamplingParams
-from radixserve.tokenizer_manager.errors import ContextLengthExceededError
+from radixserve.runtime.wire.errors import ContextLengthExceededError
+from radixserve.runtime.wire.sampling_params import LengthLimits, SamplingParams
 from radixserve.tokenizer_manager.io import GenerateReqInput, make_namespace, split_requests
-from radixserve.tokenizer_manager.validation import build_sampling_params, check_length
+
+
+def build_sampling_params(params, vocab_size):
+    return SamplingParams.from_request(params, vocab_size)
+
+
+def check_length(params, prompt_len, context_len, max_total_tokens=None, page_size=1):
+    return params.fit_context(prompt_len, LengthLimits(context_len, max_total_tokens, page_size))
 
 VOCAB = 1000
 
@@ -77,6 +84,13 @@ def test_sampling_params_conversions():
     ({"temperature": float("nan")}, "finite"),
     ({"top_p": 0}, "top_p"),
     ({"top_k": 0}, "top_k"),
+    ({"top_k": -2}, "top_k"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"min_p": 1.1}, "min_p"),
+    ({"repetition_penalty": 0.0}, "repetition_penalty"),
+    ({"frequency_penalty": float("inf")}, "finite"),
+    ({"logit_bias": {"5": 101}}, "logit_bias"),
+    ({"seed": 2**64}, "seed"),
     ({"min_p": -0.1}, "min_p"),
     ({"repetition_penalty": -1}, "repetition_penalty"),
     ({"frequency_penalty": 2.01}, "frequency_penalty"),

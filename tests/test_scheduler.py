@@ -151,7 +151,7 @@ def test_default_model_matches_hf_with_chunks_mixed_and_overlap(default_model_di
     and overlap: the tokens equal Hugging Face greedy generation, EOS included."""
     import transformers
 
-    from radixserve.model_runner.loader import load_tokenizer
+    from radixserve.runtime.model_files import load_tokenizer
 
     tokenizer = load_tokenizer(default_model_dir)
     questions = ["What is 2+2?", "Name a color.", "Say hello in Spanish.", "What is the capital of Italy?",

@@ -6,7 +6,7 @@ import pytest
 
 from radixserve.radix_cache.pool import KVAllocator, ReqToTokenPool
 from radixserve.radix_cache.tree import RadixCache
-from radixserve.runtime.messages import SamplingParams
+from radixserve.runtime.wire.messages import SamplingParams
 from radixserve.scheduler.policy import NewTokenRatio, PrefillAdder, SchedulePolicy
 from radixserve.scheduler.req import Req
 

@@ -10,12 +10,12 @@ import psutil
 import pytest
 import zmq
 
-from radixserve.runtime.ipc import IpcPaths, make_pull, make_push
-from radixserve.runtime.messages import (
+from radixserve.runtime.wire.ipc import IpcPaths, make_pull, make_push
+from radixserve.runtime.wire.messages import (
     BatchTokenOut, FlushCacheReq, FlushCacheReqOutput, GetServerInfoReq, GetServerInfoReqOutput, ProcessFailed,
     ProcessReady, SamplingParams, TokenizedGenerateReq, decode, encode,
 )
-from radixserve.runtime.server_args import ServerArgs
+from radixserve.runtime.wire.server_args import ServerArgs
 from radixserve.scheduler.process import run_scheduler_process
 from test_scheduler import hf_greedy, make_prompts
 

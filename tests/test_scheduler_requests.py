@@ -152,7 +152,7 @@ def test_eos_and_ignore_eos(overlap, tiny_model_dir):
 @OVERLAP
 def test_stop_string_split_across_tokens(overlap, tiny_model_dir):
     model_dir = tiny_model_dir("llama", with_tokenizer=True)
-    from radixserve.model_runner.loader import load_tokenizer
+    from radixserve.runtime.model_files import load_tokenizer
 
     tokenizer = load_tokenizer(model_dir)
     prompt = tokenizer.encode("The quick brown fox")
@@ -286,20 +286,18 @@ def test_flush_cache_only_when_idle(tiny_llama):
     driver.close()
 
 
-def test_bad_requests_are_aborted_with_a_reason(tiny_llama):
-    driver = driver_for(tiny_llama, True)
-    context_len = driver.runner.context_len
-    driver.submit("empty", [], max_new_tokens=4)
-    driver.submit("too-long", [1] * (context_len - 2), max_new_tokens=4)
-    driver.submit("bad-id", [1, 2, 10_000], max_new_tokens=4)
+def test_requests_it_cannot_serve_are_aborted_with_a_reason(tiny_llama):
+    """The scheduler checks only what it alone knows (the TokenizerManager checked the rest): its KV pool and
+    whether it has a tokenizer for stop strings."""
+    driver = driver_for(tiny_llama, True, max_total_tokens=64)
+    driver.submit("too-big-for-the-pool", [1] * 60, max_new_tokens=8)
     driver.submit("stop-string", [1, 2, 3], max_new_tokens=4, stop=["x"])  # this model has no tokenizer
-    driver.submit("bad-param", [1, 2, 3], max_new_tokens=4, top_p=0.0)
     driver.submit("fine", [1, 2, 3], max_new_tokens=4)
     results = driver.run_until_idle()
-    for rid in ("empty", "too-long", "bad-id", "stop-string", "bad-param"):
+    for rid in ("too-big-for-the-pool", "stop-string"):
         reason = results[rid].finish_reason
-        assert reason["type"] == "abort" and reason["message"], rid
-    assert "context length" in results["too-long"].finish_reason["message"]
+        assert reason["type"] == "abort" and reason["status_code"] == 400 and reason["message"], rid
+    assert "KV pool" in results["too-big-for-the-pool"].finish_reason["message"]
     assert results["fine"].finish_reason == {"type": "length", "length": 4}
     driver.close()
 

@@ -22,7 +22,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from radixserve.model_runner.loader import load_tokenizer
+from radixserve.runtime.model_files import load_tokenizer
 from scheduler_driver import SchedulerDriver
 
 OVERLAP = pytest.mark.parametrize("overlap", [False, True], ids=["no-overlap", "overlap"])

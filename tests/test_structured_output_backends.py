@@ -15,7 +15,7 @@ import re
 import pytest
 import torch
 
-from radixserve.model_runner.loader import load_tokenizer
+from radixserve.runtime.model_files import load_tokenizer
 from scheduler_driver import SchedulerDriver
 
 ON_GPU = torch.cuda.is_available()

@@ -12,12 +12,15 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
+from radixserve.runtime.wire.sampling_params import SamplingParams
+
 
 @dataclass
 class GenerateReqInput:
     text: Union[str, list[str], None] = None
     input_ids: Union[list[int], list[list[int]], None] = None
-    sampling_params: Union[dict, list[dict], None] = None
+    # SGLang-named dicts, or SamplingParams already built by SamplingParams.from_request (trusted as they are).
+    sampling_params: Union[dict, SamplingParams, list[Union[dict, SamplingParams]], None] = None
     rid: Union[str, list[str], None] = None
     return_logprob: Union[bool, list[bool]] = False
     logprob_start_len: Union[int, list[int]] = -1
@@ -44,7 +47,7 @@ class SingleReq:
     rid: str
     text: Optional[str]
     input_ids: Optional[list[int]]
-    sampling_params: dict[str, Any]
+    sampling_params: Union[dict[str, Any], SamplingParams]
     return_logprob: bool
     logprob_start_len: int
     top_logprobs_num: int
@@ -102,7 +105,7 @@ def split_requests(obj: GenerateReqInput) -> list[SingleReq]:
         raise ValueError("the batch is empty")
 
     def is_dict(value: Any) -> bool:
-        return isinstance(value, dict)
+        return isinstance(value, (dict, SamplingParams))
 
     def never(value: Any) -> bool:
         return False
@@ -119,7 +122,7 @@ def split_requests(obj: GenerateReqInput) -> list[SingleReq]:
     requests = []
     for i in range(batch_size):
         sampling = params[i] if params[i] is not None else {}
-        if not isinstance(sampling, dict):
+        if not isinstance(sampling, (dict, SamplingParams)):
             raise ValueError(f"sampling_params must be a dict, got {type(sampling).__name__}")
         rid = rids[i] if rids[i] is not None else uuid.uuid4().hex
         if not isinstance(rid, str) or not rid:
@@ -133,7 +136,7 @@ def split_requests(obj: GenerateReqInput) -> list[SingleReq]:
                 rid=rid,
                 text=texts[i],
                 input_ids=ids[i],
-                sampling_params=dict(sampling),
+                sampling_params=sampling if isinstance(sampling, SamplingParams) else dict(sampling),
                 return_logprob=bool(return_logprob[i]),
                 logprob_start_len=-1 if start_lens[i] is None else int(start_lens[i]),
                 top_logprobs_num=0 if top_nums[i] is None else int(top_nums[i]),

@@ -1,6 +1,7 @@
 """The TokenizerManager: the main process's side of the pipeline, on one asyncio event loop.
 
-    generate_request(obj)  -> tokenize + validate the whole batch (ValueError: nothing was sent),
+    generate_request(obj)  -> tokenize (on the TokenizerWorker's thread) + validate the whole batch
+                              (ValueError: nothing was sent),
                               send one TokenizedGenerateReq per prompt and sample, then yield chunks
                               (stream=True) or the final result(s)
     _recv_loop             -> BatchTextOut from the detokenizer, routed to each request's ReqState
@@ -13,6 +14,7 @@ Abandoning a request's async generator (cancellation, aclose, break) aborts its 
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import uuid
 from typing import Any, AsyncIterator, Callable, Optional
@@ -21,7 +23,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from radixserve.runtime.messages import (
+from radixserve.runtime.wire.messages import (
     AbortReq,
     BatchTextOut,
     FlushCacheReq,
@@ -34,10 +36,11 @@ from radixserve.runtime.messages import (
     decode,
     encode,
 )
-from radixserve.tokenizer_manager.errors import EngineDeadError, request_failed
+from radixserve.runtime.wire.errors import EngineDeadError, request_failed
+from radixserve.runtime.wire.sampling_params import InvalidSamplingParams, LengthLimits, SamplingParams
 from radixserve.tokenizer_manager.io import GenerateReqInput, SingleReq, make_namespace, split_requests
 from radixserve.tokenizer_manager.state import ReqGroup, ReqState
-from radixserve.tokenizer_manager.validation import build_sampling_params, check_length
+from radixserve.tokenizer_manager.tokenize import TokenizerWorker
 
 logger = logging.getLogger(__name__)
 
@@ -48,15 +51,18 @@ class TokenizerManager:
     """Owns the sockets to the scheduler (PUSH) and from the detokenizer (PULL) and all request state.
 
     model_info: the scheduler's ProcessReady info (context_len, vocab_size, max_total_num_tokens, ...).
+    tokenizer: used on this manager's loop thread only (token texts of logprobs); `worker` tokenizes, with a
+    tokenizer instance of its own.
     """
 
-    def __init__(self, tokenizer: Any, model_info: dict[str, Any], send_socket: zmq.Socket, recv_socket: zmq.Socket):
+    def __init__(self, tokenizer: Any, model_info: dict[str, Any], send_socket: zmq.Socket, recv_socket: zmq.Socket,
+                 worker: TokenizerWorker):
         self.tokenizer = tokenizer
+        self.worker = worker
         self.model_info = model_info
-        self.context_len = int(model_info["context_len"])
         self.vocab_size = int(model_info["vocab_size"])
-        self.max_total_tokens = model_info.get("max_total_num_tokens")
-        self.page_size = int(model_info.get("page_size") or 1)
+        self.limits = LengthLimits(int(model_info["context_len"]), model_info.get("max_total_num_tokens"),
+                                   int(model_info.get("page_size") or 1))
         self.send_socket = send_socket
         self._recv_socket_sync = recv_socket
         self.recv_socket = zmq.asyncio.Socket.from_socket(recv_socket)
@@ -80,17 +86,19 @@ class TokenizerManager:
 
         Raises ValueError (nothing sent) for bad arguments, EngineDeadError if the engine is or goes down.
         """
-        group = self.submit(obj)
+        group = await self.submit(obj)
         async for item in self.iterate(group, obj):
             yield item
 
-    def submit(self, obj: GenerateReqInput) -> ReqGroup:
+    async def submit(self, obj: GenerateReqInput) -> ReqGroup:
         """Tokenize, validate and send every request of `obj`; the caller must then `iterate` (or `release`).
 
         Raises ValueError before anything is sent, EngineDeadError when the engine is down.
         """
         self._check_alive()
-        return self._submit(self._tokenize_and_check(obj), obj)
+        checked = await self._tokenize_and_check(obj)
+        self._check_alive()
+        return self._submit(checked, obj)
 
     async def iterate(self, group: ReqGroup, obj: GenerateReqInput) -> AsyncIterator[Any]:
         """The chunks (stream) or final result(s) of a submitted group; releases it when done or abandoned."""
@@ -112,12 +120,17 @@ class TokenizerManager:
         finally:
             self.release(group)
 
-    def _tokenize_and_check(self, obj: GenerateReqInput) -> list[tuple[SingleReq, list[int], Any]]:
-        """Tokenize and validate every prompt of the batch: (request, input ids, sampling params) each."""
+    async def _tokenize_and_check(self, obj: GenerateReqInput) -> list[tuple[SingleReq, list[int], SamplingParams]]:
+        """Tokenize and validate every prompt of the batch: (request, input ids, sampling params) each.
+
+        Sampling parameters given as a SamplingParams were checked by whoever built it and are trusted; a dict
+        is checked here. Either way the length rule (`fit_context`) is applied once the prompt is known."""
         checked = []
         for request in split_requests(obj):
             try:
-                sampling = build_sampling_params(request.sampling_params, self.vocab_size)
+                sampling = request.sampling_params
+                if not isinstance(sampling, SamplingParams):
+                    sampling = SamplingParams.from_request(sampling, self.vocab_size)
                 if request.input_ids is not None:
                     input_ids = request.input_ids
                     bad = [t for t in input_ids if not 0 <= t < self.vocab_size]
@@ -126,22 +139,19 @@ class TokenizerManager:
                             f"input_ids hold token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}"
                         )
                 else:
-                    input_ids = self.tokenizer.encode(request.text)
-                sampling = check_length(sampling, len(input_ids), self.context_len, self.max_total_tokens,
-                                        self.page_size)
+                    input_ids = await self.encode(request.text)
+                sampling = sampling.fit_context(len(input_ids), self.limits)
                 if request.top_logprobs_num < 0:
                     raise ValueError(f"top_logprobs_num must be >= 0, got {request.top_logprobs_num}")
                 if not -1 <= request.logprob_start_len <= len(input_ids):
                     raise ValueError(f"logprob_start_len must be -1 or in [0, {len(input_ids)}], "
                                      f"got {request.logprob_start_len}")
             except ValueError as exc:
-                if not obj.is_single:  # name the culprit; keep the type (ContextLengthExceededError)
-                    raise type(exc)(f"prompt {request.index} of the batch: {exc}") from None
-                raise
+                raise _located(exc, request, obj.is_single) from None
             checked.append((request, input_ids, sampling))
         return checked
 
-    def _submit(self, requests: list[tuple[SingleReq, list[int], Any]], obj: GenerateReqInput) -> ReqGroup:
+    def _submit(self, requests: list[tuple[SingleReq, list[int], SamplingParams]], obj: GenerateReqInput) -> ReqGroup:
         """Expand n, register the states, then send: either all of the batch is queued or none of it."""
         expanded = []
         for request, input_ids, sampling in requests:
@@ -201,6 +211,19 @@ class TokenizerManager:
 
     def num_pending_requests(self) -> int:
         return len(self.rid_to_state)
+
+    # ---- tokenization ----------------------------------------------------------------------------
+
+    async def encode(self, text: str) -> list[int]:
+        """Token ids of `text`, tokenized on the worker's thread (ContextLengthExceededError when the text
+        cannot fit the context at all)."""
+        return await self.worker.encode(text, self.limits.max_sequence_tokens()[0])
+
+    async def encode_chat(self, conversation: list[dict[str, Any]], **template_kwargs: Any) -> list[int]:
+        """Token ids of a conversation through the chat template, on the worker's thread (ValueError when the
+        template refuses it)."""
+        return await self.worker.apply_chat_template(conversation, self.limits.max_sequence_tokens()[0],
+                                                     **template_kwargs)
 
     # ---- RPCs ------------------------------------------------------------------------------------
 
@@ -320,6 +343,7 @@ class TokenizerManager:
         """Stop receiving and close the sockets (on the loop thread)."""
         if self._recv_task is not None:
             self._recv_task.cancel()
+        self.worker.close()
         self.recv_socket.close(linger=0)
         self._recv_socket_sync.close(linger=0)
         self.send_socket.close(linger=0)
@@ -329,3 +353,17 @@ def _raise_if_failed(state: ReqState) -> None:
     """A request that finished with an error (not a plain abort) raises its typed exception to the caller."""
     if state.error_status is not None:
         raise request_failed(state.finish_reason.get("message") or "the request failed", state.error_status)
+
+
+def _located(error: ValueError, request: SingleReq, single: bool) -> ValueError:
+    """The same error (same type: ContextLengthExceededError stays one), with `field` naming the request field
+    at fault and, in a batch, the message naming the prompt."""
+    if isinstance(error, InvalidSamplingParams):
+        field = "sampling_params" + (f".{error.field}" if error.field else "")
+    else:
+        field = "input_ids" if request.input_ids is not None else "text"
+    located = copy.copy(error)
+    if not single:
+        located.args = (f"prompt {request.index} of the batch: {error}",)
+    located.field = field  # type: ignore[attr-defined]
+    return located

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from radixserve.runtime.messages import FinishReason
+from radixserve.runtime.wire.messages import FinishReason
 
 TokenText = Callable[[int], Optional[str]]  # token id -> its text, or None when texts were not asked for
 

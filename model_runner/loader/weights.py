@@ -6,29 +6,15 @@ Both yield `(hf_name, tensor)` pairs under Hugging Face parameter names (`model.
 
 from __future__ import annotations
 
-import glob
-import json
-import os
 from typing import Iterator, Optional
 
 import torch
 
 from radixserve.model_runner.model_config import ModelConfig
-
-SAFETENSORS_INDEX = "model.safetensors.index.json"
+from radixserve.runtime.model_files import safetensors_files
 
 # Random weights: normal(0, std) for matrices, ones for norm scales, zeros for biases (like transformers' init).
 DUMMY_WEIGHT_STD = 0.02
-
-
-def safetensors_files(model_dir: str) -> list[str]:
-    """The safetensors files of `model_dir`: those named by the shard index when there is one, else all."""
-    index_path = os.path.join(model_dir, SAFETENSORS_INDEX)
-    if os.path.isfile(index_path):
-        with open(index_path, encoding="utf-8") as f:
-            weight_map = json.load(f)["weight_map"]
-        return [os.path.join(model_dir, name) for name in sorted(set(weight_map.values()))]
-    return sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
 
 
 def iter_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:

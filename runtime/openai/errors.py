@@ -73,13 +73,13 @@ def context_length_error(message: str, *, param: Optional[str] = None) -> APIErr
     return APIError(message, status_code=400, param=param, code=CONTEXT_LENGTH_EXCEEDED)
 
 
-def from_value_error(error: ValueError) -> APIError:
+def from_value_error(error: ValueError, param: Optional[str] = None) -> APIError:
     """The engine raises ValueError for bad arguments before queueing anything: always the client's fault."""
-    from radixserve.tokenizer_manager.errors import ContextLengthExceededError
+    from radixserve.runtime.wire.errors import ContextLengthExceededError
 
     message = str(error) or "invalid request"
     code = CONTEXT_LENGTH_EXCEEDED if isinstance(error, ContextLengthExceededError) else None
-    return APIError(message, status_code=400, code=code)
+    return APIError(message, status_code=400, param=param, code=code)
 
 
 _TYPE_NAMES = {"str", "int", "float", "bool", "none", "dict", "list", "json-or-python"}
@@ -159,7 +159,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> Response:
-        from radixserve.tokenizer_manager.errors import EngineDeadError
+        from radixserve.runtime.wire.errors import EngineDeadError
 
         if isinstance(exc, EngineDeadError):
             return APIError("The engine is not available.", status_code=503, type="server_error",

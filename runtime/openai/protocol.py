@@ -9,7 +9,7 @@ works or is a 400.
 Extras (SGLang's names): `top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `min_tokens`, `stop_token_ids`,
 `skip_special_tokens`, `cache_salt`, and the structured-output constraints `regex` and `ebnf` (besides OpenAI's
 `response_format`, which both routes take; at most one of the three). The native `/generate` route takes
-SGLang's `sampling_params` dict, validated by `SamplingParamsModel`.
+SGLang's `sampling_params` dict as it is: `SamplingParams.from_request` checks it.
 """
 
 from __future__ import annotations
@@ -66,55 +66,6 @@ def parse_logit_bias(bias: Optional[dict[str, float]], param: str = "logit_bias"
             raise ValueError(f"{param} keys must be token ids (non-negative integers), got {key!r}")
         parsed[int(key)] = float(value)
     return parsed
-
-
-class SamplingParamsModel(StrictModel):
-    """SGLang-style sampling parameters of the native `/generate` route (runtime.messages.SamplingParams)."""
-
-    max_new_tokens: Annotated[int, Field(ge=0, le=INT64_MAX)] = 128
-    min_new_tokens: Annotated[int, Field(ge=0, le=INT64_MAX)] = 0
-    temperature: Annotated[float, Field(ge=0.0, le=1e6)] = 1.0
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
-    top_k: Annotated[int, Field(ge=-1, le=INT64_MAX)] = -1
-    min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
-    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
-    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
-    repetition_penalty: Annotated[float, Field(gt=0.0, le=2.0)] = 1.0
-    stop: Stop = None
-    stop_token_ids: Annotated[list[TokenId], Field(max_length=256)] = []
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
-    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
-    seed: Optional[Seed] = None
-    logit_bias: LogitBias = None
-    json_schema: Optional[str] = None
-    regex: Optional[str] = None
-    ebnf: Optional[str] = None
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _bias_keys(cls, bias: Optional[dict[str, float]]) -> Optional[dict[str, float]]:
-        parse_logit_bias(bias)
-        return bias
-
-    @model_validator(mode="after")
-    def _consistent(self) -> "SamplingParamsModel":
-        if self.min_new_tokens > self.max_new_tokens:
-            raise ValueError("min_new_tokens must not exceed max_new_tokens")
-        if self.top_k == 0:
-            raise ValueError("top_k must be -1 (no limit) or positive")
-        if sum(x is not None for x in (self.json_schema, self.regex, self.ebnf)) > 1:
-            raise ValueError("give at most one of json_schema, regex and ebnf")
-        return self
-
-    def to_engine_dict(self) -> dict[str, Any]:
-        """The dict the Engine takes as `sampling_params` (stop as a list, logit_bias keyed by int)."""
-        params = self.model_dump(exclude_none=True)
-        params["stop"] = stop_list(self.stop)
-        if self.logit_bias:
-            params["logit_bias"] = parse_logit_bias(self.logit_bias)
-        return params
 
 
 class StreamOptions(StrictModel):

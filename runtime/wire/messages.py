@@ -5,7 +5,8 @@ Scheduler -> DetokenizerManager:    BatchTokenOut (and control replies, forwarde
 DetokenizerManager -> Tokenizer:    BatchTextOut, FlushCacheReqOutput, GetServerInfoReqOutput
 Children -> parent at start-up:     ProcessReady or ProcessFailed (on the same socket as their outputs)
 
-Sockets carry `encode(msg)` bytes and are read with `decode(data)`; no pickle. This module imports
+Sockets carry `encode(msg)` bytes and are read with `decode(data)`; no pickle. `SamplingParams` (the struct
+every TokenizedGenerateReq carries) lives in `sampling_params.py` with its validation. This module imports
 nothing from the components, so every process can use it.
 """
 
@@ -15,33 +16,7 @@ from typing import Any, Optional, Union
 
 import msgspec
 
-
-class SamplingParams(msgspec.Struct, kw_only=True):
-    """Per-request sampling parameters, with SGLang's names."""
-
-    max_new_tokens: int = 128
-    min_new_tokens: int = 0
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1  # -1: no limit
-    min_p: float = 0.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    stop: list[str] = []
-    stop_token_ids: list[int] = []
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
-    n: int = 1
-    seed: Optional[int] = None
-    logit_bias: Optional[dict[int, float]] = None
-    json_schema: Optional[str] = None
-    regex: Optional[str] = None
-    ebnf: Optional[str] = None
-
-    def is_greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+from radixserve.runtime.wire.sampling_params import SamplingParams
 
 
 class FinishReason(msgspec.Struct, kw_only=True, omit_defaults=True):

@@ -7,7 +7,7 @@ Every launch gets a private temporary directory (mode 0700, so no other user can
     DetokenizerManager --detokenizer_to_tokenizer--> TokenizerManager
 
 Receivers BIND their PULL socket and senders CONNECT their PUSH socket, so each endpoint has exactly one
-owner (the receiver) and any number of senders. Sockets carry `radixserve.runtime.messages.encode` bytes.
+owner (the receiver) and any number of senders. Sockets carry `radixserve.runtime.wire.messages.encode` bytes.
 This module is light (no torch) so the children can import it first thing.
 """
 
