@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> None:
             prompts = chat_prompts(engine.tokenizer, args.num_requests)
             if not costs:
                 info = engine.model_info
-                costs = grammar_costs(engine.tokenizer, int(info["vocab_size"]), list(info["eos_token_ids"]), schema,
+                costs = grammar_costs(engine.tokenizer, info.vocab_size, list(info.eos_token_ids), schema,
                                       args.num_requests)
             for name, params in workloads.items():
                 run_once(engine, prompts[:4], {**params, "max_new_tokens": 4})  # warm-up, compiles the grammar

@@ -38,7 +38,7 @@ def run_detokenizer_process(server_args: ServerArgs, ipc: IpcPaths, parent_pid: 
         sender.send(encode(ProcessFailed(process="detokenizer", error=traceback.format_exc())))
         sender.close()  # lingers until the report is delivered
         sys.exit(1)
-    sender.send(encode(ProcessReady(process="detokenizer", info={"tokenizer_path": tokenizer_path})))
+    sender.send(encode(ProcessReady(process="detokenizer")))
     logger.info("detokenizer ready (tokenizer %s)", tokenizer_path)
 
     while True:

@@ -1,4 +1,4 @@
-"""A prefix cache that never shares, for `--disable-radix-cache`: same interface as `RadixCache`, caches nothing.
+"""A prefix cache that never shares, for `--disable-radix-cache`: the PrefixCache interface, caching nothing.
 
 Every request computes its whole prompt and owns every slot of its KV until it finishes, when
 `cache_finished_req` frees them all. Useful as the baseline the radix cache is compared against, and to rule the
@@ -11,11 +11,12 @@ from typing import Any
 
 import torch
 
+from radixserve.radix_cache.base import MatchResult, PrefixCache
 from radixserve.radix_cache.stats import CacheStats
-from radixserve.radix_cache.tree import MatchResult, TreeNode
+from radixserve.radix_cache.tree import TreeNode
 
 
-class NoShareCache:
+class NoShareCache(PrefixCache):
     """Nothing is ever cached: matches are empty, sizes are zero, locks and eviction are no-ops."""
 
     def __init__(self, req_to_token_pool: Any, allocator: Any, page_size: int = 1, eviction_policy: str = "lru"):

@@ -22,10 +22,11 @@ cost O(key length) regardless of how many sequences are cached; `evict` pops fro
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional
+from typing import Any, Optional
 
 import torch
 
+from radixserve.radix_cache.base import MatchResult, PrefixCache
 from radixserve.radix_cache.eviction import EvictionQueue
 from radixserve.radix_cache.stats import CacheStats
 
@@ -86,13 +87,7 @@ class TreeNode:
         return f"TreeNode(len={len(self.key)}, lock_ref={self.lock_ref}, children={len(self.children)})"
 
 
-class MatchResult(NamedTuple):
-    indices: torch.Tensor  # int64 KV slots of the matched tokens; valid while `last_node` is locked
-    last_node: TreeNode  # deepest matched node (a root when nothing matched); lock it to keep the prefix
-    length: int  # matched tokens, a multiple of page_size
-
-
-class RadixCache:
+class RadixCache(PrefixCache):
     """Prefix cache over paged KV slots. See the module docstring for ownership and locking rules."""
 
     def __init__(self, req_to_token_pool: Any, allocator: Any, page_size: int = 1, eviction_policy: str = "lru"):

@@ -24,11 +24,13 @@ import threading
 import weakref
 from typing import Any, AsyncIterator, Callable, Iterator, Optional, Union
 
+import msgspec
 import zmq
 
 from radixserve.runtime.wire.ipc import IpcPaths, make_pull, make_push
 from radixserve.runtime.launch import ChildProcesses, resolve_for_launch
 from radixserve.runtime.loop_thread import LoopThread
+from radixserve.runtime.wire.messages import ModelInfo
 from radixserve.runtime.wire.server_args import ServerArgs, make_server_args
 from radixserve.runtime.wire.errors import EngineDeadError
 from radixserve.tokenizer_manager.io import GenerateReqInput
@@ -114,7 +116,8 @@ class Engine:
         res.children.start()
         self.tokenizer = load_tokenizer(child_args.tokenizer_path)  # while the children load
         infos = res.children.wait_ready(recv_socket)
-        self.model_info: dict[str, Any] = {**infos["scheduler"], "tokenizer_path": child_args.tokenizer_path}
+        self.model_info: ModelInfo = msgspec.structs.replace(infos["scheduler"],
+                                                            tokenizer_path=child_args.tokenizer_path)
 
         res.loop_thread = LoopThread()
 
@@ -138,8 +141,9 @@ class Engine:
 
         tm.on_fatal = self._on_fatal
         res.children.start_supervisor(on_death)
-        logger.info("engine ready: %s", {k: self.model_info.get(k) for k in ("model_path", "max_total_num_tokens",
-                                                                             "context_len", "device", "dtype")})
+        info = self.model_info
+        logger.info("engine ready: model %s, %d KV slots, context %d, %s %s", info.model_path,
+                    info.max_total_num_tokens, info.context_len, info.device, info.dtype)
 
     # ---- generation ------------------------------------------------------------------------------
 
@@ -228,10 +232,11 @@ class Engine:
 
     # ---- control ---------------------------------------------------------------------------------
 
-    def abort(self, rid: str) -> None:
-        """Abort a request (or all samples of an n > 1 request) by id; its caller gets finish_reason abort."""
+    def abort(self, rid: str, tenant: Optional[str] = None) -> None:
+        """Abort a request (or all samples of an n > 1 request) by id; its caller gets finish_reason abort.
+        `tenant`: the tenant the request was made for (the HTTP server's); rids are unique per tenant."""
         self._check_open()
-        self._loop.loop.call_soon_threadsafe(self._tm.abort, rid)
+        self._loop.loop.call_soon_threadsafe(self._tm.abort, rid, tenant)
 
     def flush_cache(self) -> bool:
         """Drop the radix cache (only when idle; returns False when the scheduler refused)."""

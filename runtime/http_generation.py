@@ -105,6 +105,7 @@ class GenerationRun:
         self._tasks: list[asyncio.Task] = []
         self._pending = set(range(len(requests)))
         self._closed = False
+        self._tenant = tenant
         state.inflight.admit(handles, tenant)
 
     async def _pump(self, index: int, request: Any) -> None:
@@ -165,10 +166,10 @@ class GenerationRun:
         if unfinished:
             for rid in self._engine_rids:
                 try:
-                    self._state.engine.abort(rid)
+                    self._state.engine.abort(rid, self._tenant)
                 except Exception as error:  # the engine may already be gone; nothing is left to free then
                     logger.warning("abort of %s failed: %r", rid, error)
-        self._state.inflight.release(list(self._handles))
+        self._state.inflight.release(list(self._handles), self._tenant)
 
 
 async def start_stream(run: GenerationRun) -> AsyncIterator[tuple[int, Any]]:

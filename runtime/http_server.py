@@ -5,8 +5,9 @@
 
 Routes: OpenAI `/v1/chat/completions`, `/v1/completions`, `/v1/models`, `/v1/models/{id}`; native
 `/generate`, `/abort_request`, `/flush_cache`, `/get_model_info`, `/get_server_info`, `/health_generate`
-(see native_api.py); `/health` and `/metrics` are open, every other route needs the API key when one is
-configured. Every error uses the OpenAI envelope (openai/errors.py).
+(see native_api.py); `/health` is open, every other route needs the API key when one is configured, and
+the routes that act on or show every tenant (`/flush_cache`, `/metrics`, the whole of `/get_server_info`) need
+the caller to be the administrator (runtime/tenancy.py). Every error uses the OpenAI envelope (openai/errors.py).
 
 SIGTERM (or Ctrl-C): stop accepting connections, let in-flight requests finish for up to
 `--graceful-shutdown-timeout` seconds, abort what is left (those responses end with finish_reason "abort"),
@@ -30,7 +31,7 @@ from starlette.responses import Response
 
 from radixserve.runtime.body_limit import BodyLimitMiddleware
 from radixserve.runtime.http_generation import json_response
-from radixserve.runtime.http_state import InflightRequests, ServerState, caller_tenant
+from radixserve.runtime.http_state import InflightRequests, ServerState, caller, caller_tenant, require_admin
 from radixserve.runtime.metrics import ServerMetrics
 from radixserve.runtime.native_api import health_route
 from radixserve.runtime.native_api import router as native_router
@@ -64,21 +65,20 @@ def served_model_name(server_args: ServerArgs) -> str:
 
 def create_app(engine: Any, server_args: ServerArgs) -> FastAPI:
     """The ASGI app serving `engine` (a started radixserve Engine, owned by the caller)."""
-    model_info = dict(engine.model_info)
-    capacity = None
-    if server_args.max_queued_requests is not None:
-        capacity = int(model_info.get("max_running_requests") or 0) + server_args.max_queued_requests
+    model_info = engine.model_info
+    capacity = model_info.max_running_requests + server_args.resolved_max_queued_requests()
     state = ServerState(
         engine=engine,
         server_args=server_args,
-        tenants=TenantResolver.from_server_args(server_args.api_key, server_args.tenants_file),
-        inflight=InflightRequests(capacity),
+        tenants=TenantResolver.from_server_args(server_args.api_key, server_args.tenants_file,
+                                                server_args.admin_api_key),
+        inflight=InflightRequests(capacity, server_args.max_sequences_per_request),
         tokenizer=engine.tokenizer,
         served_model_name=served_model_name(server_args),
         model_info=model_info,
-        context_len=int(model_info["context_len"]),
-        vocab_size=int(model_info["vocab_size"]),
-        max_total_tokens=model_info.get("max_total_num_tokens"),
+        context_len=model_info.context_len,
+        vocab_size=model_info.vocab_size,
+        max_total_tokens=model_info.max_total_num_tokens,
         token_texts=TokenTexts(engine.tokenizer),
     )
     if server_args.enable_metrics:
@@ -162,6 +162,7 @@ async def _completions(request: Request, tenant: Optional[str] = Depends(caller_
 
 async def _metrics(request: Request) -> Response:
     state = _state(request)
+    require_admin(caller(request), "/metrics")
     if state.metrics is None:
         raise APIError("metrics are disabled", status_code=404, code="not_found")
     try:
@@ -194,9 +195,9 @@ class _DrainingServer(uvicorn.Server):
         rids = self._state.inflight.all_engine_rids()
         if rids:
             logger.warning("drain timeout: aborting %d request(s)", len(rids))
-        for rid in rids:
+        for tenant, rid in rids:
             try:
-                self._state.engine.abort(rid)
+                self._state.engine.abort(rid, tenant)
             except Exception as error:
                 logger.warning("abort of %s failed: %r", rid, error)
 
@@ -206,7 +207,7 @@ def launch_server(server_args: ServerArgs) -> None:
     from radixserve.runtime.engine import Engine
 
     # Configuration mistakes should fail before the (slow) engine start.
-    TenantResolver.from_server_args(server_args.api_key, server_args.tenants_file)
+    TenantResolver.from_server_args(server_args.api_key, server_args.tenants_file, server_args.admin_api_key)
     load_chat_template(server_args.chat_template)  # a missing file fails before the engine starts
     engine = Engine(**server_args.to_dict())
     try:

@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterator, Optional
 import zmq
 
 from radixserve.runtime.wire.ipc import IpcPaths
-from radixserve.runtime.wire.messages import ProcessFailed, ProcessReady, decode
+from radixserve.runtime.wire.messages import ModelInfo, ProcessFailed, ProcessReady, decode
 from radixserve.runtime.wire.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -173,13 +173,13 @@ class ChildProcesses:
     def all_alive(self) -> bool:
         return bool(self.processes) and all(p.is_alive() for p in self.processes.values())
 
-    def wait_ready(self, socket: zmq.Socket, timeout_s: float = 600.0) -> dict[str, dict[str, Any]]:
+    def wait_ready(self, socket: zmq.Socket, timeout_s: float = 600.0) -> dict[str, Optional[ModelInfo]]:
         """Read start-up reports from `socket` (the parent's PULL) until every child is ready.
 
-        Returns {process name: ProcessReady.info}. Raises EngineStartupError with the child's traceback on
+        Returns {process name: ProcessReady.model} (the scheduler's ModelInfo). Raises EngineStartupError with the child's traceback on
         ProcessFailed, if a child dies without reporting, or after `timeout_s`.
         """
-        infos: dict[str, dict[str, Any]] = {}
+        infos: dict[str, Optional[ModelInfo]] = {}
         poller = zmq.Poller()
         poller.register(socket, zmq.POLLIN)
         deadline = time.monotonic() + timeout_s
@@ -190,7 +190,7 @@ class ChildProcesses:
                 if isinstance(message, ProcessFailed):
                     raise EngineStartupError(f"the {message.process} process failed to start:\n{message.error}")
                 if isinstance(message, ProcessReady):
-                    infos[message.process] = dict(message.info)
+                    infos[message.process] = message.model
                     logger.info("%s process ready", message.process)
                 else:
                     logger.warning("ignoring %s received during start-up", type(message).__name__)

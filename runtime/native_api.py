@@ -26,7 +26,8 @@ from radixserve.runtime.http_generation import (
     sse_event,
     start_stream,
 )
-from radixserve.runtime.http_state import ServerState, caller_tenant
+from radixserve.runtime.http_state import ServerState, caller, caller_tenant, require_admin
+from radixserve.runtime.tenancy import Caller
 from radixserve.runtime.openai.errors import APIError, bad_request
 from radixserve.runtime.openai.protocol import MAX_TOP_LOGPROBS, StrictModel, TokenId, parse_request
 from radixserve.runtime.wire.sampling_params import InvalidSamplingParams, SamplingParams
@@ -186,12 +187,13 @@ async def abort_request(request: Request, tenant: Optional[str] = Depends(caller
         raise APIError(f"no running request with id {body.rid!r}", status_code=404, param="rid",
                        code="request_not_found")
     for rid in rids:
-        state.engine.abort(rid)
+        state.engine.abort(rid, tenant)
     return json_response({"success": True})
 
 
 @router.post("/flush_cache")
-async def flush_cache(request: Request, tenant: Optional[str] = Depends(caller_tenant)) -> Response:
+async def flush_cache(request: Request, who: Caller = Depends(caller)) -> Response:
+    require_admin(who, "Flushing the cache")
     flushed = await _state(request).engine.async_flush_cache()
     if not flushed:
         raise bad_request("The cache was not flushed: requests are running. Retry when the server is idle.")
@@ -202,38 +204,42 @@ async def flush_cache(request: Request, tenant: Optional[str] = Depends(caller_t
 async def get_model_info(request: Request, tenant: Optional[str] = Depends(caller_tenant)) -> Response:
     state = _state(request)
     return json_response({
-        "model_path": state.model_info.get("model_path"),
-        "tokenizer_path": state.server_args.tokenizer_path or state.model_info.get("model_path"),
+        "model_path": state.model_info.model_path,
+        "tokenizer_path": state.server_args.tokenizer_path or state.model_info.tokenizer_path,
         "served_model_name": state.served_model_name,
         "is_generation": True,
         "context_length": state.context_len,
         "vocab_size": state.vocab_size,
-        "info": state.model_info,
+        "info": state.model_info.to_dict(),
     })
 
 
 @router.get("/get_server_info")
-async def get_server_info(request: Request, tenant: Optional[str] = Depends(caller_tenant)) -> Response:
+async def get_server_info(request: Request, who: Caller = Depends(caller)) -> Response:
+    """The administrator sees everything; a tenant sees the model's facts and its own namespaces and requests,
+    nothing of the server's traffic (which would show other tenants' activity)."""
     state = _state(request)
     info = dict(await state.engine.async_get_server_info())
-    if tenant is not None:
-        info["cache"] = _own_namespaces_only(info.get("cache"), tenant)
+    if not who.is_admin:
+        info = {**state.model_info.to_dict(), "cache": {"namespaces": _own_namespaces(info.get("cache"), who.tenant)}}
     info["http"] = {"served_model_name": state.served_model_name,
-                    "inflight_requests": len(state.inflight),
-                    "inflight_engine_requests": state.inflight.num_engine_requests,
-                    "capacity": state.inflight.capacity}
+                    "inflight_engine_requests": state.inflight.num_engine_requests_of(who.tenant)}
+    if who.is_admin:
+        info["http"].update(inflight_requests=len(state.inflight), capacity=state.inflight.capacity,
+                            inflight_engine_requests=state.inflight.num_engine_requests)
     return json_response(info)
 
 
-def _own_namespaces_only(cache: Any, tenant: str) -> Any:
-    """A tenant sees the per-namespace cache statistics of its own namespaces only (the names of the others
-    would reveal other tenants and their salts)."""
-    if not isinstance(cache, dict) or not isinstance(cache.get("namespaces"), dict):
-        return cache
+def _own_namespaces(cache: Any, tenant: Optional[str]) -> dict[str, Any]:
+    """The per-namespace cache statistics of the caller's own namespaces (the names of the others would reveal
+    other tenants and their salts; salts are listed only as digests anyway)."""
+    namespaces = cache.get("namespaces") if isinstance(cache, dict) else None
+    if not isinstance(namespaces, dict):
+        return {}
+    if tenant is None:
+        return {name: stats for name, stats in namespaces.items() if not name.startswith("tenant:")}
     own = f"tenant:{tenant}"
-    namespaces = {name: stats for name, stats in cache["namespaces"].items()
-                  if name == own or name.startswith(own + "/")}
-    return {**cache, "namespaces": namespaces}
+    return {name: stats for name, stats in namespaces.items() if name == own or name.startswith(own + "/")}
 
 
 @router.get("/health_generate")

@@ -1,4 +1,4 @@
-"""API keys -> tenant ids.
+"""API keys -> callers: a tenant id, and whether the caller may administer the server.
 
 `--api-key KEY`: one key, one tenant; requests carry no tenant id (the default cache namespace), but every
 protected route needs the key. `--tenants-file FILE`: a JSON object mapping API keys to tenant ids, e.g.
@@ -6,7 +6,13 @@ protected route needs the key. `--tenants-file FILE`: a JSON object mapping API 
 so tenants never share cached prefixes. Without either, the server is open and everyone shares the default
 namespace.
 
-The tenant is derived here, from the key, and never read from the request body. Keys are compared through
+Administration (`/flush_cache`, `/metrics`, the whole of `/get_server_info`) acts on or shows every tenant:
+- `--admin-api-key KEY` (SGLang's name): only that key may; it also works on every other route (default
+  namespace);
+- without it, the caller may administer when the server has no tenants to keep apart: an open server, or a
+  single `--api-key` (its holder is the operator). With a tenants file and no admin key, nobody may.
+
+The caller is derived here, from the key, and never read from the request body. Keys are compared through
 their SHA-256 digests so the comparison's timing reveals nothing about a valid key.
 """
 
@@ -15,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+from dataclasses import dataclass
 from typing import Optional
 
 from radixserve.runtime.openai.errors import APIError
@@ -38,31 +45,59 @@ def load_tenants_file(path: str) -> dict[str, str]:
     return dict(data)
 
 
-class TenantResolver:
-    """Maps the `Authorization: Bearer <key>` header of a request to its tenant id (None: default namespace)."""
+@dataclass(frozen=True)
+class Caller:
+    tenant: Optional[str]  # None: the default namespace
+    is_admin: bool
 
-    def __init__(self, keys_to_tenants: Optional[dict[str, Optional[str]]] = None) -> None:
+
+class TenantResolver:
+    """Maps the `Authorization: Bearer <key>` header of a request to its caller (see the module docstring)."""
+
+    def __init__(self, keys_to_tenants: Optional[dict[str, Optional[str]]] = None,
+                 admin_api_key: Optional[str] = None) -> None:
         self._tenant_by_digest = {_digest(k): t for k, t in (keys_to_tenants or {}).items()}
+        self._admin_digest = _digest(admin_api_key) if admin_api_key else None
+        self.has_tenants = any(t is not None for t in self._tenant_by_digest.values())
 
     @classmethod
-    def from_server_args(cls, api_key: Optional[str], tenants_file: Optional[str]) -> "TenantResolver":
+    def from_server_args(cls, api_key: Optional[str], tenants_file: Optional[str],
+                         admin_api_key: Optional[str] = None) -> "TenantResolver":
         if api_key is not None and tenants_file is not None:
             raise ValueError("give either api_key or tenants_file, not both")
+        if admin_api_key is not None and not admin_api_key:
+            raise ValueError("admin_api_key must not be empty")
+        keys: dict[str, Optional[str]] = {}
         if tenants_file is not None:
-            return cls(dict(load_tenants_file(tenants_file)))
-        if api_key is not None:
+            keys = dict(load_tenants_file(tenants_file))
+        elif api_key is not None:
             if not api_key:
                 raise ValueError("api_key must not be empty")
-            return cls({api_key: None})
-        return cls()
+            keys = {api_key: None}
+        if admin_api_key is not None and admin_api_key in keys:
+            raise ValueError("admin_api_key must differ from every tenant's API key")
+        return cls(keys, admin_api_key)
 
     @property
     def auth_required(self) -> bool:
+        """Whether every protected route needs a key (an admin key alone guards only administration)."""
         return bool(self._tenant_by_digest)
+
+    def caller(self, authorization: Optional[str]) -> Caller:
+        """Who is calling; raises a 401 APIError when a key is required and missing or wrong."""
+        if self._is_admin_key(authorization):
+            return Caller(None, is_admin=True)
+        tenant = self.tenant_for(authorization)
+        return Caller(tenant, is_admin=self._admin_digest is None and not self.has_tenants)
+
+    def _is_admin_key(self, authorization: Optional[str]) -> bool:
+        key = _bearer_token(authorization)
+        return key is not None and self._admin_digest is not None and hmac.compare_digest(_digest(key),
+                                                                                          self._admin_digest)
 
     def tenant_for(self, authorization: Optional[str]) -> Optional[str]:
         """The caller's tenant id; raises a 401 APIError when a key is required and missing or wrong."""
-        if not self.auth_required:
+        if not self.auth_required or self._is_admin_key(authorization):
             return None
         key = _bearer_token(authorization)
         if key is None:

@@ -4,35 +4,39 @@
 `memory` counts KV token slots: `free + evictable + protected + held by running requests == total`, so an idle
 scheduler has `free + evictable == total`. `cache.hit_rate` is the share of prompt tokens served from the radix
 cache at each request's first admission; `cache.tree` holds the tree's own counters (every match query) and
-`cache.namespaces` the same per namespace, keyed `"default"` or the namespace parts joined by "/".
+`cache.namespaces` the same per namespace, keyed by `namespace_name` (a client's `cache_salt` appears only as a
+digest, so nobody who reads the statistics can reuse another client's salt).
 """
 
 from __future__ import annotations
 
+import hashlib
 from typing import TYPE_CHECKING, Any
+
+from radixserve.runtime.wire.messages import ModelInfo
 
 if TYPE_CHECKING:
     from radixserve.scheduler.scheduler import Scheduler
 
 
-def ready_info(scheduler: "Scheduler") -> dict[str, Any]:
+def ready_info(scheduler: "Scheduler") -> ModelInfo:
     runner, args = scheduler.runner, scheduler.args
-    return {
-        "max_total_num_tokens": scheduler.allocator.size,
-        "max_running_requests": scheduler.max_running,
-        "context_len": runner.context_len,
-        "vocab_size": runner.vocab_size,
-        "eos_token_ids": list(runner.model_config.eos_token_ids),
-        "page_size": scheduler.page_size,
-        "model_path": args.model_path or getattr(runner, "model_dir", None),
-        "device": str(runner.device),
-        "dtype": str(runner.dtype).replace("torch.", ""),
-        "attention_backend": args.resolved_attention_backend(),
-        "chunked_prefill_size": scheduler.chunk_size,
-        "schedule_policy": args.schedule_policy,
-        "overlap_schedule": scheduler.overlap,
-        "radix_cache": not args.disable_radix_cache,
-    }
+    return ModelInfo(
+        max_total_num_tokens=scheduler.allocator.size,
+        max_running_requests=scheduler.max_running,
+        context_len=runner.context_len,
+        vocab_size=runner.vocab_size,
+        eos_token_ids=list(runner.model_config.eos_token_ids),
+        page_size=scheduler.page_size,
+        model_path=args.model_path or getattr(runner, "model_dir", None),
+        device=str(runner.device),
+        dtype=str(runner.dtype).replace("torch.", ""),
+        attention_backend=args.resolved_attention_backend(),
+        chunked_prefill_size=scheduler.chunk_size,
+        schedule_policy=args.schedule_policy,
+        overlap_schedule=scheduler.overlap,
+        radix_cache=not args.disable_radix_cache,
+    )
 
 
 def server_info(scheduler: "Scheduler") -> dict[str, Any]:
@@ -41,10 +45,9 @@ def server_info(scheduler: "Scheduler") -> dict[str, Any]:
     free = allocator.available_size()
     evictable = cache.evictable_size()
     tree_stats = cache.stats()
-    namespaces = {"/".join(ns) if ns else "default": counters
-                  for ns, counters in tree_stats.pop("namespaces", {}).items()}
+    namespaces = {namespace_name(ns): counters for ns, counters in tree_stats.pop("namespaces", {}).items()}
     return {
-        **ready_info(scheduler),
+        **ready_info(scheduler).to_dict(),
         **stats.as_dict(),
         "memory": {"total_tokens": total, "free_tokens": free, "evictable_tokens": evictable,
                    "protected_tokens": cache.protected_size()},
@@ -55,3 +58,15 @@ def server_info(scheduler: "Scheduler") -> dict[str, Any]:
         "token_usage": (total - free - evictable) / total,
         "new_token_ratio": scheduler.new_token_ratio.value,
     }
+
+
+def namespace_name(namespace: tuple[str, ...]) -> str:
+    """"default", or the namespace's parts joined by "/" with a salt shown as "salt#<digest>"."""
+    if not namespace:
+        return "default"
+    parts = []
+    for part in namespace:
+        if part.startswith("salt:"):
+            part = "salt#" + hashlib.sha256(part[len("salt:"):].encode("utf-8")).hexdigest()[:16]
+        parts.append(part)
+    return "/".join(parts)

@@ -26,6 +26,7 @@ import random
 from collections import defaultdict
 from typing import Any, Callable, Optional
 
+from radixserve.radix_cache.base import PrefixCache
 from radixserve.scheduler.req import Req
 
 # Expected outputs are clipped at this many tokens per request when reserving memory, so one request with a
@@ -45,7 +46,7 @@ PREFIX_POLICY_MAX_QUEUE = 128
 class SchedulePolicy:
     """Orders the waiting queue before each admission round."""
 
-    def __init__(self, name: str, cache: Any, shares_prefixes: bool, seed: int = 0) -> None:
+    def __init__(self, name: str, cache: PrefixCache, shares_prefixes: bool, seed: int = 0) -> None:
         self.name = name
         self.cache = cache
         self.shares_prefixes = shares_prefixes

@@ -3,7 +3,7 @@
     recv (block only when idle) -> handle messages -> step -> send outputs
 
 Sockets (see runtime/ipc.py): PULL bound on `tokenizer_to_scheduler`, PUSH connected to
-`scheduler_to_detokenizer`. Start-up sends `ProcessReady(process="scheduler", info=...)` once the model is
+`scheduler_to_detokenizer`. Start-up sends `ProcessReady(process="scheduler", model=...)` once the model is
 loaded, or `ProcessFailed` with the traceback (then exits 1). The process dies with its parent: a watchdog
 thread polls the parent pid and exits when the parent is gone (no PR_SET_PDEATHSIG: it fires when the parent
 *thread* that spawned us exits, which kills the scheduler of an Engine created from a short-lived thread).
@@ -56,7 +56,7 @@ def run_scheduler_process(server_args: ServerArgs, ipc: IpcPaths, parent_pid: in
     # the cyclic garbage collector, whose full collections otherwise rescan it while requests run.
     gc.collect()
     gc.freeze()
-    sender.send(encode(ProcessReady(process="scheduler", info=scheduler.ready_info())))
+    sender.send(encode(ProcessReady(process="scheduler", model=scheduler.ready_info())))
     logger.info("scheduler ready: %s", scheduler.ready_info())
     try:
         serve(scheduler, receiver, sender)

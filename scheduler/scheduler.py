@@ -40,7 +40,7 @@ from radixserve.model_runner.forward_batch import ForwardMode
 from radixserve.model_runner.sampling import PLACEHOLDER_TOKEN_ID
 from radixserve.radix_cache.tree import common_prefix_length
 from radixserve.runtime.wire.messages import (
-    AbortReq, FinishReason, FlushCacheReq, FlushCacheReqOutput, GetServerInfoReq, GetServerInfoReqOutput,
+    AbortReq, FinishReason, FlushCacheReq, ModelInfo, FlushCacheReqOutput, GetServerInfoReq, GetServerInfoReqOutput,
     TokenizedGenerateReq,
 )
 from radixserve.runtime.wire.server_args import ServerArgs
@@ -191,7 +191,7 @@ class Scheduler:
     def server_info(self) -> dict[str, Any]:
         return server_info(self)
 
-    def ready_info(self) -> dict[str, Any]:
+    def ready_info(self) -> ModelInfo:
         return ready_info(self)
 
     # ---- prefill ----------------------------------------------------------------------------------

@@ -5,13 +5,14 @@ from __future__ import annotations
 import logging
 from typing import Any, Optional
 
+from radixserve.radix_cache.base import PrefixCache
 from radixserve.runtime.wire.server_args import ServerArgs
 from radixserve.scheduler.req import Req
 
 logger = logging.getLogger(__name__)
 
 
-def make_cache(server_args: ServerArgs, req_to_token_pool: Any, allocator: Any) -> Any:
+def make_cache(server_args: ServerArgs, req_to_token_pool: Any, allocator: Any) -> PrefixCache:
     """The radix cache, or the never-sharing cache under `disable_radix_cache`."""
     if server_args.disable_radix_cache:
         from radixserve.radix_cache.no_share import NoShareCache

@@ -22,7 +22,7 @@ from typing import Optional
 
 import httpx
 
-KEY_A, KEY_B = "sk-tenant-alpha", "sk-tenant-beta"
+KEY_A, KEY_B, ADMIN_KEY = "sk-tenant-alpha", "sk-tenant-beta", "sk-admin"
 STARTUP_TIMEOUT_S = 300.0
 PR_SET_PDEATHSIG = 1
 
@@ -38,10 +38,11 @@ def _die_with_parent() -> None:
 
 
 class ServerProcess:
-    def __init__(self, *flags: str, api_key: Optional[str] = None) -> None:
+    def __init__(self, *flags: str, api_key: Optional[str] = None, admin_key: Optional[str] = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
+        self.admin_key = admin_key
         self.log = tempfile.NamedTemporaryFile(prefix="radixserve-http-test-", suffix=".log", delete=False)
         command = [sys.executable, "-m", "radixserve", "serve", "--port", str(self.port), *flags]
         self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT,
@@ -84,7 +85,8 @@ class ServerProcess:
         return self.process.returncode
 
     def server_info(self) -> dict:
-        response = httpx.get(self.url + "/get_server_info", headers=self.headers(), timeout=30.0)
+        """The administrator's view (the whole server)."""
+        response = httpx.get(self.url + "/get_server_info", headers=self.headers(self.admin_key), timeout=30.0)
         response.raise_for_status()
         return response.json()
 
@@ -118,12 +120,13 @@ MAIN_SERVER_FLAGS = ("--max-running-requests", "8", "--max-queued-requests", "4"
 
 
 def shared_server(name: str = "main") -> ServerProcess:
-    """The session's server: "main" has tenants A and B (KEY_A / KEY_B), room for 8 + 4 requests, and drains
-    for 4 s on SIGTERM."""
+    """The session's server: "main" has tenants A and B (KEY_A / KEY_B) and an administrator (ADMIN_KEY), room
+    for 8 + 4 requests, and drains for 4 s on SIGTERM."""
     if name not in _servers:
         if name != "main":
             raise ValueError(name)
-        _servers[name] = ServerProcess(*MAIN_SERVER_FLAGS, "--tenants-file", tenants_file(), api_key=KEY_A)
+        _servers[name] = ServerProcess(*MAIN_SERVER_FLAGS, "--tenants-file", tenants_file(),
+                                       "--admin-api-key", ADMIN_KEY, api_key=KEY_A, admin_key=ADMIN_KEY)
     return _servers[name]
 
 

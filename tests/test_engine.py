@@ -90,7 +90,7 @@ def test_batch_of_16_greedy_equals_hugging_face(engine, hf_model):
     max_new_tokens = 8
     results = engine.generate(PROMPTS, {"max_new_tokens": max_new_tokens, **GREEDY})
     assert [r["meta_info"]["prompt_tokens"] for r in results] == [len(engine.tokenizer.encode(p)) for p in PROMPTS]
-    eos = engine.model_info["eos_token_ids"]
+    eos = engine.model_info.eos_token_ids
     for prompt, result in zip(PROMPTS, results):
         expected = hf_greedy(hf_model, engine.tokenizer.encode(prompt), max_new_tokens, eos)
         assert result["output_ids"] == expected, prompt
@@ -101,7 +101,7 @@ def test_chat_prompts_and_input_ids_equal_hugging_face(engine, hf_model):
     ids = [engine.tokenizer.encode(p) for p in prompts]
     by_text = engine.generate(prompts, {"max_new_tokens": 10, **GREEDY})
     by_ids = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 10, **GREEDY})
-    eos = engine.model_info["eos_token_ids"]
+    eos = engine.model_info.eos_token_ids
     for prompt_ids, a, b in zip(ids, by_text, by_ids):
         assert a["output_ids"] == b["output_ids"] == hf_greedy(hf_model, prompt_ids, 10, eos)
         if a["meta_info"]["finish_reason"]["type"] == "stop":
@@ -118,7 +118,7 @@ def test_max_new_tokens_zero_prefills_and_caches(engine):
 
 
 def test_shared_prefix_is_cached_per_namespace(engine):
-    page = engine.model_info.get("page_size", 1)
+    page = engine.model_info.page_size
     prefix_ids = engine.tokenizer.encode(" ".join(f"item{i}" for i in range(150)))[:300]
     assert len(prefix_ids) == 300
     question = engine.tokenizer.encode(" Which item comes after item7?")
@@ -162,7 +162,7 @@ def test_logprobs(engine):
 
 
 def test_bad_arguments_raise_value_error_and_queue_nothing(engine):
-    long_prompt = "word " * (engine.model_info["context_len"] + 10)
+    long_prompt = "word " * (engine.model_info.context_len + 10)
     bad = [
         dict(prompt="x", sampling_params={"max_new_tokens": -1}),
         dict(prompt="x", sampling_params={"temperature": -0.5}),

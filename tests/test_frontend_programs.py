@@ -52,7 +52,8 @@ def server():
 
 @pytest.fixture(scope="module")
 def endpoint(server):
-    with RuntimeEndpoint(server.url, api_key=KEY_A) as backend:
+    # The administrator's key: these tests flush the cache and read the server-wide prefill counters.
+    with RuntimeEndpoint(server.url, api_key=server.admin_key) as backend:
         yield backend
 
 

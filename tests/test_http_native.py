@@ -23,6 +23,10 @@ def _post(server, path: str, body) -> httpx.Response:
     return httpx.post(server.url + path, json=body, headers=server.headers(), timeout=120.0)
 
 
+def _admin_post(server, path: str) -> httpx.Response:
+    return httpx.post(server.url + path, json={}, headers=server.headers(server.admin_key), timeout=120.0)
+
+
 def test_generate_single_batch_and_stream_agree(server):
     params = {"max_new_tokens": 8, "temperature": 0}
     single = _post(server, "/generate", {"text": PROMPT, "sampling_params": params}).json()
@@ -88,13 +92,13 @@ def test_rpc_routes(server):
     for key in ("memory", "cache", "num_running_reqs", "num_queued_reqs", "token_usage", "max_total_num_tokens"):
         assert key in info
     assert httpx.get(server.url + "/health_generate", headers=server.headers(), timeout=60.0).status_code == 200
-    assert _post(server, "/flush_cache", {}).status_code == 200
+    assert _admin_post(server, "/flush_cache").status_code == 200
     prompt = "Flushed caches forget " * 20
     _post(server, "/generate", {"text": prompt, "sampling_params": {"max_new_tokens": 1}})
     again = _post(server, "/generate", {"text": prompt, "sampling_params": {"max_new_tokens": 1}}).json()
     assert again["meta_info"]["cached_tokens"] > 0
     server.wait_idle()
-    assert _post(server, "/flush_cache", {}).status_code == 200
+    assert _admin_post(server, "/flush_cache").status_code == 200
     after = _post(server, "/generate", {"text": prompt, "sampling_params": {"max_new_tokens": 1}}).json()
     assert after["meta_info"]["cached_tokens"] == 0
     assert _post(server, "/abort_request", {"rid": "not-running"}).status_code == 404
@@ -109,13 +113,13 @@ def _metric(text: str, name: str) -> float:
 
 
 def test_metrics_count_requests(server):
-    before = httpx.get(server.url + "/metrics").text
+    before = httpx.get(server.url + "/metrics", headers=server.headers(server.admin_key)).text
     params = {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}
     result = _post(server, "/generate", {"text": PROMPT, "sampling_params": params}).json()
     with httpx.stream("POST", server.url + "/generate", headers=server.headers(), timeout=120.0,
                       json={"text": PROMPT, "sampling_params": params, "stream": True}) as response:
         assert sum(1 for line in response.iter_lines() if line.startswith("data: ")) >= 3
-    after = httpx.get(server.url + "/metrics").text
+    after = httpx.get(server.url + "/metrics", headers=server.headers(server.admin_key)).text
     for name, delta in (("radixserve_generation_tokens_total", 6),
                         ("radixserve_prompt_tokens_total", 2 * result["meta_info"]["prompt_tokens"]),
                         ("radixserve_time_to_first_token_seconds_count", 2),

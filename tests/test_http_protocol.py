@@ -28,7 +28,7 @@ VOCAB = 1000
 
 def _state(context_len: int = 100, max_total_tokens: int | None = None) -> ServerState:
     return ServerState(engine=None, server_args=ServerArgs(), tenants=TenantResolver(), inflight=InflightRequests(None),
-                       tokenizer=None, served_model_name="m", model_info={}, context_len=context_len,
+                       tokenizer=None, served_model_name="m", model_info=None, context_len=context_len,
                        vocab_size=VOCAB, max_total_tokens=max_total_tokens)
 
 

@@ -30,6 +30,7 @@ from radixserve.runtime.wire.messages import (
     FlushCacheReqOutput,
     GetServerInfoReq,
     GetServerInfoReqOutput,
+    ModelInfo,
     ProcessFailed,
     ProcessReady,
     TokenizedGenerateReq,
@@ -50,19 +51,18 @@ RequestObserver = Callable[[dict[str, Any], list[float]], None]
 class TokenizerManager:
     """Owns the sockets to the scheduler (PUSH) and from the detokenizer (PULL) and all request state.
 
-    model_info: the scheduler's ProcessReady info (context_len, vocab_size, max_total_num_tokens, ...).
+    model_info: the scheduler's ModelInfo (context_len, vocab_size, max_total_num_tokens, ...).
     tokenizer: used on this manager's loop thread only (token texts of logprobs); `worker` tokenizes, with a
     tokenizer instance of its own.
     """
 
-    def __init__(self, tokenizer: Any, model_info: dict[str, Any], send_socket: zmq.Socket, recv_socket: zmq.Socket,
+    def __init__(self, tokenizer: Any, model_info: ModelInfo, send_socket: zmq.Socket, recv_socket: zmq.Socket,
                  worker: TokenizerWorker):
         self.tokenizer = tokenizer
         self.worker = worker
         self.model_info = model_info
-        self.vocab_size = int(model_info["vocab_size"])
-        self.limits = LengthLimits(int(model_info["context_len"]), model_info.get("max_total_num_tokens"),
-                                   int(model_info.get("page_size") or 1))
+        self.vocab_size = model_info.vocab_size
+        self.limits = LengthLimits(model_info.context_len, model_info.max_total_num_tokens, model_info.page_size)
         self.send_socket = send_socket
         self._recv_socket_sync = recv_socket
         self.recv_socket = zmq.asyncio.Socket.from_socket(recv_socket)
@@ -160,21 +160,22 @@ class TokenizerManager:
                 rid = request.rid if n == 1 else f"{request.rid}-{sample}"
                 seed = sampling.seed + sample if sampling.seed is not None and n > 1 else sampling.seed
                 expanded.append((request, rid, input_ids, msgspec.structs.replace(sampling, n=1, seed=seed)))
-        in_use = [rid for _, rid, _, _ in expanded if rid in self.rid_to_state]
+        in_use = [rid for _, rid, _, _ in expanded if engine_rid(obj.tenant, rid) in self.rid_to_state]
         if in_use:
             raise ValueError(f"request id(s) already in use: {', '.join(in_use[:5])}")
 
         states = [
-            ReqState(rid=rid, user_rid=request.rid, index=i, prompt_ids=input_ids,
-                     return_logprob=request.return_logprob, logprob_start_len=request.logprob_start_len)
+            ReqState(rid=engine_rid(obj.tenant, rid), display_rid=rid, user_rid=request.rid, tenant=obj.tenant,
+                     index=i, prompt_ids=input_ids, return_logprob=request.return_logprob,
+                     logprob_start_len=request.logprob_start_len)
             for i, (request, rid, input_ids, _) in enumerate(expanded)
         ]
         group = ReqGroup(states)
         self.groups.add(group)
-        for state, (request, rid, input_ids, sampling) in zip(states, expanded):
-            self.rid_to_state[rid] = (state, group)
+        for state, (request, _, input_ids, sampling) in zip(states, expanded):
+            self.rid_to_state[state.rid] = (state, group)
             self._send(TokenizedGenerateReq(
-                rid=rid,
+                rid=state.rid,
                 input_ids=input_ids,
                 sampling_params=sampling,
                 namespace=make_namespace(obj.tenant, request.cache_salt),
@@ -200,13 +201,13 @@ class TokenizerManager:
             return lambda token_id: None
         return lambda token_id: self.tokenizer.decode([token_id])
 
-    def abort(self, rid: str) -> None:
-        """Abort a request by its id, or every sample of an n > 1 request by the caller's id.
+    def abort(self, rid: str, tenant: Optional[str] = None) -> None:
+        """Abort `tenant`'s request by its id, or every sample of an n > 1 request by the caller's id.
 
         Its caller gets the output so far with finish_reason {"type": "abort"}. Unknown ids are ignored.
         """
         for state, _ in list(self.rid_to_state.values()):
-            if (state.rid == rid or state.user_rid == rid) and not state.finished:
+            if (state.tenant == tenant and rid in (state.display_rid, state.user_rid)) and not state.finished:
                 self._send(AbortReq(rid=state.rid))
 
     def num_pending_requests(self) -> int:
@@ -367,3 +368,10 @@ def _located(error: ValueError, request: SingleReq, single: bool) -> ValueError:
         located.args = (f"prompt {request.index} of the batch: {error}",)
     located.field = field  # type: ignore[attr-defined]
     return located
+
+
+def engine_rid(tenant: Optional[str], rid: str) -> str:
+    """The id a request has inside the engine: the caller's rid within its tenant, so equal rids of two
+    tenants never collide (and a collision never tells one tenant of the other's requests). Tenant ids hold
+    no "/", so the pair is recoverable; requests without a tenant keep their rid."""
+    return rid if tenant is None else f"{tenant}/{rid}"

@@ -20,8 +20,10 @@ TokenText = Callable[[int], Optional[str]]  # token id -> its text, or None when
 
 @dataclass
 class ReqState:
-    rid: str
+    rid: str  # the id inside the engine (see manager.engine_rid)
+    display_rid: str  # the id the caller knows: its rid, with "-<i>" per sample when n > 1
     user_rid: str  # the caller's rid, before the n expansion added "-<i>"
+    tenant: Optional[str]
     index: int  # position in the caller's (n-expanded) batch, and in its ReqGroup's states
     prompt_ids: list[int]
     return_logprob: bool
@@ -64,7 +66,7 @@ class ReqState:
     def meta_info(self, token_text: TokenText, logprobs_from: int = 0) -> dict[str, Any]:
         """meta_info with the output logprobs of tokens [logprobs_from:] (all of them by default)."""
         meta: dict[str, Any] = {
-            "id": self.rid,
+            "id": self.display_rid,
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "cached_tokens": self.cached_tokens,

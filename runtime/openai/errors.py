@@ -26,7 +26,9 @@ CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 _TYPE_BY_STATUS = {
     400: "invalid_request_error",
     401: "invalid_request_error",
+    403: "invalid_request_error",
     404: "invalid_request_error",
+    413: "invalid_request_error",
     405: "invalid_request_error",
     503: "server_overloaded",
 }

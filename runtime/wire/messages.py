@@ -3,7 +3,8 @@
 TokenizerManager -> Scheduler:      TokenizedGenerateReq, AbortReq, FlushCacheReq, GetServerInfoReq
 Scheduler -> DetokenizerManager:    BatchTokenOut (and control replies, forwarded untouched)
 DetokenizerManager -> Tokenizer:    BatchTextOut, FlushCacheReqOutput, GetServerInfoReqOutput
-Children -> parent at start-up:     ProcessReady or ProcessFailed (on the same socket as their outputs)
+Children -> parent at start-up:     ProcessReady (the scheduler's carries ModelInfo) or ProcessFailed (on the
+                                    same socket as their outputs)
 
 Sockets carry `encode(msg)` bytes and are read with `decode(data)`; no pickle. `SamplingParams` (the struct
 every TokenizedGenerateReq carries) lives in `sampling_params.py` with its validation. This module imports
@@ -129,9 +130,32 @@ class BatchTextOut(msgspec.Struct, tag=True):
     input_top_logprobs: list[Optional[list[Optional[list[tuple[int, float]]]]]] = []
 
 
+class ModelInfo(msgspec.Struct, kw_only=True):
+    """What the scheduler tells the other processes once its model is loaded (in its ProcessReady)."""
+
+    context_len: int
+    vocab_size: int
+    max_total_num_tokens: int  # KV slots in the pool
+    max_running_requests: int
+    page_size: int
+    eos_token_ids: list[int]
+    model_path: Optional[str]
+    device: str
+    dtype: str
+    attention_backend: str
+    chunked_prefill_size: Optional[int]
+    schedule_policy: str
+    overlap_schedule: bool
+    radix_cache: bool
+    tokenizer_path: Optional[str] = None  # filled in by the parent, which resolved it
+
+    def to_dict(self) -> dict[str, Any]:
+        return msgspec.structs.asdict(self)
+
+
 class ProcessReady(msgspec.Struct, tag=True):
     process: str  # "scheduler" | "detokenizer"
-    info: dict[str, Any] = {}
+    model: Optional[ModelInfo] = None  # the scheduler's
 
 
 class ProcessFailed(msgspec.Struct, tag=True):

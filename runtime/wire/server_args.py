@@ -16,6 +16,7 @@ ATTENTION_BACKENDS = ("torch_native", "triton", "flashinfer")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 EVICTION_POLICIES = ("lru", "lfu")
+DEFAULT_MAX_QUEUED_REQUESTS = 1024
 
 
 @dataclass
@@ -46,7 +47,8 @@ class ServerArgs:
     schedule_policy: str = "fcfs"
     schedule_conservativeness: float = 1.0
     disable_overlap_schedule: Optional[bool] = None  # None: overlap on a GPU, not on the CPU (see below)
-    max_queued_requests: Optional[int] = None
+    max_queued_requests: Optional[int] = None  # None: DEFAULT_MAX_QUEUED_REQUESTS; beyond it, 503 + Retry-After
+    max_sequences_per_request: int = 1024  # prompts x n of one HTTP request; more is a 400
 
     # Radix cache
     disable_radix_cache: bool = False
@@ -64,6 +66,7 @@ class ServerArgs:
     port: int = 30000
     api_key: Optional[str] = None
     tenants_file: Optional[str] = None
+    admin_api_key: Optional[str] = None  # needed for /flush_cache, /metrics, the whole /get_server_info
     graceful_shutdown_timeout: float = 30.0  # SIGTERM: seconds in-flight requests may finish before abort
     max_request_bytes: int = 32 * 1024 * 1024  # larger request bodies get 413
 
@@ -106,6 +109,10 @@ class ServerArgs:
         check(self.tp_size >= 1, f"tp_size must be >= 1, got {self.tp_size}")
         check(0 < self.port < 65536, f"port must be in 1..65535, got {self.port}")
         check(self.api_key is None or self.tenants_file is None, "give either api_key or tenants_file, not both")
+        check(self.max_queued_requests is None or self.max_queued_requests >= 0,
+              f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
+        check(self.max_sequences_per_request > 0,
+              f"max_sequences_per_request must be positive, got {self.max_sequences_per_request}")
         check(self.max_request_bytes > 0, f"max_request_bytes must be positive, got {self.max_request_bytes}")
         check(self.graceful_shutdown_timeout >= 0,
               f"graceful_shutdown_timeout must be >= 0, got {self.graceful_shutdown_timeout}")
@@ -139,6 +146,10 @@ class ServerArgs:
         if self.disable_overlap_schedule is not None:
             return not self.disable_overlap_schedule
         return self.resolved_device() != "cpu"
+
+    def resolved_max_queued_requests(self) -> int:
+        """Sequences that may wait beyond the running ones before new requests get 503 (with Retry-After)."""
+        return DEFAULT_MAX_QUEUED_REQUESTS if self.max_queued_requests is None else self.max_queued_requests
 
     def resolved_chunked_prefill_size(self) -> Optional[int]:
         """Tokens per prefill chunk, or None when chunking is off."""

@@ -1,0 +1,84 @@
+"""The prefix cache's interface: what the scheduler may ask of a cache, whatever it shares.
+
+Two caches implement it: `RadixCache` (the token-granular radix tree) and `NoShareCache` (`--disable-radix-cache`,
+shares nothing). The scheduler holds a `PrefixCache` and never asks which one it has.
+
+Ownership of KV slots, the contract every implementation keeps:
+- a match's `indices` belong to the cache; they stay valid only while `last_node` is locked (`inc_lock_ref`),
+  and a locked node is never evicted;
+- `insert` takes the slots of the tokens it did not have; the caller keeps (and frees) the others;
+- `cache_finished_req` takes a finished request's whole KV: what the cache keeps it owns, the rest it frees; the
+  request's lock is released. `cache_unfinished_req` does the same for what a running request has computed so
+  far, keeping it locked;
+- accounting: `allocator.size == free + evictable_size() + protected_size() + held`, where `held` counts slots
+  owned only by running requests; `check_invariants(held)` raises AssertionError when it does not hold.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, NamedTuple
+
+import torch
+
+
+class MatchResult(NamedTuple):
+    indices: torch.Tensor  # int64 KV slots of the matched tokens; valid while `last_node` is locked
+    last_node: Any  # the cache's handle on the deepest matched node (a root when nothing matched); lock it
+    length: int  # matched tokens, a multiple of page_size
+
+
+class PrefixCache(ABC):
+    page_size: int
+
+    @abstractmethod
+    def match_prefix(self, token_ids: list[int], namespace: tuple = ()) -> MatchResult:
+        """The longest cached prefix of `token_ids` in `namespace`, in whole pages."""
+
+    @abstractmethod
+    def insert(self, token_ids: list[int], slots: torch.Tensor, namespace: tuple = ()) -> int:
+        """Cache the page-aligned part of `token_ids` (KV in `slots`); returns how many tokens were present."""
+
+    @abstractmethod
+    def cache_finished_req(self, req: Any, token_ids: list[int]) -> None:
+        """Take a finished (aborted, retracted) request's KV for `token_ids` and release its lock."""
+
+    @abstractmethod
+    def cache_unfinished_req(self, req: Any, token_ids: list[int]) -> None:
+        """Cache what a running request has computed so far, keeping it locked (chunked prefill)."""
+
+    @abstractmethod
+    def inc_lock_ref(self, node: Any) -> int:
+        """Protect `node` and its ancestors from eviction."""
+
+    @abstractmethod
+    def dec_lock_ref(self, node: Any) -> int:
+        """Undo one `inc_lock_ref`."""
+
+    @abstractmethod
+    def evict(self, num_tokens: int) -> int:
+        """Free at least `num_tokens` slots of unlocked entries if there are that many; returns how many."""
+
+    @abstractmethod
+    def reset(self) -> None:
+        """Drop everything cached (only when nothing is locked)."""
+
+    @abstractmethod
+    def evictable_size(self) -> int:
+        """Slots of unlocked entries."""
+
+    @abstractmethod
+    def protected_size(self) -> int:
+        """Slots of locked entries."""
+
+    @abstractmethod
+    def total_size(self) -> int:
+        """Slots the cache holds."""
+
+    @abstractmethod
+    def stats(self) -> dict:
+        """Counters, overall and per namespace (radix_cache/stats.py)."""
+
+    @abstractmethod
+    def check_invariants(self, held_slots: int = 0) -> None:
+        """Raise AssertionError unless the accounting above holds."""
