@@ -212,9 +212,20 @@ def test_admission_capacity_ownership_and_drain():
     assert inflight.engine_rids_owned("a", "t1") == ["a-0", "a-1", "a-2"]
     assert inflight.engine_rids_owned("a", "t2") is None and inflight.engine_rids_owned("zz", "t1") is None
     inflight.admit({"c": ["c"]}, tenant=None)
-    assert inflight.num_engine_requests == 4 and sorted(inflight.all_engine_rids()) == ["a-0", "a-1", "a-2", "c"]
-    inflight.release(["a", "c"])
+    assert inflight.num_engine_requests == 4 and inflight.num_engine_requests_of("t1") == 3
+    assert sorted(inflight.all_engine_rids(), key=str) == [("t1", "a-0"), ("t1", "a-1"), ("t1", "a-2"), (None, "c")]
+    inflight.release(["a"], "t1")
+    inflight.release(["c"], None)
     assert inflight.num_engine_requests == 0 and len(inflight) == 0
+    # Handles are per tenant: two tenants may use the same id.
+    inflight.admit({"same": ["same"]}, tenant="t1")
+    inflight.admit({"same": ["same"]}, tenant="t2")
+    inflight.release(["same"], "t1")
+    inflight.release(["same"], "t2")
+    per_request = InflightRequests(capacity=None, max_per_request=8)
+    with pytest.raises(APIError) as info:
+        per_request.admit({"many": [str(i) for i in range(9)]}, tenant=None)
+    assert info.value.status_code == 400 and "--max-sequences-per-request" in info.value.message
     inflight.draining = True
     with pytest.raises(APIError) as info:
         inflight.admit({"d": ["d"]}, tenant=None)
