@@ -34,6 +34,13 @@ class NoShareCache:
         self._stats.of(namespace).queried_tokens += len(token_ids)
         return MatchResult(self.root.value, self.root, 0)
 
+    def load_back(self, match: MatchResult) -> MatchResult:
+        """Nothing is cached in any tier: `match` as is."""
+        return match
+
+    def lower_tiers(self) -> None:
+        return None
+
     def insert(self, token_ids: list[int], slots: torch.Tensor, namespace: tuple = ()) -> int:
         """Takes no ownership: reports the whole page-aligned key as present, so the caller, following the
         `RadixCache.insert` contract, frees all of its slots itself."""

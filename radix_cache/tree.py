@@ -90,10 +90,16 @@ class MatchResult(NamedTuple):
     indices: torch.Tensor  # int64 KV slots of the matched tokens; valid while `last_node` is locked
     last_node: TreeNode  # deepest matched node (a root when nothing matched); lock it to keep the prefix
     length: int  # matched tokens, a multiple of page_size
+    # The hierarchical cache (hiradix.py) also finds tokens whose KV was demoted to the host or disk tier:
+    # `host_hit_length` more tokens after `length`, ending at `last_host_node`; `load_back` brings them back.
+    host_hit_length: int = 0
+    last_host_node: Optional[TreeNode] = None
 
 
 class RadixCache:
     """Prefix cache over paged KV slots. See the module docstring for ownership and locking rules."""
+
+    node_class = TreeNode  # the hierarchical cache's nodes also record their lower tiers
 
     def __init__(self, req_to_token_pool: Any, allocator: Any, page_size: int = 1, eviction_policy: str = "lru"):
         if allocator.page_size != page_size:
@@ -108,7 +114,7 @@ class RadixCache:
         self._init_tree()
 
     def _init_tree(self) -> None:
-        self.root = TreeNode([], self._empty(), None, None)
+        self.root = self.node_class([], self._empty(), None, None)
         self._evictable = 0
         self._protected = 0
         self._num_nodes = 0  # non-root nodes
@@ -205,7 +211,7 @@ class RadixCache:
             child = node.children.get(first)
             if child is None:
                 # Copy: the caller's tensor (often a req_to_token row) is rewritten later.
-                leaf = TreeNode(key[pos:end], slots[pos:end].to(torch.int64, copy=True), node, ns_root.namespace)
+                leaf = self.node_class(key[pos:end], slots[pos:end].to(torch.int64, copy=True), node, ns_root.namespace)
                 leaf.last_access = now
                 node.children[first] = leaf
                 self._num_nodes += 1
@@ -228,7 +234,7 @@ class RadixCache:
         """Cut `node` after `length` tokens; returns the new upper part. `node` keeps the lower part, so a
         request holding `node` as its last_node still ends at the same place."""
         parent = node.parent
-        upper = TreeNode(node.key[:length], node.value[:length], parent, node.namespace)
+        upper = self.node_class(node.key[:length], node.value[:length], parent, node.namespace)
         # Locks cover whole paths, so the upper part carries the same locks as the node it was cut from.
         upper.lock_ref = node.lock_ref
         upper.last_access = node.last_access
@@ -242,6 +248,15 @@ class RadixCache:
         parent.children[first] = upper
         self._num_nodes += 1
         return upper
+
+    def load_back(self, match: MatchResult) -> MatchResult:
+        """Bring a match's lower-tier part onto the device (see hiradix.py); this cache has one tier, so
+        `match` as is."""
+        return match
+
+    def lower_tiers(self) -> Optional[Any]:
+        """Host and disk tier figures (`hiradix.LowerTierInfo`); None: this cache has no lower tier."""
+        return None
 
     # ---- locking -------------------------------------------------------------------------------------
     def inc_lock_ref(self, node: TreeNode) -> int:
@@ -436,7 +451,7 @@ class RadixCache:
             raise TypeError(f"a cache namespace is a tuple, got {type(namespace).__name__}")
         ns_root = self.root.children.get(namespace)
         if ns_root is None and create:
-            ns_root = self.root.children[namespace] = TreeNode([], self._empty(), self.root, namespace)
+            ns_root = self.root.children[namespace] = self.node_class([], self._empty(), self.root, namespace)
         return ns_root
 
     def _delete_leaf(self, leaf: TreeNode) -> TreeNode:
