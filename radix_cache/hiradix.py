@@ -34,64 +34,13 @@ from typing import Any, Optional
 
 import torch
 
-from radixserve.radix_cache.disk_store import DiskKVStore, DiskRef
-from radixserve.radix_cache.eviction import EvictionQueue
+from radixserve.radix_cache.disk_store import DiskKVStore
+from radixserve.radix_cache.hinode import DiskQueue, HiTreeNode, HostQueue
 from radixserve.radix_cache.host_pool import HostKVPool
 from radixserve.radix_cache.stats import LowerTierInfo, TierCounters
 from radixserve.radix_cache.tree import MatchResult, RadixCache, TreeNode, common_prefix_length
 
 WRITE_POLICIES = ("write_through", "write_back")
-
-
-class HiTreeNode(TreeNode):
-    __slots__ = ("host_value", "disk", "host_seq", "disk_seq")
-
-    def __init__(self, key: list, value: Optional[torch.Tensor], parent: Optional[TreeNode], namespace: Optional[tuple]):
-        super().__init__(key, value, parent, namespace)
-        self.host_value: Optional[torch.Tensor] = None  # int64 host slots
-        self.disk: Optional[DiskRef] = None
-        self.host_seq = -1  # live entries in the host and disk eviction queues
-        self.disk_seq = -1
-
-    def is_evictable_leaf(self) -> bool:
-        """A device eviction candidate: on the device, unlocked, no child on the device."""
-        return (self.value is not None and bool(self.key) and self.lock_ref == 0 and self.parent is not None
-                and not any(child.value is not None for child in self.children.values()))
-
-    def is_host_evictable(self) -> bool:
-        """A host eviction candidate: an unlocked backup, or an H node with no child on the host."""
-        if self.host_value is None or self.lock_ref or self.parent is None:
-            return False
-        return self.value is not None or all(child.host_value is None for child in self.children.values())
-
-    def is_disk_evictable(self) -> bool:
-        return self.disk is not None and self.lock_ref == 0 and self.parent is not None and not self.children
-
-    def __repr__(self) -> str:
-        tiers = "".join(t for t, v in (("D", self.value), ("H", self.host_value), ("K", self.disk)) if v is not None)
-        return f"HiTreeNode(len={len(self.key)}, tiers={tiers}, lock_ref={self.lock_ref}, children={len(self.children)})"
-
-
-class _HostQueue(EvictionQueue):
-    @staticmethod
-    def _is_live(entry: tuple) -> bool:
-        node = entry[-1]
-        return entry[-2] == node.host_seq and node.is_host_evictable()
-
-    @staticmethod
-    def _stamp(node: Any, seq: int) -> None:
-        node.host_seq = seq
-
-
-class _DiskQueue(EvictionQueue):
-    @staticmethod
-    def _is_live(entry: tuple) -> bool:
-        node = entry[-1]
-        return entry[-2] == node.disk_seq and node.is_disk_evictable()
-
-    @staticmethod
-    def _stamp(node: Any, seq: int) -> None:
-        node.disk_seq = seq
 
 
 class HiRadixCache(RadixCache):
@@ -110,8 +59,8 @@ class HiRadixCache(RadixCache):
         self.write_policy = write_policy
         self.disk = DiskKVStore(storage_dir, disk_capacity) if storage_dir is not None else None
         self.counters = TierCounters()
-        self._host_queue = _HostQueue("lru")
-        self._disk_queue = _DiskQueue("lru")
+        self._host_queue = HostQueue("lru")
+        self._disk_queue = DiskQueue("lru")
         self._fresh: list[HiTreeNode] = []  # nodes an insert created or adopted, for write-through
         super().__init__(req_to_token_pool, allocator, page_size, eviction_policy)
 

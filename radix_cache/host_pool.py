@@ -71,6 +71,7 @@ class HostKVPool:
         if not self.on_cuda:
             self.buffer[host_slots] = self._gather_device(device_slots)
             return
+        self._begin(device_slots)
         with torch.cuda.stream(self._stream):
             staging = torch.empty((len(host_slots), *self.buffer.shape[1:]), dtype=self.buffer.dtype, pin_memory=True)
             staging.copy_(self._gather_device(device_slots), non_blocking=True)
@@ -107,6 +108,7 @@ class HostKVPool:
             return
         if not data.is_pinned():
             data = data.pin_memory()
+        self._begin(device_slots)
         with torch.cuda.stream(self._stream):
             self._scatter_device(device_slots, data.to(self.device, non_blocking=True))
         self._fence()
@@ -124,6 +126,13 @@ class HostKVPool:
         for layer, (k, v) in enumerate(zip(pool.k_buffer, pool.v_buffer)):
             k[device_slots] = data[:, layer, 0]
             v[device_slots] = data[:, layer, 1]
+
+    def _begin(self, device_slots: torch.Tensor) -> None:
+        """Before a copy on the copy stream: it sees what the launching stream queued so far (the slot indices
+        may still be computed there; the forward of a batch in flight runs on the executor's own stream, so this
+        does not wait for it under overlap), and `device_slots` is not reused before the copy ran."""
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        device_slots.record_stream(self._stream)
 
     def _fence(self) -> None:
         """Make the stream that launches the next batch wait for every copy queued so far."""
