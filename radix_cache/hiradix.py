@@ -62,6 +62,11 @@ class HiRadixCache(RadixCache):
         self._host_queue = HostQueue("lru")
         self._disk_queue = DiskQueue("lru")
         self._fresh: list[HiTreeNode] = []  # nodes an insert created or adopted, for write-through
+        # Device slots freed by `cache_unfinished_req` while the batch being built still writes them; a load-back
+        # copies at once, perhaps while that batch runs, so they return to the allocator only through `evict`
+        # (whose callers hand them to later batches) or `reset`. They count as evictable.
+        self._quarantine: list[torch.Tensor] = []
+        self._num_quarantined = 0
         super().__init__(req_to_token_pool, allocator, page_size, eviction_policy)
 
     def _init_tree(self) -> None:
@@ -70,6 +75,12 @@ class HiRadixCache(RadixCache):
         self._disk_tokens = 0  # tokens of nodes on disk
         self._host_queue.clear()
         self._disk_queue.clear()
+
+    def evictable_size(self) -> int:
+        return self._evictable + self._num_quarantined
+
+    def quarantined_slots(self) -> torch.Tensor:
+        return torch.cat(self._quarantine) if self._quarantine else self._empty()
 
     def host_size(self) -> int:
         return self._host_tokens
@@ -281,8 +292,24 @@ class HiRadixCache(RadixCache):
 
     # ---- eviction and demotion -------------------------------------------------------------------------------
     def evict(self, num_tokens: int) -> int:
-        """Free at least `num_tokens` device slots by demoting unlocked device leaves (least recently used
-        first); returns the device tokens freed."""
+        """Free at least `num_tokens` device slots: the quarantined ones, then by demoting unlocked device leaves
+        (least recently used first); returns the device tokens freed."""
+        freed = self._release_quarantine()
+        return freed + self._evict_tree(num_tokens - freed)
+
+    def _free_duplicates(self, slots: torch.Tensor) -> None:
+        if len(slots):
+            self._quarantine.append(slots.to(torch.int64, copy=True))
+            self._num_quarantined += len(slots)
+
+    def _release_quarantine(self) -> int:
+        released = self._num_quarantined
+        if self._quarantine:
+            self.allocator.free(torch.cat(self._quarantine))
+            self._quarantine, self._num_quarantined = [], 0
+        return released
+
+    def _evict_tree(self, num_tokens: int) -> int:
         freed = 0
         while freed < num_tokens:
             node = self._queue.pop()
@@ -298,6 +325,7 @@ class HiRadixCache(RadixCache):
         """Drop every cached prefix in every tier. Raises RuntimeError while any node is locked."""
         if self._protected:
             raise RuntimeError(f"cannot flush the radix cache: {self._protected} tokens are locked by requests")
+        self._release_quarantine()
         nodes = self._nodes()
         device = [node.value for node in nodes if node.value is not None]
         host = [node.host_value for node in nodes if node.host_value is not None]
@@ -385,7 +413,7 @@ class HiRadixCache(RadixCache):
     def _alloc_device(self, num_tokens: int) -> Optional[torch.Tensor]:
         available = self.allocator.available_size()
         if available < num_tokens:
-            self.evict(num_tokens - available)
+            self._evict_tree(num_tokens - available)  # never the quarantine: this copy happens now
         return self.allocator.alloc(num_tokens)
 
     def _host_alloc(self, num_tokens: int) -> Optional[torch.Tensor]:

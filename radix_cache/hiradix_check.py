@@ -36,7 +36,8 @@ def _check_slots(values: list, page_size: int, tier: str) -> None:
 def check_hiradix(cache: "HiRadixCache", held_slots: int = 0) -> None:
     """Raise AssertionError unless the tree, the three tiers and the eviction queues are consistent.
 
-    Device: `allocator.size == free + evictable + protected + held_slots`, counting device tokens only. Host:
+    Device: `allocator.size == free + evictable + protected + held_slots`, counting device tokens only (the
+    quarantined slots among the evictable ones). Host:
     `host.size == host free + tokens with a host copy`. Disk: the tokens of nodes on disk, and each file's
     reference count. Per node: at least one tier; disk excludes the other tiers; device nodes closed under
     parents; locked nodes on the device; lock counts never above the parent's. Queues: each holds exactly its
@@ -92,6 +93,8 @@ def check_hiradix(cache: "HiRadixCache", held_slots: int = 0) -> None:
                     if is_candidate():
                         candidates[tier].add(node)
     _require(num_nodes == cache._num_nodes, f"node count {cache._num_nodes} != {num_nodes} found")
+    quarantined = cache.quarantined_slots()
+    evictable += len(quarantined)
     _require(evictable == cache.evictable_size(), f"evictable_size {cache.evictable_size()} != {evictable}")
     _require(protected == cache.protected_size(), f"protected_size {cache.protected_size()} != {protected}")
     _require(host_tokens == cache.host_size(), f"host tokens {cache.host_size()} != {host_tokens} recomputed")
@@ -100,7 +103,7 @@ def check_hiradix(cache: "HiRadixCache", held_slots: int = 0) -> None:
         queued = queue.live_nodes()
         _require(len(queued) == len(set(queued)) and set(queued) == candidates[tier],
                  f"the {tier} eviction queue does not hold exactly the {tier} candidates")
-    _check_slots(device_values, page_size, "device")
+    _check_slots(device_values + ([quarantined] if len(quarantined) else []), page_size, "device")
     _check_slots(host_values, page_size, "host")
     free = cache.allocator.available_size()
     _require(cache.allocator.size == free + evictable + protected + held_slots,

@@ -355,7 +355,7 @@ class RadixCache:
         ns_root = self._namespace_root(req.namespace, create=True)
         present = self._insert(ns_root, token_ids, num_aligned, row)
         self._check_prefix_held(req, present, own_start)
-        self.allocator.free(row[own_start:present])
+        self._free_duplicates(row[own_start:present])
         match = self._match(ns_root, token_ids, num_aligned, touch=False)
         assert match.length == num_aligned, "an insert must be matchable right after it"
         req_row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
@@ -364,6 +364,11 @@ class RadixCache:
         self.dec_lock_ref(req.last_node)
         req.prefix_indices = match.indices
         req.last_node = match.last_node
+
+    def _free_duplicates(self, slots: torch.Tensor) -> None:
+        """Free a chunk's own slots for tokens the tree already had. The batch being built still writes them, which
+        is harmless: any later user of a freed slot is a later batch (the hierarchical cache defers these)."""
+        self.allocator.free(slots)
 
     def _request_slots(self, req: Any, token_ids: list[int]) -> tuple[int, int, torch.Tensor]:
         num_tokens = len(token_ids)

@@ -196,6 +196,7 @@ class Harness:
                 assert torch.equal(self.host.read(node.host_value), want), f"host KV of {node!r}"
             if node.disk is not None:
                 assert torch.equal(cache.disk.get(node.disk, len(node.key)), want), f"disk KV of {node!r}"
+        device_pages += (cache.quarantined_slots() // ps).unique().tolist()
         self.allocator.available_size()
         device_pages += self.allocator.free_page_list()
         assert sorted(device_pages) == list(range(1, self.allocator.num_pages + 1)), "device page owners"
