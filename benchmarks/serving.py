@@ -111,8 +111,17 @@ def load_tokenizer_for(path: Optional[str]):
     return load_tokenizer(path or resolve_model(None).model_dir)
 
 
-SERVER_FIELDS = ("model_path", "device", "dtype", "attention_backend", "radix_cache", "overlap_schedule",
-                 "max_total_num_tokens", "max_running_requests", "chunked_prefill_size", "schedule_policy")
+SERVER_FIELDS = ("model_path", "device", "dtype", "attention_backend", "radix_cache", "hierarchical_cache",
+                 "overlap_schedule", "max_total_num_tokens", "max_running_requests", "chunked_prefill_size",
+                 "schedule_policy")
+
+
+def lower_tier_figures(info: Optional[dict]) -> Optional[dict]:
+    """The hierarchical cache's host/disk memory figures and tier counters of a radixserve server info, if any."""
+    cache, memory = (info or {}).get("cache") or {}, (info or {}).get("memory") or {}
+    if not isinstance(cache, dict) or "hicache" not in cache:
+        return None
+    return {"memory": {k: v for k, v in memory.items() if k.startswith(("host_", "disk_"))}, **cache["hicache"]}
 
 
 def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
@@ -132,7 +141,8 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     print(f"{len(sessions)} sessions, {sum(len(s.turns) for s in sessions)} requests; {label}")
     results, duration = asyncio.run(run_sessions(target, sessions, args.request_rate, args.max_concurrency,
                                                  args.seed, not args.disable_tqdm, args.request_timeout))
-    before, after = cache_counters(info_before), cache_counters(server_info(target))
+    info_after = server_info(target)
+    before, after = cache_counters(info_before), cache_counters(info_after)
     return {
         "kind": "serving",
         "timestamp": datetime.now().isoformat(timespec="seconds"),
@@ -146,6 +156,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         **summarize(results, duration),
         "cache_hit_rate": cache_hit_rate(before, after),
         "cache_counters": {"before": before, "after": after},
+        "hicache": lower_tier_figures(info_after),
         "server": {name: info_before.get(name) for name in SERVER_FIELDS} if info_before else None,
         "environment": {"python": platform.python_version(), "platform": platform.platform(),
                         "httpx": httpx.__version__},

@@ -17,7 +17,7 @@ Ownership of KV slots, the contract every implementation keeps:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Optional
 
 import torch
 
@@ -26,6 +26,10 @@ class MatchResult(NamedTuple):
     indices: torch.Tensor  # int64 KV slots of the matched tokens; valid while `last_node` is locked
     last_node: Any  # the cache's handle on the deepest matched node (a root when nothing matched); lock it
     length: int  # matched tokens, a multiple of page_size
+    # A cache with lower tiers (hiradix.py) also finds tokens whose KV was demoted to the host or disk:
+    # `host_hit_length` more tokens after `length`, ending at `last_host_node`; `load_back` brings them back.
+    host_hit_length: int = 0
+    last_host_node: Any = None
 
 
 class PrefixCache(ABC):
@@ -82,3 +86,11 @@ class PrefixCache(ABC):
     @abstractmethod
     def check_invariants(self, held_slots: int = 0) -> None:
         """Raise AssertionError unless the accounting above holds."""
+
+    def load_back(self, match: MatchResult) -> MatchResult:
+        """Bring a match's lower-tier part onto the device (see hiradix.py); a one-tier cache returns `match`."""
+        return match
+
+    def lower_tiers(self) -> Optional[Any]:
+        """Host and disk tier figures (`hiradix.LowerTierInfo`); None when the cache has no lower tier."""
+        return None

@@ -51,7 +51,7 @@ class EvictionQueue:
         `num_nodes` is the tree's node count, used to decide when stale entries are worth dropping.
         """
         seq = next(self._seq)
-        node.heap_seq = seq
+        self._stamp(node, seq)
         # The unique sequence number breaks ties before the node itself would be compared.
         heapq.heappush(self._heap, (*self._priority(node), seq, node))
         if len(self._heap) > 2 * num_nodes + _COMPACT_SLACK:
@@ -63,18 +63,28 @@ class EvictionQueue:
         while heap:
             entry = heapq.heappop(heap)
             node = entry[-1]
-            if entry[-2] == node.heap_seq and node.is_evictable_leaf():
-                node.heap_seq = -1
+            if self._is_live(entry):
+                self._stamp(node, -1)
                 return node
         return None
 
     def live_nodes(self) -> list[Any]:
         """Nodes with a live entry (for invariant checks; O(heap size))."""
-        return [entry[-1] for entry in self._heap if entry[-2] == entry[-1].heap_seq and entry[-1].is_evictable_leaf()]
+        return [entry[-1] for entry in self._heap if self._is_live(entry)]
 
     def clear(self) -> None:
         self._heap = []
 
     def _compact(self) -> None:
-        self._heap = [entry for entry in self._heap if entry[-2] == entry[-1].heap_seq and entry[-1].is_evictable_leaf()]
+        self._heap = [entry for entry in self._heap if self._is_live(entry)]
         heapq.heapify(self._heap)
+
+    # A queue over another set of candidates (the hierarchical cache's host and disk tiers) overrides these two.
+    @staticmethod
+    def _is_live(entry: tuple) -> bool:
+        node = entry[-1]
+        return entry[-2] == node.heap_seq and node.is_evictable_leaf()
+
+    @staticmethod
+    def _stamp(node: Any, seq: int) -> None:
+        node.heap_seq = seq

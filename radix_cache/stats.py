@@ -6,6 +6,7 @@ Counters are cumulative over the cache's life (a flush does not reset them), lik
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Optional
 
 
 @dataclass
@@ -47,3 +48,28 @@ class CacheStats:
             "namespaces": {namespace: stats.as_dict() for namespace, stats in self._by_namespace.items()},
             **total.as_dict(),
         }
+
+
+@dataclass
+class TierCounters:
+    """Cumulative token counts of the hierarchical cache's moves between tiers."""
+
+    backed_up_tokens: int = 0  # device -> host copies (write-through backups and demotions)
+    loaded_from_host_tokens: int = 0  # host -> device copies of `load_back`
+    written_to_disk_tokens: int = 0  # demotions to the disk tier
+    loaded_from_disk_tokens: int = 0  # disk -> device copies of `load_back`
+    dropped_tokens: int = 0  # lower-tier tokens removed from the tree for want of room
+
+
+@dataclass
+class LowerTierInfo:
+    """The hierarchical cache's host and disk tiers, for `get_server_info()` (see scheduler/info.py)."""
+
+    write_policy: str
+    host_total_tokens: int
+    host_used_tokens: int
+    host_free_tokens: int
+    host_bytes_per_token: int
+    disk_used_tokens: int  # tokens in the disk tier's files (0 without a disk tier)
+    disk_capacity_tokens: Optional[int]  # None: unbounded, or no disk tier
+    counters: TierCounters

@@ -90,6 +90,8 @@ class TreeNode:
 class RadixCache(PrefixCache):
     """Prefix cache over paged KV slots. See the module docstring for ownership and locking rules."""
 
+    node_class = TreeNode  # the hierarchical cache's nodes also record their lower tiers
+
     def __init__(self, req_to_token_pool: Any, allocator: Any, page_size: int = 1, eviction_policy: str = "lru"):
         if allocator.page_size != page_size:
             raise ValueError(f"page_size {page_size} differs from the allocator's {allocator.page_size}")
@@ -103,7 +105,7 @@ class RadixCache(PrefixCache):
         self._init_tree()
 
     def _init_tree(self) -> None:
-        self.root = TreeNode([], self._empty(), None, None)
+        self.root = self.node_class([], self._empty(), None, None)
         self._evictable = 0
         self._protected = 0
         self._num_nodes = 0  # non-root nodes
@@ -200,7 +202,7 @@ class RadixCache(PrefixCache):
             child = node.children.get(first)
             if child is None:
                 # Copy: the caller's tensor (often a req_to_token row) is rewritten later.
-                leaf = TreeNode(key[pos:end], slots[pos:end].to(torch.int64, copy=True), node, ns_root.namespace)
+                leaf = self.node_class(key[pos:end], slots[pos:end].to(torch.int64, copy=True), node, ns_root.namespace)
                 leaf.last_access = now
                 node.children[first] = leaf
                 self._num_nodes += 1
@@ -223,7 +225,7 @@ class RadixCache(PrefixCache):
         """Cut `node` after `length` tokens; returns the new upper part. `node` keeps the lower part, so a
         request holding `node` as its last_node still ends at the same place."""
         parent = node.parent
-        upper = TreeNode(node.key[:length], node.value[:length], parent, node.namespace)
+        upper = self.node_class(node.key[:length], node.value[:length], parent, node.namespace)
         # Locks cover whole paths, so the upper part carries the same locks as the node it was cut from.
         upper.lock_ref = node.lock_ref
         upper.last_access = node.last_access
@@ -335,7 +337,7 @@ class RadixCache(PrefixCache):
         ns_root = self._namespace_root(req.namespace, create=True)
         present = self._insert(ns_root, token_ids, num_aligned, row)
         self._check_prefix_held(req, present, own_start)
-        self.allocator.free(row[own_start:present])
+        self._free_duplicates(row[own_start:present])
         match = self._match(ns_root, token_ids, num_aligned, touch=False)
         assert match.length == num_aligned, "an insert must be matchable right after it"
         req_row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
@@ -344,6 +346,11 @@ class RadixCache(PrefixCache):
         self.dec_lock_ref(req.last_node)
         req.prefix_indices = match.indices
         req.last_node = match.last_node
+
+    def _free_duplicates(self, slots: torch.Tensor) -> None:
+        """Free a chunk's own slots for tokens the tree already had. The batch being built still writes them, which
+        is harmless: any later user of a freed slot is a later batch (the hierarchical cache defers these)."""
+        self.allocator.free(slots)
 
     def _request_slots(self, req: Any, token_ids: list[int]) -> tuple[int, int, torch.Tensor]:
         num_tokens = len(token_ids)
@@ -431,7 +438,7 @@ class RadixCache(PrefixCache):
             raise TypeError(f"a cache namespace is a tuple, got {type(namespace).__name__}")
         ns_root = self.root.children.get(namespace)
         if ns_root is None and create:
-            ns_root = self.root.children[namespace] = TreeNode([], self._empty(), self.root, namespace)
+            ns_root = self.root.children[namespace] = self.node_class([], self._empty(), self.root, namespace)
         return ns_root
 
     def _delete_leaf(self, leaf: TreeNode) -> TreeNode:

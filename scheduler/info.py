@@ -6,11 +6,14 @@ scheduler has `free + evictable == total`. `cache.hit_rate` is the share of prom
 cache at each request's first admission; `cache.tree` holds the tree's own counters (every match query) and
 `cache.namespaces` the same per namespace, keyed by `namespace_name` (a client's `cache_salt` appears only as a
 digest, so nobody who reads the statistics can reuse another client's salt).
+With the hierarchical cache, `memory` adds the host tier (`host_total_tokens == host_free_tokens +
+host_used_tokens`) and the disk tier, and `cache.hicache` its moves between tiers (radix_cache/stats.py).
 """
 
 from __future__ import annotations
 
 import hashlib
+from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from radixserve.runtime.wire.messages import ModelInfo
@@ -36,6 +39,7 @@ def ready_info(scheduler: "Scheduler") -> ModelInfo:
         schedule_policy=args.schedule_policy,
         overlap_schedule=scheduler.overlap,
         radix_cache=not args.disable_radix_cache,
+        hierarchical_cache=args.enable_hierarchical_cache,
     )
 
 
@@ -46,13 +50,20 @@ def server_info(scheduler: "Scheduler") -> dict[str, Any]:
     evictable = cache.evictable_size()
     tree_stats = cache.stats()
     namespaces = {namespace_name(ns): counters for ns, counters in tree_stats.pop("namespaces", {}).items()}
+    memory = {"total_tokens": total, "free_tokens": free, "evictable_tokens": evictable,
+              "protected_tokens": cache.protected_size()}
+    cache_info = {"hit_rate": stats.cache_hit_rate, "matched_tokens": stats.cached_tokens,
+                  "queried_tokens": stats.queried_tokens, "tree": tree_stats, "namespaces": namespaces}
+    tiers = cache.lower_tiers()
+    if tiers is not None:
+        tier_figures = asdict(tiers)
+        cache_info["hicache"] = {"write_policy": tier_figures.pop("write_policy"), **tier_figures.pop("counters")}
+        memory.update(tier_figures)
     return {
         **ready_info(scheduler).to_dict(),
         **stats.as_dict(),
-        "memory": {"total_tokens": total, "free_tokens": free, "evictable_tokens": evictable,
-                   "protected_tokens": cache.protected_size()},
-        "cache": {"hit_rate": stats.cache_hit_rate, "matched_tokens": stats.cached_tokens,
-                  "queried_tokens": stats.queried_tokens, "tree": tree_stats, "namespaces": namespaces},
+        "memory": memory,
+        "cache": cache_info,
         "num_running_reqs": len(scheduler.running),
         "num_queued_reqs": len(scheduler.waiting) + (scheduler.chunked_req is not None) + scheduler.grammars.num_queued,
         "token_usage": (total - free - evictable) / total,

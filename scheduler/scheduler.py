@@ -75,7 +75,7 @@ class Scheduler:
         self.allocator = model_runner.allocator
         self.page_size = self.allocator.page_size
         self.max_running = model_runner.max_running_requests
-        self.cache = make_cache(server_args, self.req_to_token_pool, self.allocator)
+        self.cache = make_cache(server_args, self.req_to_token_pool, self.allocator, model_runner.token_to_kv_pool)
         self.tokenizer = tokenizer if tokenizer is not None else try_load_tokenizer(model_runner)
         self.stop_checker = StopChecker(model_runner.model_config.eos_token_ids, self.tokenizer)
         self.grammars = GrammarManager(self.tokenizer, model_runner.vocab_size, self.stop_checker.eos_token_ids)
@@ -246,6 +246,7 @@ class Scheduler:
         # Keep at least one token to compute, so the batch yields the logits of the next token.
         key = req.all_ids[: prefix_limit(req, fill_len - 1)]
         match = self.cache.match_prefix(key, req.namespace)
+        match = self.cache.load_back(match)  # KV demoted to a lower tier returns to the device before the extend
         if _longest_in_batch_prefix(key, req.namespace, entries) >= match.length + IN_BATCH_PREFIX_MIN_GAIN:
             return None
         self.cache.inc_lock_ref(match.last_node)

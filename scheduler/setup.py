@@ -12,12 +12,30 @@ from radixserve.scheduler.req import Req
 logger = logging.getLogger(__name__)
 
 
-def make_cache(server_args: ServerArgs, req_to_token_pool: Any, allocator: Any) -> PrefixCache:
-    """The radix cache, or the never-sharing cache under `disable_radix_cache`."""
+def make_cache(server_args: ServerArgs, req_to_token_pool: Any, allocator: Any, kv_pool: Any) -> PrefixCache:
+    """The radix cache, the never-sharing cache under `disable_radix_cache`, or the hierarchical cache (host tier
+    of `hicache_size` GB, else `hicache_ratio` times the device pool) under `enable_hierarchical_cache`."""
     if server_args.disable_radix_cache:
         from radixserve.radix_cache.no_share import NoShareCache
 
         return NoShareCache(req_to_token_pool, allocator, allocator.page_size)
+    if server_args.enable_hierarchical_cache:
+        from radixserve.radix_cache.hiradix import HiRadixCache
+        from radixserve.radix_cache.host_pool import HostKVPool
+
+        bytes_per_token = kv_pool.bytes_per_token(kv_pool.num_layers, kv_pool.num_kv_heads, kv_pool.head_dim,
+                                                  kv_pool.dtype)
+        if server_args.hicache_size > 0:
+            host_tokens = int(server_args.hicache_size * 1e9) // bytes_per_token
+        else:
+            host_tokens = int(allocator.size * server_args.hicache_ratio)
+        host_pool = HostKVPool(kv_pool, host_tokens)
+        logger.info("hierarchical cache: host tier of %d tokens (%.2f GB), %s%s", host_pool.size,
+                    host_pool.size * bytes_per_token / 1e9, server_args.hicache_write_policy,
+                    f", disk tier in {server_args.hicache_storage_dir}" if server_args.hicache_storage_dir else "")
+        return HiRadixCache(req_to_token_pool, allocator, host_pool, allocator.page_size,
+                            server_args.radix_eviction_policy, server_args.hicache_write_policy,
+                            server_args.hicache_storage_dir)
     from radixserve.radix_cache.tree import RadixCache
 
     return RadixCache(req_to_token_pool, allocator, allocator.page_size, server_args.radix_eviction_policy)

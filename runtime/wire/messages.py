@@ -147,6 +147,7 @@ class ModelInfo(msgspec.Struct, kw_only=True):
     schedule_policy: str
     overlap_schedule: bool
     radix_cache: bool
+    hierarchical_cache: bool = False
     tokenizer_path: Optional[str] = None  # filled in by the parent, which resolved it
 
     def to_dict(self) -> dict[str, Any]:

@@ -17,6 +17,7 @@ LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 EVICTION_POLICIES = ("lru", "lfu")
 DEFAULT_MAX_QUEUED_REQUESTS = 1024
+HICACHE_WRITE_POLICIES = ("write_through", "write_back")
 
 
 @dataclass
@@ -53,6 +54,12 @@ class ServerArgs:
     # Radix cache
     disable_radix_cache: bool = False
     radix_eviction_policy: str = "lru"
+    # Hierarchical cache (SGLang's HiCache flags): evicted KV is demoted to host memory (and disk) and loaded back.
+    enable_hierarchical_cache: bool = False
+    hicache_ratio: float = 2.0  # host tier size as a multiple of the device KV pool
+    hicache_size: float = 0.0  # host tier size in GB (1e9 bytes); overrides hicache_ratio when > 0
+    hicache_write_policy: str = "write_through"
+    hicache_storage_dir: Optional[str] = None  # a disk tier under the host tier, in this folder
 
     # Kernels
     attention_backend: Optional[str] = None  # None: flashinfer on CUDA, torch_native on CPU
@@ -92,6 +99,14 @@ class ServerArgs:
               f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}")
         check(self.radix_eviction_policy in EVICTION_POLICIES,
               f"radix_eviction_policy must be one of {EVICTION_POLICIES}, got {self.radix_eviction_policy!r}")
+        check(self.hicache_write_policy in HICACHE_WRITE_POLICIES,
+              f"hicache_write_policy must be one of {HICACHE_WRITE_POLICIES}, got {self.hicache_write_policy!r}")
+        check(self.hicache_ratio > 0, f"hicache_ratio must be positive, got {self.hicache_ratio}")
+        check(self.hicache_size >= 0, f"hicache_size must be >= 0 GB, got {self.hicache_size}")
+        check(not (self.enable_hierarchical_cache and self.disable_radix_cache),
+              "enable_hierarchical_cache needs the radix cache; drop disable_radix_cache")
+        check(self.enable_hierarchical_cache or (self.hicache_storage_dir is None and self.hicache_size == 0),
+              "hicache_storage_dir and hicache_size need enable_hierarchical_cache")
         check(self.attention_backend is None or self.attention_backend in ATTENTION_BACKENDS,
               f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         check(self.mem_fraction_static is None or 0.0 < self.mem_fraction_static < 1.0,

@@ -1,0 +1,147 @@
+"""The host tier of the hierarchical cache: KV demoted from the device pool, kept in host RAM, and the copies
+between the two.
+
+Layout. One token-major buffer `[size + page_size, num_layers, 2 (K, V), num_kv_heads, head_dim]`, so one
+token's KV in every layer is one contiguous run and a node's KV moves as one `[n, layers, 2, heads, dim]` block.
+Host slots are handed out by a `KVAllocator` on the CPU in pages of the device pool's page size (page 0 is a
+dummy, as on the device), so the same ownership rules hold: every host page belongs to the free list or to one
+tree node, which frees it.
+
+Copies. On the CPU (the device pool in RAM, as in CI) every copy is a plain indexed copy, complete when the call
+returns. On CUDA the buffer is pinned and copies run on a dedicated copy stream, so they overlap the batch the
+device is running:
+- device -> host (`backup`): gathered on the device and copied into pinned staging on the copy stream; the
+  staging is scattered into the buffer once its event fired, at the latest before anything reads the buffer
+  (`_complete_writes`). The scheduler frees the device slots right away: the next batch that may write them
+  is launched after `_fence`, which makes the launching stream wait for the copy stream.
+- host -> device (`load`, `load_data`): gathered on the host into pinned staging, copied and scattered into the
+  device pool on the copy stream, then fenced the same way, so the batch that reads the loaded KV waits for it
+  while the batch before it (already launched) runs concurrently.
+What a copy reads from the device was written by batches whose results were already processed: the tree only
+demotes unlocked nodes, and a request unlocks its nodes after its last batch was processed.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from radixserve.radix_cache.pool import KVAllocator, TokenToKVPool
+
+_MAX_PENDING_WRITES = 64
+
+
+class HostKVPool:
+    """`size` host token slots mirroring the layout of `device_pool` (see the module docstring)."""
+
+    def __init__(self, device_pool: TokenToKVPool, size: int) -> None:
+        if size < device_pool.page_size:
+            raise ValueError(f"a host KV pool of {size} tokens holds less than one page of {device_pool.page_size}")
+        self.device_pool = device_pool
+        self.page_size = device_pool.page_size
+        self.allocator = KVAllocator(size, self.page_size, "cpu")
+        self.size = self.allocator.size
+        self.device = device_pool.device
+        self.on_cuda = self.device.type == "cuda"
+        shape = (self.size + self.page_size, device_pool.num_layers, 2, device_pool.num_kv_heads, device_pool.head_dim)
+        # torch.empty: pages of RAM are only committed once written.
+        self.buffer = torch.empty(shape, dtype=device_pool.dtype, pin_memory=self.on_cuda)
+        self._stream = torch.cuda.Stream(self.device) if self.on_cuda else None
+        self._writes: list[tuple[torch.cuda.Event, torch.Tensor, torch.Tensor]] = []  # (copied, host slots, staging)
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.buffer[0].numel() * self.buffer.element_size()
+
+    # ---- slots -----------------------------------------------------------------------------------
+    def alloc(self, num_tokens: int) -> Optional[torch.Tensor]:
+        """Host slots (int64, CPU) for `num_tokens` tokens, or None when the host tier is full."""
+        return self.allocator.alloc(num_tokens)
+
+    def free(self, slots: torch.Tensor) -> None:
+        self.allocator.free(slots)
+
+    def available_size(self) -> int:
+        return self.allocator.available_size()
+
+    # ---- copies ----------------------------------------------------------------------------------
+    def backup(self, device_slots: torch.Tensor, host_slots: torch.Tensor) -> None:
+        """Copy the KV at `device_slots` into `host_slots`."""
+        if not self.on_cuda:
+            self.buffer[host_slots] = self._gather_device(device_slots)
+            return
+        self._begin(device_slots)
+        with torch.cuda.stream(self._stream):
+            staging = torch.empty((len(host_slots), *self.buffer.shape[1:]), dtype=self.buffer.dtype, pin_memory=True)
+            staging.copy_(self._gather_device(device_slots), non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
+        self._writes.append((copied, host_slots, staging))
+        if len(self._writes) > _MAX_PENDING_WRITES:
+            self._complete_writes()  # bounds the pinned staging memory held
+        self._fence()
+
+    def read(self, host_slots: torch.Tensor) -> torch.Tensor:
+        """The KV at `host_slots` as a new CPU tensor `[n, layers, 2, heads, dim]` (for the disk tier)."""
+        self._complete_writes()
+        return self.buffer[host_slots]
+
+    def read_device(self, device_slots: torch.Tensor) -> torch.Tensor:
+        """The KV at `device_slots` as a new CPU tensor (a demotion straight to disk when the host is full)."""
+        return self._gather_device(device_slots).cpu()
+
+    def load(self, host_slots: torch.Tensor, device_slots: torch.Tensor) -> None:
+        """Copy the KV at `host_slots` into the device pool at `device_slots`."""
+        self._complete_writes()
+        if not self.on_cuda:
+            self._scatter_device(device_slots, self.buffer[host_slots])
+            return
+        staging = torch.empty((len(host_slots), *self.buffer.shape[1:]), dtype=self.buffer.dtype, pin_memory=True)
+        torch.index_select(self.buffer, 0, host_slots, out=staging)
+        self.load_data(staging, device_slots)
+
+    def load_data(self, data: torch.Tensor, device_slots: torch.Tensor) -> None:
+        """Copy `data` (CPU, `[n, layers, 2, heads, dim]`) into the device pool at `device_slots`."""
+        if not self.on_cuda:
+            self._scatter_device(device_slots, data)
+            return
+        if not data.is_pinned():
+            data = data.pin_memory()
+        self._begin(device_slots)
+        with torch.cuda.stream(self._stream):
+            self._scatter_device(device_slots, data.to(self.device, non_blocking=True))
+        self._fence()
+
+    # ---- helpers ---------------------------------------------------------------------------------
+    def _gather_device(self, device_slots: torch.Tensor) -> torch.Tensor:
+        pool = self.device_pool
+        return torch.stack(
+            [torch.stack((k[device_slots], v[device_slots]), dim=1) for k, v in zip(pool.k_buffer, pool.v_buffer)],
+            dim=1,
+        )
+
+    def _scatter_device(self, device_slots: torch.Tensor, data: torch.Tensor) -> None:
+        pool = self.device_pool
+        for layer, (k, v) in enumerate(zip(pool.k_buffer, pool.v_buffer)):
+            k[device_slots] = data[:, layer, 0]
+            v[device_slots] = data[:, layer, 1]
+
+    def _begin(self, device_slots: torch.Tensor) -> None:
+        """Before a copy on the copy stream: it sees what the launching stream queued so far (the slot indices
+        may still be computed there; the forward of a batch in flight runs on the executor's own stream, so this
+        does not wait for it under overlap), and `device_slots` is not reused before the copy ran."""
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        device_slots.record_stream(self._stream)
+
+    def _fence(self) -> None:
+        """Make the stream that launches the next batch wait for every copy queued so far."""
+        torch.cuda.current_stream(self.device).wait_stream(self._stream)
+
+    def _complete_writes(self) -> None:
+        """Scatter finished device -> host copies into the buffer, in issue order (a host slot freed and reused
+        gets its latest contents last)."""
+        for copied, host_slots, staging in self._writes:
+            copied.synchronize()
+            self.buffer[host_slots] = staging
+        self._writes = []
