@@ -36,7 +36,7 @@ import httpx
 
 from radixserve.frontend.backends.base import StreamDeltas
 from radixserve.frontend.backends.runtime_endpoint import RuntimeEndpoint
-from radixserve.runtime.server_args import ServerArgs, make_server_args  # a light module: no torch, no FastAPI
+from radixserve.runtime.wire.server_args import ServerArgs, make_server_args  # the wire: no torch, no FastAPI
 
 _LAST_PORT = 40000  # the port search goes up to here (or 1000 ports on from the one asked for)
 _POLL_INTERVAL_S = 0.5

@@ -21,7 +21,7 @@ from radixserve.frontend.reasoning import split_reasoning
 from radixserve.frontend.runtime import Runtime, cli_flags
 from radixserve.frontend.sampling import SamplingDefaults
 from radixserve.frontend.tracing import constant_prefix
-from radixserve.runtime.server_args import ServerArgs
+from radixserve.runtime.wire.server_args import ServerArgs
 
 
 # ---- typed generation ----------------------------------------------------------------------------------
