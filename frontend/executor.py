@@ -158,13 +158,15 @@ class ProgramExecutor:
                 self.raise_if_failed()
                 return
 
-    def has_ended(self) -> bool:
-        """Whether the program function has returned and everything it queued has run."""
+    @property
+    def ended(self) -> bool:
+        """Whether the program function has returned (nothing more will be queued)."""
         with self._cond:
-            return self._ended and self._idle()
+            return self._ended
 
-    def set_variable_now(self, name: str, value: Any) -> None:
-        """Set a variable at once, outside program order (for a program that has ended)."""
+    def set_after_end(self, name: str, value: Any) -> None:
+        """Set a variable of a program that has ended, once everything it queued has run."""
+        self.sync()
         self._set(name, value)
 
     # ---- branches --------------------------------------------------------------------------------

@@ -85,10 +85,10 @@ class ProgramState(StateScopes):
         return self._executor.get_variable(name)
 
     def set_var(self, name: str, value: Any) -> None:
-        """Set a variable in program order (after what is already queued), or at once once the program has
-        ended (`state["n"] = int(state["n"])` after `run`)."""
-        if self._executor.has_ended():
-            self._executor.set_variable_now(name, value)
+        """Set a variable in program order (after what is already queued); on the state `run` returned, once
+        the program has finished (`state["n"] = int(state["n"])`)."""
+        if self._executor.ended:
+            self._executor.set_after_end(name, value)
         else:
             self._executor.submit(SetVariables(((name, value),)))
 

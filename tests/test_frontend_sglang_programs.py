@@ -440,14 +440,14 @@ def reasoning(s):
     s += sgl.user("What is 2 + 2? Think first.")
     # A regex makes the small model write a reasoning model's shape: <think>...</think> answer.
     s += sgl.assistant(sgl.separate_reasoning(
-        sgl.gen("answer", regex=r"<think>[a-z]{2,8}( [a-z]{2,8})?</think> [0-9]{1,2}", max_tokens=16),
+        sgl.gen("answer", regex=r"<think>[a-z]{2,6}</think> [0-9]", max_tokens=32),
         model_type="qwen3"))
 
 
 def test_separate_reasoning(backend):
     state = reasoning.run(temperature=0)
-    assert re.fullmatch(r"[0-9]{1,2}", state["answer"])
-    assert re.fullmatch(r"[a-z]{2,8}( [a-z]{2,8})?", state["answer_reasoning_content"])
+    assert re.fullmatch(r"[0-9]", state["answer"])
+    assert re.fullmatch(r"[a-z]{2,6}", state["answer_reasoning_content"])
     assert state.messages()[-1] == {"role": "assistant", "content": state["answer"]}
     assert state.text() == backend.tokenizer.apply_chat_template(state.messages(), tokenize=False)
 
