@@ -89,7 +89,8 @@ unconditional_likelihood_normalized = UnconditionalLikelihoodNormalized()
 @dataclass
 class ChoiceScores:
     """The outcome of one select: `decision` indexes `choices`; per choice its method score, mean token
-    logprob, the scored token ids and their logprobs (and unconditional logprobs when the method used them)."""
+    logprob, the scored token ids, their texts and logprobs (and unconditional logprobs when the method used
+    them)."""
 
     choices: list[str]
     method: str
@@ -97,15 +98,32 @@ class ChoiceScores:
     scores: list[float]
     normalized_logprobs: list[float]
     token_ids: list[list[int]]
+    token_texts: list[list[str]]
     token_logprobs: list[list[float]]
-    unconditional_token_logprobs: Optional[list[list[float]]] = None
+    unconditional_logprobs: Optional[list[list[float]]] = None
 
     @property
     def choice(self) -> str:
         return self.choices[self.decision]
 
     def meta_info(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        """Our fields, plus SGLang's keys: `normalized_prompt_logprobs` (the mean token logprob per choice),
+        `input_token_logprobs` (per choice, [logprob, token_id, token_text] per scored token),
+        `output_token_logprobs` (empty per choice: a select generates nothing), and for the unconditional
+        method `unconditional_token_logprobs` (same shape) and `normalized_unconditional_prompt_logprobs`."""
+        info: dict[str, Any] = {name: value for name, value in self.__dict__.items()
+                                if name != "unconditional_logprobs"}
+        info["normalized_prompt_logprobs"] = self.normalized_logprobs
+        info["input_token_logprobs"] = self._entries(self.token_logprobs)
+        info["output_token_logprobs"] = [[] for _ in self.choices]
+        if self.unconditional_logprobs is not None:
+            info["unconditional_token_logprobs"] = self._entries(self.unconditional_logprobs)
+            info["normalized_unconditional_prompt_logprobs"] = self.scores
+        return info
+
+    def _entries(self, logprobs: list[list[float]]) -> list[list[list[Any]]]:
+        return [[[logprob, token_id, text] for logprob, token_id, text in zip(lps, ids, texts)]
+                for lps, ids, texts in zip(logprobs, self.token_ids, self.token_texts)]
 
 
 def choice_span(prefix_ids: list[int], full_ids: list[int]) -> int:
@@ -157,8 +175,9 @@ def score_choices(backend: Backend, prefix: str, choices: list[str], method: Cho
         scores=scores,
         normalized_logprobs=[_mean(lps) for lps in conditional],
         token_ids=token_ids,
+        token_texts=[[backend.decode([token_id]) for token_id in ids] for ids in token_ids],
         token_logprobs=conditional,
-        unconditional_token_logprobs=unconditional,
+        unconditional_logprobs=unconditional,
     )
 
 

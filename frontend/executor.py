@@ -9,6 +9,8 @@ Contracts:
   queued work (no thread outlives the program).
 - The first failure stops the program: later expressions are skipped and every read raises that error.
 - `end()` says nothing more will be queued; `text_iter` readers stop once the queue has drained after it.
+- Text events (what `text_iter` follows) are the text as it was appended; `separate_reasoning` later rewrites
+  the transcript (`text()`, `messages()`) but not the events already published.
 """
 
 from __future__ import annotations
@@ -19,18 +21,24 @@ from typing import Any, Iterator, Optional
 
 from radixserve.frontend.backends.base import Backend
 from radixserve.frontend.choices import score_choices
-from radixserve.frontend.ir import Concat, Gen, Part, RoleBegin, RoleEnd, Select, SetVariables
+from radixserve.frontend.ir import (Concat, Gen, Media, Part, RoleBegin, RoleEnd, Select, SeparateReasoning,
+                                    SetVariables, VarScopeBegin, VarScopeEnd)
+from radixserve.frontend.reasoning import reasoning_variable, split_reasoning
 from radixserve.frontend.sampling import SamplingDefaults
 from radixserve.frontend.transcript import Transcript
 
 _LOGPROB_LISTS = ("output_token_logprobs", "output_top_logprobs")
+
+# What text_iter readers see: (variable or None, appended text, meta_info of the generated piece or None).
+TextEvent = tuple[Optional[str], str, Optional[dict[str, Any]]]
 
 
 class ProgramExecutor:
     """The running state of one program (or one fork branch): its transcript, variables, and queue."""
 
     def __init__(self, backend: Backend, defaults: SamplingDefaults, stream: bool = False,
-                 transcript: Optional[Transcript] = None, variables: Optional[dict[str, Any]] = None):
+                 transcript: Optional[Transcript] = None, variables: Optional[dict[str, Any]] = None,
+                 scopes: Optional[dict[str, list[int]]] = None):
         self.backend = backend
         self.defaults = defaults
         self.stream = stream
@@ -39,12 +47,14 @@ class ProgramExecutor:
         self.variables: dict[str, Any] = dict(variables or {})
         self.assigned: list[str] = []  # variables this executor set, in order (what a join gathers)
         self.meta_info: dict[str, dict[str, Any]] = {}
+        self.scopes: dict[str, list[int]] = {name: list(starts) for name, starts in (scopes or {}).items()}
+        self.spans: dict[str, tuple[int, int]] = {}  # where each generated variable's text lies in the transcript
         self.error: Optional[BaseException] = None
         self.children: list[ProgramExecutor] = []
         self._queue: deque[Part] = deque()
         self._working = False  # a worker thread is draining the queue
         self._ended = False
-        self._events: list[tuple[Optional[str], str]] = []  # (variable or None, text) as appended
+        self._events: list[TextEvent] = []
         self._cond = threading.Condition()
 
     # ---- queueing --------------------------------------------------------------------------------
@@ -120,7 +130,15 @@ class ProgramExecutor:
 
     def iter_text(self, variable: Optional[str] = None) -> Iterator[str]:
         """Text as it is appended (only variable's, when given), until the program has ended and drained."""
+        for text, _ in self.iter_text_with_meta(variable):
+            yield text
+
+    def iter_text_with_meta(self, variable: Optional[str] = None) -> Iterator[tuple[str, Optional[dict[str, Any]]]]:
+        """(text, meta_info) pieces as in `iter_text`. A generated piece's meta_info is its chunk's, with the
+        output logprobs of every token since the previous piece (a chunk without text passes them on); a
+        constant text's is None."""
         position = 0
+        pending: Optional[dict[str, Any]] = None
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: len(self._events) > position or (self._ended and self._idle())
@@ -128,12 +146,28 @@ class ProgramExecutor:
                 events = self._events[position:]
                 position = len(self._events)
                 done = not events and (self.error is not None or (self._ended and self._idle()))
-            for name, text in events:
-                if variable is None or name == variable:
-                    yield text
+            for name, text, meta_info in events:
+                if variable is not None and name != variable:
+                    continue
+                if meta_info is not None:
+                    pending = meta_info if pending is None else merge_stream_meta(pending, meta_info)
+                if text:
+                    yield text, pending
+                    pending = None
             if done:
                 self.raise_if_failed()
                 return
+
+    @property
+    def ended(self) -> bool:
+        """Whether the program function has returned (nothing more will be queued)."""
+        with self._cond:
+            return self._ended
+
+    def set_after_end(self, name: str, value: Any) -> None:
+        """Set a variable of a program that has ended, once everything it queued has run."""
+        self.sync()
+        self._set(name, value)
 
     # ---- branches --------------------------------------------------------------------------------
 
@@ -147,22 +181,22 @@ class ProgramExecutor:
         if size > 1 and self.transcript.text:
             self.backend.prefill(self.transcript.text)
         children = [ProgramExecutor(self.backend, self.defaults, self.stream, self.transcript.copy(),
-                                    self.variables) for _ in range(size)]
+                                    self.variables, self.scopes) for _ in range(size)]
         with self._cond:
             self.children.extend(children)
         return children
 
     # ---- execution (worker thread) ---------------------------------------------------------------
 
-    def _emit(self, text: str, variable: Optional[str] = None) -> None:
+    def _emit(self, text: str, variable: Optional[str] = None, meta_info: Optional[dict[str, Any]] = None) -> None:
         with self._cond:
             self.transcript.append(text)
-            self._record(text, variable)
+            self._record(text, variable, meta_info)
 
-    def _record(self, text: str, variable: Optional[str] = None) -> None:
+    def _record(self, text: str, variable: Optional[str] = None, meta_info: Optional[dict[str, Any]] = None) -> None:
         """Publish appended text to text_iter readers (the caller holds the lock)."""
-        if text:
-            self._events.append((variable, text))
+        if text or meta_info is not None:
+            self._events.append((variable, text, meta_info))
             self._cond.notify_all()
 
     def _set(self, name: str, value: Any, meta_info: Optional[dict[str, Any]] = None) -> None:
@@ -191,6 +225,14 @@ class ProgramExecutor:
         elif isinstance(item, SetVariables):
             for name, value in item.values:
                 self._set(name, value)
+        elif isinstance(item, VarScopeBegin):
+            self.scopes.setdefault(item.name, []).append(len(self.transcript.text))
+        elif isinstance(item, VarScopeEnd):
+            self._end_scope(item.name)
+        elif isinstance(item, SeparateReasoning):
+            self._separate_reasoning(item)
+        elif isinstance(item, Media):
+            self.backend.check_modality(item.kind)
         else:  # pragma: no cover - ProgramState.__iadd__ checks what it queues
             raise TypeError(f"cannot execute {item!r}")
 
@@ -200,6 +242,12 @@ class ProgramExecutor:
             change = self.transcript.begin_role if begin else self.transcript.end_role
             self._record(change(role, template))
 
+    def _end_scope(self, name: str) -> None:
+        starts = self.scopes.get(name)
+        if not starts:
+            raise ValueError(f"var_scope {name!r} ended without being begun")
+        self._set(name, self.transcript.text[starts.pop():])
+
     def _gen(self, gen: Gen) -> None:
         sampling_params, options = self.defaults.resolve(gen.params)
         prompt = self.transcript.text
@@ -207,26 +255,44 @@ class ProgramExecutor:
             text, meta_info = "", {}
             for chunk in self.backend.generate_stream(prompt, sampling_params, **options):
                 text += chunk["text"]
-                meta_info = _merge_stream_meta(meta_info, chunk["meta_info"])
-                self._emit(chunk["text"], gen.name)
+                meta_info = merge_stream_meta(meta_info, chunk["meta_info"])
+                self._emit(chunk["text"], gen.name, chunk["meta_info"])
         else:
             result = self.backend.generate(prompt, sampling_params, **options)
             text, meta_info = result["text"], result["meta_info"]
-            self._emit(text, gen.name)
+            self._emit(text, gen.name, meta_info)
         if gen.name is not None:
+            self.spans[gen.name] = (len(prompt), len(prompt) + len(text))
             self._set(gen.name, text, meta_info)
 
     def _select(self, select: Select) -> None:
-        outcome = score_choices(self.backend, self.transcript.text, list(select.choices), select.method)
+        prompt = self.transcript.text
+        outcome = score_choices(self.backend, prompt, list(select.choices), select.method)
         self._emit(outcome.choice, select.name)
         if select.name is not None:
+            self.spans[select.name] = (len(prompt), len(prompt) + len(outcome.choice))
             self._set(select.name, outcome.choice, outcome.meta_info())
 
+    def _separate_reasoning(self, item: SeparateReasoning) -> None:
+        """Each variable keeps its answer, `<name>_reasoning_content` gets its reasoning, and the variable's
+        text in the transcript becomes the answer (the spans of text after it move with it)."""
+        for name in sorted(item.names, key=lambda n: self.spans[n][0], reverse=True):
+            start, end = self.spans[name]
+            reasoning, answer = split_reasoning(self.variables[name], item.model_type)
+            with self._cond:
+                self.transcript.replace(start, end, answer)
+            shift = len(answer) - (end - start)
+            self.spans = {other: (s + shift, e + shift) if s >= end else (s, e)
+                          for other, (s, e) in self.spans.items()}
+            self.spans[name] = (start, start + len(answer))
+            self._set(reasoning_variable(name), reasoning)
+            self._set(name, answer)
 
-def _merge_stream_meta(so_far: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+
+def merge_stream_meta(so_far: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     """A stream chunk's meta_info carries the output logprobs of its own tokens only; keep them all."""
     merged = dict(new)
     for key in _LOGPROB_LISTS:
-        if key in new:
-            merged[key] = list(so_far.get(key, [])) + list(new[key])
+        if key in new or key in so_far:
+            merged[key] = list(so_far.get(key, [])) + list(new.get(key, []))
     return merged

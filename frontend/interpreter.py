@@ -2,9 +2,9 @@
 
 A run creates the program's executor and state, calls the function (whose `s += ...` only queue work), and,
 unless streaming, waits for the program and every branch it forked. A batch first prefills the prefix that
-every program's text begins with (found by tracing, see tracing.py) in one max_new_tokens=0 request, then
-runs the programs on a thread pool; their requests meet in the scheduler and batch there, each finding the
-prefix in the radix cache.
+every program's text begins with (found by tracing, see tracing.py) in one max_new_tokens=0 request (unless
+global_config.enable_precache_with_tracing is False), then runs the programs on a thread pool; their requests
+meet in the scheduler and batch there, each finding the prefix in the radix cache.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from tqdm.auto import tqdm
 
 from radixserve.frontend.backends.base import Backend
 from radixserve.frontend.executor import ProgramExecutor
+from radixserve.frontend.global_config import global_config
 from radixserve.frontend.sampling import SamplingDefaults
 from radixserve.frontend.state import ProgramState
 from radixserve.frontend.tracing import constant_prefix
@@ -36,6 +37,8 @@ def run_program(func: Callable[..., Any], args: tuple, kwargs: dict[str, Any], b
     if not stream:
         executor.wait_all()
         executor.raise_if_failed()
+        if global_config.verbosity >= 2:
+            print(state.text())
     return state
 
 
@@ -49,7 +52,7 @@ def run_program_batch(func: Callable[..., Any], batch_kwargs: list[dict[str, Any
     """
     if not batch_kwargs:
         return []
-    if len(batch_kwargs) > 1:
+    if len(batch_kwargs) > 1 and global_config.enable_precache_with_tracing:
         names = sorted(set().union(*batch_kwargs))
         prefix = constant_prefix(func, names, bound, lambda: backend.chat_template)
         if prefix:

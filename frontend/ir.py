@@ -75,6 +75,7 @@ class GenParams:
     logprob_start_len: Optional[int] = None
     top_logprobs_num: Optional[int] = None
     return_text_in_logprobs: Optional[bool] = None
+    dtype: Optional[str] = None  # "int", "float", "str" or "bool": a regex constraint (see dtypes.py)
 
 
 @dataclass(frozen=True)
@@ -107,6 +108,38 @@ class RoleEnd(Expr):
     """Close the open chat message of `role`: appends the template's suffix and records the message."""
 
     role: str
+
+
+@dataclass(frozen=True)
+class VarScopeBegin(Expr):
+    """Start capturing text into variable `name` (`with s.var_scope(name):`); appends nothing."""
+
+    name: str
+
+
+@dataclass(frozen=True)
+class VarScopeEnd(Expr):
+    """Set variable `name` to the text appended since its VarScopeBegin."""
+
+    name: str
+
+
+@dataclass(frozen=True)
+class SeparateReasoning(Expr):
+    """Split the reasoning out of the generated variables `names` (see reasoning.py): each keeps the answer,
+    `<name>_reasoning_content` gets the reasoning, and the program text keeps only the answer."""
+
+    names: tuple[str, ...]
+    model_type: str
+
+
+@dataclass(frozen=True)
+class Media(Expr):
+    """An image or video input (`image(path)`, `video(path, num_frames)`)."""
+
+    kind: str
+    path: str
+    num_frames: Optional[int] = None
 
 
 @dataclass(frozen=True)

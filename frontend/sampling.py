@@ -2,7 +2,8 @@
 
 `f.run(temperature=0, max_new_tokens=64)` sets the defaults of every `gen` in the program; a `gen(...)`
 argument that is not None wins. The result is the native API's request fields: `sampling_params` (SGLang
-names, as the Engine and `/generate` take them) plus the logprob options.
+names, as the Engine and `/generate` take them) plus the logprob options. A gen's `dtype` becomes a `regex`
+(dtypes.py).
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from radixserve.frontend.dtypes import dtype_regex, dtype_stops
+from radixserve.frontend.global_config import global_config
 from radixserve.frontend.ir import GenParams
 
 # Fields of GenParams that are request options, not sampling parameters.
@@ -47,18 +50,26 @@ class SamplingDefaults:
         return SamplingDefaults(**clean)
 
     def resolve(self, params: GenParams) -> tuple[dict[str, Any], dict[str, Any]]:
-        """(sampling_params, logprob options) for one `gen` call: its own settings over these defaults."""
+        """(sampling_params, logprob options) for one `gen` call: its own settings over these defaults, its
+        dtype as a regex constraint (plus its stop strings), and global_config's special-token settings."""
         merged = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         for f in dataclasses.fields(params):
             value = getattr(params, f.name)
             if value is not None:
                 merged[f.name] = value
         options = {name: merged.pop(name) for name in _LOGPROB_FIELDS}
+        dtype = merged.pop("dtype", None)
+        if dtype is not None:
+            merged["regex"] = dtype_regex(dtype)
+            merged["stop"] = tuple(merged["stop"]) + tuple(stop for stop in dtype_stops(dtype)
+                                                           if stop not in merged["stop"])
         for name in ("regex", "json_schema"):
             if merged.get(name) is None:
                 merged.pop(name, None)
         merged["stop"] = list(merged["stop"])
         merged["stop_token_ids"] = list(merged["stop_token_ids"])
+        merged["skip_special_tokens"] = global_config.skip_special_tokens_in_output
+        merged["spaces_between_special_tokens"] = global_config.spaces_between_special_tokens_in_out
         return merged, options
 
 

@@ -5,7 +5,10 @@
     with s.user():                                 # the same as s += user_begin() ... s += user_end()
         s += "Thanks!"
     s["answer"]; s.text(); s.messages()           # wait for the results they depend on
+    with s.var_scope("json"):                      # s["json"]: the text appended inside the block
+        s += "{" + gen_int("n") + "}"
     forks = s.fork(3)                              # branches sharing the text so far
+    forks += lambda i: f"Idea {i + 1}:"            # per-branch text (or forks[i] += ..., or a list)
     for f in forks: f += gen("idea", max_tokens=16)
     forks.join()                                   # s["idea"] == [branch 0's, branch 1's, branch 2's]
 
@@ -14,17 +17,20 @@ Reading from a failed program raises its first error.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-from typing import Any, Iterator, Optional
+from typing import Any, AsyncIterator, Iterator, Optional, Union
 
 from radixserve.frontend.executor import ProgramExecutor
-from radixserve.frontend.ir import RoleBegin, RoleEnd, SetVariables, check_part
+from radixserve.frontend.ir import (Expr, RoleBegin, RoleEnd, SetVariables, VarScopeBegin, VarScopeEnd, check_part,
+                                    role_expr)
 
 JOIN_MODES = ("gather_variable", "concate_and_append")
 
 
-class RoleScopes:
-    """`with s.system(): ...`, `with s.user(): ...`, `with s.assistant(): ...`: a message around the block."""
+class StateScopes:
+    """What both the program state and the prefix tracer offer: role messages, `s.user(expr)` or
+    `with s.user(): ...` (also system, assistant), and `with s.var_scope(name): ...`."""
 
     def __iadd__(self, other: Any) -> Any:  # pragma: no cover - defined by the subclasses
         raise NotImplementedError
@@ -35,17 +41,32 @@ class RoleScopes:
         yield
         self += RoleEnd(role)
 
-    def system(self) -> contextlib.AbstractContextManager:
-        return self._role_scope("system")
+    def _role(self, role: str, expr: Any) -> Any:
+        if expr is None:
+            return self._role_scope(role)
+        message = role_expr(role, expr)
+        self += message
+        return message
 
-    def user(self) -> contextlib.AbstractContextManager:
-        return self._role_scope("user")
+    def system(self, expr: Any = None) -> Any:
+        """With `expr`: append a system message around it. Without: a context manager around a block."""
+        return self._role("system", expr)
 
-    def assistant(self) -> contextlib.AbstractContextManager:
-        return self._role_scope("assistant")
+    def user(self, expr: Any = None) -> Any:
+        return self._role("user", expr)
+
+    def assistant(self, expr: Any = None) -> Any:
+        return self._role("assistant", expr)
+
+    @contextlib.contextmanager
+    def var_scope(self, name: str) -> Iterator[None]:
+        """Variable `name` becomes the text appended inside the block (constants and generations alike)."""
+        self += VarScopeBegin(name)
+        yield
+        self += VarScopeEnd(name)
 
 
-class ProgramState(RoleScopes):
+class ProgramState(StateScopes):
     """What a program function gets as `s`, and what `run` returns."""
 
     def __init__(self, executor: ProgramExecutor):
@@ -64,8 +85,15 @@ class ProgramState(RoleScopes):
         return self._executor.get_variable(name)
 
     def set_var(self, name: str, value: Any) -> None:
-        """Set a variable in program order (after what is already queued)."""
-        self._executor.submit(SetVariables(((name, value),)))
+        """Set a variable in program order (after what is already queued); on the state `run` returned, once
+        the program has finished (`state["n"] = int(state["n"])`)."""
+        if self._executor.ended:
+            self._executor.set_after_end(name, value)
+        else:
+            self._executor.submit(SetVariables(((name, value),)))
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        self.set_var(name, value)
 
     def __contains__(self, name: str) -> bool:
         self.sync()
@@ -92,6 +120,20 @@ class ProgramState(RoleScopes):
         With `run(stream=True)` generations arrive in pieces as the model decodes."""
         return self._executor.iter_text(var_name)
 
+    async def text_async_iter(self, var_name: Optional[str] = None,
+                              return_meta_data: bool = False) -> AsyncIterator[Union[str, tuple[str, Any]]]:
+        """`text_iter` for async code (the waiting runs on the loop's default executor). With
+        return_meta_data, yields (text, meta_info): a generated piece's meta_info has the output logprobs of
+        the tokens since the previous piece; a constant text's is None."""
+        loop = asyncio.get_running_loop()
+        pieces = self._executor.iter_text_with_meta(var_name)
+        done = object()
+        while True:
+            piece = await loop.run_in_executor(None, next, pieces, done)
+            if piece is done:
+                return
+            yield piece if return_meta_data else piece[0]
+
     @property
     def error(self) -> Optional[BaseException]:
         """The exception that stopped the program, or None (waits for everything queued)."""
@@ -111,13 +153,24 @@ class ProgramState(RoleScopes):
         runs."""
         return ProgramStateGroup([ProgramState(child) for child in self._executor.fork(size)], self)
 
+    @contextlib.contextmanager
+    def copy(self) -> Iterator["ProgramState"]:
+        """`with s.copy() as c: c += ...`: one branch, joined back (its variables gathered) after the block."""
+        group = self.fork(1)
+        try:
+            yield group[0]
+        finally:
+            group.join()
+
     def __repr__(self) -> str:
         # No waiting and no raising here: the text as far as it has run.
         return f"ProgramState(text={self._executor.transcript.text!r})"
 
 
 class ProgramStateGroup:
-    """The branches of a fork: index or iterate them; `+=` appends to every branch; `join` reports back."""
+    """The branches of a fork: index or iterate them; `forks[i] += x` appends to branch i; `forks += x`
+    appends x to every branch, `forks += lambda i: ...` each branch its own expression, and `forks += [x0,
+    x1, ...]` one item per branch; `join` reports back."""
 
     def __init__(self, states: list[ProgramState], parent: ProgramState):
         self.states = states
@@ -126,6 +179,11 @@ class ProgramStateGroup:
     def __getitem__(self, index: int) -> ProgramState:
         return self.states[index]
 
+    def __setitem__(self, index: int, value: Any) -> None:
+        # `forks[i] += x` appends to the branch, then stores it back in place: the same state.
+        if value is not self.states[index]:
+            raise TypeError("fork branches cannot be replaced; append to one with forks[i] += ...")
+
     def __len__(self) -> int:
         return len(self.states)
 
@@ -133,8 +191,19 @@ class ProgramStateGroup:
         return iter(self.states)
 
     def __iadd__(self, other: Any) -> "ProgramStateGroup":
-        for state in self.states:
-            state += other
+        if isinstance(other, (str, Expr)):
+            items = [other] * len(self.states)
+        elif callable(other):
+            items = [other(i) for i in range(len(self.states))]
+        elif isinstance(other, (list, tuple)):
+            if len(other) != len(self.states):
+                raise ValueError(f"forks += a list needs one item per branch ({len(self.states)}), got {len(other)}")
+            items = list(other)
+        else:
+            raise TypeError(f"forks += takes text, an expression, a function of the branch index, or a list of "
+                            f"them, not {type(other).__name__}")
+        for state, item in zip(self.states, items):
+            state += item
         return self
 
     def join(self, mode: str = "gather_variable") -> None:

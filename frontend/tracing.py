@@ -3,7 +3,8 @@
 `run_batch` prefills that prefix once, so the programs, which start together, all find it in the radix
 cache instead of each computing it. The prefix is found by running the program function once with a
 tracing state and stand-ins for its arguments: it collects the constant text (strings, roles) and stops at
-the first thing that depends on an argument or on the model (a gen, a select, reading a variable, a fork).
+the first thing that depends on an argument or on the model (a gen, a select, reading a variable, a fork,
+an image).
 The traced text is built with the same Transcript and chat template as a real run, so it is exactly the
 start of every program's text.
 
@@ -17,8 +18,8 @@ import inspect
 from typing import Any, Callable
 
 from radixserve.frontend.chat_template import ChatTemplate
-from radixserve.frontend.ir import Concat, Part, RoleBegin, RoleEnd, check_part
-from radixserve.frontend.state import RoleScopes
+from radixserve.frontend.ir import Concat, Part, RoleBegin, RoleEnd, VarScopeBegin, VarScopeEnd, check_part
+from radixserve.frontend.state import StateScopes
 from radixserve.frontend.transcript import Transcript
 
 
@@ -43,7 +44,7 @@ class _Unknown:
         raise _StopTracing
 
 
-class TracingState(RoleScopes):
+class TracingState(StateScopes):
     """A stand-in for ProgramState that records constant text and stops at anything else."""
 
     def __init__(self, template: Callable[[], ChatTemplate]):
@@ -64,6 +65,8 @@ class TracingState(RoleScopes):
             self.transcript.begin_role(item.role, self._template())
         elif isinstance(item, RoleEnd):
             self.transcript.end_role(item.role, self._template())
+        elif isinstance(item, (VarScopeBegin, VarScopeEnd)):
+            pass  # appends no text
         else:
             raise _StopTracing
 

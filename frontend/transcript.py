@@ -20,12 +20,22 @@ class Transcript:
         self.messages: list[dict[str, str]] = []
         self.role: Optional[str] = None
         self._content_start = 0  # where the open message's content begins in text
+        self._frozen_until = 0  # text before this belongs to finished messages
 
     def copy(self) -> "Transcript":
         return copy.deepcopy(self)
 
     def append(self, text: str) -> None:
         self.text += text
+
+    def replace(self, start: int, end: int, new: str) -> None:
+        """Replace text[start:end] by `new`: text of the open message, or after the last message. ValueError
+        for text that a finished message (or the open one's prefix) already holds."""
+        limit = self._content_start if self.role is not None else self._frozen_until
+        if start < limit:
+            raise ValueError("cannot rewrite text of a finished chat message: put separate_reasoning inside the "
+                             "message, e.g. assistant(separate_reasoning(gen(\"answer\"), model_type=...))")
+        self.text = self.text[:start] + new + self.text[end:]
 
     def begin_role(self, role: str, template: ChatTemplate) -> str:
         """Open a message of `role`; returns the prefix it appended. ValueError if a message is open."""
@@ -44,4 +54,5 @@ class Transcript:
         suffix = template.suffix(role)
         self.text += suffix
         self.role = None
+        self._frozen_until = len(self.text)
         return suffix

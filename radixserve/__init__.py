@@ -4,7 +4,7 @@
     with Engine() as engine:                       # the embedded SmolLM2-135M-Instruct
         print(engine.generate("Hello", {"max_new_tokens": 16})["text"])
 
-    from radixserve import function, gen, select  # the frontend DSL
+    from radixserve import function, gen, select  # the frontend DSL (SGLang's names: `import radixserve as sgl`)
 
 Public names load lazily, so `import radixserve` stays cheap (no torch until an Engine is made).
 """
@@ -27,8 +27,10 @@ _LAZY = {
 }
 # The frontend DSL, SGLang's names: `from radixserve import function, gen, select, ...`.
 _DSL_NAMES = (
-    "function", "gen", "select", "system", "user", "assistant", "system_begin", "system_end", "user_begin",
-    "user_end", "assistant_begin", "assistant_end", "set_default_backend", "RuntimeEndpoint", "EngineBackend",
+    "function", "gen", "gen_int", "gen_string", "select", "separate_reasoning", "image", "video", "flush_cache",
+    "get_server_info", "global_config", "Runtime", "RuntimeEndpoint",
+    "system", "user", "assistant", "system_begin", "system_end", "user_begin",
+    "user_end", "assistant_begin", "assistant_end", "set_default_backend", "EngineBackend",
     "token_length_normalized", "greedy_token_selection", "unconditional_likelihood_normalized",
 )
 _LAZY.update({name: ("radixserve.frontend", name) for name in _DSL_NAMES})

@@ -337,7 +337,8 @@ def load_example(name: str):
     return module
 
 
-@pytest.mark.parametrize("name", ["dsl_fork_branches", "dsl_fewshot_select", "dsl_json_extraction"])
+@pytest.mark.parametrize("name", ["dsl_fork_branches", "dsl_fewshot_select", "dsl_json_extraction",
+                                  "dsl_sglang_script"])
 def test_example_scripts_run_against_the_server(name, server, capsys):
     example = load_example(name)
     example.main(["--url", server.url, "--api-key", KEY_A])
@@ -346,6 +347,13 @@ def test_example_scripts_run_against_the_server(name, server, capsys):
         cached = [line for line in lines if "prompt tokens came from the cache" in line]
         assert len(cached) == 3 and all(not line.split("] ")[1].startswith("0 ") for line in cached)
         assert lines[-1].strip().startswith("summary:")
+    elif name == "dsl_sglang_script":
+        assert [line.split(":")[0] for line in lines[:3]] == ["tip 1", "tip 2", "tip 3"]
+        cached = json.loads(lines[3].split(": ", 1)[1])
+        assert len(cached) == 3 and all(tokens > 10 for tokens in cached)
+        assert lines[4].startswith("answer:")
+        record = json.loads(lines[5].split(": ", 1)[1])
+        assert isinstance(record["name"], str) and isinstance(record["founded"], int)
     elif name == "dsl_fewshot_select":
         assert [line.split()[0] for line in lines] == ["negative", "positive", "negative", "positive", "negative"]
     else:

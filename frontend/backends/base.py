@@ -31,12 +31,17 @@ class InvalidRequestError(BackendError, ValueError):
     """The backend rejected the request's arguments (HTTP 400), as the Engine raises ValueError."""
 
 
+class ModalityNotSupportedError(BackendError, ValueError):
+    """A program gave an image or video to a model that reads only text (every model radixserve serves)."""
+
+
 class Backend(ABC):
     """A model the DSL runs programs against. `chat_template`: a ChatTemplate or a Jinja template string that
     replaces the model tokenizer's own for system()/user()/assistant()."""
 
     def __init__(self, chat_template: Union[ChatTemplate, str, None] = None):
         self._lock = threading.Lock()
+        self._incremental_streaming: Optional[bool] = None
         self._tokenizer: Any = None
         self._chat_template_arg = chat_template
         self._chat_template: Optional[ChatTemplate] = chat_template if isinstance(chat_template, ChatTemplate) else None
@@ -62,6 +67,28 @@ class Backend(ABC):
     @abstractmethod
     def flush_cache(self) -> bool:
         """Drop the radix cache; False when the server refused (requests running)."""
+
+    @abstractmethod
+    def _streams_incrementally(self) -> bool:
+        """Whether the server's streaming chunks carry only the new text (SGLang's
+        --incremental-streaming-output), rather than the whole text so far (SGLang's default)."""
+
+    def streams_incrementally(self) -> bool:
+        """Whether streaming chunks carry only new text (asked once, then remembered)."""
+        if self._incremental_streaming is None:
+            self._incremental_streaming = self._streams_incrementally()
+        return self._incremental_streaming
+
+    @property
+    def model_name(self) -> str:
+        """The served model's path or name, for messages."""
+        return "the served model"
+
+    def check_modality(self, kind: str) -> None:
+        """Raise ModalityNotSupportedError: `kind` ("image", "video") input needs a multimodal model, and
+        radixserve serves text-only models (Llama, Mistral, Qwen2, Qwen3 families)."""
+        raise ModalityNotSupportedError(f"{kind} input is not supported by this model ({self.model_name}): "
+                                        f"it reads text only")
 
     # ---- tokenizer and chat template -----------------------------------------------------------
 
@@ -100,9 +127,11 @@ class Backend(ABC):
         return _check_not_aborted(self._request(_payload(text, sampling_params, options)))
 
     def generate_stream(self, text: str, sampling_params: dict[str, Any], **options: Any) -> Iterator[dict[str, Any]]:
-        """`generate`, as streaming chunks: each has the new "text" and the "meta_info" so far."""
+        """`generate`, as streaming chunks: each has the new "text" and a "meta_info" whose output logprob lists
+        hold the new tokens' entries only, whichever way the server streams (see `_streams_incrementally`)."""
+        deltas = StreamDeltas(self.streams_incrementally())
         for chunk in self._request_stream({**_payload(text, sampling_params, options), "stream": True}):
-            yield _check_not_aborted(chunk)
+            yield deltas(_check_not_aborted(chunk))
 
     def prefill(self, text: str) -> dict[str, Any]:
         """Run `text` through the model without generating (max_new_tokens=0), so the radix cache holds its
@@ -129,6 +158,47 @@ class Backend(ABC):
             "logprob_start_len": list(starts),
         })
         return [_prompt_logprobs_of(result, ids, start) for result, ids, start in zip(results, input_ids, starts)]
+
+
+_STREAMED_LOGPROB_LISTS = ("output_token_logprobs", "output_top_logprobs")
+
+
+class StreamDeltas:
+    """Turns one request's streaming chunks into chunks with only what is new in "text" and in the output
+    logprob lists, whichever way the server streams.
+
+    Text: with `incremental` each chunk's text is already new; otherwise it is the whole text so far, which
+    must begin with the text of the chunks before (BackendError if not: the two streaming modes mixed up).
+    Logprob lists: a list as long as the tokens generated so far (meta_info completion_tokens) after earlier
+    chunks had entries holds them all again, and only its tail is new.
+    """
+
+    def __init__(self, incremental: bool):
+        self.incremental = incremental
+        self.text = ""  # the whole text so far
+        self._entries_so_far = dict.fromkeys(_STREAMED_LOGPROB_LISTS, 0)
+
+    def __call__(self, chunk: dict[str, Any]) -> dict[str, Any]:
+        chunk = dict(chunk)
+        meta_info = chunk["meta_info"] = dict(chunk.get("meta_info") or {})
+        if self.incremental:
+            self.text += chunk["text"]
+        else:
+            whole = chunk["text"]
+            if not whole.startswith(self.text):
+                raise BackendError("a streamed chunk does not continue the text so far: the server's streaming "
+                                   "mode (incremental_streaming_output) is not the one it reported")
+            chunk["text"], self.text = whole[len(self.text):], whole
+        completion_tokens = meta_info.get("completion_tokens")
+        for key in _STREAMED_LOGPROB_LISTS:
+            entries = meta_info.get(key)
+            if entries is None:
+                continue
+            seen = self._entries_so_far[key]
+            if seen and len(entries) == completion_tokens:
+                entries = meta_info[key] = list(entries)[seen:]
+            self._entries_so_far[key] = seen + len(entries)
+        return chunk
 
 
 def _check_not_aborted(result: dict[str, Any]) -> dict[str, Any]:

@@ -12,21 +12,25 @@ _default: Optional[Backend] = None
 
 
 def as_backend(value: Any) -> Backend:
-    """`value` as a Backend: a Backend as is, a radixserve Engine wrapped in an EngineBackend."""
+    """`value` as a Backend: a Backend as is, a `Runtime` as its endpoint, a radixserve Engine wrapped in an
+    EngineBackend."""
     if isinstance(value, Backend):
         return value
+    if isinstance(getattr(value, "endpoint", None), Backend):  # a Runtime (a server launched from the script)
+        return value.endpoint
     if callable(getattr(value, "generate", None)) and hasattr(value, "tokenizer"):
         from radixserve.frontend.backends.engine_backend import EngineBackend
 
         return EngineBackend(value)
-    raise TypeError(f"not a backend: {type(value).__name__} (use RuntimeEndpoint(url), an Engine, or an "
-                    f"EngineBackend)")
+    raise TypeError(f"not a backend: {type(value).__name__} (use RuntimeEndpoint(url), a Runtime, an Engine, "
+                    f"or an EngineBackend)")
 
 
-def set_default_backend(backend: Any) -> Backend:
-    """Make `backend` (a Backend or an Engine) the default for every program; returns the Backend."""
+def set_default_backend(backend: Any) -> Optional[Backend]:
+    """Make `backend` (a Backend, a Runtime or an Engine) the default for every program; returns the Backend.
+    None clears the default."""
     global _default
-    resolved = as_backend(backend)
+    resolved = None if backend is None else as_backend(backend)
     with _lock:
         _default = resolved
     return resolved

@@ -83,5 +83,15 @@ class EngineBackend(Backend):
     def get_server_info(self) -> dict[str, Any]:
         return self.engine.get_server_info()
 
+    def _streams_incrementally(self) -> bool:
+        # An Engine without the setting (this version) streams only the new text.
+        setting = getattr(getattr(self.engine, "server_args", None), "incremental_streaming_output", None)
+        return True if setting is None else bool(setting)
+
+    @property
+    def model_name(self) -> str:
+        info = getattr(self.engine, "model_info", None) or {}
+        return str(info.get("model_path") or "the engine's model")
+
     def flush_cache(self) -> bool:
         return self.engine.flush_cache()

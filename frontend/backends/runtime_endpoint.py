@@ -106,6 +106,24 @@ class RuntimeEndpoint(Backend):
     def get_server_info(self) -> dict[str, Any]:
         return self._get("/get_server_info")
 
+    def _streams_incrementally(self) -> bool:
+        """The server's incremental_streaming_output, as /get_server_info reports it (at the top level, as
+        SGLang does, or under "server_args"); a server that does not report it streams new text only."""
+        try:
+            info = self.get_server_info()
+        except BackendError as error:
+            if error.status_code not in (401, 403):
+                raise
+            info = {}  # a key that may not read the server's information: rely on the model info
+        for source in (info, info.get("server_args"), self.model_info):
+            if isinstance(source, dict) and source.get("incremental_streaming_output") is not None:
+                return bool(source["incremental_streaming_output"])
+        return True
+
+    @property
+    def model_name(self) -> str:
+        return str(self.model_info.get("model_path") or self.base_url)
+
     def flush_cache(self) -> bool:
         with _transport_errors(self.base_url):
             response = self._client.post("/flush_cache")
