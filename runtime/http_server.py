@@ -28,6 +28,7 @@ from fastapi import APIRouter, Depends, FastAPI
 from starlette.requests import Request
 from starlette.responses import Response
 
+from radixserve.runtime.cache_page import router as cache_page_router
 from radixserve.runtime.http_generation import json_response
 from radixserve.runtime.http_state import InflightRequests, ServerState, caller_tenant
 from radixserve.runtime.metrics import ServerMetrics
@@ -118,6 +119,7 @@ def create_app(engine: Any, server_args: ServerArgs) -> FastAPI:
     protected.add_api_route("/v1/completions", _completions, methods=["POST"])
     app.include_router(protected)
     app.include_router(native_router)
+    app.include_router(cache_page_router)  # /cache (the page) and /cache/tree (runtime/cache_page.py)
     return app
 
 

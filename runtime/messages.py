@@ -1,8 +1,8 @@
 """Every message that crosses a process boundary, as tagged msgspec Structs.
 
-TokenizerManager -> Scheduler:      TokenizedGenerateReq, AbortReq, FlushCacheReq, GetServerInfoReq
+TokenizerManager -> Scheduler:      TokenizedGenerateReq, AbortReq, FlushCacheReq, GetServerInfoReq, CacheTreeReq
 Scheduler -> DetokenizerManager:    BatchTokenOut (and control replies, forwarded untouched)
-DetokenizerManager -> Tokenizer:    BatchTextOut, FlushCacheReqOutput, GetServerInfoReqOutput
+DetokenizerManager -> Tokenizer:    BatchTextOut, FlushCacheReqOutput, GetServerInfoReqOutput, CacheTreeReqOutput
 Children -> parent at start-up:     ProcessReady or ProcessFailed (on the same socket as their outputs)
 
 Sockets carry `encode(msg)` bytes and are read with `decode(data)`; no pickle. This module imports
@@ -14,6 +14,8 @@ from __future__ import annotations
 from typing import Any, Optional, Union
 
 import msgspec
+
+from radixserve.runtime.cache_tree_types import CacheTreeReq, CacheTreeReqOutput
 
 
 class SamplingParams(msgspec.Struct, kw_only=True):
@@ -131,6 +133,8 @@ Message = Union[
     FlushCacheReqOutput,
     GetServerInfoReq,
     GetServerInfoReqOutput,
+    CacheTreeReq,
+    CacheTreeReqOutput,
     BatchTokenOut,
     BatchTextOut,
     ProcessReady,

@@ -42,7 +42,9 @@ from radixserve.runtime.messages import (
     AbortReq, FlushCacheReq, FlushCacheReqOutput, GetServerInfoReq, GetServerInfoReqOutput, TokenizedGenerateReq,
 )
 from radixserve.runtime.server_args import ServerArgs
+from radixserve.runtime.cache_tree_types import CacheTreeReq, CacheTreeReqOutput
 from radixserve.scheduler.batch import ScheduleBatch, allocate_slots, assemble_batch, needs_exact_history
+from radixserve.scheduler.cache_view import RecentRequests, cache_tree_summary
 from radixserve.scheduler.grammar import GrammarManager
 from radixserve.scheduler.info import ready_info, server_info
 from radixserve.scheduler.input_logprobs import collect_input_logprobs, plan_input_logprobs, prefix_limit
@@ -90,6 +92,7 @@ class Scheduler:
         self.reqs: dict[str, Req] = {}  # every request not yet released, by rid
         self.inflight: deque[LaunchedBatch] = deque()
         self.stats = SchedulerStats()
+        self.recent_requests = RecentRequests()  # paths of finished requests, for the cache page
         self._outputs: list[Any] = []
         self._news: dict[str, Req] = {}  # requests to consider for the next BatchTokenOut
         self._arrivals = itertools.count()
@@ -138,6 +141,8 @@ class Scheduler:
             self._reply(FlushCacheReqOutput(msg.rpc_id, success, message))
         elif isinstance(msg, GetServerInfoReq):
             self._reply(GetServerInfoReqOutput(msg.rpc_id, self.server_info()))
+        elif isinstance(msg, CacheTreeReq):
+            self._reply(CacheTreeReqOutput(msg.rpc_id, cache_tree_summary(self, msg)))
         else:
             logger.warning("scheduler ignores a message of type %s", type(msg).__name__)
 
@@ -371,6 +376,7 @@ class Scheduler:
     # ---- finishing and releasing ------------------------------------------------------------------
     def _finish(self, req: Req, reason: dict[str, Any]) -> None:
         req.finish(reason)
+        self.recent_requests.record(req)
         if req in self.running:
             self.running.remove(req)
         self.stats.num_finished += 1
