@@ -16,7 +16,6 @@ API call it makes (`/cache/tree`, `/get_server_info`).
 
 from __future__ import annotations
 
-from importlib import resources
 from typing import Annotated, Any, Literal, Optional
 
 import msgspec
@@ -28,17 +27,13 @@ from radixserve.runtime.cache_tree_types import MAX_SUMMARY_DEPTH, MAX_SUMMARY_N
 from radixserve.runtime.http_generation import json_response
 from radixserve.runtime.http_state import ServerState, caller_tenant
 from radixserve.runtime.openai.errors import APIError, bad_request
+from radixserve.runtime.static_files import static_text
 from radixserve.tokenizer_manager.io import make_namespace
 
 MAX_TEXT_TOKENS = 256  # per node with detail=text: the start of a long node is enough to recognise it
 ASSETS = {"cache.js": "text/javascript", "cache.css": "text/css"}
 
 router = APIRouter()
-
-
-def static_text(name: str) -> str:
-    """A file of runtime/static/ (package data)."""
-    return resources.files("radixserve.runtime").joinpath("static", name).read_text(encoding="utf-8")
 
 
 @router.get("/cache/tree")
