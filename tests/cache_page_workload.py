@@ -36,6 +36,17 @@ class Workload:
         return len({prompt[0] for prompt in self.prompts})
 
 
+_sent: dict[tuple[str, str], Workload] = {}
+
+
+def shared_prefix_workload(url: str, key: str, tenant: str) -> Workload:
+    """The workload of this test session on the server at `url` for `key`, sent the first time it is asked for
+    (the page and API test modules look at the same one)."""
+    if (url, key) not in _sent:
+        _sent[url, key] = run_shared_prefix(url, key, tenant)
+    return _sent[url, key]
+
+
 def run_shared_prefix(url: str, key: str, tenant: str, seed: int = 11) -> Workload:
     """Send GROUPS x PER_GROUP prompts (a group's system prompt + a question) as one /generate batch."""
     sessions = shared_prefix_sessions(load_tokenizer_for(None), GROUPS, PER_GROUP, SYSTEM_LEN, QUESTION_LEN,

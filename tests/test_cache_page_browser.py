@@ -20,7 +20,7 @@ import uuid
 import httpx
 import pytest
 
-from cache_page_workload import GROUPS, Workload, run_shared_prefix
+from cache_page_workload import GROUPS, Workload, shared_prefix_workload
 from http_fixtures import KEY_A, KEY_B, shared_server
 
 CHROMIUM = "/usr/bin/chromium"
@@ -42,7 +42,7 @@ def server():
 
 @pytest.fixture(scope="module")
 def workload(server) -> Workload:
-    return run_shared_prefix(server.url, KEY_A, "alpha", seed=23)
+    return shared_prefix_workload(server.url, KEY_A, "alpha")
 
 
 @pytest.fixture(scope="module")

@@ -12,13 +12,16 @@ import re
 import subprocess
 import sys
 import threading
+import time
 import uuid
 
 import httpx
 import pytest
 
-from cache_page_workload import GROUPS, PER_GROUP, SYSTEM_LEN, Workload, run_shared_prefix
+from cache_page_workload import GROUPS, PER_GROUP, SYSTEM_LEN, Workload, shared_prefix_workload
 from http_fixtures import KEY_A, KEY_B, shared_server
+from radixserve.runtime.cache_report import SCRIPT_TAG, STYLESHEET_TAG, render_report
+from radixserve.runtime.static_files import static_text
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -30,7 +33,7 @@ def server():
 
 @pytest.fixture(scope="module")
 def workload(server) -> Workload:
-    return run_shared_prefix(server.url, KEY_A, "alpha")
+    return shared_prefix_workload(server.url, KEY_A, "alpha")
 
 
 @pytest.fixture(scope="module")
@@ -123,11 +126,13 @@ def test_a_running_requests_path_is_locked(server):
     thread = threading.Thread(target=run)
     thread.start()
     try:
-        for _ in range(600):
+        deadline = time.monotonic() + 120
+        summary = tree(server, KEY_A, rid=rid)
+        while not (summary["path"] and summary["path"]["node_ids"]) and time.monotonic() < deadline:
+            time.sleep(0.05)
             summary = tree(server, KEY_A, rid=rid)
-            if summary["path"] and summary["path"]["node_ids"]:
-                break
         path = summary["path"]
+        assert path is not None, "the running request never showed up"
         assert path["running"] and path["namespace"] == f"tenant:alpha/salt:{rid}"
         ns = namespace(summary, path["namespace"])
         assert ns["locked_tokens"] > 0
@@ -187,6 +192,21 @@ def test_cache_report_writes_one_self_contained_file(server, workload, beta_mark
     assert namespace(snapshot["tree"], workload.namespace)["num_top_level"] == GROUPS
     wrong_key = subprocess.run([*command[:-4], "--api-key", "wrong"], capture_output=True, text=True, timeout=120)
     assert wrong_key.returncode == 1 and "401" in wrong_key.stderr
+
+
+def test_report_escapes_what_it_embeds():
+    """Cached text is the users': whatever it holds, it stays data inside the report's script element."""
+    hostile = "</script><script>alert(1)</script><!-- \u2028"
+    node = {"id": 0, "parent": -1, "depth": 1, "tokens": 3, "prefix_tokens": 3, "subtree_tokens": 3, "hits": 0,
+            "last_access": 0.0, "lock_ref": 0, "tier": "device", "omitted_children": 0, "omitted_tokens": 0,
+            "text": hostile, "text_truncated": False}
+    ns = {"name": "tenant:x/salt:</script>", "nodes": [node]}
+    html = render_report({"url": "u", "taken": 0.0, "tree": {"namespaces": [ns]}, "info": {}})
+    plain = static_text("cache.html").replace(SCRIPT_TAG, "").replace(STYLESHEET_TAG, "")
+    assert html.count("</script>") == 2 and html.count("<script") == 2 and "<!--" not in html
+    assert plain.count("<script") == 0
+    data = html.split("window.RADIXSERVE_SNAPSHOT = ", 1)[1].split(";</script>", 1)[0]
+    assert json.loads(data)["tree"]["namespaces"][0]["nodes"][0]["text"] == hostile
 
 
 @pytest.fixture(scope="module")
