@@ -38,11 +38,11 @@ import torch
 
 from radixserve.model_runner.forward_batch import ForwardMode
 from radixserve.radix_cache.tree import common_prefix_length
+from radixserve.runtime.cache_tree_types import CacheTreeReq, CacheTreeReqOutput
 from radixserve.runtime.messages import (
     AbortReq, FlushCacheReq, FlushCacheReqOutput, GetServerInfoReq, GetServerInfoReqOutput, TokenizedGenerateReq,
 )
 from radixserve.runtime.server_args import ServerArgs
-from radixserve.runtime.cache_tree_types import CacheTreeReq, CacheTreeReqOutput
 from radixserve.scheduler.batch import ScheduleBatch, allocate_slots, assemble_batch, needs_exact_history
 from radixserve.scheduler.cache_view import RecentRequests, cache_tree_summary
 from radixserve.scheduler.grammar import GrammarManager
