@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 TORCH_SPEC ?= torch==2.13.0
 PROMPT ?= Write a haiku about the sea.
 
-.PHONY: setup serve test generate clean
+.PHONY: setup serve test generate clean browser
 
 setup: $(STAMP)
 
@@ -24,7 +24,15 @@ serve: $(STAMP)
 generate: $(STAMP)
 	$(VENV)/bin/radixserve generate "$(PROMPT)"
 
-test: $(STAMP)
+# Debian's Chromium, for the cache page's browser tests (Playwright drives it; it downloads no browser).
+# Without root or apt the tests that need it are skipped, saying why.
+CHROMIUM := /usr/bin/chromium
+browser:
+	@test -x $(CHROMIUM) || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \
+	  && apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; } \
+	  || echo "chromium could not be installed: the browser tests will be skipped"
+
+test: $(STAMP) browser
 	$(PY) -m pytest -q tests
 
 clean:

@@ -22,6 +22,7 @@ cost O(key length) regardless of how many sequences are cached; `evict` pops fro
 
 from __future__ import annotations
 
+import time
 from typing import Any, Optional
 
 import torch
@@ -66,7 +67,8 @@ def common_prefix_length(key: list, query: list, start: int, end: int) -> int:
 class TreeNode:
     """A run of tokens and their KV slots. Roots (the global one and each namespace's) have an empty key."""
 
-    __slots__ = ("children", "parent", "key", "value", "namespace", "lock_ref", "last_access", "hit_count", "heap_seq")
+    __slots__ = ("children", "parent", "key", "value", "namespace", "lock_ref", "last_access", "hit_count", "heap_seq",
+                 "last_access_time")
 
     def __init__(self, key: list, value: torch.Tensor, parent: Optional["TreeNode"], namespace: Optional[tuple]):
         self.children: dict[Any, TreeNode] = {}
@@ -75,8 +77,9 @@ class TreeNode:
         self.value = value
         self.namespace = namespace
         self.lock_ref = 0
-        self.last_access = 0
-        self.hit_count = 0
+        self.last_access = 0  # logical clock: orders accesses exactly (LRU)
+        self.last_access_time = 0.0  # Unix time of that access, for people (tree_summary.py)
+        self.hit_count = 0  # matches through this node; a parent has at least its children's count
         self.heap_seq = -1  # sequence number of this node's live entry in the eviction queue
 
     def is_evictable_leaf(self) -> bool:
@@ -164,6 +167,7 @@ class RadixCache(PrefixCache):
         end -= end % page_size
         if touch:
             self._clock += 1
+            wall = time.time()
         now = self._clock
         node, pos, values = ns_root, 0, []
         while pos < end:
@@ -179,6 +183,7 @@ class RadixCache(PrefixCache):
                 split = False
             if touch:
                 child.last_access = now
+                child.last_access_time = wall
                 child.hit_count += 1
             values.append(child.value)
             pos += matched
@@ -193,7 +198,7 @@ class RadixCache(PrefixCache):
     def _insert(self, ns_root: TreeNode, key: list, end: int, slots: torch.Tensor) -> int:
         """Insert `key[:end]` (`end` page-aligned, > 0); ends on a node boundary; returns tokens already present."""
         self._clock += 1
-        now = self._clock
+        now, wall = self._clock, time.time()
         page_size = self.page_size
         stats = self._stats.of(ns_root.namespace)
         node, pos = ns_root, 0
@@ -203,7 +208,7 @@ class RadixCache(PrefixCache):
             if child is None:
                 # Copy: the caller's tensor (often a req_to_token row) is rewritten later.
                 leaf = self.node_class(key[pos:end], slots[pos:end].to(torch.int64, copy=True), node, ns_root.namespace)
-                leaf.last_access = now
+                leaf.last_access, leaf.last_access_time = now, wall
                 node.children[first] = leaf
                 self._num_nodes += 1
                 self._evictable += end - pos
@@ -214,7 +219,7 @@ class RadixCache(PrefixCache):
             matched -= matched % page_size
             if matched < len(child.key):
                 child = self._split(child, matched)
-            child.last_access = now
+            child.last_access, child.last_access_time = now, wall
             pos += matched
             node = child
         if node.is_evictable_leaf():
@@ -228,7 +233,7 @@ class RadixCache(PrefixCache):
         upper = self.node_class(node.key[:length], node.value[:length], parent, node.namespace)
         # Locks cover whole paths, so the upper part carries the same locks as the node it was cut from.
         upper.lock_ref = node.lock_ref
-        upper.last_access = node.last_access
+        upper.last_access, upper.last_access_time = node.last_access, node.last_access_time
         upper.hit_count = node.hit_count
         page_size = self.page_size
         first = node.key[0] if page_size == 1 else tuple(node.key[:page_size])

@@ -3,6 +3,7 @@
     radixserve serve                          # the embedded SmolLM2-135M-Instruct on http://127.0.0.1:30000
     radixserve serve --model-path DIR --port 8000 --api-key KEY
     radixserve generate "Write a haiku about the sea."
+    radixserve cache-report --url http://127.0.0.1:30000 --out report.html   # the cache page, as one file
     python -m radixserve ...                  # the same
 
 Server flags come from ServerArgs (SGLang's names); `radixserve serve --help` lists them with defaults.
@@ -32,6 +33,11 @@ def _parser() -> argparse.ArgumentParser:
     generate.add_argument("--raw", action="store_true",
                           help="complete the prompt text as is, without the chat template")
     ServerArgs.add_cli_args(generate)
+
+    report = commands.add_parser("cache-report", help="write a running server's cache page to one HTML file")
+    from radixserve.runtime.cache_report import add_cli_args
+
+    add_cli_args(report)
     return parser
 
 
@@ -62,6 +68,10 @@ def _generate(args: argparse.Namespace, server_args: ServerArgs) -> int:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "cache-report":
+        from radixserve.runtime.cache_report import run
+
+        return run(args)
     try:
         server_args = ServerArgs.from_cli_args(args)
     except ValueError as error:

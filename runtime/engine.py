@@ -271,6 +271,19 @@ class Engine:
 
         threading.Thread(target=stop, name="radixserve-engine-failed", daemon=True).start()
 
+    def get_cache_tree(self, namespace: Optional[str] = None, max_depth: int = 0, max_nodes: int = 200,
+                       with_token_ids: bool = False, rid: Optional[str] = None) -> Any:
+        """A summary of the radix tree per namespace (a CacheTreeSummary; see runtime/wire/cache_tree.py), the
+        path of request `rid` marked. Raises ValueError for out-of-range limits."""
+        self._check_open()
+        return self._loop.call(self._tm.get_cache_tree(namespace=namespace, max_depth=max_depth,
+                                                       max_nodes=max_nodes, with_token_ids=with_token_ids, rid=rid))
+
+    async def async_get_cache_tree(self, **fields: Any) -> Any:
+        """`get_cache_tree` from a running event loop; `fields` are CacheTreeReq's (namespace_prefix too)."""
+        self._check_open()
+        return await self._loop.call_async(self._tm.get_cache_tree(**fields))
+
     def is_healthy(self) -> bool:
         """False once a child process died or the engine was shut down."""
         return self._finalizer.alive and self._tm.dead is None and self._resources.children.all_alive()

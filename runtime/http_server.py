@@ -30,6 +30,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from radixserve.runtime.body_limit import BodyLimitMiddleware
+from radixserve.runtime.cache_page import router as cache_page_router
 from radixserve.runtime.http_generation import json_response
 from radixserve.runtime.http_state import InflightRequests, ServerState, caller, caller_tenant, require_admin
 from radixserve.runtime.metrics import ServerMetrics
@@ -108,6 +109,7 @@ def create_app(engine: Any, server_args: ServerArgs) -> FastAPI:
     protected.add_api_route("/v1/completions", _completions, methods=["POST"])
     app.include_router(protected)
     app.include_router(native_router)
+    app.include_router(cache_page_router)  # /cache (the page) and /cache/tree (runtime/cache_page.py)
     return app
 
 

@@ -39,12 +39,14 @@ import torch
 from radixserve.model_runner.forward_batch import ForwardMode
 from radixserve.model_runner.sampling import PLACEHOLDER_TOKEN_ID
 from radixserve.radix_cache.tree import common_prefix_length
+from radixserve.runtime.wire.cache_tree import CacheTreeReq, CacheTreeReqOutput
 from radixserve.runtime.wire.messages import (
-    AbortReq, FinishReason, FlushCacheReq, ModelInfo, FlushCacheReqOutput, GetServerInfoReq, GetServerInfoReqOutput,
+    AbortReq, FinishReason, FlushCacheReq, FlushCacheReqOutput, GetServerInfoReq, GetServerInfoReqOutput, ModelInfo,
     TokenizedGenerateReq,
 )
 from radixserve.runtime.wire.server_args import ServerArgs
 from radixserve.scheduler.batch import ScheduleBatch, allocate_slots, assemble_batch, needs_exact_history
+from radixserve.scheduler.cache_view import RecentRequests, cache_tree_summary
 from radixserve.scheduler.grammar import GrammarManager
 from radixserve.scheduler.info import ready_info, server_info
 from radixserve.scheduler.input_logprobs import collect_input_logprobs, plan_input_logprobs, prefix_limit
@@ -92,6 +94,7 @@ class Scheduler:
         self.reqs: dict[str, Req] = {}  # every request not yet released, by rid
         self.inflight: deque[LaunchedBatch] = deque()
         self.stats = SchedulerStats()
+        self.recent_requests = RecentRequests()  # paths of finished requests, for the cache page
         self._outputs: list[Any] = []
         self._news: dict[str, Req] = {}  # requests to consider for the next BatchTokenOut
         self._arrivals = itertools.count()
@@ -140,6 +143,8 @@ class Scheduler:
             self._reply(FlushCacheReqOutput(msg.rpc_id, success, message))
         elif isinstance(msg, GetServerInfoReq):
             self._reply(GetServerInfoReqOutput(msg.rpc_id, self.server_info()))
+        elif isinstance(msg, CacheTreeReq):
+            self._reply(CacheTreeReqOutput(msg.rpc_id, cache_tree_summary(self, msg)))
         else:
             logger.warning("scheduler ignores a message of type %s", type(msg).__name__)
 
@@ -394,6 +399,7 @@ class Scheduler:
     # ---- finishing and releasing ------------------------------------------------------------------
     def _finish(self, req: Req, reason: FinishReason) -> None:
         req.finish(reason)
+        self.recent_requests.record(req)
         if req in self.running:
             self.running.remove(req)
         self.stats.num_finished += 1

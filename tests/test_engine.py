@@ -259,6 +259,25 @@ def test_flush_cache_and_server_info(engine):
     assert engine.is_healthy()
 
 
+def test_cache_tree_shows_a_requests_path(engine):
+    """Engine.get_cache_tree: the tree the scheduler holds, as typed structs, with a request's path marked."""
+    prompt = engine.tokenizer.encode("A cache tree test: the shared prefix of two requests, then")
+    params = {"max_new_tokens": 3, **GREEDY}
+    engine.generate(input_ids=prompt + [11, 12], sampling_params=params)
+    rid = engine.generate(input_ids=prompt + [13, 14], sampling_params=params)["meta_info"]["id"]
+    summary = engine.get_cache_tree(with_token_ids=True, rid=rid)
+    (default,) = [ns for ns in summary.namespaces if ns.name == "default"]
+    nodes = {node.id: node for node in default.nodes}
+    path = summary.path
+    assert path.rid == rid and not path.running and path.num_tokens == len(prompt) + 2 + 3
+    spelled = [token for node_id in path.node_ids for token in nodes[node_id].token_ids]
+    assert spelled[:len(prompt) + 2] == prompt + [13, 14] and len(spelled) == path.cached_tokens
+    assert nodes[path.node_ids[0]].hits >= 1  # the first request's prefix, matched by the second
+    with pytest.raises(ValueError, match="max_nodes"):
+        engine.get_cache_tree(max_nodes=0)
+    assert engine.get_cache_tree(rid="no-such-request").path is None and engine.is_healthy()
+
+
 def test_shutdown_leaves_no_child_processes(engine):
     """Runs last in this module: it shuts the module's engine down (the fixture's own shutdown is a no-op)."""
     pids = list(engine._resources.children.pids().values())

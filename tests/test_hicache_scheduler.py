@@ -13,7 +13,7 @@ import random
 
 import pytest
 
-from radixserve.runtime.server_args import ServerArgs
+from radixserve.runtime.wire.server_args import ServerArgs
 from scheduler_driver import SchedulerDriver
 
 POOL_TOKENS = 256

@@ -26,6 +26,8 @@ import zmq.asyncio
 from radixserve.runtime.wire.messages import (
     AbortReq,
     BatchTextOut,
+    CacheTreeReq,
+    CacheTreeReqOutput,
     FlushCacheReq,
     FlushCacheReqOutput,
     GetServerInfoReq,
@@ -240,13 +242,17 @@ class TokenizerManager:
         info["num_pending_requests_in_tokenizer_manager"] = self.num_pending_requests()
         return info
 
-    async def _rpc(self, request_type: type) -> Any:
+    async def get_cache_tree(self, **fields: Any) -> Any:
+        """The scheduler's CacheTreeSummary; `fields` are CacheTreeReq's (namespace_prefix, max_nodes, ...)."""
+        return (await self._rpc(CacheTreeReq, **fields)).summary
+
+    async def _rpc(self, request_type: type, **fields: Any) -> Any:
         self._check_alive()
         rpc_id = uuid.uuid4().hex
         future = asyncio.get_running_loop().create_future()
         self.rpc_futures[rpc_id] = future
         try:
-            self._send(request_type(rpc_id=rpc_id))
+            self._send(request_type(rpc_id=rpc_id, **fields))
             return await future
         finally:
             self.rpc_futures.pop(rpc_id, None)
@@ -259,7 +265,7 @@ class TokenizerManager:
                 message = decode(await self.recv_socket.recv())
                 if isinstance(message, BatchTextOut):
                     self._handle_text_out(message)
-                elif isinstance(message, (FlushCacheReqOutput, GetServerInfoReqOutput)):
+                elif isinstance(message, (FlushCacheReqOutput, GetServerInfoReqOutput, CacheTreeReqOutput)):
                     future = self.rpc_futures.get(message.rpc_id)
                     if future is not None and not future.done():
                         future.set_result(message)

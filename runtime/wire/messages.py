@@ -1,8 +1,8 @@
 """Every message that crosses a process boundary, as tagged msgspec Structs.
 
-TokenizerManager -> Scheduler:      TokenizedGenerateReq, AbortReq, FlushCacheReq, GetServerInfoReq
+TokenizerManager -> Scheduler:      TokenizedGenerateReq, AbortReq, FlushCacheReq, GetServerInfoReq, CacheTreeReq
 Scheduler -> DetokenizerManager:    BatchTokenOut (and control replies, forwarded untouched)
-DetokenizerManager -> Tokenizer:    BatchTextOut, FlushCacheReqOutput, GetServerInfoReqOutput
+DetokenizerManager -> Tokenizer:    BatchTextOut, FlushCacheReqOutput, GetServerInfoReqOutput, CacheTreeReqOutput
 Children -> parent at start-up:     ProcessReady (the scheduler's carries ModelInfo) or ProcessFailed (on the
                                     same socket as their outputs)
 
@@ -17,6 +17,7 @@ from typing import Any, Optional, Union
 
 import msgspec
 
+from radixserve.runtime.wire.cache_tree import CacheTreeReq, CacheTreeReqOutput
 from radixserve.runtime.wire.sampling_params import SamplingParams
 
 
@@ -171,6 +172,8 @@ Message = Union[
     FlushCacheReqOutput,
     GetServerInfoReq,
     GetServerInfoReqOutput,
+    CacheTreeReq,
+    CacheTreeReqOutput,
     BatchTokenOut,
     BatchTextOut,
     ProcessReady,
