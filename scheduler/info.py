@@ -32,6 +32,7 @@ def ready_info(scheduler: "Scheduler") -> dict[str, Any]:
         "schedule_policy": args.schedule_policy,
         "overlap_schedule": scheduler.overlap,
         "radix_cache": not args.disable_radix_cache,
+        "sampling_backend": args.sampling_backend or "pytorch",
     }
 
 
