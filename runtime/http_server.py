@@ -97,7 +97,7 @@ def create_app(engine: Any, server_args: ServerArgs) -> FastAPI:
 
         render_chat(state, [ChatMessage(role="user", content="hello")])
     if server_args.enable_metrics:
-        state.metrics = ServerMetrics()
+        state.metrics = ServerMetrics(state.served_model_name)
         engine.request_observer = state.metrics.observe_request
 
     @contextlib.asynccontextmanager

@@ -95,4 +95,4 @@ def test_keys_guard_every_route_but_health_and_metrics(server):
             assert response.json()["error"]["code"] in ("missing_api_key", "invalid_api_key")
     assert httpx.get(server.url + "/health").status_code == 200
     metrics = httpx.get(server.url + "/metrics")
-    assert metrics.status_code == 200 and "radixserve_num_running_reqs" in metrics.text
+    assert metrics.status_code == 200 and "radixserve:num_running_reqs{" in metrics.text
