@@ -38,6 +38,7 @@ from radixserve.runtime.openai.logprobs import TokenTexts
 from radixserve.runtime.openai.protocol import ChatCompletionRequest, CompletionRequest, parse_request
 from radixserve.runtime.openai.serving_chat import create_chat_completion, render_chat
 from radixserve.runtime.openai.serving_completions import create_completion
+from radixserve.runtime.openapi import install_openapi
 from radixserve.runtime.server_args import ServerArgs
 from radixserve.runtime.tenancy import TenantResolver
 from radixserve.tokenizer_manager.io import GenerateReqInput
@@ -106,7 +107,7 @@ def create_app(engine: Any, server_args: ServerArgs) -> FastAPI:
             await asyncio.wait_for(_warmup(state), WARMUP_TIMEOUT_SECONDS)
         yield
 
-    app = FastAPI(title="radixserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="radixserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     app.state.server = state
     install_error_handlers(app)
     app.add_api_route("/health", health_route, methods=["GET"])
@@ -118,6 +119,7 @@ def create_app(engine: Any, server_args: ServerArgs) -> FastAPI:
     protected.add_api_route("/v1/completions", _completions, methods=["POST"])
     app.include_router(protected)
     app.include_router(native_router)
+    install_openapi(app)
     return app
 
 
