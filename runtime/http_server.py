@@ -28,7 +28,7 @@ from fastapi import APIRouter, Depends, FastAPI
 from starlette.requests import Request
 from starlette.responses import Response
 
-from radixserve.runtime.http_generation import json_response
+from radixserve.runtime.http_generation import install_disconnect_handlers, json_response
 from radixserve.runtime.http_state import InflightRequests, ServerState, caller_tenant
 from radixserve.runtime.metrics import ServerMetrics
 from radixserve.runtime.native_api import health_route
@@ -110,6 +110,7 @@ def create_app(engine: Any, server_args: ServerArgs) -> FastAPI:
     app = FastAPI(title="radixserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     app.state.server = state
     install_error_handlers(app)
+    install_disconnect_handlers(app)
     app.add_api_route("/health", health_route, methods=["GET"])
     app.add_api_route("/metrics", _metrics, methods=["GET"])
     protected = APIRouter(dependencies=[Depends(caller_tenant)])
