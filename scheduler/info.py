@@ -4,7 +4,8 @@
 `memory` counts KV token slots: `free + evictable + protected + held by running requests == total`, so an idle
 scheduler has `free + evictable == total`. `cache.hit_rate` is the share of prompt tokens served from the radix
 cache at each request's first admission; `cache.tree` holds the tree's own counters (every match query) and
-`cache.namespaces` the same per namespace, keyed `"default"` or the namespace parts joined by "/".
+`cache.namespaces` the same per namespace (the 1,024 most recently used; radix_cache/stats.py), keyed `"default"`
+or the namespace parts joined by "/".
 """
 
 from __future__ import annotations
