@@ -1,8 +1,9 @@
 """The DetokenizerManager: BatchTokenOut (token ids) in, BatchTextOut (safe text deltas) out.
 
-It keeps one IncrementalDecoder per live request, created on the request's first output and dropped with
-its finished output. As a safeguard against requests whose final output never arrives, the number of live
-decoders is capped; beyond the cap the least recently used one is dropped (and logged).
+It keeps one IncrementalDecoder per live request, created on the request's first output (which alone carries
+the request's stop strings) and dropped with its finished output. As a safeguard against requests whose final
+output never arrives, the number of live decoders is capped; beyond the cap the least recently used one is
+dropped (and logged).
 """
 
 from __future__ import annotations

@@ -35,6 +35,7 @@ vocabulary for hundreds of rows would dominate.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple, Optional
 
 import torch
@@ -219,11 +220,14 @@ class Sampler:
             logits = logits.float()
         if info.adjustments is not None:
             info.adjustments.apply(logits)
+            # An extreme penalty can push a logit to +inf (or NaN): keep such a token the most likely one
+            # rather than let it turn the row's distribution into NaN.
+            torch.nan_to_num_(logits, nan=-math.inf, posinf=torch.finfo(logits.dtype).max, neginf=-math.inf)
 
         # A row whose constraints (grammar mask, bans) leave no token has no distribution to sample from;
         # flag it and give it a placeholder id (below), so one request's impossible constraints never produce
         # an out-of-vocabulary id that would fail the whole batch or poison the next batch's inputs.
-        no_token = ~torch.isfinite(logits.amax(dim=-1))
+        no_token = ~(logits.amax(dim=-1) > -math.inf)
 
         logprobs_all = None
         if return_logprob or top_logprobs_num > 0:
@@ -256,6 +260,7 @@ class Sampler:
         # Indexing copies, so either way `scaled` is scratch space that may be divided in place.
         scaled = logits if every_row else logits[rows]
         scaled.div_(info.temperatures if every_row else info.temperatures[rows])
+        scaled.clamp_(max=torch.finfo(scaled.dtype).max)  # a tiny temperature must not make a logit +inf
         # torch.softmax, not a hand-written max/exp/sum: its per-row result is bitwise the same whatever
         # the number of rows, which a plain sum reduction (split across threads for one long row) is not.
         probs = torch.softmax(scaled, dim=-1)

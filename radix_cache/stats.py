@@ -1,12 +1,18 @@
 """Prefix-cache statistics per namespace, for metrics: tokens queried, matched, inserted and evicted.
 
 Counters are cumulative over the cache's life (a flush does not reset them), like Prometheus counters.
+Namespaces come from clients (every `cache_salt` is one), so the per-namespace table is bounded: it keeps the
+`max_namespaces` most recently used and folds the counters of the one it drops into the overall totals, which
+stay cumulative. A dropped namespace that comes back starts again from zero.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from collections import OrderedDict
+from dataclasses import asdict, dataclass, fields
 from typing import Optional
+
+MAX_NAMESPACES = 1024
 
 
 @dataclass
@@ -23,30 +29,44 @@ class NamespaceStats:
     def as_dict(self) -> dict:
         return {**asdict(self), "hit_rate": self.hit_rate}
 
+    def add(self, other: "NamespaceStats") -> None:
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
 
 class CacheStats:
-    """One `NamespaceStats` per namespace tuple seen so far."""
+    """One `NamespaceStats` per namespace tuple, for the `max_namespaces` most recently used ones."""
 
-    def __init__(self) -> None:
-        self._by_namespace: dict[tuple, NamespaceStats] = {}
+    def __init__(self, max_namespaces: int = MAX_NAMESPACES) -> None:
+        self.max_namespaces = max_namespaces
+        self._by_namespace: OrderedDict[tuple, NamespaceStats] = OrderedDict()
+        self._dropped = NamespaceStats()  # the counters of the namespaces dropped from the table
+        self._num_dropped = 0
 
     def of(self, namespace: tuple) -> NamespaceStats:
+        """The counters of `namespace`, to update at once (a later call may drop them from the table)."""
         stats = self._by_namespace.get(namespace)
-        if stats is None:
-            stats = self._by_namespace[namespace] = NamespaceStats()
+        if stats is not None:
+            self._by_namespace.move_to_end(namespace)
+            return stats
+        stats = self._by_namespace[namespace] = NamespaceStats()
+        while len(self._by_namespace) > self.max_namespaces:
+            _, oldest = self._by_namespace.popitem(last=False)
+            self._dropped.add(oldest)
+            self._num_dropped += 1
         return stats
 
     def as_dict(self) -> dict:
-        """`{"namespaces": {namespace: counters}, **overall counters}`; each counter set has a `hit_rate`."""
+        """`{"namespaces": {namespace: counters}, **overall counters, "dropped_namespaces": n}`; each counter set
+        has a `hit_rate`."""
         total = NamespaceStats()
+        total.add(self._dropped)
         for stats in self._by_namespace.values():
-            total.queried_tokens += stats.queried_tokens
-            total.matched_tokens += stats.matched_tokens
-            total.inserted_tokens += stats.inserted_tokens
-            total.evicted_tokens += stats.evicted_tokens
+            total.add(stats)
         return {
             "namespaces": {namespace: stats.as_dict() for namespace, stats in self._by_namespace.items()},
             **total.as_dict(),
+            "dropped_namespaces": self._num_dropped,
         }
 
 

@@ -13,6 +13,9 @@ Guarantees:
   streaming response when the client goes away; uvicorn cancels requests at the end of a drain);
 - engine ValueErrors become 400s, a request the engine failed alone gets its own status, a dead engine 503,
   anything else 500, via `APIError`; internal details (tracebacks, exception texts) stay in the server log.
+- a client that leaves is an ordinary event, never an error: `install_disconnect_handlers` answers a
+  disconnect that escapes a route (before the response started, or while the body was being read) with 499
+  and one info line, where it would otherwise reach uvicorn as an ERROR traceback.
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ import logging
 from typing import Any, AsyncIterator, Optional
 
 import orjson
-from starlette.requests import Request
+from fastapi import FastAPI
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 
 from radixserve.runtime.http_state import ServerState
@@ -34,10 +38,21 @@ logger = logging.getLogger(__name__)
 DISCONNECT_POLL_SECONDS = 0.25
 SSE_DONE = b"data: [DONE]\n\n"
 _END = object()
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that closed the connection before the answer
 
 
 class ClientDisconnected(Exception):
     """The HTTP client went away; its engine requests have been aborted."""
+
+
+def install_disconnect_handlers(app: FastAPI) -> None:
+    for disconnect in (ClientDisconnected, ClientDisconnect):  # ours, and Starlette's while reading the body
+        app.add_exception_handler(disconnect, _client_left)
+
+
+async def _client_left(request: Request, _: Exception) -> Response:
+    logger.info("client disconnected: %s %s", request.method, request.url.path)
+    return Response(status_code=CLIENT_CLOSED_REQUEST)
 
 
 def json_response(content: Any, status_code: int = 200, headers: Optional[dict[str, str]] = None) -> Response:

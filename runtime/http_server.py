@@ -31,7 +31,7 @@ from starlette.responses import Response
 
 from radixserve.runtime.body_limit import BodyLimitMiddleware
 from radixserve.runtime.cache_page import router as cache_page_router
-from radixserve.runtime.http_generation import json_response
+from radixserve.runtime.http_generation import install_disconnect_handlers, json_response
 from radixserve.runtime.http_state import InflightRequests, ServerState, caller, caller_tenant, require_admin
 from radixserve.runtime.metrics import ServerMetrics
 from radixserve.runtime.native_api import health_route
@@ -41,6 +41,7 @@ from radixserve.runtime.openai.logprobs import TokenTexts
 from radixserve.runtime.openai.protocol import ChatCompletionRequest, CompletionRequest, parse_request
 from radixserve.runtime.openai.serving_chat import create_chat_completion, encode_chat
 from radixserve.runtime.openai.serving_completions import create_completion
+from radixserve.runtime.openapi import install_openapi
 from radixserve.runtime.wire.server_args import ServerArgs
 from radixserve.runtime.tenancy import TenantResolver
 from radixserve.tokenizer_manager.tokenize import load_chat_template
@@ -83,7 +84,7 @@ def create_app(engine: Any, server_args: ServerArgs) -> FastAPI:
         token_texts=TokenTexts(engine.tokenizer),
     )
     if server_args.enable_metrics:
-        state.metrics = ServerMetrics()
+        state.metrics = ServerMetrics(state.served_model_name)
         engine.request_observer = state.metrics.observe_request
 
     @contextlib.asynccontextmanager
@@ -96,10 +97,11 @@ def create_app(engine: Any, server_args: ServerArgs) -> FastAPI:
             await asyncio.wait_for(_warmup(state), WARMUP_TIMEOUT_SECONDS)
         yield
 
-    app = FastAPI(title="radixserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="radixserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     app.state.server = state
     app.add_middleware(BodyLimitMiddleware, max_bytes=server_args.max_request_bytes)
     install_error_handlers(app)
+    install_disconnect_handlers(app)
     app.add_api_route("/health", health_route, methods=["GET"])
     app.add_api_route("/metrics", _metrics, methods=["GET"])
     protected = APIRouter(dependencies=[Depends(caller_tenant)])
@@ -110,6 +112,7 @@ def create_app(engine: Any, server_args: ServerArgs) -> FastAPI:
     app.include_router(protected)
     app.include_router(native_router)
     app.include_router(cache_page_router)  # /cache (the page) and /cache/tree (runtime/cache_page.py)
+    install_openapi(app)
     return app
 
 

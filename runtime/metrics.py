@@ -1,10 +1,14 @@
 """Prometheus metrics of the HTTP server (`GET /metrics`).
 
+Names and labels follow SGLang's: every metric is `radixserve:<SGLang's name>` with a `model_name` label (the
+served model name), so a dashboard written for SGLang works after renaming the prefix `sglang:` to
+`radixserve:`. docs/metrics.md lists them.
+
 Per-request counters and latency histograms are fed by the Engine's `request_observer` hook, called once
 per finished request with its meta_info and the arrival times of its output chunks; so they cover every
-request the engine serves. Load gauges (running and queued requests, KV token usage, cache hit rate) are
-read from the scheduler's server info at scrape time. Each server has its own registry, so several servers
-(or tests) in one process never share counters.
+request the engine serves. Load gauges (running and queued requests, KV token usage, cache hit rate,
+throughput) are read from the scheduler's server info at scrape time. Each server has its own registry, so
+several servers (or tests) in one process never share counters.
 """
 
 from __future__ import annotations
@@ -14,43 +18,55 @@ from typing import Any, Optional
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-PREFIX = "radixserve"
+PREFIX = "radixserve:"
+LABELS = ("model_name",)
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
 
 
 class ServerMetrics:
-    def __init__(self) -> None:
+    def __init__(self, model_name: str) -> None:
         self.registry = CollectorRegistry()
-        r = self.registry
-        self.prompt_tokens = Counter(f"{PREFIX}_prompt_tokens", "Prompt tokens of finished requests", registry=r)
-        self.generation_tokens = Counter(f"{PREFIX}_generation_tokens", "Generated tokens", registry=r)
-        self.cached_tokens = Counter(f"{PREFIX}_cached_tokens", "Prompt tokens served from the radix cache",
-                                     registry=r)
-        self.requests = Counter(f"{PREFIX}_requests", "Finished requests by finish reason", ["finish_reason"],
-                                registry=r)
-        self.ttft = Histogram(f"{PREFIX}_time_to_first_token_seconds", "Time to first token", buckets=TTFT_BUCKETS,
-                              registry=r)
-        self.itl = Histogram(f"{PREFIX}_inter_token_latency_seconds", "Time between output chunks",
-                             buckets=ITL_BUCKETS, registry=r)
-        self.e2e = Histogram(f"{PREFIX}_e2e_request_latency_seconds", "End-to-end request latency",
-                             buckets=E2E_BUCKETS, registry=r)
-        self.num_running = Gauge(f"{PREFIX}_num_running_reqs", "Requests in the running batch", registry=r)
-        self.num_queued = Gauge(f"{PREFIX}_num_queued_reqs", "Requests waiting in the scheduler", registry=r)
-        self.token_usage = Gauge(f"{PREFIX}_token_usage", "Fraction of KV token slots in use", registry=r)
-        self.cache_hit_rate = Gauge(f"{PREFIX}_cache_hit_rate", "Prompt tokens matched in the radix cache / queried",
-                                    registry=r)
-        self.http_inflight = Gauge(f"{PREFIX}_http_inflight_requests", "Engine requests the HTTP server holds",
-                                   registry=r)
+
+        def metric(kind: type, name: str, documentation: str, **kwargs: Any) -> Any:
+            # The one label value is bound at once, so every series is exported (at 0) from the first scrape.
+            family = kind(PREFIX + name, documentation, LABELS, registry=self.registry, **kwargs)
+            return family.labels(model_name=model_name)
+
+        # Counters (prometheus_client adds the `_total` suffix).
+        self.prompt_tokens = metric(Counter, "prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = metric(Counter, "generation_tokens", "Number of generation tokens processed.")
+        self.cached_tokens = metric(Counter, "cached_tokens", "Number of cached prompt tokens.")
+        self.num_requests = metric(Counter, "num_requests", "Number of requests processed.")
+        self.num_aborted_requests = metric(Counter, "num_aborted_requests", "Number of requests aborted.")
+        # Latency histograms.
+        self.ttft = metric(Histogram, "time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                           buckets=TTFT_BUCKETS)
+        self.itl = metric(Histogram, "inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                          buckets=ITL_BUCKETS)
+        self.e2e = metric(Histogram, "e2e_request_latency_seconds",
+                          "Histogram of end-to-end request latency in seconds.", buckets=E2E_BUCKETS)
+        # Load gauges, refreshed at scrape time.
+        self.num_running_reqs = metric(Gauge, "num_running_reqs", "The number of running requests.")
+        self.num_queue_reqs = metric(Gauge, "num_queue_reqs", "The number of requests in the waiting queue.")
+        self.num_used_tokens = metric(Gauge, "num_used_tokens", "The number of used KV token slots.")
+        self.max_total_num_tokens = metric(Gauge, "max_total_num_tokens", "Maximum total number of KV tokens.")
+        self.token_usage = metric(Gauge, "token_usage", "The token usage (fraction of KV token slots in use).")
+        self.cache_hit_rate = metric(Gauge, "cache_hit_rate", "The prefix cache hit rate.")
+        self.gen_throughput = metric(Gauge, "gen_throughput", "The generation throughput (token/s).")
+        # radixserve's own: what the HTTP layer holds (admission control counts these).
+        self.http_inflight = metric(Gauge, "http_inflight_requests", "Engine requests the HTTP server holds.")
 
     def observe_request(self, meta_info: dict[str, Any], token_times: list[float]) -> None:
         """The Engine's request_observer: called once per finished request (from any thread)."""
         self.prompt_tokens.inc(int(meta_info.get("prompt_tokens") or 0))
         self.generation_tokens.inc(int(meta_info.get("completion_tokens") or 0))
         self.cached_tokens.inc(int(meta_info.get("cached_tokens") or 0))
+        self.num_requests.inc()
         finish = meta_info.get("finish_reason") or {}
-        self.requests.labels(finish_reason=str(finish.get("type", "unknown"))).inc()
+        if finish.get("type") == "abort":
+            self.num_aborted_requests.inc()
         if meta_info.get("ttft") is not None:
             self.ttft.observe(float(meta_info["ttft"]))
         for earlier, later in zip(token_times, token_times[1:]):
@@ -61,9 +77,15 @@ class ServerMetrics:
     def render(self, server_info: Optional[dict[str, Any]], http_inflight: int) -> tuple[bytes, str]:
         """The exposition text, with the load gauges refreshed from `server_info` (skipped when None)."""
         if server_info is not None:
-            self.num_running.set(float(server_info.get("num_running_reqs") or 0))
-            self.num_queued.set(float(server_info.get("num_queued_reqs") or 0))
+            memory = server_info.get("memory") or {}
+            total = int(memory.get("total_tokens") or 0)
+            unused = int(memory.get("free_tokens") or 0) + int(memory.get("evictable_tokens") or 0)
+            self.num_running_reqs.set(float(server_info.get("num_running_reqs") or 0))
+            self.num_queue_reqs.set(float(server_info.get("num_queued_reqs") or 0))
+            self.num_used_tokens.set(float(max(0, total - unused)))
+            self.max_total_num_tokens.set(float(server_info.get("max_total_num_tokens") or total))
             self.token_usage.set(float(server_info.get("token_usage") or 0.0))
             self.cache_hit_rate.set(float((server_info.get("cache") or {}).get("hit_rate") or 0.0))
+            self.gen_throughput.set(float(server_info.get("gen_throughput") or 0.0))
         self.http_inflight.set(http_inflight)
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

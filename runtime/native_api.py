@@ -196,7 +196,8 @@ async def flush_cache(request: Request, who: Caller = Depends(caller)) -> Respon
     require_admin(who, "Flushing the cache")
     flushed = await _state(request).engine.async_flush_cache()
     if not flushed:
-        raise bad_request("The cache was not flushed: requests are running. Retry when the server is idle.")
+        raise APIError("The cache was not flushed: requests are running. Retry when the server is idle.",
+                       headers={"Retry-After": "1"})
     return json_response({"success": True, "message": "Cache flushed."})
 
 

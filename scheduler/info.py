@@ -4,8 +4,9 @@
 `memory` counts KV token slots: `free + evictable + protected + held by running requests == total`, so an idle
 scheduler has `free + evictable == total`. `cache.hit_rate` is the share of prompt tokens served from the radix
 cache at each request's first admission; `cache.tree` holds the tree's own counters (every match query) and
-`cache.namespaces` the same per namespace, keyed by `namespace_name` (a client's `cache_salt` appears only as a
-digest, so nobody who reads the statistics can reuse another client's salt).
+`cache.namespaces` the same per namespace (the 1,024 most recently used; radix_cache/stats.py), keyed by
+`namespace_name` (a client's `cache_salt` appears only as a digest, so nobody who reads the statistics can reuse
+another client's salt).
 With the hierarchical cache, `memory` adds the host tier (`host_total_tokens == host_free_tokens +
 host_used_tokens`) and the disk tier, and `cache.hicache` its moves between tiers (radix_cache/stats.py).
 """
@@ -40,6 +41,7 @@ def ready_info(scheduler: "Scheduler") -> ModelInfo:
         overlap_schedule=scheduler.overlap,
         radix_cache=not args.disable_radix_cache,
         hierarchical_cache=args.enable_hierarchical_cache,
+        sampling_backend=args.sampling_backend or "pytorch",
     )
 
 

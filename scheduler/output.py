@@ -2,7 +2,9 @@
 
 A streaming request is sent whenever it has new tokens; a non-streaming one only once, when it finishes
 (its message then carries every token). A finished request is sent exactly once, with its finish reason,
-and never again. Logprob lists are per request only when some request in the message asked for them.
+and never again. Logprob lists are per request only when some request in the message asked for them. What
+the detokenizer needs only once per request (its stop strings, the prompt's logprobs) comes with its first
+output.
 """
 
 from __future__ import annotations
@@ -42,7 +44,8 @@ def build_batch_token_out(reqs: Iterable[Req]) -> Optional[BatchTokenOut]:
         out.cached_tokens.append(req.num_cached_tokens or 0)
         out.skip_special_tokens.append(params.skip_special_tokens)
         out.spaces_between_special_tokens.append(params.spaces_between_special_tokens)
-        out.stop.append(list(params.stop))
+        # Stop strings travel once, with the first output; the detokenizer keeps them until the request finishes.
+        out.stop.append(list(params.stop) if start == 0 else [])
         if with_logprobs:
             first = start == 0
             out.output_token_logprobs.append(req.output_token_logprobs[start:])

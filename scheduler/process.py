@@ -7,6 +7,8 @@ Sockets (see runtime/ipc.py): PULL bound on `tokenizer_to_scheduler`, PUSH conne
 loaded, or `ProcessFailed` with the traceback (then exits 1). The process dies with its parent: a watchdog
 thread polls the parent pid and exits when the parent is gone (no PR_SET_PDEATHSIG: it fires when the parent
 *thread* that spawned us exits, which kills the scheduler of an Engine created from a short-lived thread).
+A second thread, the step watchdog (watchdog.py), exits with status 1 when one round of work makes no progress
+for `--watchdog-timeout` seconds.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import zmq
 from radixserve.runtime.wire.ipc import IpcPaths, make_pull, make_push
 from radixserve.runtime.wire.messages import ProcessFailed, ProcessReady, decode, encode
 from radixserve.runtime.wire.server_args import ServerArgs
+from radixserve.scheduler.watchdog import StepWatchdog, describe_scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -58,8 +61,10 @@ def run_scheduler_process(server_args: ServerArgs, ipc: IpcPaths, parent_pid: in
     gc.freeze()
     sender.send(encode(ProcessReady(process="scheduler", model=scheduler.ready_info())))
     logger.info("scheduler ready: %s", scheduler.ready_info())
+    watchdog = StepWatchdog(server_args.watchdog_timeout, lambda: describe_scheduler(scheduler))
+    watchdog.start()
     try:
-        serve(scheduler, receiver, sender)
+        serve(scheduler, receiver, sender, watchdog)
     except BaseException:
         logger.exception("scheduler crashed")
         sender.send(encode(ProcessFailed(process="scheduler", error=traceback.format_exc())))
@@ -67,8 +72,9 @@ def run_scheduler_process(server_args: ServerArgs, ipc: IpcPaths, parent_pid: in
         os._exit(1)
 
 
-def serve(scheduler, receiver: zmq.Socket, sender: zmq.Socket) -> None:
-    """The loop: never spins when idle (blocks on the socket), never blocks while there is work."""
+def serve(scheduler, receiver: zmq.Socket, sender: zmq.Socket, watchdog: StepWatchdog) -> None:
+    """The loop: never spins when idle (blocks on the socket), never blocks while there is work. Each round
+    after the wait is watched by `watchdog`."""
     poller = zmq.Poller()
     poller.register(receiver, zmq.POLLIN)
     worked = True
@@ -77,16 +83,17 @@ def serve(scheduler, receiver: zmq.Socket, sender: zmq.Socket) -> None:
             timeout = IDLE_POLL_MS
         else:
             timeout = 0 if worked else BUSY_POLL_MS
-        if poller.poll(timeout):
-            while True:
+        readable = poller.poll(timeout)
+        with watchdog.busy():
+            while readable:
                 try:
                     data = receiver.recv(zmq.NOBLOCK)
                 except zmq.Again:
                     break
                 scheduler.handle_message(decode(data))
-        worked = scheduler.step()
-        for message in scheduler.take_outputs():
-            sender.send(encode(message))
+            worked = scheduler.step()
+            for message in scheduler.take_outputs():
+                sender.send(encode(message))
 
 
 def _watch_parent(parent_pid: int) -> None:

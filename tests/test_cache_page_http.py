@@ -211,6 +211,6 @@ def test_report_escapes_what_it_embeds():
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from radixserve.model_runner.loader import load_tokenizer, resolve_model
+    from radixserve.runtime.model_files import load_tokenizer, resolve_model
 
     return load_tokenizer(resolve_model(None).model_dir)

@@ -95,3 +95,5 @@ def test_keys_guard_every_route_but_health(server):
             assert response.status_code == 401, (method, path, headers)
             assert response.json()["error"]["code"] in ("missing_api_key", "invalid_api_key")
     assert httpx.get(server.url + "/health").status_code == 200
+    metrics = httpx.get(server.url + "/metrics", headers=server.headers(server.admin_key))
+    assert metrics.status_code == 200 and "radixserve:num_running_reqs{" in metrics.text

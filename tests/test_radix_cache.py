@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from radixserve.radix_cache.pool import KVAllocator, ReqToTokenPool
+from radixserve.radix_cache.stats import MAX_NAMESPACES
 from radixserve.radix_cache.tree import RadixCache, common_prefix_length
 
 # Distinct tuples whose naive string concatenations would collide.
@@ -404,3 +405,20 @@ def test_stats_per_namespace():
     }
     assert stats["namespaces"][("t2",)]["queried_tokens"] == 2
     assert stats["queried_tokens"] == 6 and stats["matched_tokens"] == 2
+
+
+def test_stats_keep_a_bounded_number_of_namespaces():
+    cache = make_cache(64)
+    assert cache.stats()["dropped_namespaces"] == 0
+    extra = 100
+    for salt in range(MAX_NAMESPACES + extra):
+        cache.match_prefix([1, 2, 3], ("tenant", f"salt-{salt}"))
+    cache.match_prefix([1], ("tenant", "salt-0"))  # dropped long ago: starts again from zero
+    stats = cache.stats()
+    namespaces = stats["namespaces"]
+    assert len(namespaces) == MAX_NAMESPACES
+    assert namespaces[("tenant", "salt-0")]["queried_tokens"] == 1
+    assert ("tenant", f"salt-{extra}") not in namespaces  # the least recently used went
+    assert ("tenant", f"salt-{MAX_NAMESPACES + extra - 1}") in namespaces
+    assert stats["dropped_namespaces"] == extra + 1
+    assert stats["queried_tokens"] == 3 * (MAX_NAMESPACES + extra) + 1  # the totals still count everything

@@ -106,7 +106,7 @@ class BatchTokenOut(msgspec.Struct, tag=True):
     cached_tokens: list[int]
     skip_special_tokens: list[bool]
     spaces_between_special_tokens: list[bool]
-    stop: list[list[str]]  # stop strings, trimmed by the detokenizer
+    stop: list[list[str]]  # stop strings (trimmed by the detokenizer): with a request's first output only, else []
     # Logprobs of the new tokens (empty lists when not requested).
     output_token_logprobs: list[list[float]] = []
     output_top_logprobs: list[list[list[tuple[int, float]]]] = []
@@ -149,6 +149,7 @@ class ModelInfo(msgspec.Struct, kw_only=True):
     overlap_schedule: bool
     radix_cache: bool
     hierarchical_cache: bool = False
+    sampling_backend: str = "pytorch"
     tokenizer_path: Optional[str] = None  # filled in by the parent, which resolved it
 
     def to_dict(self) -> dict[str, Any]:

@@ -26,6 +26,8 @@ FLOAT_FIELDS = ("temperature", "top_p", "min_p", "frequency_penalty", "presence_
 BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens")
 GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf")
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# Below this a temperature means greedy (SGLang's threshold); dividing logits by it would overflow them anyway.
+GREEDY_BELOW_TEMPERATURE = 1e-5
 
 
 class SamplingParams(msgspec.Struct, kw_only=True):
@@ -200,6 +202,8 @@ def _build(params: dict[str, Any], vocab_size: int) -> SamplingParams:
         out[name] = value
     sampling = SamplingParams(**out)
     _check_ranges(sampling)
+    if 0.0 < sampling.temperature < GREEDY_BELOW_TEMPERATURE:
+        sampling = msgspec.structs.replace(sampling, temperature=0.0)  # as SGLang: effectively greedy
     return sampling
 
 

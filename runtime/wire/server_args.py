@@ -18,6 +18,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 EVICTION_POLICIES = ("lru", "lfu")
 DEFAULT_MAX_QUEUED_REQUESTS = 1024
 HICACHE_WRITE_POLICIES = ("write_through", "write_back")
+SAMPLING_BACKENDS = ("pytorch",)  # SGLang also has "flashinfer"; radixserve has no FlashInfer sampling path
 
 
 @dataclass
@@ -63,10 +64,10 @@ class ServerArgs:
 
     # Kernels
     attention_backend: Optional[str] = None  # None: flashinfer on CUDA, torch_native on CPU
-    sampling_backend: Optional[str] = None
+    sampling_backend: Optional[str] = None  # None: "pytorch", the only one
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: Optional[int] = None
-    tp_size: int = 1
+    tp_size: int = 1  # only 1: a server runs on one device
 
     # HTTP server
     host: str = "127.0.0.1"
@@ -82,7 +83,7 @@ class ServerArgs:
     decode_log_interval: int = 40
     enable_metrics: bool = True
     check_invariants_when_idle: bool = True
-    watchdog_timeout: float = 300.0
+    watchdog_timeout: float = 300.0  # seconds one scheduler step may take (scheduler/watchdog.py)
     skip_server_warmup: bool = False
 
     def __post_init__(self) -> None:
@@ -121,7 +122,11 @@ class ServerArgs:
         check(self.context_length is None or self.context_length > 0,
               f"context_length must be positive, got {self.context_length}")
         check(self.schedule_conservativeness > 0, "schedule_conservativeness must be positive")
-        check(self.tp_size >= 1, f"tp_size must be >= 1, got {self.tp_size}")
+        check(self.sampling_backend is None or self.sampling_backend in SAMPLING_BACKENDS,
+              f"sampling_backend {self.sampling_backend!r} is not available: radixserve samples with PyTorch only "
+              f"(use one of {SAMPLING_BACKENDS} or leave it unset)")
+        check(self.tp_size == 1, f"tp_size must be 1 (tensor parallelism is not supported), got {self.tp_size}")
+        check(self.watchdog_timeout > 0, f"watchdog_timeout must be positive, got {self.watchdog_timeout}")
         check(0 < self.port < 65536, f"port must be in 1..65535, got {self.port}")
         check(self.api_key is None or self.tenants_file is None, "give either api_key or tenants_file, not both")
         check(self.max_queued_requests is None or self.max_queued_requests >= 0,
@@ -181,8 +186,9 @@ class ServerArgs:
             flag = "--" + f.name.replace("_", "-")
             default = f.default if f.default is not dataclasses.MISSING else None
             kind = _field_type(f)
-            if kind is bool:
-                parser.add_argument(flag, action="store_true", default=default, help=f"(default: {default})")
+            if kind is bool:  # --flag sets it, --no-flag clears it (so flags that default to on can be turned off)
+                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
+                                    help=f"(default: {default})")
             else:
                 parser.add_argument(flag, type=kind, default=default, help=f"(default: {default})")
         parser.add_argument("--model", dest="model_path", help="alias of --model-path")
