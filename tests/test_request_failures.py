@@ -67,6 +67,19 @@ def test_the_engine_raises_a_typed_error_and_keeps_serving(engine):
     assert out["meta_info"]["finish_reason"]["type"] == "length"
 
 
+def test_extreme_temperatures_and_penalties_do_not_break_sampling(engine):
+    """A tiny temperature means greedy (SGLang's rule); a tiny repetition penalty makes logits +inf, which must
+    still sample a real token. Either used to draw the id equal to the vocabulary size and end the scheduler."""
+    greedy = engine.generate("Hello", {"max_new_tokens": 3, "temperature": 0})["output_ids"]
+    assert engine.generate("Hello", {"max_new_tokens": 3, "temperature": 1e-40})["output_ids"] == greedy
+    vocab = engine.model_info.vocab_size
+    for params in ({"repetition_penalty": 1e-40, "temperature": 1.0}, {"repetition_penalty": 1e-40, "temperature": 0},
+                   {"repetition_penalty": 1e-40, "temperature": 1e-3, "top_p": 0.5}):
+        out = engine.generate("hello hello hello", {"max_new_tokens": 3, **params}, return_logprob=True)
+        assert len(out["output_ids"]) == 3 and all(0 <= t < vocab for t in out["output_ids"]), params
+    assert engine.generate("Hello", {"max_new_tokens": 3, "temperature": 0})["output_ids"] == greedy
+
+
 @pytest.fixture(scope="module")
 def engine():
     from radixserve import Engine
