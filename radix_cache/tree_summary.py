@@ -20,14 +20,11 @@ import heapq
 from typing import Any, Iterator, NamedTuple, Optional
 
 from radixserve.radix_cache.tree import common_prefix_length
-from radixserve.runtime.wire.cache_tree import CacheTier, CacheTreeNode, NamespaceTree
+from radixserve.runtime.wire.cache_tree import CacheTier, CacheTreeNode, NamespaceTree, namespace_name
 
 TreeNode = Any  # radix_cache.tree.TreeNode (duck-typed so the no-share cache's bare root works too)
 
 
-def namespace_name(namespace: tuple) -> str:
-    """The name people and server info use for a namespace: "default", or its parts joined by "/"."""
-    return "/".join(namespace) if namespace else "default"
 
 
 class _Aggregate(NamedTuple):

@@ -29,6 +29,7 @@ from radixserve.runtime.http_state import ServerState, caller_tenant
 from radixserve.runtime.openai.errors import APIError, bad_request
 from radixserve.runtime.static_files import static_text
 from radixserve.tokenizer_manager.io import make_namespace
+from radixserve.tokenizer_manager.manager import engine_rid
 
 MAX_TEXT_TOKENS = 256  # per node with detail=text: the start of a long node is enough to recognise it
 ASSETS = {"cache.js": "text/javascript", "cache.css": "text/css"}
@@ -50,7 +51,8 @@ async def cache_tree(
     try:
         summary = await state.engine.async_get_cache_tree(
             namespace_prefix=make_namespace(tenant, None), namespace=namespace, max_depth=depth,
-            max_nodes=max_nodes, with_token_ids=detail == "text", rid=rid)
+            max_nodes=max_nodes, with_token_ids=detail == "text",
+            rid=None if rid is None else engine_rid(tenant, rid))  # rids are per tenant inside the engine
     except ValueError as error:
         raise bad_request(str(error)) from None
     return json_response(summary_json(summary, state.tokenizer if detail == "text" else None))

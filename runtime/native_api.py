@@ -222,13 +222,22 @@ async def get_server_info(request: Request, who: Caller = Depends(caller)) -> Re
     state = _state(request)
     info = dict(await state.engine.async_get_server_info())
     if not who.is_admin:
-        info = {**state.model_info.to_dict(), "cache": {"namespaces": _own_namespaces(info.get("cache"), who.tenant)}}
+        info = {**state.model_info.to_dict(), "cache": _own_cache(_own_namespaces(info.get("cache"), who.tenant))}
     info["http"] = {"served_model_name": state.served_model_name,
                     "inflight_engine_requests": state.inflight.num_engine_requests_of(who.tenant)}
     if who.is_admin:
         info["http"].update(inflight_requests=len(state.inflight), capacity=state.inflight.capacity,
                             inflight_engine_requests=state.inflight.num_engine_requests)
     return json_response(info)
+
+
+def _own_cache(namespaces: dict[str, Any]) -> dict[str, Any]:
+    """A tenant's cache statistics: its namespaces, and the totals over them (its own hit rate, evictions)."""
+    queried = sum(stats.get("queried_tokens", 0) for stats in namespaces.values())
+    matched = sum(stats.get("matched_tokens", 0) for stats in namespaces.values())
+    evicted = sum(stats.get("evicted_tokens", 0) for stats in namespaces.values())
+    return {"hit_rate": matched / queried if queried else 0.0, "matched_tokens": matched, "queried_tokens": queried,
+            "tree": {"evicted_tokens": evicted}, "namespaces": namespaces}
 
 
 def _own_namespaces(cache: Any, tenant: Optional[str]) -> dict[str, Any]:

@@ -13,10 +13,10 @@ host_used_tokens`) and the disk tier, and `cache.hicache` its moves between tier
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
+from radixserve.runtime.wire.cache_tree import namespace_name
 from radixserve.runtime.wire.messages import ModelInfo
 
 if TYPE_CHECKING:
@@ -72,14 +72,3 @@ def server_info(scheduler: "Scheduler") -> dict[str, Any]:
         "new_token_ratio": scheduler.new_token_ratio.value,
     }
 
-
-def namespace_name(namespace: tuple[str, ...]) -> str:
-    """"default", or the namespace's parts joined by "/" with a salt shown as "salt#<digest>"."""
-    if not namespace:
-        return "default"
-    parts = []
-    for part in namespace:
-        if part.startswith("salt:"):
-            part = "salt#" + hashlib.sha256(part[len("salt:"):].encode("utf-8")).hexdigest()[:16]
-        parts.append(part)
-    return "/".join(parts)

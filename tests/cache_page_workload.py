@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import httpx
 
+from radixserve.runtime.wire.cache_tree import namespace_name
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 from serving import load_tokenizer_for  # noqa: E402
 from serving_datasets import shared_prefix_sessions  # noqa: E402
@@ -27,8 +29,8 @@ class Workload:
 
     @property
     def namespace(self) -> str:
-        """The namespace's name as /cache/tree and /get_server_info write it."""
-        return f"tenant:{self.tenant}/salt:{self.salt}"
+        """The namespace's name as /cache/tree and /get_server_info write it (the salt only as a digest)."""
+        return namespace_name((f"tenant:{self.tenant}", f"salt:{self.salt}"))
 
     @property
     def expected_top_level(self) -> int:

@@ -35,7 +35,7 @@ def test_a_refused_flush_has_retry_after(server):
     thread.start()
     try:
         assert started.wait(60)
-        refused = httpx.post(server.url + "/flush_cache", headers=server.headers(), timeout=30.0)
+        refused = httpx.post(server.url + "/flush_cache", headers=server.headers(server.admin_key), timeout=30.0)
         assert refused.status_code == 400
         assert int(refused.headers["Retry-After"]) >= 1
         assert set(refused.json()["error"]) == {"message", "type", "param", "code"}
@@ -44,4 +44,4 @@ def test_a_refused_flush_has_retry_after(server):
                    timeout=30.0)
         thread.join(60)
     server.wait_idle()
-    assert httpx.post(server.url + "/flush_cache", headers=server.headers(), timeout=30.0).status_code == 200
+    assert httpx.post(server.url + "/flush_cache", headers=server.headers(server.admin_key), timeout=30.0).status_code == 200

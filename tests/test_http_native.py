@@ -143,7 +143,7 @@ def test_metrics_count_requests(server):
 def test_metrics_have_sglang_names_and_a_model_name_label(server):
     model = httpx.get(server.url + "/v1/models", headers=server.headers()).json()["data"][0]["id"]
     families = {family.name: family for family in text_string_to_metric_families(
-        httpx.get(server.url + "/metrics").text)}
+        httpx.get(server.url + "/metrics", headers=server.headers(server.admin_key)).text)}
     for name in SGLANG_NAMES:
         # The parser names a counter family without its `_total` suffix.
         family = families.get("radixserve:" + name.removesuffix("_total"))

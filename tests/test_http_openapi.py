@@ -27,7 +27,8 @@ MAX_WORK = 4
 POST_ROUTES = {"/v1/chat/completions": "ChatCompletionRequest", "/v1/completions": "CompletionRequest",
                "/generate": "GenerateRequest", "/abort_request": "AbortRequest"}
 ROUTES = {"/health", "/metrics", "/v1/models", "/v1/models/{model_id}", "/v1/chat/completions", "/v1/completions",
-          "/generate", "/abort_request", "/flush_cache", "/get_model_info", "/get_server_info", "/health_generate"}
+          "/generate", "/abort_request", "/flush_cache", "/get_model_info", "/get_server_info", "/health_generate",
+          "/cache", "/cache/tree", "/cache/{asset}"}
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,8 @@ Light module: msgspec only, so every process may import it.
 
 from __future__ import annotations
 
+import hashlib
+
 import enum
 from typing import Optional
 
@@ -94,3 +96,16 @@ class CacheTreeSummary(msgspec.Struct):
 class CacheTreeReqOutput(msgspec.Struct, tag=True):
     rpc_id: str
     summary: CacheTreeSummary
+
+
+def namespace_name(namespace: tuple[str, ...]) -> str:
+    """A namespace as shown to people: "default", or its parts joined by "/", a salt as "salt#<digest>" (a salt
+    is never listed, so nobody who reads statistics or the cache page can reuse another client's salt)."""
+    if not namespace:
+        return "default"
+    parts = []
+    for part in namespace:
+        if part.startswith("salt:"):
+            part = "salt#" + hashlib.sha256(part[len("salt:"):].encode("utf-8")).hexdigest()[:16]
+        parts.append(part)
+    return "/".join(parts)
