@@ -98,9 +98,19 @@ def resolve_for_launch(server_args: ServerArgs) -> ServerArgs:
     from radixserve.runtime.model_files import resolve_model
 
     resolved = resolve_model(server_args.model_path, server_args.load_format, server_args.model_cache_dir)
+    if server_args.tp_size > 1 and server_args.dist_init_addr is None:
+        server_args = dataclasses.replace(server_args, dist_init_addr=f"127.0.0.1:{_free_port()}")
     if server_args.tokenizer_path is not None:
         return server_args
     return dataclasses.replace(server_args, tokenizer_path=resolved.model_dir)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 @contextlib.contextmanager
@@ -129,11 +139,19 @@ def _main_module_hidden() -> Iterator[None]:
             setattr(main, name, value)
 
 
-def _default_entries() -> dict[str, ChildEntry]:
+def _default_entries(tp_size: int = 1) -> dict[str, ChildEntry]:
+    """The scheduler (one per tensor-parallel rank: "scheduler" is rank 0, "scheduler-tp{r}" rank r) and the
+    detokenizer."""
+    import functools
+
     from radixserve.detokenizer_manager.process import run_detokenizer_process
     from radixserve.scheduler.process import run_scheduler_process
 
-    return {"scheduler": run_scheduler_process, "detokenizer": run_detokenizer_process}
+    entries: dict[str, ChildEntry] = {"scheduler": run_scheduler_process}
+    for rank in range(1, tp_size):
+        entries[f"scheduler-tp{rank}"] = functools.partial(run_scheduler_process, tp_rank=rank)
+    entries["detokenizer"] = run_detokenizer_process
+    return entries
 
 
 class ChildProcesses:
@@ -146,7 +164,7 @@ class ChildProcesses:
     def __init__(self, server_args: ServerArgs, ipc: IpcPaths, entries: Optional[dict[str, ChildEntry]] = None):
         self.server_args = server_args
         self.ipc = ipc
-        self.entries = entries or _default_entries()
+        self.entries = entries or _default_entries(server_args.tp_size)
         self.processes: dict[str, multiprocessing.process.BaseProcess] = {}
         self._stopping = threading.Event()
         self._supervisor: Optional[threading.Thread] = None

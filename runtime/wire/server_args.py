@@ -66,7 +66,9 @@ class ServerArgs:
     sampling_backend: Optional[str] = None
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: Optional[int] = None
-    tp_size: int = 1
+    tp_size: int = 1  # tensor-parallel ranks, one scheduler process each (docs/parallelism.md)
+    dist_init_addr: Optional[str] = None  # "host:port" of the TP group's rendezvous; None: a free local port
+    dist_timeout: float = 600.0  # seconds a collective may wait for a peer before the group fails
 
     # HTTP server
     host: str = "127.0.0.1"
@@ -122,6 +124,8 @@ class ServerArgs:
               f"context_length must be positive, got {self.context_length}")
         check(self.schedule_conservativeness > 0, "schedule_conservativeness must be positive")
         check(self.tp_size >= 1, f"tp_size must be >= 1, got {self.tp_size}")
+        check(self.dist_init_addr is None or self.dist_init_addr.rpartition(":")[2].isdigit(),
+              f"dist_init_addr must be HOST:PORT, got {self.dist_init_addr!r}")
         check(0 < self.port < 65536, f"port must be in 1..65535, got {self.port}")
         check(self.api_key is None or self.tenants_file is None, "give either api_key or tenants_file, not both")
         check(self.max_queued_requests is None or self.max_queued_requests >= 0,

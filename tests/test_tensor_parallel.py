@@ -1,0 +1,220 @@
+"""Tensor parallelism on the CPU (gloo): sharded models equal the unsharded model and Hugging Face, and a
+served TP group (one scheduler process per rank) gives the same greedy output as TP=1.
+
+The model-level test runs each rank's ModelRunner in its own spawned process (a real gloo group over
+loopback); the engine-level tests start real Engines with `tp_size > 1`.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import socket
+
+import pytest
+import torch
+
+from radixserve.model_runner.parallel import HeadLayout, TPGroup, check_tp_divides, vocab_shard
+
+MAX_NEW_TOKENS = 6
+TINY_CONFIGS = {
+    # Qwen2, one KV head: replicated on both ranks; tied embeddings.
+    "qwen2-1kv": ("qwen2", {"num_key_value_heads": 1}),
+    # Qwen3, two KV heads: one per rank; a vocabulary that does not divide by 2 (padded last shard).
+    "qwen3-odd-vocab": ("qwen3", {"vocab_size": 511}),
+    # Llama with an untied LM head.
+    "llama": ("llama", {}),
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _prompts(vocab_size: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(7)
+    return [torch.randint(0, vocab_size, (n,), generator=generator).tolist() for n in (5, 11, 3, 17)]
+
+
+def _rank_main(rank: int, tp_size: int, addrs: list[str], model_dirs: list[str], results) -> None:
+    """One rank: build the sharded runner of each model and run the same batched greedy generation."""
+    import torch.distributed as dist
+
+    from radixserve.model_runner.model_runner import ModelRunner
+    from radixserve.model_runner.static_generate import greedy_generate
+    from radixserve.runtime.wire.server_args import ServerArgs
+
+    try:
+        outputs = []
+        for addr, model_dir in zip(addrs, model_dirs):
+            args = ServerArgs(model_path=model_dir, device="cpu", dtype="float32", max_total_tokens=1024,
+                              max_running_requests=8, tp_size=tp_size, dist_init_addr=addr)
+            runner = ModelRunner(args, tp_rank=rank)
+            outputs.append(greedy_generate(runner, _prompts(runner.vocab_size), MAX_NEW_TOKENS))
+            dist.destroy_process_group()  # a fresh group (at the next address) for the next model
+        results.put((rank, outputs))
+    except BaseException as exc:  # report, so the test fails with the reason rather than a timeout
+        import traceback
+
+        results.put((rank, traceback.format_exc()))
+        raise SystemExit(1) from exc
+
+
+def _run_group(tp_size: int, model_dirs: list[str], timeout_s: float = 300.0) -> list[list[list[int]]]:
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    addrs = [f"127.0.0.1:{_free_port()}" for _ in model_dirs]
+    procs = [ctx.Process(target=_rank_main, args=(r, tp_size, addrs, model_dirs, results)) for r in range(tp_size)]
+    for p in procs:
+        p.start()
+    try:
+        by_rank = dict(results.get(timeout=timeout_s) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    for rank, out in by_rank.items():
+        assert not isinstance(out, str), f"rank {rank} failed:\n{out}"
+    assert all(by_rank[r] == by_rank[0] for r in by_rank), "ranks disagree"
+    return by_rank[0]
+
+
+def _hf_greedy(model_dir: str, prompts: list[list[int]]) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    outputs = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=MAX_NEW_TOKENS, pad_token_id=0)
+            outputs.append(out[0, len(prompt):].tolist())
+    return outputs
+
+
+def test_sharded_tiny_models_equal_tp1_and_transformers(tiny_model_dir):
+    """TP=2 (Qwen2 with its single KV head replicated, Qwen3 with a padded vocabulary shard, Llama untied)
+    gives the same greedy ids as TP=1 and as Hugging Face."""
+    from test_model_forward import make_runner
+    from radixserve.model_runner.static_generate import greedy_generate
+
+    dirs = [tiny_model_dir(arch, **overrides) for arch, overrides in TINY_CONFIGS.values()]
+    sharded = _run_group(2, dirs)
+    for name, model_dir, tp2 in zip(TINY_CONFIGS, dirs, sharded):
+        runner = make_runner(model_dir)
+        prompts = _prompts(runner.vocab_size)
+        tp1 = greedy_generate(runner, prompts, MAX_NEW_TOKENS)
+        assert tp2 == tp1, name
+        assert tp2 == _hf_greedy(model_dir, prompts), name
+
+
+def test_head_layout_replicates_kv_heads_when_ranks_exceed_them():
+    # 4 query heads over 4 ranks, 2 KV heads: ranks 0-1 read KV head 0, ranks 2-3 KV head 1.
+    layouts = [HeadLayout.of(4, 2, TPGroup(rank, 4)) for rank in range(4)]
+    assert [(lay.num_heads, lay.q_start, lay.num_kv_heads, lay.kv_start) for lay in layouts] == [
+        (1, 0, 1, 0), (1, 1, 1, 0), (1, 2, 1, 1), (1, 3, 1, 1)]
+    # The embedded model: 9 heads, 3 KV heads over 3 ranks: 3 query heads and 1 KV head each.
+    assert HeadLayout.of(9, 3, TPGroup(2, 3)) == HeadLayout(3, 1, 6, 2)
+
+
+def test_tp_size_that_does_not_divide_the_heads_names_the_numbers():
+    with pytest.raises(ValueError, match="tp_size 2 does not divide the model's 9 attention heads"):
+        check_tp_divides(9, 3, 2)
+    with pytest.raises(ValueError, match="tp_size 6 exceeds the model's 4 KV heads"):
+        check_tp_divides(12, 4, 6)
+
+
+def test_vocab_shards_cover_the_vocabulary_once():
+    shards = [vocab_shard(511, TPGroup(rank, 2)) for rank in range(2)]
+    assert shards == [(0, 256, 256), (256, 511, 256)]
+
+
+# ---- served: one scheduler process per rank -----------------------------------------------------------------
+
+ENGINE_PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "1, 2, 3, 4,",
+    "The quick brown fox",
+    "Water boils at",
+    "List three colors:",
+    "In 1969, humans first",
+]
+
+
+def _engine_outputs(tp_size: int, prompts, **extra) -> list[list[int]]:
+    from radixserve import Engine
+
+    params = {"max_new_tokens": 12, "temperature": 0.0}
+    with Engine(dtype="float32", tp_size=tp_size, max_running_requests=8, **extra) as engine:
+        first = engine.generate(prompts, params)
+        # The radix cache serves a second round of the same prompts; the output must not change.
+        second = engine.generate(prompts, params)
+        info = engine.get_server_info()
+    assert info["tensor_parallel"]["tp_size"] == tp_size
+    ids = [out["output_ids"] for out in first]
+    assert ids == [out["output_ids"] for out in second]
+    assert all(out["meta_info"]["cached_tokens"] > 0 for out in second)
+    return ids
+
+
+@pytest.mark.slow
+def test_embedded_model_tp3_equals_tp1():
+    """The embedded model (9 heads, 3 KV heads) at TP=3: same greedy ids as TP=1 for a batch of prompts, with
+    chunked prefill (small chunks) and mixed chunks."""
+    extra = {"chunked_prefill_size": 8, "enable_mixed_chunk": True}
+    tp1 = _engine_outputs(1, ENGINE_PROMPTS, **extra)
+    tp3 = _engine_outputs(3, ENGINE_PROMPTS, **extra)
+    assert tp3 == tp1
+
+
+@pytest.mark.slow
+def test_tp_size_not_dividing_heads_fails_at_startup():
+    from radixserve import Engine
+    from radixserve.runtime.launch import EngineStartupError
+
+    with pytest.raises(EngineStartupError, match="tp_size 2 does not divide the model's 9 attention heads"):
+        Engine(tp_size=2)
+
+
+@pytest.mark.slow
+def test_killing_a_rank_fails_pending_requests_and_leaves_no_process():
+    import signal
+    import time
+
+    import psutil
+
+    from radixserve import Engine
+
+    engine = Engine(dtype="float32", tp_size=3)
+    try:
+        children = psutil.Process().children(recursive=True)
+        ranks = {name: pid for name, pid in engine._resources.children.pids().items()}
+        import threading
+
+        errors: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                engine.generate(ENGINE_PROMPTS, {"max_new_tokens": 2000, "temperature": 0.0, "ignore_eos": True})
+            except BaseException as exc:  # the request must fail, not hang
+                errors.append(exc)
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        time.sleep(3.0)
+        os.kill(ranks["scheduler-tp1"], signal.SIGKILL)
+        killed_at = time.monotonic()
+        thread.join(timeout=5.0)
+        assert not thread.is_alive(), "pending requests still waiting 5 s after a rank died"
+        assert errors and time.monotonic() - killed_at < 5.0
+        assert not engine.is_healthy()
+    finally:
+        engine.shutdown()
+    _, alive = psutil.wait_procs(children, timeout=10)
+    assert not alive, f"processes left behind: {alive}"
