@@ -56,7 +56,8 @@ class ModelRunner:
         self.server_args = server_args
         self.tp_rank = tp_rank
         tp_context = join_tp_group(server_args.tp_size, tp_rank, server_args.dist_init_addr or "",
-                                   server_args.resolved_device(), server_args.dist_timeout)
+                                   server_args.resolved_device(), server_args.dist_timeout,
+                                   server_args.tp_size // server_args.nnodes)
         self.device, self.tp, self.tp_cpu_group = tp_context.device, tp_context.tp, tp_context.cpu_group
         self.dtype = _DTYPES[server_args.resolved_dtype()]
         self.kv_cache_dtype = self._resolve_kv_cache_dtype()

@@ -175,8 +175,11 @@ class TPContext:
     cpu_group: Optional[Any]
 
 
-def join_tp_group(tp_size: int, rank: int, init_addr: str, device_type: str, timeout_s: float) -> TPContext:
-    """Join (create, for rank 0) the process group of `tp_size` ranks at `init_addr` ("host:port")."""
+def join_tp_group(
+    tp_size: int, rank: int, init_addr: str, device_type: str, timeout_s: float, ranks_per_node: int
+) -> TPContext:
+    """Join (create, for rank 0) the process group of `tp_size` ranks at `init_addr` ("host:port"); this host
+    runs `ranks_per_node` of them, each on its own CUDA device (local index `rank % ranks_per_node`)."""
     import datetime
 
     if tp_size == 1:
@@ -184,14 +187,15 @@ def join_tp_group(tp_size: int, rank: int, init_addr: str, device_type: str, tim
     device = torch.device(device_type)
     if device_type == "cuda":
         count = torch.cuda.device_count()
-        if tp_size > count:
-            raise ValueError(f"tp_size {tp_size} exceeds the {count} CUDA devices of this host")
-        device = torch.device("cuda", rank % count)
+        if ranks_per_node > count:
+            raise ValueError(f"tp_size {tp_size} puts {ranks_per_node} ranks on this host, which has only "
+                             f"{count} CUDA devices")
+        device = torch.device("cuda", rank % ranks_per_node)
         torch.cuda.set_device(device)
     else:  # the ranks share this host's cores
         import os
 
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp_size))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks_per_node))
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = datetime.timedelta(seconds=timeout_s)
     dist.init_process_group(backend, init_method=f"tcp://{init_addr}", world_size=tp_size, rank=rank,

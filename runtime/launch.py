@@ -139,19 +139,28 @@ def _main_module_hidden() -> Iterator[None]:
             setattr(main, name, value)
 
 
-def _default_entries(tp_size: int = 1) -> dict[str, ChildEntry]:
-    """The scheduler (one per tensor-parallel rank: "scheduler" is rank 0, "scheduler-tp{r}" rank r) and the
-    detokenizer."""
+def scheduler_entries(server_args: ServerArgs) -> dict[str, ChildEntry]:
+    """This node's scheduler processes, one per tensor-parallel rank it hosts: "scheduler" is rank 0,
+    "scheduler-tp{r}" rank r. Node k of `nnodes` hosts ranks `[k * tp/nnodes, (k+1) * tp/nnodes)`."""
     import functools
 
-    from radixserve.detokenizer_manager.process import run_detokenizer_process
     from radixserve.scheduler.process import run_scheduler_process
 
-    entries: dict[str, ChildEntry] = {"scheduler": run_scheduler_process}
-    for rank in range(1, tp_size):
-        entries[f"scheduler-tp{rank}"] = functools.partial(run_scheduler_process, tp_rank=rank)
-    entries["detokenizer"] = run_detokenizer_process
+    per_node = server_args.tp_size // server_args.nnodes
+    first = server_args.node_rank * per_node
+    entries: dict[str, ChildEntry] = {}
+    for rank in range(first, first + per_node):
+        name = "scheduler" if rank == 0 else f"scheduler-tp{rank}"
+        entries[name] = run_scheduler_process if rank == 0 else functools.partial(run_scheduler_process,
+                                                                                  tp_rank=rank)
     return entries
+
+
+def _default_entries(server_args: ServerArgs) -> dict[str, ChildEntry]:
+    """The schedulers of node 0 (all of them on one host) and the detokenizer."""
+    from radixserve.detokenizer_manager.process import run_detokenizer_process
+
+    return {**scheduler_entries(server_args), "detokenizer": run_detokenizer_process}
 
 
 class ChildProcesses:
@@ -164,7 +173,7 @@ class ChildProcesses:
     def __init__(self, server_args: ServerArgs, ipc: IpcPaths, entries: Optional[dict[str, ChildEntry]] = None):
         self.server_args = server_args
         self.ipc = ipc
-        self.entries = entries or _default_entries(server_args.tp_size)
+        self.entries = entries or _default_entries(server_args)
         self.processes: dict[str, multiprocessing.process.BaseProcess] = {}
         self._stopping = threading.Event()
         self._supervisor: Optional[threading.Thread] = None

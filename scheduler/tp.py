@@ -10,6 +10,9 @@ rank 0 sends outputs; the others drop theirs.
 A desync would otherwise be silent (or a hang), so it is checked: when rank 0 goes idle after work, it asks
 every rank for a digest of its scheduler state (free and evictable KV slots, tree size, request rows); a
 mismatch raises `TPDesyncError` on every rank, and the process dies, which ends the group.
+
+Grammar compilation, the one input that arrives on a timer of its own (a worker thread), is waited for before
+the step under TP, so every rank admits a structured-output request at the same step.
 """
 
 from __future__ import annotations
@@ -98,6 +101,10 @@ def serve_tp(scheduler: Any, relay: TPRelay, receiver: Optional[zmq.Socket], sen
             relay.check_digests(scheduler)
         for data in step_input.messages:
             scheduler.handle_message(decode(data))
+        if scheduler.grammars.num_queued:
+            # Grammars compile on a thread whose finishing time differs by rank: wait, so that every rank
+            # admits a grammar request at the same step.
+            scheduler.grammars.wait_for_queue()
         worked = scheduler.step()
         outputs = scheduler.take_outputs()
         if sender is not None:

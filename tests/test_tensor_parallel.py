@@ -147,7 +147,7 @@ ENGINE_PROMPTS = [
 ]
 
 
-def _engine_outputs(tp_size: int, prompts, **extra) -> list[list[int]]:
+def _engine_outputs(tp_size: int, prompts, **extra) -> tuple[list[list[int]], dict]:
     from radixserve import Engine
 
     params = {"max_new_tokens": 12, "temperature": 0.0}
@@ -159,18 +159,22 @@ def _engine_outputs(tp_size: int, prompts, **extra) -> list[list[int]]:
     assert info["tensor_parallel"]["tp_size"] == tp_size
     ids = [out["output_ids"] for out in first]
     assert ids == [out["output_ids"] for out in second]
-    assert all(out["meta_info"]["cached_tokens"] > 0 for out in second)
-    return ids
+    assert any(out["meta_info"]["cached_tokens"] > 0 for out in second)
+    return ids, info
 
 
 @pytest.mark.slow
 def test_embedded_model_tp3_equals_tp1():
     """The embedded model (9 heads, 3 KV heads) at TP=3: same greedy ids as TP=1 for a batch of prompts, with
-    chunked prefill (small chunks) and mixed chunks."""
-    extra = {"chunked_prefill_size": 8, "enable_mixed_chunk": True}
-    tp1 = _engine_outputs(1, ENGINE_PROMPTS, **extra)
-    tp3 = _engine_outputs(3, ENGINE_PROMPTS, **extra)
+    the radix cache reused, chunked prefill (small chunks), mixed chunks, and a KV pool small enough that
+    decoding retracts requests."""
+    extra = {"chunked_prefill_size": 8, "enable_mixed_chunk": True, "max_total_tokens": 128}
+    tp1, _ = _engine_outputs(1, ENGINE_PROMPTS, **extra)
+    tp3, info = _engine_outputs(3, ENGINE_PROMPTS, **extra)
     assert tp3 == tp1
+    assert info["num_retractions"] > 0
+    assert info["tensor_parallel"]["attention_heads_per_rank"] == 3
+    assert info["tensor_parallel"]["kv_heads_per_rank"] == 1
 
 
 @pytest.mark.slow
@@ -218,3 +222,35 @@ def test_killing_a_rank_fails_pending_requests_and_leaves_no_process():
         engine.shutdown()
     _, alive = psutil.wait_procs(children, timeout=10)
     assert not alive, f"processes left behind: {alive}"
+
+
+@pytest.mark.slow
+def test_two_nodes_on_loopback_equal_tp1(tiny_model_dir):
+    """Two "nodes" on loopback: this process serves node 0 (rank 0), a `radixserve serve --node-rank 1`
+    worker runs rank 1; greedy output equals TP=1, and the worker exits once node 0 is gone."""
+    import subprocess
+    import sys
+
+    from radixserve import Engine
+
+    model = tiny_model_dir("qwen2", with_tokenizer=True, num_key_value_heads=1)
+    prompts = ENGINE_PROMPTS[:4]
+    params = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+    addr = f"127.0.0.1:{_free_port()}"
+    common = {"model_path": model, "dtype": "float32", "device": "cpu"}
+    worker = subprocess.Popen([sys.executable, "-m", "radixserve", "serve", "--model-path", model, "--dtype",
+                               "float32", "--device", "cpu", "--tp-size", "2", "--nnodes", "2", "--node-rank", "1",
+                               "--dist-init-addr", addr])
+    try:
+        with Engine(tp_size=2, nnodes=2, node_rank=0, dist_init_addr=addr, **common) as engine:
+            two_nodes = [out["output_ids"] for out in engine.generate(prompts, params)]
+            layout = engine.get_server_info()["tensor_parallel"]
+        assert worker.wait(timeout=60) != 0  # its group ended with node 0
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()
+    with Engine(**common) as engine:
+        one_rank = [out["output_ids"] for out in engine.generate(prompts, params)]
+    assert two_nodes == one_rank
+    assert layout["tp_size"] == 2 and layout["kv_heads_replicated"]

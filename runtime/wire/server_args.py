@@ -69,6 +69,8 @@ class ServerArgs:
     tp_size: int = 1  # tensor-parallel ranks, one scheduler process each (docs/parallelism.md)
     dist_init_addr: Optional[str] = None  # "host:port" of the TP group's rendezvous; None: a free local port
     dist_timeout: float = 600.0  # seconds a collective may wait for a peer before the group fails
+    nnodes: int = 1  # hosts the TP group spans; node k > 0 runs only its ranks (runtime/tp_node.py)
+    node_rank: int = 0
 
     # HTTP server
     host: str = "127.0.0.1"
@@ -124,6 +126,12 @@ class ServerArgs:
               f"context_length must be positive, got {self.context_length}")
         check(self.schedule_conservativeness > 0, "schedule_conservativeness must be positive")
         check(self.tp_size >= 1, f"tp_size must be >= 1, got {self.tp_size}")
+        check(self.nnodes >= 1 and 0 <= self.node_rank < self.nnodes,
+              f"node_rank must be in 0..nnodes-1, got node_rank {self.node_rank} with nnodes {self.nnodes}")
+        check(self.tp_size % self.nnodes == 0,
+              f"tp_size {self.tp_size} must be a multiple of nnodes {self.nnodes} (the same ranks on every node)")
+        check(self.nnodes == 1 or self.dist_init_addr is not None,
+              "nnodes > 1 needs dist_init_addr HOST:PORT (node 0's address, reachable from every node)")
         check(self.dist_init_addr is None or self.dist_init_addr.rpartition(":")[2].isdigit(),
               f"dist_init_addr must be HOST:PORT, got {self.dist_init_addr!r}")
         check(0 < self.port < 65536, f"port must be in 1..65535, got {self.port}")
