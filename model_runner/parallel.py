@@ -201,6 +201,9 @@ def join_tp_group(
     dist.init_process_group(backend, init_method=f"tcp://{init_addr}", world_size=tp_size, rank=rank,
                             timeout=timeout)
     cpu_group = dist.new_group(backend="gloo", timeout=timeout)
+    # NCCL creates its communicator on the first collective; have that happen now, not inside a CUDA graph
+    # capture (where it cannot).
+    dist.all_reduce(torch.zeros(1, device=device))
     return TPContext(device, TPGroup(rank, tp_size, None), cpu_group)
 
 

@@ -38,7 +38,7 @@ def _prompts(vocab_size: int) -> list[list[int]]:
     return [torch.randint(0, vocab_size, (n,), generator=generator).tolist() for n in (5, 11, 3, 17)]
 
 
-def _rank_main(rank: int, tp_size: int, addrs: list[str], model_dirs: list[str], results) -> None:
+def _rank_main(rank: int, tp_size: int, addrs: list[str], model_dirs: list[str], results, device: str) -> None:
     """One rank: build the sharded runner of each model and run the same batched greedy generation."""
     import torch.distributed as dist
 
@@ -49,7 +49,7 @@ def _rank_main(rank: int, tp_size: int, addrs: list[str], model_dirs: list[str],
     try:
         outputs = []
         for addr, model_dir in zip(addrs, model_dirs):
-            args = ServerArgs(model_path=model_dir, device="cpu", dtype="float32", max_total_tokens=1024,
+            args = ServerArgs(model_path=model_dir, device=device, dtype="float32", max_total_tokens=1024,
                               max_running_requests=8, tp_size=tp_size, dist_init_addr=addr)
             runner = ModelRunner(args, tp_rank=rank)
             outputs.append(greedy_generate(runner, _prompts(runner.vocab_size), MAX_NEW_TOKENS))
@@ -62,11 +62,13 @@ def _rank_main(rank: int, tp_size: int, addrs: list[str], model_dirs: list[str],
         raise SystemExit(1) from exc
 
 
-def _run_group(tp_size: int, model_dirs: list[str], timeout_s: float = 300.0) -> list[list[list[int]]]:
+def _run_group(tp_size: int, model_dirs: list[str], timeout_s: float = 300.0,
+               device: str = "cpu") -> list[list[list[int]]]:
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
     addrs = [f"127.0.0.1:{_free_port()}" for _ in model_dirs]
-    procs = [ctx.Process(target=_rank_main, args=(r, tp_size, addrs, model_dirs, results)) for r in range(tp_size)]
+    procs = [ctx.Process(target=_rank_main, args=(r, tp_size, addrs, model_dirs, results, device))
+             for r in range(tp_size)]
     for p in procs:
         p.start()
     try:
@@ -197,8 +199,9 @@ def test_killing_a_rank_fails_pending_requests_and_leaves_no_process():
 
     engine = Engine(dtype="float32", tp_size=3)
     try:
-        children = psutil.Process().children(recursive=True)
-        ranks = {name: pid for name, pid in engine._resources.children.pids().items()}
+        ranks = dict(engine._resources.children.pids())
+        children = [psutil.Process(pid) for pid in ranks.values()]
+        children += [grandchild for child in children for grandchild in child.children(recursive=True)]
         import threading
 
         errors: list[BaseException] = []
@@ -254,3 +257,42 @@ def test_two_nodes_on_loopback_equal_tp1(tiny_model_dir):
         one_rank = [out["output_ids"] for out in engine.generate(prompts, params)]
     assert two_nodes == one_rank
     assert layout["tp_size"] == 2 and layout["kv_heads_replicated"]
+
+
+# ---- two GPUs (NCCL); skipped elsewhere ------------------------------------------------------------------------
+
+needs_two_gpus = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                                    reason="needs two CUDA devices")
+
+
+@pytest.mark.gpu
+@needs_two_gpus
+def test_sharded_tiny_models_on_two_gpus_equal_transformers(tiny_model_dir):
+    """NCCL: the sharded runners on two GPUs (eager) give Hugging Face's greedy ids."""
+    dirs = [tiny_model_dir(arch, **overrides) for arch, overrides in TINY_CONFIGS.values()]
+    sharded = _run_group(2, dirs, device="cuda")
+    for name, model_dir, tp2 in zip(TINY_CONFIGS, dirs, sharded):
+        assert tp2 == _hf_greedy(model_dir, _prompts(_config_vocab(model_dir))), name
+
+
+def _config_vocab(model_dir: str) -> int:
+    import json
+
+    with open(os.path.join(model_dir, "config.json")) as f:
+        return json.load(f)["vocab_size"]
+
+
+@pytest.mark.gpu
+@needs_two_gpus
+def test_engine_tp2_on_gpus_with_cuda_graphs_equals_tp1(tiny_model_dir):
+    """An Engine at TP=2 on two GPUs, decode in CUDA graphs capturing the NCCL all-reduce: same greedy ids
+    as TP=1 on one GPU."""
+    from radixserve import Engine
+
+    model = tiny_model_dir("qwen3", with_tokenizer=True)
+    params = {"max_new_tokens": 16, "temperature": 0.0, "ignore_eos": True}
+    outputs = []
+    for tp_size in (1, 2):
+        with Engine(model_path=model, device="cuda", dtype="float32", tp_size=tp_size) as engine:
+            outputs.append([out["output_ids"] for out in engine.generate(ENGINE_PROMPTS, params)])
+    assert outputs[1] == outputs[0]
