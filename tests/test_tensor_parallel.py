@@ -135,6 +135,46 @@ def test_vocab_shards_cover_the_vocabulary_once():
     assert shards == [(0, 256, 256), (256, 511, 256)]
 
 
+def _desync_rank(rank: int, addr: str, model_dir: str, results) -> None:
+    """Two real schedulers in a TP group: equal digests pass; then rank 1 takes a KV slot rank 0 did not, and
+    the check must fail on both ranks."""
+    from radixserve.model_runner.model_runner import ModelRunner
+    from radixserve.runtime.wire.server_args import ServerArgs
+    from radixserve.scheduler.scheduler import Scheduler
+    from radixserve.scheduler.tp import TPDesyncError, TPRelay
+
+    args = ServerArgs(model_path=model_dir, device="cpu", dtype="float32", max_total_tokens=256,
+                      max_running_requests=4, tp_size=2, dist_init_addr=addr)
+    scheduler = Scheduler(args, model_runner=ModelRunner(args, tp_rank=rank))
+    relay = TPRelay(rank, scheduler.runner.tp_cpu_group)
+    relay.check_digests(scheduler)
+    if rank == 1:
+        scheduler.allocator.alloc(1)
+    try:
+        relay.check_digests(scheduler)
+        results.put((rank, "no error"))
+    except TPDesyncError as error:
+        results.put((rank, str(error)))
+
+
+def test_desync_check_fails_on_every_rank(tiny_model_dir):
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    addr = f"127.0.0.1:{_free_port()}"
+    model = tiny_model_dir("qwen2", num_key_value_heads=1)
+    procs = [ctx.Process(target=_desync_rank, args=(r, addr, model, results)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        by_rank = dict(results.get(timeout=300) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    assert all("tensor-parallel ranks diverged" in by_rank[r] for r in (0, 1)), by_rank
+
+
 # ---- served: one scheduler process per rank -----------------------------------------------------------------
 
 ENGINE_PROMPTS = [
