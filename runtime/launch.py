@@ -158,6 +158,9 @@ def scheduler_entries(server_args: ServerArgs) -> dict[str, ChildEntry]:
 
 def _default_entries(server_args: ServerArgs) -> dict[str, ChildEntry]:
     """The schedulers of node 0 (all of them on one host) and the detokenizer."""
+    if server_args.node_rank != 0:
+        raise ValueError(f"node_rank {server_args.node_rank} hosts tensor-parallel ranks only: start it with "
+                         "`radixserve serve --node-rank K ...`; the server and the Engine run on node 0")
     from radixserve.detokenizer_manager.process import run_detokenizer_process
 
     return {**scheduler_entries(server_args), "detokenizer": run_detokenizer_process}
