@@ -18,6 +18,7 @@ from radixserve.model_runner.loader import dummy_weights, iter_weights
 from radixserve.runtime.model_files import resolve_model
 from radixserve.model_runner.model_config import ModelConfig
 from radixserve.model_runner.models import get_model_class
+from radixserve.model_runner.parallel import HeadLayout, join_tp_group, min_over_ranks
 from radixserve.radix_cache.pool import KVAllocator, ReqToTokenPool, TokenToKVPool
 from radixserve.runtime.wire.server_args import ServerArgs
 
@@ -49,9 +50,15 @@ class ModelRunner:
     CUDA graphs).
     """
 
-    def __init__(self, server_args: ServerArgs) -> None:
+    def __init__(self, server_args: ServerArgs, tp_rank: int = 0) -> None:
+        """With `server_args.tp_size > 1`, joins the tensor-parallel group at `server_args.dist_init_addr` as
+        rank `tp_rank` (every rank constructs its runner at the same time) and holds that rank's shard."""
         self.server_args = server_args
-        self.device = torch.device(server_args.resolved_device())
+        self.tp_rank = tp_rank
+        tp_context = join_tp_group(server_args.tp_size, tp_rank, server_args.dist_init_addr or "",
+                                   server_args.resolved_device(), server_args.dist_timeout,
+                                   server_args.tp_size // server_args.nnodes)
+        self.device, self.tp, self.tp_cpu_group = tp_context.device, tp_context.tp, tp_context.cpu_group
         self.dtype = _DTYPES[server_args.resolved_dtype()]
         self.kv_cache_dtype = self._resolve_kv_cache_dtype()
         self.page_size = server_args.page_size
@@ -61,6 +68,8 @@ class ModelRunner:
         self.model_config = ModelConfig.from_path(resolved.model_dir)
         self.vocab_size = self.model_config.vocab_size
         self.context_len = self._resolve_context_len()
+        self.head_layout = HeadLayout.of(self.model_config.num_attention_heads,
+                                         self.model_config.num_key_value_heads, self.tp)
         self.model = self._load_model(resolved.load_format)
 
         self.max_total_num_tokens, self.max_running_requests = self._size_memory()
@@ -70,7 +79,7 @@ class ModelRunner:
         self.allocator = KVAllocator(self.max_total_num_tokens, self.page_size, self.device)
         config = self.model_config
         self.token_to_kv_pool = TokenToKVPool(
-            self.max_total_num_tokens, self.page_size, config.num_hidden_layers, config.num_key_value_heads,
+            self.max_total_num_tokens, self.page_size, config.num_hidden_layers, self.head_layout.num_kv_heads,
             config.head_dim, self.kv_cache_dtype, self.device,
         )
         self.attn_backend = self._create_attention_backend()
@@ -97,6 +106,10 @@ class ModelRunner:
         self.attn_backend.plan(batch)
         hidden = self.model(batch.input_ids, batch.positions, batch)
         return self.model.compute_logits(hidden, batch)
+
+    def sync_sampled(self, next_token_ids: torch.Tensor) -> torch.Tensor:
+        """Rank 0's sampled ids on every rank (in place), so random sampling cannot make ranks diverge."""
+        return self.tp.broadcast_from_first(next_token_ids)
 
     # ---- set-up ----------------------------------------------------------------------------------
     def _create_attention_backend(self) -> AttentionBackend:
@@ -149,12 +162,12 @@ class ModelRunner:
         model_class = get_model_class(self.model_config.architecture)
         # Build on the meta device (no memory, no random init), then allocate on the target device once.
         with torch.device("meta"):
-            model = model_class(self.model_config, max_positions=self.context_len)
+            model = model_class(self.model_config, max_positions=self.context_len, tp=self.tp)
         model = model.to(self.dtype).to_empty(device=self.device)
         if load_format == "dummy":
             weights = dummy_weights(self.model_config, self.server_args.random_seed, self.dtype, self.device)
         else:
-            weights = iter_weights(self.model_dir)
+            weights = iter_weights(self.model_dir, lazy=self.tp.size > 1)
         with torch.no_grad():
             model.load_weights(weights)
         model.eval().requires_grad_(False)
@@ -166,7 +179,7 @@ class ModelRunner:
         """(usable KV token slots rounded down to whole pages, max running requests)."""
         args, config = self.server_args, self.model_config
         bytes_per_token = TokenToKVPool.bytes_per_token(
-            config.num_hidden_layers, config.num_key_value_heads, config.head_dim, self.kv_cache_dtype
+            config.num_hidden_layers, self.head_layout.num_kv_heads, config.head_dim, self.kv_cache_dtype
         )
         row_bytes = self.context_len * 4  # one int32 req_to_token row
         if args.max_total_tokens is not None:
@@ -185,6 +198,8 @@ class ModelRunner:
             rows_bytes = (max_running + SPARE_REQUEST_ROWS) * row_bytes
             budget_tokens -= -(-rows_bytes // bytes_per_token)
 
+        # Every rank schedules the same batches, so every rank's pool must hold what the smallest one holds.
+        budget_tokens = min_over_ranks(budget_tokens, self.tp_cpu_group)
         total = budget_tokens // self.page_size * self.page_size
         if total < self.page_size:
             raise RuntimeError(

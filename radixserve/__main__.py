@@ -42,6 +42,14 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _serve(server_args: ServerArgs) -> int:
+    if server_args.node_rank > 0:  # a tensor-parallel worker node: only its scheduler ranks, no server
+        import logging
+
+        from radixserve.runtime.tp_node import run_worker_node
+
+        logging.basicConfig(level=server_args.log_level.upper(),
+                            format="%(asctime)s [tp-node] %(levelname)s %(name)s: %(message)s")
+        return run_worker_node(server_args)
     from radixserve.runtime.http_server import launch_server
 
     launch_server(server_args)

@@ -98,9 +98,19 @@ def resolve_for_launch(server_args: ServerArgs) -> ServerArgs:
     from radixserve.runtime.model_files import resolve_model
 
     resolved = resolve_model(server_args.model_path, server_args.load_format, server_args.model_cache_dir)
+    if server_args.tp_size > 1 and server_args.dist_init_addr is None:
+        server_args = dataclasses.replace(server_args, dist_init_addr=f"127.0.0.1:{_free_port()}")
     if server_args.tokenizer_path is not None:
         return server_args
     return dataclasses.replace(server_args, tokenizer_path=resolved.model_dir)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 @contextlib.contextmanager
@@ -129,11 +139,31 @@ def _main_module_hidden() -> Iterator[None]:
             setattr(main, name, value)
 
 
-def _default_entries() -> dict[str, ChildEntry]:
-    from radixserve.detokenizer_manager.process import run_detokenizer_process
+def scheduler_entries(server_args: ServerArgs) -> dict[str, ChildEntry]:
+    """This node's scheduler processes, one per tensor-parallel rank it hosts: "scheduler" is rank 0,
+    "scheduler-tp{r}" rank r. Node k of `nnodes` hosts ranks `[k * tp/nnodes, (k+1) * tp/nnodes)`."""
+    import functools
+
     from radixserve.scheduler.process import run_scheduler_process
 
-    return {"scheduler": run_scheduler_process, "detokenizer": run_detokenizer_process}
+    per_node = server_args.tp_size // server_args.nnodes
+    first = server_args.node_rank * per_node
+    entries: dict[str, ChildEntry] = {}
+    for rank in range(first, first + per_node):
+        name = "scheduler" if rank == 0 else f"scheduler-tp{rank}"
+        entries[name] = run_scheduler_process if rank == 0 else functools.partial(run_scheduler_process,
+                                                                                  tp_rank=rank)
+    return entries
+
+
+def _default_entries(server_args: ServerArgs) -> dict[str, ChildEntry]:
+    """The schedulers of node 0 (all of them on one host) and the detokenizer."""
+    if server_args.node_rank != 0:
+        raise ValueError(f"node_rank {server_args.node_rank} hosts tensor-parallel ranks only: start it with "
+                         "`radixserve serve --node-rank K ...`; the server and the Engine run on node 0")
+    from radixserve.detokenizer_manager.process import run_detokenizer_process
+
+    return {**scheduler_entries(server_args), "detokenizer": run_detokenizer_process}
 
 
 class ChildProcesses:
@@ -146,7 +176,7 @@ class ChildProcesses:
     def __init__(self, server_args: ServerArgs, ipc: IpcPaths, entries: Optional[dict[str, ChildEntry]] = None):
         self.server_args = server_args
         self.ipc = ipc
-        self.entries = entries or _default_entries()
+        self.entries = entries or _default_entries(server_args)
         self.processes: dict[str, multiprocessing.process.BaseProcess] = {}
         self._stopping = threading.Event()
         self._supervisor: Optional[threading.Thread] = None

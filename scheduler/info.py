@@ -70,5 +70,20 @@ def server_info(scheduler: "Scheduler") -> dict[str, Any]:
         "num_queued_reqs": len(scheduler.waiting) + (scheduler.chunked_req is not None) + scheduler.grammars.num_queued,
         "token_usage": (total - free - evictable) / total,
         "new_token_ratio": scheduler.new_token_ratio.value,
+        "tensor_parallel": tp_layout(scheduler.runner),
     }
+
+
+def tp_layout(runner: Any) -> dict[str, Any]:
+    """The tensor-parallel layout: ranks, heads per rank, and whether KV heads are replicated across ranks."""
+    config = runner.model_config
+    layout = getattr(runner, "head_layout", None)
+    tp_size = runner.tp.size if hasattr(runner, "tp") else 1
+    heads = layout.num_heads if layout else config.num_attention_heads
+    kv_heads = layout.num_kv_heads if layout else config.num_key_value_heads
+    return {"tp_size": tp_size, "num_attention_heads": config.num_attention_heads,
+            "num_key_value_heads": config.num_key_value_heads, "attention_heads_per_rank": heads,
+            "kv_heads_per_rank": kv_heads, "kv_heads_replicated": tp_size > config.num_key_value_heads,
+            "backend": "nccl" if tp_size > 1 and str(runner.device).startswith("cuda") else
+                       ("gloo" if tp_size > 1 else None)}
 

@@ -139,6 +139,7 @@ class BatchExecutor:
         if batch.grammar_mask is not None:
             batch.grammar_mask.apply(logits)  # waits for the previous batch's tokens under overlap
         out = self.sampler.sample(logits, batch.sampling_info, batch.return_logprob, batch.top_logprobs_num)
+        runner.sync_sampled(out.next_token_ids)
         self.token_table[forward_batch.req_pool_indices] = out.next_token_ids
         if self.device.type != "cuda":
             return PendingResult(out.next_token_ids, out.logprobs, out.top_logprobs, input_logprobs, out.no_token)

@@ -35,23 +35,30 @@ IDLE_POLL_MS = 1000  # an idle scheduler wakes up this often even without messag
 BUSY_POLL_MS = 1  # a scheduler with nothing runnable (e.g. waiting for memory) naps this long
 
 
-def run_scheduler_process(server_args: ServerArgs, ipc: IpcPaths, parent_pid: int) -> None:
-    """Process entry point (multiprocessing `spawn` target)."""
+def run_scheduler_process(server_args: ServerArgs, ipc: IpcPaths, parent_pid: int, tp_rank: int = 0) -> None:
+    """Process entry point (multiprocessing `spawn` target). With tensor parallelism there is one per rank:
+    rank 0 owns the input socket, the others take their input from it (scheduler/tp.py)."""
+    name = "scheduler" if tp_rank == 0 else f"scheduler-tp{tp_rank}"
     logging.basicConfig(
         level=server_args.log_level.upper(),
         format="%(asctime)s [scheduler] %(levelname)s %(name)s: %(message)s",
     )
     _watch_parent(parent_pid)
     ctx = zmq.Context()
-    receiver = make_pull(ctx, ipc.tokenizer_to_scheduler)
+    receiver = make_pull(ctx, ipc.tokenizer_to_scheduler) if tp_rank == 0 else None
     sender = make_push(ctx, ipc.scheduler_to_detokenizer)
     try:
         from radixserve.scheduler.scheduler import Scheduler
 
-        scheduler = Scheduler(server_args)
+        runner = None
+        if server_args.tp_size > 1:
+            from radixserve.model_runner.model_runner import ModelRunner
+
+            runner = ModelRunner(server_args, tp_rank)
+        scheduler = Scheduler(server_args, model_runner=runner)
     except BaseException:
         logger.exception("scheduler failed to start")
-        sender.send(encode(ProcessFailed(process="scheduler", error=traceback.format_exc())))
+        sender.send(encode(ProcessFailed(process=name, error=traceback.format_exc())))
         sender.close()  # lingers until the report is delivered (bounded by the socket's linger)
         sys.exit(1)
 
@@ -59,15 +66,21 @@ def run_scheduler_process(server_args: ServerArgs, ipc: IpcPaths, parent_pid: in
     # the cyclic garbage collector, whose full collections otherwise rescan it while requests run.
     gc.collect()
     gc.freeze()
-    sender.send(encode(ProcessReady(process="scheduler", model=scheduler.ready_info())))
-    logger.info("scheduler ready: %s", scheduler.ready_info())
+    sender.send(encode(ProcessReady(process=name, model=scheduler.ready_info())))
+    logger.info("%s ready: %s", name, scheduler.ready_info())
     watchdog = StepWatchdog(server_args.watchdog_timeout, lambda: describe_scheduler(scheduler))
-    watchdog.start()
     try:
-        serve(scheduler, receiver, sender, watchdog)
+        if server_args.tp_size > 1:
+            from radixserve.scheduler.tp import TPRelay, serve_tp
+
+            relay = TPRelay(tp_rank, scheduler.runner.tp_cpu_group)
+            serve_tp(scheduler, relay, receiver, sender if tp_rank == 0 else None)
+        else:
+            watchdog.start()
+            serve(scheduler, receiver, sender, watchdog)
     except BaseException:
-        logger.exception("scheduler crashed")
-        sender.send(encode(ProcessFailed(process="scheduler", error=traceback.format_exc())))
+        logger.exception("%s crashed", name)
+        sender.send(encode(ProcessFailed(process=name, error=traceback.format_exc())))
         sender.close()
         os._exit(1)
 

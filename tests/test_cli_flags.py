@@ -42,7 +42,7 @@ def test_numeric_flags_that_are_read_by_the_runtime():
 @pytest.mark.parametrize("flags, message", [
     (["--sampling-backend", "flashinfer"], "samples with PyTorch only"),
     (["--sampling-backend", "nonsense"], "samples with PyTorch only"),
-    (["--tp-size", "2"], "tensor parallelism is not supported"),
+    (["--tp-size", "2", "--nnodes", "2"], "nnodes > 1 needs dist_init_addr"),
     (["--watchdog-timeout", "0"], "watchdog_timeout must be positive"),
 ])
 def test_flags_that_cannot_work_are_refused_at_start_up(flags, message):

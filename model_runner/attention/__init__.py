@@ -31,7 +31,7 @@ def create_attention_backend(name: str, runner: "ModelRunner | None" = None) -> 
     if runner is None:
         raise ValueError(f"the {name} attention backend is built for a ModelRunner; none was given")
     config = runner.model_config
-    shape = (config.num_attention_heads, config.num_key_value_heads, config.head_dim)
+    shape = (runner.head_layout.num_heads, runner.head_layout.num_kv_heads, config.head_dim)  # this rank's heads
     if name == "triton":
         try:
             from radixserve.model_runner.attention.triton_backend import TritonAttentionBackend

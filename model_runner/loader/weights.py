@@ -6,7 +6,7 @@ Both yield `(hf_name, tensor)` pairs under Hugging Face parameter names (`model.
 
 from __future__ import annotations
 
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -17,8 +17,11 @@ from radixserve.runtime.model_files import safetensors_files
 DUMMY_WEIGHT_STD = 0.02
 
 
-def iter_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_weights(model_dir: str, lazy: bool = False) -> Iterator[tuple[str, Any]]:
     """Yield every tensor of the model's safetensors files, one at a time (files are memory-mapped lazily).
+
+    With `lazy`, yield safetensors slices instead of tensors (valid until the next item): a tensor-parallel
+    rank indexes them to read only its own part.
 
     A tqdm progress bar appears when the load lasts more than a second. Raises FileNotFoundError when the
     directory holds no safetensors file.
@@ -37,7 +40,7 @@ def iter_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
         for path in files:
             with safe_open(path, framework="pt") as f:
                 for name in f.keys():
-                    yield name, f.get_tensor(name)
+                    yield name, (f.get_slice(name) if lazy else f.get_tensor(name))
                     progress.update(1)
 
 

@@ -17,6 +17,10 @@ from torch import nn
 
 from radixserve.model_runner.forward_batch import ForwardBatch
 from radixserve.model_runner.layers import RMSNorm, RotaryEmbedding, silu_and_mul
+from radixserve.model_runner.parallel import (
+    HeadLayout, RowParallelLinear, TPGroup, VocabParallelEmbedding, full_shape, lm_logits, narrow_source, split_size,
+    vocab_shard,
+)
 
 if TYPE_CHECKING:
     from radixserve.model_runner.attention.base import AttentionBackend
@@ -24,10 +28,11 @@ if TYPE_CHECKING:
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, tp: TPGroup) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        local = split_size(intermediate_size, tp, "intermediate size")
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * local, bias=False)
+        self.down_proj = RowParallelLinear(local, hidden_size, bias=False, tp=tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
@@ -42,11 +47,12 @@ class LlamaAttention(nn.Module):
     qkv_bias_override: Optional[bool] = None  # None: follow config.attention_bias
     o_bias_override: Optional[bool] = None
 
-    def __init__(self, config: "ModelConfig", layer_id: int, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: "ModelConfig", layer_id: int, rotary: RotaryEmbedding, tp: TPGroup) -> None:
         super().__init__()
         self.layer_id = layer_id
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self.heads = HeadLayout.of(config.num_attention_heads, config.num_key_value_heads, tp)
+        self.num_heads = self.heads.num_heads  # this rank's share (all of them without TP)
+        self.num_kv_heads = self.heads.num_kv_heads
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -55,7 +61,7 @@ class LlamaAttention(nn.Module):
         qkv_bias = config.attention_bias if self.qkv_bias_override is None else self.qkv_bias_override
         o_bias = config.attention_bias if self.o_bias_override is None else self.o_bias_override
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
+        self.o_proj = RowParallelLinear(self.q_size, config.hidden_size, bias=o_bias, tp=tp)
 
     def normalize_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Hook applied to `q [T, H, D]`, `k [T, Hkv, D]` before RoPE; identity for Llama."""
@@ -82,10 +88,10 @@ class LlamaAttention(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     attention_class: type[LlamaAttention] = LlamaAttention
 
-    def __init__(self, config: "ModelConfig", layer_id: int, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: "ModelConfig", layer_id: int, rotary: RotaryEmbedding, tp: TPGroup) -> None:
         super().__init__()
-        self.self_attn = self.attention_class(config, layer_id, rotary)
-        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size)
+        self.self_attn = self.attention_class(config, layer_id, rotary, tp)
+        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -109,11 +115,13 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: "ModelConfig", layer_class: type[LlamaDecoderLayer], max_positions: int) -> None:
+    def __init__(
+        self, config: "ModelConfig", layer_class: type[LlamaDecoderLayer], max_positions: int, tp: TPGroup
+    ) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta, config.rope_scaling)
-        self.layers = nn.ModuleList(layer_class(config, i, rotary) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(layer_class(config, i, rotary, tp) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
@@ -151,16 +159,20 @@ class LlamaForCausalLM(nn.Module):
 
     layer_class: type[LlamaDecoderLayer] = LlamaDecoderLayer
 
-    def __init__(self, config: "ModelConfig", max_positions: Optional[int] = None) -> None:
+    def __init__(
+        self, config: "ModelConfig", max_positions: Optional[int] = None, tp: Optional[TPGroup] = None
+    ) -> None:
         super().__init__()
         self.config = config
+        self.tp = tp or TPGroup.single()
         max_positions = max_positions or config.max_position_embeddings
-        self.model = LlamaModel(config, self.layer_class, max_positions)
+        self.model = LlamaModel(config, self.layer_class, max_positions, self.tp)
         self.tie_word_embeddings = bool(config.tie_word_embeddings)
         if self.tie_word_embeddings:
             self.lm_head = None
-        else:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        else:  # this rank's (padded) vocabulary rows, as the embedding's
+            rows = vocab_shard(config.vocab_size, self.tp)[2]
+            self.lm_head = nn.Linear(config.hidden_size, rows, bias=False)
         self.attn_backend: Optional["AttentionBackend"] = None
 
     def set_attention_backend(self, backend: "AttentionBackend") -> None:
@@ -180,7 +192,7 @@ class LlamaForCausalLM(nn.Module):
         last new token)."""
         indices = batch.logits_indices if batch.logits_indices is not None else batch.last_token_indices()
         selected = hidden[indices]
-        return torch.nn.functional.linear(selected, self.lm_head_weight).float()
+        return lm_logits(selected, self.lm_head_weight, self.config.vocab_size, self.tp)
 
     # ---- weights -------------------------------------------------------------------------------
     def _fused_rows(self, fused: str, shard: int) -> tuple[int, int]:
@@ -189,7 +201,7 @@ class LlamaForCausalLM(nn.Module):
         if fused == "qkv_proj":
             sizes = (attn.q_size, attn.kv_size, attn.kv_size)
         else:
-            intermediate = self.config.intermediate_size
+            intermediate = self.config.intermediate_size // self.tp.size
             sizes = (intermediate, intermediate)
         start = sum(sizes[:shard])
         return start, start + sizes[shard]
@@ -226,15 +238,72 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"checkpoint tensor {hf_name!r} has no matching parameter in {type(self).__name__}")
             param = params[target]
             destination = param.data if rows is None else param.data[rows[0]:rows[1]]
-            if tuple(destination.shape) != tuple(tensor.shape):
+            expected_shape = self._full_shape(hf_name, tuple(destination.shape))
+            if expected_shape != full_shape(tensor):
                 raise ValueError(
-                    f"shape mismatch for {hf_name!r}: checkpoint {tuple(tensor.shape)}, "
-                    f"model expects {tuple(destination.shape)}"
+                    f"shape mismatch for {hf_name!r}: checkpoint {full_shape(tensor)}, "
+                    f"model expects {expected_shape}"
                 )
-            destination.copy_(tensor)
+            self._copy_shard(hf_name, tensor, destination)
             loaded.add((target, shard))
 
         missing = sorted(f"{name}" + (f"[shard {s}]" if s >= 0 else "") for name, s in expected - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:10])}"
                              + (f" (and {len(missing) - 10} more)" if len(missing) > 10 else ""))
+
+    # ---- tensor-parallel slicing of checkpoint tensors ---------------------------------------------
+    def _shard_of(self, hf_name: str) -> Optional[tuple[int, int, int]]:
+        """(dim, start, length) of this rank's part of checkpoint tensor `hf_name`; None when replicated."""
+        if self.tp.size == 1:
+            return None
+        heads = self.model.layers[0].self_attn.heads
+        head_dim = self.config.head_dim
+        if "embed_tokens" in hf_name or hf_name.startswith("lm_head"):
+            start, end, _ = vocab_shard(self.config.vocab_size, self.tp)
+            return 0, start, end - start
+        if ".q_proj." in hf_name:
+            return 0, heads.q_start * head_dim, heads.num_heads * head_dim
+        if ".k_proj." in hf_name or ".v_proj." in hf_name:
+            return 0, heads.kv_start * head_dim, heads.num_kv_heads * head_dim
+        if ".o_proj.weight" in hf_name:
+            return 1, heads.q_start * head_dim, heads.num_heads * head_dim
+        local = self.config.intermediate_size // self.tp.size
+        if ".gate_proj." in hf_name or ".up_proj." in hf_name:
+            return 0, self.tp.rank * local, local
+        if ".down_proj." in hf_name:
+            return 1, self.tp.rank * local, local
+        return None
+
+    def _full_shape(self, hf_name: str, local_shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The whole checkpoint tensor's shape that a parameter (part) of `local_shape` expects."""
+        if self.tp.size == 1:
+            return local_shape
+        if "embed_tokens" in hf_name or hf_name.startswith("lm_head"):
+            return (self.config.vocab_size,) + local_shape[1:]
+        shard = self._shard_of(hf_name)
+        if shard is None:
+            return local_shape
+        dim = shard[0]
+        config, heads = self.config, self.model.layers[0].self_attn.heads
+        if ".k_proj." in hf_name or ".v_proj." in hf_name:
+            whole = config.num_key_value_heads * config.head_dim
+        elif ".q_proj." in hf_name or ".o_proj." in hf_name:
+            whole = heads.num_heads * self.tp.size * config.head_dim
+        else:
+            whole = config.intermediate_size
+        shape = list(local_shape)
+        shape[dim] = whole
+        return tuple(shape)
+
+    def _copy_shard(self, hf_name: str, tensor, destination: torch.Tensor) -> None:
+        """Copy this rank's part of `tensor` (a tensor or a lazy safetensors slice) into `destination`; the
+        padding rows of the last vocabulary shard are zeroed."""
+        shard = self._shard_of(hf_name)
+        if shard is None:
+            destination.copy_(tensor if isinstance(tensor, torch.Tensor) else tensor[:])
+            return
+        dim, start, length = shard
+        destination.narrow(dim, 0, length).copy_(narrow_source(tensor, dim, start, length))
+        if destination.shape[dim] > length:
+            destination.narrow(dim, length, destination.shape[dim] - length).zero_()

@@ -14,11 +14,12 @@ from radixserve.model_runner.models.llama import LlamaAttention, LlamaDecoderLay
 
 if TYPE_CHECKING:
     from radixserve.model_runner.model_config import ModelConfig
+    from radixserve.model_runner.parallel import TPGroup
 
 
 class Qwen3Attention(LlamaAttention):
-    def __init__(self, config: "ModelConfig", layer_id: int, rotary: RotaryEmbedding) -> None:
-        super().__init__(config, layer_id, rotary)
+    def __init__(self, config: "ModelConfig", layer_id: int, rotary: RotaryEmbedding, tp: "TPGroup") -> None:
+        super().__init__(config, layer_id, rotary, tp)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 

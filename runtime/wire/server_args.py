@@ -67,7 +67,11 @@ class ServerArgs:
     sampling_backend: Optional[str] = None  # None: "pytorch", the only one
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: Optional[int] = None
-    tp_size: int = 1  # only 1: a server runs on one device
+    tp_size: int = 1  # tensor-parallel ranks, one scheduler process each (docs/parallelism.md)
+    dist_init_addr: Optional[str] = None  # "host:port" of the TP group's rendezvous; None: a free local port
+    dist_timeout: float = 600.0  # seconds a collective may wait for a peer before the group fails
+    nnodes: int = 1  # hosts the TP group spans; node k > 0 runs only its ranks (runtime/tp_node.py)
+    node_rank: int = 0
 
     # HTTP server
     host: str = "127.0.0.1"
@@ -125,8 +129,16 @@ class ServerArgs:
         check(self.sampling_backend is None or self.sampling_backend in SAMPLING_BACKENDS,
               f"sampling_backend {self.sampling_backend!r} is not available: radixserve samples with PyTorch only "
               f"(use one of {SAMPLING_BACKENDS} or leave it unset)")
-        check(self.tp_size == 1, f"tp_size must be 1 (tensor parallelism is not supported), got {self.tp_size}")
         check(self.watchdog_timeout > 0, f"watchdog_timeout must be positive, got {self.watchdog_timeout}")
+        check(self.tp_size >= 1, f"tp_size must be >= 1, got {self.tp_size}")
+        check(self.nnodes >= 1 and 0 <= self.node_rank < self.nnodes,
+              f"node_rank must be in 0..nnodes-1, got node_rank {self.node_rank} with nnodes {self.nnodes}")
+        check(self.tp_size % self.nnodes == 0,
+              f"tp_size {self.tp_size} must be a multiple of nnodes {self.nnodes} (the same ranks on every node)")
+        check(self.nnodes == 1 or self.dist_init_addr is not None,
+              "nnodes > 1 needs dist_init_addr HOST:PORT (node 0's address, reachable from every node)")
+        check(self.dist_init_addr is None or self.dist_init_addr.rpartition(":")[2].isdigit(),
+              f"dist_init_addr must be HOST:PORT, got {self.dist_init_addr!r}")
         check(0 < self.port < 65536, f"port must be in 1..65535, got {self.port}")
         check(self.api_key is None or self.tenants_file is None, "give either api_key or tenants_file, not both")
         check(self.max_queued_requests is None or self.max_queued_requests >= 0,
