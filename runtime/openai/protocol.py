@@ -17,10 +17,10 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal, Optional, TypeVar, Union
 
 import pydantic
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from radixserve.runtime.openai.errors import validation_error
-from radixserve.runtime.openai.protocol_tools import ToolCallIn, ToolChoice, Tools
+from radixserve.runtime.openai.protocol_tools import Tool, ToolCallIn, ToolChoice, Tools
 
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
@@ -191,16 +191,27 @@ class ChatCompletionRequest(OpenAISamplingFields):
     def _check_chat(self) -> "ChatCompletionRequest":
         if self.top_logprobs is not None and self.top_logprobs > 0 and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
-        if self.tool_choice is not None and self.tool_choice != "none" and not self.tools:
-            raise ValueError("tool_choice other than none needs tools")
-        if self.tool_choice is not None and not isinstance(self.tool_choice, str):
-            names = [tool.function.name for tool in self.tools or []]
-            if self.tool_choice.function.name not in names:
-                raise ValueError(f"tool_choice names {self.tool_choice.function.name!r}, which is not among the "
-                                 f"tools ({', '.join(names)})")
-        if self.tools and len({tool.function.name for tool in self.tools}) != len(self.tools):
-            raise ValueError("tools must have distinct function names")
         return self
+
+    @field_validator("tools")
+    @classmethod
+    def _distinct_tools(cls, tools: Optional[list[Tool]]) -> Optional[list[Tool]]:
+        if tools and len({tool.function.name for tool in tools}) != len(tools):
+            raise ValueError("tools must have distinct function names")
+        return tools
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice_among_tools(cls, choice: Optional[ToolChoice], info: ValidationInfo) -> Optional[ToolChoice]:
+        tools = info.data.get("tools") or []
+        if choice is not None and choice != "none" and not tools:
+            raise ValueError("tool_choice other than none needs tools")
+        if choice is not None and not isinstance(choice, str):
+            names = [tool.function.name for tool in tools]
+            if choice.function.name not in names:
+                raise ValueError(f"tool_choice names {choice.function.name!r}, which is not among the tools "
+                                 f"({', '.join(names)})")
+        return choice
 
     @property
     def tool_choice_mode(self) -> str:
