@@ -66,6 +66,8 @@ def conversation_of(messages: list[ChatMessage], call_writer: Optional[ToolParse
             turn["name"] = message.name
         if message.tool_call_id is not None:
             turn["tool_call_id"] = message.tool_call_id
+        if message.reasoning_content:  # Qwen 3's and DeepSeek's templates read (or drop) it
+            turn["reasoning_content"] = message.reasoning_content
         if message.tool_calls:
             calls = [(call.function.name, _arguments_object(call.function.arguments, index))
                      for call in message.tool_calls]
@@ -114,8 +116,9 @@ def plan_chat_output(state: ServerState, body: ChatCompletionRequest) -> ChatOut
         conversation = conversation_of(body.messages)
     else:
         assert parser is not None
-        conversation = _with_instructions(conversation_of(body.messages, call_writer=parser),
-                                          parser.instructions(tools))
+        conversation = conversation_of(body.messages, call_writer=parser)
+        if mode != "none":  # "none": the model is not told how to call, so it answers in prose
+            conversation = _with_instructions(conversation, parser.instructions(tools))
     if mode == "none":
         return ChatOutputPlan(None, reasoning, template_kwargs, conversation, body)
     assert parser is not None
