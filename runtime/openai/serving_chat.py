@@ -20,9 +20,9 @@ from radixserve.runtime.http_generation import (
     start_stream,
 )
 from radixserve.runtime.http_state import ServerState
+from radixserve.runtime.openai.chat_stream import ChoiceStream
 from radixserve.runtime.openai.errors import APIError
 from radixserve.runtime.openai.logprobs import chat_logprobs
-from radixserve.runtime.openai.chat_stream import ChoiceStream
 from radixserve.runtime.openai.protocol import ChatCompletionRequest, ChatMessage
 from radixserve.runtime.openai.serving_common import (
     ChoiceOutput,
