@@ -53,7 +53,7 @@ def main() -> None:
     for turn in range(args.max_turns):
         response = client.chat.completions.create(
             model=model, messages=messages, tools=TOOLS, tool_choice="required" if turn == 0 else "auto",
-            parallel_tool_calls=False, max_tokens=200, temperature=0.0)
+            parallel_tool_calls=False, max_tokens=120, temperature=0.0)
         message = response.choices[0].message
         cached = response.usage.prompt_tokens_details.cached_tokens
         print(f"turn {turn}: {response.usage.prompt_tokens} prompt tokens, {cached} from the cache")
