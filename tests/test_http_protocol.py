@@ -83,11 +83,19 @@ def test_unknown_top_level_fields_are_rejected_like_openai(field, value, param):
     ({"logit_bias": {"1": 1000}}, "logit_bias.1"),
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "user"}]}, "messages[0]"),
-    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0]"),  # no tool_call_id
+    ({"messages": [{"role": "critic", "content": "x"}]}, "messages[0].role"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages[0].content[0].type"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "no spaces"}}]}, "tools[0].function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}] * 2}, "tools"),
+    ({"tools": []}, "tools"),
     ({"tool_choice": "auto"}, "tool_choice"),
+    ({"tool_choice": "sometimes", "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
+    ({"tool_choice": {"type": "function", "function": {"name": "g"}},
+      "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
+    ({"messages": [{"role": "user", "content": "x", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, "messages[0]"),
     ({"response_format": {"type": "xml"}}, "response_format.type"),
 ])
 def test_invalid_values_name_the_parameter(patch, param):

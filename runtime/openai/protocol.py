@@ -2,12 +2,12 @@
 
 Validation is strict (a string is not a number, `"true"` is not a boolean), rejects NaN and infinities,
 and rejects unknown top-level fields with 400 like OpenAI does. OpenAI fields that this server accepts but
-ignores, because they cannot change the generated text: `user`, `store`, `metadata`, `service_tier`,
-`parallel_tool_calls`, and `tools` / `tool_choice` only when they ask for no tools. Every other field either
-works or is a 400.
+ignores, because they cannot change the generated text: `user`, `store`, `metadata`, `service_tier`. Every
+other field either works or is a 400. Tool calling (`tools`, `tool_choice`, `parallel_tool_calls`, assistant
+`tool_calls`, `tool` messages) is described in protocol_tools.py and docs/tools.md.
 
 Extras (SGLang's names): `top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `min_tokens`, `stop_token_ids`,
-`skip_special_tokens`, `cache_salt`, and the structured-output constraints `regex` and `ebnf` (besides OpenAI's
+`skip_special_tokens`, `cache_salt`, `separate_reasoning`, `chat_template_kwargs`, and the structured-output constraints `regex` and `ebnf` (besides OpenAI's
 `response_format`, which both routes take; at most one of the three). The native `/generate` route takes
 SGLang's `sampling_params` dict as it is: `SamplingParams.from_request` checks it.
 """
@@ -17,9 +17,10 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal, Optional, TypeVar, Union
 
 import pydantic
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from radixserve.runtime.openai.errors import validation_error
+from radixserve.runtime.openai.protocol_tools import Tool, ToolCallIn, ToolChoice, Tools
 
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
@@ -126,12 +127,14 @@ class TextContentPart(StrictModel):
 
 
 class ChatMessage(StrictModel):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, Annotated[list[TextContentPart], Field(min_length=1)], None] = None
     name: Optional[str] = None
     # Sent back by clients that replay a previous assistant message; harmless only when empty.
     refusal: Optional[str] = None
-    tool_calls: Optional[Annotated[list[Any], Field(max_length=0)]] = None
+    tool_calls: Optional[list[ToolCallIn]] = None
+    tool_call_id: Optional[str] = None
+    reasoning_content: Optional[str] = None
     function_call: None = None
     audio: None = None
     annotations: Optional[list[Any]] = None
@@ -142,6 +145,10 @@ class ChatMessage(StrictModel):
             raise ValueError(f"content is required for {self.role} messages")
         if self.refusal:
             raise ValueError("assistant refusals are not supported in the input")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if (self.tool_call_id is not None) != (self.role == "tool"):
+            raise ValueError("tool messages need a tool_call_id, and only they may have one")
         return self
 
     def text(self) -> str:
@@ -174,15 +181,44 @@ class ChatCompletionRequest(OpenAISamplingFields):
     max_tokens: Optional[Annotated[int, Field(ge=0, le=INT64_MAX)]] = None
     max_completion_tokens: Optional[Annotated[int, Field(ge=0, le=INT64_MAX)]] = None
     response_format: Optional[ResponseFormat] = None
-    tools: Optional[Annotated[list[Any], Field(max_length=0)]] = None
-    tool_choice: Optional[Literal["none"]] = None
-    parallel_tool_calls: Optional[bool] = None
+    tools: Optional[Tools] = None
+    tool_choice: Optional[ToolChoice] = None
+    parallel_tool_calls: bool = True
+    separate_reasoning: bool = True
+    chat_template_kwargs: Optional[dict[str, Any]] = None
 
     @model_validator(mode="after")
     def _check_chat(self) -> "ChatCompletionRequest":
         if self.top_logprobs is not None and self.top_logprobs > 0 and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
         return self
+
+    @field_validator("tools")
+    @classmethod
+    def _distinct_tools(cls, tools: Optional[list[Tool]]) -> Optional[list[Tool]]:
+        if tools and len({tool.function.name for tool in tools}) != len(tools):
+            raise ValueError("tools must have distinct function names")
+        return tools
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice_among_tools(cls, choice: Optional[ToolChoice], info: ValidationInfo) -> Optional[ToolChoice]:
+        tools = info.data.get("tools") or []
+        if choice is not None and choice != "none" and not tools:
+            raise ValueError("tool_choice other than none needs tools")
+        if choice is not None and not isinstance(choice, str):
+            names = [tool.function.name for tool in tools]
+            if choice.function.name not in names:
+                raise ValueError(f"tool_choice names {choice.function.name!r}, which is not among the tools "
+                                 f"({', '.join(names)})")
+        return choice
+
+    @property
+    def tool_choice_mode(self) -> str:
+        """none, auto, required, or named (tool_choice is a function); OpenAI's default is auto with tools."""
+        if self.tool_choice is None:
+            return "auto" if self.tools else "none"
+        return self.tool_choice if isinstance(self.tool_choice, str) else "named"
 
     @property
     def max_new_tokens(self) -> Optional[int]:

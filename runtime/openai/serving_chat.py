@@ -20,6 +20,7 @@ from radixserve.runtime.http_generation import (
     start_stream,
 )
 from radixserve.runtime.http_state import ServerState
+from radixserve.runtime.openai.chat_stream import ChoiceStream
 from radixserve.runtime.openai.errors import APIError
 from radixserve.runtime.openai.logprobs import chat_logprobs
 from radixserve.runtime.openai.protocol import ChatCompletionRequest, ChatMessage
@@ -31,25 +32,23 @@ from radixserve.runtime.openai.serving_common import (
     sampling_params,
     usage,
 )
+from radixserve.runtime.openai.tool_calling import (
+    ChatOutputPlan,
+    assistant_message,
+    conversation_of,
+    plan_chat_output,
+    split_output,
+)
 from radixserve.tokenizer_manager.io import GenerateReqInput
 
 
-def conversation_of(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """The chat template's input (Hugging Face's convention) for the request's messages."""
-    conversation: list[dict[str, Any]] = []
-    for message in messages:
-        turn: dict[str, Any] = {"role": "system" if message.role == "developer" else message.role,
-                                "content": message.text()}
-        if message.name:
-            turn["name"] = message.name
-        conversation.append(turn)
-    return conversation
-
-
-async def encode_chat(state: ServerState, messages: list[ChatMessage]) -> list[int]:
-    """Token ids of the conversation through the chat template, rendered off the event loop by the engine."""
+async def encode_chat(state: ServerState, messages: list[ChatMessage],
+                      plan: Optional[ChatOutputPlan] = None) -> list[int]:
+    """Token ids of the conversation through the chat template, rendered off the event loop by the engine (with
+    `plan`, its conversation and template arguments: tools, and the request's chat_template_kwargs)."""
+    conversation = plan.conversation if plan is not None else conversation_of(messages)
     try:
-        return await state.engine.async_encode_chat(conversation_of(messages))
+        return await state.engine.async_encode_chat(conversation, **(plan.template_kwargs if plan else {}))
     except ValueError as error:
         raise engine_error(state, error, param="messages") from None
 
@@ -58,8 +57,10 @@ async def create_chat_completion(
     state: ServerState, http_request: Request, body: ChatCompletionRequest, tenant: Optional[str]
 ) -> Response:
     check_model(state, body.model)
+    plan = plan_chat_output(state, body)
+    body = plan.body
     params = sampling_params(state, body, body.max_new_tokens)
-    input_ids = await encode_chat(state, body.messages)
+    input_ids = await encode_chat(state, body.messages, plan)
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
     rids = [f"{response_id}-{i}" for i in range(body.n)]
     requests = [
@@ -83,7 +84,7 @@ async def create_chat_completion(
         except BaseException:
             run.close()
             raise
-        return RunStreamingResponse(_stream(state, body, header, run, events), run)
+        return RunStreamingResponse(_stream(state, plan, header, run, events), run)
     try:
         results = await run.collect()
     except ClientDisconnected:
@@ -97,20 +98,27 @@ async def create_chat_completion(
     return json_response({
         **header,
         "object": "chat.completion",
-        "choices": [_choice(state, body, i, out) for i, out in enumerate(outputs)],
+        "choices": [_choice(state, plan, i, out) for i, out in enumerate(outputs)],
         "usage": usage([outputs]),
         "system_fingerprint": None,
     })
 
 
-def _choice(state: ServerState, body: ChatCompletionRequest, index: int, out: ChoiceOutput) -> dict[str, Any]:
-    reason, matched = openai_finish_reason(out.finish_reason)
+def _finish_reason(finish: Optional[dict[str, Any]], made_calls: bool) -> tuple[Optional[str], Any]:
+    reason, matched = openai_finish_reason(finish)
+    return ("tool_calls", None) if made_calls and reason == "stop" else (reason, matched)
+
+
+def _choice(state: ServerState, plan: ChatOutputPlan, index: int, out: ChoiceOutput) -> dict[str, Any]:
+    body = plan.body
+    output = split_output(plan, out.text)
+    reason, matched = _finish_reason(out.finish_reason, bool(output.tool_calls))
     logprobs = None
     if body.logprobs:
         logprobs = chat_logprobs(state.token_texts, out.token_logprobs, out.top_logprobs, body.top_logprobs or 0)
     return {
         "index": index,
-        "message": {"role": "assistant", "content": out.text, "refusal": None},
+        "message": assistant_message(output, plan),
         "logprobs": logprobs,
         "finish_reason": reason,
         "matched_stop": matched,
@@ -119,12 +127,14 @@ def _choice(state: ServerState, body: ChatCompletionRequest, index: int, out: Ch
 
 async def _stream(
     state: ServerState,
-    body: ChatCompletionRequest,
+    plan: ChatOutputPlan,
     header: dict[str, Any],
     run: GenerationRun,
     events: AsyncIterator[tuple[int, Any]],
 ) -> AsyncIterator[bytes]:
+    body = plan.body
     outputs = [ChoiceOutput() for _ in range(body.n)]
+    streams = [ChoiceStream(plan) for _ in range(body.n)]
     started = [False] * body.n
     include_usage = body.include_usage
 
@@ -144,14 +154,16 @@ async def _stream(
             if not started[index]:
                 started[index] = True
                 yield chunk(index, {"role": "assistant", "content": ""})
-            if delta.text or delta.token_logprobs:
-                logprobs = None
-                if body.logprobs:
-                    logprobs = chat_logprobs(state.token_texts, delta.token_logprobs, delta.top_logprobs,
-                                             body.top_logprobs or 0)
-                yield chunk(index, {"content": delta.text}, logprobs)
+            deltas = streams[index].feed(delta.text, finished=bool(delta.finish_reason))
+            logprobs = None
+            if body.logprobs and delta.token_logprobs:
+                logprobs = chat_logprobs(state.token_texts, delta.token_logprobs, delta.top_logprobs,
+                                         body.top_logprobs or 0)
+                deltas = deltas or [{"content": ""}]
+            for number, message_delta in enumerate(deltas):
+                yield chunk(index, message_delta, logprobs if number == 0 else None)
             if delta.finish_reason:
-                reason, matched = openai_finish_reason(delta.finish_reason)
+                reason, matched = _finish_reason(delta.finish_reason, bool(streams[index].calls))
                 yield chunk(index, {}, finish=reason, matched=matched)
         if include_usage:
             yield sse_event({**header, "object": "chat.completion.chunk", "choices": [], "usage": usage([outputs])})

@@ -19,6 +19,9 @@ EVICTION_POLICIES = ("lru", "lfu")
 DEFAULT_MAX_QUEUED_REQUESTS = 1024
 HICACHE_WRITE_POLICIES = ("write_through", "write_back")
 SAMPLING_BACKENDS = ("pytorch",)  # SGLang also has "flashinfer"; radixserve has no FlashInfer sampling path
+# SGLang's names; runtime/openai/tool_parsers and runtime/openai/reasoning.py implement each one.
+TOOL_CALL_PARSERS = ("hermes", "qwen25", "llama3", "mistral", "pythonic")
+REASONING_PARSERS = ("qwen3", "deepseek-r1")
 
 
 @dataclass
@@ -30,6 +33,8 @@ class ServerArgs:
     model_cache_dir: Optional[str] = None  # GGUF conversions; default ~/.cache/radixserve
     served_model_name: Optional[str] = None
     chat_template: Optional[str] = None
+    tool_call_parser: Optional[str] = None  # one of TOOL_CALL_PARSERS: how tool calls are read from model text
+    reasoning_parser: Optional[str] = None  # one of REASONING_PARSERS: how <think> text is split off
     context_length: Optional[int] = None
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
     kv_cache_dtype: str = "auto"
@@ -99,6 +104,10 @@ class ServerArgs:
         check(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         check(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
               f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+        check(self.tool_call_parser is None or self.tool_call_parser in TOOL_CALL_PARSERS,
+              f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got {self.tool_call_parser!r}")
+        check(self.reasoning_parser is None or self.reasoning_parser in REASONING_PARSERS,
+              f"reasoning_parser must be one of {REASONING_PARSERS}, got {self.reasoning_parser!r}")
         check(self.page_size >= 1, f"page_size must be >= 1, got {self.page_size}")
         check(self.schedule_policy in SCHEDULE_POLICIES,
               f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}")

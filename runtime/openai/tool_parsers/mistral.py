@@ -1,0 +1,38 @@
+"""Mistral format: `[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]` (`[TOOL_CALLS]` is a special token)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Optional
+
+from radixserve.runtime.openai.tool_parsers.base import ParsedOutput, ToolParser, call_from_object, decode_json_prefix
+
+MARKER = "[TOOL_CALLS]"
+
+
+class MistralParser(ToolParser):
+    name = "mistral"
+    start_marker = MARKER
+    needs_special_tokens = True
+
+    def parse(self, text: str) -> ParsedOutput:
+        start = text.find(MARKER)
+        if start < 0:
+            return ParsedOutput(text, [])
+        decoded = decode_json_prefix(text, start + len(MARKER))
+        if decoded is None:
+            return ParsedOutput(text, [])
+        value, end = decoded
+        items = value if isinstance(value, list) else [value]
+        calls = [call_from_object(item) for item in items]
+        if not calls or any(call is None for call in calls):
+            return ParsedOutput(text, [])
+        return ParsedOutput(text[:start] + text[end:], calls)  # type: ignore[arg-type]
+
+    def format_calls(self, calls: list[tuple[str, dict[str, Any]]]) -> str:
+        return MARKER + " " + json.dumps([{"name": name, "arguments": args} for name, args in calls],
+                                         ensure_ascii=False)
+
+    def grammar_root(self, call_rule: str, parallel: bool) -> Optional[str]:
+        more = f' (", " {call_rule})*' if parallel else ""
+        return f'"[TOOL_CALLS] [" {call_rule}{more} "]"'

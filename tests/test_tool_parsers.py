@@ -1,0 +1,192 @@
+"""Tool-call and reasoning parsers on hand-written outputs in each model family's real format (malformed ones
+included, which must stay in `content`), their streaming splits, and the call grammar (xgrammar accepts exactly
+well-formed calls of the given tools)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import xgrammar
+from xgrammar.testing import _is_grammar_accept_string as grammar_accepts
+
+from radixserve.runtime.openai.chat_stream import ChoiceStream
+from radixserve.runtime.openai.protocol_tools import Tool
+from radixserve.runtime.openai.reasoning import get_reasoning_parser
+from radixserve.runtime.openai.tool_calling import ChatOutputPlan, split_output
+from radixserve.runtime.openai.tool_grammar import ToolSchemaError, check_tool_schemas, tool_call_grammar
+from radixserve.runtime.openai.tool_parsers import PARSERS, get_tool_parser
+from radixserve.runtime.wire.server_args import REASONING_PARSERS, TOOL_CALL_PARSERS, ServerArgs
+
+
+def calls_of(parsed):
+    return [(call.name, json.loads(call.arguments)) for call in parsed.calls]
+
+
+WEATHER = ("get_weather", {"city": "Paris", "unit": "celsius"})
+TIME = ("get_time", {"zone": "UTC", "precise": True, "offset": None})
+
+RECORDED = [
+    # (parser, model text, expected content, expected calls)
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>',
+     "", [WEATHER]),
+    ("qwen25", 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": '
+     '"celsius"}}\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC", "precise": true, '
+     '"offset": null}}\n</tool_call>', "Let me check.\n", [WEATHER, TIME]),
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": "{\\"city\\": \\"Paris\\", \\"unit\\": '
+     '\\"celsius\\"}"}\n</tool_call>', "", [WEATHER]),  # arguments as JSON text
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par', None, []),  # cut off
+    ("hermes", '<tool_call>\n{"arguments": {}}\n</tool_call>', None, []),  # no name
+    ("hermes", "The weather is fine.", None, []),
+    ("llama3", '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}', "", [WEATHER]),
+    ("llama3", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}; '
+     '{"name": "get_time", "parameters": {"zone": "UTC", "precise": true, "offset": null}}', "", [WEATHER, TIME]),
+    ("llama3", '{"name": "get_weather", "parameters": {"city": "Paris"}} and then some prose', None, []),
+    ("llama3", 'I think {"name": "get_weather"} is it', None, []),  # not at the start: prose
+    ("llama3", '{"name": "get_weather", "parameters": [1, 2]}', None, []),
+    ("mistral", '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}, '
+     '{"name": "get_time", "arguments": {"zone": "UTC", "precise": true, "offset": null}}]', "", [WEATHER, TIME]),
+    ("mistral", '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"', None, []),
+    ("mistral", '[TOOL_CALLS] [{"name": "get_weather", "arguments": {}}, "oops"]', None, []),
+    ("pythonic", '[get_weather(city="Paris", unit="celsius"), get_time(zone="UTC", precise=True, offset=None)]',
+     "", [WEATHER, TIME]),
+    ("pythonic", '<|python_start|>[get_time(zone="UTC", precise=true, offset=null)]<|python_end|>', "", [TIME]),
+    ("pythonic", '[get_weather("Paris")]', None, []),  # positional arguments are not a call
+    ("pythonic", '[get_weather(city=__import__("os").getcwd())]', None, []),  # never evaluated
+    ("pythonic", '[get_weather(city="Par', None, []),
+    ("pythonic", "[1, 2, 3]", None, []),
+]
+
+
+@pytest.mark.parametrize("name,text,content,calls", RECORDED)
+def test_recorded_outputs(name, text, content, calls):
+    parsed = get_tool_parser(name).parse(text)
+    assert calls_of(parsed) == calls
+    assert parsed.content == (text if content is None else content)  # malformed: the text stays as it was
+    assert len({call.id for call in parsed.calls}) == len(parsed.calls)
+
+
+@pytest.mark.parametrize("name", sorted(PARSERS))
+def test_written_calls_parse_back(name):
+    parser = get_tool_parser(name)
+    calls = [WEATHER, ("nested", {"a": {"b": [1, 2.5, "x"]}, "flag": False})]
+    assert calls_of(parser.parse(parser.format_calls(calls))) == calls
+
+
+def test_flag_names_match_the_registries():
+    assert set(TOOL_CALL_PARSERS) == set(PARSERS)
+    assert set(REASONING_PARSERS) == {"qwen3", "deepseek-r1"}
+    with pytest.raises(ValueError, match="tool_call_parser"):
+        ServerArgs(tool_call_parser="nope")
+    with pytest.raises(ValueError, match="reasoning_parser"):
+        ServerArgs(reasoning_parser="nope")
+
+
+@pytest.mark.parametrize("name,text,reasoning,content", [
+    ("qwen3", "<think>\nThe user wants 2+2.\n</think>\n\n4", "\nThe user wants 2+2.\n", "4"),
+    ("qwen3", "4", "", "4"),
+    ("qwen3", "<think>still thinking", "still thinking", ""),
+    ("deepseek-r1", "The user wants 2+2.\n</think>\n\n4", "The user wants 2+2.\n", "4"),
+    ("deepseek-r1", "<think>x</think>y", "x", "y"),
+    ("deepseek-r1", "never closed", "never closed", ""),
+])
+def test_reasoning_split(name, text, reasoning, content):
+    split = get_reasoning_parser(name).split(text)
+    assert (split.reasoning, split.content) == (reasoning, content)
+
+
+def _plan(tool_parser=None, reasoning_parser=None):
+    return ChatOutputPlan(get_tool_parser(tool_parser) if tool_parser else None,
+                          get_reasoning_parser(reasoning_parser) if reasoning_parser else None, {}, [], None)
+
+
+def _stream(plan, pieces):
+    stream = ChoiceStream(plan)
+    deltas = []
+    for i, piece in enumerate(pieces):
+        deltas += stream.feed(piece, finished=i == len(pieces) - 1)
+    return deltas
+
+
+def _accumulate(deltas):
+    """What the openai SDK's stream helpers build from the deltas."""
+    content, reasoning, calls = "", "", {}
+    for delta in deltas:
+        content += delta.get("content") or ""
+        reasoning += delta.get("reasoning_content") or ""
+        for call in delta.get("tool_calls") or []:
+            entry = calls.setdefault(call["index"], {"id": None, "name": "", "arguments": ""})
+            if "id" in call:
+                assert entry["id"] is None and call["function"]["arguments"] == ""  # name first, once
+                entry["id"], entry["name"] = call["id"], call["function"]["name"]
+            else:
+                assert entry["id"] is not None
+                entry["arguments"] += call["function"]["arguments"]
+    return content, reasoning, [calls[i] for i in sorted(calls)]
+
+
+@pytest.mark.parametrize("name,text,_content,_calls", [r for r in RECORDED if r[0] in ("hermes", "qwen25", "llama3",
+                                                                                        "mistral", "pythonic")])
+@pytest.mark.parametrize("piece", [1, 3, 7])
+def test_streaming_accumulates_to_the_final_parse(name, text, _content, _calls, piece):
+    plan = _plan(name, "qwen3")
+    full = f"<think>plan the call</think>\n{text}"
+    pieces = [full[i:i + piece] for i in range(0, len(full), piece)]
+    content, reasoning, calls = _accumulate(_stream(plan, pieces))
+    final = split_output(plan, full)
+    assert reasoning == final.reasoning_content
+    assert content == (final.content or "")
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == \
+        [(c.name, json.loads(c.arguments)) for c in final.tool_calls]
+
+
+def test_streaming_never_shows_a_split_marker_as_content():
+    deltas = _stream(_plan("hermes"), ["Sure. <tool", '_call>\n{"name": "f", "arguments": {}}\n</tool_call>'])
+    assert [d.get("content") for d in deltas if "content" in d] == ["Sure. "]
+    assert _accumulate(deltas)[2][0]["name"] == "f"
+
+
+TOOLS = [
+    Tool.model_validate({"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "unit"], "additionalProperties": False}}}),
+    Tool.model_validate({"type": "function", "function": {"name": "count", "parameters": {
+        "type": "object", "properties": {"n": {"type": "integer", "minimum": 1, "maximum": 9}}, "required": ["n"]}}}),
+    Tool.model_validate({"type": "function", "function": {"name": "ping"}}),
+]
+
+
+@pytest.mark.parametrize("name", ["hermes", "llama3", "mistral"])
+def test_grammar_accepts_exactly_valid_calls(name):
+    parser = get_tool_parser(name)
+    single = tool_call_grammar(parser, TOOLS, parallel=False)
+    parallel = tool_call_grammar(parser, TOOLS, parallel=True)
+    good = parser.format_calls([("get_weather", {"city": "Paris", "unit": "celsius"})])
+    assert grammar_accepts(single, good) and grammar_accepts(parallel, good)
+    two = parser.format_calls([("count", {"n": 3}), ("ping", {})])
+    assert grammar_accepts(parallel, two) and not grammar_accepts(single, two)
+    for bad in ([("get_weather", {"city": "Paris", "unit": "kelvin"})], [("count", {"n": 10})],
+                [("get_weather", {"city": "Paris"})], [("unknown", {})], [("count", {"n": "3"})]):
+        assert not grammar_accepts(parallel, parser.format_calls(bad)), bad
+    assert not grammar_accepts(parallel, "Sure! " + good)
+    named = tool_call_grammar(parser, TOOLS[1:2], parallel=False)
+    assert grammar_accepts(named, parser.format_calls([("count", {"n": 9})]))
+    assert not grammar_accepts(named, good)
+
+
+def test_grammar_survives_a_property_named_root():
+    tool = Tool.model_validate({"type": "function", "function": {"name": "root", "parameters": {
+        "type": "object", "properties": {"root": {"type": "string", "const": "root ::= x"}}, "required": ["root"]}}})
+    parser = get_tool_parser("hermes")
+    grammar = tool_call_grammar(parser, [tool], parallel=True)
+    assert grammar_accepts(grammar, parser.format_calls([("root", {"root": "root ::= x"})]))
+    xgrammar.Grammar.from_ebnf(grammar)
+
+
+def test_bad_schemas_are_named():
+    with pytest.raises(ToolSchemaError, match=r"tools\[0\]"):
+        check_tool_schemas([Tool.model_validate({"type": "function", "function": {
+            "name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "no-such-type"}}}}})])
+    with pytest.raises(ToolSchemaError, match="object"):
+        check_tool_schemas([Tool.model_validate({"type": "function", "function": {
+            "name": "f", "parameters": {"type": "string"}}})])
