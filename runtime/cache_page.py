@@ -55,7 +55,10 @@ async def cache_tree(
             rid=None if rid is None else engine_rid(tenant, rid))  # rids are per tenant inside the engine
     except ValueError as error:
         raise bad_request(str(error)) from None
-    return json_response(summary_json(summary, state.tokenizer if detail == "text" else None))
+    out = summary_json(summary, state.tokenizer if detail == "text" else None)
+    if out.get("path") is not None:
+        out["path"]["rid"] = rid  # the caller's own id, not the engine's tenant-scoped one
+    return json_response(out)
 
 
 def summary_json(summary: CacheTreeSummary, tokenizer: Any = None) -> dict[str, Any]:

@@ -22,6 +22,7 @@ import pytest
 
 from cache_page_workload import GROUPS, Workload, shared_prefix_workload
 from http_fixtures import KEY_A, KEY_B, shared_server
+from radixserve.runtime.wire.cache_tree import namespace_name
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -137,7 +138,8 @@ def test_tenant_a_sees_nothing_of_tenant_b(page, server, workload, beta_marker):
     # The same page with B's key shows B's namespace and text, and nothing of A's.
     page.fill("#key", KEY_B)
     page.click("#key-form button")
-    page.wait_for_selector('section.namespace[data-name="tenant:beta/salt:beta-page"]', timeout=60_000)
+    page.wait_for_selector(f'section.namespace[data-name="{namespace_name(("tenant:beta", "salt:beta-page"))}"]',
+                           timeout=60_000)
     page.wait_for_function(f"document.body.innerHTML.includes({beta_marker[:12]!r})", timeout=60_000)
     assert "alpha" not in page.content()
 

@@ -20,6 +20,7 @@ import pytest
 
 from cache_page_workload import GROUPS, PER_GROUP, SYSTEM_LEN, Workload, shared_prefix_workload
 from http_fixtures import KEY_A, KEY_B, shared_server
+from radixserve.runtime.wire.cache_tree import namespace_name
 from radixserve.runtime.cache_report import SCRIPT_TAG, STYLESHEET_TAG, render_report
 from radixserve.runtime.static_files import static_text
 
@@ -133,7 +134,7 @@ def test_a_running_requests_path_is_locked(server):
             summary = tree(server, KEY_A, rid=rid)
         path = summary["path"]
         assert path is not None, "the running request never showed up"
-        assert path["running"] and path["namespace"] == f"tenant:alpha/salt:{rid}"
+        assert path["running"] and path["namespace"] == namespace_name(("tenant:alpha", f"salt:{rid}"))
         ns = namespace(summary, path["namespace"])
         assert ns["locked_tokens"] > 0
         assert all(n["lock_ref"] >= 1 for n in ns["nodes"] if n["id"] in path["node_ids"])
@@ -151,9 +152,9 @@ def test_tenant_a_sees_nothing_of_tenant_b(server, workload, beta_marker):
         assert names and all(name == "tenant:alpha" or name.startswith("tenant:alpha/") for name in names)
     # B's own rid and namespace names, asked for by A, are simply absent.
     assert tree(server, KEY_A, namespace="tenant:beta")["namespaces"] == []
-    assert tree(server, KEY_A, namespace="tenant:beta/salt:beta-salt")["namespaces"] == []
+    assert tree(server, KEY_A, namespace=namespace_name(("tenant:beta", "salt:beta-salt")))["namespaces"] == []
     beta = tree(server, KEY_B, detail="text")
-    assert {ns["name"] for ns in beta["namespaces"]} >= {"tenant:beta", "tenant:beta/salt:beta-salt"}
+    assert {ns["name"] for ns in beta["namespaces"]} >= {"tenant:beta", namespace_name(("tenant:beta", "salt:beta-salt"))}
     assert beta_marker in json.dumps(beta) and "alpha" not in json.dumps(beta)
     assert tree(server, KEY_B, rid=workload.rids[0])["path"] is None
 
