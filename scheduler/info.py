@@ -40,6 +40,7 @@ def ready_info(scheduler: "Scheduler") -> ModelInfo:
         overlap_schedule=scheduler.overlap,
         radix_cache=not args.disable_radix_cache,
         hierarchical_cache=args.enable_hierarchical_cache,
+        sampling_defaults=dict(runner.model_config.sampling_defaults) if args.sampling_defaults == "model" else {},
     )
 
 

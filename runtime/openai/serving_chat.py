@@ -46,10 +46,10 @@ def conversation_of(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return conversation
 
 
-async def encode_chat(state: ServerState, messages: list[ChatMessage]) -> list[int]:
+async def encode_chat(state: ServerState, messages: list[ChatMessage], **template_kwargs: Any) -> list[int]:
     """Token ids of the conversation through the chat template, rendered off the event loop by the engine."""
     try:
-        return await state.engine.async_encode_chat(conversation_of(messages))
+        return await state.engine.async_encode_chat(conversation_of(messages), **template_kwargs)
     except ValueError as error:
         raise engine_error(state, error, param="messages") from None
 
@@ -59,7 +59,7 @@ async def create_chat_completion(
 ) -> Response:
     check_model(state, body.model)
     params = sampling_params(state, body, body.max_new_tokens)
-    input_ids = await encode_chat(state, body.messages)
+    input_ids = await encode_chat(state, body.messages, **body.template_kwargs())
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
     rids = [f"{response_id}-{i}" for i in range(body.n)]
     requests = [
@@ -72,6 +72,7 @@ async def create_chat_completion(
             stream=body.stream,
             cache_salt=body.cache_salt,
             tenant=tenant,
+            incremental_stream=True,
         )
         for i in range(body.n)
     ]
@@ -135,7 +136,7 @@ async def _stream(
             choice["matched_stop"] = matched
         event = {**header, "object": "chat.completion.chunk", "choices": [choice]}
         if include_usage:
-            event["usage"] = None
+            event["usage"] = usage([outputs]) if body.continuous_usage else None
         return sse_event(event)
 
     try:

@@ -149,6 +149,9 @@ class ModelInfo(msgspec.Struct, kw_only=True):
     radix_cache: bool
     hierarchical_cache: bool = False
     tokenizer_path: Optional[str] = None  # filled in by the parent, which resolved it
+    # Values for unset temperature/top_p/top_k/min_p/repetition_penalty (the model's generation_config.json
+    # under --sampling-defaults model; empty under openai).
+    sampling_defaults: dict[str, float] = {}
 
     def to_dict(self) -> dict[str, Any]:
         return msgspec.structs.asdict(self)

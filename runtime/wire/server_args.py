@@ -18,6 +18,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 EVICTION_POLICIES = ("lru", "lfu")
 DEFAULT_MAX_QUEUED_REQUESTS = 1024
 HICACHE_WRITE_POLICIES = ("write_through", "write_back")
+SAMPLING_DEFAULTS = ("model", "openai")
 
 
 @dataclass
@@ -76,6 +77,12 @@ class ServerArgs:
     admin_api_key: Optional[str] = None  # needed for /flush_cache, /metrics, the whole /get_server_info
     graceful_shutdown_timeout: float = 30.0  # SIGTERM: seconds in-flight requests may finish before abort
     max_request_bytes: int = 32 * 1024 * 1024  # larger request bodies get 413
+    # Native /generate and Engine streams: False sends the whole text (and output_ids, logprobs) so far in each
+    # chunk, as SGLang does by default; True sends only what is new. OpenAI streams are deltas either way.
+    incremental_streaming_output: bool = False
+    # Unset temperature/top_p/top_k/min_p/repetition_penalty: "model" takes them from the model's
+    # generation_config.json, "openai" uses the neutral values (temperature 1, top_p 1, ...).
+    sampling_defaults: str = "model"
 
     # Logging and checks
     log_level: str = "info"
@@ -128,6 +135,8 @@ class ServerArgs:
               f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
         check(self.max_sequences_per_request > 0,
               f"max_sequences_per_request must be positive, got {self.max_sequences_per_request}")
+        check(self.sampling_defaults in SAMPLING_DEFAULTS,
+              f"sampling_defaults must be one of {SAMPLING_DEFAULTS}, got {self.sampling_defaults!r}")
         check(self.max_request_bytes > 0, f"max_request_bytes must be positive, got {self.max_request_bytes}")
         check(self.graceful_shutdown_timeout >= 0,
               f"graceful_shutdown_timeout must be >= 0, got {self.graceful_shutdown_timeout}")
