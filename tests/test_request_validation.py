@@ -100,6 +100,7 @@ def test_sampling_params_conversions():
     ({"stop": [""]}, "empty"),
     ({"stop": [1]}, "stop must be"),
     ({"stop_token_ids": ["7"]}, "not a token id"),
+    ({"stop_token_ids": [-1]}, "not a token id"),
     ({"no_stop_trim": True}, "no_stop_trim: this server does not support keeping the stop string"),
     ({"stream_interval": 4}, "stream_interval"),
     ({"seed": 1, "sampling_seed": 2}, "give one of seed and sampling_seed"),

@@ -217,9 +217,9 @@ def _build(params: dict[str, Any], vocab_size: int) -> SamplingParams:
         if not isinstance(ids, list):
             raise ValueError("stop_token_ids must be a list of token ids")
         for token in ids:
-            if isinstance(token, bool) or not isinstance(token, int):
+            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
                 raise ValueError(f"stop_token_ids: {token!r} is not a token id")
-        out["stop_token_ids"] = [token for token in dict.fromkeys(ids) if 0 <= token < vocab_size]
+        out["stop_token_ids"] = [token for token in dict.fromkeys(ids) if token < vocab_size]
     if params.get("seed") is not None:
         out["seed"] = _require_int("seed", params["seed"])
     if params.get("logit_bias") is not None:
