@@ -104,11 +104,15 @@ def _fold_chunk(backend: str, chunk: dict, result: RequestResult) -> bool:
         meta = chunk.get("meta_info") or {}
         result.prompt_len = meta.get("prompt_tokens", result.prompt_len)
         result.cached_tokens = meta.get("cached_tokens", result.cached_tokens)
-        new_ids = chunk.get("output_ids") or []
-        result.output_ids.extend(new_ids)
-        result.output_text += chunk.get("text") or ""
+        ids, text = chunk.get("output_ids") or [], chunk.get("text") or ""
+        before = len(result.output_ids)
+        if len(ids) == meta.get("completion_tokens", -1):  # the whole output so far (SGLang's default)
+            result.output_ids, result.output_text = list(ids), text
+        else:  # only the new output (--incremental-streaming-output)
+            result.output_ids.extend(ids)
+            result.output_text += text
         result.output_len = meta.get("completion_tokens", len(result.output_ids))
-        return bool(new_ids)
+        return len(result.output_ids) > before
     usage = chunk.get("usage")
     if usage:  # the final chunk (stream_options.include_usage): exact counts replace the chunk count
         result.prompt_len = usage.get("prompt_tokens", result.prompt_len)

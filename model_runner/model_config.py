@@ -91,6 +91,8 @@ class ModelConfig:
     torch_dtype: Optional[str]
     sliding_window: Optional[int] = None
     hf_config: dict = field(default_factory=dict, repr=False)
+    # generation_config.json's sampling values (SGLang's --sampling-defaults model fills unset ones with them).
+    sampling_defaults: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -167,6 +169,7 @@ class ModelConfig:
             torch_dtype=d.get("dtype") or d.get("torch_dtype"),
             sliding_window=None if sliding_window is None else int(sliding_window),
             hf_config=dict(d),
+            sampling_defaults=_sampling_defaults(generation_config or {}),
         )
 
     @classmethod
@@ -184,3 +187,17 @@ class ModelConfig:
             with open(generation_path, encoding="utf-8") as f:
                 generation_config = json.load(f)
         return cls.from_dict(config, generation_config)
+
+
+SAMPLING_DEFAULT_KEYS = {"temperature": float, "top_p": float, "top_k": int, "min_p": float,
+                         "repetition_penalty": float}
+
+
+def _sampling_defaults(generation_config: dict[str, Any]) -> dict[str, float]:
+    """The sampling values a generation_config.json recommends (numbers only; others are ignored)."""
+    found = {}
+    for name, kind in SAMPLING_DEFAULT_KEYS.items():
+        value = generation_config.get(name)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            found[name] = kind(value)
+    return found

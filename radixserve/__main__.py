@@ -67,8 +67,11 @@ def _generate(args: argparse.Namespace, server_args: ServerArgs) -> int:
                 [{"role": "user", "content": args.prompt}], add_generation_prompt=True, tokenize=True,
                 return_dict=True)["input_ids"]
         params = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p}
+        printed = 0  # each chunk holds the whole text so far (unless --incremental-streaming-output)
         for chunk in engine.generate(input_ids=list(input_ids), sampling_params=params, stream=True):
-            sys.stdout.write(chunk["text"])
+            new_text = chunk["text"] if server_args.incremental_streaming_output else chunk["text"][printed:]
+            printed += len(new_text)
+            sys.stdout.write(new_text)
             sys.stdout.flush()
         sys.stdout.write("\n")
     return 0

@@ -2,7 +2,9 @@
 
     engine = Engine()                                   # the embedded SmolLM2-135M-Instruct, on CPU here
     engine.generate("The capital of France is", {"max_new_tokens": 8, "temperature": 0})
-    for chunk in engine.generate("Hi", {"max_new_tokens": 8}, stream=True): print(chunk["text"], end="")
+    offset = 0
+    for chunk in engine.generate("Hi", {"max_new_tokens": 8}, stream=True):
+        print(chunk["text"][offset:], end=""); offset = len(chunk["text"])
     engine.shutdown()                                   # or `with Engine() as engine: ...`
 
 The Engine starts the scheduler and detokenizer processes and runs the TokenizerManager on its own event loop
@@ -11,8 +13,9 @@ is simply blocked meanwhile); async methods await it from any running loop. Noth
 
 Results: a single request returns {"text", "output_ids", "meta_info": {"id", "prompt_tokens",
 "completion_tokens", "cached_tokens", "finish_reason", "e2e_latency", "ttft", [logprobs]}}; a batch (or n > 1)
-returns a list, prompt-major (prompt i's samples at i*n .. i*n+n-1). Streaming chunks have the same keys with
-"text", "output_ids" and output logprobs holding only what is new, plus "index" (the position in that list).
+returns a list, prompt-major (prompt i's samples at i*n .. i*n+n-1). Streaming chunks have the same keys plus
+"index" (the position in that list); as in SGLang, "text", "output_ids" and the output logprobs hold everything
+so far (read new text as `chunk["text"][offset:]`), or only what is new with incremental_streaming_output=True.
 """
 
 from __future__ import annotations
@@ -126,7 +129,8 @@ class Engine:
         loop_tokenizer = copy.deepcopy(self.tokenizer)
 
         async def make_tokenizer_manager() -> TokenizerManager:
-            tm = TokenizerManager(loop_tokenizer, self.model_info, send_socket, recv_socket, worker)
+            tm = TokenizerManager(loop_tokenizer, self.model_info, send_socket, recv_socket, worker,
+                                  incremental_streaming_output=self.server_args.incremental_streaming_output)
             tm.start()
             return tm
 

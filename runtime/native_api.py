@@ -2,7 +2,9 @@
 
 `POST /generate` is the Engine's generate over HTTP: `text` or `input_ids`, single or batch, SGLang
 `sampling_params`, SSE when `stream` is true (`data: {chunk}` events, then `data: [DONE]`). The result
-and chunk shapes are the Engine's. Client-chosen `rid`s must be unique among requests in flight; the caller
+and chunk shapes are the Engine's (a chunk holds the whole output so far unless the server runs with
+--incremental-streaming-output). SGLang's other request fields are accepted at their default
+(extension_fields.py). Client-chosen `rid`s must be unique among requests in flight; the caller
 may abort its own requests with `POST /abort_request {"rid": ...}` (another tenant's rid is "not found").
 """
 
@@ -27,6 +29,7 @@ from radixserve.runtime.http_generation import (
     start_stream,
 )
 from radixserve.runtime.http_state import ServerState, caller, caller_tenant, require_admin
+from radixserve.runtime.extension_fields import NATIVE_LABELS, NATIVE_UNSUPPORTED, absorb
 from radixserve.runtime.tenancy import Caller
 from radixserve.runtime.openai.errors import APIError, bad_request
 from radixserve.runtime.openai.protocol import MAX_TOP_LOGPROBS, StrictModel, TokenId, parse_request
@@ -38,6 +41,9 @@ MAX_BATCH = 1024
 Rid = Annotated[str, Field(min_length=1, max_length=256)]
 TopLogprobs = Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]
 LogprobStart = Annotated[int, Field(ge=-1, le=2**31)]
+
+
+_NULL_IS_DEFAULT = ("return_logprob", "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs", "stream")
 
 
 class NativeGenerateRequest(StrictModel):
@@ -56,6 +62,16 @@ class NativeGenerateRequest(StrictModel):
     return_text_in_logprobs: bool = False
     stream: bool = False
     cache_salt: Union[Annotated[str, Field(max_length=256)], list[Annotated[str, Field(max_length=256)]], None] = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _sglang_fields(cls, data: Any) -> Any:
+        """SGLang's fields without a feature here pass at their default (extension_fields.py); SGLang's null
+        for a field with a default means that default."""
+        data = absorb(data, NATIVE_UNSUPPORTED, NATIVE_LABELS)
+        if isinstance(data, dict):
+            data = {name: value for name, value in data.items() if value is not None or name not in _NULL_IS_DEFAULT}
+        return data
 
     @model_validator(mode="after")
     def _check(self) -> "NativeGenerateRequest":
@@ -90,7 +106,8 @@ class NativeGenerateRequest(StrictModel):
 
 def _sampling(state: ServerState, body: NativeGenerateRequest, i: int) -> SamplingParams:
     try:
-        return SamplingParams.from_request(body.item("sampling_params", i), state.vocab_size)
+        return SamplingParams.from_request(body.item("sampling_params", i), state.vocab_size,
+                                           state.model_info.sampling_defaults)
     except InvalidSamplingParams as error:
         where = "sampling_params" if body.batch_size is None else f"sampling_params[{i}]"
         param = where if error.field is None else f"{where}.{error.field}"
@@ -218,11 +235,15 @@ async def get_model_info(request: Request, tenant: Optional[str] = Depends(calle
 @router.get("/get_server_info")
 async def get_server_info(request: Request, who: Caller = Depends(caller)) -> Response:
     """The administrator sees everything; a tenant sees the model's facts and its own namespaces and requests,
-    nothing of the server's traffic (which would show other tenants' activity)."""
+    nothing of the server's traffic (which would show other tenants' activity). Both views carry SGLang's
+    top-level `incremental_streaming_output` (how /generate streams) and `internal_states` (one entry per
+    scheduler, which SGLang's bench_serving reads at the end of a run; empty of traffic figures for a tenant)."""
     state = _state(request)
     info = dict(await state.engine.async_get_server_info())
     if not who.is_admin:
         info = {**state.model_info.to_dict(), "cache": _own_cache(_own_namespaces(info.get("cache"), who.tenant))}
+    info["incremental_streaming_output"] = _streams_incrementally(state)
+    info["internal_states"] = [_internal_state(info) if who.is_admin else {}]
     info["http"] = {"served_model_name": state.served_model_name,
                     "inflight_engine_requests": state.inflight.num_engine_requests_of(who.tenant)}
     if who.is_admin:
@@ -238,6 +259,18 @@ def _own_cache(namespaces: dict[str, Any]) -> dict[str, Any]:
     evicted = sum(stats.get("evicted_tokens", 0) for stats in namespaces.values())
     return {"hit_rate": matched / queried if queried else 0.0, "matched_tokens": matched, "queried_tokens": queried,
             "tree": {"evicted_tokens": evicted}, "namespaces": namespaces}
+
+
+def _streams_incrementally(state: ServerState) -> bool:
+    """The streaming mode of the engine behind the server (its own ServerArgs when it has them)."""
+    args = getattr(state.engine, "server_args", None) or state.server_args
+    return bool(args.incremental_streaming_output)
+
+
+def _internal_state(info: dict[str, Any]) -> dict[str, Any]:
+    """The scheduler's state under SGLang's names (no speculative decoding here: no avg_spec_accept_length)."""
+    return {"last_gen_throughput": info.get("gen_throughput"), "token_usage": info.get("token_usage"),
+            "num_running_reqs": info.get("num_running_reqs"), "num_queued_reqs": info.get("num_queued_reqs")}
 
 
 def _own_namespaces(cache: Any, tenant: Optional[str]) -> dict[str, Any]:

@@ -42,6 +42,7 @@ def ready_info(scheduler: "Scheduler") -> ModelInfo:
         radix_cache=not args.disable_radix_cache,
         hierarchical_cache=args.enable_hierarchical_cache,
         sampling_backend=args.sampling_backend or "pytorch",
+        sampling_defaults=dict(runner.model_config.sampling_defaults) if args.sampling_defaults == "model" else {},
     )
 
 

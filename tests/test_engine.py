@@ -157,8 +157,10 @@ def test_logprobs(engine):
         assert top[0][0] == pytest.approx(logprob, abs=1e-4)
     chunks = list(engine.generate("The capital of France is", {"max_new_tokens": 5, **GREEDY},
                                   return_logprob=True, stream=True))
-    streamed = [entry for c in chunks for entry in c["meta_info"]["output_token_logprobs"]]
-    assert [e[1] for e in streamed] == result["output_ids"]
+    # As in SGLang, each chunk carries the output logprobs of every token so far.
+    for chunk in chunks:
+        assert [e[1] for e in chunk["meta_info"]["output_token_logprobs"]] == chunk["output_ids"]
+    assert chunks[-1]["output_ids"] == result["output_ids"]
 
 
 def test_bad_arguments_raise_value_error_and_queue_nothing(engine):
@@ -218,7 +220,7 @@ def test_inside_running_event_loop(engine):
         return sync_result, async_result, chunks, both, info
 
     sync_result, async_result, chunks, both, info = asyncio.run(main())
-    assert sync_result["output_ids"] == async_result["output_ids"] == [t for c in chunks for t in c["output_ids"]]
+    assert sync_result["output_ids"] == async_result["output_ids"] == chunks[-1]["output_ids"]
     assert all(r["meta_info"]["completion_tokens"] == 3 for r in both)
     assert "memory" in info
 

@@ -1,5 +1,5 @@
-"""Streaming through the Engine: chunks concatenate exactly to the non-streamed result (CJK, emoji, stop
-strings), and aborting streams in every way (close, cancel, abort by id) leaks nothing.
+"""Streaming through the Engine: read SGLang's way (each chunk holds the whole output so far), a stream ends with
+exactly the non-streamed result (CJK, emoji, stop strings), and aborting streams in every way (close, cancel, abort by id) leaks nothing.
 
 Real scheduler and detokenizer processes on the embedded default model (CPU); one Engine for the module.
 """
@@ -44,7 +44,13 @@ def _stream_text(engine, prompt, params):
     assert all(c["meta_info"]["id"] == chunks[0]["meta_info"]["id"] for c in chunks)
     assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
     assert chunks[-1]["meta_info"]["finish_reason"] is not None
-    return "".join(c["text"] for c in chunks), [t for c in chunks for t in c["output_ids"]], chunks[-1]
+    # SGLang's default: each chunk holds the whole output so far; a reader prints chunk["text"][offset:].
+    text, ids = "", []
+    for chunk in chunks:
+        assert chunk["text"].startswith(text) and chunk["output_ids"][: len(ids)] == ids
+        text += chunk["text"][len(text):]
+        ids = list(chunk["output_ids"])
+    return text, ids, chunks[-1]
 
 
 def _multibyte_token_ids(tokenizer, text):
@@ -131,7 +137,7 @@ def test_40_streams_half_aborted_at_random_points(engine):
         stream = await engine.async_generate(prompts[prompt_index], params, stream=True)
         text, ids, last, count = "", [], None, 0
         async for chunk in stream:
-            text, ids, last, count = text + chunk["text"], ids + chunk["output_ids"], chunk, count + 1
+            text, ids, last, count = chunk["text"], chunk["output_ids"], chunk, count + 1  # whole output so far
             if abort is None or count <= abort[0]:
                 continue
             method = abort[1]

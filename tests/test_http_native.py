@@ -46,7 +46,12 @@ def test_generate_single_batch_and_stream_agree(server):
         events = [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]
-    assert "".join(c["text"] for c in chunks) == single["text"]
+    # SGLang's default: each chunk holds the whole text so far; a reader takes chunk["text"][offset:].
+    read = ""
+    for chunk in chunks:
+        assert chunk["text"].startswith(read)
+        read += chunk["text"][len(read):]
+    assert read == single["text"] and chunks[-1]["output_ids"] == single["output_ids"]
     assert [c["meta_info"]["finish_reason"] is not None for c in chunks].count(True) == 1
 
 

@@ -152,7 +152,8 @@ def test_completions_logprobs(client, model):
     assert len(logprobs.tokens) == len(logprobs.token_logprobs) == response.usage.completion_tokens
     assert logprobs.text_offset[0] == len(PROMPT)
     for token, logprob, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs):
-        assert logprob <= 0.0 and len(top) <= 2 and max(top.values()) == pytest.approx(logprob, abs=1e-4)
+        assert logprob <= 0.0 and len(top) <= 3 and max(top.values()) == pytest.approx(logprob, abs=1e-4)
+        assert top[token] == pytest.approx(logprob, abs=1e-6)
 
 
 def test_echo_with_logprobs_returns_prompt_logprobs(server, client, model):
@@ -170,9 +171,24 @@ def test_echo_with_logprobs_returns_prompt_logprobs(server, client, model):
     assert echoed.token_logprobs[0] is None and echoed.text_offset[0] == 0
     assert len(echoed.tokens) == prompt_len + 1 and "".join(echoed.tokens).startswith(PROMPT)
     assert echoed.token_logprobs[1:prompt_len] == pytest.approx([lp for lp, _, _ in prompt_entries[1:]], abs=1e-4)
+    # Prompt and generated positions have one shape: the 2 most likely tokens and always the chosen one.
     for position in range(1, prompt_len + 1):
         top = echoed.top_logprobs[position]
-        assert 1 <= len(top) <= 2 and max(top.values()) >= echoed.token_logprobs[position] - 1e-4
+        assert 2 <= len(top) <= 3 and max(top.values()) >= echoed.token_logprobs[position] - 1e-4
+        assert top[echoed.tokens[position]] == pytest.approx(echoed.token_logprobs[position], abs=1e-4)
+
+
+def test_completions_logprobs_zero_gives_the_chosen_token(client, model):
+    """logprobs=0 (as OpenAI and vLLM): each position's top_logprobs holds the chosen token alone, prompt
+    positions too when echoing (the first prompt token has nothing before it: null)."""
+    for echo in (False, True):
+        logprobs = client.completions.create(model=model, prompt=PROMPT, max_tokens=3, temperature=0, logprobs=0,
+                                             echo=echo).choices[0].logprobs
+        start = 1 if echo else 0
+        if echo:
+            assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+        for token, logprob, top in list(zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs))[start:]:
+            assert top == {token: pytest.approx(logprob, abs=1e-6)}
 
 
 def test_response_format_json_schema_and_object(client, model):

@@ -20,15 +20,24 @@ from radixserve.runtime.openai.serving_common import (
     usage,
 )
 from radixserve.runtime.tenancy import TenantResolver
+from radixserve.runtime.wire.messages import ModelInfo
 from radixserve.runtime.wire.sampling_params import SamplingParams
 from radixserve.runtime.wire.server_args import ServerArgs
 
 VOCAB = 1000
 
 
+MODEL_DEFAULTS = {"temperature": 0.2, "top_p": 0.9}
+
+
 def _state(context_len: int = 100, max_total_tokens: int | None = None) -> ServerState:
+    model_info = ModelInfo(context_len=context_len, vocab_size=VOCAB, max_total_num_tokens=max_total_tokens or 1000,
+                           max_running_requests=8, page_size=1, eos_token_ids=[0], model_path=None, device="cpu",
+                           dtype="float32", attention_backend="torch_native", chunked_prefill_size=None,
+                           schedule_policy="fcfs", overlap_schedule=False, radix_cache=True,
+                           sampling_defaults=MODEL_DEFAULTS)
     return ServerState(engine=None, server_args=ServerArgs(), tenants=TenantResolver(), inflight=InflightRequests(None),
-                       tokenizer=None, served_model_name="m", model_info=None, context_len=context_len,
+                       tokenizer=None, served_model_name="m", model_info=model_info, context_len=context_len,
                        vocab_size=VOCAB, max_total_tokens=max_total_tokens)
 
 
@@ -149,8 +158,14 @@ def test_openai_fields_become_checked_sampling_params():
 
     assert sampling_params(_state(), chat(top_p=0), 4).is_greedy()
     assert sampling_params(_state(), chat(), None).max_new_tokens is None  # resolved by the length rule
+    # Unset sampling values take the model's defaults; set ones (even to the neutral value) stay.
+    unset = sampling_params(_state(), chat(), 4)
+    assert (unset.temperature, unset.top_p, unset.top_k) == (0.2, 0.9, -1)
+    given = sampling_params(_state(), chat(temperature=1.0, top_p=1.0), 4)
+    assert (given.temperature, given.top_p) == (1.0, 1.0)
+    assert sampling_params(_state(), chat(stop_token_ids=[3, VOCAB]), 4).stop_token_ids == [3]  # OOV: ignored
     for fields, param in (({"logit_bias": {"5000": 1}}, "logit_bias"), ({"min_tokens": 9}, "min_tokens"),
-                          ({"top_k": 0}, "top_k"), ({"stop_token_ids": [VOCAB]}, "stop_token_ids"),
+                          ({"top_k": 0}, "top_k"),
                           ({"regex": "([a-z"}, "regex")):
         with pytest.raises(APIError) as info:
             sampling_params(_state(), chat(**fields), 4)

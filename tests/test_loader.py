@@ -303,6 +303,15 @@ def test_head_dim_and_eos_ids():
     assert ModelConfig.from_dict(no_arch).architecture == "Qwen3ForCausalLM"
 
 
+def test_sampling_defaults_come_from_generation_config(default_model_dir):
+    config = ModelConfig.from_dict(_base_config(), generation_config={
+        "temperature": 0.6, "top_p": 0.95, "top_k": 20, "do_sample": True, "min_p": "bad", "eos_token_id": 2})
+    assert config.sampling_defaults == {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
+    assert ModelConfig.from_dict(_base_config()).sampling_defaults == {}
+    # The embedded SmolLM2-Instruct ships its model card's recommended values with its converted folder.
+    assert ModelConfig.from_path(default_model_dir).sampling_defaults == {"temperature": 0.2, "top_p": 0.9}
+
+
 def test_unsupported_architecture_is_named(tmp_path):
     with pytest.raises(ValueError) as info:
         ModelConfig.from_dict(_base_config(architectures=["GPT2LMHeadModel"]))

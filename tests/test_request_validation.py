@@ -99,7 +99,11 @@ def test_sampling_params_conversions():
     ({"min_new_tokens": 4, "max_new_tokens": 3}, "min_new_tokens"),
     ({"stop": [""]}, "empty"),
     ({"stop": [1]}, "stop must be"),
-    ({"stop_token_ids": [VOCAB]}, "outside the vocabulary"),
+    ({"stop_token_ids": ["7"]}, "not a token id"),
+    ({"stop_token_ids": [-1]}, "not a token id"),
+    ({"no_stop_trim": True}, "no_stop_trim: this server does not support keeping the stop string"),
+    ({"stream_interval": 4}, "stream_interval"),
+    ({"seed": 1, "sampling_seed": 2}, "give one of seed and sampling_seed"),
     ({"logit_bias": {"abc": 1}}, "not a token id"),
     ({"logit_bias": {"-1": 1}}, "outside the vocabulary"),
     ({"ignore_eos": 1}, "true or false"),
@@ -109,6 +113,29 @@ def test_sampling_params_conversions():
 def test_sampling_params_rejected(params, message):
     with pytest.raises(ValueError, match=message):
         build_sampling_params(params, VOCAB)
+
+
+def test_sampling_params_follow_sglang_on_unset_and_foreign_fields():
+    # Out-of-vocabulary stop ids can never be sampled: dropped, as SGLang does, not an error.
+    assert build_sampling_params({"stop_token_ids": [7, VOCAB, 10**12, 7]}, VOCAB).stop_token_ids == [7]
+    # null is unset; SGLang's parameters without a feature here are accepted at their default.
+    quiet = build_sampling_params({"temperature": None, "top_p": None, "no_stop_trim": False, "stream_interval": 1,
+                                   "stop_regex": None, "custom_params": None, "max_new_tokens": 4}, VOCAB)
+    assert quiet == SamplingParams(max_new_tokens=4)
+    assert build_sampling_params({"sampling_seed": 9}, VOCAB).seed == 9
+    with pytest.raises(ValueError) as error:
+        build_sampling_params({"structural_tag": "{}"}, VOCAB)
+    assert error.value.field == "structural_tag"
+
+
+def test_model_defaults_fill_only_unset_fields():
+    defaults = {"temperature": 0.2, "top_p": 0.9, "top_k": 50, "max_new_tokens": 1, "seed": 5}
+    unset = SamplingParams.from_request({"max_new_tokens": 8, "temperature": None}, VOCAB, defaults)
+    assert (unset.temperature, unset.top_p, unset.top_k) == (0.2, 0.9, 50)
+    assert unset.max_new_tokens == 8 and unset.seed is None  # only MODEL_DEFAULT_FIELDS are taken
+    given = SamplingParams.from_request({"temperature": 1.0, "top_p": 1.0, "top_k": -1}, VOCAB, defaults)
+    assert (given.temperature, given.top_p, given.top_k) == (1.0, 1.0, -1)  # an explicit default value wins
+    assert SamplingParams.from_request({}, VOCAB, None) == SamplingParams()
 
 
 def test_check_length():

@@ -30,6 +30,9 @@ class GenerateReqInput:
     cache_salt: Union[str, list[str], None] = None
     # Set only by the HTTP server, from the API key; never taken from a client.
     tenant: Optional[str] = None
+    # Set only by the servers' own routes: True streams new output only whatever the server's
+    # incremental_streaming_output (the OpenAI routes build deltas); None follows that setting.
+    incremental_stream: Optional[bool] = None
 
     @property
     def is_single(self) -> bool:

@@ -59,8 +59,9 @@ class TokenizerManager:
     """
 
     def __init__(self, tokenizer: Any, model_info: ModelInfo, send_socket: zmq.Socket, recv_socket: zmq.Socket,
-                 worker: TokenizerWorker):
+                 worker: TokenizerWorker, incremental_streaming_output: bool = False):
         self.tokenizer = tokenizer
+        self.incremental_streaming_output = incremental_streaming_output
         self.worker = worker
         self.model_info = model_info
         self.vocab_size = model_info.vocab_size
@@ -105,12 +106,13 @@ class TokenizerManager:
     async def iterate(self, group: ReqGroup, obj: GenerateReqInput) -> AsyncIterator[Any]:
         """The chunks (stream) or final result(s) of a submitted group; releases it when done or abandoned."""
         token_text = self._token_text_fn(obj)
+        incremental = self.incremental_streaming_output if obj.incremental_stream is None else obj.incremental_stream
         try:
             if obj.stream:
                 while True:
                     for state in await group.wait():
                         _raise_if_failed(state)
-                        yield state.take_chunk(token_text)
+                        yield state.take_chunk(token_text, incremental)
                     if group.all_finished and not group.dirty:
                         return
             else:
@@ -132,7 +134,8 @@ class TokenizerManager:
             try:
                 sampling = request.sampling_params
                 if not isinstance(sampling, SamplingParams):
-                    sampling = SamplingParams.from_request(sampling, self.vocab_size)
+                    sampling = SamplingParams.from_request(sampling, self.vocab_size,
+                                                           self.model_info.sampling_defaults)
                 if request.input_ids is not None:
                     input_ids = request.input_ids
                     bad = [t for t in input_ids if not 0 <= t < self.vocab_size]

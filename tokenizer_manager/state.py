@@ -2,8 +2,8 @@
 
 A caller's GenerateReqInput becomes a `ReqGroup` of `ReqState`s (one per prompt and per sample of `n`). The
 receive loop appends each BatchTextOut entry to its ReqState and marks it dirty in its group; the caller's
-coroutine waits on the group's event, then takes streaming chunks (what is new since the last chunk) or, once
-every state finished, the final results. All of it lives on the TokenizerManager's event loop thread.
+coroutine waits on the group's event, then takes streaming chunks (the whole output so far, or with incremental
+streaming what is new since the last chunk) or, once every state finished, the final results. All of it lives on the TokenizerManager's event loop thread.
 """
 
 from __future__ import annotations
@@ -105,11 +105,13 @@ class ReqState:
     def result(self, token_text: TokenText) -> dict[str, Any]:
         return {"text": self.text, "output_ids": list(self.output_ids), "meta_info": self.meta_info(token_text)}
 
-    def take_chunk(self, token_text: TokenText) -> dict[str, Any]:
-        """What is new since the previous chunk: text, output_ids and their logprobs, meta_info so far."""
-        ids_from = self.ids_taken
+    def take_chunk(self, token_text: TokenText, incremental: bool) -> dict[str, Any]:
+        """One streaming chunk. `incremental`: only what is new since the previous chunk (text, output_ids and
+        their output logprobs); otherwise the whole text, output_ids and logprobs so far (SGLang's default).
+        meta_info's counters are always the totals so far."""
+        ids_from = self.ids_taken if incremental else 0
         chunk = {
-            "text": self.text[self.text_taken :],
+            "text": self.text[self.text_taken :] if incremental else self.text,
             "output_ids": self.output_ids[ids_from:],
             "meta_info": self.meta_info(token_text, logprobs_from=ids_from),
             "index": self.index,

@@ -90,8 +90,8 @@ class EngineBackend(Backend):
 
     @property
     def model_name(self) -> str:
-        info = getattr(self.engine, "model_info", None) or {}
-        return str(info.get("model_path") or "the engine's model")
+        info = getattr(self.engine, "model_info", None)  # the scheduler's ModelInfo
+        return str(getattr(info, "model_path", None) or "the engine's model")
 
     def flush_cache(self) -> bool:
         return self.engine.flush_cache()

@@ -1,7 +1,8 @@
 """Convert a GGUF file (llama.cpp format) into a Hugging Face model directory, once, in a cache.
 
 The output directory holds `config.json` (written by transformers' config class, so in the transformers-5
-format), `generation_config.json` (bos/eos/pad ids from the GGUF), `model.safetensors` (dequantized weights
+format), `generation_config.json` (bos/eos/pad ids from the GGUF, and the model card's recommended sampling
+values for models listed in MODEL_CARD_SAMPLING), `model.safetensors` (dequantized weights
 under Hugging Face names, float32; bfloat16 only where the GGUF tensor is bfloat16), the tokenizer files
 (`tokenizer.json`, `tokenizer_config.json`, chat template) and `radixserve_source.json` (what was converted).
 
@@ -27,7 +28,15 @@ import torch
 logger = logging.getLogger(__name__)
 
 # Bump when the output layout or contents change, so old cache entries are not reused.
-CONVERTER_VERSION = 1
+# 2: generation_config.json carries the model card's recommended sampling values (MODEL_CARD_SAMPLING).
+CONVERTER_VERSION = 2
+
+# Sampling values a model card recommends, for GGUF files named after that model (GGUF metadata carries none):
+# (words the file name holds, lower case) -> generation_config.json entries. SmolLM2-Instruct's card recommends
+# temperature 0.2 and top_p 0.9.
+MODEL_CARD_SAMPLING: tuple[tuple[tuple[str, ...], dict[str, float]], ...] = (
+    (("smollm2", "instruct"), {"temperature": 0.2, "top_p": 0.9}),
+)
 
 # GGUF general.architecture -> (HF architecture, transformers config class name)
 _GGUF_ARCHITECTURES = {
@@ -197,6 +206,7 @@ def convert_gguf(gguf_path: str, out_dir: str) -> None:
     config.architectures = [architecture]
     config.save_pretrained(out_dir)
     generation = {k: kwargs[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if kwargs[k] is not None}
+    generation.update(model_card_sampling(gguf_path))
     with open(os.path.join(out_dir, "generation_config.json"), "w", encoding="utf-8") as f:
         json.dump(generation, f, indent=2)
 
@@ -215,6 +225,15 @@ def convert_gguf(gguf_path: str, out_dir: str) -> None:
     with open(os.path.join(out_dir, "radixserve_source.json"), "w", encoding="utf-8") as f:
         json.dump({"gguf_path": os.path.realpath(gguf_path), "size": stat.st_size,
                    "mtime_ns": stat.st_mtime_ns, "converter_version": CONVERTER_VERSION}, f, indent=2)
+
+
+def model_card_sampling(gguf_path: str) -> dict[str, float]:
+    """The recommended sampling values for the model a GGUF file is named after ({} when none are known)."""
+    name = os.path.basename(gguf_path).lower()
+    for words, values in MODEL_CARD_SAMPLING:
+        if all(word in name for word in words):
+            return dict(values)
+    return {}
 
 
 def converted_gguf_dir(gguf_path: str, cache_dir: str) -> str:

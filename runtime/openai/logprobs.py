@@ -98,7 +98,10 @@ def completion_logprobs(
 ) -> dict[str, Any]:
     """The completions format: parallel lists tokens / token_logprobs / top_logprobs / text_offset.
 
-    `token_logprobs` entries may carry a None logprob (the first prompt token when echoing)."""
+    Each position's top_logprobs holds the `num_top` most likely tokens and always the chosen token itself (so
+    up to num_top + 1 entries, and the chosen token alone for logprobs=0, as OpenAI and vLLM do), for prompt
+    (echo) and generated positions alike. `token_logprobs` entries may carry a None logprob (the first prompt
+    token when echoing: nothing precedes it); its top_logprobs is None."""
     tokens: list[str] = []
     logprobs: list[Optional[float]] = []
     tops: list[Optional[dict[str, float]]] = []
@@ -109,9 +112,11 @@ def completion_logprobs(
         logprobs.append(logprob)
         offsets.append(text_offset)
         text_offset += len(text)
-        entries = top_logprobs[i] if top_logprobs is not None and i < len(top_logprobs) else None
-        if entries is None or logprob is None:
+        if logprob is None:
             tops.append(None)
-        else:
-            tops.append({texts.text(tid): lp for lp, tid, *_ in entries[:num_top]})
+            continue
+        entries = top_logprobs[i] if top_logprobs is not None and i < len(top_logprobs) else None
+        top = {texts.text(tid): lp for lp, tid, *_ in (entries or [])[:num_top]}
+        top.setdefault(text, logprob)
+        tops.append(top)
     return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets}

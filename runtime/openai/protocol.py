@@ -7,9 +7,12 @@ other field either works or is a 400. Tool calling (`tools`, `tool_choice`, `par
 `tool_calls`, `tool` messages) is described in protocol_tools.py and docs/tools.md.
 
 Extras (SGLang's names): `top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `min_tokens`, `stop_token_ids`,
-`skip_special_tokens`, `cache_salt`, `separate_reasoning`, `chat_template_kwargs`, and the structured-output constraints `regex` and `ebnf` (besides OpenAI's
+`skip_special_tokens`, `cache_salt`, `separate_reasoning`, chat's `continue_final_message` / `add_generation_prompt` /
+`chat_template_kwargs`, `stream_options.continuous_usage_stats`, and the structured-output constraints `regex` and `ebnf` (besides OpenAI's
 `response_format`, which both routes take; at most one of the three). The native `/generate` route takes
-SGLang's `sampling_params` dict as it is: `SamplingParams.from_request` checks it.
+SGLang's `sampling_params` dict as it is: `SamplingParams.from_request` checks it. SGLang's and vLLM's other
+extensions are accepted at their default and refused with a 400 naming the feature otherwise
+(extension_fields.py).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import Annotated, Any, Literal, Optional, TypeVar, Union
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from radixserve.runtime.extension_fields import OPENAI_LABELS, OPENAI_UNSUPPORTED, absorb
 from radixserve.runtime.openai.errors import validation_error
 from radixserve.runtime.openai.protocol_tools import Tool, ToolCallIn, ToolChoice, Tools
 
@@ -71,6 +75,7 @@ def parse_logit_bias(bias: Optional[dict[str, float]], param: str = "logit_bias"
 
 class StreamOptions(StrictModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's and SGLang's: usage so far in every chunk too
 
 
 class OpenAISamplingFields(StrictModel):
@@ -92,10 +97,10 @@ class OpenAISamplingFields(StrictModel):
     store: Optional[bool] = None
     metadata: Optional[dict[str, str]] = None
     service_tier: Optional[str] = None
-    # Extras.
-    top_k: Annotated[int, Field(ge=-1, le=INT64_MAX)] = -1
-    min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
-    repetition_penalty: Annotated[float, Field(gt=0.0, le=2.0)] = 1.0
+    # Extras. The sampling values left None are unset: the model's defaults fill them (--sampling-defaults).
+    top_k: Optional[Annotated[int, Field(ge=-1, le=INT64_MAX)]] = None
+    min_p: Optional[Annotated[float, Field(ge=0.0, le=1.0)]] = None
+    repetition_penalty: Optional[Annotated[float, Field(gt=0.0, le=2.0)]] = None
     ignore_eos: bool = False
     min_tokens: Annotated[int, Field(ge=0, le=INT64_MAX)] = 0
     stop_token_ids: Annotated[list[TokenId], Field(max_length=256)] = []
@@ -110,6 +115,12 @@ class OpenAISamplingFields(StrictModel):
         parse_logit_bias(bias)
         return bias
 
+    @model_validator(mode="before")
+    @classmethod
+    def _extension_fields(cls, data: Any) -> Any:
+        """SGLang's and vLLM's extensions without a feature here pass at their default (extension_fields.py)."""
+        return absorb(data, OPENAI_UNSUPPORTED, OPENAI_LABELS)
+
     @model_validator(mode="after")
     def _check_stream_options(self) -> "OpenAISamplingFields":
         if self.stream_options is not None and not self.stream:
@@ -120,6 +131,11 @@ class OpenAISamplingFields(StrictModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage so far in every chunk (continuous_usage_stats, with include_usage, as vLLM does)."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
+
 
 class TextContentPart(StrictModel):
     type: Literal["text"]
@@ -127,6 +143,9 @@ class TextContentPart(StrictModel):
 
 
 class ChatMessage(StrictModel):
+    # Keys SGLang's and vLLM's clients add to messages (reasoning_content, ...) are ignored, as those servers do.
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, Annotated[list[TextContentPart], Field(min_length=1)], None] = None
     name: Optional[str] = None
@@ -185,12 +204,25 @@ class ChatCompletionRequest(OpenAISamplingFields):
     tool_choice: Optional[ToolChoice] = None
     parallel_tool_calls: bool = True
     separate_reasoning: bool = True
+    # Chat template controls (SGLang's and vLLM's): continue_final_message renders the last (assistant)
+    # message open, for the model to continue it (assistant prefill).
+    continue_final_message: bool = False
+    add_generation_prompt: Optional[bool] = None  # None: true, or false with continue_final_message
     chat_template_kwargs: Optional[dict[str, Any]] = None
 
     @model_validator(mode="after")
     def _check_chat(self) -> "ChatCompletionRequest":
         if self.top_logprobs is not None and self.top_logprobs > 0 and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
+        if self.continue_final_message:
+            if self.add_generation_prompt:
+                raise ValueError("continue_final_message continues the last message; it cannot be combined "
+                                 "with add_generation_prompt=true")
+            if self.messages[-1].role != "assistant":
+                raise ValueError("continue_final_message needs the last message to be the assistant's")
+        reserved = sorted(set(self.chat_template_kwargs or {}) & RESERVED_TEMPLATE_KWARGS)
+        if reserved:
+            raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}")
         return self
 
     @field_validator("tools")
@@ -220,12 +252,23 @@ class ChatCompletionRequest(OpenAISamplingFields):
             return "auto" if self.tools else "none"
         return self.tool_choice if isinstance(self.tool_choice, str) else "named"
 
+    def template_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of the chat template rendering."""
+        add_generation_prompt = (not self.continue_final_message if self.add_generation_prompt is None
+                                 else self.add_generation_prompt)
+        return {**(self.chat_template_kwargs or {}), "add_generation_prompt": add_generation_prompt,
+                "continue_final_message": self.continue_final_message}
+
     @property
     def max_new_tokens(self) -> Optional[int]:
         if self.max_completion_tokens is not None:
             return self.max_completion_tokens
         return self.max_tokens
 
+
+RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "chat_template", "tokenize", "return_dict", "return_tensors",
+                                      "add_generation_prompt", "continue_final_message", "padding", "truncation",
+                                      "max_length", "tools", "documents"})
 
 PromptType = Union[
     str,

@@ -43,12 +43,14 @@ from radixserve.tokenizer_manager.io import GenerateReqInput
 
 
 async def encode_chat(state: ServerState, messages: list[ChatMessage],
-                      plan: Optional[ChatOutputPlan] = None) -> list[int]:
+                      plan: Optional[ChatOutputPlan] = None, **template_kwargs: Any) -> list[int]:
     """Token ids of the conversation through the chat template, rendered off the event loop by the engine (with
-    `plan`, its conversation and template arguments: tools, and the request's chat_template_kwargs)."""
+    `plan`, its conversation and template arguments: tools, and the request's chat_template_kwargs; then
+    `template_kwargs`, e.g. continue_final_message)."""
     conversation = plan.conversation if plan is not None else conversation_of(messages)
     try:
-        return await state.engine.async_encode_chat(conversation, **(plan.template_kwargs if plan else {}))
+        return await state.engine.async_encode_chat(
+            conversation, **{**(plan.template_kwargs if plan else {}), **template_kwargs})
     except ValueError as error:
         raise engine_error(state, error, param="messages") from None
 
@@ -60,7 +62,7 @@ async def create_chat_completion(
     plan = plan_chat_output(state, body)
     body = plan.body
     params = sampling_params(state, body, body.max_new_tokens)
-    input_ids = await encode_chat(state, body.messages, plan)
+    input_ids = await encode_chat(state, body.messages, plan, **body.template_kwargs())
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
     rids = [f"{response_id}-{i}" for i in range(body.n)]
     requests = [
@@ -73,6 +75,7 @@ async def create_chat_completion(
             stream=body.stream,
             cache_salt=body.cache_salt,
             tenant=tenant,
+            incremental_stream=True,
         )
         for i in range(body.n)
     ]
@@ -145,7 +148,7 @@ async def _stream(
             choice["matched_stop"] = matched
         event = {**header, "object": "chat.completion.chunk", "choices": [choice]}
         if include_usage:
-            event["usage"] = None
+            event["usage"] = usage([outputs]) if body.continuous_usage else None
         return sse_event(event)
 
     try:

@@ -38,9 +38,9 @@ def check_model(state: ServerState, model: Optional[str]) -> None:
 def sampling_params(state: ServerState, body: OpenAISamplingFields, max_new_tokens: Optional[int]) -> SamplingParams:
     """OpenAI fields -> the engine's SamplingParams (SGLang names), checked once, by SamplingParams itself.
 
-    `max_new_tokens` None: up to the context window (the TokenizerManager resolves it)."""
-    temperature = 1.0 if body.temperature is None else body.temperature
-    top_p = 1.0 if body.top_p is None else body.top_p
+    `max_new_tokens` None: up to the context window (the TokenizerManager resolves it). Sampling values the
+    request leaves unset stay None, for the model's defaults to fill (--sampling-defaults)."""
+    temperature, top_p = body.temperature, body.top_p
     if top_p == 0.0:  # a nucleus of probability 0 keeps only the most likely token
         temperature, top_p = 0.0, 1.0
     params: dict[str, Any] = {
@@ -62,7 +62,7 @@ def sampling_params(state: ServerState, body: OpenAISamplingFields, max_new_toke
     }
     params.update(constraint_params(body))
     try:
-        return SamplingParams.from_request(params, state.vocab_size)
+        return SamplingParams.from_request(params, state.vocab_size, state.model_info.sampling_defaults)
     except InvalidSamplingParams as error:
         raise bad_request(str(error), param=_OPENAI_PARAM.get(error.field, error.field)) from None
 

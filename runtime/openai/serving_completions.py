@@ -87,6 +87,7 @@ async def create_completion(
                 stream=body.stream,
                 cache_salt=body.cache_salt,
                 tenant=tenant,
+                incremental_stream=True,
             ))
     header = {"id": response_id, "created": int(time.time()), "model": state.served_model_name}
     run = GenerationRun(state, {response_id: rids}, requests, tenant, http_request)
@@ -175,7 +176,8 @@ async def _stream(
             choice["matched_stop"] = matched
         event = {**header, "object": "text_completion", "choices": [choice]}
         if body.include_usage:
-            event["usage"] = None
+            event["usage"] = (usage([outputs[i:i + body.n] for i in range(0, num_choices, body.n)])
+                              if body.continuous_usage else None)
         return sse_event(event)
 
     try:

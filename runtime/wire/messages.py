@@ -151,6 +151,9 @@ class ModelInfo(msgspec.Struct, kw_only=True):
     hierarchical_cache: bool = False
     sampling_backend: str = "pytorch"
     tokenizer_path: Optional[str] = None  # filled in by the parent, which resolved it
+    # Values for unset temperature/top_p/top_k/min_p/repetition_penalty (the model's generation_config.json
+    # under --sampling-defaults model; empty under openai).
+    sampling_defaults: dict[str, float] = {}
 
     def to_dict(self) -> dict[str, Any]:
         return msgspec.structs.asdict(self)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import msgspec
 
@@ -25,6 +25,19 @@ INT_FIELDS = ("max_new_tokens", "min_new_tokens", "top_k", "n")
 FLOAT_FIELDS = ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty")
 BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens")
 GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf")
+# What a model's generation_config.json may set for requests that leave it unset (SGLang's --sampling-defaults model).
+MODEL_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+# SGLang's sampling parameters that this server does not implement -> (the value that asks for nothing, feature).
+UNSUPPORTED_FIELDS: dict[str, tuple[Any, str]] = {
+    "no_stop_trim": (False, "keeping the stop string in the output"),
+    "stop_regex": ([], "stop regexes"),
+    "structural_tag": ("", "structural tags"),
+    "custom_params": ({}, "custom logit processors"),
+    "stream_interval": (1, "a streaming interval other than every token"),
+    "top_n_sigma": (0, "top-n-sigma sampling"),
+}
+# SGLang's other name of a parameter here.
+ALIASES = {"sampling_seed": "seed"}
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 # Below this a temperature means greedy (SGLang's threshold); dividing logits by it would overflow them anyway.
 GREEDY_BELOW_TEMPERATURE = 1e-5
@@ -59,9 +72,19 @@ class SamplingParams(msgspec.Struct, kw_only=True):
         return self.temperature == 0.0 or self.top_k == 1
 
     @classmethod
-    def from_request(cls, params: Optional[dict[str, Any]], vocab_size: int) -> "SamplingParams":
-        """Check the caller's dict and build the struct; InvalidSamplingParams (a ValueError) names the field."""
-        params = dict(params or {})
+    def from_request(cls, params: Optional[dict[str, Any]], vocab_size: int,
+                     defaults: Optional[Mapping[str, Any]] = None) -> "SamplingParams":
+        """Check the caller's dict and build the struct; InvalidSamplingParams (a ValueError) names the field.
+
+        A parameter that is absent or null is unset: `defaults` (the model's generation_config.json values,
+        MODEL_DEFAULT_FIELDS only) fill it, else the struct's own default. Out-of-vocabulary stop_token_ids are
+        dropped (as SGLang does: they can never be sampled). SGLang's sampling parameters that this server does
+        not implement are accepted at their default and refused otherwise (UNSUPPORTED_FIELDS)."""
+        params = {name: value for name, value in (params or {}).items()
+                  if value is not None or name == "max_new_tokens"}  # None there: up to the context window
+        for name, value in (defaults or {}).items():
+            if name in MODEL_DEFAULT_FIELDS:
+                params.setdefault(name, value)
         try:
             return _build(params, vocab_size)
         except ValueError as error:
@@ -102,7 +125,7 @@ def _field_of(message: str, params: dict[str, Any]) -> Optional[str]:
         return message.split(": ", 1)[1].split(",")[0].split(";")[0].strip()
     if message.startswith("give at most one"):
         return message.rsplit(", ", 1)[-1].rstrip(")")
-    names = [name for name in SamplingParams.__struct_fields__
+    names = [name for name in (*SamplingParams.__struct_fields__, *UNSUPPORTED_FIELDS)
              if message.startswith(name) or message.startswith(f"invalid {name}")]
     return max(names, key=len, default=None)
 
@@ -149,7 +172,22 @@ def _token_id(name: str, value: Any, vocab_size: int) -> int:
     return token
 
 
+def _absorb_foreign(params: dict[str, Any]) -> None:
+    """Drop SGLang's parameters that ask for nothing here; refuse those that ask for an unsupported feature."""
+    for alias, name in ALIASES.items():
+        if alias in params:
+            if name in params and params[name] != params[alias]:
+                raise ValueError(f"give one of {name} and {alias} (SGLang's name of {name}), not both")
+            params[name] = params.pop(alias)
+    for name, (default, feature) in UNSUPPORTED_FIELDS.items():
+        if name in params:
+            value = params.pop(name)
+            if value != default and value not in ("", [], {}, False):
+                raise ValueError(f"{name}: this server does not support {feature}; leave {name} out or null")
+
+
 def _build(params: dict[str, Any], vocab_size: int) -> SamplingParams:
+    _absorb_foreign(params)
     unknown = sorted(set(params) - set(SamplingParams.__struct_fields__))
     if unknown:
         raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}; "
@@ -180,7 +218,10 @@ def _build(params: dict[str, Any], vocab_size: int) -> SamplingParams:
         ids = params["stop_token_ids"]
         if not isinstance(ids, list):
             raise ValueError("stop_token_ids must be a list of token ids")
-        out["stop_token_ids"] = [_token_id("stop_token_ids", t, vocab_size) for t in ids]
+        for token in ids:
+            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                raise ValueError(f"stop_token_ids: {token!r} is not a token id")
+        out["stop_token_ids"] = [token for token in dict.fromkeys(ids) if token < vocab_size]
     if params.get("seed") is not None:
         out["seed"] = _require_int("seed", params["seed"])
     if params.get("logit_bias") is not None:

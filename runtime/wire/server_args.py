@@ -22,6 +22,7 @@ SAMPLING_BACKENDS = ("pytorch",)  # SGLang also has "flashinfer"; radixserve has
 # SGLang's names; runtime/openai/tool_parsers and runtime/openai/reasoning.py implement each one.
 TOOL_CALL_PARSERS = ("hermes", "qwen25", "llama3", "mistral", "pythonic")
 REASONING_PARSERS = ("qwen3", "deepseek-r1")
+SAMPLING_DEFAULTS = ("model", "openai")
 
 
 @dataclass
@@ -86,6 +87,12 @@ class ServerArgs:
     admin_api_key: Optional[str] = None  # needed for /flush_cache, /metrics, the whole /get_server_info
     graceful_shutdown_timeout: float = 30.0  # SIGTERM: seconds in-flight requests may finish before abort
     max_request_bytes: int = 32 * 1024 * 1024  # larger request bodies get 413
+    # Native /generate and Engine streams: False sends the whole text (and output_ids, logprobs) so far in each
+    # chunk, as SGLang does by default; True sends only what is new. OpenAI streams are deltas either way.
+    incremental_streaming_output: bool = False
+    # Unset temperature/top_p/top_k/min_p/repetition_penalty: "model" takes them from the model's
+    # generation_config.json, "openai" uses the neutral values (temperature 1, top_p 1, ...).
+    sampling_defaults: str = "model"
 
     # Logging and checks
     log_level: str = "info"
@@ -154,6 +161,8 @@ class ServerArgs:
               f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
         check(self.max_sequences_per_request > 0,
               f"max_sequences_per_request must be positive, got {self.max_sequences_per_request}")
+        check(self.sampling_defaults in SAMPLING_DEFAULTS,
+              f"sampling_defaults must be one of {SAMPLING_DEFAULTS}, got {self.sampling_defaults!r}")
         check(self.max_request_bytes > 0, f"max_request_bytes must be positive, got {self.max_request_bytes}")
         check(self.graceful_shutdown_timeout >= 0,
               f"graceful_shutdown_timeout must be >= 0, got {self.graceful_shutdown_timeout}")
