@@ -220,10 +220,15 @@ class ChatCompletionRequest(OpenAISamplingFields):
                                  "with add_generation_prompt=true")
             if self.messages[-1].role != "assistant":
                 raise ValueError("continue_final_message needs the last message to be the assistant's")
-        reserved = sorted(set(self.chat_template_kwargs or {}) & RESERVED_TEMPLATE_KWARGS)
+        return self
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _unreserved_template_kwargs(cls, kwargs: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+        reserved = sorted(set(kwargs or {}) & RESERVED_TEMPLATE_KWARGS)
         if reserved:
             raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}")
-        return self
+        return kwargs
 
     @field_validator("tools")
     @classmethod
