@@ -78,7 +78,9 @@ def test_cli_shared_prefix_record(server, default_model_dir, tmp_path):
     """The real command line, closed loop: a complete record, nothing failed, and a cache hit rate > 0 that is
     the share of prompt tokens the responses say were cached."""
     output = tmp_path / "gsp.json"
-    command = [sys.executable, os.path.join(BENCHMARKS, "serving.py"), "--base-url", server.url, "--api-key", KEY_A,
+    # The administrator's key: the record reads the server-wide counters of /get_server_info.
+    command = [sys.executable, os.path.join(BENCHMARKS, "serving.py"), "--base-url", server.url,
+               "--api-key", server.admin_key,
                "--tokenizer", default_model_dir, "--dataset", "generated-shared-prefix", "--gsp-num-groups", "2",
                "--gsp-prompts-per-group", "3", "--gsp-system-prompt-len", "48", "--gsp-question-len", "8",
                "--gsp-output-len", "4", "--max-concurrency", "2", "--seed", "11", "--disable-tqdm",
