@@ -262,17 +262,6 @@ class HiRadixCache(RadixCache):
         return upper
 
     # ---- locking: only device tokens count as protected or evictable ---------------------------------------
-    def inc_lock_ref(self, node: TreeNode) -> int:
-        delta = 0
-        while node.key:
-            if node.lock_ref == 0 and node.value is not None:
-                delta -= len(node.key)
-            node.lock_ref += 1
-            node = node.parent
-        self._evictable += delta
-        self._protected -= delta
-        return delta
-
     def dec_lock_ref(self, node: TreeNode) -> int:
         delta, unlocked = 0, []
         while node.key:

@@ -253,7 +253,7 @@ class RadixCache(PrefixCache):
         """
         delta = 0
         while node.key:
-            if node.lock_ref == 0:
+            if node.lock_ref == 0 and node.value is not None:  # a node whose KV left the device counts nowhere
                 delta -= len(node.key)
             node.lock_ref += 1
             node = node.parent

@@ -30,7 +30,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 
 from radixserve.runtime.http_state import ServerState
-from radixserve.runtime.openai.errors import APIError, from_value_error
+from radixserve.runtime.openai.errors import APIError, engine_unavailable, from_value_error
 from radixserve.runtime.wire.errors import EngineDeadError, RequestFailedError
 
 logger = logging.getLogger(__name__)
@@ -85,10 +85,6 @@ def engine_error(state: ServerState, error: BaseException, param: Optional[str] 
     return APIError("the engine failed to serve the request (see the server log)", status_code=500,
                     type="server_error")
 
-
-def engine_unavailable() -> APIError:
-    return APIError("The engine is not available.", status_code=503, type="server_error",
-                    code="engine_unavailable", headers={"Retry-After": "5"})
 
 
 def _is_healthy(state: ServerState) -> bool:

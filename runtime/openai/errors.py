@@ -75,6 +75,12 @@ def context_length_error(message: str, *, param: Optional[str] = None) -> APIErr
     return APIError(message, status_code=400, param=param, code=CONTEXT_LENGTH_EXCEEDED)
 
 
+def engine_unavailable() -> APIError:
+    """A dead engine: 503, and when to try again (a supervisor restarts the server)."""
+    return APIError("The engine is not available.", status_code=503, type="server_error",
+                    code="engine_unavailable", headers={"Retry-After": "5"})
+
+
 def from_value_error(error: ValueError, param: Optional[str] = None) -> APIError:
     """The engine raises ValueError for bad arguments before queueing anything: always the client's fault."""
     from radixserve.runtime.wire.errors import ContextLengthExceededError
@@ -164,7 +170,6 @@ def install_error_handlers(app: FastAPI) -> None:
         from radixserve.runtime.wire.errors import EngineDeadError
 
         if isinstance(exc, EngineDeadError):
-            return APIError("The engine is not available.", status_code=503, type="server_error",
-                            code="engine_unavailable", headers={"Retry-After": "5"}).response()
+            return engine_unavailable().response()
         logger.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
         return APIError("internal server error (see the server log)", status_code=500).response()
