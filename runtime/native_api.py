@@ -46,6 +46,9 @@ LogprobStart = Annotated[int, Field(ge=-1, le=2**31)]
 _NULL_IS_DEFAULT = ("return_logprob", "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs", "stream")
 
 
+Priority = Annotated[int, Field(ge=-(2**63 - 1), le=2**63 - 1)]
+
+
 class NativeGenerateRequest(StrictModel):
     text: Union[str, Annotated[list[str], Field(min_length=1, max_length=MAX_BATCH)], None] = None
     input_ids: Union[
@@ -62,6 +65,7 @@ class NativeGenerateRequest(StrictModel):
     return_text_in_logprobs: bool = False
     stream: bool = False
     cache_salt: Union[Annotated[str, Field(max_length=256)], list[Annotated[str, Field(max_length=256)]], None] = None
+    priority: Union[Priority, list[Optional[Priority]], None] = None  # --enable-priority-scheduling
 
     @model_validator(mode="before")
     @classmethod
@@ -79,7 +83,7 @@ class NativeGenerateRequest(StrictModel):
             raise ValueError("give exactly one of text and input_ids")
         size = self.batch_size
         for name in ("sampling_params", "rid", "return_logprob", "logprob_start_len", "top_logprobs_num",
-                     "cache_salt"):
+                     "cache_salt", "priority"):
             value = getattr(self, name)
             if isinstance(value, list):
                 if size is None:
@@ -144,7 +148,9 @@ def _build(state: ServerState, body: NativeGenerateRequest, tenant: Optional[str
         return_text_in_logprobs=body.return_text_in_logprobs,
         stream=body.stream,
         cache_salt=body.cache_salt,
+        priority=body.priority,
         tenant=tenant,
+        tenant_weight=state.tenants.weight_of(tenant),
     )
     return request, handles
 

@@ -4,7 +4,9 @@
 protected route needs the key. `--tenants-file FILE`: a JSON object mapping API keys to tenant ids, e.g.
 `{"sk-alpha": "alpha", "sk-beta": "beta"}`; the tenant id becomes part of each request's cache namespace,
 so tenants never share cached prefixes. Without either, the server is open and everyone shares the default
-namespace.
+namespace. A tenant may also be given as an object with its fair-share weight (docs/fair-share.md), e.g.
+`{"sk-alpha": {"tenant": "alpha", "weight": 2}, "sk-beta": "beta"}`; a tenant's weight defaults to 1, and two
+keys of one tenant must agree on it.
 
 Administration (`/flush_cache`, `/metrics`, the whole of `/get_server_info`) acts on or shows every tenant:
 - `--admin-api-key KEY` (SGLang's name): only that key may; it also works on every other route (default
@@ -31,18 +33,44 @@ def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode("utf-8")).digest()
 
 
+DEFAULT_TENANT_WEIGHT = 1.0
+
+
 def load_tenants_file(path: str) -> dict[str, str]:
     """Read and check a tenants file: a JSON object of non-empty API key -> non-empty tenant id."""
+    return load_tenants(path)[0]
+
+
+def load_tenants(path: str) -> tuple[dict[str, str], dict[str, float]]:
+    """Read and check a tenants file: (API key -> tenant id, tenant id -> fair-share weight)."""
     with open(path, encoding="utf-8") as f:
         data = json.load(f)
     if not isinstance(data, dict) or not data:
         raise ValueError(f"tenants file {path}: expected a non-empty JSON object mapping API keys to tenant ids")
-    for key, tenant in data.items():
+    tenants: dict[str, str] = {}
+    weights: dict[str, float] = {}
+    for key, entry in data.items():
+        weight = DEFAULT_TENANT_WEIGHT
+        if isinstance(entry, dict):
+            unknown = sorted(set(entry) - {"tenant", "weight"})
+            if unknown:
+                raise ValueError(f"tenants file {path}: unknown field(s) {unknown} for a tenant "
+                                 "(an entry is a tenant id, or {\"tenant\": id, \"weight\": number})")
+            weight = entry.get("weight", DEFAULT_TENANT_WEIGHT)
+            if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
+                raise ValueError(f"tenants file {path}: weight must be a positive number, got {weight!r}")
+            entry = entry.get("tenant")
+        tenant = entry
         if not isinstance(key, str) or not key or not isinstance(tenant, str) or not tenant:
             raise ValueError(f"tenants file {path}: keys and tenant ids must be non-empty strings")
         if "/" in tenant:  # server info names namespaces "tenant:<id>/salt:<salt>"
             raise ValueError(f"tenants file {path}: tenant id {tenant!r} must not contain '/'")
-    return dict(data)
+        if weights.get(tenant, weight) != weight:
+            raise ValueError(f"tenants file {path}: tenant {tenant!r} has two weights ({weights[tenant]} and "
+                             f"{weight}); give it one")
+        tenants[key] = tenant
+        weights[tenant] = float(weight)
+    return tenants, weights
 
 
 @dataclass(frozen=True)
@@ -55,8 +83,9 @@ class TenantResolver:
     """Maps the `Authorization: Bearer <key>` header of a request to its caller (see the module docstring)."""
 
     def __init__(self, keys_to_tenants: Optional[dict[str, Optional[str]]] = None,
-                 admin_api_key: Optional[str] = None) -> None:
+                 admin_api_key: Optional[str] = None, weights: Optional[dict[str, float]] = None) -> None:
         self._tenant_by_digest = {_digest(k): t for k, t in (keys_to_tenants or {}).items()}
+        self._weights = dict(weights or {})
         self._admin_digest = _digest(admin_api_key) if admin_api_key else None
         self.has_tenants = any(t is not None for t in self._tenant_by_digest.values())
 
@@ -68,15 +97,21 @@ class TenantResolver:
         if admin_api_key is not None and not admin_api_key:
             raise ValueError("admin_api_key must not be empty")
         keys: dict[str, Optional[str]] = {}
+        weights: dict[str, float] = {}
         if tenants_file is not None:
-            keys = dict(load_tenants_file(tenants_file))
+            tenants, weights = load_tenants(tenants_file)
+            keys = dict(tenants)
         elif api_key is not None:
             if not api_key:
                 raise ValueError("api_key must not be empty")
             keys = {api_key: None}
         if admin_api_key is not None and admin_api_key in keys:
             raise ValueError("admin_api_key must differ from every tenant's API key")
-        return cls(keys, admin_api_key)
+        return cls(keys, admin_api_key, weights)
+
+    def weight_of(self, tenant: Optional[str]) -> float:
+        """A tenant's fair-share weight (1 for the default namespace and tenants the file gives none)."""
+        return self._weights.get(tenant, DEFAULT_TENANT_WEIGHT) if tenant else DEFAULT_TENANT_WEIGHT
 
     @property
     def auth_required(self) -> bool:

@@ -72,6 +72,7 @@ def server_info(scheduler: "Scheduler") -> dict[str, Any]:
         "token_usage": (total - free - evictable) / total,
         "new_token_ratio": scheduler.new_token_ratio.value,
         "tensor_parallel": tp_layout(scheduler.runner),
+        "fair_share": {"enabled": scheduler.fair_share.enabled, "tenants": scheduler.fair_share.summary()},
     }
 
 

@@ -27,6 +27,13 @@ from radixserve.runtime.wire.messages import FinishReason, SamplingParams, Token
 _EMPTY_SLOTS = torch.empty(0, dtype=torch.int64)
 
 
+def tenant_of(namespace: tuple[str, ...]) -> str:
+    """The tenant part of a cache namespace ("tenant:<id>" first), or "" for the default tenant."""
+    if namespace and namespace[0].startswith("tenant:"):
+        return namespace[0][len("tenant:"):]
+    return ""
+
+
 class Req:
     """One request: its prompt, sampling parameters, outputs so far and where its KV lives."""
 
@@ -41,6 +48,8 @@ class Req:
         stream: bool = False,
         arrival_seq: int = 0,
         logprob_start_len: int = -1,
+        priority: Optional[int] = None,
+        tenant_weight: float = 1.0,
     ) -> None:
         self.rid = rid
         self.origin_input_ids = list(origin_input_ids)
@@ -51,6 +60,9 @@ class Req:
         self.stream = stream
         self.arrival_seq = arrival_seq  # order of arrival, for fcfs among re-queued requests
         self.logprob_start_len = logprob_start_len if return_logprob else -1
+        self.priority = priority
+        self.tenant_weight = tenant_weight
+        self.tenant = tenant_of(self.namespace)
 
         # Outputs
         self.output_ids: list[int] = []
@@ -83,7 +95,7 @@ class Req:
     def from_message(cls, msg: TokenizedGenerateReq, arrival_seq: int) -> "Req":
         return cls(
             msg.rid, msg.input_ids, msg.sampling_params, msg.namespace, msg.return_logprob,
-            msg.top_logprobs_num, msg.stream, arrival_seq, msg.logprob_start_len,
+            msg.top_logprobs_num, msg.stream, arrival_seq, msg.logprob_start_len, msg.priority, msg.tenant_weight,
         )
 
     # ---- derived quantities ----------------------------------------------------------------------

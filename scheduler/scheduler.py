@@ -47,6 +47,7 @@ from radixserve.runtime.wire.messages import (
 from radixserve.runtime.wire.server_args import ServerArgs
 from radixserve.scheduler.batch import ScheduleBatch, allocate_slots, assemble_batch, needs_exact_history
 from radixserve.scheduler.cache_view import RecentRequests, cache_tree_summary
+from radixserve.scheduler.fair_share import FairShare
 from radixserve.scheduler.grammar import GrammarManager
 from radixserve.scheduler.info import ready_info, server_info
 from radixserve.scheduler.input_logprobs import collect_input_logprobs, plan_input_logprobs, prefix_limit
@@ -84,6 +85,7 @@ class Scheduler:
         self.policy = SchedulePolicy(
             server_args.schedule_policy, self.cache, not server_args.disable_radix_cache, server_args.random_seed
         )
+        self.fair_share = FairShare.from_server_args(server_args)
         self.overlap = server_args.resolved_overlap_schedule()
         self.executor = BatchExecutor(model_runner, self.overlap)
         self.chunk_size = server_args.resolved_chunked_prefill_size()
@@ -154,7 +156,8 @@ class Scheduler:
             return
         req = Req.from_message(msg, next(self._arrivals))
         self.reqs[req.rid] = req
-        error = check_request(req, self.runner, self.tokenizer)
+        self.fair_share.on_arrival(req)
+        error = check_request(req, self.runner, self.tokenizer) or self.fair_share.check(req)
         if error is not None:
             self._finish(req, FinishReason.abort(error, status_code=400))
             return
@@ -217,7 +220,7 @@ class Scheduler:
             req = self.chunked_req
             if not self._extend(req, req.kv_len, adder, entries):
                 return None
-        for req in self.policy.order(self.waiting):
+        for req in self.fair_share.order(self.policy.order(self.waiting)):
             if adder.stopped or len(self.running) + len(entries) >= self.max_running:
                 break
             if self.req_to_token_pool.available_size() == 0 or self._admit(req, adder, entries) is False:
@@ -342,6 +345,7 @@ class Scheduler:
                                self.executor.device)
         batch.input_logprobs = plan_input_logprobs(batch)
         batch.grammar_mask = self.grammars.mask_for(batch)
+        self.fair_share.charge_batch(extends, decodes)
         self.stats.on_batch(batch)
         return batch
 
@@ -399,6 +403,7 @@ class Scheduler:
     # ---- finishing and releasing ------------------------------------------------------------------
     def _finish(self, req: Req, reason: FinishReason) -> None:
         req.finish(reason)
+        self.fair_share.on_done(req)
         self.recent_requests.record(req)
         if req in self.running:
             self.running.remove(req)

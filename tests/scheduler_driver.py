@@ -66,12 +66,14 @@ class SchedulerDriver:
 
     # ---- input -------------------------------------------------------------------------------------
     def submit(self, rid: str, input_ids: list[int], namespace: tuple = (), return_logprob: bool = False,
-               top_logprobs_num: int = 0, stream: bool = True, **sampling: Any) -> None:
+               top_logprobs_num: int = 0, stream: bool = True, priority: Optional[int] = None,
+               tenant_weight: float = 1.0, **sampling: Any) -> None:
         sampling.setdefault("temperature", 0.0)
         self.results[rid] = Result()
         self.scheduler.handle_message(TokenizedGenerateReq(
             rid=rid, input_ids=list(input_ids), sampling_params=SamplingParams(**sampling), namespace=namespace,
-            return_logprob=return_logprob, top_logprobs_num=top_logprobs_num, stream=stream,
+            return_logprob=return_logprob, top_logprobs_num=top_logprobs_num, stream=stream, priority=priority,
+            tenant_weight=tenant_weight,
         ))
         self._collect()
 

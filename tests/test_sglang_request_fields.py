@@ -81,7 +81,7 @@ def test_native_defaults_of_unimplemented_fields_are_accepted(server, field, val
 
 @pytest.mark.parametrize("field, value, feature", [
     ("lora_path", "my-adapter", "LoRA"), ("return_routed_experts", True, "routed experts"),
-    ("image_data", "https://example.com/cat.png", "multimodal"), ("priority", 5, "priority scheduling"),
+    ("image_data", "https://example.com/cat.png", "multimodal"), ("background", True, "background requests"),
     ("return_hidden_states", True, "hidden states"), ("session_params", {"id": "s"}, "sessions"),
 ])
 def test_native_unimplemented_features_are_a_400_naming_them(server, field, value, feature):

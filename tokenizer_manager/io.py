@@ -28,8 +28,11 @@ class GenerateReqInput:
     return_text_in_logprobs: bool = False
     stream: bool = False
     cache_salt: Union[str, list[str], None] = None
+    # SGLang's scheduling priority (used with --enable-priority-scheduling; scheduler/fair_share.py).
+    priority: Union[int, list[Optional[int]], None] = None
     # Set only by the HTTP server, from the API key; never taken from a client.
     tenant: Optional[str] = None
+    tenant_weight: float = 1.0  # the tenant's fair-share weight (tenants file)
     # Set only by the servers' own routes: True streams new output only whatever the server's
     # incremental_streaming_output (the OpenAI routes build deltas); None follows that setting.
     incremental_stream: Optional[bool] = None
@@ -55,6 +58,7 @@ class SingleReq:
     logprob_start_len: int
     top_logprobs_num: int
     cache_salt: Optional[str]
+    priority: Optional[int] = None
 
 
 def make_namespace(tenant: Optional[str], cache_salt: Optional[str]) -> tuple[str, ...]:
@@ -119,6 +123,7 @@ def split_requests(obj: GenerateReqInput) -> list[SingleReq]:
     start_lens = _per_request("logprob_start_len", obj.logprob_start_len, batch_size, never)
     top_nums = _per_request("top_logprobs_num", obj.top_logprobs_num, batch_size, never)
     salts = _per_request("cache_salt", obj.cache_salt, batch_size, never)
+    priorities = _per_request("priority", obj.priority, batch_size, never)
     if obj.rid is not None and not isinstance(obj.rid, list) and batch_size > 1:
         raise ValueError("a batch needs one rid per prompt (a list), not a single rid")
 
@@ -133,6 +138,9 @@ def split_requests(obj: GenerateReqInput) -> list[SingleReq]:
         salt = salts[i]
         if salt is not None and not isinstance(salt, str):
             raise ValueError(f"cache_salt must be a string, got {type(salt).__name__}")
+        priority = priorities[i]
+        if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int)):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
         requests.append(
             SingleReq(
                 index=i,
@@ -144,6 +152,7 @@ def split_requests(obj: GenerateReqInput) -> list[SingleReq]:
                 logprob_start_len=-1 if start_lens[i] is None else int(start_lens[i]),
                 top_logprobs_num=0 if top_nums[i] is None else int(top_nums[i]),
                 cache_salt=salt or None,
+                priority=priority,
             )
         )
     if len({r.rid for r in requests}) != len(requests):

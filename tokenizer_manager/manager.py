@@ -188,6 +188,8 @@ class TokenizerManager:
                 logprob_start_len=request.logprob_start_len,
                 top_logprobs_num=request.top_logprobs_num,
                 stream=obj.stream,
+                priority=request.priority,
+                tenant_weight=obj.tenant_weight,
             ))
         return group
 

@@ -106,6 +106,7 @@ class OpenAISamplingFields(StrictModel):
     stop_token_ids: Annotated[list[TokenId], Field(max_length=256)] = []
     skip_special_tokens: bool = True
     cache_salt: Optional[Annotated[str, Field(max_length=256)]] = None
+    priority: Optional[Annotated[int, Field(ge=-INT64_MAX, le=INT64_MAX)]] = None  # --enable-priority-scheduling
     regex: Optional[str] = None
     ebnf: Optional[str] = None
 

@@ -74,7 +74,9 @@ async def create_chat_completion(
             top_logprobs_num=body.top_logprobs or 0,
             stream=body.stream,
             cache_salt=body.cache_salt,
+            priority=body.priority,
             tenant=tenant,
+            tenant_weight=state.tenants.weight_of(tenant),
             incremental_stream=True,
         )
         for i in range(body.n)

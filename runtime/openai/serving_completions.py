@@ -86,7 +86,9 @@ async def create_completion(
                 top_logprobs_num=body.logprobs or 0,
                 stream=body.stream,
                 cache_salt=body.cache_salt,
+                priority=body.priority,
                 tenant=tenant,
+                tenant_weight=state.tenants.weight_of(tenant),
                 incremental_stream=True,
             ))
     header = {"id": response_id, "created": int(time.time()), "model": state.served_model_name}

@@ -70,6 +70,8 @@ class TokenizedGenerateReq(msgspec.Struct, tag=True):
     logprob_start_len: int = -1  # -1: no input-token logprobs
     top_logprobs_num: int = 0
     stream: bool = False
+    priority: Optional[int] = None  # SGLang's per-request priority (scheduler/fair_share.py)
+    tenant_weight: float = 1.0  # the tenant's fair-share weight, from the tenants file
 
 
 class AbortReq(msgspec.Struct, tag=True):

@@ -57,6 +57,12 @@ class ServerArgs:
     disable_overlap_schedule: Optional[bool] = None  # None: overlap on a GPU, not on the CPU (see below)
     max_queued_requests: Optional[int] = None  # None: DEFAULT_MAX_QUEUED_REQUESTS; beyond it, 503 + Retry-After
     max_sequences_per_request: int = 1024  # prompts x n of one HTTP request; more is a 400
+    # Fair share across tenants and per-request priority (scheduler/fair_share.py, docs/fair-share.md).
+    disable_fair_share: bool = False  # True: admission ignores tenants (policy order, then priority)
+    enable_priority_scheduling: bool = False  # SGLang's: order requests of one tenant by their `priority`
+    schedule_low_priority_values_first: bool = False  # smaller priority values first (default: larger)
+    default_priority_value: Optional[int] = None  # priority of a request without one (None: 0)
+    abort_on_priority_when_disabled: bool = False  # a request with a priority fails (400) without the above
 
     # Radix cache
     disable_radix_cache: bool = False
