@@ -49,6 +49,8 @@ class ForwardBatch:
     # Positions (into the concatenated new tokens) whose logits are wanted; default: each request's last.
     logits_indices: Optional[torch.Tensor] = None
     attn_metadata: object = field(default=None, repr=False)  # filled by the attention backend's plan()
+    # Each request's LoRA adapter name (None: the base model); None when no request of the batch has one.
+    lora_names: Optional[list[Optional[str]]] = None
 
     @property
     def batch_size(self) -> int:

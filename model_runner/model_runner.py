@@ -15,6 +15,7 @@ from radixserve.model_runner.attention import AttentionBackend, create_attention
 from radixserve.model_runner.cpu_packed import pack_cpu_linears
 from radixserve.model_runner.forward_batch import ForwardBatch
 from radixserve.model_runner.loader import dummy_weights, iter_weights
+from radixserve.model_runner.lora.setup import create_lora_manager
 from radixserve.runtime.model_files import resolve_model
 from radixserve.model_runner.model_config import ModelConfig
 from radixserve.model_runner.models import get_model_class
@@ -84,6 +85,7 @@ class ModelRunner:
         )
         self.attn_backend = self._create_attention_backend()
         self.model.set_attention_backend(self.attn_backend)
+        self.lora_manager = create_lora_manager(self) if server_args.lora_enabled() else None
         self.cuda_graph_runner = self._create_cuda_graph_runner()
         logger.info(
             "model %s loaded on %s (%s); KV pool %d tokens, %d running requests, context %d",
@@ -104,6 +106,8 @@ class ModelRunner:
         if use_cuda_graph and self.cuda_graph_runner is not None and self.cuda_graph_runner.can_run(batch):
             return self.cuda_graph_runner.replay(batch)
         self.attn_backend.plan(batch)
+        if self.lora_manager is not None:
+            self.lora_manager.prepare(batch)
         hidden = self.model(batch.input_ids, batch.positions, batch)
         return self.model.compute_logits(hidden, batch)
 
@@ -131,7 +135,8 @@ class ModelRunner:
     def _create_cuda_graph_runner(self) -> Optional["CudaGraphRunner"]:
         """Capture decode CUDA graphs on CUDA unless `disable_cuda_graph`; None on the CPU, when disabled, or
         when the attention backend cannot be captured (decode then runs eagerly)."""
-        if self.device.type != "cuda" or self.server_args.disable_cuda_graph:
+        # LoRA batches vary per step in which adapters they use; decode runs eagerly then.
+        if self.device.type != "cuda" or self.server_args.disable_cuda_graph or self.lora_manager is not None:
             return None
         from radixserve.model_runner.cuda_graph import create_cuda_graph_runner
 

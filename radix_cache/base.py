@@ -17,7 +17,7 @@ Ownership of KV slots, the contract every implementation keeps:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 
@@ -86,6 +86,11 @@ class PrefixCache(ABC):
     @abstractmethod
     def check_invariants(self, held_slots: int = 0) -> None:
         """Raise AssertionError unless the accounting above holds."""
+
+    def evict_namespaces(self, selected: Callable[[tuple], bool]) -> int:
+        """Free the unlocked entries of every namespace `selected` picks (an unloaded LoRA adapter's); returns
+        the slots freed. A cache that keeps nothing across requests has nothing to drop."""
+        return 0
 
     def load_back(self, match: MatchResult) -> MatchResult:
         """Bring a match's lower-tier part onto the device (see hiradix.py); a one-tier cache returns `match`."""

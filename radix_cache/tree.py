@@ -23,7 +23,7 @@ cost O(key length) regardless of how many sequences are cached; `evict` pops fro
 from __future__ import annotations
 
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -299,6 +299,30 @@ class RadixCache(PrefixCache):
         if values:
             # One free call: the allocator's cost per call, not per leaf.
             self.allocator.free(torch.cat(values) if len(values) > 1 else values[0])
+        return freed
+
+    def evict_namespaces(self, selected: Callable[[tuple], bool]) -> int:
+        """Free the unlocked nodes of the namespaces `selected` picks, deepest first; nodes locked by running
+        requests stay (they go through the usual eviction once released). Returns the tokens freed."""
+        freed, values = 0, []
+        for namespace, ns_root in list(self.root.children.items()):
+            if not selected(namespace):
+                continue
+            preorder, stack = [], [ns_root]
+            while stack:
+                node = stack.pop()
+                preorder.append(node)
+                stack.extend(node.children.values())
+            for node in reversed(preorder):  # every node after all of its descendants
+                if node is ns_root or not node.is_evictable_leaf():
+                    continue
+                values.append(node.value)
+                freed += len(node.key)
+                self._evictable -= len(node.key)
+                self._stats.of(namespace).evicted_tokens += len(node.key)
+                self._delete_leaf(node)
+        if values:
+            self.allocator.free(torch.cat(values))
         return freed
 
     def reset(self) -> None:

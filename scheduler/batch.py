@@ -45,6 +45,7 @@ class ScheduleBatch:
     # allowed-token mask (scheduler/grammar.py); set by the scheduler after assembly, None when unused.
     input_logprobs: Optional[InputLogprobPlan] = None
     grammar_mask: Optional[GrammarMask] = None
+    lora_names: Optional[list[Optional[str]]] = None  # per request; None when no request has an adapter
 
     @property
     def batch_size(self) -> int:
@@ -95,6 +96,7 @@ class ScheduleBatch:
             extend_lens_cpu=list(self.extend_lens),
             req_to_token_pool=req_to_token_pool,
             token_to_kv_pool=token_to_kv_pool,
+            lora_names=self.lora_names,
         )
 
 
@@ -134,6 +136,7 @@ def assemble_batch(
         sampling_info=build_sampling_info(reqs, samples, stop_checker, vocab_size, device),
         return_logprob=any(r.return_logprob for r in sampling_reqs),
         top_logprobs_num=max((r.top_logprobs_num for r in sampling_reqs), default=0),
+        lora_names=[r.lora_name for r in reqs] if any(r.lora_name for r in reqs) else None,
     )
 
 

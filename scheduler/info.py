@@ -43,6 +43,8 @@ def ready_info(scheduler: "Scheduler") -> ModelInfo:
         hierarchical_cache=args.enable_hierarchical_cache,
         sampling_backend=args.sampling_backend or "pytorch",
         sampling_defaults=dict(runner.model_config.sampling_defaults) if args.sampling_defaults == "model" else {},
+        lora_enabled=getattr(runner, "lora_manager", None) is not None,
+        lora_adapters=runner.lora_manager.loaded() if getattr(runner, "lora_manager", None) is not None else {},
     )
 
 

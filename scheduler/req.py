@@ -50,6 +50,7 @@ class Req:
         logprob_start_len: int = -1,
         priority: Optional[int] = None,
         tenant_weight: float = 1.0,
+        lora_name: Optional[str] = None,
     ) -> None:
         self.rid = rid
         self.origin_input_ids = list(origin_input_ids)
@@ -63,6 +64,7 @@ class Req:
         self.priority = priority
         self.tenant_weight = tenant_weight
         self.tenant = tenant_of(self.namespace)
+        self.lora_name = lora_name
 
         # Outputs
         self.output_ids: list[int] = []
@@ -96,6 +98,7 @@ class Req:
         return cls(
             msg.rid, msg.input_ids, msg.sampling_params, msg.namespace, msg.return_logprob,
             msg.top_logprobs_num, msg.stream, arrival_seq, msg.logprob_start_len, msg.priority, msg.tenant_weight,
+            msg.lora_name,
         )
 
     # ---- derived quantities ----------------------------------------------------------------------

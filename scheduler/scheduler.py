@@ -44,12 +44,14 @@ from radixserve.runtime.wire.messages import (
     AbortReq, FinishReason, FlushCacheReq, FlushCacheReqOutput, GetServerInfoReq, GetServerInfoReqOutput, ModelInfo,
     TokenizedGenerateReq,
 )
+from radixserve.runtime.wire.lora import LoadLoRAAdapterReq, UnloadLoRAAdapterReq
 from radixserve.runtime.wire.server_args import ServerArgs
 from radixserve.scheduler.batch import ScheduleBatch, allocate_slots, assemble_batch, needs_exact_history
 from radixserve.scheduler.cache_view import RecentRequests, cache_tree_summary
 from radixserve.scheduler.fair_share import FairShare
 from radixserve.scheduler.grammar import GrammarManager
 from radixserve.scheduler.info import ready_info, server_info
+from radixserve.scheduler.lora import LoRAScheduling
 from radixserve.scheduler.input_logprobs import collect_input_logprobs, plan_input_logprobs, prefix_limit
 from radixserve.scheduler.output import build_batch_token_out, has_news
 from radixserve.scheduler.overlap import BatchExecutor, LaunchedBatch
@@ -86,6 +88,7 @@ class Scheduler:
             server_args.schedule_policy, self.cache, not server_args.disable_radix_cache, server_args.random_seed
         )
         self.fair_share = FairShare.from_server_args(server_args)
+        self.lora = LoRAScheduling(getattr(model_runner, "lora_manager", None))
         self.overlap = server_args.resolved_overlap_schedule()
         self.executor = BatchExecutor(model_runner, self.overlap)
         self.chunk_size = server_args.resolved_chunked_prefill_size()
@@ -145,6 +148,8 @@ class Scheduler:
             self._reply(FlushCacheReqOutput(msg.rpc_id, success, message))
         elif isinstance(msg, GetServerInfoReq):
             self._reply(GetServerInfoReqOutput(msg.rpc_id, self.server_info()))
+        elif isinstance(msg, (LoadLoRAAdapterReq, UnloadLoRAAdapterReq)):
+            self._reply(self.lora.handle(msg, self))
         elif isinstance(msg, CacheTreeReq):
             self._reply(CacheTreeReqOutput(msg.rpc_id, cache_tree_summary(self, msg)))
         else:
@@ -157,7 +162,7 @@ class Scheduler:
         req = Req.from_message(msg, next(self._arrivals))
         self.reqs[req.rid] = req
         self.fair_share.on_arrival(req)
-        error = check_request(req, self.runner, self.tokenizer) or self.fair_share.check(req)
+        error = check_request(req, self.runner, self.tokenizer) or self.fair_share.check(req) or self.lora.check(req)
         if error is not None:
             self._finish(req, FinishReason.abort(error, status_code=400))
             return
@@ -223,6 +228,8 @@ class Scheduler:
         for req in self.fair_share.order(self.policy.order(self.waiting)):
             if adder.stopped or len(self.running) + len(entries) >= self.max_running:
                 break
+            if not self.lora.fits(req, itertools.chain(self.running, (entry[0] for entry in entries))):
+                continue
             if self.req_to_token_pool.available_size() == 0 or self._admit(req, adder, entries) is False:
                 break
         if not entries:

@@ -25,12 +25,14 @@ from radixserve.scheduler.scheduler import Scheduler
 _RUNNERS: dict[tuple, ModelRunner] = {}
 # Server arguments that shape the runner (memory, pages); everything else only affects the scheduler.
 RUNNER_ARGS = ("page_size", "max_total_tokens", "max_running_requests", "context_length", "device", "dtype",
-               "attention_backend")
+               "attention_backend", "lora_paths", "max_loras_per_batch", "max_lora_rank", "enable_lora")
 
 
 def shared_runner(model_dir: str, **runner_args: Any) -> ModelRunner:
     """A runner whose pools are all free; a new one if the cached one was left dirty (by a failed test)."""
-    key = (model_dir, tuple(sorted(runner_args.items())))
+    key = (model_dir, repr(sorted(runner_args.items())))
+    if runner_args.get("lora_paths") or runner_args.get("enable_lora"):
+        key = (key, len(_RUNNERS))  # its adapters change with load/unload: never shared
     runner = _RUNNERS.get(key)
     clean = runner is not None and runner.allocator.available_size() == runner.allocator.size and (
         runner.req_to_token_pool.available_size() == runner.req_to_token_pool.size)
@@ -67,13 +69,13 @@ class SchedulerDriver:
     # ---- input -------------------------------------------------------------------------------------
     def submit(self, rid: str, input_ids: list[int], namespace: tuple = (), return_logprob: bool = False,
                top_logprobs_num: int = 0, stream: bool = True, priority: Optional[int] = None,
-               tenant_weight: float = 1.0, **sampling: Any) -> None:
+               tenant_weight: float = 1.0, lora_name: Optional[str] = None, **sampling: Any) -> None:
         sampling.setdefault("temperature", 0.0)
         self.results[rid] = Result()
         self.scheduler.handle_message(TokenizedGenerateReq(
             rid=rid, input_ids=list(input_ids), sampling_params=SamplingParams(**sampling), namespace=namespace,
             return_logprob=return_logprob, top_logprobs_num=top_logprobs_num, stream=stream, priority=priority,
-            tenant_weight=tenant_weight,
+            tenant_weight=tenant_weight, lora_name=lora_name,
         ))
         self._collect()
 

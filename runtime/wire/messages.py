@@ -18,6 +18,7 @@ from typing import Any, Optional, Union
 import msgspec
 
 from radixserve.runtime.wire.cache_tree import CacheTreeReq, CacheTreeReqOutput
+from radixserve.runtime.wire.lora import LoadLoRAAdapterReq, LoRAAdapterReqOutput, UnloadLoRAAdapterReq
 from radixserve.runtime.wire.sampling_params import SamplingParams
 
 
@@ -72,6 +73,7 @@ class TokenizedGenerateReq(msgspec.Struct, tag=True):
     stream: bool = False
     priority: Optional[int] = None  # SGLang's per-request priority (scheduler/fair_share.py)
     tenant_weight: float = 1.0  # the tenant's fair-share weight, from the tenants file
+    lora_name: Optional[str] = None  # the LoRA adapter to run under (None: the base model)
 
 
 class AbortReq(msgspec.Struct, tag=True):
@@ -156,6 +158,8 @@ class ModelInfo(msgspec.Struct, kw_only=True):
     # Values for unset temperature/top_p/top_k/min_p/repetition_penalty (the model's generation_config.json
     # under --sampling-defaults model; empty under openai).
     sampling_defaults: dict[str, float] = {}
+    lora_adapters: dict[str, str] = {}  # LoRA adapters loaded at start-up: name -> path
+    lora_enabled: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return msgspec.structs.asdict(self)
@@ -180,6 +184,9 @@ Message = Union[
     GetServerInfoReqOutput,
     CacheTreeReq,
     CacheTreeReqOutput,
+    LoadLoRAAdapterReq,
+    UnloadLoRAAdapterReq,
+    LoRAAdapterReqOutput,
     BatchTokenOut,
     BatchTextOut,
     ProcessReady,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from dataclasses import dataclass, fields
 from typing import Any, Optional
 
@@ -73,6 +74,13 @@ class ServerArgs:
     hicache_size: float = 0.0  # host tier size in GB (1e9 bytes); overrides hicache_ratio when > 0
     hicache_write_policy: str = "write_through"
     hicache_storage_dir: Optional[str] = None  # a disk tier under the host tier, in this folder
+
+    # LoRA adapters (SGLang's flags; docs/lora.md). lora_paths: "name=path", "path" (named by its path) or a JSON
+    # object {"lora_name": ..., "lora_path": ...}; the Engine also takes a dict name -> path.
+    enable_lora: Optional[bool] = None  # None: on when lora_paths are given
+    lora_paths: Optional[list[str]] = None
+    max_lora_rank: Optional[int] = None  # None: the largest rank of lora_paths (16 without any)
+    max_loras_per_batch: int = 8  # distinct adapters in one batch (the device pool's slots)
 
     # Kernels
     attention_backend: Optional[str] = None  # None: flashinfer on CUDA, torch_native on CPU
@@ -172,10 +180,22 @@ class ServerArgs:
         check(self.max_request_bytes > 0, f"max_request_bytes must be positive, got {self.max_request_bytes}")
         check(self.graceful_shutdown_timeout >= 0,
               f"graceful_shutdown_timeout must be >= 0, got {self.graceful_shutdown_timeout}")
+        check(self.max_loras_per_batch >= 1, f"max_loras_per_batch must be >= 1, got {self.max_loras_per_batch}")
+        check(self.max_lora_rank is None or self.max_lora_rank >= 1,
+              f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+        check(not (self.enable_lora is False and self.lora_paths), "lora_paths need LoRA: drop --no-enable-lora")
+        if self.lora_paths is not None:
+            self.lora_paths = parse_lora_paths(self.lora_paths)
+        check(not self.lora_enabled() or self.tp_size == 1, "LoRA adapters need tp_size 1")
+        check(not self.lora_enabled() or not self.enable_hierarchical_cache,
+              "LoRA adapters need the one-tier radix cache: drop enable_hierarchical_cache")
         check(self.log_level.lower() in ("debug", "info", "warning", "error", "critical"),
               f"unknown log_level {self.log_level!r}")
 
     # ---- resolved values -------------------------------------------------------------------------
+    def lora_enabled(self) -> bool:
+        return bool(self.enable_lora) or bool(self.lora_paths)
+
     def resolved_device(self) -> str:
         if self.device != "auto":
             return self.device
@@ -225,6 +245,8 @@ class ServerArgs:
             if kind is bool:  # --flag sets it, --no-flag clears it (so flags that default to on can be turned off)
                 parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
                                     help=f"(default: {default})")
+            elif kind is list:  # --flag A B C
+                parser.add_argument(flag, nargs="*", default=default, help=f"(default: {default})")
             else:
                 parser.add_argument(flag, type=kind, default=default, help=f"(default: {default})")
         parser.add_argument("--model", dest="model_path", help="alias of --model-path")
@@ -239,10 +261,40 @@ class ServerArgs:
 
 def _field_type(f: dataclasses.Field) -> type:
     annotation = str(f.type)
+    if annotation.startswith(("list[", "Optional[list[")):
+        return list
     for name, kind in (("bool", bool), ("int", int), ("float", float)):
         if annotation == name or annotation == f"Optional[{name}]":
             return kind
     return str
+
+
+def parse_lora_paths(value: Any) -> list[str]:
+    """SGLang's forms of lora_paths as a list of "name=path": a list of "name=path", "path" or JSON objects
+    {"lora_name", "lora_path"[, "pinned"]}, or a dict name -> path. Raises ValueError for anything else."""
+    if isinstance(value, dict):
+        value = [f"{name}={path}" for name, path in value.items()]
+    if isinstance(value, str):
+        value = [value]
+    out: list[str] = []
+    for item in value:
+        if isinstance(item, str) and item.lstrip().startswith("{"):
+            item = json.loads(item)
+        if isinstance(item, dict):
+            unknown = set(item) - {"lora_name", "lora_path", "pinned"}
+            if unknown or not isinstance(item.get("lora_name"), str) or not isinstance(item.get("lora_path"), str):
+                raise ValueError(f"lora_paths: an adapter object needs lora_name and lora_path, got {item!r}")
+            item = f"{item['lora_name']}={item['lora_path']}"
+        if not isinstance(item, str) or not item:
+            raise ValueError(f"lora_paths: expected 'name=path' or a path, got {item!r}")
+        name, sep, path = item.partition("=")
+        out.append(item if sep else f"{item}={item}")
+        if sep and (not name or not path):
+            raise ValueError(f"lora_paths: expected 'name=path', got {item!r}")
+    names = [item.partition("=")[0] for item in out]
+    if len(set(names)) != len(names):
+        raise ValueError(f"lora_paths: adapter names must be distinct, got {names}")
+    return out
 
 
 def make_server_args(model_path: Optional[str] = None, **kwargs: Any) -> ServerArgs:
