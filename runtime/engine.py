@@ -34,6 +34,7 @@ from radixserve.runtime.wire.ipc import IpcPaths, make_pull, make_push
 from radixserve.runtime.launch import ChildProcesses, resolve_for_launch
 from radixserve.runtime.loop_thread import LoopThread
 from radixserve.runtime.wire.messages import ModelInfo
+from radixserve.runtime.wire.lora import LoRAAdapterReqOutput
 from radixserve.runtime.wire.server_args import ServerArgs, make_server_args
 from radixserve.runtime.wire.errors import EngineDeadError
 from radixserve.tokenizer_manager.io import GenerateReqInput
@@ -154,7 +155,8 @@ class Engine:
     @staticmethod
     def _request(prompt: Prompt, sampling_params: Params, input_ids: Any, return_logprob: Any,
                  logprob_start_len: Any, top_logprobs_num: Any, stream: bool, cache_salt: Any,
-                 return_text_in_logprobs: bool = False, priority: Any = None) -> GenerateReqInput:
+                 return_text_in_logprobs: bool = False, priority: Any = None,
+                 lora_path: Any = None) -> GenerateReqInput:
         return GenerateReqInput(
             text=prompt,
             input_ids=input_ids,
@@ -166,6 +168,7 @@ class Engine:
             stream=stream,
             cache_salt=cache_salt,
             priority=priority,
+            lora_path=lora_path,
         )
 
     def generate(self, prompt: Prompt = None, sampling_params: Params = None, input_ids: Any = None,
@@ -173,7 +176,9 @@ class Engine:
                  top_logprobs_num: Any = None, stream: bool = False,
                  cache_salt: Union[str, list[str], None] = None,
                  return_text_in_logprobs: bool = False,
-                 priority: Union[int, list[Optional[int]], None] = None) -> Union[dict, list[dict], Iterator[dict]]:
+                 priority: Union[int, list[Optional[int]], None] = None,
+                 lora_path: Union[str, list[Optional[str]], None] = None,
+                 ) -> Union[dict, list[dict], Iterator[dict]]:
         """Generate for one prompt (a str or token-id list) or a batch (a list of them).
 
         Returns the result (a dict, or a list for a batch or n > 1), or with stream=True an iterator of
@@ -182,7 +187,7 @@ class Engine:
         """
         self._check_open()
         obj = self._request(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
-                            top_logprobs_num, stream, cache_salt, return_text_in_logprobs, priority)
+                            top_logprobs_num, stream, cache_salt, return_text_in_logprobs, priority, lora_path)
         if stream:
             return self._loop.stream(lambda: self._tm.submit(obj), lambda group: self._tm.iterate(group, obj))
         return self._loop.call(self._collect(obj))
@@ -193,11 +198,12 @@ class Engine:
                              cache_salt: Union[str, list[str], None] = None,
                              return_text_in_logprobs: bool = False,
                              priority: Union[int, list[Optional[int]], None] = None,
+                             lora_path: Union[str, list[Optional[str]], None] = None,
                              ) -> Union[dict, list[dict], AsyncIterator[dict]]:
         """`generate` for async callers: await it for the result, or (stream=True) for an async iterator."""
         self._check_open()
         obj = self._request(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
-                            top_logprobs_num, stream, cache_salt, return_text_in_logprobs, priority)
+                            top_logprobs_num, stream, cache_salt, return_text_in_logprobs, priority, lora_path)
         if stream:
             return await self._loop.stream_async(lambda: self._tm.submit(obj),
                                                  lambda group: self._tm.iterate(group, obj))
@@ -253,6 +259,31 @@ class Engine:
     async def async_flush_cache(self) -> bool:
         self._check_open()
         return await self._loop.call_async(self._tm.flush_cache())
+
+    # ---- LoRA adapters (SGLang's names; docs/lora.md) ----------------------------------------------
+    def load_lora_adapter(self, lora_name: str, lora_path: str, pinned: bool = False) -> LoRAAdapterReqOutput:
+        """Load the PEFT adapter in folder `lora_path` as `lora_name`; the reply says whether it worked."""
+        self._check_open()
+        return self._loop.call(self._tm.load_lora_adapter(lora_name, lora_path, pinned))
+
+    async def async_load_lora_adapter(self, lora_name: str, lora_path: str,
+                                      pinned: bool = False) -> LoRAAdapterReqOutput:
+        self._check_open()
+        return await self._loop.call_async(self._tm.load_lora_adapter(lora_name, lora_path, pinned))
+
+    def unload_lora_adapter(self, lora_name: str) -> LoRAAdapterReqOutput:
+        """Unload an adapter (refused while a request of it is queued or running) and free its cached KV."""
+        self._check_open()
+        return self._loop.call(self._tm.unload_lora_adapter(lora_name))
+
+    async def async_unload_lora_adapter(self, lora_name: str) -> LoRAAdapterReqOutput:
+        self._check_open()
+        return await self._loop.call_async(self._tm.unload_lora_adapter(lora_name))
+
+    @property
+    def lora_adapters(self) -> dict[str, str]:
+        """The loaded LoRA adapters, name -> path."""
+        return dict(self._tm.lora_adapters)
 
     def get_server_info(self) -> dict[str, Any]:
         """The scheduler's statistics: memory, cache hit rate, queue sizes, throughput, plus model_info."""

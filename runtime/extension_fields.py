@@ -16,7 +16,6 @@ from typing import Any
 from radixserve.runtime.openai.errors import APIError, bad_request
 
 _MULTIMODAL = "multimodal input (this server runs text-only models)"
-_LORA = "LoRA adapters"
 _DISAGGREGATION = "prefill-decode disaggregation"
 _DATA_PARALLEL = "data-parallel routing"
 
@@ -41,7 +40,7 @@ NATIVE_UNSUPPORTED: dict[str, str] = {
     "return_prompt_token_ids": "prompt token ids in the output",
     "return_bytes": "byte output",
     "session_params": "sessions (continual prompting)",
-    "lora_path": _LORA, "lora_id": _LORA,
+    "lora_id": "LoRA adapters by internal id (name the adapter in lora_path)",
     "custom_logit_processor": "custom logit processors",
     "bootstrap_host": _DISAGGREGATION, "bootstrap_port": _DISAGGREGATION, "bootstrap_room": _DISAGGREGATION,
     "bootstrap_pair_key": _DISAGGREGATION, "decode_tp_size": _DISAGGREGATION,
@@ -67,7 +66,6 @@ NATIVE_LABELS = frozenset({
 
 # SGLang's and vLLM's OpenAI-route extensions that radixserve does not implement -> the feature they ask for.
 OPENAI_UNSUPPORTED: dict[str, str] = {
-    "lora_path": _LORA,
     "session_params": "sessions (continual prompting)",
     "return_hidden_states": "hidden states in the output",
     "return_routed_experts": "routed experts (a mixture-of-experts feature)",

@@ -33,6 +33,8 @@ from radixserve.runtime.body_limit import BodyLimitMiddleware
 from radixserve.runtime.cache_page import router as cache_page_router
 from radixserve.runtime.http_generation import install_disconnect_handlers, json_response
 from radixserve.runtime.http_state import InflightRequests, ServerState, caller, caller_tenant, require_admin
+from radixserve.runtime.lora_api import adapter_cards
+from radixserve.runtime.lora_api import router as lora_router
 from radixserve.runtime.metrics import ServerMetrics
 from radixserve.runtime.native_api import health_route
 from radixserve.runtime.native_api import router as native_router
@@ -111,6 +113,7 @@ def create_app(engine: Any, server_args: ServerArgs) -> FastAPI:
     protected.add_api_route("/v1/completions", _completions, methods=["POST"])
     app.include_router(protected)
     app.include_router(native_router)
+    app.include_router(lora_router)  # /load_lora_adapter, /unload_lora_adapter (runtime/lora_api.py)
     app.include_router(cache_page_router)  # /cache (the page) and /cache/tree (runtime/cache_page.py)
     install_openapi(app)
     return app
@@ -144,14 +147,18 @@ def _model_card(state: ServerState) -> dict[str, Any]:
 
 
 async def _list_models(request: Request) -> Response:
-    return json_response({"object": "list", "data": [_model_card(_state(request))]})
+    state = _state(request)
+    return json_response({"object": "list", "data": [_model_card(state), *adapter_cards(state)]})
 
 
 async def _get_model(request: Request, model_id: str) -> Response:
     state = _state(request)
     if model_id != state.served_model_name:
-        raise APIError(f"The model '{model_id}' does not exist.", status_code=404, param="model",
-                       code="model_not_found")
+        card = next((card for card in adapter_cards(state) if card["id"] == model_id), None)
+        if card is None:
+            raise APIError(f"The model '{model_id}' does not exist.", status_code=404, param="model",
+                           code="model_not_found")
+        return json_response(card)
     return json_response(_model_card(state))
 
 

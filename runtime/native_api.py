@@ -29,7 +29,7 @@ from radixserve.runtime.http_generation import (
     start_stream,
 )
 from radixserve.runtime.http_state import ServerState, caller, caller_tenant, require_admin
-from radixserve.runtime.extension_fields import NATIVE_LABELS, NATIVE_UNSUPPORTED, absorb
+from radixserve.runtime.extension_fields import NATIVE_LABELS, NATIVE_UNSUPPORTED, absorb, is_default
 from radixserve.runtime.tenancy import Caller
 from radixserve.runtime.openai.errors import APIError, bad_request
 from radixserve.runtime.openai.protocol import MAX_TOP_LOGPROBS, StrictModel, TokenId, parse_request
@@ -66,6 +66,7 @@ class NativeGenerateRequest(StrictModel):
     stream: bool = False
     cache_salt: Union[Annotated[str, Field(max_length=256)], list[Annotated[str, Field(max_length=256)]], None] = None
     priority: Union[Priority, list[Optional[Priority]], None] = None  # --enable-priority-scheduling
+    lora_path: Union[str, list[Optional[str]], None] = None  # a LoRA adapter's name, per prompt or for all
 
     @model_validator(mode="before")
     @classmethod
@@ -73,6 +74,8 @@ class NativeGenerateRequest(StrictModel):
         """SGLang's fields without a feature here pass at their default (extension_fields.py); SGLang's null
         for a field with a default means that default."""
         data = absorb(data, NATIVE_UNSUPPORTED, NATIVE_LABELS)
+        if isinstance(data, dict) and is_default(data.get("lora_path")):
+            data.pop("lora_path", None)  # SGLang's clients send null (or [null] per prompt) for the base model
         if isinstance(data, dict):
             data = {name: value for name, value in data.items() if value is not None or name not in _NULL_IS_DEFAULT}
         return data
@@ -83,7 +86,7 @@ class NativeGenerateRequest(StrictModel):
             raise ValueError("give exactly one of text and input_ids")
         size = self.batch_size
         for name in ("sampling_params", "rid", "return_logprob", "logprob_start_len", "top_logprobs_num",
-                     "cache_salt", "priority"):
+                     "cache_salt", "priority", "lora_path"):
             value = getattr(self, name)
             if isinstance(value, list):
                 if size is None:
@@ -149,6 +152,7 @@ def _build(state: ServerState, body: NativeGenerateRequest, tenant: Optional[str
         stream=body.stream,
         cache_salt=body.cache_salt,
         priority=body.priority,
+        lora_path=body.lora_path,
         tenant=tenant,
         tenant_weight=state.tenants.weight_of(tenant),
     )

@@ -80,7 +80,7 @@ def test_native_defaults_of_unimplemented_fields_are_accepted(server, field, val
 
 
 @pytest.mark.parametrize("field, value, feature", [
-    ("lora_path", "my-adapter", "LoRA"), ("return_routed_experts", True, "routed experts"),
+    ("lora_id", "my-adapter", "LoRA"), ("return_routed_experts", True, "routed experts"),
     ("image_data", "https://example.com/cat.png", "multimodal"), ("background", True, "background requests"),
     ("return_hidden_states", True, "hidden states"), ("session_params", {"id": "s"}, "sessions"),
 ])

@@ -12,6 +12,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
+from radixserve.runtime.wire.lora import namespace_part
 from radixserve.runtime.wire.sampling_params import SamplingParams
 
 
@@ -30,6 +31,8 @@ class GenerateReqInput:
     cache_salt: Union[str, list[str], None] = None
     # SGLang's scheduling priority (used with --enable-priority-scheduling; scheduler/fair_share.py).
     priority: Union[int, list[Optional[int]], None] = None
+    # SGLang's name: the LoRA adapter (its name) each prompt runs under; None: the base model.
+    lora_path: Union[str, list[Optional[str]], None] = None
     # Set only by the HTTP server, from the API key; never taken from a client.
     tenant: Optional[str] = None
     tenant_weight: float = 1.0  # the tenant's fair-share weight (tenants file)
@@ -59,17 +62,22 @@ class SingleReq:
     top_logprobs_num: int
     cache_salt: Optional[str]
     priority: Optional[int] = None
+    lora_name: Optional[str] = None
 
 
-def make_namespace(tenant: Optional[str], cache_salt: Optional[str]) -> tuple[str, ...]:
-    """The radix-cache namespace: ("tenant:<t>", "salt:<s>") with trailing empty parts dropped.
+def make_namespace(tenant: Optional[str], cache_salt: Optional[str], lora_name: Optional[str] = None,
+                   ) -> tuple[str, ...]:
+    """The radix-cache namespace: ("tenant:<t>", "salt:<s>") with trailing empty parts dropped, then the LoRA
+    adapter's part ("lora:<name>") when the request has one.
 
-    The prefixes keep a tenant id and a salt apart even when their strings are equal; no tenant and no
-    salt gives (), the default namespace.
+    The prefixes keep a tenant id, a salt and an adapter apart even when their strings are equal; no tenant, no
+    salt and no adapter gives (), the default namespace.
     """
     parts = ["tenant:" + tenant if tenant else "", "salt:" + cache_salt if cache_salt else ""]
     while parts and parts[-1] == "":
         parts.pop()
+    if lora_name:
+        parts.append(namespace_part(lora_name))
     return tuple(parts)
 
 
@@ -124,6 +132,7 @@ def split_requests(obj: GenerateReqInput) -> list[SingleReq]:
     top_nums = _per_request("top_logprobs_num", obj.top_logprobs_num, batch_size, never)
     salts = _per_request("cache_salt", obj.cache_salt, batch_size, never)
     priorities = _per_request("priority", obj.priority, batch_size, never)
+    loras = _per_request("lora_path", obj.lora_path, batch_size, never)
     if obj.rid is not None and not isinstance(obj.rid, list) and batch_size > 1:
         raise ValueError("a batch needs one rid per prompt (a list), not a single rid")
 
@@ -141,6 +150,9 @@ def split_requests(obj: GenerateReqInput) -> list[SingleReq]:
         priority = priorities[i]
         if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int)):
             raise ValueError(f"priority must be an integer, got {priority!r}")
+        lora = loras[i]
+        if lora is not None and not isinstance(lora, str):
+            raise ValueError(f"lora_path must be an adapter's name (a string), got {type(lora).__name__}")
         requests.append(
             SingleReq(
                 index=i,
@@ -153,6 +165,7 @@ def split_requests(obj: GenerateReqInput) -> list[SingleReq]:
                 top_logprobs_num=0 if top_nums[i] is None else int(top_nums[i]),
                 cache_salt=salt or None,
                 priority=priority,
+                lora_name=lora or None,
             )
         )
     if len({r.rid for r in requests}) != len(requests):

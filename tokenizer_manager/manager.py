@@ -40,6 +40,7 @@ from radixserve.runtime.wire.messages import (
     encode,
 )
 from radixserve.runtime.wire.errors import EngineDeadError, request_failed
+from radixserve.runtime.wire.lora import LoadLoRAAdapterReq, LoRAAdapterReqOutput, UnloadLoRAAdapterReq
 from radixserve.runtime.wire.sampling_params import InvalidSamplingParams, LengthLimits, SamplingParams
 from radixserve.tokenizer_manager.io import GenerateReqInput, SingleReq, make_namespace, split_requests
 from radixserve.tokenizer_manager.state import ReqGroup, ReqState
@@ -77,6 +78,7 @@ class TokenizerManager:
         # Called with the reason when the engine fails (not on a deliberate shutdown), after the callers failed.
         self.on_fatal: Optional[Callable[[str], None]] = None
         self._recv_task: Optional[asyncio.Task] = None
+        self.lora_adapters: dict[str, str] = dict(model_info.lora_adapters)  # name -> path, as last reported
 
     def start(self) -> None:
         """Start the receive loop on the running event loop."""
@@ -146,6 +148,8 @@ class TokenizerManager:
                 else:
                     input_ids = await self.encode(request.text)
                 sampling = sampling.fit_context(len(input_ids), self.limits)
+                if request.lora_name is not None and request.lora_name not in self.lora_adapters:
+                    raise ValueError(_unknown_adapter(request.lora_name, self.model_info.lora_enabled))
                 if request.top_logprobs_num < 0:
                     raise ValueError(f"top_logprobs_num must be >= 0, got {request.top_logprobs_num}")
                 if not -1 <= request.logprob_start_len <= len(input_ids):
@@ -183,13 +187,14 @@ class TokenizerManager:
                 rid=state.rid,
                 input_ids=input_ids,
                 sampling_params=sampling,
-                namespace=make_namespace(obj.tenant, request.cache_salt),
+                namespace=make_namespace(obj.tenant, request.cache_salt, request.lora_name),
                 return_logprob=request.return_logprob,
                 logprob_start_len=request.logprob_start_len,
                 top_logprobs_num=request.top_logprobs_num,
                 stream=obj.stream,
                 priority=request.priority,
                 tenant_weight=obj.tenant_weight,
+                lora_name=request.lora_name,
             ))
         return group
 
@@ -251,6 +256,16 @@ class TokenizerManager:
         """The scheduler's CacheTreeSummary; `fields` are CacheTreeReq's (namespace_prefix, max_nodes, ...)."""
         return (await self._rpc(CacheTreeReq, **fields)).summary
 
+    async def load_lora_adapter(self, lora_name: str, lora_path: str, pinned: bool = False) -> LoRAAdapterReqOutput:
+        reply = await self._rpc(LoadLoRAAdapterReq, lora_name=lora_name, lora_path=lora_path, pinned=pinned)
+        self.lora_adapters = dict(reply.loaded_adapters)
+        return reply
+
+    async def unload_lora_adapter(self, lora_name: str) -> LoRAAdapterReqOutput:
+        reply = await self._rpc(UnloadLoRAAdapterReq, lora_name=lora_name)
+        self.lora_adapters = dict(reply.loaded_adapters)
+        return reply
+
     async def _rpc(self, request_type: type, **fields: Any) -> Any:
         self._check_alive()
         rpc_id = uuid.uuid4().hex
@@ -270,7 +285,8 @@ class TokenizerManager:
                 message = decode(await self.recv_socket.recv())
                 if isinstance(message, BatchTextOut):
                     self._handle_text_out(message)
-                elif isinstance(message, (FlushCacheReqOutput, GetServerInfoReqOutput, CacheTreeReqOutput)):
+                elif isinstance(message, (FlushCacheReqOutput, GetServerInfoReqOutput, CacheTreeReqOutput,
+                                          LoRAAdapterReqOutput)):
                     future = self.rpc_futures.get(message.rpc_id)
                     if future is not None and not future.done():
                         future.set_result(message)
@@ -386,3 +402,10 @@ def engine_rid(tenant: Optional[str], rid: str) -> str:
     tenants never collide (and a collision never tells one tenant of the other's requests). Tenant ids hold
     no "/", so the pair is recoverable; requests without a tenant keep their rid."""
     return rid if tenant is None else f"{tenant}/{rid}"
+
+
+def _unknown_adapter(name: str, lora_enabled: bool) -> str:
+    if not lora_enabled:
+        return (f"lora_path: this server serves no LoRA adapters (start it with --enable-lora or --lora-paths); "
+                f"got {name!r}")
+    return f"lora_path: no LoRA adapter named {name!r} is loaded"

@@ -107,6 +107,7 @@ class OpenAISamplingFields(StrictModel):
     skip_special_tokens: bool = True
     cache_salt: Optional[Annotated[str, Field(max_length=256)]] = None
     priority: Optional[Annotated[int, Field(ge=-INT64_MAX, le=INT64_MAX)]] = None  # --enable-priority-scheduling
+    lora_path: Optional[str] = None  # SGLang's: a LoRA adapter's name (or give it as `model`)
     regex: Optional[str] = None
     ebnf: Optional[str] = None
 

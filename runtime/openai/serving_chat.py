@@ -58,7 +58,7 @@ async def encode_chat(state: ServerState, messages: list[ChatMessage],
 async def create_chat_completion(
     state: ServerState, http_request: Request, body: ChatCompletionRequest, tenant: Optional[str]
 ) -> Response:
-    check_model(state, body.model)
+    lora_name = check_model(state, body.model, body.lora_path)
     plan = plan_chat_output(state, body)
     body = plan.body
     params = sampling_params(state, body, body.max_new_tokens)
@@ -75,6 +75,7 @@ async def create_chat_completion(
             stream=body.stream,
             cache_salt=body.cache_salt,
             priority=body.priority,
+            lora_path=lora_name,
             tenant=tenant,
             tenant_weight=state.tenants.weight_of(tenant),
             incremental_stream=True,

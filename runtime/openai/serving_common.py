@@ -13,6 +13,7 @@ from typing import Any, Optional, Sequence
 
 import msgspec
 
+from radixserve.runtime.lora_api import adapter_of
 from radixserve.runtime.http_state import ServerState
 from radixserve.runtime.openai.errors import APIError, bad_request
 from radixserve.runtime.openai.protocol import (
@@ -28,11 +29,10 @@ from radixserve.runtime.wire.sampling_params import InvalidSamplingParams, Sampl
 _OPENAI_PARAM = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "json_schema": "response_format"}
 
 
-def check_model(state: ServerState, model: Optional[str]) -> None:
-    """A request may omit `model`; naming another model than the one served is a 404."""
-    if model is None or model == state.served_model_name:
-        return
-    raise APIError(f"The model '{model}' does not exist.", status_code=404, param="model", code="model_not_found")
+def check_model(state: ServerState, model: Optional[str], lora_path: Optional[str] = None) -> Optional[str]:
+    """A request may omit `model`; naming another model than the one served or a loaded LoRA adapter is a 404.
+    Returns the LoRA adapter the request runs under (runtime/lora_api.py), None for the base model."""
+    return adapter_of(state, model, lora_path)
 
 
 def sampling_params(state: ServerState, body: OpenAISamplingFields, max_new_tokens: Optional[int]) -> SamplingParams:

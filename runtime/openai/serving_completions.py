@@ -65,7 +65,7 @@ async def _tokenize(state: ServerState, prompt: Union[str, list[int]], param: st
 async def create_completion(
     state: ServerState, http_request: Request, body: CompletionRequest, tenant: Optional[str]
 ) -> Response:
-    check_model(state, body.model)
+    lora_name = check_model(state, body.model, body.lora_path)
     params = sampling_params(state, body, body.max_tokens)
     raw_prompts = body.prompts()
     prompts = [await _tokenize(state, p, "prompt" if len(raw_prompts) == 1 else f"prompt[{i}]")
@@ -87,6 +87,7 @@ async def create_completion(
                 stream=body.stream,
                 cache_salt=body.cache_salt,
                 priority=body.priority,
+                lora_path=lora_name,
                 tenant=tenant,
                 tenant_weight=state.tenants.weight_of(tenant),
                 incremental_stream=True,
