@@ -11,6 +11,10 @@ counter of Sheng et al. ("Fairness in Serving Large Language Models", OSDI 2024)
   below it), so idle time is not banked as credit to flood with later;
 - within one admission round, each request taken raises its tenant's counter by its expected prefill, so one
   round interleaves tenants instead of handing the whole batch to the tenant that was behind.
+When every request row is taken (`--max-running-requests`), order alone would make a newcomer wait for a flooding
+tenant's requests to finish; so a tenant below its weighted share of the rows takes one from the tenant furthest
+above its share, whose request goes back to the queue with its KV cached (`preemption_victim`; off with
+`--disable-fair-share-preemption`).
 
 Priority (SGLang's `priority` field, honoured with `--enable-priority-scheduling`): within one tenant, larger
 values go first (`--schedule-low-priority-values-first`: smaller ones); a request without one has
@@ -41,8 +45,10 @@ class FairShare:
     """
 
     def __init__(self, enabled: bool = True, priority_enabled: bool = False, low_values_first: bool = False,
-                 default_priority: Optional[int] = None, abort_on_priority: bool = False) -> None:
+                 default_priority: Optional[int] = None, abort_on_priority: bool = False, preempt: bool = True,
+                 ) -> None:
         self.enabled = enabled
+        self.preempt = preempt
         self.abort_on_priority = abort_on_priority
         self.priority_enabled = priority_enabled
         self.low_values_first = low_values_first
@@ -57,7 +63,7 @@ class FairShare:
     def from_server_args(cls, args: ServerArgs) -> "FairShare":
         return cls(not args.disable_fair_share, args.enable_priority_scheduling,
                    args.schedule_low_priority_values_first, args.default_priority_value,
-                   args.abort_on_priority_when_disabled)
+                   args.abort_on_priority_when_disabled, not args.disable_fair_share_preemption)
 
     # ---- bookkeeping --------------------------------------------------------------------------------
     def check(self, req: Req) -> Optional[str]:
@@ -136,6 +142,31 @@ class FairShare:
                 cost = max(1, req.fill_len() - req.kv_len) / self._weight(tenant)
                 heapq.heappush(heap, (counter + cost, seen, tenant))
         return ordered
+
+    def preemption_victim(self, waiting: list[Req], running: list[Req], max_running: int) -> Optional[Req]:
+        """A running request to send back to the queue so that a tenant below its share of the request rows gets
+        one now, or None. Only when every row is taken, a waiting tenant holds less than its weighted share of the
+        rows, and another tenant would still hold at least its share without one; the victim is that tenant's
+        request with the fewest outputs (the least work to redo; its KV stays cached for its return)."""
+        if not (self.enabled and self.preempt) or not waiting or len(running) < max_running:
+            return None
+        held = Counter(r.tenant for r in running)
+        waiting_tenants = {r.tenant for r in waiting}
+        if len(waiting_tenants | set(held)) < 2:
+            return None
+        total_weight = sum(self._weight(t) for t in waiting_tenants | set(held))
+
+        def share(tenant: str) -> float:
+            return max_running * self._weight(tenant) / total_weight
+
+        if not any(held[t] < share(t) for t in waiting_tenants):
+            return None
+        # Still at or above its share after giving one up: preemption never swings back and forth.
+        over = [t for t in held if held[t] - 1 >= share(t)]
+        if not over:
+            return None
+        tenant = max(over, key=lambda t: held[t] - share(t))
+        return min((r for r in running if r.tenant == tenant), key=lambda r: (len(r.output_ids), -r.arrival_seq))
 
     def summary(self) -> dict[str, dict[str, float]]:
         """Per tenant: weight, tokens computed and requests queued or running (for server info)."""

@@ -211,6 +211,11 @@ class Scheduler:
     def _schedule_prefill(self) -> Optional[ScheduleBatch]:
         if not self.waiting and self.chunked_req is None:
             return None
+        rows = self.max_running - (self.chunked_req is not None)
+        if (victim := self.fair_share.preemption_victim(self.waiting, self.running, rows)) is not None:
+            self._resolve_inflight()
+            if victim in self.running:
+                self._retract(victim)
         adder = PrefillAdder(
             memory_left=lambda: self.allocator.available_size() + self.cache.evictable_size(),
             running_reserve=sum(min(r.remaining_new_tokens(), CLIP_MAX_NEW_TOKENS) for r in self.running)

@@ -186,3 +186,41 @@ def test_a_priority_is_refused_when_the_server_says_so(tiny_llama):
     refused = driver.results["p"].finish_reason
     assert refused["type"] == "abort" and refused["status_code"] == 400 and "priority" in refused["message"]
     assert driver.results["plain"].finish_reason["type"] == "length"
+
+
+def test_preemption_takes_a_row_from_the_tenant_furthest_above_its_share():
+    share = FairShare()
+    running = arrive(share, *[req(f"a{i}", "a") for i in range(4)])
+    for i, r in enumerate(running):
+        r.output_ids = [0] * (10 - i)
+    waiting = arrive(share, req("b0", "b"))
+    assert share.preemption_victim(waiting, running, max_running=4).rid == "a3"  # fewest outputs
+    assert share.preemption_victim(waiting, running, max_running=5) is None  # a row is free
+    assert share.preemption_victim(arrive(share, req("a9", "a")), running, 4) is None  # one tenant only
+    balanced = running[:2] + arrive(share, req("b1", "b"), req("b2", "b"))
+    assert share.preemption_victim(waiting, balanced, 4) is None  # b holds its share already
+    # Three tenants over two rows: a newcomer takes a row from the one holding both, never ping-pong after.
+    two = running[:2]
+    assert share.preemption_victim(arrive(share, req("c0", "c")), two, 2) is not None
+    assert share.preemption_victim([req("c1", "c")], [two[0], req("b3", "b")], 2) is None
+    assert FairShare(preempt=False).preemption_victim(waiting, running, 4) is None
+
+
+def test_preempted_requests_finish_with_the_same_output(tiny_llama):
+    outputs = {}
+    for fair in (True, False):
+        driver = SchedulerDriver(tiny_llama, max_running_requests=4, disable_fair_share=not fair)
+        try:
+            for i in range(6):
+                driver.submit(f"a{i}", [5 + i, 6, 7, 8, 9], namespace=("tenant:a",), max_new_tokens=12)
+            driver.step()
+            driver.step()
+            driver.submit("b", [40, 41, 42, 43], namespace=("tenant:b",), max_new_tokens=4)
+            order = finish_order(driver)
+            retractions = driver.scheduler.stats.num_retractions
+        finally:
+            driver.close()
+        outputs[fair] = {rid: r.output_ids for rid, r in driver.results.items()}
+        if fair:
+            assert order[0] == "b" and retractions >= 1, (order, retractions)
+    assert outputs[True] == outputs[False]

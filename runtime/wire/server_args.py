@@ -60,6 +60,7 @@ class ServerArgs:
     max_sequences_per_request: int = 1024  # prompts x n of one HTTP request; more is a 400
     # Fair share across tenants and per-request priority (scheduler/fair_share.py, docs/fair-share.md).
     disable_fair_share: bool = False  # True: admission ignores tenants (policy order, then priority)
+    disable_fair_share_preemption: bool = False  # True: a tenant under its share waits for a free row
     enable_priority_scheduling: bool = False  # SGLang's: order requests of one tenant by their `priority`
     schedule_low_priority_values_first: bool = False  # smaller priority values first (default: larger)
     default_priority_value: Optional[int] = None  # priority of a request without one (None: 0)
