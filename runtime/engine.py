@@ -181,6 +181,8 @@ class Engine:
                  ) -> Union[dict, list[dict], Iterator[dict]]:
         """Generate for one prompt (a str or token-id list) or a batch (a list of them).
 
+        `priority` orders requests with --enable-priority-scheduling (docs/fair-share.md); `lora_path` names the
+        LoRA adapter to run under, one for all prompts or one per prompt (None: the base model; docs/lora.md).
         Returns the result (a dict, or a list for a batch or n > 1), or with stream=True an iterator of
         chunks. Raises ValueError for bad arguments before anything is queued, EngineDeadError when a child
         process died.

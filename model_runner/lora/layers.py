@@ -28,6 +28,7 @@ class LoRABatch:
 
     groups: list[tuple[int, Optional[torch.Tensor]]]
     num_tokens: int
+    token_slots: Optional[torch.Tensor] = None  # [T] int64 slot of each token (-1: base), for the fused kernel
 
 
 class LoRAWeightPool:
@@ -72,6 +73,15 @@ def segmented_lora(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, batch: LoR
     return out
 
 
+def lora_delta_for(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, batch: LoRABatch) -> Optional[torch.Tensor]:
+    """The batch's delta through the Triton kernel on CUDA, the torch path elsewhere."""
+    if x.is_cuda and batch.groups and batch.token_slots is not None:
+        from radixserve.kernels.lora_sgmv import lora_delta
+
+        return lora_delta(x, a, b, batch.token_slots)
+    return segmented_lora(x, a, b, batch)
+
+
 class LoRALinear(nn.Module):
     """A base projection plus the batch's LoRA deltas for the modules fused into it.
 
@@ -94,7 +104,7 @@ class LoRALinear(nn.Module):
         if batch is None:
             return y
         for module, start, end in self.parts:
-            delta = segmented_lora(x, self.pool.a[module][self.layer_id], self.pool.b[module][self.layer_id], batch)
+            delta = lora_delta_for(x, self.pool.a[module][self.layer_id], self.pool.b[module][self.layer_id], batch)
             if delta is not None:
                 y[:, start:end] += delta.to(y.dtype)
         return y

@@ -136,13 +136,14 @@ class LoRAManager:
 def _groups(request_slots: list[int], extend_lens: list[int], device: torch.device) -> LoRABatch:
     """Token indices per slot, from each request's slot (-1: the base model) and its number of new tokens."""
     num_tokens = sum(extend_lens)
-    if len(set(request_slots)) == 1:
-        slot = request_slots[0]
-        return LoRABatch([] if slot < 0 else [(slot, None)], num_tokens)
     per_token = torch.repeat_interleave(torch.tensor(request_slots, dtype=torch.int64),
                                         torch.tensor(extend_lens, dtype=torch.int64))
+    token_slots = per_token.to(device, non_blocking=True) if device.type == "cuda" else None
+    if len(set(request_slots)) == 1:
+        slot = request_slots[0]
+        return LoRABatch([] if slot < 0 else [(slot, None)], num_tokens, token_slots)
     groups = []
     for slot in sorted(set(request_slots)):
         if slot >= 0:
             groups.append((slot, torch.nonzero(per_token == slot).flatten().to(device)))
-    return LoRABatch(groups, num_tokens)
+    return LoRABatch(groups, num_tokens, token_slots)
