@@ -16,6 +16,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
+from radixserve.runtime.lora_api import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from radixserve.runtime.native_api import NativeGenerateRequest
 from radixserve.runtime.native_api import _RidBody as AbortRequest
 from radixserve.runtime.openai.protocol import ChatCompletionRequest, CompletionRequest
@@ -26,6 +27,8 @@ REQUEST_BODIES: dict[str, tuple[str, type[BaseModel]]] = {
     "/v1/completions": ("CompletionRequest", CompletionRequest),
     "/generate": ("GenerateRequest", NativeGenerateRequest),
     "/abort_request": ("AbortRequest", AbortRequest),
+    "/load_lora_adapter": ("LoadLoRAAdapterRequest", LoadLoRAAdapterRequest),
+    "/unload_lora_adapter": ("UnloadLoRAAdapterRequest", UnloadLoRAAdapterRequest),
 }
 OPEN_PATHS = ("/health", "/metrics", "/openapi.json")
 _REF = "#/components/schemas/{model}"

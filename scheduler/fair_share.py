@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import heapq
 from collections import Counter
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Sequence
 
 from radixserve.runtime.wire.server_args import ServerArgs
 from radixserve.scheduler.req import Req
@@ -112,8 +112,11 @@ class FairShare:
         return self.default_priority if req.priority is None else req.priority
 
     # ---- the decision -----------------------------------------------------------------------------
-    def order(self, candidates: Iterable[Req]) -> list[Req]:
-        """`candidates` (the waiting queue in policy order) in the order admission should try them."""
+    def order(self, candidates: Iterable[Req], running: Sequence[Req] = (), max_running: int = 0) -> list[Req]:
+        """`candidates` (the waiting queue in policy order) in the order admission should try them.
+
+        A tenant holding fewer of the `max_running` request rows than its weighted share goes first (the rows a
+        preemption frees go to the tenant it was made for); then the smallest counter."""
         candidates = list(candidates)
         if self.priority_enabled:
             sign = 1 if self.low_values_first else -1
@@ -125,40 +128,49 @@ class FairShare:
             per_tenant.setdefault(req.tenant, []).append(req)
         if len(per_tenant) == 1:
             return candidates
-        projected = {tenant: self.service.get(tenant, 0.0) for tenant in per_tenant}
-        # (counter, first position of the tenant in the queue, tenant): ties go to whoever the policy put first
+        held = Counter(r.tenant for r in running)
+        share = self._row_share(set(per_tenant), held, max_running)
+
+        def key(tenant: str, counter: float) -> tuple:
+            below = max_running > 0 and held[tenant] < share(tenant)
+            return (not below, counter, first_seen[tenant], tenant)
+
         first_seen = {tenant: i for i, tenant in reversed(list(enumerate(r.tenant for r in candidates)))}
-        heap = [(projected[t], first_seen[t], t) for t in per_tenant]
+        heap = [key(t, self.service.get(t, 0.0)) for t in per_tenant]
         heapq.heapify(heap)
         cursor = dict.fromkeys(per_tenant, 0)
         ordered: list[Req] = []
         while heap:
-            counter, seen, tenant = heapq.heappop(heap)
+            _, counter, _, tenant = heapq.heappop(heap)
             queue = per_tenant[tenant]
             req = queue[cursor[tenant]]
             ordered.append(req)
             cursor[tenant] += 1
+            held[tenant] += 1
             if cursor[tenant] < len(queue):
                 cost = max(1, req.fill_len() - req.kv_len) / self._weight(tenant)
-                heapq.heappush(heap, (counter + cost, seen, tenant))
+                heapq.heappush(heap, key(tenant, counter + cost))
         return ordered
+
+    def _row_share(self, waiting_tenants: set[str], held: Counter, max_running: int):
+        """Each backlogged tenant's weighted share of the `max_running` request rows, as a function of the tenant."""
+        backlogged = waiting_tenants | set(held)
+        total_weight = sum(self._weight(t) for t in backlogged) or 1.0
+        return lambda tenant: max_running * self._weight(tenant) / total_weight
 
     def preemption_victim(self, waiting: list[Req], running: list[Req], max_running: int) -> Optional[Req]:
         """A running request to send back to the queue so that a tenant below its share of the request rows gets
         one now, or None. Only when every row is taken, a waiting tenant holds less than its weighted share of the
         rows, and another tenant would still hold at least its share without one; the victim is that tenant's
-        request with the fewest outputs (the least work to redo; its KV stays cached for its return)."""
+        request with the fewest outputs (the least work to redo; its KV stays cached for its return). `order`
+        then puts the tenant below its share first, so the freed row goes to it."""
         if not (self.enabled and self.preempt) or not waiting or len(running) < max_running:
             return None
         held = Counter(r.tenant for r in running)
         waiting_tenants = {r.tenant for r in waiting}
         if len(waiting_tenants | set(held)) < 2:
             return None
-        total_weight = sum(self._weight(t) for t in waiting_tenants | set(held))
-
-        def share(tenant: str) -> float:
-            return max_running * self._weight(tenant) / total_weight
-
+        share = self._row_share(waiting_tenants, held, max_running)
         if not any(held[t] < share(t) for t in waiting_tenants):
             return None
         # Still at or above its share after giving one up: preemption never swings back and forth.

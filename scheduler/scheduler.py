@@ -230,7 +230,7 @@ class Scheduler:
             req = self.chunked_req
             if not self._extend(req, req.kv_len, adder, entries):
                 return None
-        for req in self.fair_share.order(self.policy.order(self.waiting)):
+        for req in self.fair_share.order(self.policy.order(self.waiting), self.running, rows):
             if adder.stopped or len(self.running) + len(entries) >= self.max_running:
                 break
             if not self.lora.fits(req, itertools.chain(self.running, (entry[0] for entry in entries))):

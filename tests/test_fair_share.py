@@ -224,3 +224,12 @@ def test_preempted_requests_finish_with_the_same_output(tiny_llama):
         if fair:
             assert order[0] == "b" and retractions >= 1, (order, retractions)
     assert outputs[True] == outputs[False]
+
+
+def test_a_tenant_below_its_row_share_goes_first_even_when_served_more():
+    share = FairShare()
+    running = arrive(share, *[req(f"a{i}", "a") for i in range(3)])
+    retracted, light = arrive(share, req("a-back", "a"), req("b0", "b"))
+    share.charge(light, 500)  # b has had more tokens computed than a
+    assert rids(share.order([retracted, light], running, max_running=4)) == ["b0", "a-back"]
+    assert rids(share.order([retracted, light])) == ["a-back", "b0"]  # without rows: counters alone

@@ -25,10 +25,11 @@ EXAMPLES_PER_OPERATION = 25
 WORK_FIELDS = {"max_tokens", "max_completion_tokens", "max_new_tokens", "min_tokens", "min_new_tokens"}
 MAX_WORK = 4
 POST_ROUTES = {"/v1/chat/completions": "ChatCompletionRequest", "/v1/completions": "CompletionRequest",
-               "/generate": "GenerateRequest", "/abort_request": "AbortRequest"}
+               "/generate": "GenerateRequest", "/abort_request": "AbortRequest",
+               "/load_lora_adapter": "LoadLoRAAdapterRequest", "/unload_lora_adapter": "UnloadLoRAAdapterRequest"}
 ROUTES = {"/health", "/metrics", "/v1/models", "/v1/models/{model_id}", "/v1/chat/completions", "/v1/completions",
           "/generate", "/abort_request", "/flush_cache", "/get_model_info", "/get_server_info", "/health_generate",
-          "/cache", "/cache/tree", "/cache/{asset}"}
+          "/cache", "/cache/tree", "/cache/{asset}", "/load_lora_adapter", "/unload_lora_adapter"}
 
 
 @pytest.fixture(scope="module")
