@@ -24,6 +24,7 @@ EXAMPLES_PER_OPERATION = 25
 # so that a schema-valid example costs at most a few decode steps (the fuzz looks for crashes, not for load).
 WORK_FIELDS = {"max_tokens", "max_completion_tokens", "max_new_tokens", "min_tokens", "min_new_tokens"}
 MAX_WORK = 4
+GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions", "/generate", "/abort_request")
 POST_ROUTES = {"/v1/chat/completions": "ChatCompletionRequest", "/v1/completions": "CompletionRequest",
                "/generate": "GenerateRequest", "/abort_request": "AbortRequest",
                "/load_lora_adapter": "LoadLoRAAdapterRequest", "/unload_lora_adapter": "UnloadLoRAAdapterRequest"}
@@ -94,7 +95,7 @@ def test_schemathesis_finds_no_server_error_on_any_route(server):
     statuses: collections.Counter = collections.Counter()
     # Each (operation, mode) gets an equal share of the time left, so what the quick ones leave goes to the
     # generation routes, which come last.
-    runs = [(operation, mode) for operation in sorted(operations, key=lambda op: op.path in POST_ROUTES)
+    runs = [(operation, mode) for operation in sorted(operations, key=lambda op: op.path in GENERATION_ROUTES)
             for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE)]
     end = time.monotonic() + FUZZ_BUDGET_S
     for number, (operation, mode) in enumerate(runs):
