@@ -40,8 +40,8 @@ class FairShare:
     """Service counters per tenant and the admission order they imply.
 
     The scheduler calls `on_arrival(req)` once per request it queues, `on_done(req)` once when a request leaves
-    (finished or aborted), `charge(req, num_tokens)` for the tokens each batch computes, and `order(candidates)`
-    before each admission round.
+    (finished or aborted), `charge_batch(...)` for the tokens each batch computes, `preemption_victim(...)` and
+    `order(candidates, running, max_running)` before each admission round.
     """
 
     def __init__(self, enabled: bool = True, priority_enabled: bool = False, low_values_first: bool = False,
