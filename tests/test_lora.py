@@ -175,3 +175,24 @@ def test_adapter_files_are_checked(tiny_llama, adapters, tmp_path):
         json.dump({**config, "use_dora": True}, f)
     with pytest.raises(LoRAAdapterError, match="use_dora"):
         read_adapter("dora", folder, 2, shapes, max_rank=8)
+
+
+def test_sglang_forms_of_lora_paths_on_the_command_line():
+    import argparse
+
+    from radixserve.runtime.wire.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    cli = parser.parse_args(["--lora-paths", "a=/x", "/y", '{"lora_name": "c", "lora_path": "/z", "pinned": true}',
+                             "--max-loras-per-batch", "2", "--max-lora-rank", "32"])
+    args = ServerArgs.from_cli_args(cli)
+    assert args.lora_paths == ["a=/x", "/y=/y", "c=/z"] and args.lora_enabled()
+    assert args.max_loras_per_batch == 2 and args.max_lora_rank == 32
+    assert ServerArgs(lora_paths={"q": "/p"}).lora_paths == ["q=/p"]
+    assert ServerArgs(enable_lora=True).lora_enabled() and not ServerArgs().lora_enabled()
+    for bad in (dict(lora_paths=["a=/x", "a=/y"]), dict(lora_paths=["=/x"]), dict(max_loras_per_batch=0),
+                dict(lora_paths=['{"lora_name": "c"}']), dict(enable_lora=False, lora_paths=["a=/x"]),
+                dict(enable_lora=True, tp_size=2)):
+        with pytest.raises(ValueError):
+            ServerArgs(**bad)
