@@ -268,9 +268,12 @@ def _streams_incrementally(state: ServerState) -> bool:
 
 
 def _internal_state(info: dict[str, Any]) -> dict[str, Any]:
-    """The scheduler's state under SGLang's names (no speculative decoding here: no avg_spec_accept_length)."""
-    return {"last_gen_throughput": info.get("gen_throughput"), "token_usage": info.get("token_usage"),
-            "num_running_reqs": info.get("num_running_reqs"), "num_queued_reqs": info.get("num_queued_reqs")}
+    """The scheduler's state under SGLang's names (avg_spec_accept_length only with speculative decoding)."""
+    state = {"last_gen_throughput": info.get("gen_throughput"), "token_usage": info.get("token_usage"),
+             "num_running_reqs": info.get("num_running_reqs"), "num_queued_reqs": info.get("num_queued_reqs")}
+    if "avg_spec_accept_length" in info:
+        state["avg_spec_accept_length"] = info["avg_spec_accept_length"]
+    return state
 
 
 def _own_namespaces(cache: Any, tenant: Optional[str]) -> dict[str, Any]:

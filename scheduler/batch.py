@@ -25,6 +25,7 @@ from radixserve.scheduler.stop import StopChecker
 if TYPE_CHECKING:
     from radixserve.model_runner.logprobs import InputLogprobPlan
     from radixserve.scheduler.grammar import GrammarMask
+    from radixserve.scheduler.speculative.verify import VerifyPlan
 
 
 @dataclass
@@ -45,6 +46,8 @@ class ScheduleBatch:
     # allowed-token mask (scheduler/grammar.py); set by the scheduler after assembly, None when unused.
     input_logprobs: Optional[InputLogprobPlan] = None
     grammar_mask: Optional[GrammarMask] = None
+    # A speculative verify batch (scheduler/speculative/): its chains' drafts and per-row sampling; None otherwise.
+    verify: Optional[VerifyPlan] = None
 
     @property
     def batch_size(self) -> int:

@@ -55,6 +55,7 @@ from radixserve.scheduler.overlap import BatchExecutor, LaunchedBatch
 from radixserve.scheduler.policy import CLIP_MAX_NEW_TOKENS, NewTokenRatio, PrefillAdder, SchedulePolicy
 from radixserve.scheduler.req import Req
 from radixserve.scheduler.setup import check_request, make_cache, try_load_tokenizer
+from radixserve.scheduler.speculative import make_speculator
 from radixserve.scheduler.stats import SchedulerStats, decode_log_line
 from radixserve.scheduler.stop import StopChecker
 
@@ -86,6 +87,7 @@ class Scheduler:
         )
         self.overlap = server_args.resolved_overlap_schedule()
         self.executor = BatchExecutor(model_runner, self.overlap)
+        self.speculator = make_speculator(server_args, model_runner, self.cache, self.stop_checker)
         self.chunk_size = server_args.resolved_chunked_prefill_size()
 
         self.waiting: list[Req] = []
@@ -153,6 +155,8 @@ class Scheduler:
             logger.error("request id %r is already in use; the new request is dropped", msg.rid)
             return
         req = Req.from_message(msg, next(self._arrivals))
+        if self.speculator is not None:
+            req.spec = self.speculator.new_state()
         self.reqs[req.rid] = req
         error = check_request(req, self.runner, self.tokenizer)
         if error is not None:
@@ -300,6 +304,8 @@ class Scheduler:
         if reqs and self.inflight and any(needs_exact_history(r) for r in reqs):
             self._resolve_inflight()
             reqs = [r for r in self.running if r.needs_more_tokens()]
+        if (verify := self._schedule_verify(reqs)) is not None:
+            return verify
         slots = None
         while reqs and (slots := self._allocate_decode(reqs)) is None:
             if self.inflight:
@@ -314,6 +320,15 @@ class Scheduler:
             return None
         self.new_token_ratio.decay()
         return self._make_batch(ForwardMode.DECODE, [], reqs, slots)
+
+    def _schedule_verify(self, reqs: list[Req]) -> Optional[ScheduleBatch]:
+        """Speculative decoding's decode step (scheduler/speculative/), or None for a plain one."""
+        if self.speculator is None or not reqs:
+            return None
+        batch = self.speculator.plan(reqs)
+        if batch is not None:
+            self.new_token_ratio.decay()
+        return batch
 
     def _allocate_decode(self, reqs: list[Req]) -> Optional[torch.Tensor]:
         """One slot for each request's next token (evicting if needed), raising their kv_len; None if short."""
@@ -347,6 +362,9 @@ class Scheduler:
 
     def _process_result(self, launched: LaunchedBatch) -> None:
         batch, result = launched.batch, launched.result()
+        if batch.verify is not None:
+            self._process_verify(batch, result)
+            return
         collect_input_logprobs(batch, result)
         for i, req in enumerate(batch.reqs):
             req.num_inflight -= 1
@@ -382,14 +400,40 @@ class Scheduler:
             return
         logprob = result.logprobs[i] if result.logprobs is not None else None
         top = result.top_logprobs[i] if result.top_logprobs is not None else None
-        req.append_token(result.next_token_ids[i], logprob, top)
-        self.stats.on_tokens(1)
-        grammar_reason = self.grammars.accept(req, result.next_token_ids[i])
-        reason = self.stop_checker.check(req) or grammar_reason
+        reason = self._take_token(req, result.next_token_ids[i], logprob, top)
         if reason is not None:
             self._finish(req, reason)
         elif has_news(req):
             self._news[req.rid] = req
+
+    def _take_token(self, req: Req, token: int, logprob: Optional[float], top: Optional[list]) -> Optional[FinishReason]:
+        """Append one output token; the reason the request stops there, if it does."""
+        req.append_token(token, logprob, top)
+        self.stats.on_tokens(1)
+        grammar_reason = self.grammars.accept(req, token)
+        return self.stop_checker.check(req) or grammar_reason
+
+    def _process_verify(self, batch: ScheduleBatch, result: Any) -> None:
+        """A verify batch: each request takes its accepted drafts and one sampled token, up to where it stops;
+        its KV is settled (scheduler/speculative/speculator.py) before it may finish."""
+        for i, (req, chain) in enumerate(zip(batch.reqs, result.chains)):
+            req.num_inflight -= 1
+            taken, reason = 0, None
+            for taken, token in enumerate([] if req.finished else chain.tokens, 1):
+                logprob = result.logprobs[i][taken - 1] if result.logprobs is not None else None
+                top = result.top_logprobs[i][taken - 1] if result.top_logprobs is not None else None
+                if (reason := self._take_token(req, token, logprob, top)) is not None:
+                    break
+            self.speculator.settle(req, batch.prefix_lens[i], taken, batch.extend_lens[i] - 1, chain.num_accepted)
+            if reason is None and chain.no_token and not req.finished:
+                reason = FinishReason.abort(f"no token satisfies the request's constraints at output position "
+                                            f"{len(req.output_ids)}", status_code=400)
+            if reason is not None:
+                self._finish(req, reason)
+            elif req.finished:
+                self._maybe_release(req)
+            elif has_news(req):
+                self._news[req.rid] = req
 
     def _resolve_inflight(self) -> None:
         self.stats.forced_syncs += bool(self.inflight)

@@ -303,6 +303,8 @@ class TokenizerManager:
                     state.input_top_logprobs = out.input_top_logprobs[i]
             state.append(out.text_deltas[i], out.new_token_ids[i], out.finish_reasons[i],
                          out.prompt_tokens[i], out.completion_tokens[i], out.cached_tokens[i])
+            if out.spec:
+                state.spec = out.spec[i]
             group.notify(state.index)
             if state.finished:
                 self._observe(state)

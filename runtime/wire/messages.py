@@ -95,6 +95,14 @@ class GetServerInfoReqOutput(msgspec.Struct, tag=True):
     info: dict[str, Any]
 
 
+class SpecCounts(msgspec.Struct, array_like=True):
+    """One request's speculative decoding counts so far (meta_info's spec_* keys)."""
+
+    verify_ct: int  # verify steps the request took part in
+    accepted_drafts: int  # draft tokens accepted
+    proposed_drafts: int  # draft tokens verified
+
+
 class BatchTokenOut(msgspec.Struct, tag=True):
     """New tokens of several requests after one scheduler step (index i of every list is request i)."""
 
@@ -113,6 +121,8 @@ class BatchTokenOut(msgspec.Struct, tag=True):
     # Input-token logprobs, sent once with a request's first output.
     input_token_logprobs: list[Optional[list[Optional[float]]]] = []
     input_top_logprobs: list[Optional[list[Optional[list[tuple[int, float]]]]]] = []
+    # Speculative decoding counts per request (empty when speculative decoding is off).
+    spec: list[Optional[SpecCounts]] = []
 
 
 class BatchTextOut(msgspec.Struct, tag=True):
@@ -129,6 +139,7 @@ class BatchTextOut(msgspec.Struct, tag=True):
     output_top_logprobs: list[list[list[tuple[int, float]]]] = []
     input_token_logprobs: list[Optional[list[Optional[float]]]] = []
     input_top_logprobs: list[Optional[list[Optional[list[tuple[int, float]]]]]] = []
+    spec: list[Optional[SpecCounts]] = []
 
 
 class ModelInfo(msgspec.Struct, kw_only=True):

@@ -11,6 +11,8 @@ import dataclasses
 from dataclasses import dataclass, fields
 from typing import Any, Optional
 
+from radixserve.runtime.wire.speculative_args import check_speculative_args
+
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
 ATTENTION_BACKENDS = ("torch_native", "triton", "flashinfer")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
@@ -102,6 +104,18 @@ class ServerArgs:
     watchdog_timeout: float = 300.0  # seconds one scheduler step may take (scheduler/watchdog.py)
     skip_server_warmup: bool = False
 
+    # Speculative decoding (SGLang's flags; runtime/wire/speculative_args.py says which values are honoured)
+    speculative_algorithm: Optional[str] = None  # "NGRAM" or "STANDALONE"; None: off
+    speculative_draft_model_path: Optional[str] = None  # STANDALONE's draft model
+    speculative_num_draft_tokens: Optional[int] = None  # verified chain length (drafts + 1); None: 6
+    speculative_num_steps: Optional[int] = None  # drafts per step; num_draft_tokens - 1 when both are given
+    speculative_eagle_topk: Optional[int] = None  # must be 1 (chains)
+    speculative_ngram_min_match_window_size: int = 1  # shortest suffix an n-gram proposal must match
+    speculative_ngram_max_match_window_size: int = 12  # longest suffix tried
+    speculative_ngram_min_bfs_breadth: int = 1  # must be 1 (chains)
+    speculative_ngram_max_bfs_breadth: int = 1  # must be 1 (chains)
+    speculative_ngram_match_type: str = "BFS"
+
     def __post_init__(self) -> None:
         def check(ok: bool, message: str) -> None:
             if not ok:
@@ -168,6 +182,7 @@ class ServerArgs:
               f"graceful_shutdown_timeout must be >= 0, got {self.graceful_shutdown_timeout}")
         check(self.log_level.lower() in ("debug", "info", "warning", "error", "critical"),
               f"unknown log_level {self.log_level!r}")
+        check_speculative_args(self)
 
     # ---- resolved values -------------------------------------------------------------------------
     def resolved_device(self) -> str:
@@ -193,6 +208,8 @@ class ServerArgs:
         """Whether the overlap scheduler runs. By default only on a GPU: there it hides the host's work
         behind the device's; on the CPU the model's kernels and the scheduler share the same cores, and
         running them in two threads measured 15-30% slower than one after the other."""
+        if self.speculative_algorithm is not None:
+            return False  # a verify step's drafts depend on the previous step's tokens (docs/speculative.md)
         if self.disable_overlap_schedule is not None:
             return not self.disable_overlap_schedule
         return self.resolved_device() != "cpu"
