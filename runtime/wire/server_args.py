@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass, fields
 from typing import Any, Optional
 
-from radixserve.runtime.wire.speculative_args import check_speculative_args
+from radixserve.runtime.wire.speculative_args import check_speculative_args, resolved_num_draft_tokens  # noqa: F401
 
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
 ATTENTION_BACKENDS = ("torch_native", "triton", "flashinfer")
