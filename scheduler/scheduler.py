@@ -468,6 +468,8 @@ class Scheduler:
                 token_ids += [PLACEHOLDER_TOKEN_ID] * (req.kv_len - len(token_ids))
             self.cache.cache_finished_req(req, token_ids)
             self.req_to_token_pool.free(req.req_pool_idx)
+        if self.speculator is not None:
+            self.speculator.release(req)
         req.reset_kv_state()
 
     # ---- checks, outputs, logs ----------------------------------------------------------------------
@@ -488,6 +490,8 @@ class Scheduler:
             assert self.cache.protected_size() == 0, "idle scheduler with locked cache nodes"
             total, free = self.allocator.size, self.allocator.available_size()
             assert free + self.cache.evictable_size() == total, "idle scheduler leaked KV slots"
+            if self.speculator is not None:
+                self.speculator.check_idle()
 
     def _on_idle(self) -> None:
         self.new_token_ratio.reset()

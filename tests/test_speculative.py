@@ -148,3 +148,30 @@ def test_seeded_sampling_is_reproducible(tiny_llama, prompts):
     assert all(len(out) == MAX_NEW_TOKENS for out in first.outputs())
     first.close()
     second.close()
+
+
+@pytest.mark.parametrize("draft", ["itself", "other-seed"])
+def test_standalone_draft_model_greedy_identical(draft, tiny_llama, tiny_model_dir, prompts, plain):
+    draft_dir = tiny_llama if draft == "itself" else tiny_model_dir("llama", seed=1)
+    driver = run(tiny_llama, prompts, speculative_algorithm="STANDALONE", speculative_draft_model_path=draft_dir,
+                 speculative_num_draft_tokens=4)
+    assert driver.outputs() == plain
+    spec = driver.scheduler.speculator
+    assert spec.verify_steps > 0 and spec.num_proposed > 0
+    if draft == "itself":  # the target drafting for itself: (nearly) every draft is accepted
+        assert spec.num_accepted >= 0.9 * spec.num_proposed, spec.info()
+    driver.close()  # the idle check covers the draft model's rows and KV too
+
+
+def test_standalone_with_retraction_and_abort(tiny_llama, prompts, plain):
+    driver = run(tiny_llama, prompts[:6], speculative_algorithm="STANDALONE", speculative_draft_model_path=tiny_llama,
+                 max_total_tokens=200)
+    assert driver.scheduler.stats.num_retractions > 0
+    assert driver.outputs() == plain[:6]
+    driver.submit("late", prompts[7], max_new_tokens=MAX_NEW_TOKENS)
+    for _ in range(4):
+        driver.step()
+    driver.abort("late")
+    driver.run_until_idle()
+    assert driver.results["late"].finish_reason["type"] == "abort"
+    driver.close()

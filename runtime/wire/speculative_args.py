@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-SPECULATIVE_ALGORITHMS = ("NGRAM",)
+SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE")
 # SGLang's other algorithms: named so that asking for one gets a clear refusal rather than "unknown".
-UNSUPPORTED_SPECULATIVE_ALGORITHMS = ("EAGLE", "EAGLE3", "MTP", "NEXTN", "LOOKAHEAD", "STANDALONE")
+UNSUPPORTED_SPECULATIVE_ALGORITHMS = ("EAGLE", "EAGLE3", "MTP", "NEXTN", "LOOKAHEAD")
 NGRAM_MATCH_TYPES = ("BFS",)
 DEFAULT_NUM_DRAFT_TOKENS = 6
 
@@ -38,6 +38,8 @@ def check_speculative_args(args: Any) -> None:
         raise ValueError(f"speculative_algorithm must be one of {SPECULATIVE_ALGORITHMS}, got {algorithm!r}")
     if algorithm == "STANDALONE" and args.speculative_draft_model_path is None:
         raise ValueError("speculative_algorithm STANDALONE needs speculative_draft_model_path")
+    if algorithm == "STANDALONE" and args.tp_size > 1:
+        raise ValueError("speculative_algorithm STANDALONE runs its draft model on one device: it needs tp_size 1")
     if algorithm == "NGRAM" and args.speculative_draft_model_path is not None:
         raise ValueError("speculative_algorithm NGRAM takes no speculative_draft_model_path (its drafts come "
                          "from the request's own tokens); use STANDALONE for a draft model")

@@ -26,6 +26,8 @@ from radixserve.runtime.wire.server_args import ServerArgs
 from radixserve.runtime.wire.speculative_args import resolved_num_draft_tokens
 from radixserve.scheduler.batch import ScheduleBatch, allocate_slots
 from radixserve.scheduler.req import Req
+from radixserve.scheduler.speculative.draft_model import DraftModelProposer
+from radixserve.scheduler.speculative.proposers import NgramProposer, Proposer
 from radixserve.scheduler.speculative.state import SpecState
 from radixserve.scheduler.speculative.verify import VerifyPlan
 from radixserve.scheduler.stop import StopChecker
@@ -39,8 +41,11 @@ ACCEPT_SEED_SALT = 0x5DEECE66D
 class Speculator:
     def __init__(self, args: ServerArgs, runner, cache, stop_checker: StopChecker) -> None:
         self.max_drafts = resolved_num_draft_tokens(args) - 1
-        self.min_window = args.speculative_ngram_min_match_window_size
-        self.max_window = args.speculative_ngram_max_match_window_size
+        if args.speculative_algorithm == "STANDALONE":
+            self.proposer: Proposer = DraftModelProposer(args, runner)
+        else:
+            self.proposer = NgramProposer(args.speculative_ngram_min_match_window_size,
+                                          args.speculative_ngram_max_match_window_size)
         self.runner, self.cache, self.stop_checker = runner, cache, stop_checker
         self.allocator, self.req_to_token_pool = runner.allocator, runner.req_to_token_pool
         self.device = torch.device(runner.device)
@@ -57,11 +62,15 @@ class Speculator:
         per chain), or the chains' KV does not fit (the plain step then evicts or retracts as usual)."""
         if any(req.grammar is not None for req in reqs):
             return None
-        drafts = [self._propose(req) for req in reqs]
+        # The step emits up to drafts + 1 tokens; never more than the request may still produce.
+        budgets = [min(req.spec.draft_len, req.max_new_tokens - len(req.output_ids) - 1) for req in reqs]
+        drafts = self.proposer.propose(reqs, budgets)
         kv_lens = [req.kv_len for req in reqs]
         slots = allocate_slots(self.allocator, self.cache, self.req_to_token_pool, [r.req_pool_idx for r in reqs],
                                kv_lens, [1 + len(d) for d in drafts])
         if slots is None:
+            for req in reqs:  # nothing verified: the proposer keeps only what preceded the step
+                self.proposer.settle(req, len(req.all_ids), 0, 0)
             return None
         input_ids, row_drafts, chain_lens = [], [], []
         for req, chain in zip(reqs, drafts):
@@ -80,13 +89,6 @@ class Speculator:
 
     def new_state(self) -> SpecState:
         return SpecState(self.max_drafts)
-
-    def _propose(self, req: Req) -> list[int]:
-        state: SpecState = req.spec
-        state.index.extend_to(req.all_ids)
-        # The step emits up to drafts + 1 tokens; never more than the request may still produce.
-        budget = min(state.draft_len, req.max_new_tokens - len(req.output_ids) - 1)
-        return state.index.propose(budget, self.min_window, self.max_window)
 
     def _verify_plan(self, reqs: list[Req], drafts: list[list[int]], chain_lens: list[int],
                      row_drafts: list[int]) -> VerifyPlan:
@@ -120,6 +122,7 @@ class Speculator:
         """Entry of a verify step whose request (KV before the step: `prefix_len` positions) took `num_taken`
         tokens: keep KV for `prefix_len + num_taken` positions, free the rest, count the acceptance."""
         self._trim_kv(req, prefix_len + num_taken)
+        self.proposer.settle(req, prefix_len + 1, num_taken, num_accepted)
         req.spec.on_verified(num_drafts, num_accepted)
         self.num_verified_entries += 1
         self.num_proposed += num_drafts
@@ -141,6 +144,13 @@ class Speculator:
             slots = pages * page_size
         self.allocator.free(slots)
         req.kv_len = new_kv_len
+
+    def release(self, req: Req) -> None:
+        """The request left the running batch (finished, aborted, retracted)."""
+        self.proposer.release(req)
+
+    def check_idle(self) -> None:
+        self.proposer.check_idle()
 
     # ---- reporting -------------------------------------------------------------------------------
     def info(self) -> dict:

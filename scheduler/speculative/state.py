@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 from radixserve.scheduler.speculative.ngram import TokenIndex
 
@@ -25,6 +26,10 @@ class SpecState:
     verify_ct: int = 0  # verify steps the request took part in (SGLang's spec_verify_ct)
     num_proposed: int = 0  # draft tokens verified
     num_accepted: int = 0  # of those, accepted
+    # STANDALONE: the request's row in the draft model's req_to_token pool, and how many of its leading tokens
+    # have draft KV (scheduler/speculative/draft_model.py).
+    draft_row: Optional[int] = None
+    draft_kv_len: int = 0
 
     @property
     def draft_len(self) -> int:
