@@ -195,6 +195,12 @@ class RadixCache(PrefixCache):
         indices = torch.cat(values) if len(values) > 1 else (values[0] if values else self._empty())
         return MatchResult(indices, node, pos)
 
+    def continuation(self, token_ids: list[int], namespace: tuple, max_tokens: int) -> list[int]:
+        from radixserve.radix_cache.continuation import tree_continuation
+
+        ns_root = self._namespace_root(namespace, create=False)
+        return [] if ns_root is None or max_tokens <= 0 else tree_continuation(ns_root, token_ids, max_tokens)
+
     def _insert(self, ns_root: TreeNode, key: list, end: int, slots: torch.Tensor) -> int:
         """Insert `key[:end]` (`end` page-aligned, > 0); ends on a node boundary; returns tokens already present."""
         self._clock += 1

@@ -175,3 +175,22 @@ def test_standalone_with_retraction_and_abort(tiny_llama, prompts, plain):
     driver.run_until_idle()
     assert driver.results["late"].finish_reason["type"] == "abort"
     driver.close()
+
+
+def test_tree_continuations_of_the_same_namespace_become_drafts(tiny_llama, prompts, plain):
+    driver = run(tiny_llama, prompts[:2], speculative_algorithm="NGRAM")
+    spec = driver.scheduler.speculator
+    accepted_before, proposed_before = spec.num_accepted, spec.num_proposed
+    # The same prompts again: the tree holds what the first requests produced, so it drafts the whole output.
+    for i, prompt in enumerate(prompts[:2]):
+        driver.submit(f"again{i}", prompt, max_new_tokens=MAX_NEW_TOKENS)
+    # And in another namespace, where the tree holds nothing of theirs: no tree drafts.
+    driver.submit("other-tenant", prompts[0], namespace=("tenant-b",), max_new_tokens=MAX_NEW_TOKENS)
+    from_tree_before = spec.proposer.num_from_tree
+    driver.run_until_idle()
+    assert [driver.results[f"again{i}"].output_ids for i in range(2)] == plain[:2]
+    assert driver.results["other-tenant"].output_ids == plain[0]
+    accepted, proposed = spec.num_accepted - accepted_before, spec.num_proposed - proposed_before
+    assert spec.proposer.num_from_tree > from_tree_before
+    assert accepted >= 0.6 * proposed, spec.info()
+    driver.close()

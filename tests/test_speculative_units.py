@@ -86,3 +86,25 @@ def test_cli_accepts_sglang_flag_names():
     ]))
     assert args.speculative_algorithm == "NGRAM" and resolved_num_draft_tokens(args) == 4
     assert args.speculative_ngram_min_match_window_size == 2
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_tree_continuation_follows_the_most_recent_branch(page_size):
+    from radixserve.radix_cache.pool import KVAllocator, ReqToTokenPool
+    from radixserve.radix_cache.tree import RadixCache
+
+    allocator = KVAllocator(256, page_size)
+    cache = RadixCache(ReqToTokenPool(4, 64), allocator, page_size)
+    first = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]
+    second = [1, 2, 3, 4, 5, 6, 7, 8, 20, 21, 22, 23]
+    cache.insert(first, allocator.alloc(len(first)))
+    slots = allocator.alloc(len(second))
+    allocator.free(slots[: cache.insert(second, slots)])  # the caller frees its copies of the shared prefix
+    cache.match_prefix(first)  # `first` is now the most recently used branch
+    assert cache.continuation([1, 2, 3], (), 4) == [4, 5, 6, 7]
+    assert cache.continuation([1, 2, 3, 4, 5, 6, 7, 8], (), 3) == [9, 10, 11]
+    assert cache.continuation([1, 2, 3, 4, 5, 6, 7, 8, 20], (), 10) == [21, 22, 23]
+    assert cache.continuation([1, 2, 3, 9], (), 4) == []  # not in the tree
+    assert cache.continuation(first, (), 4) == []  # nothing after it
+    assert cache.continuation([1, 2, 3], ("other",), 4) == []  # another namespace sees nothing
+    cache.check_invariants(held_slots=0)

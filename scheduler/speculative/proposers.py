@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from radixserve.radix_cache.base import PrefixCache
 from radixserve.scheduler.req import Req
 
 
@@ -28,16 +29,29 @@ class Proposer(Protocol):
 
 
 class NgramProposer:
-    """Prompt lookup over the request's own tokens (scheduler/speculative/ngram.py); holds no memory."""
+    """Drafts from tokens already seen; holds no memory.
 
-    def __init__(self, min_window: int, max_window: int) -> None:
+    First the radix tree: when another request of the same namespace ran through exactly this request's tokens,
+    what it produced next (radix_cache/continuation.py; the tree holds only verified tokens of finished requests
+    and computed prompts). Otherwise prompt lookup over the request's own tokens (scheduler/speculative/ngram.py).
+    """
+
+    def __init__(self, min_window: int, max_window: int, cache: PrefixCache) -> None:
         self.min_window, self.max_window = min_window, max_window
+        self.cache = cache
+        self.num_from_tree = 0  # proposals taken from the tree
 
     def propose(self, reqs: list[Req], budgets: list[int]) -> list[list[int]]:
         drafts = []
         for req, budget in zip(reqs, budgets):
+            all_ids = req.all_ids
+            from_tree = self.cache.continuation(all_ids, req.namespace, budget)
+            if from_tree:
+                self.num_from_tree += 1
+                drafts.append(from_tree)
+                continue
             index = req.spec.index
-            index.extend_to(req.all_ids)
+            index.extend_to(all_ids)
             drafts.append(index.propose(budget, self.min_window, self.max_window))
         return drafts
 

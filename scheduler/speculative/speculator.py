@@ -45,7 +45,7 @@ class Speculator:
             self.proposer: Proposer = DraftModelProposer(args, runner)
         else:
             self.proposer = NgramProposer(args.speculative_ngram_min_match_window_size,
-                                          args.speculative_ngram_max_match_window_size)
+                                          args.speculative_ngram_max_match_window_size, cache)
         self.runner, self.cache, self.stop_checker = runner, cache, stop_checker
         self.allocator, self.req_to_token_pool = runner.allocator, runner.req_to_token_pool
         self.device = torch.device(runner.device)
