@@ -49,6 +49,7 @@ def test_draft_length_follows_the_acceptance_rate():
 def test_flags_resolve_and_refuse_what_cannot_be_honoured():
     assert resolved_num_draft_tokens(ServerArgs()) is None
     assert resolved_num_draft_tokens(ServerArgs(speculative_algorithm="NGRAM")) == 6
+    assert ServerArgs(speculative_algorithm="ngram").speculative_algorithm == "NGRAM"
     assert resolved_num_draft_tokens(ServerArgs(speculative_algorithm="NGRAM", speculative_num_steps=3)) == 4
     args = ServerArgs(speculative_algorithm="NGRAM", speculative_num_draft_tokens=5, speculative_num_steps=4,
                       speculative_eagle_topk=1, disable_overlap_schedule=False)

@@ -22,7 +22,8 @@ DEFAULT_NUM_DRAFT_TOKENS = 6
 
 
 def check_speculative_args(args: Any) -> None:
-    """Raise ValueError for speculative settings radixserve cannot honour (see the module docstring)."""
+    """Raise ValueError for speculative settings radixserve cannot honour (see the module docstring); normalises
+    the algorithm's name to upper case."""
     algorithm = args.speculative_algorithm
     if algorithm is None:
         given = [name for name in ("speculative_draft_model_path", "speculative_num_draft_tokens",
@@ -31,9 +32,10 @@ def check_speculative_args(args: Any) -> None:
         if given:
             raise ValueError(f"{', '.join(given)} need speculative_algorithm (one of {SPECULATIVE_ALGORITHMS})")
         return
-    if algorithm.upper() in UNSUPPORTED_SPECULATIVE_ALGORITHMS:
-        raise ValueError(f"speculative_algorithm {algorithm} is not supported by radixserve (it needs a trained "
-                         f"draft head); use one of {SPECULATIVE_ALGORITHMS}")
+    algorithm = args.speculative_algorithm = algorithm.upper()  # SGLang's names are upper case; accept "ngram"
+    if algorithm in UNSUPPORTED_SPECULATIVE_ALGORITHMS:
+        raise ValueError(f"speculative_algorithm {algorithm} is not supported by radixserve (no trained draft "
+                         f"heads are run); use one of {SPECULATIVE_ALGORITHMS}")
     if algorithm not in SPECULATIVE_ALGORITHMS:
         raise ValueError(f"speculative_algorithm must be one of {SPECULATIVE_ALGORITHMS}, got {algorithm!r}")
     if algorithm == "STANDALONE" and args.speculative_draft_model_path is None:
