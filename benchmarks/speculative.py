@@ -1,9 +1,10 @@
 """Speculative decoding on vs off: output tokens/s and acceptance on a copy-heavy workload and on random prompts.
 
-For each setting (plain decoding, then `--speculative-algorithm NGRAM` with `--speculative-num-draft-tokens`
-from `--num-draft-tokens`), one in-process Engine on the embedded model (or `--model`) runs each workload's
-prompts greedily at batch size 1 (one request at a time, the latency case speculation is for) and, with
-`--batch-size N`, N at a time. Startup and one warm-up request are excluded from the timing.
+Two in-process Engines on the embedded model (or `--model`), plain decoding and `--speculative-algorithm NGRAM`
+with `--speculative-num-draft-tokens` from `--num-draft-tokens`, run each workload's prompts greedily at batch
+size 1 (one request at a time, the latency case speculation is for) and, with `--batch-size N`, N at a time.
+Each batch runs on one engine and then the other, so load from other work on a shared machine weighs on both
+alike. Startup and one warm-up request are excluded from the timing.
 
 Workloads (chat prompts to the instruct model, EOS ends a request; at most `--max-new-tokens` outputs):
 - `copy-edit`: "rewrite this code with one change" over source files of this repository (the output copies
@@ -11,7 +12,8 @@ Workloads (chat prompts to the instruct model, EOS ends a request; at most `--ma
 - `copy-quote`: "summarize, quoting the key sentences verbatim" over sections of the repository's README;
 - `random`: short open-ended questions (little to copy; measures the cost of verifying drafts that fail).
 
-Printed: a table per workload and setting (output tokens/s, speed-up over plain, mean accept length =
+Printed: a table per workload and setting (output tokens/s with prefill; decode tokens/s = tokens after the
+first per second after the first, and its speed-up over plain; mean accept length =
 output tokens per verify step, accept rate of drafts, and whether the greedy outputs are identical to plain
 decoding's), with the CPU's ISA; `--out PATH` writes the same as a JSON record.
 
@@ -44,8 +46,9 @@ class Measurement:
     workload: str
     setting: str
     batch_size: int
-    seconds: float
-    output_tokens: int
+    seconds: float = 0.0  # wall time of the generate calls (prefill included)
+    decode_seconds: float = 0.0  # of that, after each request's first token
+    output_tokens: int = 0
     verify_steps: int = 0
     accepted_drafts: int = 0
     proposed_drafts: int = 0
@@ -56,12 +59,29 @@ class Measurement:
         return self.output_tokens / self.seconds if self.seconds else 0.0
 
     @property
+    def decode_tokens_per_second(self) -> float:
+        """Output tokens after the first, per second after the first: the decode rate speculation changes."""
+        after_first = self.output_tokens - len(self.outputs)
+        return after_first / self.decode_seconds if self.decode_seconds else 0.0
+
+    @property
     def accept_length(self) -> Optional[float]:
         return self.output_tokens / self.verify_steps if self.verify_steps else None
 
     @property
     def accept_rate(self) -> Optional[float]:
         return self.accepted_drafts / self.proposed_drafts if self.proposed_drafts else None
+
+    def add(self, outs: list[dict], seconds: float) -> None:
+        self.seconds += seconds
+        self.decode_seconds += max(out["meta_info"]["e2e_latency"] - out["meta_info"]["ttft"] for out in outs)
+        for out in outs:
+            meta = out["meta_info"]
+            self.output_tokens += meta["completion_tokens"]
+            self.verify_steps += meta.get("spec_verify_ct", 0)
+            self.accepted_drafts += meta.get("spec_accept_token_num", 0)
+            self.proposed_drafts += meta.get("spec_draft_token_num", 0)
+            self.outputs.append(out["output_ids"])
 
 
 def chat(tokenizer, text: str) -> list[int]:
@@ -86,31 +106,33 @@ def workloads(tokenizer, num_prompts: int) -> dict[str, list[list[int]]]:
             "random": [chat(tokenizer, q) for q in QUESTIONS[:num_prompts]]}
 
 
-def run_setting(setting: str, engine_args: dict[str, Any], prompts_by_workload: dict[str, list[list[int]]],
-                max_new_tokens: int, batch_sizes: list[int]) -> list[Measurement]:
+def run_settings(settings: dict[str, dict[str, Any]], prompts_by_workload: dict[str, list[list[int]]],
+                 max_new_tokens: int, batch_sizes: list[int]) -> list[Measurement]:
+    """Every setting's Engine at once, each batch run under each setting in turn: on a shared machine, load that
+    comes and goes then weighs on every setting alike."""
+    from contextlib import ExitStack
+
     from radixserve import Engine
 
     params = {"max_new_tokens": max_new_tokens, "temperature": 0}
     results = []
-    with Engine(log_level="warning", **engine_args) as engine:
-        engine.generate(input_ids=[1, 2, 3, 4], sampling_params={"max_new_tokens": 4})  # warm-up
-        for name, prompts in prompts_by_workload.items():
+    with ExitStack() as stack:
+        engines = {name: stack.enter_context(Engine(log_level="warning", **engine_args))
+                   for name, engine_args in settings.items()}
+        for engine in engines.values():
+            engine.generate(input_ids=[1, 2, 3, 4], sampling_params={"max_new_tokens": 4})  # warm-up
+        for workload, prompts in prompts_by_workload.items():
             for batch_size in batch_sizes:
-                engine.flush_cache()  # no run may reuse another's prefill
-                measurement = Measurement(name, setting, batch_size, 0.0, 0)
+                measurements = {name: Measurement(workload, name, batch_size) for name in settings}
+                for engine in engines.values():
+                    engine.flush_cache()  # no run may reuse another's prefill
                 for start in range(0, len(prompts), batch_size):
                     batch = prompts[start: start + batch_size]
-                    began = time.perf_counter()
-                    outs = engine.generate(input_ids=batch, sampling_params=params)
-                    measurement.seconds += time.perf_counter() - began
-                    for out in outs:
-                        meta = out["meta_info"]
-                        measurement.output_tokens += meta["completion_tokens"]
-                        measurement.verify_steps += meta.get("spec_verify_ct", 0)
-                        measurement.accepted_drafts += meta.get("spec_accept_token_num", 0)
-                        measurement.proposed_drafts += meta.get("spec_draft_token_num", 0)
-                        measurement.outputs.append(out["output_ids"])
-                results.append(measurement)
+                    for name, engine in engines.items():
+                        began = time.perf_counter()
+                        outs = engine.generate(input_ids=batch, sampling_params=params)
+                        measurements[name].add(outs, time.perf_counter() - began)
+                results.extend(measurements.values())
     return results
 
 
@@ -146,30 +168,32 @@ def main() -> None:
     tokenizer = load_tokenizer(resolve_model(args.model).model_dir)
     prompts = workloads(tokenizer, args.num_prompts)
     base = {"model_path": args.model} if args.model else {}
-    plain = run_setting("off", base, prompts, args.max_new_tokens, batch_sizes)
-    spec = run_setting(f"ngram-{args.num_draft_tokens}",
-                       {**base, "speculative_algorithm": "NGRAM",
-                        "speculative_num_draft_tokens": args.num_draft_tokens},
-                       prompts, args.max_new_tokens, batch_sizes)
+    spec_name = f"ngram-{args.num_draft_tokens}"
+    settings = {"off": base, spec_name: {**base, "speculative_algorithm": "NGRAM",
+                                         "speculative_num_draft_tokens": args.num_draft_tokens}}
+    measured = run_settings(settings, prompts, args.max_new_tokens, batch_sizes)
+    plain, spec = measured[0::2], measured[1::2]
 
     machine = cpu_description()
     print(f"CPU: {machine['cpu']} (ISA {machine['isa']}, {machine['torch_threads']} torch threads, "
           f"load average {machine['load_average'][0]:.1f})")
-    header = f"{'workload':<11} {'setting':<9} {'bs':>3} {'tok/s':>7} {'speed-up':>8} {'accept len':>10} " \
-             f"{'accept rate':>11} {'same ids':>8}"
+    header = f"{'workload':<11} {'setting':<9} {'bs':>3} {'tok/s':>7} {'decode tok/s':>12} {'speed-up':>8} " \
+             f"{'accept len':>10} {'accept rate':>11} {'same ids':>8}"
     print(header)
     print("-" * len(header))
     rows = []
     for off, on in zip(plain, spec):
         for m in (off, on):
-            speedup = m.tokens_per_second / off.tokens_per_second if off.tokens_per_second else 0.0
+            speedup = m.decode_tokens_per_second / off.decode_tokens_per_second if off.decode_tokens_per_second else 0.0
             same = m.outputs == off.outputs
             length = f"{m.accept_length:.2f}" if m.accept_length else "-"
             rate = f"{m.accept_rate:.2f}" if m.accept_rate is not None else "-"
-            print(f"{m.workload:<11} {m.setting:<9} {m.batch_size:>3} {m.tokens_per_second:>7.2f} {speedup:>7.2f}x "
+            print(f"{m.workload:<11} {m.setting:<9} {m.batch_size:>3} {m.tokens_per_second:>7.2f} "
+                  f"{m.decode_tokens_per_second:>12.2f} {speedup:>7.2f}x "
                   f"{length:>10} {rate:>11} {str(same):>8}")
             row = {k: v for k, v in asdict(m).items() if k != "outputs"}
-            row.update(tokens_per_second=m.tokens_per_second, speedup=speedup, accept_length=m.accept_length,
+            row.update(tokens_per_second=m.tokens_per_second, decode_tokens_per_second=m.decode_tokens_per_second,
+                       decode_speedup=speedup, accept_length=m.accept_length,
                        accept_rate=m.accept_rate, identical_to_plain=same)
             rows.append(row)
     record = {"benchmark": "speculative", "machine": machine, "model": args.model or "embedded SmolLM2-135M-Instruct",

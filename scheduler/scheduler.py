@@ -20,6 +20,9 @@ One step:  pick the next batch (prefill first, else decode) -> launch it -> proc
   in the tree (put there by another request of the same batch), its row is pointed at the tree's copy, which
   that batch writes in the same layer before attending (the AttentionBackend contract: write, then attend).
   A request whose prefix another request of the batch is computing waits one batch rather than compute it too.
+- Speculative decoding (scheduler/speculative/, docs/speculative.md): the decode step becomes a verify step
+  (`_schedule_verify`) that checks each request's draft chain in one extend forward; `_process_verify` takes the
+  accepted tokens and the speculator frees the rejected drafts' KV before a request may finish. Overlap is off.
 - Release: a finished, aborted or retracted request hands its KV to the cache (`cache_finished_req`, so a
   retracted request's re-prefill reuses it) and frees its row, in `_release_kv` and nowhere else.
 

@@ -109,3 +109,22 @@ def test_tree_continuation_follows_the_most_recent_branch(page_size):
     assert cache.continuation(first, (), 4) == []  # nothing after it
     assert cache.continuation([1, 2, 3], ("other",), 4) == []  # another namespace sees nothing
     cache.check_invariants(held_slots=0)
+
+
+def test_metrics_report_the_acceptance():
+    from radixserve.runtime.metrics import ServerMetrics
+
+    metrics = ServerMetrics("m")
+    text, _ = metrics.render({"avg_spec_accept_length": 2.5, "spec_accept_rate": 0.4, "memory": {}}, 0)
+    lines = text.decode().splitlines()
+    assert 'radixserve:spec_accept_length{model_name="m"} 2.5' in lines
+    assert 'radixserve:spec_accept_rate{model_name="m"} 0.4' in lines
+
+
+def test_meta_info_carries_sglang_spec_keys():
+    from radixserve.runtime.wire.messages import SpecCounts
+    from radixserve.tokenizer_manager.state import spec_meta_info
+
+    meta = spec_meta_info(SpecCounts(verify_ct=10, accepted_drafts=12, proposed_drafts=30), completion_tokens=23)
+    assert meta == {"spec_verify_ct": 10, "spec_accept_token_num": 12, "spec_draft_token_num": 30,
+                    "spec_accept_rate": 0.4, "spec_accept_length": 2.3}
