@@ -12,8 +12,8 @@ Workloads (chat prompts to the instruct model, EOS ends a request; at most `--ma
 - `copy-quote`: "summarize, quoting the key sentences verbatim" over sections of the repository's README;
 - `random`: short open-ended questions (little to copy; measures the cost of verifying drafts that fail).
 
-Printed: a table per workload and setting (output tokens/s with prefill; decode tokens/s = tokens after the
-first per second after the first, and its speed-up over plain; mean accept length =
+Printed: a table per workload and setting (output tokens/s over the whole requests, prefill included, and the
+speed-up over plain; mean accept length =
 output tokens per verify step, accept rate of drafts, and whether the greedy outputs are identical to plain
 decoding's), with the CPU's ISA; `--out PATH` writes the same as a JSON record.
 
@@ -47,7 +47,6 @@ class Measurement:
     setting: str
     batch_size: int
     seconds: float = 0.0  # wall time of the generate calls (prefill included)
-    decode_seconds: float = 0.0  # of that, after each request's first token
     output_tokens: int = 0
     verify_steps: int = 0
     accepted_drafts: int = 0
@@ -59,12 +58,6 @@ class Measurement:
         return self.output_tokens / self.seconds if self.seconds else 0.0
 
     @property
-    def decode_tokens_per_second(self) -> float:
-        """Output tokens after the first, per second after the first: the decode rate speculation changes."""
-        after_first = self.output_tokens - len(self.outputs)
-        return after_first / self.decode_seconds if self.decode_seconds else 0.0
-
-    @property
     def accept_length(self) -> Optional[float]:
         return self.output_tokens / self.verify_steps if self.verify_steps else None
 
@@ -74,7 +67,6 @@ class Measurement:
 
     def add(self, outs: list[dict], seconds: float) -> None:
         self.seconds += seconds
-        self.decode_seconds += max(out["meta_info"]["e2e_latency"] - out["meta_info"]["ttft"] for out in outs)
         for out in outs:
             meta = out["meta_info"]
             self.output_tokens += meta["completion_tokens"]
@@ -177,23 +169,21 @@ def main() -> None:
     machine = cpu_description()
     print(f"CPU: {machine['cpu']} (ISA {machine['isa']}, {machine['torch_threads']} torch threads, "
           f"load average {machine['load_average'][0]:.1f})")
-    header = f"{'workload':<11} {'setting':<9} {'bs':>3} {'tok/s':>7} {'decode tok/s':>12} {'speed-up':>8} " \
-             f"{'accept len':>10} {'accept rate':>11} {'same ids':>8}"
+    header = f"{'workload':<11} {'setting':<9} {'bs':>3} {'tok/s':>7} {'speed-up':>8} {'accept len':>10} " \
+             f"{'accept rate':>11} {'same ids':>8}"
     print(header)
     print("-" * len(header))
     rows = []
     for off, on in zip(plain, spec):
         for m in (off, on):
-            speedup = m.decode_tokens_per_second / off.decode_tokens_per_second if off.decode_tokens_per_second else 0.0
+            speedup = m.tokens_per_second / off.tokens_per_second if off.tokens_per_second else 0.0
             same = m.outputs == off.outputs
             length = f"{m.accept_length:.2f}" if m.accept_length else "-"
             rate = f"{m.accept_rate:.2f}" if m.accept_rate is not None else "-"
-            print(f"{m.workload:<11} {m.setting:<9} {m.batch_size:>3} {m.tokens_per_second:>7.2f} "
-                  f"{m.decode_tokens_per_second:>12.2f} {speedup:>7.2f}x "
+            print(f"{m.workload:<11} {m.setting:<9} {m.batch_size:>3} {m.tokens_per_second:>7.2f} {speedup:>7.2f}x "
                   f"{length:>10} {rate:>11} {str(same):>8}")
             row = {k: v for k, v in asdict(m).items() if k != "outputs"}
-            row.update(tokens_per_second=m.tokens_per_second, decode_tokens_per_second=m.decode_tokens_per_second,
-                       decode_speedup=speedup, accept_length=m.accept_length,
+            row.update(tokens_per_second=m.tokens_per_second, speedup=speedup, accept_length=m.accept_length,
                        accept_rate=m.accept_rate, identical_to_plain=same)
             rows.append(row)
     record = {"benchmark": "speculative", "machine": machine, "model": args.model or "embedded SmolLM2-135M-Instruct",
