@@ -6,16 +6,19 @@ row is handled as the plain Sampler would handle it (penalties, bias, bans, temp
 see sampling.py), giving the distribution `p_j` a plain decode step would draw from.
 
 Rule (speculative sampling, Leviathan et al. / Chen et al.), for a draft distribution `q_j` that is a point mass
-on `d_{j+1}` (n-gram drafts, and greedy draft models):
-- accept `d_{j+1}` with probability `min(1, p_j(d) / q_j(d)) = p_j(d)`;
-- on the first rejection, draw from the residual `max(0, p_j - q_j)`, i.e. `p_j` with `d` removed, renormalised;
-- when every draft is accepted, draw one more token from `p_k`.
-Each emitted token is then distributed exactly as under plain sampling. A greedy row's `p_j` is a point mass on
-its argmax, so the rule reduces to "accept while the draft equals the argmax, then emit the argmax": the greedy
-output is the plain greedy output.
+on `d_{j+1}` (n-gram drafts, and greedy draft models): accept `d` with probability `min(1, p_j(d) / q_j(d)) =
+p_j(d)`; on the first rejection draw from the residual `max(0, p_j - q_j)`, i.e. `p_j` without `d`, renormalised;
+when every draft is accepted draw one more token from `p_k`.
 
-`verify_rows` decides every row at once (acceptance and the fallback token as if that row were the first
-rejection); the caller keeps the rows up to the first rejection of each chain (`chain_results`).
+For a point-mass draft this is exactly "draw `x ~ p_j` as plain sampling would, accept `d` iff `x == d`, else emit
+`x`": `P(accept) = p_j(d)`, and given a rejection `x` follows `p_j` without `d`, renormalised. radixserve
+implements it that way, with the plain Sampler's own draw (the same uniform, `seeded_uniform(seed, position)`
+for a seeded request): every emitted token is the token plain sampling would have drawn at that position, so a
+seeded request gives the same tokens with or without speculative decoding, whatever the drafts were. A greedy
+row's `p_j` is a point mass on its argmax: accept while the draft equals the argmax, then emit the argmax.
+
+`verify_rows` decides every row at once (acceptance, and the token emitted if that row is where the chain stops);
+the caller keeps the rows up to the first rejection of each chain (`chain_results`).
 """
 
 from __future__ import annotations
@@ -37,8 +40,9 @@ class VerifyRows(NamedTuple):
 
 
 def target_probs(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
-    """The distribution each row's plain sampling draws from, normalised: `[R, vocab]`. `logits` must already
-    carry the adjustments (penalties, bias, bans). Greedy rows are a point mass on their argmax."""
+    """The weights each row's plain sampling draws from, `[R, vocab]` (the kept probabilities, not renormalised,
+    exactly as the Sampler computes them). `logits` must already carry the adjustments (penalties, bias, bans).
+    Greedy rows are a point mass on their argmax."""
     probs = torch.zeros_like(logits)
     if info.any_greedy:
         greedy_rows = info.is_greedy.nonzero().squeeze(1)
@@ -54,7 +58,7 @@ def target_probs(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
                 need_top_k=info.need_top_k, need_top_p=info.need_top_p, need_min_p=info.need_min_p,
             )
             sampled.masked_fill_(sampled < thresholds.unsqueeze(1), 0.0)
-        probs[rows] = sampled / sampled.sum(dim=-1, keepdim=True)
+        probs[rows] = sampled
     return probs
 
 
@@ -62,15 +66,14 @@ def verify_rows(
     logits: torch.Tensor,
     info: SamplingBatchInfo,
     drafts: torch.Tensor,
-    accept_uniforms: torch.Tensor,
     draw_uniforms: torch.Tensor,
     want_logprobs: bool = False,
 ) -> VerifyRows:
     """Decide every row of a verify batch.
 
     `logits [R, vocab]` float32 (edited in place), `info` the R rows' sampling parameters, `drafts [R]` the
-    token that follows row j in its chain (-1 on a chain's last row), and two uniforms in [0, 1) per row: one
-    for the acceptance test, one for the fallback draw.
+    token that follows row j in its chain (-1 on a chain's last row), and one uniform in [0, 1) per row for its
+    draw (the plain Sampler's uniform for that position).
     """
     if logits.dtype != torch.float32:
         logits = logits.float()
@@ -80,18 +83,12 @@ def verify_rows(
     no_token = ~(logits.amax(dim=-1) > -math.inf)
     logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
     probs = torch.nan_to_num(target_probs(logits, info), nan=0.0)
-
-    has_draft = drafts >= 0
-    draft_ids = drafts.clamp(min=0)
-    draft_prob = probs.gather(1, draft_ids.unsqueeze(1)).squeeze(1)
-    accepted = has_draft & (accept_uniforms < draft_prob) & ~no_token
-    # The residual: p without the rejected draft (a chain's last row has no draft and draws from p itself).
-    residual = probs.scatter(1, draft_ids.unsqueeze(1), torch.where(has_draft, 0.0, draft_prob).unsqueeze(1))
-    fallback = draw(residual, draw_uniforms, consume=True).clamp(max=logits.shape[1] - 1)
+    drawn = draw(probs, draw_uniforms, consume=True).clamp(max=logits.shape[1] - 1)
     if info.any_greedy:  # exact argmax, whatever the rounding of the cumulative sums
-        fallback = torch.where(info.is_greedy, logits.argmax(dim=-1), fallback)
-    fallback = fallback.masked_fill(no_token, PLACEHOLDER_TOKEN_ID)
-    return VerifyRows(accepted, fallback, no_token, logprobs)
+        drawn = torch.where(info.is_greedy, logits.argmax(dim=-1), drawn)
+    drawn = drawn.masked_fill(no_token, PLACEHOLDER_TOKEN_ID)
+    accepted = (drafts >= 0) & (drafts == drawn) & ~no_token
+    return VerifyRows(accepted, drawn, no_token, logprobs)
 
 
 class ChainResult(NamedTuple):

@@ -47,8 +47,8 @@ def verify_many(params: SamplingParams, drafts: list[int], n: int, seed: int = 0
     info = SamplingBatchInfo.build([params] * (n * chain_len), [[]] * (n * chain_len), VOCAB, "cpu")
     row_drafts = (drafts + [-1]) * n
     generator = torch.Generator().manual_seed(seed)
-    uniforms = torch.rand(2, n * chain_len, generator=generator)
-    rows = verify_rows(logits, info, torch.tensor(row_drafts), uniforms[0], uniforms[1])
+    uniforms = torch.rand(n * chain_len, generator=generator)
+    rows = verify_rows(logits, info, torch.tensor(row_drafts), uniforms)
     return rows, chain_results(rows, [chain_len] * n, row_drafts)
 
 

@@ -67,6 +67,7 @@ def test_sampling_and_abort_leave_no_kv_behind(engine):
     params = {"max_new_tokens": 16, "temperature": 0.7, "top_p": 0.9, "seed": 3}
     first = engine.generate(PROMPTS[:2], params)
     second = engine.generate(PROMPTS[:2], params)
+    # The second run's drafts come from the tree (the first run's outputs); the seeded draws are the same.
     assert [r["output_ids"] for r in first] == [r["output_ids"] for r in second]
     info = engine.get_server_info()
     memory = info["memory"]

@@ -34,9 +34,6 @@ from radixserve.scheduler.stop import StopChecker
 
 logger = logging.getLogger(__name__)
 
-# Mixed into a seeded request's seed for its acceptance tests, so they are independent of its draws.
-ACCEPT_SEED_SALT = 0x5DEECE66D
-
 
 class Speculator:
     def __init__(self, args: ServerArgs, runner, cache, stop_checker: StopChecker) -> None:
@@ -92,7 +89,7 @@ class Speculator:
 
     def _verify_plan(self, reqs: list[Req], drafts: list[list[int]], chain_lens: list[int],
                      row_drafts: list[int]) -> VerifyPlan:
-        params, histories, banned, prompts, accept_u, draw_u = [], [], [], [], [], []
+        params, histories, banned, prompts, draw_u = [], [], [], [], []
         need_prompts = any(req.sampling_params.repetition_penalty != 1.0 for req in reqs)
         for req, chain in zip(reqs, drafts):
             seed = req.sampling_params.seed
@@ -103,7 +100,6 @@ class Speculator:
                 histories.append(history)
                 prompts.append(req.origin_input_ids)
                 banned.append(self.stop_checker.banned_token_ids(req, step))
-                accept_u.append(math.nan if seed is None else seeded_uniform(seed ^ ACCEPT_SEED_SALT, step))
                 draw_u.append(math.nan if seed is None else seeded_uniform(seed, step))
         info = SamplingBatchInfo.build(
             params, histories, self.runner.vocab_size, self.device,
@@ -111,7 +107,6 @@ class Speculator:
         )
         return VerifyPlan(
             chain_lens=chain_lens, drafts=row_drafts, sampling_info=info,
-            accept_uniforms=torch.tensor(accept_u, dtype=torch.float32),
             draw_uniforms=torch.tensor(draw_u, dtype=torch.float32),
             logprob_rows=any(r.return_logprob for r in reqs),
             top_logprobs_num=max((r.top_logprobs_num for r in reqs), default=0),

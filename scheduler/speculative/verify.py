@@ -23,8 +23,7 @@ class VerifyPlan:
     chain_lens: list[int]  # per entry: 1 + its number of drafts
     drafts: list[int]  # per row: the draft that follows it in its chain, -1 on a chain's last row
     sampling_info: SamplingBatchInfo  # per row (a request's parameters repeated over its chain)
-    accept_uniforms: torch.Tensor  # [R] float32; seeded rows' values, NaN where a fresh draw is due
-    draw_uniforms: torch.Tensor  # [R] float32; likewise for the fallback draw
+    draw_uniforms: torch.Tensor  # [R] float32: seeded rows' seeded_uniform(seed, position), NaN where unseeded
     logprob_rows: bool  # some request asked for logprobs
     top_logprobs_num: int
 
@@ -67,8 +66,8 @@ def enqueue_verify(runner, forward_batch, plan: VerifyPlan, token_table: torch.T
     forward_batch.logits_indices = torch.arange(forward_batch.num_tokens, device=device)
     logits = runner.forward(forward_batch)
     drafts = torch.tensor(plan.drafts, dtype=torch.int64, device=device)
-    rows = verify_rows(logits, plan.sampling_info, drafts, _fill_fresh(plan.accept_uniforms.to(device)),
-                       _fill_fresh(plan.draw_uniforms.to(device)), want_logprobs=plan.logprob_rows)
+    rows = verify_rows(logits, plan.sampling_info, drafts, _fill_fresh(plan.draw_uniforms.to(device)),
+                       want_logprobs=plan.logprob_rows)
     decided = runner.sync_sampled(torch.stack([rows.accepted.long(), rows.fallback, rows.no_token.long()]))
     rows = rows._replace(accepted=decided[0].bool(), fallback=decided[1], no_token=decided[2].bool())
     chains = chain_results(rows, plan.chain_lens, plan.drafts)
