@@ -19,7 +19,6 @@ the target's output distribution is unchanged whatever the draft model is.
 from __future__ import annotations
 
 import dataclasses
-import logging
 from typing import Optional
 
 import torch
@@ -28,8 +27,6 @@ from radixserve.model_runner.forward_batch import ForwardBatch, ForwardMode
 from radixserve.runtime.wire.server_args import ServerArgs
 from radixserve.scheduler.batch import allocate_slots
 from radixserve.scheduler.req import Req
-
-logger = logging.getLogger(__name__)
 
 
 class _NothingToEvict:

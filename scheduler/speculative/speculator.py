@@ -14,7 +14,6 @@ KV ownership through a verify step of a request whose KV covers `K` positions (i
 
 from __future__ import annotations
 
-import logging
 import math
 from typing import Optional
 
@@ -31,8 +30,6 @@ from radixserve.scheduler.speculative.proposers import NgramProposer, Proposer
 from radixserve.scheduler.speculative.state import SpecState
 from radixserve.scheduler.speculative.verify import VerifyPlan
 from radixserve.scheduler.stop import StopChecker
-
-logger = logging.getLogger(__name__)
 
 
 class Speculator:
