@@ -31,7 +31,7 @@ import msgspec
 import zmq
 
 from radixserve.runtime.wire.ipc import IpcPaths, make_pull, make_push
-from radixserve.runtime.launch import ChildProcesses, resolve_for_launch
+from radixserve.runtime.launch import ChildProcesses, primary_model_info, resolve_for_launch
 from radixserve.runtime.loop_thread import LoopThread
 from radixserve.runtime.wire.messages import ModelInfo
 from radixserve.runtime.wire.server_args import ServerArgs, make_server_args
@@ -119,7 +119,7 @@ class Engine:
         res.children.start()
         self.tokenizer = load_tokenizer(child_args.tokenizer_path)  # while the children load
         infos = res.children.wait_ready(recv_socket)
-        self.model_info: ModelInfo = msgspec.structs.replace(infos["scheduler"],
+        self.model_info: ModelInfo = msgspec.structs.replace(primary_model_info(infos, child_args),
                                                             tokenizer_path=child_args.tokenizer_path)
 
         res.loop_thread = LoopThread()

@@ -62,6 +62,8 @@ NATIVE_UNSUPPORTED: dict[str, str] = {
 NATIVE_LABELS = frozenset({
     "log_metrics", "no_logs", "custom_labels", "external_trace_header", "received_time", "session_id",
     "conversation_id", "routing_key", "http_worker_ipc",
+    # The model a gateway (sglang-router) routed by; /generate serves the one model it has.
+    "model",
     # vLLM's and SGLang's streaming options; a native chunk's meta_info always carries the token counts.
     "stream_options",
 })
@@ -93,7 +95,6 @@ OPENAI_UNSUPPORTED: dict[str, str] = {
     "bad_words": "bad-word lists (use logit_bias)",
     "truncate_prompt_tokens": "prompt truncation",
     "return_tokens_as_token_ids": "token ids as logprob tokens",
-    "separate_reasoning": "reasoning parsing", "stream_reasoning": "reasoning parsing",
     "reasoning_effort": "reasoning effort",
     "documents": "retrieval documents in the chat template",
     "mm_processor_kwargs": _MULTIMODAL,

@@ -218,6 +218,7 @@ async def flush_cache(request: Request, who: Caller = Depends(caller)) -> Respon
     return json_response({"success": True, "message": "Cache flushed."})
 
 
+@router.get("/model_info")
 @router.get("/get_model_info")
 async def get_model_info(request: Request, tenant: Optional[str] = Depends(caller_tenant)) -> Response:
     state = _state(request)
@@ -232,6 +233,7 @@ async def get_model_info(request: Request, tenant: Optional[str] = Depends(calle
     })
 
 
+@router.get("/server_info")
 @router.get("/get_server_info")
 async def get_server_info(request: Request, who: Caller = Depends(caller)) -> Response:
     """The administrator sees everything; a tenant sees the model's facts and its own namespaces and requests,
@@ -243,7 +245,8 @@ async def get_server_info(request: Request, who: Caller = Depends(caller)) -> Re
     if not who.is_admin:
         info = {**state.model_info.to_dict(), "cache": _own_cache(_own_namespaces(info.get("cache"), who.tenant))}
     info["incremental_streaming_output"] = _streams_incrementally(state)
-    info["internal_states"] = [_internal_state(info) if who.is_admin else {}]
+    info["internal_states"] = [_internal_state(replica) if who.is_admin else {}
+                               for replica in info.get("replicas") or [info]]
     info["http"] = {"served_model_name": state.served_model_name,
                     "inflight_engine_requests": state.inflight.num_engine_requests_of(who.tenant)}
     if who.is_admin:
@@ -270,6 +273,7 @@ def _streams_incrementally(state: ServerState) -> bool:
 def _internal_state(info: dict[str, Any]) -> dict[str, Any]:
     """The scheduler's state under SGLang's names (no speculative decoding here: no avg_spec_accept_length)."""
     return {"last_gen_throughput": info.get("gen_throughput"), "token_usage": info.get("token_usage"),
+            "dp_rank": info.get("dp_rank", 0),
             "num_running_reqs": info.get("num_running_reqs"), "num_queued_reqs": info.get("num_queued_reqs")}
 
 

@@ -72,6 +72,7 @@ def server_info(scheduler: "Scheduler") -> dict[str, Any]:
         "token_usage": (total - free - evictable) / total,
         "new_token_ratio": scheduler.new_token_ratio.value,
         "tensor_parallel": tp_layout(scheduler.runner),
+        "dp_rank": getattr(scheduler.runner, "dp_rank", 0),
     }
 
 
