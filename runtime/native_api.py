@@ -41,6 +41,7 @@ MAX_BATCH = 1024
 Rid = Annotated[str, Field(min_length=1, max_length=256)]
 TopLogprobs = Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]
 LogprobStart = Annotated[int, Field(ge=-1, le=2**31)]
+DpRank = Annotated[int, Field(ge=0, le=1 << 16)]
 
 
 _NULL_IS_DEFAULT = ("return_logprob", "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs", "stream")
@@ -62,6 +63,9 @@ class NativeGenerateRequest(StrictModel):
     return_text_in_logprobs: bool = False
     stream: bool = False
     cache_salt: Union[Annotated[str, Field(max_length=256)], list[Annotated[str, Field(max_length=256)]], None] = None
+    # SGLang's two names for the data-parallel replica to run on (sglang-router --dp-aware sends one).
+    data_parallel_rank: Optional[DpRank] = None
+    routed_dp_rank: Optional[DpRank] = None
 
     @model_validator(mode="before")
     @classmethod
@@ -144,6 +148,7 @@ def _build(state: ServerState, body: NativeGenerateRequest, tenant: Optional[str
         return_text_in_logprobs=body.return_text_in_logprobs,
         stream=body.stream,
         cache_salt=body.cache_salt,
+        data_parallel_rank=body.data_parallel_rank if body.routed_dp_rank is None else body.routed_dp_rank,
         tenant=tenant,
     )
     return request, handles

@@ -32,12 +32,25 @@ def workload() -> tuple[list[str], list[str]]:
     return heads, rest
 
 
-def run(**engine_args) -> tuple[list[str], dict]:
+def run(then=None, **engine_args) -> tuple[list[str], dict]:
     heads, rest = workload()
     with Engine(log_level="warning", **engine_args) as engine:
         texts = [out["text"] for out in engine.generate(heads, GREEDY)]
         texts += [out["text"] for out in engine.generate(rest, GREEDY)]
-        return texts, engine.get_server_info()
+        info = engine.get_server_info()
+        if then is not None:
+            then(engine, info)
+        return texts, info
+
+
+def check_routed_rank(engine, info) -> None:
+    """SGLang's data_parallel_rank pins a request to a replica (what sglang-router --dp-aware sends)."""
+    queried = [replica["queried_tokens"] for replica in info["replicas"]]
+    engine.generate(["Pinned to replica one: " + word for word in WORDS[:4]], GREEDY, data_parallel_rank=1)
+    after = [replica["queried_tokens"] for replica in engine.get_server_info()["replicas"]]
+    assert after[0] == queried[0] and after[1] > queried[1]
+    with pytest.raises(ValueError, match="data_parallel_rank"):
+        engine.generate("x", GREEDY, data_parallel_rank=2)
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +60,7 @@ def single():
 
 def test_cache_aware_routing_keeps_the_hit_rate_of_one_replica(single):
     single_texts, single_info = single
-    texts, info = run(dp_size=2, load_balance_method="cache_aware")
+    texts, info = run(check_routed_rank, dp_size=2, load_balance_method="cache_aware")
     assert texts == single_texts
     assert info["dp_size"] == 2 and len(info["replicas"]) == 2
     assert all(replica["queried_tokens"] > 0 for replica in info["replicas"])  # both replicas served

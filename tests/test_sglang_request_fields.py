@@ -193,5 +193,11 @@ def test_the_bodies_sglang_router_forwards_are_accepted(server):
                 "return_entropy": False}
     response = _post(server, "/generate", generate)
     assert response.status_code == 200, response.text
+    routed = _post(server, "/generate", {**generate, "data_parallel_rank": 0})  # one replica: rank 0 exists
+    assert routed.status_code == 200, routed.text
+    for path, body in (("/generate", {**generate, "routed_dp_rank": 1}),
+                       ("/v1/chat/completions", {**chat, "data_parallel_rank": 1})):
+        response = _post(server, path, body)
+        assert response.status_code == 400 and "data_parallel_rank" in response.json()["error"]["message"], path
     held_back = _post(server, "/v1/chat/completions", {**chat, "stream": True, "stream_reasoning": False})
     assert held_back.status_code == 400 and "stream_reasoning" in held_back.json()["error"]["message"]

@@ -162,6 +162,12 @@ class TokenizerManager:
 
     def _submit(self, requests: list[tuple[SingleReq, list[int], SamplingParams]], obj: GenerateReqInput) -> ReqGroup:
         """Expand n, register the states, then send: either all of the batch is queued or none of it."""
+        rank = obj.data_parallel_rank
+        if rank is not None and not 0 <= rank < self.num_replicas:
+            error = ValueError(f"data_parallel_rank must be in [0, {self.num_replicas}) (the server runs "
+                               f"{self.num_replicas} data-parallel replicas), got {rank}")
+            error.field = "data_parallel_rank"  # type: ignore[attr-defined]
+            raise error
         expanded = []
         for request, input_ids, sampling in requests:
             n = sampling.n
@@ -192,6 +198,7 @@ class TokenizerManager:
                 logprob_start_len=request.logprob_start_len,
                 top_logprobs_num=request.top_logprobs_num,
                 stream=obj.stream,
+                routed_dp_rank=rank,
             ))
         return group
 

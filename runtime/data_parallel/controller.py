@@ -58,7 +58,11 @@ class DataParallelController:
     def handle_request(self, data: bytes) -> None:
         message = decode(data)
         if isinstance(message, TokenizedGenerateReq):
-            replica = self.balancer.choose(message.namespace, message.input_ids, self.loads())
+            if message.routed_dp_rank is not None:  # the caller chose (e.g. sglang-router --dp-aware)
+                replica = message.routed_dp_rank
+                self.balancer.chosen(message.namespace, message.input_ids, replica)
+            else:
+                replica = self.balancer.choose(message.namespace, message.input_ids, self.loads())
             self.sent[replica] += 1
             self.sent_tokens[replica] += request_tokens(message)
             self.replicas[replica].send(data)

@@ -70,6 +70,11 @@ class LoadBalancer:
         self.decisions["cache_miss"] += 1
         return _argmin(replicas, lambda r: (self.tree.replica_tokens(r), loads[r].requests, r))
 
+    def chosen(self, namespace: tuple, key: Sequence[Hashable], replica: int) -> None:
+        """A request the caller routed itself went to `replica`: keep the picture of its cache right."""
+        if self.method == "cache_aware":
+            self.tree.insert(namespace, key, replica)
+
     # ---- what the replicas report ----------------------------------------------------------------
     def evicted(self, replica: int, namespace: tuple, key: Sequence[Hashable], kept: int) -> None:
         self.tree.forget(namespace, key, kept, replica)

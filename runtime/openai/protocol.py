@@ -106,6 +106,13 @@ class OpenAISamplingFields(StrictModel):
     stop_token_ids: Annotated[list[TokenId], Field(max_length=256)] = []
     skip_special_tokens: bool = True
     cache_salt: Optional[Annotated[str, Field(max_length=256)]] = None
+    # SGLang's two names for the data-parallel replica to run on (sglang-router --dp-aware sends one).
+    data_parallel_rank: Optional[Annotated[int, Field(ge=0, le=1 << 16)]] = None
+    routed_dp_rank: Optional[Annotated[int, Field(ge=0, le=1 << 16)]] = None
+
+    @property
+    def dp_rank(self) -> Optional[int]:
+        return self.data_parallel_rank if self.routed_dp_rank is None else self.routed_dp_rank
     regex: Optional[str] = None
     ebnf: Optional[str] = None
 

@@ -72,6 +72,7 @@ class TokenizedGenerateReq(msgspec.Struct, tag=True):
     logprob_start_len: int = -1  # -1: no input-token logprobs
     top_logprobs_num: int = 0
     stream: bool = False
+    routed_dp_rank: Optional[int] = None  # the data-parallel replica the caller asked for (None: any)
 
 
 class AbortReq(msgspec.Struct, tag=True):
