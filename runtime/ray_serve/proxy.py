@@ -14,13 +14,17 @@ the EngineReplica deployment through its handle.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import copy
+import dataclasses
 import logging
 import time
-from typing import Any, AsyncIterator, Awaitable, Callable, Optional
+import uuid
+from typing import Any, AsyncIterator, Callable, Optional, TypeVar
 
 import msgspec
 import ray.exceptions
+from ray.serve import context as serve_context
 
 from radixserve.runtime.ray_serve.replica import ReplicaDescription
 from radixserve.runtime.ray_serve.routing import (
@@ -37,6 +41,7 @@ logger = logging.getLogger(__name__)
 
 CONTROL_TIMEOUT_SECONDS = 30.0
 UNBOUNDED_NEW_TOKENS = 512  # a request without max_new_tokens counts this many toward its replica's load
+T = TypeVar("T")
 
 
 class EngineProxy:
@@ -58,7 +63,7 @@ class EngineProxy:
     # ---- generation ------------------------------------------------------------------------------
     async def generate_request(self, obj: GenerateReqInput) -> AsyncIterator[Any]:
         route = await self._route(obj)
-        stream = self._stream_handle.generate.remote(obj, **{ROUTE_KWARG: route})
+        stream = own_request_id(lambda: self._stream_handle.generate.remote(obj, **{ROUTE_KWARG: route}))
         arrivals: dict[int, list[float]] = {}
         finished = False
         try:
@@ -149,7 +154,7 @@ class EngineProxy:
     def _directory(self) -> Optional[ReplicaDirectory]:
         return lookup(self._handle.app_name, self._handle.deployment_name)
 
-    async def _each_replica(self, call: Callable[[dict[str, Any]], Awaitable[Any]]) -> list[tuple[str, Any]]:
+    async def _each_replica(self, call: Callable[[dict[str, Any]], Any]) -> list[tuple[str, Any]]:
         """`call` on every running replica, (replica id, reply) for those that answered. Raises EngineDeadError
         when none did."""
         directory = self._directory()
@@ -159,7 +164,8 @@ class EngineProxy:
         replica_ids = directory.replica_ids() if directory is not None else []
 
         async def one(replica_id: str) -> Any:
-            return await asyncio.wait_for(call({ROUTE_KWARG: ReplicaTarget(replica_id)}), CONTROL_TIMEOUT_SECONDS)
+            response = own_request_id(lambda: call({ROUTE_KWARG: ReplicaTarget(replica_id)}))
+            return await asyncio.wait_for(response, CONTROL_TIMEOUT_SECONDS)
 
         replies = await asyncio.gather(*(one(replica_id) for replica_id in replica_ids), return_exceptions=True)
         answered = []
@@ -181,3 +187,20 @@ def _replica_error(error: ray.exceptions.RayError) -> BaseException:
         return _replica_error(cause) if isinstance(cause, ray.exceptions.RayError) else cause
     logger.warning("a replica failed under a request: %s", type(error).__name__)
     return EngineDeadError(f"the replica serving the request failed ({type(error).__name__})")
+
+
+def own_request_id(call: Callable[[], T]) -> T:
+    """Make the handle call `call` makes under an internal request id of its own.
+
+    Ray Serve gives every handle call made while serving one HTTP request that request's internal id, and a router
+    without FIFOMixin (ours: see router.py) hands the replica it chose to the pending request with the id it routed.
+    Two calls in flight with one id (a control request fanned out to every replica, the prompts of one HTTP
+    request) would then leave all but one of them pending forever. The id lives in a context variable that the
+    handle reads when called, so the call runs in a copy of the context with a fresh id."""
+
+    def with_fresh_id() -> T:
+        current = serve_context._get_serve_request_context()
+        serve_context._serve_request_context.set(dataclasses.replace(current, _internal_request_id=uuid.uuid4().hex))
+        return call()
+
+    return contextvars.copy_context().run(with_fresh_id)
