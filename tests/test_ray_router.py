@@ -5,6 +5,7 @@ checks and the `serve-ray` command line."""
 from __future__ import annotations
 
 import asyncio
+import pathlib
 import subprocess
 import sys
 
@@ -20,6 +21,7 @@ from radixserve.runtime.ray_serve.routing import (  # noqa: E402
     ROUTE_KWARG, PrefixRoute, ReplicaGoneError, ReplicaTarget, lookup,
 )
 
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 DEPLOYMENT = DeploymentID(name="EngineReplica", app_name="router-test")
 GROUP_A = tuple(range(100, 200))
 GROUP_B = tuple(range(300, 400))
@@ -151,3 +153,19 @@ def test_serve_ray_command_line():
     bad = subprocess.run([sys.executable, "-m", "radixserve", "serve-ray", "--request-router", "random"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--request-router" in bad.stderr
+
+
+def test_the_example_serve_config_builds_the_application():
+    import yaml
+    from ray.serve import Application
+    from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
+    from ray.serve.schema import ServeDeploySchema
+
+    from radixserve.ray import app_builder
+
+    with open(ROOT / "examples" / "ray_serve.yaml", encoding="utf-8") as f:
+        config = ServeDeploySchema.model_validate(yaml.safe_load(f))
+    [app] = config.applications
+    assert app.import_path == "radixserve.ray:app_builder"
+    built = call_user_app_builder_with_args_if_necessary(app_builder, app.args)
+    assert isinstance(built, Application)
