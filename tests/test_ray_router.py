@@ -169,3 +169,20 @@ def test_the_example_serve_config_builds_the_application():
     assert app.import_path == "radixserve.ray:app_builder"
     built = call_user_app_builder_with_args_if_necessary(app_builder, app.args)
     assert isinstance(built, Application)
+
+
+@pytest.mark.parametrize("cls", [AffinityRequestRouter, PowerOfTwoRouter])
+def test_a_replica_whose_engine_is_down_is_passed_over_until_ray_replaces_it(cls):
+    async def run():
+        router, replicas = make_router(cls)
+        router.exclude("a")
+        for tail in range(8):
+            ranked = await choose(router, prefix(GROUP_A + (tail,)))
+            assert ranked and all(group == ["b"] for group in ranked if group)
+        router.exclude("b")  # every replica down: requests still go somewhere (they wait for Ray's restart)
+        assert any(await choose(router, prefix(GROUP_A)))
+        router.update_replicas([replicas["b"], StandInReplica("c")])  # Ray replaced "a"; "b" is still down
+        for tail in range(8):
+            ranked = await choose(router, prefix(GROUP_B + (tail,)))
+            assert ranked and all(group == ["c"] for group in ranked if group)
+    asyncio.run(run())

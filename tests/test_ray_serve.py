@@ -3,15 +3,19 @@ the embedded model with 2 EngineReplica replicas, one per node, behind radixserv
 
 The OpenAI client gets answers through the ingress (plain and streamed) and errors keep their envelope; the
 shared-prefix workload (4 groups x 4 prompts; each group's first prompt, then the rest at once) keeps >= 80% of the
-ideal hit rate summed over the replicas with the affinity router and fewer hits with Ray's pow2 router; killing
-one replica's actor, the following requests all succeed and Ray brings the replica back."""
+ideal hit rate summed over the replicas with the affinity router and fewer hits with Ray's pow2 router; when one
+replica's engine dies, its request in flight ends with the 503 error event, the following requests all succeed and
+Ray replaces the replica (its health check fails); killing one replica's actor, the following requests all succeed
+and Ray brings the replica back."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import os
 import random
+import threading
 import time
+from typing import Optional
 
 import httpx
 import pytest
@@ -63,13 +67,15 @@ def replica_actors() -> list[dict]:
             if actor["ActorClassName"] == REPLICA_CLASS and actor["State"] == "ALIVE"]
 
 
-def wait_for_replicas(count: int, timeout: float = 300.0) -> None:
+def wait_for_replicas(count: int, replaced: Optional[dict] = None, timeout: float = 300.0) -> None:
+    """Until `count` replicas run (and the actor `replaced` is not one of them)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         status = serve.status().applications.get("radixserve")
         if status is not None and status.status == "RUNNING":
             replicas = status.deployments["EngineReplica"].replica_states.get("RUNNING", 0)
-            if replicas == count:
+            if replicas == count and (replaced is None or replaced["ActorID"] not in
+                                      {actor["ActorID"] for actor in replica_actors()}):
                 return
         time.sleep(1.0)
     raise AssertionError(f"{count} replicas not running after {timeout} s: {serve.status()}")
@@ -158,6 +164,38 @@ def test_affinity_router_keeps_the_shared_prefix_hits(affinity):
     test_affinity_router_keeps_the_shared_prefix_hits.matched = matched
 
 
+def test_a_replica_whose_engine_dies_fails_its_requests_and_is_replaced(affinity):
+    import psutil
+
+    events: list[str] = []
+
+    def long_generation() -> None:
+        with httpx.stream("POST", affinity + "/generate", timeout=120, json={
+                "text": "Tell a long story about the sea.", "stream": True,
+                "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}) as response:
+            events.extend(line for line in response.iter_lines() if line.startswith("data:"))
+
+    streaming = threading.Thread(target=long_generation)
+    streaming.start()
+    busy = []
+    deadline = time.monotonic() + 60
+    while not busy and time.monotonic() < deadline:
+        busy = [replica["replica_id"] for replica in httpx.get(affinity + "/get_server_info", timeout=60).json()
+                ["replicas"] if replica["num_running_reqs"]]
+    [victim] = [actor for actor in replica_actors() if actor["Name"].endswith(busy[0])]
+    for child in psutil.Process(victim["Pid"]).children(recursive=True):  # the engine's processes
+        child.kill()
+    streaming.join(60)
+    assert not streaming.is_alive()  # the request in flight ended, with the error event
+    assert "engine_unavailable" in events[-2] and events[-1] == "data: [DONE]", events[-3:]
+    for i in range(6):  # new requests go to the other replica
+        response = httpx.post(affinity + "/generate", json={
+            "text": f"Entry {i}: a short note about {WORDS[i]}", "sampling_params": {"max_new_tokens": 2}},
+            timeout=120)
+        assert response.status_code == 200, response.text
+    wait_for_replicas(2, replaced=victim)  # the failed health check makes Ray replace it
+
+
 def test_a_killed_replica_is_replaced_and_requests_go_on(affinity):
     victim = replica_actors()[0]
     ray.kill(ray.get_actor(victim["Name"], namespace="serve"), no_restart=True)
@@ -166,8 +204,7 @@ def test_a_killed_replica_is_replaced_and_requests_go_on(affinity):
             "text": f"Item {i}: a short note about {WORDS[i]}", "sampling_params": {"max_new_tokens": 2}},
             timeout=120)
         assert response.status_code == 200, response.text
-    wait_for_replicas(2)
-    assert victim["ActorID"] not in {actor["ActorID"] for actor in replica_actors()}
+    wait_for_replicas(2, replaced=victim)
     info = httpx.get(affinity + "/get_server_info", timeout=60).json()
     assert info["dp_size"] == 2 and len(info["replicas"]) == 2
 

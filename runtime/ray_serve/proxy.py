@@ -8,7 +8,9 @@ the EngineReplica deployment through its handle.
   addressed with ReplicaTarget; their replies are merged as the `--dp-size` replicas' are
   (tokenizer_manager/replicas.py).
 - Errors: what a replica raised reaches the HTTP layer as itself (a ValueError stays a 400); a replica that died
-  under a request, or a control call that cannot reach a replica in time, is an EngineDeadError (503).
+  under a request, or a control call that cannot reach a replica in time, is an EngineDeadError (503). A replica
+  whose engine is down refuses new requests before they start; they are sent again, and the router passes that
+  replica over until Ray replaces it.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from ray.serve import context as serve_context
 
 from radixserve.runtime.ray_serve.replica import ReplicaDescription
 from radixserve.runtime.ray_serve.routing import (
-    ROUTE_KWARG, PrefixRoute, ReplicaDirectory, ReplicaTarget, lookup,
+    ROUTE_KWARG, PrefixRoute, ReplicaDirectory, ReplicaEngineDeadError, ReplicaTarget, lookup,
 )
 from radixserve.runtime.wire.errors import EngineDeadError
 from radixserve.runtime.wire.sampling_params import LengthLimits, SamplingParams
@@ -41,6 +43,8 @@ logger = logging.getLogger(__name__)
 
 CONTROL_TIMEOUT_SECONDS = 30.0
 UNBOUNDED_NEW_TOKENS = 512  # a request without max_new_tokens counts this many toward its replica's load
+MAX_ATTEMPTS = 3  # a generation refused by replicas whose engine is down is sent this many times at most
+_NOTHING = object()
 T = TypeVar("T")
 
 
@@ -63,19 +67,44 @@ class EngineProxy:
     # ---- generation ------------------------------------------------------------------------------
     async def generate_request(self, obj: GenerateReqInput) -> AsyncIterator[Any]:
         route = await self._route(obj)
-        stream = own_request_id(lambda: self._stream_handle.generate.remote(obj, **{ROUTE_KWARG: route}))
+        stream, first = await self._start(obj, route)
         arrivals: dict[int, list[float]] = {}
         finished = False
         try:
-            async for chunk in stream:
-                self._observe(chunk, arrivals)
-                yield chunk
+            if first is not _NOTHING:
+                self._observe(first, arrivals)
+                yield first
+                async for chunk in stream:
+                    self._observe(chunk, arrivals)
+                    yield chunk
             finished = True
         except ray.exceptions.RayError as error:
             raise _replica_error(error) from None
         finally:
             if not finished:
                 stream.cancel()  # the replica's iteration is closed, which aborts the request in its engine
+
+    async def _start(self, obj: GenerateReqInput, route: PrefixRoute) -> tuple[Any, Any]:
+        """Send the request and wait for its first chunk; a replica whose engine is down refuses it before it
+        starts, and it goes to another one."""
+        for attempt in range(1, MAX_ATTEMPTS + 1):
+            stream = own_request_id(lambda: self._stream_handle.generate.remote(obj, **{ROUTE_KWARG: route}))
+            try:
+                return stream, await stream.__anext__()
+            except StopAsyncIteration:
+                return stream, _NOTHING
+            except ray.exceptions.RayError as error:
+                failure = _replica_error(error)
+                if not isinstance(failure, ReplicaEngineDeadError) or attempt == MAX_ATTEMPTS:
+                    raise failure from None
+                logger.warning("%s: sending the request to another replica", failure)
+                directory = self._directory()
+                if directory is not None:
+                    directory.exclude(failure.replica_id)
+            except BaseException:
+                stream.cancel()
+                raise
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def _observe(self, chunk: Any, arrivals: dict[int, list[float]]) -> None:
         """Feed finished requests to `request_observer` (the server's metrics), with the times their chunks

@@ -4,7 +4,8 @@ the replica actor's children, so they get the devices Ray gave the actor).
 Every method takes the `route` keyword argument its router read (routing.py) and ignores it. Generation streams:
 the ingress calls `generate` through `handle.options(stream=True)` and gets the Engine's chunks (or its one final
 result) as they come; cancelling that call (the HTTP client left) closes the iteration, which aborts the request
-in the engine. `check_health` fails once the engine died, so Ray replaces the replica.
+in the engine. `check_health` fails once the engine died, so Ray replaces the replica; until then `generate` refuses new requests
+with ReplicaEngineDeadError, which the ingress retries on another replica.
 """
 
 from __future__ import annotations
@@ -12,7 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Optional
 
+from ray import serve
+
 from radixserve.runtime.engine import Engine
+from radixserve.runtime.ray_serve.routing import ReplicaEngineDeadError
 from radixserve.runtime.wire.errors import EngineDeadError
 from radixserve.runtime.wire.messages import ModelInfo
 from radixserve.tokenizer_manager.io import GenerateReqInput
@@ -32,6 +36,9 @@ class EngineReplica:
         self.engine = Engine(**engine_args)
 
     async def generate(self, obj: GenerateReqInput, route: Any = None) -> AsyncIterator[Any]:
+        if not self.engine.is_healthy():  # refused before it starts, so the ingress may retry it elsewhere
+            raise ReplicaEngineDeadError(serve.get_replica_context().replica_id.unique_id,
+                                         "the engine is not running")
         async for chunk in self.engine.generate_request(obj):
             yield chunk
 

@@ -47,6 +47,7 @@ class _DirectoryRouter(RequestRouter):
             raise TypeError(f"{type(self).__name__} takes no request_router_kwargs {sorted(kwargs)}")
         self._lock = threading.Lock()
         self._ids: dict[str, ReplicaID] = {}  # unique_id -> ReplicaID, in the order first seen
+        self._excluded: set[str] = set()  # replicas whose engine is down, until Ray replaces them
         register(self._deployment_id.app_name, self._deployment_id.name, self)
 
     # ---- ReplicaDirectory ----------------------------------------------------------------------------
@@ -57,6 +58,17 @@ class _DirectoryRouter(RequestRouter):
     def flushed(self, replica_id: str) -> None:
         """Nothing to forget without a picture of the caches."""
 
+    def exclude(self, replica_id: str) -> None:
+        with self._lock:
+            if replica_id in self._ids:
+                self._excluded.add(replica_id)
+
+    def _usable(self, replicas: list[RunningReplica]) -> list[RunningReplica]:
+        """`replicas` without those excluded, unless that leaves none (a request then waits for Ray's restart)."""
+        with self._lock:
+            usable = [replica for replica in replicas if replica.replica_id.unique_id not in self._excluded]
+        return usable or replicas
+
     # ---- Ray's hooks ----------------------------------------------------------------------------------
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
@@ -65,6 +77,7 @@ class _DirectoryRouter(RequestRouter):
             gone = [self._ids[unique] for unique in self._ids if unique not in current]
             self._ids = {unique: rid for unique, rid in self._ids.items() if unique in current}
             self._ids.update((unique, rid) for unique, rid in current.items() if unique not in self._ids)
+            self._excluded &= set(current)
         for replica_id in gone:
             self._replica_gone(replica_id)
 
@@ -72,6 +85,7 @@ class _DirectoryRouter(RequestRouter):
         super().on_replica_actor_died(replica_id)
         with self._lock:
             self._ids.pop(replica_id.unique_id, None)
+            self._excluded.discard(replica_id.unique_id)
         self._replica_gone(replica_id)
 
     def _replica_gone(self, replica_id: ReplicaID) -> None:
@@ -115,6 +129,7 @@ class AffinityRequestRouter(_DirectoryRouter):
         route = route_of(pending_request.kwargs) if pending_request is not None else None
         if pending_request is not None:
             pending_request.routing_context.should_backoff = True  # no staged locality: back off when all are full
+        candidate_replicas = self._usable(candidate_replicas)
         if not isinstance(route, PrefixRoute) or not candidate_replicas:
             return [candidate_replicas]  # not a generation: Ray takes the shortest queue
         # A replica whose queue Ray knows to be full is passed over, so the request spills to the next best.
@@ -167,7 +182,9 @@ class PowerOfTwoRouter(LocalityMixin, MultiplexMixin, _DirectoryRouter):
         targeted = self._targeted(pending_request)
         if targeted is not None:
             return targeted
-        return await PowerOfTwoChoicesRequestRouter.choose_replicas(self, candidate_replicas, pending_request)
+        ranked = await PowerOfTwoChoicesRequestRouter.choose_replicas(self, candidate_replicas, pending_request)
+        usable = self._usable(list(self.curr_replicas.values()))
+        return [[replica for replica in group if replica in usable] for group in ranked]
 
 
 ROUTERS = {"affinity": AffinityRequestRouter, "pow2": PowerOfTwoRouter}

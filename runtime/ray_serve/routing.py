@@ -37,6 +37,18 @@ class ReplicaGoneError(EngineDeadError):
     """The replica a control request was addressed to is no longer running."""
 
 
+class ReplicaEngineDeadError(EngineDeadError):
+    """A replica's engine is down (Ray replaces the replica once its health check fails); raised before the request
+    started, so it may be sent to another replica."""
+
+    def __init__(self, replica_id: str, reason: str) -> None:
+        super().__init__(f"replica {replica_id}: {reason}")
+        self.replica_id = replica_id
+
+    def __reduce__(self) -> Any:  # crosses processes: rebuild it from its own arguments
+        return (type(self), (self.replica_id, str(self).partition(": ")[2]))
+
+
 class ReplicaDirectory(Protocol):
     """What the ingress reads from its router, which lives in the ingress's own process (on Ray's router thread)."""
 
@@ -45,6 +57,9 @@ class ReplicaDirectory(Protocol):
 
     def flushed(self, replica_id: str) -> None:
         """The replica's cache was flushed: it holds nothing any more."""
+
+    def exclude(self, replica_id: str) -> None:
+        """The replica's engine is down: route nothing more to it (Ray is about to replace it)."""
 
 
 _lock = threading.Lock()
