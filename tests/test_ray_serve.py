@@ -13,6 +13,7 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import random
+import re
 import threading
 import time
 from typing import Optional
@@ -107,6 +108,10 @@ def test_openai_client_through_the_ingress(affinity):
     with pytest.raises(openai.BadRequestError) as bad:
         client.completions.create(model="SmolLM2-135M-Instruct", prompt="hi", max_tokens=8, temperature=-1)
     assert bad.value.body["param"] == "temperature"
+    # The ingress's metrics count the requests the replicas finished.
+    metrics = httpx.get(affinity + "/metrics", timeout=60).text
+    finished = re.search(r"num_requests_total\{[^}]*\} ([0-9.]+)", metrics)
+    assert finished and float(finished.group(1)) >= 2, metrics[:2000]
 
 
 def _workload() -> list[list[str]]:

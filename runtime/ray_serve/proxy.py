@@ -49,17 +49,19 @@ T = TypeVar("T")
 
 
 class EngineProxy:
+    """The duck-typed Engine of the ingress's HTTP app; see the module docstring. Lives on the ingress's loop."""
+
     def __init__(self, handle: Any, description: ReplicaDescription, server_args: ServerArgs,
                  max_replicas: int) -> None:
         """`handle`: the EngineReplica deployment's handle; `max_replicas` sizes the HTTP admission capacity."""
         self._handle = handle
         self._stream_handle = handle.options(stream=True)
         info = description.model_info
+        # The replicas count as data-parallel ranks: the app's admission capacity and /get_model_info say so.
         self.model_info = msgspec.structs.replace(info, dp_size=info.dp_size * max_replicas)
         self.tokenizer = description.tokenizer
         self.server_args = server_args
         self.request_observer: Optional[Callable[[dict[str, Any], list[float]], None]] = None
-        self.on_death: Optional[Callable[[str], None]] = None
         self._worker = TokenizerWorker(copy.deepcopy(self.tokenizer), load_chat_template(server_args.chat_template))
         self._limits = LengthLimits(info.context_len, info.max_total_num_tokens, info.page_size)
         self._aborts: set[asyncio.Task] = set()
@@ -175,9 +177,6 @@ class EngineProxy:
         """True while the router knows at least one running replica (or has not been asked yet)."""
         directory = self._directory()
         return directory is None or bool(directory.replica_ids())
-
-    def shutdown(self) -> None:
-        """The replicas belong to Ray Serve; nothing to stop here."""
 
     # ---- internals -------------------------------------------------------------------------------
     def _directory(self) -> Optional[ReplicaDirectory]:
