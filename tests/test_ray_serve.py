@@ -6,7 +6,7 @@ shared-prefix workload (4 groups x 4 prompts; each group's first prompt, then th
 ideal hit rate summed over the replicas with the affinity router and fewer hits with Ray's pow2 router; when one
 replica's engine dies, its request in flight ends with the 503 error event, the following requests all succeed and
 Ray replaces the replica (its health check fails); killing one replica's actor, the following requests all succeed
-and Ray brings the replica back."""
+and Ray brings the replica back. Last, `radixserve serve-ray` deploys onto the same cluster."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ import concurrent.futures
 import os
 import random
 import re
+import subprocess
+import sys
 import threading
 import time
 from typing import Optional
@@ -220,3 +222,26 @@ def test_pow2_router_loses_hits(affinity):
     affinity_matched = getattr(test_affinity_router_keeps_the_shared_prefix_hits, "matched", ideal)
     print(f"pow2 router: matched {matched} of ideal {ideal} ({matched / ideal:.0%})")
     assert matched < affinity_matched, (matched, affinity_matched, ideal)
+
+
+def test_serve_ray_command_deploys_onto_the_running_cluster(affinity):
+    command = [sys.executable, "-m", "radixserve", "serve-ray", "--address", ray.get_runtime_context().gcs_address,
+               "--num-replicas", "2", "--served-model-name", "from-the-cli", "--skip-server-warmup",
+               "--log-level", "warning"]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline, models = time.monotonic() + 300, []
+        while "from-the-cli" not in models and time.monotonic() < deadline:
+            assert process.poll() is None, "serve-ray exited"
+            time.sleep(2.0)
+            try:
+                models = [card["id"] for card in httpx.get(affinity + "/v1/models", timeout=10).json()["data"]]
+            except (httpx.HTTPError, ValueError, KeyError):
+                models = []
+        assert "from-the-cli" in models
+        response = httpx.post(affinity + "/v1/completions", timeout=120, json={
+            "model": "from-the-cli", "prompt": "The sea is", "max_tokens": 2})
+        assert response.status_code == 200, response.text
+    finally:
+        process.terminate()
+        process.wait(30)
