@@ -3,6 +3,7 @@ the EngineReplica deployment through its handle.
 
 - Generation: the prompt is tokenized here (the replicas' own tokenizer, sent by `describe`) to route on token
   ids; the request goes to the replica the router picks, as a Ray streaming call, with its route as a keyword.
+  A batch (several prompts in one request) goes to one replica, chosen by its first prompt.
 - Tokenization for the OpenAI routes (`async_encode`, `async_encode_chat`) runs here, as the Engine runs it.
 - Control requests (flush, server info, cache tree, abort) go to every replica the router knows, one call each,
   addressed with ReplicaTarget; their replies are merged as the `--dp-size` replicas' are
@@ -57,8 +58,9 @@ class EngineProxy:
         self._handle = handle
         self._stream_handle = handle.options(stream=True)
         info = description.model_info
-        # The replicas count as data-parallel ranks: the app's admission capacity and /get_model_info say so.
-        self.model_info = msgspec.structs.replace(info, dp_size=info.dp_size * max_replicas)
+        # The app runs what all its replicas run: that sizes the HTTP admission capacity. (dp_size stays each
+        # replica's own, the range of data_parallel_rank, which a replica's engine applies within itself.)
+        self.model_info = msgspec.structs.replace(info, max_running_requests=info.max_running_requests * max_replicas)
         self.tokenizer = description.tokenizer
         self.server_args = server_args
         self.request_observer: Optional[Callable[[dict[str, Any], list[float]], None]] = None

@@ -4,8 +4,8 @@ the replica actor's children, so they get the devices Ray gave the actor).
 Every method takes the `route` keyword argument its router read (routing.py) and ignores it. Generation streams:
 the ingress calls `generate` through `handle.options(stream=True)` and gets the Engine's chunks (or its one final
 result) as they come; cancelling that call (the HTTP client left) closes the iteration, which aborts the request
-in the engine. `check_health` fails once the engine died, so Ray replaces the replica; until then `generate` refuses new requests
-with ReplicaEngineDeadError, which the ingress retries on another replica.
+in the engine. `check_health` fails once the engine died, so Ray replaces the replica; until then `generate` refuses
+new requests with ReplicaEngineDeadError, which the ingress sends to another replica.
 """
 
 from __future__ import annotations
