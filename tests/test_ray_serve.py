@@ -11,7 +11,6 @@ and Ray brings the replica back. Last, `radixserve serve-ray` deploys onto the s
 from __future__ import annotations
 
 import concurrent.futures
-import os
 import random
 import re
 import subprocess
@@ -39,18 +38,19 @@ WORDS = ("river stone light garden paper window silver market engine orbit signa
 def cluster():
     from ray.cluster_utils import Cluster
 
-    os.environ.setdefault("RAY_DISABLE_USAGE_STATS", "1")
-    nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
-    nodes.add_node(num_cpus=1)
-    ray.init(address=nodes.address, logging_level="warning", log_to_driver=False)
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-        nodes.shutdown()
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("RAY_DISABLE_USAGE_STATS", "1")
+        nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+        nodes.add_node(num_cpus=1)
+        ray.init(address=nodes.address, logging_level="warning", log_to_driver=False)
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        try:
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            serve.shutdown()
+            ray.shutdown()
+            nodes.shutdown()
 
 
 def deploy(url: str, router: str) -> None:
