@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Hashable, Sequence
+from typing import Hashable, Mapping, Optional, Sequence, Union
 
 from radixserve.runtime.data_parallel.prefix_tree import ApproxPrefixTree
 
@@ -28,6 +28,9 @@ class LoadEstimate:
     tokens: int = 0
 
 
+Loads = Union[Sequence[LoadEstimate], Mapping[int, LoadEstimate]]  # each candidate replica's load, by its index
+
+
 class LoadBalancer:
     def __init__(self, method: str, num_replicas: int, cache_threshold: float = 0.5,
                  balance_abs_threshold: int = 32, balance_rel_threshold: float = 1.5,
@@ -38,30 +41,33 @@ class LoadBalancer:
         self.balance_abs_threshold = balance_abs_threshold
         self.balance_rel_threshold = balance_rel_threshold
         self.tree = ApproxPrefixTree(max_tree_tokens)
-        self._turn = itertools.cycle(range(num_replicas))
+        self._turn = itertools.count()
         self.decisions = {"cache_hit": 0, "cache_miss": 0, "balance": 0}  # cache_aware's reasons, for metrics
 
-    def choose(self, namespace: tuple, key: Sequence[Hashable], loads: Sequence[LoadEstimate]) -> int:
-        """The replica for a request of `namespace` whose prompt is `key`; records it in the tree."""
+    def choose(self, namespace: tuple, key: Sequence[Hashable], loads: Loads,
+               candidates: Optional[Sequence[int]] = None) -> int:
+        """The replica for a request of `namespace` whose prompt is `key`; records it in the tree.
+        `candidates`: the replicas to choose from (default: 0 .. num_replicas-1); `loads` is indexed by them."""
+        replicas = range(self.num_replicas) if candidates is None else candidates
         if self.method == "round_robin":
-            return next(self._turn)
+            return replicas[next(self._turn) % len(replicas)]
         if self.method == "shortest_queue":
-            return _argmin(range(self.num_replicas), lambda r: (loads[r].requests, loads[r].tokens))
+            return _argmin(replicas, lambda r: (loads[r].requests, loads[r].tokens))
         if self.method == "minimum_tokens":
-            return _argmin(range(self.num_replicas), lambda r: (loads[r].tokens, loads[r].requests))
-        replica = self._cache_aware(namespace, key, loads)
+            return _argmin(replicas, lambda r: (loads[r].tokens, loads[r].requests))
+        replica = self._cache_aware(namespace, key, loads, replicas)
         self.tree.insert(namespace, key, replica)
         return replica
 
-    def _cache_aware(self, namespace: tuple, key: Sequence[Hashable], loads: Sequence[LoadEstimate]) -> int:
-        replicas = range(self.num_replicas)
+    def _cache_aware(self, namespace: tuple, key: Sequence[Hashable], loads: Loads,
+                     replicas: Sequence[int]) -> int:
         least_loaded = _argmin(replicas, lambda r: (loads[r].requests, loads[r].tokens))
         busiest = max(loads[r].requests for r in replicas)
         idlest = loads[least_loaded].requests
         if busiest - idlest > self.balance_abs_threshold and busiest > idlest * self.balance_rel_threshold:
             self.decisions["balance"] += 1
             return least_loaded
-        matched = self.tree.match(namespace, key)
+        matched = {r: length for r, length in self.tree.match(namespace, key).items() if r in replicas}
         if matched:
             best = _argmin(matched, lambda r: (-matched[r], loads[r].requests, r))
             if key and matched[best] / len(key) >= self.cache_threshold:
