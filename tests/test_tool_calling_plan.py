@@ -95,6 +95,9 @@ def test_required_and_named_choices_carry_the_call_grammar(tokenizer, parser, pa
     # "auto" with the request's own grammar: that grammar applies, not the call grammar
     own = plan_chat_output(state, _body(tool_choice="auto", regex="[a-z]+"))
     assert own.body.ebnf is None and own.body.regex == "[a-z]+"
+    text = plan_chat_output(state, _body(tool_choice="required", parallel_tool_calls=parallel,
+                                         response_format={"type": "text"}))
+    assert text.body.ebnf == plan.body.ebnf  # a "text" response_format constrains nothing
 
 
 def test_misuse_is_a_400(tokenizer):

@@ -142,7 +142,8 @@ def plan_chat_output(state: ServerState, body: ChatCompletionRequest) -> ChatOut
     updates: dict[str, Any] = {}
     if parser.needs_special_tokens:
         updates["skip_special_tokens"] = False
-    own_grammar = body.response_format is not None or body.regex is not None or body.ebnf is not None
+    constrains = body.response_format is not None and body.response_format.type != "text"
+    own_grammar = constrains or body.regex is not None or body.ebnf is not None
     if mode in ("required", "named") and own_grammar:
         raise bad_request("a required or named tool_choice constrains the output itself; drop "
                           "response_format, regex and ebnf", param="tool_choice")
