@@ -74,8 +74,10 @@ def test_auto_call_once_started_is_well_formed(client, model):
     "auto"; the grammar then makes it one complete, schema-valid call, and ends the output after it."""
     tokenizer = load_tokenizer(default_model_path())
     bias = {str(token): 15 for token in tokenizer.encode('<tool_call>')}
+    # one call (parallel_tool_calls false for these i), its strings bounded: 240 tokens always hold it
     with concurrent.futures.ThreadPoolExecutor(max_workers=8) as pool:
-        kinds = list(pool.map(lambda i: auto_answer(client, model, i, logit_bias=bias), [1, 2, 3, 5, 6, 7, 9, 10]))
+        kinds = list(pool.map(lambda i: auto_answer(client, model, i, logit_bias=bias, max_tokens=240),
+                              [1, 2, 3, 5, 6, 7, 9, 10]))
     assert kinds == ["calls"] * 8, kinds
 
 

@@ -81,7 +81,7 @@ FEW_SHOT = [
 ]
 
 
-def auto_answer(client, model: str, i: int, logit_bias: Optional[dict[str, int]] = None) -> str:
+def auto_answer(client, model: str, i: int, logit_bias: Optional[dict[str, int]] = None, max_tokens: int = 100) -> str:
     """Ask request i of a tool_choice "auto" series (a tool prompt, after an earlier call or not, or a chat
     prompt; one call or parallel calls) and check its answer: calls whose arguments validate, or prose that
     holds no call (the parser found none). Returns "calls", "prose" or "cut" (max_tokens ended it: only its
@@ -92,7 +92,7 @@ def auto_answer(client, model: str, i: int, logit_bias: Optional[dict[str, int]]
     parallel = i % 4 == 0
     response = client.chat.completions.create(
         model=model, messages=messages, tools=tools, tool_choice="auto", parallel_tool_calls=parallel,
-        max_tokens=100, temperature=0.9, seed=i, logit_bias=logit_bias)
+        max_tokens=max_tokens, temperature=0.9, seed=i, logit_bias=logit_bias)
     choice = response.choices[0]
     calls = choice.message.tool_calls or []
     for call in calls:

@@ -6,7 +6,8 @@ The values are what `tool_parsers/pythonic.py` reads back with `ast`: strings in
 xgrammar's own JSON-schema grammar of the number, whose spelling Python shares), `True` / `False` / `None`,
 lists and dicts (`{"key": value}`) built the same way, `enum` / `const` as the exact literals. Keyword
 arguments and dict keys come in the schema's property order; required ones must be present, others may be left
-out, and undeclared ones are not allowed (xgrammar's strict reading of JSON schema). `$ref` to local `$defs` /
+out, and undeclared ones are not allowed (xgrammar's strict reading of JSON schema), except that an object
+schema with no properties takes any dict (of `additionalProperties` values). `$ref` to local `$defs` /
 `definitions` is followed (recursively if need be). Keywords that a grammar cannot enforce here (`allOf`,
 `not`, `patternProperties`, ...) are refused with a ToolSchemaError rather than silently dropped.
 """
