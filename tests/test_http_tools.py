@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from http_fixtures import ServerProcess
-from tool_cases import PROMPTS, TOOLS, auto_answer, call_case, check_call
+from tool_cases import PROMPTS, TOOLS, auto_answer, call_case, check_call, tool
 
 from radixserve.runtime.model_files import default_model_path, load_tokenizer
 from radixserve.runtime.openai.tool_grammar import MAX_PARALLEL_CALLS
@@ -134,7 +134,7 @@ def test_tool_errors_are_400s(client, model):
         assert info.value.status_code == 400 and info.value.type == "invalid_request_error"
         return info.value
 
-    bad_schema = _tool("f", "x", {"x": {"type": "no-such-type"}}, [])
+    bad_schema = tool("f", "x", {"x": {"type": "no-such-type"}}, [])
     assert bad(tools=[bad_schema], tool_choice="required").param == "tools"
     assert bad(tools=[TOOLS[0]], tool_choice={"type": "function", "function": {"name": "nope"}}).param == "tool_choice"
     assert bad(tools=[TOOLS[0]], tool_choice="required", response_format={"type": "json_object"}).param == \
