@@ -105,6 +105,9 @@ class RadixCache(PrefixCache):
         self._queue = EvictionQueue(eviction_policy)
         self._stats = CacheStats()
         self._clock = 0  # logical time of the last access; strictly increasing, so LRU order is exact
+        # Told of every evicted leaf (`evicted(leaf)`, before it leaves the tree) and of every flush (`reset()`):
+        # a data-parallel replica's reporter (scheduler/replica_report.py).
+        self.eviction_listener: Any = None
         self._init_tree()
 
     def _init_tree(self) -> None:
@@ -299,6 +302,8 @@ class RadixCache(PrefixCache):
             freed += len(leaf.key)
             self._evictable -= len(leaf.key)
             self._stats.of(leaf.namespace).evicted_tokens += len(leaf.key)
+            if self.eviction_listener is not None:
+                self.eviction_listener.evicted(leaf)
             parent = self._delete_leaf(leaf)
             if parent.is_evictable_leaf():
                 self._queue.push(parent, self._num_nodes)
@@ -315,6 +320,8 @@ class RadixCache(PrefixCache):
         if values:
             self.allocator.free(torch.cat(values))
         self._init_tree()
+        if self.eviction_listener is not None:
+            self.eviction_listener.reset()
 
     # ---- request-level operations --------------------------------------------------------------------
     def cache_finished_req(self, req: Any, token_ids: list[int]) -> None:

@@ -73,6 +73,7 @@ def server_info(scheduler: "Scheduler") -> dict[str, Any]:
         "new_token_ratio": scheduler.new_token_ratio.value,
         "tensor_parallel": tp_layout(scheduler.runner),
         **(scheduler.speculator.info() if scheduler.speculator is not None else {}),
+        "dp_rank": getattr(scheduler.runner, "dp_rank", 0),
     }
 
 

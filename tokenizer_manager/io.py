@@ -28,6 +28,8 @@ class GenerateReqInput:
     return_text_in_logprobs: bool = False
     stream: bool = False
     cache_salt: Union[str, list[str], None] = None
+    # SGLang's: the data-parallel replica to run on (None: the controller's load-balance method decides).
+    data_parallel_rank: Optional[int] = None
     # Set only by the HTTP server, from the API key; never taken from a client.
     tenant: Optional[str] = None
     # Set only by the servers' own routes: True streams new output only whatever the server's

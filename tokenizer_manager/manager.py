@@ -41,6 +41,7 @@ from radixserve.runtime.wire.messages import (
 )
 from radixserve.runtime.wire.errors import EngineDeadError, request_failed
 from radixserve.runtime.wire.sampling_params import InvalidSamplingParams, LengthLimits, SamplingParams
+from radixserve.tokenizer_manager.replicas import merge_replies
 from radixserve.tokenizer_manager.io import GenerateReqInput, SingleReq, make_namespace, split_requests
 from radixserve.tokenizer_manager.state import ReqGroup, ReqState
 from radixserve.tokenizer_manager.tokenize import TokenizerWorker
@@ -72,6 +73,9 @@ class TokenizerManager:
         self.rid_to_state: dict[str, tuple[ReqState, ReqGroup]] = {}
         self.groups: set[ReqGroup] = set()
         self.rpc_futures: dict[str, asyncio.Future] = {}
+        # Data parallelism: every replica answers a control request; the replies wait here until all are in.
+        self.num_replicas = model_info.dp_size
+        self._rpc_replies: dict[str, list[Any]] = {}
         self.dead: Optional[EngineDeadError] = None
         self.request_observer: Optional[RequestObserver] = None
         # Called with the reason when the engine fails (not on a deliberate shutdown), after the callers failed.
@@ -158,6 +162,12 @@ class TokenizerManager:
 
     def _submit(self, requests: list[tuple[SingleReq, list[int], SamplingParams]], obj: GenerateReqInput) -> ReqGroup:
         """Expand n, register the states, then send: either all of the batch is queued or none of it."""
+        rank = obj.data_parallel_rank
+        if rank is not None and not 0 <= rank < self.num_replicas:
+            error = ValueError(f"data_parallel_rank must be in [0, {self.num_replicas}) (the server runs "
+                               f"{self.num_replicas} data-parallel replicas), got {rank}")
+            error.field = "data_parallel_rank"  # type: ignore[attr-defined]
+            raise error
         expanded = []
         for request, input_ids, sampling in requests:
             n = sampling.n
@@ -188,6 +198,7 @@ class TokenizerManager:
                 logprob_start_len=request.logprob_start_len,
                 top_logprobs_num=request.top_logprobs_num,
                 stream=obj.stream,
+                routed_dp_rank=rank,
             ))
         return group
 
@@ -259,6 +270,7 @@ class TokenizerManager:
             return await future
         finally:
             self.rpc_futures.pop(rpc_id, None)
+            self._rpc_replies.pop(rpc_id, None)
 
     # ---- receiving -------------------------------------------------------------------------------
 
@@ -269,9 +281,7 @@ class TokenizerManager:
                 if isinstance(message, BatchTextOut):
                     self._handle_text_out(message)
                 elif isinstance(message, (FlushCacheReqOutput, GetServerInfoReqOutput, CacheTreeReqOutput)):
-                    future = self.rpc_futures.get(message.rpc_id)
-                    if future is not None and not future.done():
-                        future.set_result(message)
+                    self._rpc_reply(message)
                 elif isinstance(message, ProcessFailed):
                     logger.error("the %s process failed:\n%s", message.process, message.error)
                     self.mark_dead(f"the {message.process} process failed (its traceback is in the server log)")
@@ -282,6 +292,15 @@ class TokenizerManager:
         except Exception as exc:  # a bug here would otherwise leave every caller waiting forever
             logger.exception("the TokenizerManager's receive loop failed")
             self.mark_dead(f"the TokenizerManager's receive loop failed: {exc!r}")
+
+    def _rpc_reply(self, message: Any) -> None:
+        future = self.rpc_futures.get(message.rpc_id)
+        if future is None or future.done():
+            return
+        replies = self._rpc_replies.setdefault(message.rpc_id, [])
+        replies.append(message)
+        if len(replies) == self.num_replicas:
+            future.set_result(merge_replies(replies))
 
     def _handle_text_out(self, out: BatchTextOut) -> None:
         with_logprobs = len(out.output_token_logprobs) == len(out.rids)

@@ -74,6 +74,7 @@ async def create_chat_completion(
             top_logprobs_num=body.top_logprobs or 0,
             stream=body.stream,
             cache_salt=body.cache_salt,
+            data_parallel_rank=body.dp_rank,
             tenant=tenant,
             incremental_stream=True,
         )

@@ -86,6 +86,7 @@ async def create_completion(
                 top_logprobs_num=body.logprobs or 0,
                 stream=body.stream,
                 cache_salt=body.cache_salt,
+                data_parallel_rank=body.dp_rank,
                 tenant=tenant,
                 incremental_stream=True,
             ))

@@ -3,6 +3,8 @@
 TokenizerManager -> Scheduler:      TokenizedGenerateReq, AbortReq, FlushCacheReq, GetServerInfoReq, CacheTreeReq
 Scheduler -> DetokenizerManager:    BatchTokenOut (and control replies, forwarded untouched)
 DetokenizerManager -> Tokenizer:    BatchTextOut, FlushCacheReqOutput, GetServerInfoReqOutput, CacheTreeReqOutput
+Scheduler -> DP controller:         ReplicaLoad (with --dp-size > 1: load and evicted prefixes, see
+                                    runtime/data_parallel/)
 Children -> parent at start-up:     ProcessReady (the scheduler's carries ModelInfo) or ProcessFailed (on the
                                     same socket as their outputs)
 
@@ -70,6 +72,7 @@ class TokenizedGenerateReq(msgspec.Struct, tag=True):
     logprob_start_len: int = -1  # -1: no input-token logprobs
     top_logprobs_num: int = 0
     stream: bool = False
+    routed_dp_rank: Optional[int] = None  # the data-parallel replica the caller asked for (None: any)
 
 
 class AbortReq(msgspec.Struct, tag=True):
@@ -142,6 +145,28 @@ class BatchTextOut(msgspec.Struct, tag=True):
     spec: list[Optional[SpecCounts]] = []
 
 
+class EvictedPrefix(msgspec.Struct):
+    """A replica's radix tree dropped the tokens of `tokens` past `kept` in `namespace` (the path from the
+    namespace root through the evicted leaf; the first `kept` of them are still cached)."""
+
+    namespace: tuple[str, ...]
+    tokens: list[int]
+    kept: int
+
+
+class ReplicaLoad(msgspec.Struct, tag=True):
+    """A data-parallel replica's report to the controller: sent when its load changed (at most every few ms)."""
+
+    dp_rank: int
+    received: int  # generate requests received since start (the controller subtracts them from what it sent)
+    received_tokens: int  # their prompt + max new tokens
+    running: int
+    waiting: int
+    outstanding_tokens: int  # tokens the running and waiting requests still hold or need (prompt + max new)
+    evicted: list[EvictedPrefix] = []
+    flushed: bool = False  # the replica's cache was flushed since the last report
+
+
 class ModelInfo(msgspec.Struct, kw_only=True):
     """What the scheduler tells the other processes once its model is loaded (in its ProcessReady)."""
 
@@ -165,6 +190,8 @@ class ModelInfo(msgspec.Struct, kw_only=True):
     # Values for unset temperature/top_p/top_k/min_p/repetition_penalty (the model's generation_config.json
     # under --sampling-defaults model; empty under openai).
     sampling_defaults: dict[str, float] = {}
+    # Data-parallel replicas behind the controller; the fields above (the KV pool included) describe one of them.
+    dp_size: int = 1
 
     def to_dict(self) -> dict[str, Any]:
         return msgspec.structs.asdict(self)
@@ -191,6 +218,7 @@ Message = Union[
     CacheTreeReqOutput,
     BatchTokenOut,
     BatchTextOut,
+    ReplicaLoad,
     ProcessReady,
     ProcessFailed,
 ]

@@ -25,6 +25,9 @@ SAMPLING_BACKENDS = ("pytorch",)  # SGLang also has "flashinfer"; radixserve has
 TOOL_CALL_PARSERS = ("hermes", "qwen25", "llama3", "mistral", "pythonic")
 REASONING_PARSERS = ("qwen3", "deepseek-r1")
 SAMPLING_DEFAULTS = ("model", "openai")
+# How the data-parallel controller picks a replica (runtime/data_parallel/policy.py); minimum_tokens is SGLang's
+# name for the least outstanding tokens.
+LOAD_BALANCE_METHODS = ("cache_aware", "round_robin", "shortest_queue", "minimum_tokens")
 
 
 @dataclass
@@ -80,6 +83,14 @@ class ServerArgs:
     dist_timeout: float = 600.0  # seconds a collective may wait for a peer before the group fails
     nnodes: int = 1  # hosts the TP group spans; node k > 0 runs only its ranks (runtime/tp_node.py)
     node_rank: int = 0
+    dp_size: int = 1  # data-parallel replicas, each a scheduler (or TP group) with its own KV pool and tree
+    load_balance_method: str = "cache_aware"  # one of LOAD_BALANCE_METHODS
+    # cache_aware: a prefix match shorter than this share of the prompt goes to the least loaded replica ...
+    dp_cache_threshold: float = 0.5
+    # ... and so does every request while the busiest replica's load exceeds both the idlest's + abs and
+    # the idlest's x rel (outstanding requests; sglang-router's balance thresholds).
+    dp_balance_abs_threshold: int = 32
+    dp_balance_rel_threshold: float = 1.5
 
     # HTTP server
     host: str = "127.0.0.1"
@@ -169,6 +180,16 @@ class ServerArgs:
               "nnodes > 1 needs dist_init_addr HOST:PORT (node 0's address, reachable from every node)")
         check(self.dist_init_addr is None or self.dist_init_addr.rpartition(":")[2].isdigit(),
               f"dist_init_addr must be HOST:PORT, got {self.dist_init_addr!r}")
+        check(self.dp_size >= 1, f"dp_size must be >= 1, got {self.dp_size}")
+        check(self.load_balance_method in LOAD_BALANCE_METHODS,
+              f"load_balance_method must be one of {LOAD_BALANCE_METHODS}, got {self.load_balance_method!r}")
+        check(0.0 <= self.dp_cache_threshold <= 1.0,
+              f"dp_cache_threshold must be in [0, 1], got {self.dp_cache_threshold}")
+        check(self.dp_balance_abs_threshold >= 0 and self.dp_balance_rel_threshold >= 1.0,
+              "dp_balance_abs_threshold must be >= 0 and dp_balance_rel_threshold >= 1")
+        check(self.dp_size == 1 or self.nnodes == 1,
+              "dp_size > 1 runs its replicas on this host; across hosts put one server per host behind "
+              "sglang-router (docs/parallelism.md)")
         check(0 < self.port < 65536, f"port must be in 1..65535, got {self.port}")
         check(self.api_key is None or self.tenants_file is None, "give either api_key or tenants_file, not both")
         check(self.max_queued_requests is None or self.max_queued_requests >= 0,
