@@ -67,4 +67,5 @@ class DetokenizerManager:
             output_top_logprobs=batch.output_top_logprobs,
             input_token_logprobs=batch.input_token_logprobs,
             input_top_logprobs=batch.input_top_logprobs,
+            spec=batch.spec,
         )

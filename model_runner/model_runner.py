@@ -19,7 +19,7 @@ from radixserve.model_runner.lora.setup import create_lora_manager
 from radixserve.runtime.model_files import resolve_model
 from radixserve.model_runner.model_config import ModelConfig
 from radixserve.model_runner.models import get_model_class
-from radixserve.model_runner.parallel import HeadLayout, join_tp_group, min_over_ranks
+from radixserve.model_runner.parallel import HeadLayout, ReplicaPlacement, join_tp_group, min_over_ranks
 from radixserve.radix_cache.pool import KVAllocator, ReqToTokenPool, TokenToKVPool
 from radixserve.runtime.wire.server_args import ServerArgs
 
@@ -51,14 +51,18 @@ class ModelRunner:
     CUDA graphs).
     """
 
-    def __init__(self, server_args: ServerArgs, tp_rank: int = 0) -> None:
+    def __init__(self, server_args: ServerArgs, tp_rank: int = 0, dp_rank: int = 0) -> None:
         """With `server_args.tp_size > 1`, joins the tensor-parallel group at `server_args.dist_init_addr` as
-        rank `tp_rank` (every rank constructs its runner at the same time) and holds that rank's shard."""
+        rank `tp_rank` (every rank constructs its runner at the same time) and holds that rank's shard.
+        `dp_rank`: the data-parallel replica, which takes this host's devices (or cores) after the replicas
+        before it."""
         self.server_args = server_args
         self.tp_rank = tp_rank
+        self.dp_rank = dp_rank
         tp_context = join_tp_group(server_args.tp_size, tp_rank, server_args.dist_init_addr or "",
                                    server_args.resolved_device(), server_args.dist_timeout,
-                                   server_args.tp_size // server_args.nnodes)
+                                   server_args.tp_size // server_args.nnodes,
+                                   ReplicaPlacement(dp_rank, server_args.dp_size))
         self.device, self.tp, self.tp_cpu_group = tp_context.device, tp_context.tp, tp_context.cpu_group
         self.dtype = _DTYPES[server_args.resolved_dtype()]
         self.kv_cache_dtype = self._resolve_kv_cache_dtype()

@@ -175,27 +175,39 @@ class TPContext:
     cpu_group: Optional[Any]
 
 
+@dataclass(frozen=True)
+class ReplicaPlacement:
+    """Which data-parallel replica a rank belongs to: replica i uses the host's CUDA devices
+    [i * ranks_per_node, (i + 1) * ranks_per_node), or on the CPU a 1/num_replicas share of the cores."""
+
+    dp_rank: int = 0
+    num_replicas: int = 1
+
+
 def join_tp_group(
-    tp_size: int, rank: int, init_addr: str, device_type: str, timeout_s: float, ranks_per_node: int
+    tp_size: int, rank: int, init_addr: str, device_type: str, timeout_s: float, ranks_per_node: int,
+    replica: ReplicaPlacement = ReplicaPlacement(),
 ) -> TPContext:
     """Join (create, for rank 0) the process group of `tp_size` ranks at `init_addr` ("host:port"); this host
-    runs `ranks_per_node` of them, each on its own CUDA device (local index `rank % ranks_per_node`)."""
+    runs `ranks_per_node` of them (of each replica), each on its own CUDA device (local index
+    `replica.dp_rank * ranks_per_node + rank % ranks_per_node`)."""
     import datetime
+    import os
 
-    if tp_size == 1:
-        return TPContext(torch.device(device_type), TPGroup.single(), None)
     device = torch.device(device_type)
     if device_type == "cuda":
         count = torch.cuda.device_count()
-        if ranks_per_node > count:
-            raise ValueError(f"tp_size {tp_size} puts {ranks_per_node} ranks on this host, which has only "
-                             f"{count} CUDA devices")
-        device = torch.device("cuda", rank % ranks_per_node)
-        torch.cuda.set_device(device)
-    else:  # the ranks share this host's cores
-        import os
-
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks_per_node))
+        needed = ranks_per_node * replica.num_replicas
+        if needed > count:
+            raise ValueError(f"tp_size {tp_size} x dp_size {replica.num_replicas} puts {needed} ranks on this "
+                             f"host, which has only {count} CUDA devices")
+        if tp_size > 1 or replica.num_replicas > 1:
+            device = torch.device("cuda", replica.dp_rank * ranks_per_node + rank % ranks_per_node)
+            torch.cuda.set_device(device)
+    elif tp_size > 1 or replica.num_replicas > 1:  # the ranks of every replica share this host's cores
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // (ranks_per_node * replica.num_replicas)))
+    if tp_size == 1:
+        return TPContext(device, TPGroup.single(), None)
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = datetime.timedelta(seconds=timeout_s)
     dist.init_process_group(backend, init_method=f"tcp://{init_addr}", world_size=tp_size, rank=rank,

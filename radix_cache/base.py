@@ -79,6 +79,11 @@ class PrefixCache(ABC):
     def total_size(self) -> int:
         """Slots the cache holds."""
 
+    def continuation(self, token_ids: list[int], namespace: tuple, max_tokens: int) -> list[int]:
+        """Up to `max_tokens` cached tokens that follow the whole of `token_ids` in `namespace` (speculative
+        drafts); read-only. A cache that shares nothing knows none."""
+        return []
+
     @abstractmethod
     def stats(self) -> dict:
         """Counters, overall and per namespace (radix_cache/stats.py)."""

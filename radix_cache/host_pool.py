@@ -9,10 +9,14 @@ tree node, which frees it.
 
 Copies. On the CPU (the device pool in RAM, as in CI) every copy is a plain indexed copy, complete when the call
 returns. On CUDA the buffer is pinned and copies run on a dedicated copy stream, so they overlap the batch the
-device is running:
+device is running. Where the pinned buffer is mapped into the device's address space (unified addressing, every
+64-bit CUDA system), the copy stream's gather/scatter kernels read and write it directly over the bus (`_uva`, a
+CUDA view of the host buffer): no staging and no host-side copy, and stream order alone keeps a load behind the
+backups of the slots it reads. Otherwise (the view cannot be made) the staged path below is used:
 - device -> host (`backup`): gathered on the device and copied into pinned staging on the copy stream; the
-  staging is scattered into the buffer once its event fired, at the latest before anything reads the buffer
-  (`_complete_writes`). The scheduler frees the device slots right away: the next batch that may write them
+  staging is scattered into the buffer once its event fired: opportunistically at the next backup, and before
+  anything reads slots it writes (a load waits only for the writes of the slots it loads, so it never waits for
+  the batch in flight when its own slots were written long ago). The scheduler frees the device slots right away: the next batch that may write them
   is launched after `_fence`, which makes the launching stream wait for the copy stream.
 - host -> device (`load`, `load_data`): gathered on the host into pinned staging, copied and scattered into the
   device pool on the copy stream, then fenced the same way, so the batch that reads the loaded KV waits for it
@@ -48,7 +52,11 @@ class HostKVPool:
         # torch.empty: pages of RAM are only committed once written.
         self.buffer = torch.empty(shape, dtype=device_pool.dtype, pin_memory=self.on_cuda)
         self._stream = torch.cuda.Stream(self.device) if self.on_cuda else None
-        self._writes: list[tuple[torch.cuda.Event, torch.Tensor, torch.Tensor]] = []  # (copied, host slots, staging)
+        # Pending device -> host copies in issue order: (sequence number, copied, host slots, staging).
+        self._writes: list[tuple[int, torch.cuda.Event, torch.Tensor, torch.Tensor]] = []
+        self._write_seq = 0  # of the last write issued
+        self._last_write_of = torch.zeros(self.size + self.page_size, dtype=torch.int64)  # per host slot
+        self._uva = _device_view(self.buffer, self.device) if self.on_cuda else None
 
     @property
     def bytes_per_token(self) -> int:
@@ -71,20 +79,31 @@ class HostKVPool:
         if not self.on_cuda:
             self.buffer[host_slots] = self._gather_device(device_slots)
             return
+        if self._uva is not None:
+            self._begin(device_slots)
+            with torch.cuda.stream(self._stream):
+                self._uva.index_copy_(0, host_slots.to(self.device), self._gather_device(device_slots))
+            self._fence()
+            return
+        self._complete_writes(wait_for=0)  # the finished ones, without waiting
+        if len(self._writes) >= _MAX_PENDING_WRITES:
+            self._complete_writes(wait_for=self._writes[0][0])  # bounds the pinned staging memory held
         self._begin(device_slots)
         with torch.cuda.stream(self._stream):
             staging = torch.empty((len(host_slots), *self.buffer.shape[1:]), dtype=self.buffer.dtype, pin_memory=True)
             staging.copy_(self._gather_device(device_slots), non_blocking=True)
             copied = torch.cuda.Event()
             copied.record()
-        self._writes.append((copied, host_slots, staging))
-        if len(self._writes) > _MAX_PENDING_WRITES:
-            self._complete_writes()  # bounds the pinned staging memory held
+        self._write_seq += 1
+        self._last_write_of[host_slots] = self._write_seq
+        self._writes.append((self._write_seq, copied, host_slots, staging))
         self._fence()
 
     def read(self, host_slots: torch.Tensor) -> torch.Tensor:
         """The KV at `host_slots` as a new CPU tensor `[n, layers, 2, heads, dim]` (for the disk tier)."""
-        self._complete_writes()
+        if self._uva is not None:
+            self._stream.synchronize()  # the backups the copy stream writes into the buffer
+        self._complete_writes_of(host_slots)
         return self.buffer[host_slots]
 
     def read_device(self, device_slots: torch.Tensor) -> torch.Tensor:
@@ -93,9 +112,15 @@ class HostKVPool:
 
     def load(self, host_slots: torch.Tensor, device_slots: torch.Tensor) -> None:
         """Copy the KV at `host_slots` into the device pool at `device_slots`."""
-        self._complete_writes()
+        self._complete_writes_of(host_slots)
         if not self.on_cuda:
             self._scatter_device(device_slots, self.buffer[host_slots])
+            return
+        if self._uva is not None:
+            self._begin(device_slots)
+            with torch.cuda.stream(self._stream):
+                self._scatter_device(device_slots, self._uva.index_select(0, host_slots.to(self.device)))
+            self._fence()
             return
         staging = torch.empty((len(host_slots), *self.buffer.shape[1:]), dtype=self.buffer.dtype, pin_memory=True)
         torch.index_select(self.buffer, 0, host_slots, out=staging)
@@ -138,10 +163,49 @@ class HostKVPool:
         """Make the stream that launches the next batch wait for every copy queued so far."""
         torch.cuda.current_stream(self.device).wait_stream(self._stream)
 
-    def _complete_writes(self) -> None:
+    def _complete_writes_of(self, host_slots: torch.Tensor) -> None:
+        """Make the buffer hold the latest contents of `host_slots` (waiting for their pending copies only)."""
+        if self._writes and len(host_slots):
+            self._complete_writes(wait_for=int(self._last_write_of[host_slots].max()))
+
+    def _complete_writes(self, wait_for: int) -> None:
         """Scatter finished device -> host copies into the buffer, in issue order (a host slot freed and reused
-        gets its latest contents last)."""
-        for copied, host_slots, staging in self._writes:
-            copied.synchronize()
+        gets its latest contents last): every write up to sequence number `wait_for` (waiting for its copy), then
+        those whose copy already finished."""
+        done = 0
+        for seq, copied, host_slots, staging in self._writes:
+            if seq <= wait_for:
+                copied.synchronize()
+            elif not copied.query():
+                break
             self.buffer[host_slots] = staging
-        self._writes = []
+            done += 1
+        del self._writes[:done]
+
+
+class _CudaArray:
+    """A pointer and shape in the `__cuda_array_interface__` protocol, which torch.as_tensor wraps without a copy."""
+
+    def __init__(self, pointer: int, shape: tuple, typestr: str) -> None:
+        self.__cuda_array_interface__ = {"data": (pointer, False), "shape": shape, "typestr": typestr,
+                                         "strides": None, "version": 3}
+
+
+def _device_view(buffer: torch.Tensor, device: torch.device) -> Optional[torch.Tensor]:
+    """A CUDA tensor over the pinned `buffer`'s memory (same shape and dtype), or None where the device cannot
+    address it. Checked by a round trip: a value written through the view must be what the host reads."""
+    try:
+        raw = buffer.view(-1).view(torch.int16) if buffer.element_size() == 2 else buffer.view(-1).view(torch.int32)
+        typestr = "<i2" if buffer.element_size() == 2 else "<i4"
+        with torch.cuda.device(device):
+            flat = torch.as_tensor(_CudaArray(raw.data_ptr(), (raw.numel(),), typestr), device=device)
+            view = flat.view(buffer.dtype).view(buffer.shape)
+            probe = view.view(-1)[:1]
+            saved = buffer.view(-1)[:1].clone()
+            probe.copy_(torch.full((1,), 3, dtype=buffer.dtype, device=device))
+            torch.cuda.synchronize(device)
+            works = buffer.view(-1)[0].item() == 3
+            buffer.view(-1)[:1] = saved
+        return view if works else None
+    except Exception:  # no unified addressing here: the staged copies are used
+        return None

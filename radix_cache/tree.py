@@ -105,6 +105,9 @@ class RadixCache(PrefixCache):
         self._queue = EvictionQueue(eviction_policy)
         self._stats = CacheStats()
         self._clock = 0  # logical time of the last access; strictly increasing, so LRU order is exact
+        # Told of every evicted leaf (`evicted(leaf)`, before it leaves the tree) and of every flush (`reset()`):
+        # a data-parallel replica's reporter (scheduler/replica_report.py).
+        self.eviction_listener: Any = None
         self._init_tree()
 
     def _init_tree(self) -> None:
@@ -194,6 +197,12 @@ class RadixCache(PrefixCache):
             self._queue.push(node, self._num_nodes)
         indices = torch.cat(values) if len(values) > 1 else (values[0] if values else self._empty())
         return MatchResult(indices, node, pos)
+
+    def continuation(self, token_ids: list[int], namespace: tuple, max_tokens: int) -> list[int]:
+        from radixserve.radix_cache.continuation import tree_continuation
+
+        ns_root = self._namespace_root(namespace, create=False)
+        return [] if ns_root is None or max_tokens <= 0 else tree_continuation(ns_root, token_ids, max_tokens)
 
     def _insert(self, ns_root: TreeNode, key: list, end: int, slots: torch.Tensor) -> int:
         """Insert `key[:end]` (`end` page-aligned, > 0); ends on a node boundary; returns tokens already present."""
@@ -293,6 +302,8 @@ class RadixCache(PrefixCache):
             freed += len(leaf.key)
             self._evictable -= len(leaf.key)
             self._stats.of(leaf.namespace).evicted_tokens += len(leaf.key)
+            if self.eviction_listener is not None:
+                self.eviction_listener.evicted(leaf)
             parent = self._delete_leaf(leaf)
             if parent.is_evictable_leaf():
                 self._queue.push(parent, self._num_nodes)
@@ -333,6 +344,8 @@ class RadixCache(PrefixCache):
         if values:
             self.allocator.free(torch.cat(values))
         self._init_tree()
+        if self.eviction_listener is not None:
+            self.eviction_listener.reset()
 
     # ---- request-level operations --------------------------------------------------------------------
     def cache_finished_req(self, req: Any, token_ids: list[int]) -> None:

@@ -3,6 +3,7 @@
     radixserve serve                          # the embedded SmolLM2-135M-Instruct on http://127.0.0.1:30000
     radixserve serve --model-path DIR --port 8000 --api-key KEY
     radixserve generate "Write a haiku about the sea."
+    radixserve serve-ray --num-replicas 4     # on a Ray cluster (`ray start --head`): see docs/parallelism.md
     radixserve cache-report --url http://127.0.0.1:30000 --out report.html   # the cache page, as one file
     python -m radixserve ...                  # the same
 
@@ -34,11 +35,31 @@ def _parser() -> argparse.ArgumentParser:
                           help="complete the prompt text as is, without the chat template")
     ServerArgs.add_cli_args(generate)
 
+    serve_ray = commands.add_parser("serve-ray", help="serve on a Ray cluster: N engine replicas behind one ingress "
+                                    "(needs radixserve[ray])")
+    ServerArgs.add_cli_args(serve_ray)
+    from radixserve.runtime.ray_serve.cli import add_cli_args as add_ray_cli_args
+
+    add_ray_cli_args(serve_ray)
+
     report = commands.add_parser("cache-report", help="write a running server's cache page to one HTML file")
     from radixserve.runtime.cache_report import add_cli_args
 
     add_cli_args(report)
     return parser
+
+
+def _serve_ray(args: argparse.Namespace, server_args: ServerArgs) -> int:
+    try:
+        from radixserve.runtime.ray_serve.app import run_cli
+    except ImportError as error:
+        print(f"radixserve: error: serve-ray needs Ray Serve (pip install 'radixserve[ray]'): {error}", file=sys.stderr)
+        return 2
+    try:
+        return run_cli(args, server_args)
+    except ValueError as error:
+        print(f"radixserve: error: {error}", file=sys.stderr)
+        return 2
 
 
 def _serve(server_args: ServerArgs) -> int:
@@ -90,6 +111,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     if args.command == "serve":
         return _serve(server_args)
+    if args.command == "serve-ray":
+        return _serve_ray(args, server_args)
     return _generate(args, server_args)
 
 

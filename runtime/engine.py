@@ -31,7 +31,7 @@ import msgspec
 import zmq
 
 from radixserve.runtime.wire.ipc import IpcPaths, make_pull, make_push
-from radixserve.runtime.launch import ChildProcesses, resolve_for_launch
+from radixserve.runtime.launch import ChildProcesses, primary_model_info, resolve_for_launch
 from radixserve.runtime.loop_thread import LoopThread
 from radixserve.runtime.wire.messages import ModelInfo
 from radixserve.runtime.wire.lora import LoRAAdapterReqOutput
@@ -120,7 +120,7 @@ class Engine:
         res.children.start()
         self.tokenizer = load_tokenizer(child_args.tokenizer_path)  # while the children load
         infos = res.children.wait_ready(recv_socket)
-        self.model_info: ModelInfo = msgspec.structs.replace(infos["scheduler"],
+        self.model_info: ModelInfo = msgspec.structs.replace(primary_model_info(infos, child_args),
                                                             tokenizer_path=child_args.tokenizer_path)
 
         res.loop_thread = LoopThread()
@@ -156,7 +156,7 @@ class Engine:
     def _request(prompt: Prompt, sampling_params: Params, input_ids: Any, return_logprob: Any,
                  logprob_start_len: Any, top_logprobs_num: Any, stream: bool, cache_salt: Any,
                  return_text_in_logprobs: bool = False, priority: Any = None,
-                 lora_path: Any = None) -> GenerateReqInput:
+                 lora_path: Any = None, data_parallel_rank: Optional[int] = None) -> GenerateReqInput:
         return GenerateReqInput(
             text=prompt,
             input_ids=input_ids,
@@ -169,6 +169,7 @@ class Engine:
             cache_salt=cache_salt,
             priority=priority,
             lora_path=lora_path,
+            data_parallel_rank=data_parallel_rank,
         )
 
     def generate(self, prompt: Prompt = None, sampling_params: Params = None, input_ids: Any = None,
@@ -178,18 +179,20 @@ class Engine:
                  return_text_in_logprobs: bool = False,
                  priority: Union[int, list[Optional[int]], None] = None,
                  lora_path: Union[str, list[Optional[str]], None] = None,
+                 data_parallel_rank: Optional[int] = None,
                  ) -> Union[dict, list[dict], Iterator[dict]]:
         """Generate for one prompt (a str or token-id list) or a batch (a list of them).
 
         `priority` orders requests with --enable-priority-scheduling (docs/fair-share.md); `lora_path` names the
         LoRA adapter to run under, one for all prompts or one per prompt (None: the base model; docs/lora.md).
         Returns the result (a dict, or a list for a batch or n > 1), or with stream=True an iterator of
-        chunks. Raises ValueError for bad arguments before anything is queued, EngineDeadError when a child
-        process died.
+        chunks. `data_parallel_rank` runs it on that replica (with dp_size > 1; None: the controller decides).
+        Raises ValueError for bad arguments before anything is queued, EngineDeadError when a child process died.
         """
         self._check_open()
         obj = self._request(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
-                            top_logprobs_num, stream, cache_salt, return_text_in_logprobs, priority, lora_path)
+                            top_logprobs_num, stream, cache_salt, return_text_in_logprobs, priority, lora_path,
+                            data_parallel_rank)
         if stream:
             return self._loop.stream(lambda: self._tm.submit(obj), lambda group: self._tm.iterate(group, obj))
         return self._loop.call(self._collect(obj))
@@ -201,11 +204,13 @@ class Engine:
                              return_text_in_logprobs: bool = False,
                              priority: Union[int, list[Optional[int]], None] = None,
                              lora_path: Union[str, list[Optional[str]], None] = None,
+                             data_parallel_rank: Optional[int] = None,
                              ) -> Union[dict, list[dict], AsyncIterator[dict]]:
         """`generate` for async callers: await it for the result, or (stream=True) for an async iterator."""
         self._check_open()
         obj = self._request(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
-                            top_logprobs_num, stream, cache_salt, return_text_in_logprobs, priority, lora_path)
+                            top_logprobs_num, stream, cache_salt, return_text_in_logprobs, priority, lora_path,
+                            data_parallel_rank)
         if stream:
             return await self._loop.stream_async(lambda: self._tm.submit(obj),
                                                  lambda group: self._tm.iterate(group, obj))

@@ -46,7 +46,6 @@ NATIVE_UNSUPPORTED: dict[str, str] = {
     "bootstrap_pair_key": _DISAGGREGATION, "decode_tp_size": _DISAGGREGATION,
     "need_wait_for_mm_inputs": _DISAGGREGATION, "num_items_assigned": _DISAGGREGATION,
     "encoder_urls": _DISAGGREGATION,
-    "routed_dp_rank": _DATA_PARALLEL, "data_parallel_rank": _DATA_PARALLEL,
     "disagg_prefill_dp_rank": _DATA_PARALLEL,
     "kv_router_hint": "external KV routing hints",
     "background": "background requests",
@@ -60,6 +59,8 @@ NATIVE_UNSUPPORTED: dict[str, str] = {
 NATIVE_LABELS = frozenset({
     "log_metrics", "no_logs", "custom_labels", "external_trace_header", "received_time", "session_id",
     "conversation_id", "routing_key", "http_worker_ipc",
+    # The model a gateway (sglang-router) routed by; /generate serves the one model it has.
+    "model",
     # vLLM's and SGLang's streaming options; a native chunk's meta_info always carries the token counts.
     "stream_options",
 })
@@ -73,7 +74,6 @@ OPENAI_UNSUPPORTED: dict[str, str] = {
     "logits_processors": "custom logit processors",
     "bootstrap_host": _DISAGGREGATION, "bootstrap_port": _DISAGGREGATION, "bootstrap_room": _DISAGGREGATION,
     "kv_transfer_params": _DISAGGREGATION,
-    "data_parallel_rank": _DATA_PARALLEL, "routed_dp_rank": _DATA_PARALLEL,
     "no_stop_trim": "keeping the stop string in the output",
     "include_stop_str_in_output": "keeping the stop string in the output",
     "stop_regex": "stop regexes",
@@ -89,7 +89,6 @@ OPENAI_UNSUPPORTED: dict[str, str] = {
     "bad_words": "bad-word lists (use logit_bias)",
     "truncate_prompt_tokens": "prompt truncation",
     "return_tokens_as_token_ids": "token ids as logprob tokens",
-    "separate_reasoning": "reasoning parsing", "stream_reasoning": "reasoning parsing",
     "reasoning_effort": "reasoning effort",
     "documents": "retrieval documents in the chat template",
     "mm_processor_kwargs": _MULTIMODAL,

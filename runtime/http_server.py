@@ -70,7 +70,7 @@ def served_model_name(server_args: ServerArgs) -> str:
 def create_app(engine: Any, server_args: ServerArgs) -> FastAPI:
     """The ASGI app serving `engine` (a started radixserve Engine, owned by the caller)."""
     model_info = engine.model_info
-    capacity = model_info.max_running_requests + server_args.resolved_max_queued_requests()
+    capacity = model_info.max_running_requests * model_info.dp_size + server_args.resolved_max_queued_requests()
     state = ServerState(
         engine=engine,
         server_args=server_args,

@@ -139,31 +139,66 @@ def _main_module_hidden() -> Iterator[None]:
             setattr(main, name, value)
 
 
-def scheduler_entries(server_args: ServerArgs) -> dict[str, ChildEntry]:
+def scheduler_entries(server_args: ServerArgs, dp_rank: Optional[int] = None) -> dict[str, ChildEntry]:
     """This node's scheduler processes, one per tensor-parallel rank it hosts: "scheduler" is rank 0,
-    "scheduler-tp{r}" rank r. Node k of `nnodes` hosts ranks `[k * tp/nnodes, (k+1) * tp/nnodes)`."""
+    "scheduler-tp{r}" rank r (in data-parallel replica i: "scheduler-dp{i}", "scheduler-dp{i}-tp{r}"). Node k
+    of `nnodes` hosts ranks `[k * tp/nnodes, (k+1) * tp/nnodes)`."""
     import functools
 
-    from radixserve.scheduler.process import run_scheduler_process
+    from radixserve.scheduler.process import run_scheduler_process, scheduler_process_name
 
     per_node = server_args.tp_size // server_args.nnodes
     first = server_args.node_rank * per_node
     entries: dict[str, ChildEntry] = {}
     for rank in range(first, first + per_node):
-        name = "scheduler" if rank == 0 else f"scheduler-tp{rank}"
-        entries[name] = run_scheduler_process if rank == 0 else functools.partial(run_scheduler_process,
-                                                                                  tp_rank=rank)
+        entry = functools.partial(run_scheduler_process, tp_rank=rank, dp_rank=dp_rank)
+        entries[scheduler_process_name(rank, dp_rank)] = entry
     return entries
 
 
 def _default_entries(server_args: ServerArgs) -> dict[str, ChildEntry]:
-    """The schedulers of node 0 (all of them on one host) and the detokenizer."""
+    """The schedulers of node 0 (all of them on one host), the detokenizer, and with `dp_size > 1` the
+    data-parallel controller in front of the replicas."""
     if server_args.node_rank != 0:
         raise ValueError(f"node_rank {server_args.node_rank} hosts tensor-parallel ranks only: start it with "
                          "`radixserve serve --node-rank K ...`; the server and the Engine run on node 0")
     from radixserve.detokenizer_manager.process import run_detokenizer_process
 
-    return {**scheduler_entries(server_args), "detokenizer": run_detokenizer_process}
+    if server_args.dp_size == 1:
+        return {**scheduler_entries(server_args), "detokenizer": run_detokenizer_process}
+    import functools
+
+    from radixserve.runtime.data_parallel.controller import PROCESS_NAME, run_dp_controller
+
+    entries: dict[str, ChildEntry] = {PROCESS_NAME: run_dp_controller}
+    for dp_rank in range(server_args.dp_size):
+        replica_args = server_args
+        if server_args.tp_size > 1:  # each replica's TP group meets at its own address
+            replica_args = dataclasses.replace(server_args, dist_init_addr=f"127.0.0.1:{_free_port()}")
+        for name, entry in scheduler_entries(replica_args, dp_rank).items():
+            entries[name] = functools.partial(_with_args, replica_args, entry)
+    entries["detokenizer"] = run_detokenizer_process
+    return entries
+
+
+def _with_args(replica_args: ServerArgs, entry: ChildEntry, server_args: ServerArgs, ipc: IpcPaths,
+               parent_pid: int) -> None:
+    """Run `entry` with its replica's arguments instead of the launch's."""
+    entry(replica_args, ipc, parent_pid)
+
+
+def primary_model_info(infos: dict[str, Optional[ModelInfo]], server_args: ServerArgs) -> ModelInfo:
+    """The scheduler's ModelInfo (data-parallel: replica 0's, with the smallest KV pool and request limit of
+    all replicas, so a request admitted by the TokenizerManager fits any of them)."""
+    import msgspec
+
+    if server_args.dp_size == 1:
+        return infos["scheduler"]
+    replicas = [infos[f"scheduler-dp{r}"] for r in range(server_args.dp_size)]
+    return msgspec.structs.replace(
+        replicas[0], dp_size=server_args.dp_size,
+        max_total_num_tokens=min(info.max_total_num_tokens for info in replicas),
+        max_running_requests=min(info.max_running_requests for info in replicas))
 
 
 class ChildProcesses:

@@ -55,6 +55,9 @@ class ServerMetrics:
         self.token_usage = metric(Gauge, "token_usage", "The token usage (fraction of KV token slots in use).")
         self.cache_hit_rate = metric(Gauge, "cache_hit_rate", "The prefix cache hit rate.")
         self.gen_throughput = metric(Gauge, "gen_throughput", "The generation throughput (token/s).")
+        self.spec_accept_length = metric(Gauge, "spec_accept_length",
+                                         "The average speculative accept length (tokens per verify step).")
+        self.spec_accept_rate = metric(Gauge, "spec_accept_rate", "The share of speculative draft tokens accepted.")
         # radixserve's own: what the HTTP layer holds (admission control counts these).
         self.http_inflight = metric(Gauge, "http_inflight_requests", "Engine requests the HTTP server holds.")
 
@@ -87,5 +90,7 @@ class ServerMetrics:
             self.token_usage.set(float(server_info.get("token_usage") or 0.0))
             self.cache_hit_rate.set(float((server_info.get("cache") or {}).get("hit_rate") or 0.0))
             self.gen_throughput.set(float(server_info.get("gen_throughput") or 0.0))
+            self.spec_accept_length.set(float(server_info.get("avg_spec_accept_length") or 0.0))
+            self.spec_accept_rate.set(float(server_info.get("spec_accept_rate") or 0.0))
         self.http_inflight.set(http_inflight)
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

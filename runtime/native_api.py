@@ -41,6 +41,7 @@ MAX_BATCH = 1024
 Rid = Annotated[str, Field(min_length=1, max_length=256)]
 TopLogprobs = Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]
 LogprobStart = Annotated[int, Field(ge=-1, le=2**31)]
+DpRank = Annotated[int, Field(ge=0, le=1 << 16)]
 
 
 _NULL_IS_DEFAULT = ("return_logprob", "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs", "stream")
@@ -67,6 +68,9 @@ class NativeGenerateRequest(StrictModel):
     cache_salt: Union[Annotated[str, Field(max_length=256)], list[Annotated[str, Field(max_length=256)]], None] = None
     priority: Union[Priority, list[Optional[Priority]], None] = None  # --enable-priority-scheduling
     lora_path: Union[str, list[Optional[str]], None] = None  # a LoRA adapter's name, per prompt or for all
+    # SGLang's two names for the data-parallel replica to run on (sglang-router --dp-aware sends one).
+    data_parallel_rank: Optional[DpRank] = None
+    routed_dp_rank: Optional[DpRank] = None
 
     @model_validator(mode="before")
     @classmethod
@@ -153,6 +157,7 @@ def _build(state: ServerState, body: NativeGenerateRequest, tenant: Optional[str
         cache_salt=body.cache_salt,
         priority=body.priority,
         lora_path=body.lora_path,
+        data_parallel_rank=body.data_parallel_rank if body.routed_dp_rank is None else body.routed_dp_rank,
         tenant=tenant,
         tenant_weight=state.tenants.weight_of(tenant),
     )
@@ -228,6 +233,7 @@ async def flush_cache(request: Request, who: Caller = Depends(caller)) -> Respon
     return json_response({"success": True, "message": "Cache flushed."})
 
 
+@router.get("/model_info")
 @router.get("/get_model_info")
 async def get_model_info(request: Request, tenant: Optional[str] = Depends(caller_tenant)) -> Response:
     state = _state(request)
@@ -242,6 +248,7 @@ async def get_model_info(request: Request, tenant: Optional[str] = Depends(calle
     })
 
 
+@router.get("/server_info")
 @router.get("/get_server_info")
 async def get_server_info(request: Request, who: Caller = Depends(caller)) -> Response:
     """The administrator sees everything; a tenant sees the model's facts and its own namespaces and requests,
@@ -253,7 +260,8 @@ async def get_server_info(request: Request, who: Caller = Depends(caller)) -> Re
     if not who.is_admin:
         info = {**state.model_info.to_dict(), "cache": _own_cache(_own_namespaces(info.get("cache"), who.tenant))}
     info["incremental_streaming_output"] = _streams_incrementally(state)
-    info["internal_states"] = [_internal_state(info) if who.is_admin else {}]
+    info["internal_states"] = [_internal_state(replica) if who.is_admin else {}
+                               for replica in info.get("replicas") or [info]]
     info["http"] = {"served_model_name": state.served_model_name,
                     "inflight_engine_requests": state.inflight.num_engine_requests_of(who.tenant)}
     if who.is_admin:
@@ -278,9 +286,13 @@ def _streams_incrementally(state: ServerState) -> bool:
 
 
 def _internal_state(info: dict[str, Any]) -> dict[str, Any]:
-    """The scheduler's state under SGLang's names (no speculative decoding here: no avg_spec_accept_length)."""
-    return {"last_gen_throughput": info.get("gen_throughput"), "token_usage": info.get("token_usage"),
-            "num_running_reqs": info.get("num_running_reqs"), "num_queued_reqs": info.get("num_queued_reqs")}
+    """The scheduler's state under SGLang's names (avg_spec_accept_length only with speculative decoding)."""
+    state = {"last_gen_throughput": info.get("gen_throughput"), "token_usage": info.get("token_usage"),
+             "dp_rank": info.get("dp_rank", 0),
+             "num_running_reqs": info.get("num_running_reqs"), "num_queued_reqs": info.get("num_queued_reqs")}
+    if "avg_spec_accept_length" in info:
+        state["avg_spec_accept_length"] = info["avg_spec_accept_length"]
+    return state
 
 
 def _own_namespaces(cache: Any, tenant: Optional[str]) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from radixserve.scheduler.stop import StopChecker
 if TYPE_CHECKING:
     from radixserve.model_runner.logprobs import InputLogprobPlan
     from radixserve.scheduler.grammar import GrammarMask
+    from radixserve.scheduler.speculative.verify import VerifyPlan
 
 
 @dataclass
@@ -46,6 +47,8 @@ class ScheduleBatch:
     input_logprobs: Optional[InputLogprobPlan] = None
     grammar_mask: Optional[GrammarMask] = None
     lora_names: Optional[list[Optional[str]]] = None  # per request; None when no request has an adapter
+    # A speculative verify batch (scheduler/speculative/): its chains' drafts and per-row sampling; None otherwise.
+    verify: Optional[VerifyPlan] = None
 
     @property
     def batch_size(self) -> int:

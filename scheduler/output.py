@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Iterable, Optional
 
-from radixserve.runtime.wire.messages import BatchTokenOut
+from radixserve.runtime.wire.messages import BatchTokenOut, SpecCounts
 from radixserve.scheduler.req import Req
 
 
@@ -29,6 +29,7 @@ def build_batch_token_out(reqs: Iterable[Req]) -> Optional[BatchTokenOut]:
     if not ready:
         return None
     with_logprobs = any(req.return_logprob for req in ready)
+    with_spec = any(req.spec is not None for req in ready)
     out = BatchTokenOut(
         rids=[], new_token_ids=[], finish_reasons=[], prompt_tokens=[], completion_tokens=[], cached_tokens=[],
         skip_special_tokens=[], spaces_between_special_tokens=[], stop=[],
@@ -54,6 +55,9 @@ def build_batch_token_out(reqs: Iterable[Req]) -> Optional[BatchTokenOut]:
             send_input = first and req.return_logprob
             out.input_token_logprobs.append(list(req.input_token_logprobs) if send_input else None)
             out.input_top_logprobs.append(list(req.input_top_logprobs) if send_input else None)
+        if with_spec:
+            spec = req.spec
+            out.spec.append(None if spec is None else SpecCounts(spec.verify_ct, spec.num_accepted, spec.num_proposed))
         req.num_sent_tokens = len(req.output_ids)
         if req.finished:
             req.finish_sent = True

@@ -33,6 +33,7 @@ import torch
 from radixserve.model_runner.logprobs import InputLogprobs, compute_input_logprobs
 from radixserve.model_runner.sampling import Sampler
 from radixserve.scheduler.batch import ScheduleBatch
+from radixserve.scheduler.speculative.verify import enqueue_verify
 
 
 @dataclass
@@ -128,6 +129,8 @@ class BatchExecutor:
         forward_batch = batch.to_forward_batch(
             runner.req_to_token_pool, runner.token_to_kv_pool, self.token_table, self.device
         )
+        if batch.verify is not None:
+            return enqueue_verify(runner, forward_batch, batch.verify, self.token_table)
         plan = batch.input_logprobs
         if plan is not None:
             forward_batch.logits_indices = plan.logits_indices(forward_batch.last_token_indices())

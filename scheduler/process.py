@@ -2,7 +2,8 @@
 
     recv (block only when idle) -> handle messages -> step -> send outputs
 
-Sockets (see runtime/ipc.py): PULL bound on `tokenizer_to_scheduler`, PUSH connected to
+Sockets (see runtime/ipc.py): PULL bound on `tokenizer_to_scheduler` (data-parallel replica i: on
+`replica_input(i)`, fed by the controller, and a PUSH for its ReplicaLoad reports), PUSH connected to
 `scheduler_to_detokenizer`. Start-up sends `ProcessReady(process="scheduler", model=...)` once the model is
 loaded, or `ProcessFailed` with the traceback (then exits 1). The process dies with its parent: a watchdog
 thread polls the parent pid and exits when the parent is gone (no PR_SET_PDEATHSIG: it fires when the parent
@@ -21,12 +22,17 @@ import threading
 import time
 import traceback
 
+from typing import TYPE_CHECKING, Optional
+
 import zmq
 
 from radixserve.runtime.wire.ipc import IpcPaths, make_pull, make_push
 from radixserve.runtime.wire.messages import ProcessFailed, ProcessReady, decode, encode
 from radixserve.runtime.wire.server_args import ServerArgs
 from radixserve.scheduler.watchdog import StepWatchdog, describe_scheduler
+
+if TYPE_CHECKING:
+    from radixserve.scheduler.replica_report import ReplicaReporter
 
 logger = logging.getLogger(__name__)
 
@@ -35,17 +41,20 @@ IDLE_POLL_MS = 1000  # an idle scheduler wakes up this often even without messag
 BUSY_POLL_MS = 1  # a scheduler with nothing runnable (e.g. waiting for memory) naps this long
 
 
-def run_scheduler_process(server_args: ServerArgs, ipc: IpcPaths, parent_pid: int, tp_rank: int = 0) -> None:
+def run_scheduler_process(server_args: ServerArgs, ipc: IpcPaths, parent_pid: int, tp_rank: int = 0,
+                          dp_rank: Optional[int] = None) -> None:
     """Process entry point (multiprocessing `spawn` target). With tensor parallelism there is one per rank:
-    rank 0 owns the input socket, the others take their input from it (scheduler/tp.py)."""
-    name = "scheduler" if tp_rank == 0 else f"scheduler-tp{tp_rank}"
+    rank 0 owns the input socket, the others take their input from it (scheduler/tp.py). `dp_rank`: the
+    data-parallel replica this process belongs to (None without data parallelism)."""
+    name = scheduler_process_name(tp_rank, dp_rank)
     logging.basicConfig(
         level=server_args.log_level.upper(),
         format="%(asctime)s [scheduler] %(levelname)s %(name)s: %(message)s",
     )
     _watch_parent(parent_pid)
     ctx = zmq.Context()
-    receiver = make_pull(ctx, ipc.tokenizer_to_scheduler) if tp_rank == 0 else None
+    input_url = ipc.tokenizer_to_scheduler if dp_rank is None else ipc.replica_input(dp_rank)
+    receiver = make_pull(ctx, input_url) if tp_rank == 0 else None
     sender = make_push(ctx, ipc.scheduler_to_detokenizer)
     try:
         from radixserve.scheduler.scheduler import Scheduler
@@ -54,7 +63,11 @@ def run_scheduler_process(server_args: ServerArgs, ipc: IpcPaths, parent_pid: in
         if server_args.tp_size > 1:
             from radixserve.model_runner.model_runner import ModelRunner
 
-            runner = ModelRunner(server_args, tp_rank)
+            runner = ModelRunner(server_args, tp_rank, dp_rank or 0)
+        elif dp_rank is not None:
+            from radixserve.model_runner.model_runner import ModelRunner
+
+            runner = ModelRunner(server_args, 0, dp_rank)
         scheduler = Scheduler(server_args, model_runner=runner)
     except BaseException:
         logger.exception("scheduler failed to start")
@@ -69,15 +82,20 @@ def run_scheduler_process(server_args: ServerArgs, ipc: IpcPaths, parent_pid: in
     sender.send(encode(ProcessReady(process=name, model=scheduler.ready_info())))
     logger.info("%s ready: %s", name, scheduler.ready_info())
     watchdog = StepWatchdog(server_args.watchdog_timeout, lambda: describe_scheduler(scheduler))
+    reporter = None
+    if dp_rank is not None and tp_rank == 0:
+        from radixserve.scheduler.replica_report import ReplicaReporter
+
+        reporter = ReplicaReporter(dp_rank, make_push(ctx, ipc.replica_reports), scheduler)
     try:
         if server_args.tp_size > 1:
             from radixserve.scheduler.tp import TPRelay, serve_tp
 
             relay = TPRelay(tp_rank, scheduler.runner.tp_cpu_group)
-            serve_tp(scheduler, relay, receiver, sender if tp_rank == 0 else None)
+            serve_tp(scheduler, relay, receiver, sender if tp_rank == 0 else None, reporter)
         else:
             watchdog.start()
-            serve(scheduler, receiver, sender, watchdog)
+            serve(scheduler, receiver, sender, watchdog, reporter)
     except BaseException:
         logger.exception("%s crashed", name)
         sender.send(encode(ProcessFailed(process=name, error=traceback.format_exc())))
@@ -85,9 +103,17 @@ def run_scheduler_process(server_args: ServerArgs, ipc: IpcPaths, parent_pid: in
         os._exit(1)
 
 
-def serve(scheduler, receiver: zmq.Socket, sender: zmq.Socket, watchdog: StepWatchdog) -> None:
+def scheduler_process_name(tp_rank: int = 0, dp_rank: Optional[int] = None) -> str:
+    """"scheduler" (TP rank 0), "scheduler-tp{r}"; under data parallelism "scheduler-dp{i}[-tp{r}]"."""
+    name = "scheduler" if dp_rank is None else f"scheduler-dp{dp_rank}"
+    return name if tp_rank == 0 else f"{name}-tp{tp_rank}"
+
+
+def serve(scheduler, receiver: zmq.Socket, sender: zmq.Socket, watchdog: StepWatchdog,
+          reporter: Optional[ReplicaReporter] = None) -> None:
     """The loop: never spins when idle (blocks on the socket), never blocks while there is work. Each round
-    after the wait is watched by `watchdog`."""
+    after the wait is watched by `watchdog`; a data-parallel replica's `reporter` hears of each request and
+    reports after each round."""
     poller = zmq.Poller()
     poller.register(receiver, zmq.POLLIN)
     worked = True
@@ -103,10 +129,15 @@ def serve(scheduler, receiver: zmq.Socket, sender: zmq.Socket, watchdog: StepWat
                     data = receiver.recv(zmq.NOBLOCK)
                 except zmq.Again:
                     break
-                scheduler.handle_message(decode(data))
+                message = decode(data)
+                if reporter is not None:
+                    reporter.received_request(message)
+                scheduler.handle_message(message)
             worked = scheduler.step()
             for message in scheduler.take_outputs():
                 sender.send(encode(message))
+            if reporter is not None:
+                reporter.after_round()
 
 
 def _watch_parent(parent_pid: int) -> None:

@@ -79,6 +79,7 @@ class Req:
         self.input_logprobs_done = self.logprob_start_len < 0
         self.grammar: Any = None  # scheduler.grammar.GrammarState, once its grammar is compiled
         self.ended_without_sample = False  # finished because no token could be sampled (see the scheduler)
+        self.spec: Any = None  # scheduler.speculative.state.SpecState, while speculative decoding runs
 
         # KV state (see the module docstring)
         self.req_pool_idx: Optional[int] = None

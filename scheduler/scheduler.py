@@ -20,6 +20,9 @@ One step:  pick the next batch (prefill first, else decode) -> launch it -> proc
   in the tree (put there by another request of the same batch), its row is pointed at the tree's copy, which
   that batch writes in the same layer before attending (the AttentionBackend contract: write, then attend).
   A request whose prefix another request of the batch is computing waits one batch rather than compute it too.
+- Speculative decoding (scheduler/speculative/, docs/speculative.md): the decode step becomes a verify step
+  (`_schedule_verify`) that checks each request's draft chain in one extend forward; `_process_verify` takes the
+  accepted tokens and the speculator frees the rejected drafts' KV before a request may finish. Overlap is off.
 - Release: a finished, aborted or retracted request hands its KV to the cache (`cache_finished_req`, so a
   retracted request's re-prefill reuses it) and frees its row, in `_release_kv` and nowhere else.
 
@@ -58,6 +61,7 @@ from radixserve.scheduler.overlap import BatchExecutor, LaunchedBatch
 from radixserve.scheduler.policy import CLIP_MAX_NEW_TOKENS, NewTokenRatio, PrefillAdder, SchedulePolicy
 from radixserve.scheduler.req import Req
 from radixserve.scheduler.setup import check_request, make_cache, try_load_tokenizer
+from radixserve.scheduler.speculative import make_speculator
 from radixserve.scheduler.stats import SchedulerStats, decode_log_line
 from radixserve.scheduler.stop import StopChecker
 
@@ -91,6 +95,7 @@ class Scheduler:
         self.lora = LoRAScheduling(getattr(model_runner, "lora_manager", None))
         self.overlap = server_args.resolved_overlap_schedule()
         self.executor = BatchExecutor(model_runner, self.overlap)
+        self.speculator = make_speculator(server_args, model_runner, self.cache, self.stop_checker)
         self.chunk_size = server_args.resolved_chunked_prefill_size()
 
         self.waiting: list[Req] = []
@@ -160,6 +165,8 @@ class Scheduler:
             logger.error("request id %r is already in use; the new request is dropped", msg.rid)
             return
         req = Req.from_message(msg, next(self._arrivals))
+        if self.speculator is not None:
+            req.spec = self.speculator.new_state()
         self.reqs[req.rid] = req
         self.fair_share.on_arrival(req)
         error = check_request(req, self.runner, self.tokenizer) or self.fair_share.check(req) or self.lora.check(req)
@@ -315,6 +322,8 @@ class Scheduler:
         if reqs and self.inflight and any(needs_exact_history(r) for r in reqs):
             self._resolve_inflight()
             reqs = [r for r in self.running if r.needs_more_tokens()]
+        if (verify := self._schedule_verify(reqs)) is not None:
+            return verify
         slots = None
         while reqs and (slots := self._allocate_decode(reqs)) is None:
             if self.inflight:
@@ -329,6 +338,15 @@ class Scheduler:
             return None
         self.new_token_ratio.decay()
         return self._make_batch(ForwardMode.DECODE, [], reqs, slots)
+
+    def _schedule_verify(self, reqs: list[Req]) -> Optional[ScheduleBatch]:
+        """Speculative decoding's decode step (scheduler/speculative/), or None for a plain one."""
+        if self.speculator is None or not reqs:
+            return None
+        batch = self.speculator.plan(reqs)
+        if batch is not None:
+            self.new_token_ratio.decay()
+        return batch
 
     def _allocate_decode(self, reqs: list[Req]) -> Optional[torch.Tensor]:
         """One slot for each request's next token (evicting if needed), raising their kv_len; None if short."""
@@ -363,6 +381,9 @@ class Scheduler:
 
     def _process_result(self, launched: LaunchedBatch) -> None:
         batch, result = launched.batch, launched.result()
+        if batch.verify is not None:
+            self._process_verify(batch, result)
+            return
         collect_input_logprobs(batch, result)
         for i, req in enumerate(batch.reqs):
             req.num_inflight -= 1
@@ -398,14 +419,40 @@ class Scheduler:
             return
         logprob = result.logprobs[i] if result.logprobs is not None else None
         top = result.top_logprobs[i] if result.top_logprobs is not None else None
-        req.append_token(result.next_token_ids[i], logprob, top)
-        self.stats.on_tokens(1)
-        grammar_reason = self.grammars.accept(req, result.next_token_ids[i])
-        reason = self.stop_checker.check(req) or grammar_reason
+        reason = self._take_token(req, result.next_token_ids[i], logprob, top)
         if reason is not None:
             self._finish(req, reason)
         elif has_news(req):
             self._news[req.rid] = req
+
+    def _take_token(self, req: Req, token: int, logprob: Optional[float], top: Optional[list]) -> Optional[FinishReason]:
+        """Append one output token; the reason the request stops there, if it does."""
+        req.append_token(token, logprob, top)
+        self.stats.on_tokens(1)
+        grammar_reason = self.grammars.accept(req, token)
+        return self.stop_checker.check(req) or grammar_reason
+
+    def _process_verify(self, batch: ScheduleBatch, result: Any) -> None:
+        """A verify batch: each request takes its accepted drafts and one sampled token, up to where it stops;
+        its KV is settled (scheduler/speculative/speculator.py) before it may finish."""
+        for i, (req, chain) in enumerate(zip(batch.reqs, result.chains)):
+            req.num_inflight -= 1
+            taken, reason = 0, None
+            for taken, token in enumerate([] if req.finished else chain.tokens, 1):
+                logprob = result.logprobs[i][taken - 1] if result.logprobs is not None else None
+                top = result.top_logprobs[i][taken - 1] if result.top_logprobs is not None else None
+                if (reason := self._take_token(req, token, logprob, top)) is not None:
+                    break
+            self.speculator.settle(req, batch.prefix_lens[i], taken, batch.extend_lens[i] - 1, chain.num_accepted)
+            if reason is None and chain.no_token and not req.finished:
+                reason = FinishReason.abort(f"no token satisfies the request's constraints at output position "
+                                            f"{len(req.output_ids)}", status_code=400)
+            if reason is not None:
+                self._finish(req, reason)
+            elif req.finished:
+                self._maybe_release(req)
+            elif has_news(req):
+                self._news[req.rid] = req
 
     def _resolve_inflight(self) -> None:
         self.stats.forced_syncs += bool(self.inflight)
@@ -441,6 +488,8 @@ class Scheduler:
                 token_ids += [PLACEHOLDER_TOKEN_ID] * (req.kv_len - len(token_ids))
             self.cache.cache_finished_req(req, token_ids)
             self.req_to_token_pool.free(req.req_pool_idx)
+        if self.speculator is not None:
+            self.speculator.release(req)
         req.reset_kv_state()
 
     # ---- checks, outputs, logs ----------------------------------------------------------------------
@@ -461,6 +510,8 @@ class Scheduler:
             assert self.cache.protected_size() == 0, "idle scheduler with locked cache nodes"
             total, free = self.allocator.size, self.allocator.available_size()
             assert free + self.cache.evictable_size() == total, "idle scheduler leaked KV slots"
+            if self.speculator is not None:
+                self.speculator.check_idle()
 
     def _on_idle(self) -> None:
         self.new_token_ratio.reset()

@@ -82,8 +82,10 @@ class TPRelay:
             raise TPDesyncError(f"tensor-parallel ranks diverged: state digests by rank {digests}")
 
 
-def serve_tp(scheduler: Any, relay: TPRelay, receiver: Optional[zmq.Socket], sender: Optional[zmq.Socket]) -> None:
-    """The loop of every rank (rank 0 with its sockets, the others with None): never returns."""
+def serve_tp(scheduler: Any, relay: TPRelay, receiver: Optional[zmq.Socket], sender: Optional[zmq.Socket],
+             reporter: Any = None) -> None:
+    """The loop of every rank (rank 0 with its sockets and, in a data-parallel replica, its reporter; the
+    others with None): never returns."""
     poller = zmq.Poller()
     if receiver is not None:
         poller.register(receiver, zmq.POLLIN)
@@ -100,7 +102,10 @@ def serve_tp(scheduler: Any, relay: TPRelay, receiver: Optional[zmq.Socket], sen
         if step_input.check_digest:
             relay.check_digests(scheduler)
         for data in step_input.messages:
-            scheduler.handle_message(decode(data))
+            message = decode(data)
+            if reporter is not None:
+                reporter.received_request(message)
+            scheduler.handle_message(message)
         if scheduler.grammars.num_queued:
             # Grammars compile on a thread whose finishing time differs by rank: wait, so that every rank
             # admits a grammar request at the same step.
@@ -110,6 +115,8 @@ def serve_tp(scheduler: Any, relay: TPRelay, receiver: Optional[zmq.Socket], sen
         if sender is not None:
             for message in outputs:
                 sender.send(encode(message))
+        if reporter is not None:
+            reporter.after_round()
 
 
 def _drain(receiver: zmq.Socket, poller: zmq.Poller, timeout_ms: int) -> list[bytes]:

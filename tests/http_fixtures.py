@@ -38,7 +38,9 @@ def _die_with_parent() -> None:
 
 
 class ServerProcess:
-    def __init__(self, *flags: str, api_key: Optional[str] = None, admin_key: Optional[str] = None) -> None:
+    def __init__(self, *flags: str, api_key: Optional[str] = None, admin_key: Optional[str] = None,
+                 wait: bool = True) -> None:
+        """Start the server; with `wait` (the default) return once /health answers, else call wait_healthy()."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
@@ -47,7 +49,8 @@ class ServerProcess:
         command = [sys.executable, "-m", "radixserve", "serve", "--port", str(self.port), *flags]
         self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT,
                                         preexec_fn=_die_with_parent)
-        self._wait_healthy()
+        if wait:
+            self.wait_healthy()
 
     def headers(self, key: Optional[str] = None) -> dict[str, str]:
         key = key or self.api_key
@@ -57,7 +60,7 @@ class ServerProcess:
         with open(self.log.name, encoding="utf-8", errors="replace") as f:
             return f.read()
 
-    def _wait_healthy(self) -> None:
+    def wait_healthy(self) -> None:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.process.poll() is not None:

@@ -30,6 +30,7 @@ POST_ROUTES = {"/v1/chat/completions": "ChatCompletionRequest", "/v1/completions
                "/load_lora_adapter": "LoadLoRAAdapterRequest", "/unload_lora_adapter": "UnloadLoRAAdapterRequest"}
 ROUTES = {"/health", "/metrics", "/v1/models", "/v1/models/{model_id}", "/v1/chat/completions", "/v1/completions",
           "/generate", "/abort_request", "/flush_cache", "/get_model_info", "/get_server_info", "/health_generate",
+          "/model_info", "/server_info",
           "/cache", "/cache/tree", "/cache/{asset}", "/load_lora_adapter", "/unload_lora_adapter"}
 
 

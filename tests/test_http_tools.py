@@ -1,67 +1,27 @@
 """Tool calling over a real server process on the embedded model, through the official `openai` client.
 
 With `tool_choice` "required" or a named function, decoding is constrained by the call grammar, so even this
-135M-parameter model returns calls whose arguments validate against their schemas (jsonschema); streaming
+135M-parameter model returns calls whose arguments validate against their schemas (jsonschema); with "auto"
+every answer is prose or such calls; parallel calls end after a bounded number; streaming
 accumulates (the SDK's way) to the same call; a two-turn tool conversation reuses the first turn from the
 radix cache; bad tool requests are 400s in the OpenAI envelope."""
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import json
 
-import jsonschema
 import openai
 import pytest
 
 from http_fixtures import ServerProcess
+from tool_cases import PROMPTS, TOOLS, auto_answer, call_case, check_call, tool
+
+from radixserve.runtime.model_files import default_model_path, load_tokenizer
+from radixserve.runtime.openai.tool_grammar import MAX_PARALLEL_CALLS
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
-
-
-def _tool(name: str, description: str, properties: dict, required: list[str]) -> dict:
-    return {"type": "function", "function": {"name": name, "description": description, "parameters": {
-        "type": "object", "properties": properties, "required": required, "additionalProperties": False}}}
-
-
-TOOLS = [
-    _tool("get_weather", "Current weather of a city",
-          {"city": {"type": "string", "maxLength": 30}, "unit": {"enum": ["celsius", "fahrenheit"]}},
-          ["city", "unit"]),
-    _tool("create_event", "Put an event in the calendar", {
-        "title": {"type": "string", "maxLength": 30},
-        "when": {"type": "object", "properties": {"day": {"type": "integer", "minimum": 1, "maximum": 31},
-                                                  "hour": {"type": "integer", "minimum": 0, "maximum": 23}},
-                 "required": ["day", "hour"], "additionalProperties": False},
-        "attendees": {"type": "array", "items": {"type": "string", "maxLength": 20}, "maxItems": 3}},
-          ["title", "when", "attendees"]),
-    _tool("set_thermostat", "Set the temperature", {"celsius": {"type": "number", "minimum": 10, "maximum": 30}},
-          ["celsius"]),
-    _tool("order_pizza", "Order a pizza", {
-        "size": {"enum": ["small", "medium", "large"]},
-        "toppings": {"type": "array", "items": {"enum": ["cheese", "ham", "mushroom", "olive"]},
-                     "minItems": 1, "maxItems": 3}}, ["size", "toppings"]),
-    _tool("toggle_light", "Switch a light", {"room": {"enum": ["kitchen", "bedroom", "hall"]}, "on": {"type": "boolean"}},
-          ["room", "on"]),
-    _tool("roll_dice", "Roll dice", {"sides": {"type": "integer", "minimum": 2, "maximum": 20},
-                                     "count": {"type": "integer", "minimum": 1, "maximum": 5}}, ["sides", "count"]),
-    _tool("search_web", "Search the web", {"query": {"type": "string", "maxLength": 40},
-                                           "limit": {"type": "integer", "minimum": 1, "maximum": 10}}, ["query"]),
-    _tool("convert_currency", "Convert money", {"amount": {"type": "number", "exclusiveMinimum": 0, "maximum": 1e6},
-                                                "source": {"enum": ["USD", "EUR", "JPY"]},
-                                                "target": {"enum": ["USD", "EUR", "JPY"]}},
-          ["amount", "source", "target"]),
-    _tool("send_email", "Send an email", {"to": {"type": "string", "maxLength": 40},
-                                          "subject": {"type": "string", "maxLength": 40},
-                                          "urgent": {"type": "boolean"}}, ["to", "subject", "urgent"]),
-    {"type": "function", "function": {"name": "get_time", "description": "The current time"}},
-]
-PROMPTS = [
-    "What's the weather like in Paris today?", "Schedule lunch with Ana and Bo on the 12th at noon.",
-    "Make it 21 degrees in here.", "I want a large pizza with ham and olives.", "Turn off the kitchen light.",
-    "Roll two six-sided dice.", "Find recipes for banana bread.", "How many yen is 50 dollars?",
-    "Email bob@example.com that the meeting moved.", "What time is it?",
-]
 
 
 @pytest.fixture(scope="module")
@@ -81,24 +41,9 @@ def model(client):
     return client.models.list().data[0].id
 
 
-def _case(i: int) -> tuple[list[dict], object, str]:
-    """Request i of 20: its tools (the target and a distractor), its tool_choice, and the expected name."""
-    target, other = TOOLS[i % 10], TOOLS[(i + 3) % 10]
-    name = target["function"]["name"]
-    choice = {"type": "function", "function": {"name": name}} if i % 2 == 0 else "required"
-    return ([target, other] if i % 2 == 0 else [target]), choice, name
-
-
-def _check_call(call, tools: list[dict]) -> None:
-    schemas = {tool["function"]["name"]: tool["function"].get("parameters", {"type": "object"}) for tool in tools}
-    assert call.type == "function" and call.id.startswith("call_")
-    assert call.function.name in schemas
-    jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
-
-
 def test_required_and_named_calls_always_validate(client, model):
     def ask(i: int):
-        tools, choice, name = _case(i)
+        tools, choice, name = call_case(i)
         response = client.chat.completions.create(
             model=model, messages=[{"role": "user", "content": PROMPTS[i % 10]}], tools=tools, tool_choice=choice,
             parallel_tool_calls=False, max_tokens=160, temperature=0.0 if i < 10 else 0.8, seed=i)
@@ -107,18 +52,49 @@ def test_required_and_named_calls_always_validate(client, model):
     with concurrent.futures.ThreadPoolExecutor(max_workers=20) as pool:
         results = list(pool.map(ask, range(20)))
     for i, response in results:
-        tools, choice, name = _case(i)
+        tools, choice, name = call_case(i)
         choice_out = response.choices[0]
         assert choice_out.finish_reason == "tool_calls", (i, choice_out)
         assert choice_out.message.content is None and len(choice_out.message.tool_calls) == 1, (i, choice_out)
         call = choice_out.message.tool_calls[0]
-        _check_call(call, tools)
+        check_call(call, tools)
         if not isinstance(choice, str):
             assert call.function.name == name
 
 
+def test_auto_answers_are_prose_or_valid_calls(client, model):
+    with concurrent.futures.ThreadPoolExecutor(max_workers=16) as pool:
+        kinds = collections.Counter(pool.map(lambda i: auto_answer(client, model, i), range(16)))
+    print("auto answers:", dict(kinds))
+    assert kinds["prose"] > 0  # the grammar leaves the model free to answer in text
+
+
+def test_auto_call_once_started_is_well_formed(client, model):
+    """Pushed towards the call marker (logit_bias on its tokens, at every step), the model starts a call in
+    "auto"; the grammar then makes it one complete, schema-valid call, and ends the output after it."""
+    tokenizer = load_tokenizer(default_model_path())
+    bias = {str(token): 15 for token in tokenizer.encode('<tool_call>')}
+    # one call (parallel_tool_calls false for these i), its strings bounded: 240 tokens always hold it
+    with concurrent.futures.ThreadPoolExecutor(max_workers=8) as pool:
+        kinds = list(pool.map(lambda i: auto_answer(client, model, i, logit_bias=bias, max_tokens=240),
+                              [1, 2, 3, 5, 6, 7, 9, 10]))
+    assert kinds == ["calls"] * 8, kinds
+
+
+def test_parallel_calls_end_after_a_bounded_number(client, model):
+    get_time = TOOLS[9]
+    response = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "What time is it in Oslo, Lima and Pune?"}],
+        tools=[get_time], tool_choice="required", parallel_tool_calls=True, max_tokens=400, temperature=0.0)
+    choice = response.choices[0]
+    assert choice.finish_reason == "tool_calls", choice  # not "length": the grammar ends the output
+    assert 1 <= len(choice.message.tool_calls) <= MAX_PARALLEL_CALLS
+    for call in choice.message.tool_calls:
+        check_call(call, [get_time])
+
+
 def test_streamed_call_accumulates_to_the_same_call(client, model):
-    tools, choice, _ = _case(2)
+    tools, choice, _ = call_case(2)
     request = dict(model=model, messages=[{"role": "user", "content": PROMPTS[2]}], tools=tools, tool_choice=choice,
                    max_tokens=120, temperature=0.0)
     whole = client.chat.completions.create(**request).choices[0].message.tool_calls[0]
@@ -158,7 +134,7 @@ def test_tool_errors_are_400s(client, model):
         assert info.value.status_code == 400 and info.value.type == "invalid_request_error"
         return info.value
 
-    bad_schema = _tool("f", "x", {"x": {"type": "no-such-type"}}, [])
+    bad_schema = tool("f", "x", {"x": {"type": "no-such-type"}}, [])
     assert bad(tools=[bad_schema], tool_choice="required").param == "tools"
     assert bad(tools=[TOOLS[0]], tool_choice={"type": "function", "function": {"name": "nope"}}).param == "tool_choice"
     assert bad(tools=[TOOLS[0]], tool_choice="required", response_format={"type": "json_object"}).param == \

@@ -177,3 +177,27 @@ def test_model_sampling_defaults_fill_unset_fields(server):
     chat_unset = _post(server, "/v1/chat/completions", chat).json()
     chat_explicit = _post(server, "/v1/chat/completions", {**chat, "temperature": 0.2, "top_p": 0.9}).json()
     assert chat_unset["choices"][0]["message"] == chat_explicit["choices"][0]["message"]
+
+
+def test_the_bodies_sglang_router_forwards_are_accepted(server):
+    """Exactly what sglang-router 0.3 sends a worker for a plain chat request and a plain /generate."""
+    chat = {"messages": [{"role": "user", "content": "Say hello"}], "model": "SmolLM2-135M-Instruct",
+            "logprobs": False, "max_completion_tokens": 2, "stream": False, "no_stop_trim": False,
+            "ignore_eos": False, "continue_final_message": False, "skip_special_tokens": True,
+            "separate_reasoning": True, "stream_reasoning": True, "return_hidden_states": False}
+    response = _post(server, "/v1/chat/completions", chat)
+    assert response.status_code == 200, response.text
+    generate = {"text": PROMPT, "model": None, "sampling_params": {"temperature": 0.0, "max_new_tokens": 2},
+                "return_text_in_logprobs": False, "stream": False, "log_metrics": True,
+                "return_hidden_states": False, "background": False, "no_logs": False, "return_bytes": False,
+                "return_entropy": False}
+    response = _post(server, "/generate", generate)
+    assert response.status_code == 200, response.text
+    routed = _post(server, "/generate", {**generate, "data_parallel_rank": 0})  # one replica: rank 0 exists
+    assert routed.status_code == 200, routed.text
+    for path, body in (("/generate", {**generate, "routed_dp_rank": 1}),
+                       ("/v1/chat/completions", {**chat, "data_parallel_rank": 1})):
+        response = _post(server, path, body)
+        assert response.status_code == 400 and "data_parallel_rank" in response.json()["error"]["message"], path
+    held_back = _post(server, "/v1/chat/completions", {**chat, "stream": True, "stream_reasoning": False})
+    assert held_back.status_code == 400 and "stream_reasoning" in held_back.json()["error"]["message"]

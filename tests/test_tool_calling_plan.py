@@ -51,7 +51,8 @@ def _bad(state, **fields) -> APIError:
 
 def test_a_template_without_tools_gets_them_in_the_system_message(tokenizer):
     plan = plan_chat_output(_state(tokenizer, tool_call_parser="hermes"), _body())
-    assert "tools" not in plan.template_kwargs and plan.tool_parser is not None and plan.body.ebnf is None
+    assert "tools" not in plan.template_kwargs and plan.tool_parser is not None
+    assert grammar_accepts(plan.body.ebnf, "Let me look.") and not grammar_accepts(plan.body.ebnf, "<tool_call>{}")
     rendered = tokenizer.apply_chat_template(plan.conversation, tokenize=False, add_generation_prompt=True)
     assert rendered.startswith("<|im_start|>system\nYou can call functions.")
     assert '"name": "get_weather"' in rendered and "<tool_call>" in rendered
@@ -72,7 +73,8 @@ def test_a_template_with_tools_receives_them(tokenizer):
     assert plan.conversation[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo"}
 
 
-@pytest.mark.parametrize("parser,parallel", [("hermes", True), ("llama3", False), ("mistral", True)])
+@pytest.mark.parametrize("parser,parallel", [("hermes", True), ("llama3", False), ("mistral", True),
+                                             ("pythonic", False)])
 def test_required_and_named_choices_carry_the_call_grammar(tokenizer, parser, parallel):
     state = _state(tokenizer, tool_call_parser=parser)
     plan = plan_chat_output(state, _body(tool_choice="required", parallel_tool_calls=parallel))
@@ -84,6 +86,18 @@ def test_required_and_named_choices_carry_the_call_grammar(tokenizer, parser, pa
     assert split_output(plan, call).tool_calls[0].name == "get_weather"
     if parser == "mistral":
         assert plan.body.skip_special_tokens is False
+    auto = plan_chat_output(state, _body(tool_choice="auto", parallel_tool_calls=parallel))
+    assert grammar_accepts(auto.body.ebnf, call) and grammar_accepts(auto.body.ebnf, "It is sunny.")
+    assert not grammar_accepts(auto.body.ebnf, plan.tool_parser.format_calls([("get_weather", {"town": "Bergen"})]))
+    two = plan.tool_parser.format_calls([("get_weather", {"city": "Bergen"})] * 2)
+    assert grammar_accepts(plan.body.ebnf, two) == parallel and grammar_accepts(auto.body.ebnf, two) == parallel
+    assert not grammar_accepts(named.body.ebnf, two)
+    # "auto" with the request's own grammar: that grammar applies, not the call grammar
+    own = plan_chat_output(state, _body(tool_choice="auto", regex="[a-z]+"))
+    assert own.body.ebnf is None and own.body.regex == "[a-z]+"
+    text = plan_chat_output(state, _body(tool_choice="required", parallel_tool_calls=parallel,
+                                         response_format={"type": "text"}))
+    assert text.body.ebnf == plan.body.ebnf  # a "text" response_format constrains nothing
 
 
 def test_misuse_is_a_400(tokenizer):

@@ -1,20 +1,15 @@
 """Tool-call and reasoning parsers on hand-written outputs in each model family's real format (malformed ones
-included, which must stay in `content`), their streaming splits, and the call grammar (xgrammar accepts exactly
-well-formed calls of the given tools)."""
+included, which must stay in `content`), and their streaming splits (the call grammar: test_tool_grammar.py)."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
-import xgrammar
-from xgrammar.testing import _is_grammar_accept_string as grammar_accepts
 
 from radixserve.runtime.openai.chat_stream import ChoiceStream
-from radixserve.runtime.openai.protocol_tools import Tool
 from radixserve.runtime.openai.reasoning import get_reasoning_parser
 from radixserve.runtime.openai.tool_calling import ChatOutputPlan, split_output
-from radixserve.runtime.openai.tool_grammar import ToolSchemaError, check_tool_schemas, tool_call_grammar
 from radixserve.runtime.openai.tool_parsers import PARSERS, get_tool_parser
 from radixserve.runtime.wire.server_args import REASONING_PARSERS, TOOL_CALL_PARSERS, ServerArgs
 
@@ -144,49 +139,3 @@ def test_streaming_never_shows_a_split_marker_as_content():
     deltas = _stream(_plan("hermes"), ["Sure. <tool", '_call>\n{"name": "f", "arguments": {}}\n</tool_call>'])
     assert [d.get("content") for d in deltas if "content" in d] == ["Sure. "]
     assert _accumulate(deltas)[2][0]["name"] == "f"
-
-
-TOOLS = [
-    Tool.model_validate({"type": "function", "function": {"name": "get_weather", "parameters": {
-        "type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
-        "required": ["city", "unit"], "additionalProperties": False}}}),
-    Tool.model_validate({"type": "function", "function": {"name": "count", "parameters": {
-        "type": "object", "properties": {"n": {"type": "integer", "minimum": 1, "maximum": 9}}, "required": ["n"]}}}),
-    Tool.model_validate({"type": "function", "function": {"name": "ping"}}),
-]
-
-
-@pytest.mark.parametrize("name", ["hermes", "llama3", "mistral"])
-def test_grammar_accepts_exactly_valid_calls(name):
-    parser = get_tool_parser(name)
-    single = tool_call_grammar(parser, TOOLS, parallel=False)
-    parallel = tool_call_grammar(parser, TOOLS, parallel=True)
-    good = parser.format_calls([("get_weather", {"city": "Paris", "unit": "celsius"})])
-    assert grammar_accepts(single, good) and grammar_accepts(parallel, good)
-    two = parser.format_calls([("count", {"n": 3}), ("ping", {})])
-    assert grammar_accepts(parallel, two) and not grammar_accepts(single, two)
-    for bad in ([("get_weather", {"city": "Paris", "unit": "kelvin"})], [("count", {"n": 10})],
-                [("get_weather", {"city": "Paris"})], [("unknown", {})], [("count", {"n": "3"})]):
-        assert not grammar_accepts(parallel, parser.format_calls(bad)), bad
-    assert not grammar_accepts(parallel, "Sure! " + good)
-    named = tool_call_grammar(parser, TOOLS[1:2], parallel=False)
-    assert grammar_accepts(named, parser.format_calls([("count", {"n": 9})]))
-    assert not grammar_accepts(named, good)
-
-
-def test_grammar_survives_a_property_named_root():
-    tool = Tool.model_validate({"type": "function", "function": {"name": "root", "parameters": {
-        "type": "object", "properties": {"root": {"type": "string", "const": "root ::= x"}}, "required": ["root"]}}})
-    parser = get_tool_parser("hermes")
-    grammar = tool_call_grammar(parser, [tool], parallel=True)
-    assert grammar_accepts(grammar, parser.format_calls([("root", {"root": "root ::= x"})]))
-    xgrammar.Grammar.from_ebnf(grammar)
-
-
-def test_bad_schemas_are_named():
-    with pytest.raises(ToolSchemaError, match=r"tools\[0\]"):
-        check_tool_schemas([Tool.model_validate({"type": "function", "function": {
-            "name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "no-such-type"}}}}})])
-    with pytest.raises(ToolSchemaError, match="object"):
-        check_tool_schemas([Tool.model_validate({"type": "function", "function": {
-            "name": "f", "parameters": {"type": "string"}}})])

@@ -33,6 +33,8 @@ class GenerateReqInput:
     priority: Union[int, list[Optional[int]], None] = None
     # SGLang's name: the LoRA adapter (its name) each prompt runs under; None: the base model.
     lora_path: Union[str, list[Optional[str]], None] = None
+    # SGLang's: the data-parallel replica to run on (None: the controller's load-balance method decides).
+    data_parallel_rank: Optional[int] = None
     # Set only by the HTTP server, from the API key; never taken from a client.
     tenant: Optional[str] = None
     tenant_weight: float = 1.0  # the tenant's fair-share weight (tenants file)

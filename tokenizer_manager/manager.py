@@ -42,6 +42,7 @@ from radixserve.runtime.wire.messages import (
 from radixserve.runtime.wire.errors import EngineDeadError, request_failed
 from radixserve.runtime.wire.lora import LoadLoRAAdapterReq, LoRAAdapterReqOutput, UnloadLoRAAdapterReq
 from radixserve.runtime.wire.sampling_params import InvalidSamplingParams, LengthLimits, SamplingParams
+from radixserve.tokenizer_manager.replicas import merge_replies
 from radixserve.tokenizer_manager.io import GenerateReqInput, SingleReq, make_namespace, split_requests
 from radixserve.tokenizer_manager.state import ReqGroup, ReqState
 from radixserve.tokenizer_manager.tokenize import TokenizerWorker
@@ -73,6 +74,9 @@ class TokenizerManager:
         self.rid_to_state: dict[str, tuple[ReqState, ReqGroup]] = {}
         self.groups: set[ReqGroup] = set()
         self.rpc_futures: dict[str, asyncio.Future] = {}
+        # Data parallelism: every replica answers a control request; the replies wait here until all are in.
+        self.num_replicas = model_info.dp_size
+        self._rpc_replies: dict[str, list[Any]] = {}
         self.dead: Optional[EngineDeadError] = None
         self.request_observer: Optional[RequestObserver] = None
         # Called with the reason when the engine fails (not on a deliberate shutdown), after the callers failed.
@@ -162,6 +166,12 @@ class TokenizerManager:
 
     def _submit(self, requests: list[tuple[SingleReq, list[int], SamplingParams]], obj: GenerateReqInput) -> ReqGroup:
         """Expand n, register the states, then send: either all of the batch is queued or none of it."""
+        rank = obj.data_parallel_rank
+        if rank is not None and not 0 <= rank < self.num_replicas:
+            error = ValueError(f"data_parallel_rank must be in [0, {self.num_replicas}) (the server runs "
+                               f"{self.num_replicas} data-parallel replicas), got {rank}")
+            error.field = "data_parallel_rank"  # type: ignore[attr-defined]
+            raise error
         expanded = []
         for request, input_ids, sampling in requests:
             n = sampling.n
@@ -195,6 +205,7 @@ class TokenizerManager:
                 priority=request.priority,
                 tenant_weight=obj.tenant_weight,
                 lora_name=request.lora_name,
+                routed_dp_rank=rank,
             ))
         return group
 
@@ -276,6 +287,7 @@ class TokenizerManager:
             return await future
         finally:
             self.rpc_futures.pop(rpc_id, None)
+            self._rpc_replies.pop(rpc_id, None)
 
     # ---- receiving -------------------------------------------------------------------------------
 
@@ -287,9 +299,7 @@ class TokenizerManager:
                     self._handle_text_out(message)
                 elif isinstance(message, (FlushCacheReqOutput, GetServerInfoReqOutput, CacheTreeReqOutput,
                                           LoRAAdapterReqOutput)):
-                    future = self.rpc_futures.get(message.rpc_id)
-                    if future is not None and not future.done():
-                        future.set_result(message)
+                    self._rpc_reply(message)
                 elif isinstance(message, ProcessFailed):
                     logger.error("the %s process failed:\n%s", message.process, message.error)
                     self.mark_dead(f"the {message.process} process failed (its traceback is in the server log)")
@@ -300,6 +310,15 @@ class TokenizerManager:
         except Exception as exc:  # a bug here would otherwise leave every caller waiting forever
             logger.exception("the TokenizerManager's receive loop failed")
             self.mark_dead(f"the TokenizerManager's receive loop failed: {exc!r}")
+
+    def _rpc_reply(self, message: Any) -> None:
+        future = self.rpc_futures.get(message.rpc_id)
+        if future is None or future.done():
+            return
+        replies = self._rpc_replies.setdefault(message.rpc_id, [])
+        replies.append(message)
+        if len(replies) == self.num_replicas:
+            future.set_result(merge_replies(replies))
 
     def _handle_text_out(self, out: BatchTextOut) -> None:
         with_logprobs = len(out.output_token_logprobs) == len(out.rids)
@@ -321,6 +340,8 @@ class TokenizerManager:
                     state.input_top_logprobs = out.input_top_logprobs[i]
             state.append(out.text_deltas[i], out.new_token_ids[i], out.finish_reasons[i],
                          out.prompt_tokens[i], out.completion_tokens[i], out.cached_tokens[i])
+            if out.spec:
+                state.spec = out.spec[i]
             group.notify(state.index)
             if state.finished:
                 self._observe(state)

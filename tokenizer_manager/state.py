@@ -13,9 +13,21 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from radixserve.runtime.wire.messages import FinishReason
+from radixserve.runtime.wire.messages import FinishReason, SpecCounts
 
 TokenText = Callable[[int], Optional[str]]  # token id -> its text, or None when texts were not asked for
+
+
+def spec_meta_info(spec: SpecCounts, completion_tokens: int) -> dict[str, Any]:
+    """SGLang's speculative meta_info keys: verify steps, accepted / proposed drafts, their ratio, and the
+    accept length (output tokens per verify step)."""
+    return {
+        "spec_verify_ct": spec.verify_ct,
+        "spec_accept_token_num": spec.accepted_drafts,
+        "spec_draft_token_num": spec.proposed_drafts,
+        "spec_accept_rate": spec.accepted_drafts / spec.proposed_drafts if spec.proposed_drafts else 0.0,
+        "spec_accept_length": completion_tokens / spec.verify_ct if spec.verify_ct else 0.0,
+    }
 
 
 @dataclass
@@ -36,6 +48,7 @@ class ReqState:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    spec: Optional[SpecCounts] = None  # speculative decoding counts, when it runs
     output_token_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     input_token_logprobs: Optional[list[Optional[float]]] = None
@@ -72,6 +85,8 @@ class ReqState:
             "cached_tokens": self.cached_tokens,
             "finish_reason": self.finish_reason,
         }
+        if self.spec is not None:
+            meta.update(spec_meta_info(self.spec, self.completion_tokens))
         if self.finished_at is not None:
             meta["e2e_latency"] = self.finished_at - self.created
             if self.token_times:

@@ -42,9 +42,15 @@ def create_attention_backend(name: str, runner: "ModelRunner | None" = None) -> 
     if runner.device.type != "cuda":
         raise ValueError("the flashinfer attention backend needs a CUDA device; use torch_native or triton")
     try:
+        from radixserve.kernels.flashinfer_wrappers import DEFAULT_WORKSPACE_BYTES
         from radixserve.model_runner.attention.flashinfer_backend import FlashInferAttentionBackend
 
-        return FlashInferAttentionBackend(*shape, runner.dtype, runner.device, page_size=runner.page_size)
+        # Split-KV decode scratch grows with the batch: 128 MB per 128 requests of the largest captured batch
+        # (the largest uncaptured batches plan within it too).
+        graph_bs = runner.server_args.cuda_graph_max_bs or 256
+        workspace = DEFAULT_WORKSPACE_BYTES * max(1, graph_bs // 128)
+        return FlashInferAttentionBackend(*shape, runner.dtype, runner.device, page_size=runner.page_size,
+                                          workspace_bytes=workspace)
     except ImportError as exc:
         raise ValueError(f"the flashinfer attention backend is not available: {exc}") from exc
 

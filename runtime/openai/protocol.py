@@ -108,8 +108,15 @@ class OpenAISamplingFields(StrictModel):
     cache_salt: Optional[Annotated[str, Field(max_length=256)]] = None
     priority: Optional[Annotated[int, Field(ge=-INT64_MAX, le=INT64_MAX)]] = None  # --enable-priority-scheduling
     lora_path: Optional[str] = None  # SGLang's: a LoRA adapter's name (or give it as `model`)
+    # SGLang's two names for the data-parallel replica to run on (sglang-router --dp-aware sends one).
+    data_parallel_rank: Optional[Annotated[int, Field(ge=0, le=1 << 16)]] = None
+    routed_dp_rank: Optional[Annotated[int, Field(ge=0, le=1 << 16)]] = None
     regex: Optional[str] = None
     ebnf: Optional[str] = None
+
+    @property
+    def dp_rank(self) -> Optional[int]:
+        return self.data_parallel_rank if self.routed_dp_rank is None else self.routed_dp_rank
 
     @field_validator("logit_bias")
     @classmethod
@@ -206,6 +213,8 @@ class ChatCompletionRequest(OpenAISamplingFields):
     tool_choice: Optional[ToolChoice] = None
     parallel_tool_calls: bool = True
     separate_reasoning: bool = True
+    # SGLang's: reasoning text streams as it is generated (true, the only mode here; false would hold it back).
+    stream_reasoning: bool = True
     # Chat template controls (SGLang's and vLLM's): continue_final_message renders the last (assistant)
     # message open, for the model to continue it (assistant prefill).
     continue_final_message: bool = False
@@ -216,6 +225,8 @@ class ChatCompletionRequest(OpenAISamplingFields):
     def _check_chat(self) -> "ChatCompletionRequest":
         if self.top_logprobs is not None and self.top_logprobs > 0 and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
+        if self.stream and not self.stream_reasoning:
+            raise ValueError("stream_reasoning false is not supported: reasoning text streams as it is generated")
         if self.continue_final_message:
             if self.add_generation_prompt:
                 raise ValueError("continue_final_message continues the last message; it cannot be combined "

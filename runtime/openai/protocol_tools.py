@@ -16,6 +16,10 @@ FunctionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
 MAX_TOOLS = 128
 
 
+class ToolSchemaError(ValueError):
+    """A tool's parameters are not a JSON schema the call grammar can enforce (the message names the tool)."""
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 

@@ -88,6 +88,7 @@ async def create_completion(
                 cache_salt=body.cache_salt,
                 priority=body.priority,
                 lora_path=lora_name,
+                data_parallel_rank=body.dp_rank,
                 tenant=tenant,
                 tenant_weight=state.tenants.weight_of(tenant),
                 incremental_stream=True,

@@ -4,7 +4,8 @@ the chat template receives, and the assistant message made of the model's text.
 The template gets `tools` as Hugging Face's convention has it. A template that does not mention `tools` cannot
 render them, so the tools and the call format of `--tool-call-parser` are described in a system message instead,
 and earlier assistant calls are written back in that format: the model sees its own format either way. With
-`tool_choice` "required" or a named function the output is constrained by the grammar of tool_grammar.py.
+every `tool_choice` but "none" the output is constrained by the grammar of tool_grammar.py (calls only for
+"required" or a named function; free text or calls for "auto").
 """
 
 from __future__ import annotations
@@ -88,6 +89,22 @@ def _with_instructions(conversation: list[dict[str, Any]], instructions: str) ->
     return [{"role": "system", "content": instructions}, *conversation]
 
 
+def _call_grammar(body: ChatCompletionRequest, parser: ToolParser, reasoning: Optional[ReasoningParser]) -> str:
+    """The request's call grammar (tool_grammar.py); a schema it cannot enforce is a 400."""
+    assert body.tools
+    mode = body.tool_choice_mode
+    indexed = list(enumerate(body.tools))
+    if mode == "named":
+        indexed = [(i, tool) for i, tool in indexed
+                   if tool.function.name == body.tool_choice.function.name]  # type: ignore[union-attr]
+    try:
+        return tool_call_grammar(parser, [tool for _, tool in indexed], auto=mode == "auto", reasoning=reasoning,
+                                 parallel=body.parallel_tool_calls and mode != "named",
+                                 where=[f"tools[{i}].function.parameters" for i, _ in indexed])
+    except ToolSchemaError as error:
+        raise bad_request(str(error), param="tools") from None
+
+
 def plan_chat_output(state: ServerState, body: ChatCompletionRequest) -> ChatOutputPlan:
     """Check the request's tools against this server and work out the template input, the parsers and the
     grammar; every problem is a 400."""
@@ -125,18 +142,13 @@ def plan_chat_output(state: ServerState, body: ChatCompletionRequest) -> ChatOut
     updates: dict[str, Any] = {}
     if parser.needs_special_tokens:
         updates["skip_special_tokens"] = False
-    if mode in ("required", "named"):
-        if body.response_format is not None or body.regex is not None or body.ebnf is not None:
-            raise bad_request("a required or named tool_choice constrains the output itself; drop "
-                              "response_format, regex and ebnf", param="tool_choice")
-        allowed = body.tools if mode == "required" else [
-            tool for tool in body.tools if tool.function.name == body.tool_choice.function.name]  # type: ignore
-        try:
-            grammar = tool_call_grammar(parser, allowed, parallel=body.parallel_tool_calls and mode == "required")
-        except ToolSchemaError as error:
-            raise bad_request(str(error), param="tools") from None
-        if grammar is not None:
-            updates["ebnf"] = grammar
+    constrains = body.response_format is not None and body.response_format.type != "text"
+    own_grammar = constrains or body.regex is not None or body.ebnf is not None
+    if mode in ("required", "named") and own_grammar:
+        raise bad_request("a required or named tool_choice constrains the output itself; drop "
+                          "response_format, regex and ebnf", param="tool_choice")
+    if not own_grammar:  # with "auto", a request's own grammar takes the place of the call grammar
+        updates["ebnf"] = _call_grammar(body, parser, reasoning)
     return ChatOutputPlan(parser, reasoning, template_kwargs, conversation, body.model_copy(update=updates))
 
 

@@ -1,57 +1,44 @@
-"""The grammar that makes a requested tool call always parse: EBNF for the parser's call format, with each
-call's JSON object constrained by the tools' parameter schemas.
+"""The grammar that makes a model's tool calls always parse: EBNF for the parser's call format, with each call's
+arguments constrained by the tools' parameter schemas.
 
-One call is the JSON object `{"name": <one of the allowed names>, <arguments key>: <that tool's arguments>}`;
-xgrammar turns the JSON schema of that object (an `anyOf` over the allowed tools) into EBNF, whose root rule
-is renamed here to `tool_call` so the parser's frame (`<tool_call>\\n ... \\n</tool_call>`, `[TOOL_CALLS] [...]`,
-...) can wrap it as the new root. The result goes to the scheduler as the request's `ebnf` sampling parameter,
-so it is compiled, cached and enforced exactly like a user's grammar.
+One call is, in the JSON formats, the object `{"name": <one of the allowed names>, <arguments key>: <that tool's
+arguments>}`, whose JSON schema (an `anyOf` over the allowed tools) xgrammar turns into EBNF; in the pythonic
+format it is `name(key=value, ...)` (python_call_grammar.py). The parser's `CallFrame` lays the calls out
+(`<tool_call>\\n ... \\n</tool_call>`, `[TOOL_CALLS] [..., ...]`, ...): one call, or with parallel calls one to
+`MAX_PARALLEL_CALLS`, and nothing after them, so the end of the output follows the last call.
+
+- `tool_choice` "required" or a named function: the output is exactly the calls.
+- "auto": the output is free text or calls. For a format whose calls may follow text (hermes, mistral), it is
+  text that never contains the start marker, then optionally the calls; for a format whose calls are the
+  whole output (llama3, pythonic), either the calls, or text whose first non-blank character cannot start a
+  call (and that holds no call tag). With a reasoning parser, a `<think>` block may come first. This part is an
+  xgrammar structural tag (free text with excluded strings), printed as EBNF.
+
+The result goes to the scheduler as the request's `ebnf` sampling parameter, so it is compiled, cached and
+enforced exactly like a user's grammar.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from typing import Any, Iterable, Optional
+from typing import Any, Optional
 
-from radixserve.runtime.openai.protocol_tools import Tool
+from radixserve.runtime.openai.protocol_tools import Tool, ToolSchemaError
+from radixserve.runtime.openai.python_call_grammar import ebnf_string, embed_grammar, python_calls_grammar
+from radixserve.runtime.openai.reasoning import THINK_CLOSE, THINK_OPEN, ReasoningParser
 from radixserve.runtime.openai.tool_parsers import ToolParser
 from radixserve.runtime.wire.grammar_check import check_grammar, grammar_error_message
 
-CALL_RULE = "tool_call"
-_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# A bound on the calls of one output: a small model asked for parallel calls tends to repeat its call until
+# max_tokens; the grammar ends the output after this many instead.
+MAX_PARALLEL_CALLS = 8
+_BLANKS = r"[ \t\r\n]*"
+
+__all__ = ["MAX_PARALLEL_CALLS", "ToolSchemaError", "call_schema", "check_tool_schemas", "tool_call_grammar"]
 
 
-class ToolSchemaError(ValueError):
-    """A tool's parameters are not a JSON schema the grammar engine accepts (the message names the tool)."""
-
-
-def _rename_rule(ebnf: str, old: str, new: str) -> str:
-    """`ebnf` with every reference to rule `old` (outside string literals and character classes) renamed."""
-    out: list[str] = []
-    i = 0
-    while i < len(ebnf):
-        char = ebnf[i]
-        if char in "\"[":
-            close = '"' if char == '"' else "]"
-            j = i + 1
-            while j < len(ebnf) and ebnf[j] != close:
-                j += 2 if ebnf[j] == "\\" else 1
-            out.append(ebnf[i:j + 1])
-            i = j + 1
-            continue
-        match = _IDENTIFIER.match(ebnf, i)
-        if match and (i == 0 or not (ebnf[i - 1].isalnum() or ebnf[i - 1] == "_")):
-            word = match.group(0)
-            out.append(new if word == old else word)
-            i = match.end()
-            continue
-        out.append(char)
-        i += 1
-    return "".join(out)
-
-
-def call_schema(tools: Iterable[Tool], arguments_key: str) -> dict[str, Any]:
+def call_schema(tools: list[Tool], arguments_key: str) -> dict[str, Any]:
     """The JSON schema of one call's object, for any of `tools`."""
     options = [{
         "type": "object",
@@ -75,21 +62,66 @@ def check_tool_schemas(tools: list[Tool]) -> None:
             raise ToolSchemaError(f"tools[{index}].function.parameters: {error}") from None
 
 
-def tool_call_grammar(parser: ToolParser, tools: list[Tool], parallel: bool) -> Optional[str]:
-    """EBNF that accepts exactly well-formed calls of `tools` in `parser`'s format (one, or one or more with
-    `parallel`); None when the format is not one a grammar is built for (pythonic)."""
+def _one_call_grammar(parser: ToolParser, tools: list[Tool], where: list[str]) -> str:
+    """EBNF whose root is one call of any of `tools`, as `parser`'s format writes the call itself."""
     import xgrammar
 
     if parser.arguments_key is None:
-        return None
-    frame = parser.grammar_root(CALL_RULE, parallel)
-    if frame is None:
-        return None
+        return python_calls_grammar([(tool.function.name, tool.function.parameters_schema()) for tool in tools],
+                                    where)
     try:
         call = xgrammar.Grammar.from_json_schema(json.dumps(call_schema(tools, parser.arguments_key)),
                                                  any_whitespace=False)
     except (RuntimeError, ValueError, TypeError) as error:
         raise ToolSchemaError(grammar_error_message("tools", error)) from None
-    ebnf = f"root ::= {frame}\n" + _rename_rule(str(call), "root", CALL_RULE)
-    check_grammar("ebnf", ebnf)  # a frame or renaming mistake is a server bug: fail loudly, never garble
+    return str(call)
+
+
+def calls_grammar(parser: ToolParser, tools: list[Tool], parallel: bool, where: Optional[list[str]] = None) -> str:
+    """EBNF that accepts exactly one call of `tools` in `parser`'s format, or with `parallel` one to
+    MAX_PARALLEL_CALLS of them."""
+    where = where or [f"tools[{i}].function.parameters" for i in range(len(tools))]
+    call_root, rules = embed_grammar(_one_call_grammar(parser, tools, where), "call_")
+    frame = parser.call_frame
+    one = " ".join(part for part in (ebnf_string(frame.call_open) if frame.call_open else "", call_root,
+                                     ebnf_string(frame.call_close) if frame.call_close else "") if part)
+    calls = f"{one} ({ebnf_string(frame.separator)} {one}){{0, {MAX_PARALLEL_CALLS - 1}}}" if parallel else one
+    if frame.calls_open or frame.calls_close:
+        calls = f"{ebnf_string(frame.calls_open)} {calls} {ebnf_string(frame.calls_close)}"
+    return "\n".join([f"root ::= {calls}"] + [f"{name} ::= {body}" for name, body in rules.items()])
+
+
+def _auto_format(parser: ToolParser, calls: str, reasoning: Optional[ReasoningParser]) -> Any:
+    """The structural tag of "auto": free text or `calls` (EBNF), after an optional think block."""
+    from xgrammar.structural_tag import (AnyTextFormat, ConstStringFormat, GrammarFormat, OptionalFormat, OrFormat,
+                                         RegexFormat, SequenceFormat)
+
+    call_part = GrammarFormat(grammar=calls)
+    if parser.at_start_only:
+        cannot_start = "".join(sorted({re.escape(marker[0]) for marker in (parser.start_marker, *parser.tag_markers)}))
+        prose = SequenceFormat(elements=[RegexFormat(pattern=f"{_BLANKS}[^ \\t\\r\\n{cannot_start}]"),
+                                         AnyTextFormat(excludes=list(parser.tag_markers))])
+        body: Any = OptionalFormat(content=OrFormat(elements=[call_part, prose]))
+    else:
+        prose = AnyTextFormat(excludes=[parser.start_marker, *parser.tag_markers])
+        body = SequenceFormat(elements=[prose, OptionalFormat(content=call_part)])
+    if reasoning is None or not parser.at_start_only:  # free text before the calls already holds a think block
+        return body
+    opening = [] if reasoning.starts_in_reasoning else [ConstStringFormat(value=THINK_OPEN)]
+    thinking = SequenceFormat(elements=[*opening, AnyTextFormat(excludes=[THINK_CLOSE]),
+                                        ConstStringFormat(value=THINK_CLOSE), RegexFormat(pattern=_BLANKS)])
+    return SequenceFormat(elements=[OptionalFormat(content=thinking), body])
+
+
+def tool_call_grammar(parser: ToolParser, tools: list[Tool], *, parallel: bool, auto: bool = False,
+                      reasoning: Optional[ReasoningParser] = None, where: Optional[list[str]] = None) -> str:
+    """The `ebnf` of a request: exactly the calls of `tools` (required or named), or with `auto` free text or
+    the calls. `where` names each tool in error messages (default `tools[i]`)."""
+    import xgrammar
+    from xgrammar.structural_tag import StructuralTag
+
+    ebnf = calls_grammar(parser, tools, parallel, where)
+    if auto:
+        ebnf = str(xgrammar.Grammar.from_structural_tag(StructuralTag(format=_auto_format(parser, ebnf, reasoning))))
+    check_grammar("ebnf", ebnf)  # a framing or renaming mistake is a server bug: fail loudly, never garble
     return ebnf

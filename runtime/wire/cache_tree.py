@@ -74,6 +74,7 @@ class NamespaceTree(msgspec.Struct):
     hit_rate: float
     truncated: bool  # some nodes are folded into their ancestors' omitted counts
     nodes: list[CacheTreeNode] = []
+    replica: Optional[int] = None  # the data-parallel replica whose tree this is (None without --dp-size)
 
 
 class RequestPath(msgspec.Struct):

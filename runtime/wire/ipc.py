@@ -40,6 +40,15 @@ class IpcPaths:
             tmp_dir=tmp_dir,
         )
 
+    # With --dp-size N the data-parallel controller binds `tokenizer_to_scheduler` and hands each request to
+    # replica i's own endpoint; the replicas report their load back on one endpoint of the controller's.
+    def replica_input(self, dp_rank: int) -> str:
+        return f"ipc://{self.tmp_dir}/controller_to_scheduler_{dp_rank}"
+
+    @property
+    def replica_reports(self) -> str:
+        return f"ipc://{self.tmp_dir}/scheduler_to_controller"
+
     def remove(self) -> None:
         """Delete the directory and its socket files (idempotent)."""
         shutil.rmtree(self.tmp_dir, ignore_errors=True)

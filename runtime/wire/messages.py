@@ -3,6 +3,8 @@
 TokenizerManager -> Scheduler:      TokenizedGenerateReq, AbortReq, FlushCacheReq, GetServerInfoReq, CacheTreeReq
 Scheduler -> DetokenizerManager:    BatchTokenOut (and control replies, forwarded untouched)
 DetokenizerManager -> Tokenizer:    BatchTextOut, FlushCacheReqOutput, GetServerInfoReqOutput, CacheTreeReqOutput
+Scheduler -> DP controller:         ReplicaLoad (with --dp-size > 1: load and evicted prefixes, see
+                                    runtime/data_parallel/)
 Children -> parent at start-up:     ProcessReady (the scheduler's carries ModelInfo) or ProcessFailed (on the
                                     same socket as their outputs)
 
@@ -74,6 +76,7 @@ class TokenizedGenerateReq(msgspec.Struct, tag=True):
     priority: Optional[int] = None  # SGLang's per-request priority (scheduler/fair_share.py)
     tenant_weight: float = 1.0  # the tenant's fair-share weight, from the tenants file
     lora_name: Optional[str] = None  # the LoRA adapter to run under (None: the base model)
+    routed_dp_rank: Optional[int] = None  # the data-parallel replica the caller asked for (None: any)
 
 
 class AbortReq(msgspec.Struct, tag=True):
@@ -99,6 +102,14 @@ class GetServerInfoReqOutput(msgspec.Struct, tag=True):
     info: dict[str, Any]
 
 
+class SpecCounts(msgspec.Struct, array_like=True):
+    """One request's speculative decoding counts so far (meta_info's spec_* keys)."""
+
+    verify_ct: int  # verify steps the request took part in
+    accepted_drafts: int  # draft tokens accepted
+    proposed_drafts: int  # draft tokens verified
+
+
 class BatchTokenOut(msgspec.Struct, tag=True):
     """New tokens of several requests after one scheduler step (index i of every list is request i)."""
 
@@ -117,6 +128,8 @@ class BatchTokenOut(msgspec.Struct, tag=True):
     # Input-token logprobs, sent once with a request's first output.
     input_token_logprobs: list[Optional[list[Optional[float]]]] = []
     input_top_logprobs: list[Optional[list[Optional[list[tuple[int, float]]]]]] = []
+    # Speculative decoding counts per request (empty when speculative decoding is off).
+    spec: list[Optional[SpecCounts]] = []
 
 
 class BatchTextOut(msgspec.Struct, tag=True):
@@ -133,6 +146,29 @@ class BatchTextOut(msgspec.Struct, tag=True):
     output_top_logprobs: list[list[list[tuple[int, float]]]] = []
     input_token_logprobs: list[Optional[list[Optional[float]]]] = []
     input_top_logprobs: list[Optional[list[Optional[list[tuple[int, float]]]]]] = []
+    spec: list[Optional[SpecCounts]] = []
+
+
+class EvictedPrefix(msgspec.Struct):
+    """A replica's radix tree dropped the tokens of `tokens` past `kept` in `namespace` (the path from the
+    namespace root through the evicted leaf; the first `kept` of them are still cached)."""
+
+    namespace: tuple[str, ...]
+    tokens: list[int]
+    kept: int
+
+
+class ReplicaLoad(msgspec.Struct, tag=True):
+    """A data-parallel replica's report to the controller: sent when its load changed (at most every few ms)."""
+
+    dp_rank: int
+    received: int  # generate requests received since start (the controller subtracts them from what it sent)
+    received_tokens: int  # their prompt + max new tokens
+    running: int
+    waiting: int
+    outstanding_tokens: int  # tokens the running and waiting requests still hold or need (prompt + max new)
+    evicted: list[EvictedPrefix] = []
+    flushed: bool = False  # the replica's cache was flushed since the last report
 
 
 class ModelInfo(msgspec.Struct, kw_only=True):
@@ -160,6 +196,8 @@ class ModelInfo(msgspec.Struct, kw_only=True):
     sampling_defaults: dict[str, float] = {}
     lora_adapters: dict[str, str] = {}  # LoRA adapters loaded at start-up: name -> path
     lora_enabled: bool = False
+    # Data-parallel replicas behind the controller; the fields above (the KV pool included) describe one of them.
+    dp_size: int = 1
 
     def to_dict(self) -> dict[str, Any]:
         return msgspec.structs.asdict(self)
@@ -189,6 +227,7 @@ Message = Union[
     LoRAAdapterReqOutput,
     BatchTokenOut,
     BatchTextOut,
+    ReplicaLoad,
     ProcessReady,
     ProcessFailed,
 ]

@@ -12,6 +12,8 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any, Optional
 
+from radixserve.runtime.wire.speculative_args import check_speculative_args, resolved_num_draft_tokens  # noqa: F401
+
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
 ATTENTION_BACKENDS = ("torch_native", "triton", "flashinfer")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
@@ -24,6 +26,9 @@ SAMPLING_BACKENDS = ("pytorch",)  # SGLang also has "flashinfer"; radixserve has
 TOOL_CALL_PARSERS = ("hermes", "qwen25", "llama3", "mistral", "pythonic")
 REASONING_PARSERS = ("qwen3", "deepseek-r1")
 SAMPLING_DEFAULTS = ("model", "openai")
+# How the data-parallel controller picks a replica (runtime/data_parallel/policy.py); minimum_tokens is SGLang's
+# name for the least outstanding tokens.
+LOAD_BALANCE_METHODS = ("cache_aware", "round_robin", "shortest_queue", "minimum_tokens")
 
 
 @dataclass
@@ -93,6 +98,14 @@ class ServerArgs:
     dist_timeout: float = 600.0  # seconds a collective may wait for a peer before the group fails
     nnodes: int = 1  # hosts the TP group spans; node k > 0 runs only its ranks (runtime/tp_node.py)
     node_rank: int = 0
+    dp_size: int = 1  # data-parallel replicas, each a scheduler (or TP group) with its own KV pool and tree
+    load_balance_method: str = "cache_aware"  # one of LOAD_BALANCE_METHODS
+    # cache_aware: a prefix match shorter than this share of the prompt goes to the least loaded replica ...
+    dp_cache_threshold: float = 0.5
+    # ... and so does every request while the busiest replica's load exceeds both the idlest's + abs and
+    # the idlest's x rel (outstanding requests; sglang-router's balance thresholds).
+    dp_balance_abs_threshold: int = 32
+    dp_balance_rel_threshold: float = 1.5
 
     # HTTP server
     host: str = "127.0.0.1"
@@ -116,6 +129,18 @@ class ServerArgs:
     check_invariants_when_idle: bool = True
     watchdog_timeout: float = 300.0  # seconds one scheduler step may take (scheduler/watchdog.py)
     skip_server_warmup: bool = False
+
+    # Speculative decoding (SGLang's flags; runtime/wire/speculative_args.py says which values are honoured)
+    speculative_algorithm: Optional[str] = None  # "NGRAM" or "STANDALONE"; None: off
+    speculative_draft_model_path: Optional[str] = None  # STANDALONE's draft model
+    speculative_num_draft_tokens: Optional[int] = None  # verified chain length (drafts + 1); None: 6
+    speculative_num_steps: Optional[int] = None  # drafts per step; num_draft_tokens - 1 when both are given
+    speculative_eagle_topk: Optional[int] = None  # must be 1 (chains)
+    speculative_ngram_min_match_window_size: int = 1  # shortest suffix an n-gram proposal must match
+    speculative_ngram_max_match_window_size: int = 12  # longest suffix tried
+    speculative_ngram_min_bfs_breadth: int = 1  # must be 1 (chains)
+    speculative_ngram_max_bfs_breadth: int = 1  # must be 1 (chains)
+    speculative_ngram_match_type: str = "BFS"
 
     def __post_init__(self) -> None:
         def check(ok: bool, message: str) -> None:
@@ -170,6 +195,16 @@ class ServerArgs:
               "nnodes > 1 needs dist_init_addr HOST:PORT (node 0's address, reachable from every node)")
         check(self.dist_init_addr is None or self.dist_init_addr.rpartition(":")[2].isdigit(),
               f"dist_init_addr must be HOST:PORT, got {self.dist_init_addr!r}")
+        check(self.dp_size >= 1, f"dp_size must be >= 1, got {self.dp_size}")
+        check(self.load_balance_method in LOAD_BALANCE_METHODS,
+              f"load_balance_method must be one of {LOAD_BALANCE_METHODS}, got {self.load_balance_method!r}")
+        check(0.0 <= self.dp_cache_threshold <= 1.0,
+              f"dp_cache_threshold must be in [0, 1], got {self.dp_cache_threshold}")
+        check(self.dp_balance_abs_threshold >= 0 and self.dp_balance_rel_threshold >= 1.0,
+              "dp_balance_abs_threshold must be >= 0 and dp_balance_rel_threshold >= 1")
+        check(self.dp_size == 1 or self.nnodes == 1,
+              "dp_size > 1 runs its replicas on this host; across hosts put one server per host behind "
+              "sglang-router (docs/parallelism.md)")
         check(0 < self.port < 65536, f"port must be in 1..65535, got {self.port}")
         check(self.api_key is None or self.tenants_file is None, "give either api_key or tenants_file, not both")
         check(self.max_queued_requests is None or self.max_queued_requests >= 0,
@@ -192,6 +227,7 @@ class ServerArgs:
               "LoRA adapters need the one-tier radix cache: drop enable_hierarchical_cache")
         check(self.log_level.lower() in ("debug", "info", "warning", "error", "critical"),
               f"unknown log_level {self.log_level!r}")
+        check_speculative_args(self)
 
     # ---- resolved values -------------------------------------------------------------------------
     def lora_enabled(self) -> bool:
@@ -220,6 +256,8 @@ class ServerArgs:
         """Whether the overlap scheduler runs. By default only on a GPU: there it hides the host's work
         behind the device's; on the CPU the model's kernels and the scheduler share the same cores, and
         running them in two threads measured 15-30% slower than one after the other."""
+        if self.speculative_algorithm is not None:
+            return False  # a verify step's drafts depend on the previous step's tokens (docs/speculative.md)
         if self.disable_overlap_schedule is not None:
             return not self.disable_overlap_schedule
         return self.resolved_device() != "cpu"

@@ -32,6 +32,18 @@ class ToolCall:
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
 
+@dataclass(frozen=True)
+class CallFrame:
+    """How a format lays out its calls: `calls_open`, then each call as `call_open <call> call_close` with
+    `separator` between calls, then `calls_close` (what the call grammar spells around each call)."""
+
+    separator: str
+    call_open: str = ""
+    call_close: str = ""
+    calls_open: str = ""
+    calls_close: str = ""
+
+
 @dataclass
 class ParsedOutput:
     content: str
@@ -85,6 +97,7 @@ class ToolParser(ABC):
     needs_special_tokens: ClassVar[bool] = False
     # The key of a call's JSON object that holds its arguments (None: the format is not JSON).
     arguments_key: ClassVar[Optional[str]] = "arguments"
+    call_frame: ClassVar[CallFrame]
 
     @abstractmethod
     def parse(self, text: str) -> ParsedOutput:
@@ -93,11 +106,6 @@ class ToolParser(ABC):
     @abstractmethod
     def format_calls(self, calls: list[tuple[str, dict[str, Any]]]) -> str:
         """`calls` (name, arguments) written the way the model writes them."""
-
-    def grammar_root(self, call_rule: str, parallel: bool) -> Optional[str]:
-        """The body of an EBNF root rule that spells one call (or, with `parallel`, one or more) in this format,
-        given `call_rule`, the rule of one call's JSON object; None when the format cannot be constrained."""
-        return None
 
     def settled_calls(self, text: str) -> list[ToolCall]:
         """The calls of an unfinished output that no continuation can take back (streamed before the end);

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json
-from typing import Any, Optional
+from typing import Any
 
 from radixserve.runtime.openai.tool_parsers.base import (
+    CallFrame,
     ParsedOutput,
     ToolCall,
     ToolParser,
@@ -19,6 +20,7 @@ OPEN, CLOSE = "<tool_call>", "</tool_call>"
 class HermesParser(ToolParser):
     name = "hermes"
     start_marker = OPEN
+    call_frame = CallFrame(separator="\n", call_open=OPEN + "\n", call_close="\n" + CLOSE)
 
     def parse(self, text: str) -> ParsedOutput:
         calls, content, position = [], [], 0
@@ -55,10 +57,6 @@ class HermesParser(ToolParser):
     def format_calls(self, calls: list[tuple[str, dict[str, Any]]]) -> str:
         return "\n".join(f"{OPEN}\n{json.dumps({'name': name, 'arguments': args}, ensure_ascii=False)}\n{CLOSE}"
                          for name, args in calls)
-
-    def grammar_root(self, call_rule: str, parallel: bool) -> Optional[str]:
-        one = f'"<tool_call>\\n" {call_rule} "\\n</tool_call>"'
-        return f'{one} ("\\n" {one})*' if parallel else one
 
 
 class Qwen25Parser(HermesParser):

@@ -4,9 +4,15 @@
 from __future__ import annotations
 
 import json
-from typing import Any, Optional
+from typing import Any
 
-from radixserve.runtime.openai.tool_parsers.base import ParsedOutput, ToolParser, call_from_object, decode_json_prefix
+from radixserve.runtime.openai.tool_parsers.base import (
+    CallFrame,
+    ParsedOutput,
+    ToolParser,
+    call_from_object,
+    decode_json_prefix,
+)
 
 PYTHON_TAG = "<|python_tag|>"
 
@@ -17,6 +23,7 @@ class Llama3Parser(ToolParser):
     at_start_only = True
     tag_markers = (PYTHON_TAG,)
     arguments_key = "parameters"
+    call_frame = CallFrame(separator="; ")
 
     def parse(self, text: str) -> ParsedOutput:
         start = self.call_start(text)
@@ -41,6 +48,3 @@ class Llama3Parser(ToolParser):
 
     def format_calls(self, calls: list[tuple[str, dict[str, Any]]]) -> str:
         return "; ".join(json.dumps({"name": name, "parameters": args}, ensure_ascii=False) for name, args in calls)
-
-    def grammar_root(self, call_rule: str, parallel: bool) -> Optional[str]:
-        return f'{call_rule} ("; " {call_rule})*' if parallel else call_rule

@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import json
-from typing import Any, Optional
+from typing import Any
 
-from radixserve.runtime.openai.tool_parsers.base import ParsedOutput, ToolParser, call_from_object, decode_json_prefix
+from radixserve.runtime.openai.tool_parsers.base import (
+    CallFrame,
+    ParsedOutput,
+    ToolParser,
+    call_from_object,
+    decode_json_prefix,
+)
 
 MARKER = "[TOOL_CALLS]"
 
@@ -14,6 +20,7 @@ class MistralParser(ToolParser):
     name = "mistral"
     start_marker = MARKER
     needs_special_tokens = True
+    call_frame = CallFrame(separator=", ", calls_open=MARKER + " [", calls_close="]")
 
     def parse(self, text: str) -> ParsedOutput:
         start = text.find(MARKER)
@@ -32,7 +39,3 @@ class MistralParser(ToolParser):
     def format_calls(self, calls: list[tuple[str, dict[str, Any]]]) -> str:
         return MARKER + " " + json.dumps([{"name": name, "arguments": args} for name, args in calls],
                                          ensure_ascii=False)
-
-    def grammar_root(self, call_rule: str, parallel: bool) -> Optional[str]:
-        more = f' (", " {call_rule})*' if parallel else ""
-        return f'"[TOOL_CALLS] [" {call_rule}{more} "]"'

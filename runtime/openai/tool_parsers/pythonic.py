@@ -8,7 +8,7 @@ import ast
 import json
 from typing import Any
 
-from radixserve.runtime.openai.tool_parsers.base import ParsedOutput, ToolCall, ToolParser
+from radixserve.runtime.openai.tool_parsers.base import CallFrame, ParsedOutput, ToolCall, ToolParser
 
 WRAP_OPEN, WRAP_CLOSE = "<|python_start|>", "<|python_end|>"
 _JSON_NAMES = {"true": True, "false": False, "null": None}
@@ -50,6 +50,7 @@ class PythonicParser(ToolParser):
     at_start_only = True
     tag_markers = (WRAP_OPEN,)
     arguments_key = None
+    call_frame = CallFrame(separator=", ", calls_open="[", calls_close="]")
 
     def parse(self, text: str) -> ParsedOutput:
         start = self.call_start(text)

@@ -1,0 +1,198 @@
+"""Speculative decoding on vs off: output tokens/s and acceptance on a copy-heavy workload and on random prompts.
+
+Two in-process Engines on the embedded model (or `--model`), plain decoding and `--speculative-algorithm NGRAM`
+with `--speculative-num-draft-tokens` from `--num-draft-tokens`, run each workload's prompts greedily at batch
+size 1 (one request at a time, the latency case speculation is for) and, with `--batch-size N`, N at a time.
+Each batch runs on one engine and then the other, so load from other work on a shared machine weighs on both
+alike. Startup and one warm-up request are excluded from the timing.
+
+Workloads (chat prompts to the instruct model, EOS ends a request; at most `--max-new-tokens` outputs):
+- `copy-edit`: "rewrite this code with one change" over source files of this repository (the output copies
+  most of its input);
+- `copy-quote`: "summarize, quoting the key sentences verbatim" over sections of the repository's README;
+- `random`: short open-ended questions (little to copy; measures the cost of verifying drafts that fail).
+
+Printed: a table per workload and setting (output tokens/s over the whole requests, prefill included, and the
+speed-up over plain; mean accept length =
+output tokens per verify step, accept rate of drafts, and whether the greedy outputs are identical to plain
+decoding's), with the CPU's ISA; `--out PATH` writes the same as a JSON record.
+
+    python benchmarks/speculative.py --max-new-tokens 96 --out docs/results/speculative_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import _srcpath  # noqa: E402,F401
+
+ROOT = Path(__file__).resolve().parents[1]
+QUESTIONS = ["Name three uses of a paperclip.", "Why is the sky blue?", "Write a haiku about rain.",
+             "What makes a good password?"]
+
+
+@dataclass
+class Measurement:
+    workload: str
+    setting: str
+    batch_size: int
+    seconds: float = 0.0  # wall time of the generate calls (prefill included)
+    output_tokens: int = 0
+    verify_steps: int = 0
+    accepted_drafts: int = 0
+    proposed_drafts: int = 0
+    outputs: list[list[int]] = field(default_factory=list, repr=False)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.output_tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def accept_length(self) -> Optional[float]:
+        return self.output_tokens / self.verify_steps if self.verify_steps else None
+
+    @property
+    def accept_rate(self) -> Optional[float]:
+        return self.accepted_drafts / self.proposed_drafts if self.proposed_drafts else None
+
+    def add(self, outs: list[dict], seconds: float) -> None:
+        self.seconds += seconds
+        for out in outs:
+            meta = out["meta_info"]
+            self.output_tokens += meta["completion_tokens"]
+            self.verify_steps += meta.get("spec_verify_ct", 0)
+            self.accepted_drafts += meta.get("spec_accept_token_num", 0)
+            self.proposed_drafts += meta.get("spec_draft_token_num", 0)
+            self.outputs.append(out["output_ids"])
+
+
+def chat(tokenizer, text: str) -> list[int]:
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                           add_generation_prompt=True)
+    return tokenizer.encode(prompt)
+
+
+def workloads(tokenizer, num_prompts: int) -> dict[str, list[list[int]]]:
+    code_files = ["scheduler/speculative/ngram.py", "scheduler/stats.py", "scheduler/output.py",
+                  "radix_cache/pool.py"]
+    edits = []
+    for path in code_files[:num_prompts]:
+        code = (ROOT / path).read_text()[:1500]
+        edits.append(chat(tokenizer, "Rewrite this Python code exactly, but rename every `self` to `this`:\n\n"
+                          f"```python\n{code}\n```"))
+    design = (ROOT / "README.md").read_text()
+    sections = [design[i: i + 1200] for i in range(0, len(design), 1200)][1: 1 + num_prompts]
+    quotes = [chat(tokenizer, "Summarize this text, quoting its two most important sentences word for word:\n\n"
+                   + section) for section in sections]
+    return {"copy-edit": edits, "copy-quote": quotes,
+            "random": [chat(tokenizer, q) for q in QUESTIONS[:num_prompts]]}
+
+
+def run_settings(settings: dict[str, dict[str, Any]], prompts_by_workload: dict[str, list[list[int]]],
+                 max_new_tokens: int, batch_sizes: list[int]) -> list[Measurement]:
+    """Every setting's Engine at once, each batch run under each setting in turn: on a shared machine, load that
+    comes and goes then weighs on every setting alike."""
+    from contextlib import ExitStack
+
+    from radixserve import Engine
+
+    params = {"max_new_tokens": max_new_tokens, "temperature": 0}
+    results = []
+    with ExitStack() as stack:
+        engines = {name: stack.enter_context(Engine(log_level="warning", **engine_args))
+                   for name, engine_args in settings.items()}
+        for engine in engines.values():
+            engine.generate(input_ids=[1, 2, 3, 4], sampling_params={"max_new_tokens": 4})  # warm-up
+        for workload, prompts in prompts_by_workload.items():
+            for batch_size in batch_sizes:
+                measurements = {name: Measurement(workload, name, batch_size) for name in settings}
+                for engine in engines.values():
+                    engine.flush_cache()  # no run may reuse another's prefill
+                for start in range(0, len(prompts), batch_size):
+                    batch = prompts[start: start + batch_size]
+                    for name, engine in engines.items():
+                        began = time.perf_counter()
+                        outs = engine.generate(input_ids=batch, sampling_params=params)
+                        measurements[name].add(outs, time.perf_counter() - began)
+                results.extend(measurements.values())
+    return results
+
+
+def cpu_description() -> dict[str, Any]:
+    import torch
+
+    model = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": model, "isa": torch.backends.cpu.get_cpu_capability(), "torch_threads": torch.get_num_threads(),
+            "logical_cores": os.cpu_count(), "load_average": os.getloadavg()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default=None, help="model path (default: the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--num-prompts", type=int, default=2, help="prompts per workload")
+    parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--num-draft-tokens", type=int, default=6, help="--speculative-num-draft-tokens")
+    parser.add_argument("--batch-size", type=int, action="append", default=None,
+                        help="requests run together (repeatable; default: 1)")
+    parser.add_argument("--out", default=None, help="write the JSON record here")
+    args = parser.parse_args()
+    batch_sizes = args.batch_size or [1]
+
+    from radixserve.runtime.model_files import load_tokenizer, resolve_model
+
+    tokenizer = load_tokenizer(resolve_model(args.model).model_dir)
+    prompts = workloads(tokenizer, args.num_prompts)
+    base = {"model_path": args.model} if args.model else {}
+    spec_name = f"ngram-{args.num_draft_tokens}"
+    settings = {"off": base, spec_name: {**base, "speculative_algorithm": "NGRAM",
+                                         "speculative_num_draft_tokens": args.num_draft_tokens}}
+    measured = run_settings(settings, prompts, args.max_new_tokens, batch_sizes)
+    plain, spec = measured[0::2], measured[1::2]
+
+    machine = cpu_description()
+    print(f"CPU: {machine['cpu']} (ISA {machine['isa']}, {machine['torch_threads']} torch threads, "
+          f"load average {machine['load_average'][0]:.1f})")
+    header = f"{'workload':<11} {'setting':<9} {'bs':>3} {'tok/s':>7} {'speed-up':>8} {'accept len':>10} " \
+             f"{'accept rate':>11} {'same ids':>8}"
+    print(header)
+    print("-" * len(header))
+    rows = []
+    for off, on in zip(plain, spec):
+        for m in (off, on):
+            speedup = m.tokens_per_second / off.tokens_per_second if off.tokens_per_second else 0.0
+            same = m.outputs == off.outputs
+            length = f"{m.accept_length:.2f}" if m.accept_length else "-"
+            rate = f"{m.accept_rate:.2f}" if m.accept_rate is not None else "-"
+            print(f"{m.workload:<11} {m.setting:<9} {m.batch_size:>3} {m.tokens_per_second:>7.2f} {speedup:>7.2f}x "
+                  f"{length:>10} {rate:>11} {str(same):>8}")
+            row = {k: v for k, v in asdict(m).items() if k != "outputs"}
+            row.update(tokens_per_second=m.tokens_per_second, speedup=speedup, accept_length=m.accept_length,
+                       accept_rate=m.accept_rate, identical_to_plain=same)
+            rows.append(row)
+    record = {"benchmark": "speculative", "machine": machine, "model": args.model or "embedded SmolLM2-135M-Instruct",
+              "max_new_tokens": args.max_new_tokens, "num_draft_tokens": args.num_draft_tokens,
+              "num_prompts": args.num_prompts, "results": rows}
+    if args.out:
+        Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

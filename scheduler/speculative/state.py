@@ -1,0 +1,45 @@
+"""Per-request speculative state: the n-gram index, the adaptive draft length, and the acceptance counters."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from radixserve.scheduler.speculative.ngram import TokenIndex
+
+# Weight of the latest verify step in the acceptance-rate average that sets the draft length.
+ACCEPTANCE_EMA_WEIGHT = 0.5
+
+
+@dataclass
+class SpecState:
+    """Kept on `Req.spec` while speculative decoding runs.
+
+    Draft length: `max_drafts` scaled by an exponential average of the request's acceptance rate (at least one
+    draft), so a request whose text does not repeat itself soon verifies one cheap draft per step instead of
+    `max_drafts`, and one that copies its input goes back to long chains as soon as they are accepted.
+    """
+
+    max_drafts: int
+    index: TokenIndex = field(default_factory=TokenIndex)
+    acceptance_ema: float = 1.0
+    verify_ct: int = 0  # verify steps the request took part in (SGLang's spec_verify_ct)
+    num_proposed: int = 0  # draft tokens verified
+    num_accepted: int = 0  # of those, accepted
+    # STANDALONE: the request's row in the draft model's req_to_token pool, and how many of its leading tokens
+    # have draft KV (scheduler/speculative/draft_model.py).
+    draft_row: Optional[int] = None
+    draft_kv_len: int = 0
+
+    @property
+    def draft_len(self) -> int:
+        return max(1, min(self.max_drafts, round(self.acceptance_ema * self.max_drafts)))
+
+    def on_verified(self, num_proposed: int, num_accepted: int) -> None:
+        self.verify_ct += 1
+        if num_proposed == 0:
+            return
+        self.num_proposed += num_proposed
+        self.num_accepted += num_accepted
+        rate = num_accepted / num_proposed
+        self.acceptance_ema = (1 - ACCEPTANCE_EMA_WEIGHT) * self.acceptance_ema + ACCEPTANCE_EMA_WEIGHT * rate

@@ -1,0 +1,130 @@
+"""Speculative decoding's small parts: n-gram proposals, the adaptive draft length, and the flag checks."""
+
+from __future__ import annotations
+
+import pytest
+
+from radixserve.runtime.wire.server_args import ServerArgs, resolved_num_draft_tokens
+from radixserve.scheduler.speculative.ngram import TokenIndex
+from radixserve.scheduler.speculative.state import SpecState
+
+
+def index_of(tokens: list[int]) -> TokenIndex:
+    index = TokenIndex()
+    index.extend_to(tokens)
+    return index
+
+
+def test_proposes_what_followed_the_longest_latest_match():
+    # "7 8 9" occurred twice; its latest earlier occurrence was followed by 4 5, the first one by 1 2.
+    tokens = [7, 8, 9, 1, 2, 3, 7, 8, 9, 4, 5, 6, 0, 8, 9]
+    assert index_of(tokens).propose(2, 1, 12) == [4, 5]
+    # The longest match wins over a later, shorter one: "1 8 9" matches at the start, "2 8 9" only by "8 9".
+    assert index_of([1, 8, 9, 4, 2, 8, 9, 5, 3, 1, 8, 9]).propose(2, 1, 12) == [4, 2]
+    assert index_of(tokens).propose(2, 3, 12) == []  # no 3-token match of "0 8 9"
+    assert index_of([1, 2, 3]).propose(4, 1, 12) == []  # the last token never occurred before
+    assert index_of(tokens).propose(0, 1, 12) == []
+
+
+def test_index_grows_with_the_sequence():
+    index = index_of([5, 6, 7])
+    index.extend_to([5, 6, 7, 5])
+    assert index.propose(3, 1, 12) == [6, 7, 5]  # proposals may run into the tail itself (a repeating loop)
+    index.extend_to([5, 6, 7, 5, 6, 7, 5, 6])
+    assert index.propose(2, 1, 12) == [7, 5]
+
+
+def test_draft_length_follows_the_acceptance_rate():
+    state = SpecState(max_drafts=6)
+    assert state.draft_len == 6
+    for _ in range(4):
+        state.on_verified(state.draft_len, 0)
+    assert state.draft_len == 1
+    for _ in range(4):
+        state.on_verified(state.draft_len, state.draft_len)
+    assert state.draft_len >= 5
+    assert state.verify_ct == 8 and state.num_accepted <= state.num_proposed
+
+
+def test_flags_resolve_and_refuse_what_cannot_be_honoured():
+    assert resolved_num_draft_tokens(ServerArgs()) is None
+    assert resolved_num_draft_tokens(ServerArgs(speculative_algorithm="NGRAM")) == 6
+    assert ServerArgs(speculative_algorithm="ngram").speculative_algorithm == "NGRAM"
+    assert resolved_num_draft_tokens(ServerArgs(speculative_algorithm="NGRAM", speculative_num_steps=3)) == 4
+    args = ServerArgs(speculative_algorithm="NGRAM", speculative_num_draft_tokens=5, speculative_num_steps=4,
+                      speculative_eagle_topk=1, disable_overlap_schedule=False)
+    assert resolved_num_draft_tokens(args) == 5
+    assert not args.resolved_overlap_schedule()  # speculative decoding turns overlap off
+    refused = {
+        "EAGLE": dict(speculative_algorithm="EAGLE"),
+        "EAGLE3": dict(speculative_algorithm="EAGLE3", speculative_draft_model_path="x"),
+        "bogus": dict(speculative_algorithm="MEDUSA"),
+        "no algorithm": dict(speculative_num_draft_tokens=4),
+        "steps mismatch": dict(speculative_algorithm="NGRAM", speculative_num_draft_tokens=4, speculative_num_steps=2),
+        "topk": dict(speculative_algorithm="NGRAM", speculative_eagle_topk=4),
+        "bfs breadth": dict(speculative_algorithm="NGRAM", speculative_ngram_max_bfs_breadth=10),
+        "match type": dict(speculative_algorithm="NGRAM", speculative_ngram_match_type="PROB"),
+        "window": dict(speculative_algorithm="NGRAM", speculative_ngram_min_match_window_size=5,
+                       speculative_ngram_max_match_window_size=3),
+        "too few drafts": dict(speculative_algorithm="NGRAM", speculative_num_draft_tokens=1),
+        "ngram with a draft model": dict(speculative_algorithm="NGRAM", speculative_draft_model_path="x"),
+    }
+    for name, kwargs in refused.items():
+        with pytest.raises(ValueError, match="speculative"):
+            ServerArgs(**kwargs)
+        assert name
+
+
+def test_cli_accepts_sglang_flag_names():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    args = ServerArgs.from_cli_args(parser.parse_args([
+        "--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "4", "--speculative-num-steps", "3",
+        "--speculative-eagle-topk", "1", "--speculative-ngram-min-match-window-size", "2",
+        "--speculative-ngram-max-match-window-size", "8",
+    ]))
+    assert args.speculative_algorithm == "NGRAM" and resolved_num_draft_tokens(args) == 4
+    assert args.speculative_ngram_min_match_window_size == 2
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_tree_continuation_follows_the_most_recent_branch(page_size):
+    from radixserve.radix_cache.pool import KVAllocator, ReqToTokenPool
+    from radixserve.radix_cache.tree import RadixCache
+
+    allocator = KVAllocator(256, page_size)
+    cache = RadixCache(ReqToTokenPool(4, 64), allocator, page_size)
+    first = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]
+    second = [1, 2, 3, 4, 5, 6, 7, 8, 20, 21, 22, 23]
+    cache.insert(first, allocator.alloc(len(first)))
+    slots = allocator.alloc(len(second))
+    allocator.free(slots[: cache.insert(second, slots)])  # the caller frees its copies of the shared prefix
+    cache.match_prefix(first)  # `first` is now the most recently used branch
+    assert cache.continuation([1, 2, 3], (), 4) == [4, 5, 6, 7]
+    assert cache.continuation([1, 2, 3, 4, 5, 6, 7, 8], (), 3) == [9, 10, 11]
+    assert cache.continuation([1, 2, 3, 4, 5, 6, 7, 8, 20], (), 10) == [21, 22, 23]
+    assert cache.continuation([1, 2, 3, 9], (), 4) == []  # not in the tree
+    assert cache.continuation(first, (), 4) == []  # nothing after it
+    assert cache.continuation([1, 2, 3], ("other",), 4) == []  # another namespace sees nothing
+    cache.check_invariants(held_slots=0)
+
+
+def test_metrics_report_the_acceptance():
+    from radixserve.runtime.metrics import ServerMetrics
+
+    metrics = ServerMetrics("m")
+    text, _ = metrics.render({"avg_spec_accept_length": 2.5, "spec_accept_rate": 0.4, "memory": {}}, 0)
+    lines = text.decode().splitlines()
+    assert 'radixserve:spec_accept_length{model_name="m"} 2.5' in lines
+    assert 'radixserve:spec_accept_rate{model_name="m"} 0.4' in lines
+
+
+def test_meta_info_carries_sglang_spec_keys():
+    from radixserve.runtime.wire.messages import SpecCounts
+    from radixserve.tokenizer_manager.state import spec_meta_info
+
+    meta = spec_meta_info(SpecCounts(verify_ct=10, accepted_drafts=12, proposed_drafts=30), completion_tokens=23)
+    assert meta == {"spec_verify_ct": 10, "spec_accept_token_num": 12, "spec_draft_token_num": 30,
+                    "spec_accept_rate": 0.4, "spec_accept_length": 2.3}
