@@ -68,6 +68,12 @@ class EngineProxy:
         self._limits = LengthLimits(info.context_len, info.max_total_num_tokens, info.page_size)
         self._aborts: set[asyncio.Task] = set()
 
+    @property
+    def lora_adapters(self) -> dict[str, str]:
+        """The LoRA adapters every replica loaded at start-up (`--lora-paths`; run-time loading goes through each
+        replica's own server, not this ingress)."""
+        return dict(self.model_info.lora_adapters)
+
     # ---- generation ------------------------------------------------------------------------------
     async def generate_request(self, obj: GenerateReqInput) -> AsyncIterator[Any]:
         route = await self._route(obj)
