@@ -14,7 +14,7 @@ from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 
-from http_fixtures import shared_server
+from http_fixtures import ADMIN_KEY, KEY_A, MAIN_SERVER_FLAGS, ServerProcess, tenants_file
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -36,7 +36,12 @@ ROUTES = {"/health", "/metrics", "/v1/models", "/v1/models/{model_id}", "/v1/cha
 
 @pytest.fixture(scope="module")
 def server():
-    return shared_server()
+    """A server of the shared one's configuration, of its own: the fuzz's findings are about its requests alone,
+    not about what the other HTTP tests left behind."""
+    process = ServerProcess(*MAIN_SERVER_FLAGS, "--tenants-file", tenants_file(), "--admin-api-key", ADMIN_KEY,
+                            api_key=KEY_A, admin_key=ADMIN_KEY)
+    yield process
+    process.stop()
 
 
 def test_openapi_documents_every_route_and_the_request_bodies(server):
@@ -57,11 +62,14 @@ def test_openapi_documents_every_route_and_the_request_bodies(server):
 
 
 def _limit_work(value):
-    """Fold the work-setting fields of a generated body (at any depth) into 0..MAX_WORK."""
+    """Fold the work-setting fields of a generated body (at any depth) into 0..MAX_WORK; an explicit null
+    maximum (which means "up to the context window") becomes MAX_WORK."""
     if isinstance(value, dict):
         for key, item in value.items():
             if key in WORK_FIELDS and isinstance(item, int) and not isinstance(item, bool) and item > MAX_WORK:
                 value[key] = item % (MAX_WORK + 1)
+            elif key in WORK_FIELDS and key.startswith("max_") and item is None:
+                value[key] = MAX_WORK
             else:
                 _limit_work(item)
     elif isinstance(value, list):
