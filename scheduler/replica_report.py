@@ -15,7 +15,9 @@ from typing import Any
 
 import zmq
 
-from radixserve.runtime.wire.messages import EvictedPrefix, ReplicaLoad, TokenizedGenerateReq, encode
+from radixserve.runtime.wire.messages import (
+    UNBOUNDED_NEW_TOKENS, EvictedPrefix, ReplicaLoad, TokenizedGenerateReq, encode, request_tokens,
+)
 
 REPORT_INTERVAL_S = 0.05  # a replica whose counts did not change still reports this often while busy
 MAX_EVICTED_PER_REPORT = 256  # the rest waits for the next report
@@ -46,8 +48,6 @@ class ReplicaReporter:
     # ---- the process loop's hooks ----------------------------------------------------------------
     def received_request(self, message: Any) -> None:
         if isinstance(message, TokenizedGenerateReq):
-            from radixserve.runtime.data_parallel.controller import request_tokens
-
             self.received += 1
             self.received_tokens += request_tokens(message)
 
@@ -84,5 +84,5 @@ def evicted_prefix(leaf: Any) -> EvictedPrefix:
 
 def _outstanding_tokens(req: Any) -> int:
     max_new = req.sampling_params.max_new_tokens
-    remaining = 512 if max_new is None else max(0, max_new - len(req.output_ids))
+    remaining = UNBOUNDED_NEW_TOKENS if max_new is None else max(0, max_new - len(req.output_ids))
     return len(req.origin_input_ids) + len(req.output_ids) + remaining

@@ -21,14 +21,13 @@ import zmq
 from radixserve.runtime.data_parallel.policy import LoadBalancer, LoadEstimate
 from radixserve.runtime.wire.ipc import IpcPaths, make_pull, make_push
 from radixserve.runtime.wire.messages import (
-    ProcessFailed, ProcessReady, ReplicaLoad, TokenizedGenerateReq, decode, encode,
+    ProcessFailed, ProcessReady, ReplicaLoad, TokenizedGenerateReq, decode, encode, request_tokens,
 )
 from radixserve.runtime.wire.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
 PROCESS_NAME = "dp-controller"
-UNBOUNDED_NEW_TOKENS = 512  # a request without max_new_tokens counts this many toward its replica's load
 
 
 class DataParallelController:
@@ -80,12 +79,6 @@ class DataParallelController:
         for evicted in report.evicted:
             self.balancer.evicted(report.dp_rank, evicted.namespace, evicted.tokens, evicted.kept)
         self.reports[report.dp_rank] = report
-
-
-def request_tokens(message: TokenizedGenerateReq) -> int:
-    """What a request adds to its replica's load: its prompt and the most it may generate."""
-    max_new = message.sampling_params.max_new_tokens
-    return len(message.input_ids) + (UNBOUNDED_NEW_TOKENS if max_new is None else max_new) * message.sampling_params.n
 
 
 def run_dp_controller(server_args: ServerArgs, ipc: IpcPaths, parent_pid: int) -> None:

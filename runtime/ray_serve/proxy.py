@@ -34,6 +34,7 @@ from radixserve.runtime.ray_serve.routing import (
     ROUTE_KWARG, PrefixRoute, ReplicaDirectory, ReplicaEngineDeadError, ReplicaTarget, lookup,
 )
 from radixserve.runtime.wire.errors import EngineDeadError
+from radixserve.runtime.wire.messages import UNBOUNDED_NEW_TOKENS
 from radixserve.runtime.wire.sampling_params import LengthLimits, SamplingParams
 from radixserve.runtime.wire.server_args import ServerArgs
 from radixserve.tokenizer_manager.io import GenerateReqInput, make_namespace
@@ -43,7 +44,6 @@ from radixserve.tokenizer_manager.tokenize import TokenizerWorker, load_chat_tem
 logger = logging.getLogger(__name__)
 
 CONTROL_TIMEOUT_SECONDS = 30.0
-UNBOUNDED_NEW_TOKENS = 512  # a request without max_new_tokens counts this many toward its replica's load
 MAX_ATTEMPTS = 3  # a generation refused by replicas whose engine is down is sent this many times at most
 _NOTHING = object()
 T = TypeVar("T")

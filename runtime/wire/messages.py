@@ -171,6 +171,15 @@ class ReplicaLoad(msgspec.Struct, tag=True):
     flushed: bool = False  # the replica's cache was flushed since the last report
 
 
+UNBOUNDED_NEW_TOKENS = 512  # what a request without max_new_tokens counts toward its replica's load
+
+
+def request_tokens(message: TokenizedGenerateReq) -> int:
+    """What a request adds to its data-parallel replica's load: its prompt and the most it may generate."""
+    max_new = message.sampling_params.max_new_tokens
+    return len(message.input_ids) + (UNBOUNDED_NEW_TOKENS if max_new is None else max_new) * message.sampling_params.n
+
+
 class ModelInfo(msgspec.Struct, kw_only=True):
     """What the scheduler tells the other processes once its model is loaded (in its ProcessReady)."""
 
