@@ -68,4 +68,5 @@ class DetokenizerManager:
             input_token_logprobs=batch.input_token_logprobs,
             input_top_logprobs=batch.input_top_logprobs,
             spec=batch.spec,
+            queue_times=batch.queue_times,
         )

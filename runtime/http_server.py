@@ -36,6 +36,7 @@ from radixserve.runtime.http_state import InflightRequests, ServerState, caller,
 from radixserve.runtime.lora_api import adapter_cards
 from radixserve.runtime.lora_api import router as lora_router
 from radixserve.runtime.metrics import ServerMetrics
+from radixserve.runtime.tenant_usage import TenantUsage
 from radixserve.runtime.native_api import health_route
 from radixserve.runtime.native_api import router as native_router
 from radixserve.runtime.openai.errors import APIError, install_error_handlers
@@ -85,9 +86,10 @@ def create_app(engine: Any, server_args: ServerArgs) -> FastAPI:
         max_total_tokens=model_info.max_total_num_tokens,
         token_texts=TokenTexts(engine.tokenizer),
     )
+    state.tenant_usage = TenantUsage(state.tenants.tenant_ids)
     if server_args.enable_metrics:
-        state.metrics = ServerMetrics(state.served_model_name)
-        engine.request_observer = state.metrics.observe_request
+        state.metrics = ServerMetrics(state.served_model_name, state.tenant_usage)
+    engine.request_observer = state.observe_request
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

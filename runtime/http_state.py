@@ -20,6 +20,7 @@ from starlette.requests import Request
 from radixserve.runtime.openai.errors import APIError
 from radixserve.runtime.wire.server_args import ServerArgs
 from radixserve.runtime.tenancy import Caller, TenantResolver
+from radixserve.runtime.tenant_usage import TenantUsage
 from radixserve.runtime.wire.messages import ModelInfo
 
 RETRY_AFTER_SECONDS = 1
@@ -106,7 +107,15 @@ class ServerState:
     max_total_tokens: Optional[int]
     token_texts: Any = None  # radixserve.runtime.openai.logprobs.TokenTexts of the tokenizer
     metrics: Any = None  # radixserve.runtime.metrics.ServerMetrics, when enabled
+    tenant_usage: Optional[TenantUsage] = None  # per-tenant totals (runtime/tenant_usage.py)
     created: int = field(default_factory=lambda: int(time.time()))
+
+    def observe_request(self, meta_info: dict[str, Any], token_times: list[float]) -> None:
+        """The Engine's request observer: the tenant's usage, and the metrics when enabled."""
+        if self.tenant_usage is not None:
+            self.tenant_usage.observe_request(meta_info, meta_info.get("tenant"))
+        if self.metrics is not None:
+            self.metrics.observe_request(meta_info, token_times)
 
 
 def caller_tenant(request: Request) -> Optional[str]:

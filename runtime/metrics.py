@@ -7,7 +7,8 @@ served model name), so a dashboard written for SGLang works after renaming the p
 Per-request counters and latency histograms are fed by the Engine's `request_observer` hook, called once
 per finished request with its meta_info and the arrival times of its output chunks; so they cover every
 request the engine serves. Load gauges (running and queued requests, KV token usage, cache hit rate,
-throughput) are read from the scheduler's server info at scrape time. Each server has its own registry, so
+throughput) are read from the scheduler's server info at scrape time. Per-tenant series (`radixserve:tenant_*`,
+labelled by tenant id) come from runtime/tenant_usage.py. Each server has its own registry, so
 several servers (or tests) in one process never share counters.
 """
 
@@ -18,6 +19,8 @@ from typing import Any, Optional
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from radixserve.runtime.tenant_usage import TenantUsage, TenantUsageCollector
+
 PREFIX = "radixserve:"
 LABELS = ("model_name",)
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -26,8 +29,10 @@ E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, tenant_usage: Optional[TenantUsage] = None) -> None:
         self.registry = CollectorRegistry()
+        if tenant_usage is not None:  # the per-tenant series (runtime/tenant_usage.py), read at scrape time
+            self.registry.register(TenantUsageCollector(tenant_usage, model_name, PREFIX))
 
         def metric(kind: type, name: str, documentation: str, **kwargs: Any) -> Any:
             # The one label value is bound at once, so every series is exported (at 0) from the first scrape.

@@ -262,6 +262,9 @@ async def get_server_info(request: Request, who: Caller = Depends(caller)) -> Re
     info["incremental_streaming_output"] = _streams_incrementally(state)
     info["internal_states"] = [_internal_state(replica) if who.is_admin else {}
                                for replica in info.get("replicas") or [info]]
+    if state.tenant_usage is not None:  # a tenant sees its own usage, the administrator every tenant's
+        info["tenant_usage"] = (state.tenant_usage.all_totals() if who.is_admin
+                                else state.tenant_usage.totals_of(who.tenant))
     info["http"] = {"served_model_name": state.served_model_name,
                     "inflight_engine_requests": state.inflight.num_engine_requests_of(who.tenant)}
     if who.is_admin:

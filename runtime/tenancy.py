@@ -88,6 +88,7 @@ class TenantResolver:
         self._weights = dict(weights or {})
         self._admin_digest = _digest(admin_api_key) if admin_api_key else None
         self.has_tenants = any(t is not None for t in self._tenant_by_digest.values())
+        self.tenant_ids = frozenset(t for t in self._tenant_by_digest.values() if t is not None)
 
     @classmethod
     def from_server_args(cls, api_key: Optional[str], tenants_file: Optional[str],

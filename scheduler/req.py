@@ -18,6 +18,7 @@ when no launched batch that includes the request is still unprocessed (`num_infl
 
 from __future__ import annotations
 
+import time
 from typing import Any, Optional
 
 import torch
@@ -91,6 +92,8 @@ class Req:
 
         # Admission bookkeeping
         self.num_cached_tokens: Optional[int] = None  # prefix matched at first admission
+        self.queued_at = time.monotonic()  # when the scheduler received the request
+        self.queue_time: Optional[float] = None  # seconds from arrival to first admission
         self.match_len_hint = 0  # prefix length last seen by the policy (ordering only)
         self.num_retractions = 0
 
@@ -139,6 +142,11 @@ class Req:
         return self.kv_len - len(self.prefix_indices)
 
     # ---- transitions -----------------------------------------------------------------------------
+    def on_first_admission(self, num_cached_tokens: int) -> None:
+        """Record what the first admission found: the cached prefix length and the time spent waiting."""
+        self.num_cached_tokens = num_cached_tokens
+        self.queue_time = time.monotonic() - self.queued_at
+
     def finish(self, reason: FinishReason) -> None:
         if self.finished_reason is None:
             self.finished_reason = reason

@@ -289,7 +289,7 @@ class Scheduler:
             req.reset_kv_state()
             return False
         if req.num_cached_tokens is None:
-            req.num_cached_tokens = match.length
+            req.on_first_admission(match.length)
             self.stats.on_admitted(req.prompt_len, match.length)
         return True
 

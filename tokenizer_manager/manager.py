@@ -49,6 +49,8 @@ from radixserve.tokenizer_manager.tokenize import TokenizerWorker
 
 logger = logging.getLogger(__name__)
 
+# Called once per finished request with its meta_info plus "tenant" (the caller's tenant id, or None), and the
+# arrival times of its output chunks.
 RequestObserver = Callable[[dict[str, Any], list[float]], None]
 
 
@@ -339,7 +341,8 @@ class TokenizerManager:
                 if len(out.input_top_logprobs) == len(out.rids):
                     state.input_top_logprobs = out.input_top_logprobs[i]
             state.append(out.text_deltas[i], out.new_token_ids[i], out.finish_reasons[i],
-                         out.prompt_tokens[i], out.completion_tokens[i], out.cached_tokens[i])
+                         out.prompt_tokens[i], out.completion_tokens[i], out.cached_tokens[i],
+                         out.queue_times[i] if out.queue_times else None)
             if out.spec:
                 state.spec = out.spec[i]
             group.notify(state.index)
@@ -350,7 +353,9 @@ class TokenizerManager:
         if self.request_observer is None:
             return
         try:
-            self.request_observer(state.meta_info(lambda token_id: None), list(state.token_times))
+            # The observer also learns the request's tenant (meta_info itself never carries it).
+            meta = {**state.meta_info(lambda token_id: None), "tenant": state.tenant}
+            self.request_observer(meta, list(state.token_times))
         except Exception:
             logger.exception("request_observer failed")
 

@@ -48,6 +48,7 @@ class ReqState:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    queue_time: Optional[float] = None  # seconds the scheduler held it before its first admission
     spec: Optional[SpecCounts] = None  # speculative decoding counts, when it runs
     output_token_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
@@ -64,8 +65,10 @@ class ReqState:
         return self.finish_reason is not None
 
     def append(self, text: str, ids: list[int], finish_reason: Optional[FinishReason], prompt_tokens: int,
-               completion_tokens: int, cached_tokens: int) -> None:
+               completion_tokens: int, cached_tokens: int, queue_time: Optional[float] = None) -> None:
         now = time.monotonic()
+        if queue_time is not None:
+            self.queue_time = queue_time
         self.text += text
         self.output_ids.extend(ids)
         if ids:
@@ -85,6 +88,8 @@ class ReqState:
             "cached_tokens": self.cached_tokens,
             "finish_reason": self.finish_reason,
         }
+        if self.queue_time is not None:
+            meta["queue_time"] = self.queue_time
         if self.spec is not None:
             meta.update(spec_meta_info(self.spec, self.completion_tokens))
         if self.finished_at is not None:
