@@ -14,7 +14,9 @@ counter of Sheng et al. ("Fairness in Serving Large Language Models", OSDI 2024)
 When every request row is taken (`--max-running-requests`), order alone would make a newcomer wait for a flooding
 tenant's requests to finish; so a tenant below its weighted share of the rows takes one from the tenant furthest
 above its share, whose request goes back to the queue with its KV cached (`preemption_victim`; off with
-`--disable-fair-share-preemption`).
+`--disable-fair-share-preemption`). Likewise a tenant's long prompt, prefilled chunk by chunk, does not hold the
+chunk budget of every batch until it is done: another tenant's short request that the fair order puts first joins
+the next batch ahead of the next chunk (`ahead_of_chunk`).
 
 Priority (SGLang's `priority` field, honoured with `--enable-priority-scheduling`): within one tenant, larger
 values go first (`--schedule-low-priority-values-first`: smaller ones); a request without one has
@@ -41,7 +43,8 @@ class FairShare:
 
     The scheduler calls `on_arrival(req)` once per request it queues, `on_done(req)` once when a request leaves
     (finished or aborted), `charge_batch(...)` for the tokens each batch computes, `preemption_victim(...)` and
-    `order(candidates, running, max_running)` before each admission round.
+    `order(candidates, running, max_running)` before each admission round, and `ahead_of_chunk(...)` when a
+    long prompt is being prefilled in chunks.
     """
 
     def __init__(self, enabled: bool = True, priority_enabled: bool = False, low_values_first: bool = False,
@@ -151,6 +154,26 @@ class FairShare:
                 cost = max(1, req.fill_len() - req.kv_len) / self._weight(tenant)
                 heapq.heappush(heap, key(tenant, counter + cost))
         return ordered
+
+    def ahead_of_chunk(self, chunked: Optional[Req], ordered: list[Req], running: Sequence[Req] = (),
+                       max_running: int = 0, chunk_budget: float = 0) -> list[Req]:
+        """The waiting requests (of `ordered`, the admission order) that go into the next batch before the next
+        chunk of `chunked`, the request whose long prompt is being prefilled chunk by chunk.
+
+        Without this a chunked prompt takes the whole chunk budget of every batch until it is done, so another
+        tenant's short request waits behind all of its chunks. A request goes first when its tenant is not the
+        chunked request's, it comes before the chunked request in the fair order, and its whole prompt fits in
+        the chunk budget (so it is never chunked itself: one chunked request at a time)."""
+        if chunked is None or not self.enabled:
+            return []
+        fair = self.order([chunked, *ordered], running, max_running)
+        ahead: list[Req] = []
+        budget = chunk_budget
+        for req in fair[: fair.index(chunked)]:
+            if req.tenant != chunked.tenant and req.fill_len() <= budget:
+                ahead.append(req)
+                budget -= req.fill_len()
+        return ahead
 
     def _row_share(self, waiting_tenants: set[str], held: Counter, max_running: int):
         """Each backlogged tenant's weighted share of the `max_running` request rows, as a function of the tenant."""

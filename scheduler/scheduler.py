@@ -233,17 +233,17 @@ class Scheduler:
             page_size=self.page_size,
         )
         entries: list[tuple[Req, int, int, torch.Tensor]] = []  # (request, prefix_len, extend_len, slots)
-        if self.chunked_req is not None:
-            req = self.chunked_req
-            if not self._extend(req, req.kv_len, adder, entries):
-                return None
-        for req in self.fair_share.order(self.policy.order(self.waiting), self.running, rows):
-            if adder.stopped or len(self.running) + len(entries) >= self.max_running:
-                break
-            if not self.lora.fits(req, itertools.chain(self.running, (entry[0] for entry in entries))):
-                continue
-            if self.req_to_token_pool.available_size() == 0 or self._admit(req, adder, entries) is False:
-                break
+        order = self.fair_share.order(self.policy.order(self.waiting), self.running, rows)
+        chunked = self.chunked_req
+        # Another tenant's short request may go before the next chunk of a long prompt (scheduler/fair_share.py).
+        ahead = self.fair_share.ahead_of_chunk(chunked, order, [*self.running, *([chunked] if chunked else [])],
+                                               self.max_running, adder.rem_chunk_tokens)
+        self._admit_in_order(ahead, adder, entries, rows)
+        if chunked is not None and not self._extend(chunked, chunked.kv_len, adder, entries) and not entries:
+            return None
+        chunk_left_out = chunked is not None and all(entry[0] is not chunked for entry in entries)
+        self._admit_in_order([req for req in order if req not in ahead], adder, entries,
+                             self.max_running - chunk_left_out)
         if not entries:
             return None
         # What this batch computes goes into the tree now (locked by its requests), so the next batch can share
@@ -253,7 +253,8 @@ class Scheduler:
 
         admitted = {id(entry[0]) for entry in entries}
         self.waiting = [req for req in self.waiting if id(req) not in admitted]
-        self.chunked_req = None
+        # A chunked request left out of this batch (others went first) keeps its place for the next one.
+        self.chunked_req = chunked if chunked is not None and id(chunked) not in admitted else None
         decodes, decode_slots = self._mixed_decodes() if self.args.enable_mixed_chunk else ([], None)
         for req, *_ in entries:
             if req.kv_len < req.fill_len():
@@ -262,6 +263,16 @@ class Scheduler:
                 self.running.append(req)
         mode = ForwardMode.MIXED if decodes else ForwardMode.EXTEND
         return self._make_batch(mode, entries, decodes, decode_slots)
+
+    def _admit_in_order(self, reqs: list[Req], adder: PrefillAdder, entries: list, rows: int) -> None:
+        """Admit waiting requests in the order given while the batch, the running requests and the rows allow."""
+        for req in reqs:
+            if adder.stopped or len(self.running) + len(entries) >= rows:
+                break
+            if not self.lora.fits(req, itertools.chain(self.running, (entry[0] for entry in entries))):
+                continue
+            if self.req_to_token_pool.available_size() == 0 or self._admit(req, adder, entries) is False:
+                break
 
     def _admit(self, req: Req, adder: PrefillAdder, entries: list) -> Optional[bool]:
         """Match `req`'s cached prefix, lock it, take a row and slots for its first (or only) chunk.

@@ -233,3 +233,34 @@ def test_a_tenant_below_its_row_share_goes_first_even_when_served_more():
     share.charge(light, 500)  # b has had more tokens computed than a
     assert rids(share.order([retracted, light], running, max_running=4)) == ["b0", "a-back"]
     assert rids(share.order([retracted, light])) == ["a-back", "b0"]  # without rows: counters alone
+
+
+@pytest.mark.parametrize("fair", [True, False], ids=["fair-share", "no-fair-share"])
+def test_a_short_request_does_not_wait_behind_another_tenants_chunked_prompt(tiny_llama, fair):
+    long_prompt = [(7 * i) % 500 + 3 for i in range(240)]  # 15 chunks of 16 tokens
+    short_prompt = [40, 41, 42, 43, 44, 45]
+
+    def run(with_b: bool) -> tuple[dict, int, int]:
+        driver = SchedulerDriver(tiny_llama, chunked_prefill_size=16, disable_fair_share=not fair)
+        try:
+            driver.submit("a", long_prompt, namespace=("tenant:a",), max_new_tokens=6)
+            driver.step()  # a's first chunk
+            if with_b:
+                driver.submit("b", short_prompt, namespace=("tenant:b",), max_new_tokens=6)
+            steps_to_b = steps_to_a = 0
+            while not driver.scheduler.is_idle():
+                driver.step()
+                steps_to_b += with_b and not driver.results["b"].output_ids
+                steps_to_a += not driver.results["a"].output_ids
+        finally:
+            driver.close()
+        return {rid: r.output_ids for rid, r in driver.results.items()}, steps_to_b, steps_to_a
+
+    outputs, steps_to_b, steps_to_a = run(with_b=True)
+    alone, _, _ = run(with_b=False)
+    assert outputs["a"] == alone["a"]  # a's chunks, interleaved with b, compute the same
+    assert len(outputs["b"]) == 6 and steps_to_a >= 13
+    if fair:
+        assert steps_to_b <= 2, steps_to_b  # b's prompt joins the very next batch, ahead of a's next chunk
+    else:
+        assert steps_to_b >= 13, steps_to_b  # b waits until a's whole prompt is computed
