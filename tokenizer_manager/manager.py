@@ -269,13 +269,24 @@ class TokenizerManager:
         """The scheduler's CacheTreeSummary; `fields` are CacheTreeReq's (namespace_prefix, max_nodes, ...)."""
         return (await self._rpc(CacheTreeReq, **fields)).summary
 
+    # With data-parallel replicas a load or unload goes to each of them; when some fail (the reply is a failure)
+    # the others are rolled back, so every replica serves the same adapters: a failed load is unloaded where it
+    # succeeded, a failed unload (an adapter still in use on one replica) is loaded again where it was unloaded.
+    # The rollback's own refusals (not loaded / already loaded, on the replicas that failed) are expected.
+
     async def load_lora_adapter(self, lora_name: str, lora_path: str, pinned: bool = False) -> LoRAAdapterReqOutput:
+        was_loaded = lora_name in self.lora_adapters
         reply = await self._rpc(LoadLoRAAdapterReq, lora_name=lora_name, lora_path=lora_path, pinned=pinned)
+        if not reply.success and self.model_info.dp_size > 1 and not was_loaded:
+            await self._rpc(UnloadLoRAAdapterReq, lora_name=lora_name)
         self.lora_adapters = dict(reply.loaded_adapters)
         return reply
 
     async def unload_lora_adapter(self, lora_name: str) -> LoRAAdapterReqOutput:
+        path = self.lora_adapters.get(lora_name)
         reply = await self._rpc(UnloadLoRAAdapterReq, lora_name=lora_name)
+        if not reply.success and self.model_info.dp_size > 1 and path is not None:
+            await self._rpc(LoadLoRAAdapterReq, lora_name=lora_name, lora_path=path)
         self.lora_adapters = dict(reply.loaded_adapters)
         return reply
 
