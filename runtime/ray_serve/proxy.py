@@ -82,10 +82,10 @@ class EngineProxy:
         finished = False
         try:
             if first is not _NOTHING:
-                self._observe(first, arrivals)
+                self._observe(first, arrivals, obj.tenant)
                 yield first
                 async for chunk in stream:
-                    self._observe(chunk, arrivals)
+                    self._observe(chunk, arrivals, obj.tenant)
                     yield chunk
             finished = True
         except ray.exceptions.RayError as error:
@@ -116,9 +116,9 @@ class EngineProxy:
                 raise
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def _observe(self, chunk: Any, arrivals: dict[int, list[float]]) -> None:
+    def _observe(self, chunk: Any, arrivals: dict[int, list[float]], tenant: Optional[str]) -> None:
         """Feed finished requests to `request_observer` (the server's metrics), with the times their chunks
-        reached the ingress as the token times."""
+        reached the ingress as the token times, and the caller's tenant (as the TokenizerManager's observer has)."""
         if self.request_observer is None:
             return
         now = time.monotonic()
@@ -127,7 +127,7 @@ class EngineProxy:
             arrivals.setdefault(index, []).append(now)
             meta = result.get("meta_info") or {}
             if meta.get("finish_reason") is not None:
-                self.request_observer(meta, arrivals.pop(index))
+                self.request_observer({**meta, "tenant": tenant}, arrivals.pop(index))
 
     async def _route(self, obj: GenerateReqInput) -> PrefixRoute:
         """The request's namespace and its (first) prompt's token ids."""
