@@ -8,6 +8,10 @@ B's TTFT (send to the first streamed output) median and p90, and A's output-toke
 into a table and a JSON record (`--out`). `--max-running-requests` is set below the flood, so A's requests queue:
 that queue is what fair share reorders.
 
+What B costs A is measured within one run, so that outside load on a shared machine moves both figures alike:
+A's throughput over the second half of the warm-up (the flood alone) against its throughput while B runs (the
+drop), and B's share of the tokens the server computed while B ran (the scheduler's per-tenant counters).
+
     python benchmarks/fairness.py --out docs/results/fairness_cpu.json
 """
 
@@ -25,7 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import httpx
 
@@ -74,8 +78,9 @@ class Server:
             self.process.kill()
 
 
-async def stream_once(client: httpx.AsyncClient, url: str, key: str, prompt: str, output_len: int) -> tuple[float, int]:
-    """(TTFT in seconds, output tokens) of one streamed /generate request."""
+async def stream_once(client: httpx.AsyncClient, url: str, key: str, prompt: str, output_len: int,
+                      on_tokens: Optional[Callable[[int], None]] = None) -> tuple[float, int]:
+    """(TTFT in seconds, output tokens) of one streamed /generate request; `on_tokens(n)` as n new tokens arrive."""
     body = {"text": prompt, "stream": True,
             "sampling_params": {"max_new_tokens": output_len, "ignore_eos": True, "temperature": 0}}
     start = time.perf_counter()
@@ -88,10 +93,19 @@ async def stream_once(client: httpx.AsyncClient, url: str, key: str, prompt: str
             if not line.startswith("data:") or line.strip() == "data: [DONE]":
                 continue
             chunk = json.loads(line[5:])
+            if on_tokens is not None:
+                on_tokens(chunk["meta_info"]["completion_tokens"] - tokens)
             tokens = chunk["meta_info"]["completion_tokens"]
             if ttft is None and tokens > 0:
                 ttft = time.perf_counter() - start
     return (ttft if ttft is not None else time.perf_counter() - start), tokens
+
+
+async def tokens_computed(client: httpx.AsyncClient, url: str) -> dict[str, float]:
+    """Tokens computed per tenant so far (prefill and decode), from the administrator's server info."""
+    info = (await client.get(url + "/get_server_info", headers={"Authorization": f"Bearer {ADMIN}"})).json()
+    tenants = (info.get("fair_share") or {}).get("tenants") or {}
+    return {tenant: float(entry.get("tokens_computed", 0)) for tenant, entry in tenants.items()}
 
 
 async def run_mode(url: str, args: argparse.Namespace, flood: bool) -> dict[str, Any]:
@@ -100,18 +114,24 @@ async def run_mode(url: str, args: argparse.Namespace, flood: bool) -> dict[str,
         stop = asyncio.Event()
         flood_tokens = [0]
 
+        def count(new_tokens: int) -> None:
+            flood_tokens[0] += new_tokens
+
         async def flood_stream(i: int) -> None:
             n = 0
             while not stop.is_set():
-                _, tokens = await stream_once(client, url, KEY_A, f"Flood stream {i} request {n}: " + args.prompt,
-                                              args.flood_output_len)
-                if not stop.is_set():
-                    flood_tokens[0] += tokens
+                await stream_once(client, url, KEY_A, f"Flood stream {i} request {n}: " + args.prompt,
+                                  args.flood_output_len, count)
                 n += 1
 
         flooders = [asyncio.create_task(flood_stream(i)) for i in range(args.flood_streams if flood else 0)]
+        alone_per_s = None
         if flood:
-            await asyncio.sleep(args.warmup_s)  # let the flood fill the rows and the queue
+            await asyncio.sleep(args.warmup_s / 2)  # let the flood fill the rows and the queue
+            alone_tokens, alone_start = flood_tokens[0], time.perf_counter()
+            await asyncio.sleep(args.warmup_s / 2)
+            alone_per_s = (flood_tokens[0] - alone_tokens) / (time.perf_counter() - alone_start)
+        computed_before = await tokens_computed(client, url)
         tokens_before = flood_tokens[0]
         started = time.perf_counter()
         ttfts = []
@@ -120,6 +140,8 @@ async def run_mode(url: str, args: argparse.Namespace, flood: bool) -> dict[str,
             ttfts.append(ttft)
         elapsed = time.perf_counter() - started
         flood_during = flood_tokens[0] - tokens_before
+        computed = {tenant: value - computed_before.get(tenant, 0.0)
+                    for tenant, value in (await tokens_computed(client, url)).items()}
         stop.set()
         for task in flooders:
             task.cancel()
@@ -127,7 +149,10 @@ async def run_mode(url: str, args: argparse.Namespace, flood: bool) -> dict[str,
     ttfts.sort()
     return {"light_ttft_median_s": statistics.median(ttfts), "light_ttft_p90_s": ttfts[int(0.9 * (len(ttfts) - 1))],
             "light_ttfts_s": [round(t, 4) for t in ttfts], "window_s": elapsed,
-            "flood_tokens_per_s": flood_during / elapsed if flood else None}
+            "flood_tokens_per_s": flood_during / elapsed if flood else None,
+            "flood_alone_tokens_per_s": alone_per_s,
+            "light_share_of_tokens": (computed.get("light", 0.0) / sum(computed.values())
+                                      if flood and sum(computed.values()) else None)}
 
 
 def main() -> None:
@@ -144,6 +169,7 @@ def main() -> None:
     parser.add_argument("--modes", default="idle,fair,fcfs")
     parser.add_argument("--out", default=None, help="write the JSON record here")
     args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # run the `finally` that stops the server
 
     folder = tempfile.mkdtemp(prefix="radixserve-fairness-")
     tenants = os.path.join(folder, "tenants.json")
@@ -159,7 +185,9 @@ def main() -> None:
         flags = base_flags + (["--disable-fair-share"] if mode == "fcfs" else [])
         server = Server(flags)
         try:
+            load_before = os.getloadavg()[0]  # the machine's other load: this is a 2-core shared host
             result = asyncio.run(run_mode(server.url, args, flood=mode != "idle"))
+            result["load_average_1m"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
             info = httpx.get(server.url + "/get_server_info", headers={"Authorization": f"Bearer {ADMIN}"},
                              timeout=60).json()
             result["retractions"] = info.get("num_retractions")
@@ -169,12 +197,17 @@ def main() -> None:
         print(f"{mode}: {json.dumps({k: v for k, v in result.items() if k != 'light_ttfts_s'})}", flush=True)
 
     modes = record["modes"]
-    print("\n| mode | B TTFT median (s) | B TTFT p90 (s) | A throughput while B ran (tok/s) | retractions |")
-    print("| --- | --- | --- | --- | --- |")
+    print("\n| mode | B TTFT median (s) | B TTFT p90 (s) | A tok/s alone | A tok/s while B ran | A's drop | "
+          "B's share of tokens | retractions |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for mode, result in modes.items():
-        throughput = result["flood_tokens_per_s"]
+        alone, during, share = (result["flood_alone_tokens_per_s"], result["flood_tokens_per_s"],
+                                result["light_share_of_tokens"])
+        drop = 1 - during / alone if alone and during is not None else None
+        result["flood_drop"] = drop
         print(f"| {mode} | {result['light_ttft_median_s']:.3f} | {result['light_ttft_p90_s']:.3f} | "
-              f"{'-' if throughput is None else f'{throughput:.1f}'} | {result['retractions']} |")
+              f"{_fmt(alone, '.1f')} | {_fmt(during, '.1f')} | {_fmt(drop, '.1%')} | {_fmt(share, '.1%')} | "
+              f"{result['retractions']} |")
     if {"idle", "fair", "fcfs"} <= set(modes):
         idle, fair, fcfs = (modes[m]["light_ttft_median_s"] for m in ("idle", "fair", "fcfs"))
         record["fair_vs_idle"] = fair / idle
@@ -185,6 +218,10 @@ def main() -> None:
         with open(args.out, "w") as f:
             json.dump(record, f, indent=1)
         print(f"wrote {args.out}")
+
+
+def _fmt(value: Optional[float], spec: str) -> str:
+    return "-" if value is None else format(value, spec)
 
 
 if __name__ == "__main__":
