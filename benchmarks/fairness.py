@@ -12,7 +12,9 @@ What B costs A is measured within one run, so that outside load on a shared mach
 A's throughput over the second half of the warm-up (the flood alone) against its throughput while B runs (the
 drop), and B's share of the tokens the server computed while B ran (the scheduler's per-tenant counters).
 
-    python benchmarks/fairness.py --out docs/results/fairness_cpu.json
+    OMP_NUM_THREADS=1 python benchmarks/fairness.py --out docs/results/fairness_cpu_32streams.json
+
+(one PyTorch thread per process on a small shared CPU host: see docs/benchmarks.md#fair-share-under-a-flood-cpu).
 """
 
 from __future__ import annotations
@@ -167,6 +169,8 @@ def main() -> None:
     parser.add_argument("--prompt", default="Write a detailed description of a harbour town at dawn, its boats, "
                                             "its fishermen and the market that opens by the water.")
     parser.add_argument("--modes", default="idle,fair,fcfs")
+    parser.add_argument("--server-flags", default="",
+                        help="more `radixserve serve` flags for every mode, e.g. \"--enable-mixed-chunk\"")
     parser.add_argument("--out", default=None, help="write the JSON record here")
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # run the `finally` that stops the server
@@ -179,6 +183,7 @@ def main() -> None:
                   str(args.max_running_requests), "--max-queued-requests", "4096", "--log-level", "warning"]
     if args.model:
         base_flags += ["--model-path", args.model]
+    base_flags += args.server_flags.split()
     record: dict[str, Any] = {"cpu_isa": cpu_isa(), "cores": os.cpu_count(), "args": vars(args), "modes": {}}
     print(f"CPU: {record['cpu_isa']}, {record['cores']} cores")
     for mode in args.modes.split(","):
