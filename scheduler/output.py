@@ -43,7 +43,7 @@ def build_batch_token_out(reqs: Iterable[Req]) -> Optional[BatchTokenOut]:
         out.prompt_tokens.append(req.prompt_len)
         out.completion_tokens.append(len(req.output_ids))
         out.cached_tokens.append(req.num_cached_tokens or 0)
-        out.queue_times.append(req.queue_time or 0.0)
+        out.queue_times.append(req.queue_time)
         out.skip_special_tokens.append(params.skip_special_tokens)
         out.spaces_between_special_tokens.append(params.spaces_between_special_tokens)
         # Stop strings travel once, with the first output; the detokenizer keeps them until the request finishes.

@@ -130,8 +130,8 @@ class BatchTokenOut(msgspec.Struct, tag=True):
     input_top_logprobs: list[Optional[list[Optional[list[tuple[int, float]]]]]] = []
     # Speculative decoding counts per request (empty when speculative decoding is off).
     spec: list[Optional[SpecCounts]] = []
-    # Seconds each request waited in the scheduler's queue before its first admission.
-    queue_times: list[float] = []
+    # Seconds each request waited in the scheduler's queue before its first admission (None: never admitted).
+    queue_times: list[Optional[float]] = []
 
 
 class BatchTextOut(msgspec.Struct, tag=True):
@@ -149,7 +149,7 @@ class BatchTextOut(msgspec.Struct, tag=True):
     input_token_logprobs: list[Optional[list[Optional[float]]]] = []
     input_top_logprobs: list[Optional[list[Optional[list[tuple[int, float]]]]]] = []
     spec: list[Optional[SpecCounts]] = []
-    queue_times: list[float] = []
+    queue_times: list[Optional[float]] = []
 
 
 class EvictedPrefix(msgspec.Struct):
