@@ -62,6 +62,8 @@ CONFIGS = {
     "mixed-chunk": dict(chunked_prefill_size=16, enable_mixed_chunk=True),
     "page-4": dict(page_size=4, chunked_prefill_size=16),
     "window-2-to-4": dict(speculative_ngram_min_match_window_size=2, speculative_ngram_max_match_window_size=4),
+    "overlap": dict(disable_overlap_schedule=False),
+    "overlap-mixed-chunk": dict(disable_overlap_schedule=False, chunked_prefill_size=16, enable_mixed_chunk=True),
 }
 
 
@@ -201,4 +203,48 @@ def test_tree_continuations_of_the_same_namespace_become_drafts(tiny_llama, prom
     accepted, proposed = spec.num_accepted - accepted_before, spec.num_proposed - proposed_before
     assert spec.proposer.num_from_tree > from_tree_before
     assert accepted >= 0.6 * proposed, spec.info()
+    driver.close()
+
+
+@pytest.mark.parametrize("algorithm", ["NGRAM", "STANDALONE"])
+def test_overlap_with_staggered_arrivals(algorithm, tiny_llama, prompts, plain):
+    """Overlap on: requests arriving while others decode get their prefill launched while a verify batch is in
+    flight, and every output equals plain decoding's (overlap off)."""
+    extra = dict(speculative_draft_model_path=tiny_llama) if algorithm == "STANDALONE" else {}
+    driver = SchedulerDriver(tiny_llama, disable_overlap_schedule=False, speculative_algorithm=algorithm,
+                             chunked_prefill_size=16, **extra)
+    scheduler = driver.scheduler
+    assert scheduler.overlap
+    overlapped = []  # (batch launched, a verify batch was in flight then)
+    launch = scheduler.executor.launch
+
+    def recording_launch(batch):
+        overlapped.append((batch.verify is None, any(b.batch.verify is not None for b in scheduler.inflight)))
+        return launch(batch)
+
+    scheduler.executor.launch = recording_launch
+    for i, prompt in enumerate(prompts):
+        driver.submit(f"r{i}", prompt, max_new_tokens=MAX_NEW_TOKENS)
+        for _ in range(3 if i % 3 == 0 else 0):  # some arrive while the earlier ones are decoding
+            driver.step()
+    driver.run_until_idle()
+    assert driver.outputs() == plain
+    assert scheduler.speculator.verify_steps > 0 and scheduler.speculator.num_accepted > 0
+    assert any(plain_batch and verify_in_flight for plain_batch, verify_in_flight in overlapped), \
+        "no batch ran while a verify batch was in flight"
+    driver.close()
+
+
+def test_overlap_abort_mid_verification_frees_every_slot(tiny_llama, prompts):
+    driver = SchedulerDriver(tiny_llama, disable_overlap_schedule=False, speculative_algorithm="NGRAM")
+    for i, prompt in enumerate(prompts):
+        driver.submit(f"r{i}", prompt, max_new_tokens=MAX_NEW_TOKENS)
+    spec = driver.scheduler.speculator
+    while spec.verify_steps < 3:
+        driver.step()
+    assert driver.scheduler.inflight  # a verify batch is in flight while the aborts arrive
+    for i in range(1, len(prompts), 2):
+        driver.abort(f"r{i}")
+    driver.run_until_idle()  # the idle check: no slot of a draft leaked
+    assert all(driver.results[f"r{i}"].finish_reason["type"] == "abort" for i in range(1, len(prompts), 2))
     driver.close()
