@@ -206,6 +206,8 @@ class Scheduler:
             return False, "cannot flush the cache while requests are running or queued"
         self._resolve_inflight()
         self.cache.reset()
+        if self.speculator is not None:
+            self.speculator.flush()
         self.check_invariants()
         return True, ""
 
