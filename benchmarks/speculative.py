@@ -18,6 +18,7 @@ output tokens per verify step, accept rate of drafts, and whether the greedy out
 decoding's), with the CPU's ISA; `--out PATH` writes the same as a JSON record.
 
     python benchmarks/speculative.py --max-new-tokens 96 --out docs/results/speculative_cpu.json
+    python benchmarks/speculative.py --verify-cost   # one verify forward's CPU time by chain length
 """
 
 from __future__ import annotations
@@ -128,19 +129,66 @@ def run_settings(settings: dict[str, dict[str, Any]], prompts_by_workload: dict[
     return results
 
 
+def verify_cost(model: Optional[str], context_len: int, chain_lens: list[int], repeats: int) -> list[dict]:
+    """CPU time of one verify forward by chain length (1 = a plain decode step), on one torch thread, with the
+    plain float32 linears and with the packed ones speculative decoding installs (model_runner/cpu_small_batch.py):
+    what a chain of drafts costs next to the decode step it replaces."""
+    import statistics
+
+    import torch
+
+    from radixserve.model_runner.forward_batch import ForwardMode
+    from radixserve.model_runner.model_runner import ModelRunner
+    from radixserve.model_runner.static_generate import assign_kv_slots, make_forward_batch
+    from radixserve.runtime.wire.server_args import ServerArgs
+
+    torch.set_num_threads(1)
+    rows = []
+    for name, algorithm in (("plain linears", None), ("packed (speculative)", "NGRAM")):
+        args = ServerArgs(log_level="warning", device="cpu", speculative_algorithm=algorithm,
+                          **({"model_path": model} if model else {}))
+        runner = ModelRunner(args)
+        row = runner.req_to_token_pool.alloc()
+        prompt = [(7 * i) % runner.vocab_size for i in range(context_len)]
+        slots = assign_kv_slots(runner.allocator, runner.req_to_token_pool, [row], [0], [context_len])
+        runner.forward(make_forward_batch(ForwardMode.EXTEND, [row], [0], [prompt], slots, runner.req_to_token_pool,
+                                          runner.token_to_kv_pool))
+        chain_slots = assign_kv_slots(runner.allocator, runner.req_to_token_pool, [row], [context_len],
+                                      [max(chain_lens)])
+        for length in chain_lens:
+            mode = ForwardMode.DECODE if length == 1 else ForwardMode.EXTEND
+            times = []
+            for _ in range(repeats + 1):
+                batch = make_forward_batch(mode, [row], [context_len], [prompt[:length]], chain_slots[:length],
+                                           runner.req_to_token_pool, runner.token_to_kv_pool,
+                                           logits_indices=torch.arange(length))
+                began = time.process_time()
+                runner.forward(batch)
+                times.append(time.process_time() - began)
+            rows.append({"linears": name, "chain_len": length, "context_len": context_len,
+                         "cpu_ms": 1000 * statistics.median(times[1:])})
+        del runner
+    return rows
+
+
 def cpu_description() -> dict[str, Any]:
     import torch
 
-    model = platform.processor()
+    model, flags = platform.processor(), set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
                 model = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+            if model and flags:
                 break
     except OSError:
         pass
-    return {"cpu": model, "isa": torch.backends.cpu.get_cpu_capability(), "torch_threads": torch.get_num_threads(),
-            "logical_cores": os.cpu_count(), "load_average": os.getloadavg()}
+    isa_flags = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16") if f in flags]
+    return {"cpu": model, "isa": torch.backends.cpu.get_cpu_capability(), "isa_flags": isa_flags,
+            "torch_threads": torch.get_num_threads(), "logical_cores": os.cpu_count(),
+            "load_average": os.getloadavg()}
 
 
 def main() -> None:
@@ -152,7 +200,19 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, action="append", default=None,
                         help="requests run together (repeatable; default: 1)")
     parser.add_argument("--out", default=None, help="write the JSON record here")
+    parser.add_argument("--verify-cost", action="store_true",
+                        help="only time one verify forward by chain length (plain vs packed linears) and exit")
     args = parser.parse_args()
+    if args.verify_cost:
+        costs = verify_cost(args.model, 400, [1, 2, 3, 4, 6, 8, 12], repeats=7)
+        print(f"{'linears':<21} {'chain':>5} {'CPU ms':>7} {'vs decode':>9}")
+        for row in costs:
+            decode = next(r["cpu_ms"] for r in costs if r["linears"] == row["linears"] and r["chain_len"] == 1)
+            print(f"{row['linears']:<21} {row['chain_len']:>5} {row['cpu_ms']:>7.1f} {row['cpu_ms'] / decode:>8.2f}x")
+        if args.out:
+            Path(args.out).write_text(json.dumps({"benchmark": "speculative verify cost",
+                                                  "machine": cpu_description(), "rows": costs}, indent=2) + "\n")
+        return
     batch_sizes = args.batch_size or [1]
 
     from radixserve.runtime.model_files import load_tokenizer, resolve_model
@@ -167,7 +227,8 @@ def main() -> None:
     plain, spec = measured[0::2], measured[1::2]
 
     machine = cpu_description()
-    print(f"CPU: {machine['cpu']} (ISA {machine['isa']}, {machine['torch_threads']} torch threads, "
+    print(f"CPU: {machine['cpu']} (ISA {machine['isa']}, flags {' '.join(machine['isa_flags'])}, "
+          f"{machine['torch_threads']} torch threads, "
           f"load average {machine['load_average'][0]:.1f})")
     header = f"{'workload':<11} {'setting':<9} {'bs':>3} {'tok/s':>7} {'speed-up':>8} {'accept len':>10} " \
              f"{'accept rate':>11} {'same ids':>8}"
@@ -186,9 +247,12 @@ def main() -> None:
             row.update(tokens_per_second=m.tokens_per_second, speedup=speedup, accept_length=m.accept_length,
                        accept_rate=m.accept_rate, identical_to_plain=same)
             rows.append(row)
+    greedy = {name: [[prompt, output] for prompt, output in zip(prompts[name], m.outputs)]
+              for name, m in ((m.workload, m) for m in plain if m.batch_size == batch_sizes[0])}
     record = {"benchmark": "speculative", "machine": machine, "model": args.model or "embedded SmolLM2-135M-Instruct",
               "max_new_tokens": args.max_new_tokens, "num_draft_tokens": args.num_draft_tokens,
-              "num_prompts": args.num_prompts, "results": rows}
+              "num_prompts": args.num_prompts, "results": rows,
+              "greedy_outputs": greedy}  # prompt and plain greedy output ids (benchmarks/speculative_rules.py)
     if args.out:
         Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
         print(f"wrote {args.out}")
