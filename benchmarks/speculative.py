@@ -13,7 +13,9 @@ Workloads (chat prompts to the instruct model, EOS ends a request; at most `--ma
 - `random`: short open-ended questions (little to copy; measures the cost of verifying drafts that fail).
 
 Printed: a table per workload and setting (output tokens/s over the whole requests, prefill included, and the
-speed-up over plain; mean accept length =
+speed-up over plain; output tokens per CPU-second of the engine's processes and that speed-up, the figure to
+read on a machine shared with other work, best with `OMP_NUM_THREADS=1` so no thread spins waiting for a core;
+mean accept length =
 output tokens per verify step, accept rate of drafts, and whether the greedy outputs are identical to plain
 decoding's), with the CPU's ISA; `--out PATH` writes the same as a JSON record.
 
@@ -48,6 +50,7 @@ class Measurement:
     setting: str
     batch_size: int
     seconds: float = 0.0  # wall time of the generate calls (prefill included)
+    cpu_seconds: float = 0.0  # CPU time the engine's processes spent in them (robust to a shared machine)
     output_tokens: int = 0
     verify_steps: int = 0
     accepted_drafts: int = 0
@@ -59,6 +62,10 @@ class Measurement:
         return self.output_tokens / self.seconds if self.seconds else 0.0
 
     @property
+    def tokens_per_cpu_second(self) -> float:
+        return self.output_tokens / self.cpu_seconds if self.cpu_seconds else 0.0
+
+    @property
     def accept_length(self) -> Optional[float]:
         return self.output_tokens / self.verify_steps if self.verify_steps else None
 
@@ -66,8 +73,9 @@ class Measurement:
     def accept_rate(self) -> Optional[float]:
         return self.accepted_drafts / self.proposed_drafts if self.proposed_drafts else None
 
-    def add(self, outs: list[dict], seconds: float) -> None:
+    def add(self, outs: list[dict], seconds: float, cpu_seconds: float) -> None:
         self.seconds += seconds
+        self.cpu_seconds += cpu_seconds
         for out in outs:
             meta = out["meta_info"]
             self.output_tokens += meta["completion_tokens"]
@@ -105,13 +113,32 @@ def run_settings(settings: dict[str, dict[str, Any]], prompts_by_workload: dict[
     comes and goes then weighs on every setting alike."""
     from contextlib import ExitStack
 
+    import psutil
+
     from radixserve import Engine
 
     params = {"max_new_tokens": max_new_tokens, "temperature": 0}
     results = []
+
+    def descendants() -> set[int]:
+        return {child.pid for child in psutil.Process().children(recursive=True)}
+
+    def cpu_time(pids: set[int]) -> float:
+        total = 0.0
+        for pid in pids:
+            try:
+                times = psutil.Process(pid).cpu_times()
+                total += times.user + times.system
+            except psutil.NoSuchProcess:
+                pass
+        return total
+
     with ExitStack() as stack:
-        engines = {name: stack.enter_context(Engine(log_level="warning", **engine_args))
-                   for name, engine_args in settings.items()}
+        engines, processes = {}, {}
+        for name, engine_args in settings.items():
+            before = descendants()
+            engines[name] = stack.enter_context(Engine(log_level="warning", **engine_args))
+            processes[name] = descendants() - before
         for engine in engines.values():
             engine.generate(input_ids=[1, 2, 3, 4], sampling_params={"max_new_tokens": 4})  # warm-up
         for workload, prompts in prompts_by_workload.items():
@@ -122,9 +149,10 @@ def run_settings(settings: dict[str, dict[str, Any]], prompts_by_workload: dict[
                 for start in range(0, len(prompts), batch_size):
                     batch = prompts[start: start + batch_size]
                     for name, engine in engines.items():
-                        began = time.perf_counter()
+                        began, cpu_began = time.perf_counter(), cpu_time(processes[name])
                         outs = engine.generate(input_ids=batch, sampling_params=params)
-                        measurements[name].add(outs, time.perf_counter() - began)
+                        measurements[name].add(outs, time.perf_counter() - began,
+                                               cpu_time(processes[name]) - cpu_began)
                 results.extend(measurements.values())
     return results
 
@@ -230,21 +258,24 @@ def main() -> None:
     print(f"CPU: {machine['cpu']} (ISA {machine['isa']}, flags {' '.join(machine['isa_flags'])}, "
           f"{machine['torch_threads']} torch threads, "
           f"load average {machine['load_average'][0]:.1f})")
-    header = f"{'workload':<11} {'setting':<9} {'bs':>3} {'tok/s':>7} {'speed-up':>8} {'accept len':>10} " \
-             f"{'accept rate':>11} {'same ids':>8}"
+    header = f"{'workload':<11} {'setting':<9} {'bs':>3} {'tok/s':>7} {'speed-up':>8} {'tok/CPU-s':>9} " \
+             f"{'speed-up':>8} {'accept len':>10} {'accept rate':>11} {'same ids':>8}"
     print(header)
     print("-" * len(header))
     rows = []
     for off, on in zip(plain, spec):
         for m in (off, on):
             speedup = m.tokens_per_second / off.tokens_per_second if off.tokens_per_second else 0.0
+            cpu_speedup = m.tokens_per_cpu_second / off.tokens_per_cpu_second if off.tokens_per_cpu_second else 0.0
             same = m.outputs == off.outputs
             length = f"{m.accept_length:.2f}" if m.accept_length else "-"
             rate = f"{m.accept_rate:.2f}" if m.accept_rate is not None else "-"
             print(f"{m.workload:<11} {m.setting:<9} {m.batch_size:>3} {m.tokens_per_second:>7.2f} {speedup:>7.2f}x "
-                  f"{length:>10} {rate:>11} {str(same):>8}")
+                  f"{m.tokens_per_cpu_second:>9.2f} {cpu_speedup:>7.2f}x {length:>10} {rate:>11} {str(same):>8}")
             row = {k: v for k, v in asdict(m).items() if k != "outputs"}
-            row.update(tokens_per_second=m.tokens_per_second, speedup=speedup, accept_length=m.accept_length,
+            row.update(tokens_per_second=m.tokens_per_second, speedup=speedup,
+                       tokens_per_cpu_second=m.tokens_per_cpu_second, cpu_speedup=cpu_speedup,
+                       accept_length=m.accept_length,
                        accept_rate=m.accept_rate, identical_to_plain=same)
             rows.append(row)
     greedy = {name: [[prompt, output] for prompt, output in zip(prompts[name], m.outputs)]
