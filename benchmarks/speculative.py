@@ -219,6 +219,14 @@ def cpu_description() -> dict[str, Any]:
             "load_average": os.getloadavg()}
 
 
+def record_text(record: dict) -> str:
+    """The JSON record, indented, with each recorded token list on one line."""
+    greedy = record.pop("greedy_outputs")
+    text = json.dumps(record, indent=2)[:-2]
+    pairs = ",\n".join(f'    "{name}": {json.dumps(value)}' for name, value in greedy.items())
+    return f'{text},\n  "greedy_outputs": {{\n{pairs}\n  }}\n}}\n'
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None, help="model path (default: the embedded SmolLM2-135M-Instruct)")
@@ -285,7 +293,7 @@ def main() -> None:
               "num_prompts": args.num_prompts, "results": rows,
               "greedy_outputs": greedy}  # prompt and plain greedy output ids (benchmarks/speculative_rules.py)
     if args.out:
-        Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
+        Path(args.out).write_text(record_text(record))
         print(f"wrote {args.out}")
 
 
