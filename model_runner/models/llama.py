@@ -174,6 +174,8 @@ class LlamaForCausalLM(nn.Module):
             rows = vocab_shard(config.vocab_size, self.tp)[2]
             self.lm_head = nn.Linear(config.hidden_size, rows, bias=False)
         self.attn_backend: Optional["AttentionBackend"] = None
+        # A pre-packed copy of a tied LM head on the CPU (model_runner/cpu_packed.py); None elsewhere.
+        self.packed_lm_head: Optional[nn.Module] = None
 
     def set_attention_backend(self, backend: "AttentionBackend") -> None:
         self.attn_backend = backend
@@ -192,6 +194,8 @@ class LlamaForCausalLM(nn.Module):
         last new token)."""
         indices = batch.logits_indices if batch.logits_indices is not None else batch.last_token_indices()
         selected = hidden[indices]
+        if self.packed_lm_head is not None:
+            return self.packed_lm_head(selected)[..., :self.config.vocab_size].float()
         return lm_logits(selected, self.lm_head_weight, self.config.vocab_size, self.tp)
 
     # ---- weights -------------------------------------------------------------------------------
