@@ -1,4 +1,4 @@
-"""Build and load the C++ CPU kernels (`cpu_attention.cpp`) once per machine, at first use.
+"""Build and load the C++ CPU kernels (`cpu_attention.cpp`, `cpu_elementwise.cpp`) once per machine, at first use.
 
 The source is compiled by torch's C++ extension builder (g++ with `-O3 -march=native`, ninja) into a cache folder
 keyed by the source, the torch version and this CPU's instruction set, so a build made on one CPU is never loaded
@@ -23,7 +23,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_attention.cpp")
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_attention.cpp", "cpu_elementwise.cpp")]
+HEADERS = [Path(__file__).with_name("cpu_vec.h")]
 # -fopenmp: ATen's parallel_for is inline OpenMP; the library binds to the libgomp torch already loaded (same
 # soname), so there is one thread pool.
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]
@@ -53,7 +54,8 @@ def cpu_flags() -> str:
 
 def build_directory() -> Path:
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), torch.__version__.encode(), cpu_flags().encode(), " ".join(CFLAGS).encode()):
+    for part in (*(s.read_bytes() for s in SOURCES + HEADERS), torch.__version__.encode(), cpu_flags().encode(),
+                 " ".join(CFLAGS).encode()):
         key.update(part)
     root = Path(os.environ.get("RADIXSERVE_CACHE_DIR", Path.home() / ".cache" / "radixserve"))
     return root / "kernels" / f"cpu-{key.hexdigest()[:16]}"
@@ -72,7 +74,8 @@ def load() -> bool:
 
             directory = build_directory()
             directory.mkdir(parents=True, exist_ok=True)
-            load_extension(name="radixserve_cpu_kernels", sources=[str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
+            load_extension(name="radixserve_cpu_kernels", sources=[str(s) for s in SOURCES], extra_cflags=CFLAGS,
+                           extra_include_paths=[str(SOURCES[0].parent)], extra_ldflags=["-fopenmp"],
                            build_directory=str(directory), is_python_module=False, verbose=False)
             _loaded = True
             logger.info("CPU kernels ready in %.1f s (%s)", time.perf_counter() - started, directory)
