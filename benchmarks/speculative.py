@@ -13,11 +13,14 @@ Workloads (chat prompts to the instruct model, EOS ends a request; at most `--ma
 - `random`: short open-ended questions (little to copy; measures the cost of verifying drafts that fail).
 
 Printed: a table per workload and setting (output tokens/s over the whole requests, prefill included, and the
-speed-up over plain; mean accept length =
+speed-up over plain; output tokens per CPU-second of the engine's processes and that speed-up, the figure to
+read on a machine shared with other work, best with `OMP_NUM_THREADS=1` so no thread spins waiting for a core;
+mean accept length =
 output tokens per verify step, accept rate of drafts, and whether the greedy outputs are identical to plain
 decoding's), with the CPU's ISA; `--out PATH` writes the same as a JSON record.
 
     python benchmarks/speculative.py --max-new-tokens 96 --out docs/results/speculative_cpu.json
+    python benchmarks/speculative.py --verify-cost   # one verify forward's CPU time by chain length
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ class Measurement:
     setting: str
     batch_size: int
     seconds: float = 0.0  # wall time of the generate calls (prefill included)
+    cpu_seconds: float = 0.0  # CPU time the engine's processes spent in them (robust to a shared machine)
     output_tokens: int = 0
     verify_steps: int = 0
     accepted_drafts: int = 0
@@ -58,6 +62,10 @@ class Measurement:
         return self.output_tokens / self.seconds if self.seconds else 0.0
 
     @property
+    def tokens_per_cpu_second(self) -> float:
+        return self.output_tokens / self.cpu_seconds if self.cpu_seconds else 0.0
+
+    @property
     def accept_length(self) -> Optional[float]:
         return self.output_tokens / self.verify_steps if self.verify_steps else None
 
@@ -65,8 +73,9 @@ class Measurement:
     def accept_rate(self) -> Optional[float]:
         return self.accepted_drafts / self.proposed_drafts if self.proposed_drafts else None
 
-    def add(self, outs: list[dict], seconds: float) -> None:
+    def add(self, outs: list[dict], seconds: float, cpu_seconds: float) -> None:
         self.seconds += seconds
+        self.cpu_seconds += cpu_seconds
         for out in outs:
             meta = out["meta_info"]
             self.output_tokens += meta["completion_tokens"]
@@ -104,13 +113,32 @@ def run_settings(settings: dict[str, dict[str, Any]], prompts_by_workload: dict[
     comes and goes then weighs on every setting alike."""
     from contextlib import ExitStack
 
+    import psutil
+
     from radixserve import Engine
 
     params = {"max_new_tokens": max_new_tokens, "temperature": 0}
     results = []
+
+    def descendants() -> set[int]:
+        return {child.pid for child in psutil.Process().children(recursive=True)}
+
+    def cpu_time(pids: set[int]) -> float:
+        total = 0.0
+        for pid in pids:
+            try:
+                times = psutil.Process(pid).cpu_times()
+                total += times.user + times.system
+            except psutil.NoSuchProcess:
+                pass
+        return total
+
     with ExitStack() as stack:
-        engines = {name: stack.enter_context(Engine(log_level="warning", **engine_args))
-                   for name, engine_args in settings.items()}
+        engines, processes = {}, {}
+        for name, engine_args in settings.items():
+            before = descendants()
+            engines[name] = stack.enter_context(Engine(log_level="warning", **engine_args))
+            processes[name] = descendants() - before
         for engine in engines.values():
             engine.generate(input_ids=[1, 2, 3, 4], sampling_params={"max_new_tokens": 4})  # warm-up
         for workload, prompts in prompts_by_workload.items():
@@ -121,26 +149,82 @@ def run_settings(settings: dict[str, dict[str, Any]], prompts_by_workload: dict[
                 for start in range(0, len(prompts), batch_size):
                     batch = prompts[start: start + batch_size]
                     for name, engine in engines.items():
-                        began = time.perf_counter()
+                        began, cpu_began = time.perf_counter(), cpu_time(processes[name])
                         outs = engine.generate(input_ids=batch, sampling_params=params)
-                        measurements[name].add(outs, time.perf_counter() - began)
+                        measurements[name].add(outs, time.perf_counter() - began,
+                                               cpu_time(processes[name]) - cpu_began)
                 results.extend(measurements.values())
     return results
+
+
+def verify_cost(model: Optional[str], context_len: int, chain_lens: list[int], repeats: int) -> list[dict]:
+    """CPU time of one verify forward by chain length (1 = a plain decode step), on one torch thread, with the
+    plain float32 linears and with the packed ones speculative decoding installs (model_runner/cpu_small_batch.py):
+    what a chain of drafts costs next to the decode step it replaces."""
+    import statistics
+
+    import torch
+
+    from radixserve.model_runner.forward_batch import ForwardMode
+    from radixserve.model_runner.model_runner import ModelRunner
+    from radixserve.model_runner.static_generate import assign_kv_slots, make_forward_batch
+    from radixserve.runtime.wire.server_args import ServerArgs
+
+    torch.set_num_threads(1)
+    rows = []
+    for name, algorithm in (("plain linears", None), ("packed (speculative)", "NGRAM")):
+        args = ServerArgs(log_level="warning", device="cpu", speculative_algorithm=algorithm,
+                          **({"model_path": model} if model else {}))
+        runner = ModelRunner(args)
+        row = runner.req_to_token_pool.alloc()
+        prompt = [(7 * i) % runner.vocab_size for i in range(context_len)]
+        slots = assign_kv_slots(runner.allocator, runner.req_to_token_pool, [row], [0], [context_len])
+        runner.forward(make_forward_batch(ForwardMode.EXTEND, [row], [0], [prompt], slots, runner.req_to_token_pool,
+                                          runner.token_to_kv_pool))
+        chain_slots = assign_kv_slots(runner.allocator, runner.req_to_token_pool, [row], [context_len],
+                                      [max(chain_lens)])
+        for length in chain_lens:
+            mode = ForwardMode.DECODE if length == 1 else ForwardMode.EXTEND
+            times = []
+            for _ in range(repeats + 1):
+                batch = make_forward_batch(mode, [row], [context_len], [prompt[:length]], chain_slots[:length],
+                                           runner.req_to_token_pool, runner.token_to_kv_pool,
+                                           logits_indices=torch.arange(length))
+                began = time.process_time()
+                runner.forward(batch)
+                times.append(time.process_time() - began)
+            rows.append({"linears": name, "chain_len": length, "context_len": context_len,
+                         "cpu_ms": 1000 * statistics.median(times[1:])})
+        del runner
+    return rows
 
 
 def cpu_description() -> dict[str, Any]:
     import torch
 
-    model = platform.processor()
+    model, flags = platform.processor(), set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
                 model = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+            if model and flags:
                 break
     except OSError:
         pass
-    return {"cpu": model, "isa": torch.backends.cpu.get_cpu_capability(), "torch_threads": torch.get_num_threads(),
-            "logical_cores": os.cpu_count(), "load_average": os.getloadavg()}
+    isa_flags = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16") if f in flags]
+    return {"cpu": model, "isa": torch.backends.cpu.get_cpu_capability(), "isa_flags": isa_flags,
+            "torch_threads": torch.get_num_threads(), "logical_cores": os.cpu_count(),
+            "load_average": os.getloadavg()}
+
+
+def record_text(record: dict) -> str:
+    """The JSON record, indented, with each recorded token list on one line."""
+    greedy = record.pop("greedy_outputs")
+    text = json.dumps(record, indent=2)[:-2]
+    pairs = ",\n".join(f'    "{name}": {json.dumps(value)}' for name, value in greedy.items())
+    return f'{text},\n  "greedy_outputs": {{\n{pairs}\n  }}\n}}\n'
 
 
 def main() -> None:
@@ -152,7 +236,19 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, action="append", default=None,
                         help="requests run together (repeatable; default: 1)")
     parser.add_argument("--out", default=None, help="write the JSON record here")
+    parser.add_argument("--verify-cost", action="store_true",
+                        help="only time one verify forward by chain length (plain vs packed linears) and exit")
     args = parser.parse_args()
+    if args.verify_cost:
+        costs = verify_cost(args.model, 400, [1, 2, 3, 4, 6, 8, 12], repeats=7)
+        print(f"{'linears':<21} {'chain':>5} {'CPU ms':>7} {'vs decode':>9}")
+        for row in costs:
+            decode = next(r["cpu_ms"] for r in costs if r["linears"] == row["linears"] and r["chain_len"] == 1)
+            print(f"{row['linears']:<21} {row['chain_len']:>5} {row['cpu_ms']:>7.1f} {row['cpu_ms'] / decode:>8.2f}x")
+        if args.out:
+            Path(args.out).write_text(json.dumps({"benchmark": "speculative verify cost",
+                                                  "machine": cpu_description(), "rows": costs}, indent=2) + "\n")
+        return
     batch_sizes = args.batch_size or [1]
 
     from radixserve.runtime.model_files import load_tokenizer, resolve_model
@@ -167,30 +263,37 @@ def main() -> None:
     plain, spec = measured[0::2], measured[1::2]
 
     machine = cpu_description()
-    print(f"CPU: {machine['cpu']} (ISA {machine['isa']}, {machine['torch_threads']} torch threads, "
+    print(f"CPU: {machine['cpu']} (ISA {machine['isa']}, flags {' '.join(machine['isa_flags'])}, "
+          f"{machine['torch_threads']} torch threads, "
           f"load average {machine['load_average'][0]:.1f})")
-    header = f"{'workload':<11} {'setting':<9} {'bs':>3} {'tok/s':>7} {'speed-up':>8} {'accept len':>10} " \
-             f"{'accept rate':>11} {'same ids':>8}"
+    header = f"{'workload':<11} {'setting':<9} {'bs':>3} {'tok/s':>7} {'speed-up':>8} {'tok/CPU-s':>9} " \
+             f"{'speed-up':>8} {'accept len':>10} {'accept rate':>11} {'same ids':>8}"
     print(header)
     print("-" * len(header))
     rows = []
     for off, on in zip(plain, spec):
         for m in (off, on):
             speedup = m.tokens_per_second / off.tokens_per_second if off.tokens_per_second else 0.0
+            cpu_speedup = m.tokens_per_cpu_second / off.tokens_per_cpu_second if off.tokens_per_cpu_second else 0.0
             same = m.outputs == off.outputs
             length = f"{m.accept_length:.2f}" if m.accept_length else "-"
             rate = f"{m.accept_rate:.2f}" if m.accept_rate is not None else "-"
             print(f"{m.workload:<11} {m.setting:<9} {m.batch_size:>3} {m.tokens_per_second:>7.2f} {speedup:>7.2f}x "
-                  f"{length:>10} {rate:>11} {str(same):>8}")
+                  f"{m.tokens_per_cpu_second:>9.2f} {cpu_speedup:>7.2f}x {length:>10} {rate:>11} {str(same):>8}")
             row = {k: v for k, v in asdict(m).items() if k != "outputs"}
-            row.update(tokens_per_second=m.tokens_per_second, speedup=speedup, accept_length=m.accept_length,
+            row.update(tokens_per_second=m.tokens_per_second, speedup=speedup,
+                       tokens_per_cpu_second=m.tokens_per_cpu_second, cpu_speedup=cpu_speedup,
+                       accept_length=m.accept_length,
                        accept_rate=m.accept_rate, identical_to_plain=same)
             rows.append(row)
+    greedy = {name: [[prompt, output] for prompt, output in zip(prompts[name], m.outputs)]
+              for name, m in ((m.workload, m) for m in plain if m.batch_size == batch_sizes[0])}
     record = {"benchmark": "speculative", "machine": machine, "model": args.model or "embedded SmolLM2-135M-Instruct",
               "max_new_tokens": args.max_new_tokens, "num_draft_tokens": args.num_draft_tokens,
-              "num_prompts": args.num_prompts, "results": rows}
+              "num_prompts": args.num_prompts, "results": rows,
+              "greedy_outputs": greedy}  # prompt and plain greedy output ids (benchmarks/speculative_rules.py)
     if args.out:
-        Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
+        Path(args.out).write_text(record_text(record))
         print(f"wrote {args.out}")
 
 

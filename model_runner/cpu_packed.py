@@ -6,13 +6,18 @@ once, at load time (`torch.ops.mkldnn._reorder_linear_weight`), and multiplies w
 `torch.ops.mkldnn._linear_pointwise`. Same kernels, same rounding: the outputs equal `F.linear`'s bit for bit
 (`tests/test_model_forward.py`).
 Measured on a 2-core AVX-512-BF16 machine, the four projections of a SmolLM2-135M layer: 36% less time at 8
-tokens, 14% at 64, 10% at 512.
+tokens, 14% at 64, 10% at 512; on a 2-core AMX machine, the 49k-row LM head at 64 tokens 4.8 -> 2.4 ms.
+
+Packed: every `nn.Linear`, the row-parallel projections of a single rank (plain linears there), and the LM head;
+a tied LM head (the embedding's weight) gets a packed copy of its own, `model.logits_head`.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from radixserve.model_runner.parallel import RowParallelLinear
 
 
 def packing_supported() -> bool:
@@ -26,9 +31,9 @@ def packing_supported() -> bool:
 class PackedLinear(nn.Module):
     """`nn.Linear` with a pre-packed bfloat16 weight. The plain weight stays, for `state_dict` and readers."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Module) -> None:
         super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.out_features, self.in_features = linear.weight.shape
         self.weight = linear.weight
         self.bias = linear.bias
         self._packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
@@ -40,17 +45,32 @@ class PackedLinear(nn.Module):
         return out.reshape(*x.shape[:-1], self.out_features)
 
 
+def _packable(module: nn.Module) -> bool:
+    plain = type(module) is nn.Linear or (type(module) is RowParallelLinear and module.tp.size == 1)
+    return plain and module.weight.dtype == torch.bfloat16 and module.weight.device.type == "cpu"
+
+
 def pack_cpu_linears(model: nn.Module) -> int:
-    """Replace every bfloat16 `nn.Linear` of `model` that lives on the CPU by a `PackedLinear`; returns how
-    many were replaced (0 when packing is not supported here)."""
+    """Replace every packable bfloat16 linear of `model` that lives on the CPU by a `PackedLinear`, and pack a
+    tied LM head; returns how many weights were packed (0 when packing is not supported here)."""
     if not packing_supported():
         return 0
     targets = [
         (parent, name, child)
         for parent in model.modules()
         for name, child in parent.named_children()
-        if type(child) is nn.Linear and child.weight.dtype == torch.bfloat16 and child.weight.device.type == "cpu"
+        if _packable(child)
     ]
     for parent, name, child in targets:
         setattr(parent, name, PackedLinear(child))
+    single_rank = getattr(getattr(model, "tp", None), "size", 0) == 1
+    if single_rank and isinstance(getattr(model, "lm_head", None), PackedLinear):  # an untied head, packed above
+        model.logits_head = model.lm_head
+    tied = getattr(model, "lm_head", False) is None and single_rank
+    weight = model.lm_head_weight if tied else None
+    if weight is not None and weight.dtype == torch.bfloat16 and weight.device.type == "cpu":
+        head = nn.Linear(1, 1, bias=False)
+        head.weight = weight
+        model.logits_head = PackedLinear(head)
+        return len(targets) + 1
     return len(targets)

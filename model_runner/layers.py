@@ -3,10 +3,11 @@
 Each block reproduces the arithmetic of the Hugging Face reference implementation operation for operation
 (same casts, same order), so a float32 model here yields the same greedy tokens as `transformers`.
 
-Two implementations sit behind the blocks, chosen in one place (`ops_for`) by the device of the input:
-`TORCH_OPS`, plain torch and the reference (bit-exact with `transformers` on the CPU), and on CUDA the fused
-Triton kernels of `radixserve.kernels` (one launch per block instead of up to eighteen; same roundings, so
-they differ from the torch path on the same GPU only by float32 reduction order and intrinsics).
+Three implementations sit behind the blocks, chosen in one place (`ops_for`) by the device of the input:
+`TORCH_OPS`, plain torch and the reference (bit-exact with `transformers` on the CPU); on CUDA the fused
+Triton kernels of `radixserve.kernels` (one launch per block instead of up to eighteen); on the CPU, once the
+C++ kernels are loaded (`kernels/cpu_build.py`), their one-pass versions (`kernels/cpu_elementwise.cpp`). The
+fused ones round as the reference does, so they differ from it only by float32 reduction order and exp.
 """
 
 from __future__ import annotations
@@ -18,6 +19,10 @@ from typing import Callable, NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from radixserve.kernels import cpu_build
+
+CPU_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
 # ---- the two implementations of the elementwise blocks ---------------------------------------------
@@ -85,9 +90,22 @@ def fused_ops() -> Ops:
                fused_rotary.apply_rotary)
 
 
+@functools.cache
+def cpu_kernel_ops() -> Ops:
+    """The C++ implementation (`torch.ops.radixserve_cpu`, loaded by `kernels/cpu_build.py`)."""
+    ops = torch.ops.radixserve_cpu
+    return Ops(ops.rms_norm, lambda x, residual, weight, eps: tuple(ops.add_rms_norm(x, residual, weight, eps)),
+               ops.silu_and_mul, lambda positions, q, k, cos, sin: tuple(ops.rotary(positions, q, k, cos, sin)))
+
+
 def ops_for(x: torch.Tensor) -> Ops:
-    """The implementation for tensors on x's device: fused kernels on CUDA, the torch reference elsewhere."""
-    return fused_ops() if x.is_cuda else TORCH_OPS
+    """The implementation for tensors on x's device: fused kernels on CUDA, the C++ kernels on the CPU once
+    loaded (float32 and bfloat16), the torch reference otherwise."""
+    if x.is_cuda:
+        return fused_ops()
+    if x.dtype in CPU_KERNEL_DTYPES and x.device.type == "cpu" and cpu_build.ready():
+        return cpu_kernel_ops()
+    return TORCH_OPS
 
 
 # ---- blocks ----------------------------------------------------------------------------------------

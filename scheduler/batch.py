@@ -232,6 +232,10 @@ def build_sampling_info(
 
 
 def needs_exact_history(req: Req) -> bool:
-    """Whether sampling this request reads the content of its earlier outputs (penalties)."""
+    """Whether scheduling this request's next step reads the content of its earlier outputs: penalties, and
+    speculative decoding (drafts continue the accepted tokens, and how many were accepted sets the KV length
+    the next verify chain starts from), so under overlap the scheduler first waits for its batch in flight."""
+    if req.spec is not None:
+        return True
     p = req.sampling_params
     return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0

@@ -32,6 +32,7 @@ import torch
 
 from radixserve.model_runner.logprobs import InputLogprobs, compute_input_logprobs
 from radixserve.model_runner.sampling import Sampler
+from radixserve.model_runner.verify_forward import VerifyForward
 from radixserve.scheduler.batch import ScheduleBatch
 from radixserve.scheduler.speculative.verify import enqueue_verify
 
@@ -95,6 +96,7 @@ class BatchExecutor:
         self.sampler = Sampler()
         # token_table[row] = the latest token sampled for the request in that req_to_token row.
         self.token_table = torch.zeros(runner.req_to_token_pool.size, dtype=torch.int64, device=self.device)
+        self.verify_forward = VerifyForward(runner)  # speculative verify steps, in CUDA graphs where they fit
         self.overlap = overlap
         self._worker = (
             concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="radixserve-forward")
@@ -130,7 +132,7 @@ class BatchExecutor:
             runner.req_to_token_pool, runner.token_to_kv_pool, self.token_table, self.device
         )
         if batch.verify is not None:
-            return enqueue_verify(runner, forward_batch, batch.verify, self.token_table)
+            return enqueue_verify(runner, forward_batch, batch.verify, self.token_table, self.verify_forward)
         plan = batch.input_logprobs
         if plan is not None:
             forward_batch.logits_indices = plan.logits_indices(forward_batch.last_token_indices())

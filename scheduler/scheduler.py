@@ -22,7 +22,8 @@ One step:  pick the next batch (prefill first, else decode) -> launch it -> proc
   A request whose prefix another request of the batch is computing waits one batch rather than compute it too.
 - Speculative decoding (scheduler/speculative/, docs/speculative.md): the decode step becomes a verify step
   (`_schedule_verify`) that checks each request's draft chain in one extend forward; `_process_verify` takes the
-  accepted tokens and the speculator frees the rejected drafts' KV before a request may finish. Overlap is off.
+  accepted tokens and the speculator frees the rejected drafts' KV before a request may finish. Under overlap a
+  request's verify step waits for its previous one (`needs_exact_history`); other batches (prefills) overlap it.
 - Release: a finished, aborted or retracted request hands its KV to the cache (`cache_finished_req`, so a
   retracted request's re-prefill reuses it) and frees its row, in `_release_kv` and nowhere else.
 
@@ -205,6 +206,8 @@ class Scheduler:
             return False, "cannot flush the cache while requests are running or queued"
         self._resolve_inflight()
         self.cache.reset()
+        if self.speculator is not None:
+            self.speculator.flush()
         self.check_invariants()
         return True, ""
 

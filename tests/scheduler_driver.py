@@ -25,7 +25,8 @@ from radixserve.scheduler.scheduler import Scheduler
 _RUNNERS: dict[tuple, ModelRunner] = {}
 # Server arguments that shape the runner (memory, pages); everything else only affects the scheduler.
 RUNNER_ARGS = ("page_size", "max_total_tokens", "max_running_requests", "context_length", "device", "dtype",
-               "attention_backend", "lora_paths", "max_loras_per_batch", "max_lora_rank", "enable_lora")
+               "attention_backend", "lora_paths", "max_loras_per_batch", "max_lora_rank", "enable_lora",
+               "speculative_algorithm", "disable_cuda_graph", "cuda_graph_max_bs")  # speculative decoding packs float32 weights for verify forwards
 
 
 def shared_runner(model_dir: str, **runner_args: Any) -> ModelRunner:
@@ -57,6 +58,8 @@ class Result:
 class SchedulerDriver:
     def __init__(self, model_dir: str, check_every_step: bool = True, tokenizer: Any = None, **server_args: Any):
         runner_args = {k: server_args[k] for k in RUNNER_ARGS if k in server_args}
+        if runner_args.get("speculative_algorithm"):
+            runner_args["speculative_algorithm"] = "NGRAM"  # the runner reads only whether speculation is on
         self.runner = shared_runner(model_dir, **runner_args)
         server_args.setdefault("device", "cpu")
         self.args = ServerArgs(model_path=model_dir, **server_args)

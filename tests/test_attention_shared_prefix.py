@@ -30,14 +30,14 @@ LAYOUTS = {
 }
 
 
-def build(mode, page_size, num_heads, num_kv_heads, dtype, seed, split_prefixes=False):
+def build(mode, page_size, num_heads, num_kv_heads, dtype, seed, split_prefixes=False, head_dim=HEAD_DIM):
     """The batch of LAYOUTS[mode]; with `split_prefixes`, each group's prefix slots have a gap after the
     first 4 (so they are not consecutive and must be gathered)."""
     layout = LAYOUTS[mode]
     gen = torch.Generator().manual_seed(seed)
     req_pool = ReqToTokenPool(size=len(layout) + 1, max_context_len=64)
     allocator = KVAllocator(size=512, page_size=page_size)
-    kv_pool = TokenToKVPool(512, page_size, NUM_LAYERS, num_kv_heads, HEAD_DIM, dtype)
+    kv_pool = TokenToKVPool(512, page_size, NUM_LAYERS, num_kv_heads, head_dim, dtype)
     for layer in range(NUM_LAYERS):
         for buffer in (kv_pool.k_buffer[layer], kv_pool.v_buffer[layer]):
             buffer.copy_(torch.randn(buffer.shape, generator=gen))
@@ -68,9 +68,9 @@ def build(mode, page_size, num_heads, num_kv_heads, dtype, seed, split_prefixes=
     batch = make_forward_batch(mode, rows, prefix_lens, [[0] * n for n in extend_lens], out_cache_loc,
                                req_pool, kv_pool)
     tokens = sum(extend_lens)
-    q = torch.randn(tokens, num_heads, HEAD_DIM, generator=gen).to(dtype)
-    k = torch.randn(tokens, num_kv_heads, HEAD_DIM, generator=gen).to(dtype)
-    v = torch.randn(tokens, num_kv_heads, HEAD_DIM, generator=gen).to(dtype)
+    q = torch.randn(tokens, num_heads, head_dim, generator=gen).to(dtype)
+    k = torch.randn(tokens, num_kv_heads, head_dim, generator=gen).to(dtype)
+    v = torch.randn(tokens, num_kv_heads, head_dim, generator=gen).to(dtype)
     return batch, q, k, v
 
 

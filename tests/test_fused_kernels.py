@@ -195,9 +195,14 @@ def test_store_kv_matches_indexed_writes(kv_dtype, buffer_dtype, loc_dtype):
 
 # ---- dispatch ------------------------------------------------------------------------------------
 
-def test_cpu_tensors_take_the_torch_reference():
-    """The CPU keeps the reference path (the HF parity tests depend on it being bit-exact)."""
-    assert ops_for(torch.zeros(1)) is TORCH_OPS
+def test_cpu_tensors_take_the_torch_reference_or_the_cpu_kernels():
+    """The CPU takes the reference path until the C++ kernels are loaded (tests/test_cpu_elementwise.py), and
+    always for dtypes those do not cover."""
+    from radixserve.kernels import cpu_build
+    from radixserve.model_runner.layers import cpu_kernel_ops
+
+    assert ops_for(torch.zeros(1)) is (cpu_kernel_ops() if cpu_build.ready() else TORCH_OPS)
+    assert ops_for(torch.zeros(1, dtype=torch.float64)) is TORCH_OPS
     if ON_GPU:
         assert ops_for(torch.zeros(1, device="cuda")) is fused_ops()
 

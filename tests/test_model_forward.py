@@ -119,7 +119,9 @@ def test_default_model_in_bfloat16_on_cpu(default_model_dir):
     runner = make_runner(default_model_dir, dtype="bfloat16")
     assert runner.dtype == torch.bfloat16 and runner.token_to_kv_pool.dtype == torch.bfloat16
     if packing_supported():  # the projections run on pre-packed oneDNN weights
-        assert isinstance(runner.model.model.layers[0].self_attn.qkv_proj, PackedLinear)
+        layer = runner.model.model.layers[0]
+        assert isinstance(layer.self_attn.qkv_proj, PackedLinear) and isinstance(layer.self_attn.o_proj, PackedLinear)
+        assert isinstance(layer.mlp.down_proj, PackedLinear) and isinstance(runner.model.logits_head, PackedLinear)
     ours = run_extend(runner, prompts, [0] * len(prompts)).float()
 
     def hf_last_logits(dtype):

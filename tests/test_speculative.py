@@ -62,6 +62,8 @@ CONFIGS = {
     "mixed-chunk": dict(chunked_prefill_size=16, enable_mixed_chunk=True),
     "page-4": dict(page_size=4, chunked_prefill_size=16),
     "window-2-to-4": dict(speculative_ngram_min_match_window_size=2, speculative_ngram_max_match_window_size=4),
+    "overlap": dict(disable_overlap_schedule=False),
+    "overlap-mixed-chunk": dict(disable_overlap_schedule=False, chunked_prefill_size=16, enable_mixed_chunk=True),
 }
 
 
@@ -201,4 +203,97 @@ def test_tree_continuations_of_the_same_namespace_become_drafts(tiny_llama, prom
     accepted, proposed = spec.num_accepted - accepted_before, spec.num_proposed - proposed_before
     assert spec.proposer.num_from_tree > from_tree_before
     assert accepted >= 0.6 * proposed, spec.info()
+    driver.close()
+
+
+@pytest.mark.parametrize("algorithm", ["NGRAM", "STANDALONE"])
+def test_overlap_with_staggered_arrivals(algorithm, tiny_llama, prompts, plain):
+    """Overlap on: requests arriving while others decode get their prefill launched while a verify batch is in
+    flight, and every output equals plain decoding's (overlap off)."""
+    extra = dict(speculative_draft_model_path=tiny_llama) if algorithm == "STANDALONE" else {}
+    driver = SchedulerDriver(tiny_llama, disable_overlap_schedule=False, speculative_algorithm=algorithm,
+                             chunked_prefill_size=16, **extra)
+    scheduler = driver.scheduler
+    assert scheduler.overlap
+    overlapped = []  # (batch launched, a verify batch was in flight then)
+    launch = scheduler.executor.launch
+
+    def recording_launch(batch):
+        overlapped.append((batch.verify is None, any(b.batch.verify is not None for b in scheduler.inflight)))
+        return launch(batch)
+
+    scheduler.executor.launch = recording_launch
+    for i, prompt in enumerate(prompts):
+        driver.submit(f"r{i}", prompt, max_new_tokens=MAX_NEW_TOKENS)
+        for _ in range(3 if i % 3 == 0 else 0):  # some arrive while the earlier ones are decoding
+            driver.step()
+    driver.run_until_idle()
+    assert driver.outputs() == plain
+    assert scheduler.speculator.verify_steps > 0 and scheduler.speculator.num_accepted > 0
+    assert any(plain_batch and verify_in_flight for plain_batch, verify_in_flight in overlapped), \
+        "no batch ran while a verify batch was in flight"
+    driver.close()
+
+
+def test_overlap_abort_mid_verification_frees_every_slot(tiny_llama, prompts):
+    driver = SchedulerDriver(tiny_llama, disable_overlap_schedule=False, speculative_algorithm="NGRAM")
+    for i, prompt in enumerate(prompts):
+        driver.submit(f"r{i}", prompt, max_new_tokens=MAX_NEW_TOKENS)
+    spec = driver.scheduler.speculator
+    while spec.verify_steps < 3:
+        driver.step()
+    assert driver.scheduler.inflight  # a verify batch is in flight while the aborts arrive
+    for i in range(1, len(prompts), 2):
+        driver.abort(f"r{i}")
+    driver.run_until_idle()  # the idle check: no slot of a draft leaked
+    assert all(driver.results[f"r{i}"].finish_reason["type"] == "abort" for i in range(1, len(prompts), 2))
+    driver.close()
+
+
+def _tree_paths(node, prefix=()):
+    """Every root-to-leaf token sequence below `node` (a namespace root of a RadixCache)."""
+    if not node.children:
+        return [list(prefix)]
+    return [path for child in node.children.values() for path in _tree_paths(child, prefix + tuple(child.key))]
+
+
+def test_standalone_draft_tree_reuses_verified_prefixes(tiny_llama, tiny_model_dir, prompts, plain):
+    """The draft model's radix tree: a request sharing a prefix with a finished one prefills only the rest for the
+    draft model; the tree holds nothing but verified tokens (prefixes of prompt + outputs); flushed with the
+    target's; outputs still identical to plain decoding."""
+    draft_dir = tiny_model_dir("llama", seed=1)
+    driver = SchedulerDriver(tiny_llama, disable_overlap_schedule=True, speculative_algorithm="STANDALONE",
+                             speculative_draft_model_path=draft_dir, speculative_num_draft_tokens=4)
+    proposer = driver.scheduler.speculator.proposer
+    system = prompts[1][:9]
+    shared = [system + prompt for prompt in prompts[:4]]
+    sequences = []
+    for i, prompt in enumerate(shared):  # one after another: each finds its predecessors' draft KV
+        driver.submit(f"s{i}", prompt, max_new_tokens=MAX_NEW_TOKENS)
+        driver.run_until_idle()
+        sequences.append(prompt + driver.results[f"s{i}"].output_ids)
+    assert proposer.num_reused_tokens >= 3 * len(system), proposer.num_reused_tokens
+    ns_root = proposer.tree.root.children[()]
+    paths = _tree_paths(ns_root)
+    assert paths and all(any(seq[: len(path)] == path for seq in sequences) for path in paths)
+    assert proposer.tree.evictable_size() > 0 and proposer.tree.protected_size() == 0
+    # The same prompts again (now with the target's tree too): the same tokens as plain decoding from scratch.
+    baseline = run(tiny_llama, shared)
+    for i, prompt in enumerate(shared):
+        driver.submit(f"again{i}", prompt, max_new_tokens=MAX_NEW_TOKENS)
+    driver.run_until_idle()
+    assert [driver.results[f"again{i}"].output_ids for i in range(len(shared))] == baseline.outputs()
+    assert [seq[len(p):] for seq, p in zip(sequences, shared)] == baseline.outputs()
+    baseline.close()
+    assert driver.flush_cache().success
+    assert proposer.tree.evictable_size() == 0
+    driver.close()
+
+
+def test_standalone_draft_tree_evicts_when_the_draft_pool_is_short(tiny_llama, prompts, plain):
+    driver = run(tiny_llama, prompts, speculative_algorithm="STANDALONE", speculative_draft_model_path=tiny_llama,
+                 max_total_tokens=200)  # the draft runner sizes its pool like the target's
+    assert driver.outputs() == plain
+    proposer = driver.scheduler.speculator.proposer
+    assert proposer.tree.evictable_size() + proposer.allocator.available_size() == proposer.allocator.size
     driver.close()

@@ -54,7 +54,7 @@ def test_flags_resolve_and_refuse_what_cannot_be_honoured():
     args = ServerArgs(speculative_algorithm="NGRAM", speculative_num_draft_tokens=5, speculative_num_steps=4,
                       speculative_eagle_topk=1, disable_overlap_schedule=False)
     assert resolved_num_draft_tokens(args) == 5
-    assert not args.resolved_overlap_schedule()  # speculative decoding turns overlap off
+    assert args.resolved_overlap_schedule()  # the overlap scheduler runs with speculative decoding
     refused = {
         "EAGLE": dict(speculative_algorithm="EAGLE"),
         "EAGLE3": dict(speculative_algorithm="EAGLE3", speculative_draft_model_path="x"),

@@ -1,4 +1,4 @@
-"""The grammar mask works whatever the attention backend: the same constrained outputs from torch_native,
+"""The grammar mask works whatever the attention backend: the same constrained outputs from torch_native, cpu,
 triton (under the Triton interpreter on CPU) and, on a GPU, flashinfer, with the overlap scheduler on.
 
 A tiny random-weight Llama with the embedded model's tokenizer: its logits are far from anything a grammar
@@ -20,7 +20,7 @@ from scheduler_driver import SchedulerDriver
 
 ON_GPU = torch.cuda.is_available()
 assert ON_GPU or os.environ.get("TRITON_INTERPRET") == "1", "tests/conftest.py sets TRITON_INTERPRET=1 without a GPU"
-BACKENDS = ["torch_native", "triton"] + (["flashinfer"] if ON_GPU else [])
+BACKENDS = ["torch_native", "cpu", "triton"] + (["flashinfer"] if ON_GPU else [])
 DATE = r"[0-9]{4}-[0-9]{2}-[0-9]{2}"
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
                                            "b": {"enum": ["x", "y"]}}, "required": ["a", "b"]}

@@ -13,7 +13,7 @@ from radixserve.model_runner.attention.base import AttentionBackend
 if TYPE_CHECKING:
     from radixserve.model_runner.model_runner import ModelRunner
 
-BACKEND_NAMES = ("torch_native", "triton", "flashinfer")
+BACKEND_NAMES = ("torch_native", "cpu", "triton", "flashinfer")
 
 
 def create_attention_backend(name: str, runner: "ModelRunner | None" = None) -> AttentionBackend:
@@ -32,6 +32,12 @@ def create_attention_backend(name: str, runner: "ModelRunner | None" = None) -> 
         raise ValueError(f"the {name} attention backend is built for a ModelRunner; none was given")
     config = runner.model_config
     shape = (runner.head_layout.num_heads, runner.head_layout.num_kv_heads, config.head_dim)  # this rank's heads
+    if name == "cpu":
+        if runner.device.type != "cpu":
+            raise ValueError("the cpu attention backend runs on the CPU; use flashinfer, triton or torch_native")
+        from radixserve.model_runner.attention.cpu_backend import CpuAttentionBackend
+
+        return CpuAttentionBackend()
     if name == "triton":
         try:
             from radixserve.model_runner.attention.triton_backend import TritonAttentionBackend

@@ -89,6 +89,7 @@ class SharedPrefix:
     # The first slot when the slots are consecutive (the usual case: a prefix prefilled in one piece from a
     # sorted free list), so the prefix's K/V is a view of the pool instead of a gathered copy.
     first_slot: Optional[int] = None
+    members: tuple[int, ...] = ()  # the requests of the group, as batch indices
 
 
 @dataclass
@@ -235,7 +236,7 @@ def find_shared_prefixes(batch: ForwardBatch, min_len: int) -> tuple[list[Shared
         first, last = slots[[0, -1]].tolist()
         consecutive = last - first == length - 1 and bool((slots[1:] - slots[:-1] == 1).all())
         groups.append(SharedPrefix(torch.tensor(tokens, dtype=torch.int64, device=device), slots,
-                                   first if consecutive else None))
+                                   first if consecutive else None, tuple(members)))
         for m in members:
             key_starts[m] = length
     return groups, key_starts

@@ -173,6 +173,9 @@ class LlamaForCausalLM(nn.Module):
         else:  # this rank's (padded) vocabulary rows, as the embedding's
             rows = vocab_shard(config.vocab_size, self.tp)[2]
             self.lm_head = nn.Linear(config.hidden_size, rows, bias=False)
+        # A pre-packed LM head on the CPU when the runner installs one (bfloat16: model_runner/cpu_packed.py;
+        # float32 few-row inputs: model_runner/cpu_small_batch.py); None: `lm_logits` on the plain weight.
+        self.logits_head: Optional[nn.Module] = None
         self.attn_backend: Optional["AttentionBackend"] = None
 
     def set_attention_backend(self, backend: "AttentionBackend") -> None:
@@ -192,6 +195,8 @@ class LlamaForCausalLM(nn.Module):
         last new token)."""
         indices = batch.logits_indices if batch.logits_indices is not None else batch.last_token_indices()
         selected = hidden[indices]
+        if self.logits_head is not None:
+            return self.logits_head(selected)[..., : self.config.vocab_size].float()
         return lm_logits(selected, self.lm_head_weight, self.config.vocab_size, self.tp)
 
     # ---- weights -------------------------------------------------------------------------------

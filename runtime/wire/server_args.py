@@ -15,7 +15,7 @@ from typing import Any, Optional
 from radixserve.runtime.wire.speculative_args import check_speculative_args, resolved_num_draft_tokens  # noqa: F401
 
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
-ATTENTION_BACKENDS = ("torch_native", "triton", "flashinfer")
+ATTENTION_BACKENDS = ("torch_native", "cpu", "triton", "flashinfer")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 EVICTION_POLICIES = ("lru", "lfu")
@@ -89,7 +89,7 @@ class ServerArgs:
     max_loras_per_batch: int = 8  # distinct adapters in one batch (the device pool's slots)
 
     # Kernels
-    attention_backend: Optional[str] = None  # None: flashinfer on CUDA, torch_native on CPU
+    attention_backend: Optional[str] = None  # None: flashinfer on CUDA, cpu (the C++ kernel) on the CPU
     sampling_backend: Optional[str] = None  # None: "pytorch", the only one
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: Optional[int] = None
@@ -250,14 +250,12 @@ class ServerArgs:
     def resolved_attention_backend(self) -> str:
         if self.attention_backend is not None:
             return self.attention_backend
-        return "torch_native" if self.resolved_device() == "cpu" else "flashinfer"
+        return "cpu" if self.resolved_device() == "cpu" else "flashinfer"
 
     def resolved_overlap_schedule(self) -> bool:
         """Whether the overlap scheduler runs. By default only on a GPU: there it hides the host's work
         behind the device's; on the CPU the model's kernels and the scheduler share the same cores, and
         running them in two threads measured 15-30% slower than one after the other."""
-        if self.speculative_algorithm is not None:
-            return False  # a verify step's drafts depend on the previous step's tokens (docs/speculative.md)
         if self.disable_overlap_schedule is not None:
             return not self.disable_overlap_schedule
         return self.resolved_device() != "cpu"

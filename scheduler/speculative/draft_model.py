@@ -1,9 +1,13 @@
 """STANDALONE drafts: a small model of the same vocabulary proposes tokens greedily, with its own KV pool.
 
-The draft model runs in its own ModelRunner (its own weights, `req_to_token` rows and KV slots, page size 1).
-Each request gets a draft row when it first drafts; `SpecState.draft_kv_len` says how many of the request's
-leading tokens have draft KV. The draft model keeps no radix tree: a request's prompt is prefilled for the draft
-model once, when it first drafts, and its row is freed when it leaves the running batch.
+The draft model runs in its own ModelRunner (its own weights, `req_to_token` rows and KV slots, page size 1)
+with its own radix tree (`DraftModelProposer.tree`, a RadixCache over the draft pool). Each request gets a
+draft row when it first drafts, starting from the longest prefix of its tokens the draft tree holds in its
+namespace (locked while the request runs); `SpecState.draft_kv_len` says how many of the request's leading
+tokens have draft KV. When the request leaves the running batch, its draft KV goes into the draft tree, so a
+later request with the same system prompt or chat history prefills only the rest for the draft model. The
+draft tree is kept in step with the target's: it only ever receives KV of tokens the target verified (a
+request's draft KV is settled after every verify step, below, before it can leave), and it is flushed with it.
 
 One proposal step for requests with `n` tokens (prompt + outputs) and a budget of `k` drafts:
 1. catch-up: one extend batch over each request's tokens without draft KV (the whole prompt the first time,
@@ -24,16 +28,10 @@ from typing import Optional
 import torch
 
 from radixserve.model_runner.forward_batch import ForwardBatch, ForwardMode
+from radixserve.radix_cache.tree import RadixCache
 from radixserve.runtime.wire.server_args import ServerArgs
 from radixserve.scheduler.batch import allocate_slots
 from radixserve.scheduler.req import Req
-
-
-class _NothingToEvict:
-    """The draft pool has no cache: when it is full, drafting waits (allocation returns None)."""
-
-    def evict(self, num_tokens: int) -> None:
-        return None
 
 
 class DraftModelProposer:
@@ -51,7 +49,9 @@ class DraftModelProposer:
             raise ValueError(f"the draft model's vocabulary ({self.runner.vocab_size} tokens) differs from the "
                              f"target's ({target_runner.vocab_size}): a STANDALONE draft must share the tokenizer")
         self.rows, self.allocator = self.runner.req_to_token_pool, self.runner.allocator
-        self.no_cache = _NothingToEvict()
+        # Verified tokens' draft KV, reused across requests; evicted (LRU) when the draft pool runs short.
+        self.tree = RadixCache(self.rows, self.allocator, page_size=1)
+        self.num_reused_tokens = 0  # prompt tokens whose draft KV came from the tree
 
     # ---- proposing -------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -90,13 +90,22 @@ class DraftModelProposer:
         return drafts
 
     def _has_row(self, req: Req) -> bool:
-        if req.spec.draft_row is None:
-            req.spec.draft_row = self.rows.alloc()
-            req.spec.draft_kv_len = 0
-        return req.spec.draft_row is not None
+        state = req.spec
+        if state.draft_row is not None:
+            return True
+        state.draft_row = self.rows.alloc()
+        if state.draft_row is None:
+            return False
+        # All but the last token at most: the catch-up forward must compute one token to give draft 1.
+        match = self.tree.match_prefix(req.all_ids[:-1], req.namespace)
+        self.tree.inc_lock_ref(match.last_node)
+        self.rows.req_to_token[state.draft_row, : match.length] = match.indices.to(self.rows.req_to_token.dtype)
+        state.draft_node, state.draft_prefix_len, state.draft_kv_len = match.last_node, match.length, match.length
+        self.num_reused_tokens += match.length
+        return True
 
     def _allocate(self, reqs: list[Req], kv_lens: list[int], extend_lens: list[int]) -> Optional[torch.Tensor]:
-        return allocate_slots(self.allocator, self.no_cache, self.rows, [r.spec.draft_row for r in reqs], kv_lens,
+        return allocate_slots(self.allocator, self.tree, self.rows, [r.spec.draft_row for r in reqs], kv_lens,
                               extend_lens)
 
     def _forward(self, mode: ForwardMode, reqs: list[Req], prefix_lens: list[int], extend_lens: list[int],
@@ -134,19 +143,31 @@ class DraftModelProposer:
 
     def _trim(self, req: Req, keep: int) -> None:
         state = req.spec
+        assert keep >= state.draft_prefix_len, "the draft tree's slots are the tree's to free"
         if keep < state.draft_kv_len:
             table = self.rows.req_to_token
             self.allocator.free(table[state.draft_row, keep: state.draft_kv_len].to("cpu", torch.int64))
             state.draft_kv_len = keep
 
     def release(self, req: Req) -> None:
+        """Hand the request's draft KV (verified tokens only: settled after its last step) to the draft tree."""
         state = req.spec
         if state is None or state.draft_row is None:
             return
-        self._trim(req, 0)
+        length = state.draft_kv_len
+        slots = self.rows.req_to_token[state.draft_row, :length].to("cpu", torch.int64)
+        present = self.tree.insert(req.all_ids[:length], slots, req.namespace) if length else 0
+        assert present >= state.draft_prefix_len, "the draft tree lost a locked prefix"
+        self.allocator.free(slots[state.draft_prefix_len: present])  # copies of tokens the tree already had
+        self.tree.dec_lock_ref(state.draft_node)
         self.rows.free(state.draft_row)
-        state.draft_row = None
+        state.draft_row, state.draft_node, state.draft_prefix_len, state.draft_kv_len = None, None, 0, 0
+
+    def flush(self) -> None:
+        self.tree.reset()
 
     def check_idle(self) -> None:
-        assert self.allocator.available_size() == self.allocator.size, "idle scheduler leaked draft KV slots"
+        assert self.tree.protected_size() == 0, "idle scheduler holds draft tree locks"
+        assert self.allocator.available_size() + self.tree.evictable_size() == self.allocator.size, \
+            "idle scheduler leaked draft KV slots"
         assert self.rows.available_size() == self.rows.size, "idle scheduler leaked draft rows"

@@ -27,6 +27,9 @@ class Proposer(Protocol):
     def check_idle(self) -> None:
         """Assert that nothing is held for any request (the scheduler is idle)."""
 
+    def flush(self) -> None:
+        """Drop what is cached across requests (the scheduler's cache was flushed)."""
+
 
 class NgramProposer:
     """Drafts from tokens already seen; holds no memory.
@@ -62,4 +65,7 @@ class NgramProposer:
         pass
 
     def check_idle(self) -> None:
+        pass
+
+    def flush(self) -> None:
         pass

@@ -144,6 +144,10 @@ class Speculator:
     def check_idle(self) -> None:
         self.proposer.check_idle()
 
+    def flush(self) -> None:
+        """The scheduler flushed its cache: the draft model's tree goes too (they are kept in step)."""
+        self.proposer.flush()
+
     # ---- reporting -------------------------------------------------------------------------------
     def info(self) -> dict:
         """Totals for server info (`internal_states`) and the metrics."""

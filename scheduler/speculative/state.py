@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from radixserve.scheduler.speculative.ngram import TokenIndex
 
@@ -30,6 +30,9 @@ class SpecState:
     # have draft KV (scheduler/speculative/draft_model.py).
     draft_row: Optional[int] = None
     draft_kv_len: int = 0
+    # The draft tree's prefix the row starts with (its slots belong to the tree) and the locked node ending it.
+    draft_prefix_len: int = 0
+    draft_node: Any = None
 
     @property
     def draft_len(self) -> int:

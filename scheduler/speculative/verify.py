@@ -14,6 +14,7 @@ import torch
 
 from radixserve.model_runner.sampling_info import SamplingBatchInfo
 from radixserve.model_runner.spec_sampling import ChainResult, chain_results, verify_rows
+from radixserve.model_runner.verify_forward import VerifyForward
 
 
 @dataclass
@@ -59,12 +60,13 @@ def _fill_fresh(uniforms: torch.Tensor) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def enqueue_verify(runner, forward_batch, plan: VerifyPlan, token_table: torch.Tensor) -> PendingVerify:
-    """Run the verify forward, decide every chain, and record each request's last emitted token in the token
-    table (a later plain decode step reads its input there). Sampling decisions are broadcast from TP rank 0."""
+def enqueue_verify(runner, forward_batch, plan: VerifyPlan, token_table: torch.Tensor,
+                   verify_forward: Optional[VerifyForward] = None) -> PendingVerify:
+    """Run the verify forward (in a CUDA graph where one fits: model_runner/verify_forward.py), decide every
+    chain, and record each request's last emitted token in the token table (a later plain decode step reads its
+    input there). Sampling decisions are broadcast from TP rank 0."""
     device = forward_batch.input_ids.device
-    forward_batch.logits_indices = torch.arange(forward_batch.num_tokens, device=device)
-    logits = runner.forward(forward_batch)
+    logits = (verify_forward or VerifyForward(runner))(forward_batch)
     drafts = torch.tensor(plan.drafts, dtype=torch.int64, device=device)
     rows = verify_rows(logits, plan.sampling_info, drafts, _fill_fresh(plan.draw_uniforms.to(device)),
                        want_logprobs=plan.logprob_rows)

@@ -1,0 +1,115 @@
+"""Build and load the C++ CPU kernels (`cpu_attention.cpp`, `cpu_elementwise.cpp`) once per machine, at first use.
+
+The source is compiled by torch's C++ extension builder (g++ with `-O3 -march=native`, ninja) into a cache folder
+keyed by the source, the torch version and this CPU's instruction set, so a build made on one CPU is never loaded
+on another; later processes only load the library (about a second). `make setup` builds it, so a fresh server
+does not wait; where it was not built, `start_background_build` builds it in a thread and the callers use the
+torch path until `ready()` turns true. `RADIXSERVE_CPU_KERNELS=0` turns the kernels off.
+
+    python -m radixserve.kernels.cpu_build      # build now, print where and how long
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_attention.cpp", "cpu_elementwise.cpp")]
+HEADERS = [Path(__file__).with_name("cpu_vec.h")]
+# -fopenmp: ATen's parallel_for is inline OpenMP; the library binds to the libgomp torch already loaded (same
+# soname), so there is one thread pool.
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]
+LIBRARY_NAME = "radixserve_cpu"  # the TORCH_LIBRARY namespace: torch.ops.radixserve_cpu.*
+
+_lock = threading.Lock()
+_loaded = False
+_error: Optional[str] = None
+_thread: Optional[threading.Thread] = None
+
+
+def enabled() -> bool:
+    return os.environ.get("RADIXSERVE_CPU_KERNELS", "1") != "0"
+
+
+def cpu_flags() -> str:
+    """The CPU's instruction-set flags (`/proc/cpuinfo`), sorted; empty where unreadable."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return " ".join(sorted(line.split(":", 1)[1].split()))
+    except OSError:
+        pass
+    return ""
+
+
+def build_directory() -> Path:
+    key = hashlib.sha256()
+    for part in (*(s.read_bytes() for s in SOURCES + HEADERS), torch.__version__.encode(), cpu_flags().encode(),
+                 " ".join(CFLAGS).encode()):
+        key.update(part)
+    root = Path(os.environ.get("RADIXSERVE_CACHE_DIR", Path.home() / ".cache" / "radixserve"))
+    return root / "kernels" / f"cpu-{key.hexdigest()[:16]}"
+
+
+def load() -> bool:
+    """Build (if needed) and load the kernels, blocking; True when `torch.ops.radixserve_cpu` is usable. A
+    failed build is logged once and remembered, and the callers keep the torch path."""
+    global _loaded, _error
+    with _lock:
+        if _loaded or _error is not None or not enabled():
+            return _loaded
+        started = time.perf_counter()
+        try:
+            from torch.utils.cpp_extension import load as load_extension
+
+            directory = build_directory()
+            directory.mkdir(parents=True, exist_ok=True)
+            load_extension(name="radixserve_cpu_kernels", sources=[str(s) for s in SOURCES], extra_cflags=CFLAGS,
+                           extra_include_paths=[str(SOURCES[0].parent)], extra_ldflags=["-fopenmp"],
+                           build_directory=str(directory), is_python_module=False, verbose=False)
+            _loaded = True
+            logger.info("CPU kernels ready in %.1f s (%s)", time.perf_counter() - started, directory)
+        except Exception as exc:  # noqa: BLE001 - any build failure means the torch path
+            _error = f"{type(exc).__name__}: {exc}"
+            logger.warning("CPU kernels unavailable, using the torch path: %s", _error)
+        return _loaded
+
+
+def ready() -> bool:
+    """Whether the kernels are loaded (never blocks)."""
+    return _loaded
+
+
+def start_background_build() -> None:
+    """Load the kernels in a daemon thread unless loaded, failed or already loading."""
+    global _thread
+    if _loaded or _error is not None or not enabled() or (_thread is not None and _thread.is_alive()):
+        return
+    _thread = threading.Thread(target=load, name="cpu-kernel-build", daemon=True)
+    _thread.start()
+
+
+def wait(timeout: Optional[float] = None) -> bool:
+    """Wait for a background build; True when the kernels are loaded."""
+    if _thread is not None:
+        _thread.join(timeout)
+    return _loaded
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    began = time.perf_counter()
+    ok = load()
+    print(f"CPU kernels {'ready' if ok else 'NOT built: ' + str(_error)} in {time.perf_counter() - began:.1f} s: "
+          f"{build_directory()}")
+    raise SystemExit(0 if ok else 1)

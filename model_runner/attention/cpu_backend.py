@@ -1,0 +1,178 @@
+"""Paged attention on the CPU through the C++ kernel of `kernels/cpu_attention.cpp`: one call per layer.
+
+`plan` describes the batch once as groups of requests (see the kernel's header): requests that hold the same KV
+slots for a cached prefix (found as in torch_native's cascade attention) form a group whose shared keys are read
+once for all its query rows; every other request is a group of its own. A group's members together hold at most
+`max_group_tokens` new tokens (longer ones are split into several groups over the same shared keys), so an item's
+working set stays in the core's caches. Each request's own keys are its KV slots after the shared part, listed
+once per batch from `req_to_token`; the kernel reads K and V through them, with no gathered copy.
+
+Work items are (group, block of `QUERY_BLOCK` queries of a lone request), every head at once, ordered longest
+first so the threads' dynamic hand-out ends together. `forward` writes the new K/V into the pool and attends, in the kernel.
+
+Batches with a long extend (prefill chunks, see `MAX_KERNEL_EXTEND_LEN`), and, until the kernel library is loaded
+(built at first use in the background, see `kernels/cpu_build.py`), every batch, and dtypes or head sizes it does
+not cover, batches go through the torch_native backend, the reference.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from radixserve.kernels import cpu_build
+from radixserve.model_runner.attention.base import AttentionBackend
+from radixserve.model_runner.attention.torch_native import TorchNativeAttention, find_shared_prefixes
+from radixserve.model_runner.forward_batch import ForwardBatch
+
+QUERY_BLOCK = 16  # query tokens per work item of a lone request
+# Batches with a request extending by more tokens than this run on torch_native: for long prefills its
+# scaled-dot-product kernel (blocked GEMMs) is as fast in float32 and faster in bfloat16 than this kernel's loops;
+# decode, short extends and speculative verification run here.
+MAX_KERNEL_EXTEND_LEN = 16
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
+
+
+@dataclass
+class CpuAttentionPlan:
+    items: torch.Tensor  # [n, 3] int64: (group, q_begin, q_end)
+    group_member_indptr: torch.Tensor
+    group_kv_indptr: torch.Tensor
+    member_q_start: torch.Tensor
+    member_q_len: torch.Tensor
+    member_q_pos0: torch.Tensor
+    member_kv_indptr: torch.Tensor
+    member_kv_pos0: torch.Tensor
+    kv_slots: torch.Tensor
+    out_cache_loc: torch.Tensor
+    num_groups_shared: int  # groups with shared keys and more than one member (reported by tests)
+
+
+class CpuAttentionBackend(AttentionBackend):
+    """The CPU's fast attention; torch_native's results up to float rounding (tests/test_cpu_attention.py)."""
+
+    def __init__(self, min_shared_prefix: int = 32, max_group_tokens: int = 64,
+                 max_extend_len: Optional[int] = MAX_KERNEL_EXTEND_LEN) -> None:
+        self.min_shared_prefix = min_shared_prefix
+        self.max_group_tokens = max_group_tokens
+        self.max_extend_len = max_extend_len
+        self.fallback = TorchNativeAttention()
+        self.kernel_cascade_batches = 0  # kernel batches with at least one shared-prefix group
+        cpu_build.start_background_build()
+
+    def plan(self, batch: ForwardBatch) -> None:
+        pool = batch.token_to_kv_pool
+        buffer = pool.k_buffer[0]
+        long_extend = self.max_extend_len is not None and max(batch.extend_lens_cpu) > self.max_extend_len
+        if long_extend or not cpu_build.ready() or buffer.dtype not in SUPPORTED_DTYPES or buffer.is_cuda or (
+                not supported_head_dim(buffer.shape[-1])):
+            self.fallback.plan(batch)
+            return
+        batch.attn_metadata = plan_groups(batch, self.min_shared_prefix, self.max_group_tokens)
+        self.kernel_cascade_batches += batch.attn_metadata.num_groups_shared > 0
+
+    @property
+    def num_cascade_batches(self) -> int:
+        """Batches planned with at least one shared-prefix group, here or on the torch_native path."""
+        return self.kernel_cascade_batches + self.fallback.num_cascade_batches
+
+    def forward(self, q, k, v, layer_id: int, scaling: float, batch: ForwardBatch) -> torch.Tensor:
+        meta = batch.attn_metadata
+        if not isinstance(meta, CpuAttentionPlan) or q.dtype != batch.token_to_kv_pool.k_buffer[0].dtype:
+            if isinstance(meta, CpuAttentionPlan):  # a dtype the kernel was not planned for: re-plan the reference
+                self.fallback.plan(batch)
+            return self.fallback.forward(q, k, v, layer_id, scaling, batch)
+        k_buffer, v_buffer = batch.token_to_kv_pool.get_kv_buffer(layer_id)
+        return torch.ops.radixserve_cpu.paged_attention(
+            q, k_buffer, v_buffer, k.to(k_buffer.dtype), v.to(v_buffer.dtype), meta.out_cache_loc, meta.items,
+            meta.group_member_indptr, meta.group_kv_indptr, meta.member_q_start, meta.member_q_len,
+            meta.member_q_pos0, meta.member_kv_indptr, meta.member_kv_pos0, meta.kv_slots, scaling, _EMPTY,
+        )
+
+
+_EMPTY = torch.empty(0)
+
+
+def supported_head_dim(head_dim: int) -> bool:
+    """The kernel works on 16-float vectors: head_dim a multiple of 16, at most 256."""
+    return head_dim % 16 == 0 and head_dim <= 256
+
+
+def plan_groups(batch: ForwardBatch, min_shared_prefix: int = 32, max_group_tokens: int = 64) -> CpuAttentionPlan:
+    """The kernel's description of `batch` (see the module docstring)."""
+    size = batch.batch_size
+    shared, key_starts = [], [0] * size
+    if size > 1 and min_shared_prefix != math.inf:
+        shared, key_starts = find_shared_prefixes(batch, max(1, int(min_shared_prefix)))
+    extend_lens, prefix_lens, seq_lens = batch.extend_lens_cpu, batch.prefix_lens_cpu, batch.seq_lens_cpu
+    token_starts = [0]
+    for length in extend_lens:
+        token_starts.append(token_starts[-1] + length)
+
+    # Groups as (shared slots or None, member request indices); the grouped requests first.
+    groups: list[tuple[Optional[torch.Tensor], list[int]]] = []
+    grouped = set()
+    for prefix in shared:
+        members, tokens = [], 0
+        for m in prefix.members:
+            if members and tokens + extend_lens[m] > max_group_tokens:
+                groups.append((prefix.kv_indices, members))
+                members, tokens = [], 0
+            members.append(m)
+            tokens += extend_lens[m]
+        groups.append((prefix.kv_indices, members))
+        grouped.update(prefix.members)
+    groups.extend((None, [i]) for i in range(size) if i not in grouped)
+
+    order = [m for _, members in groups for m in members]
+    member_indptr = [0]
+    shared_slots, shared_indptr = [], [0]
+    items = []
+    for g, (slots, members) in enumerate(groups):
+        member_indptr.append(member_indptr[-1] + len(members))
+        shared_len = 0 if slots is None else int(slots.numel())
+        if slots is not None:
+            shared_slots.append(slots)
+        shared_indptr.append(shared_indptr[-1] + shared_len)
+        if len(members) == 1:
+            m = members[0]
+            for begin in range(0, extend_lens[m], QUERY_BLOCK):
+                end = min(begin + QUERY_BLOCK, extend_lens[m])
+                cost = (end - begin) * (prefix_lens[m] + end)
+                items.append((cost, g, begin, end))
+        else:
+            cost = sum(extend_lens[m] for m in members) * max(seq_lens[m] for m in members)
+            items.append((cost, g, 0, 0))
+    items.sort(key=lambda item: -item[0])
+
+    device = batch.req_pool_indices.device
+    index = torch.tensor(order, dtype=torch.int64, device=device)
+    own_start = torch.tensor([key_starts[m] for m in order], dtype=torch.int64, device=device)
+    own_len = batch.seq_lens[index] - own_start
+    own_indptr = torch.zeros(len(order) + 1, dtype=torch.int64, device=device)
+    torch.cumsum(own_len, 0, out=own_indptr[1:])
+    owner = torch.repeat_interleave(torch.arange(len(order), device=device), own_len)
+    columns = torch.arange(owner.numel(), device=device) - own_indptr[owner] + own_start[owner]
+    rows = batch.req_pool_indices[index][owner]
+    own_slots = batch.req_to_token_pool.req_to_token[rows, columns].to(torch.int64)
+
+    def longs(values) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=device)
+
+    num_shared = int(shared_indptr[-1])
+    return CpuAttentionPlan(
+        items=longs([item[1:] for item in items]).reshape(-1, 3),
+        group_member_indptr=longs(member_indptr),
+        group_kv_indptr=longs(shared_indptr),
+        member_q_start=longs([token_starts[m] for m in order]),
+        member_q_len=longs([extend_lens[m] for m in order]),
+        member_q_pos0=longs([prefix_lens[m] for m in order]),
+        member_kv_indptr=own_indptr + num_shared,
+        member_kv_pos0=own_start,
+        kv_slots=torch.cat([*shared_slots, own_slots]).to(torch.int64).contiguous(),
+        out_cache_loc=batch.out_cache_loc.to(torch.int64).contiguous(),
+        num_groups_shared=sum(1 for slots, members in groups if slots is not None and len(members) > 1),
+    )

@@ -1,0 +1,114 @@
+"""The C++ CPU attention kernel (`--attention-backend cpu`) against a float64 reference and torch_native.
+
+Batches come from the real KV pools with scattered slots and random KV everywhere (attention_cases.py); the
+shared-prefix layouts are those of test_attention_shared_prefix.py, so grouped requests read their common keys
+through the kernel's group path.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from attention_cases import kv_written, make_case, reference_attention, run_backend  # noqa: E402
+from radixserve.kernels import cpu_build
+from radixserve.model_runner.attention.cpu_backend import CpuAttentionBackend, CpuAttentionPlan
+from radixserve.model_runner.attention.torch_native import TorchNativeAttention
+from radixserve.model_runner.forward_batch import ForwardMode
+from test_attention_shared_prefix import GROUP_LENS, LAYER, LAYOUTS, build, reference  # noqa: E402
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels():
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        pytest.skip("no C++ compiler on this machine: the CPU kernels cannot be built")
+    assert cpu_build.load(), "the CPU kernels failed to build (see the log)"
+
+
+CASES = [
+    # (mode, prefix_lens, extend_lens)
+    (ForwardMode.DECODE, [0, 5, 31, 32, 33, 200], [1] * 6),
+    (ForwardMode.DECODE, [700], [1]),
+    (ForwardMode.EXTEND, [0], [1]),
+    (ForwardMode.EXTEND, [0, 0], [37, 16]),
+    (ForwardMode.EXTEND, [40, 0, 3], [70, 5, 33]),
+    (ForwardMode.MIXED, [10, 64, 0], [1, 20, 1]),
+]
+
+
+@pytest.mark.parametrize("mode,prefix_lens,extend_lens", CASES)
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (4, 2, 16), (6, 1, 32), (2, 2, 128)])
+def test_matches_float64_reference(mode, prefix_lens, extend_lens, num_heads, num_kv_heads, head_dim):
+    case = make_case(mode, prefix_lens, extend_lens, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                     head_dim=head_dim, page_size=1, dtype=torch.float32, seed=sum(prefix_lens) + num_heads)
+    backend = CpuAttentionBackend(max_extend_len=None)
+    out = run_backend(backend, case)
+    assert isinstance(case.batch.attn_metadata, CpuAttentionPlan)
+    assert kv_written(case)
+    torch.testing.assert_close(out.double(), reference_attention(case), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_bfloat16_is_as_close_as_torch_native(page_size):
+    args = dict(num_heads=9, num_kv_heads=3, head_dim=64, page_size=page_size, dtype=torch.bfloat16, seed=7)
+    case = make_case(ForwardMode.EXTEND, [30, 0, 90], [3, 40, 1], **args)
+    expected = reference_attention(case)
+    out = run_backend(CpuAttentionBackend(max_extend_len=None), case)
+    assert out.dtype == torch.bfloat16 and kv_written(case)
+    case_ref = make_case(ForwardMode.EXTEND, [30, 0, 90], [3, 40, 1], **args)
+    native = run_backend(TorchNativeAttention(), case_ref)
+    error = (out.double() - expected).abs().max()
+    native_error = (native.double() - expected).abs().max()
+    assert error <= 2 * native_error + 1e-3, (error, native_error)
+
+
+@pytest.mark.parametrize("mode", list(LAYOUTS))
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 2), (6, 1)])
+@pytest.mark.parametrize("split_prefixes", [False, True])
+@pytest.mark.parametrize("max_group_tokens", [64, 2])
+def test_shared_prefix_groups(mode, num_heads, num_kv_heads, split_prefixes, max_group_tokens):
+    batch, q, k, v = build(mode, 1, num_heads, num_kv_heads, torch.float32, seed=num_heads,
+                           split_prefixes=split_prefixes, head_dim=16)
+    backend = CpuAttentionBackend(min_shared_prefix=1, max_group_tokens=max_group_tokens, max_extend_len=None)
+    backend.plan(batch)
+    plan = batch.attn_metadata
+    # Both groups read their shared keys once (split into smaller groups when their tokens exceed the limit).
+    shared_lengths = (plan.group_kv_indptr[1:] - plan.group_kv_indptr[:-1]).tolist()
+    assert sorted(set(shared_lengths) - {0}) == sorted(GROUP_LENS.values())
+    if max_group_tokens == 64:
+        assert plan.num_groups_shared == 2
+    scaling = 16 ** -0.5
+    expected = reference(batch, q, k, v, scaling)
+    out = backend.forward(q, k, v, LAYER, scaling, batch)
+    torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("dtype,head_dim", [(torch.float64, 16), (torch.float32, 8)])
+def test_falls_back_to_torch_native_outside_its_dtypes_and_head_sizes(dtype, head_dim):
+    case = make_case(ForwardMode.DECODE, [4, 9], [1, 1], num_heads=4, num_kv_heads=2, head_dim=head_dim,
+                     page_size=1, dtype=dtype, seed=1)
+    out = run_backend(CpuAttentionBackend(), case)
+    assert not isinstance(case.batch.attn_metadata, CpuAttentionPlan)
+    tolerance = 1e-9 if dtype == torch.float64 else 2e-5
+    torch.testing.assert_close(out.double(), reference_attention(case), atol=tolerance, rtol=tolerance)
+
+
+def test_build_is_cached_per_cpu_and_source():
+    directory = cpu_build.build_directory()
+    assert directory.is_dir() and any(directory.glob("*.so"))
+    assert cpu_build.ready() and cpu_build.load()
+    assert directory.parent.name == "kernels" and directory.name.startswith("cpu-")
+
+
+def test_long_extends_run_on_torch_native():
+    case = make_case(ForwardMode.EXTEND, [0, 3], [17, 2], num_heads=4, num_kv_heads=2, head_dim=16, page_size=1,
+                     dtype=torch.float32, seed=2)
+    out = run_backend(CpuAttentionBackend(), case)  # 17 > MAX_KERNEL_EXTEND_LEN
+    assert not isinstance(case.batch.attn_metadata, CpuAttentionPlan)
+    torch.testing.assert_close(out.double(), reference_attention(case), atol=2e-5, rtol=2e-5)
+    short = make_case(ForwardMode.EXTEND, [0, 3], [16, 2], num_heads=4, num_kv_heads=2, head_dim=16, page_size=1,
+                      dtype=torch.float32, seed=2)
+    run_backend(CpuAttentionBackend(), short)
+    assert isinstance(short.batch.attn_metadata, CpuAttentionPlan)
