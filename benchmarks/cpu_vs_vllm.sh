@@ -27,7 +27,7 @@ THREADS=${THREADS:-$(nproc)}
 KV_CACHE_GIB=4
 OUT=${1:-benchmarks/results/cpu_vs_vllm-$(date +%Y%m%d-%H%M%S)}
 mkdir -p "$OUT"
-MODEL_DIR=$($PY -c "from radixserve.model_runner.loader import resolve_model; print(resolve_model(None).model_dir)")
+MODEL_DIR=$($PY -c "from radixserve.runtime.model_files import resolve_model; print(resolve_model(None).model_dir)")
 echo "model: $MODEL_DIR; records and logs: $OUT"
 
 SERVER_PID=
