@@ -72,6 +72,8 @@ def load() -> bool:
         try:
             from torch.utils.cpp_extension import load as load_extension
 
+            _put_ninja_on_path()
+
             directory = build_directory()
             directory.mkdir(parents=True, exist_ok=True)
             load_extension(name="radixserve_cpu_kernels", sources=[str(s) for s in SOURCES], extra_cflags=CFLAGS,
@@ -83,6 +85,18 @@ def load() -> bool:
             _error = f"{type(exc).__name__}: {exc}"
             logger.warning("CPU kernels unavailable, using the torch path: %s", _error)
         return _loaded
+
+
+def _put_ninja_on_path() -> None:
+    """torch runs `ninja` from PATH; the `ninja` package's binary sits in the environment's bin folder, which is
+    not on PATH when the environment's Python is run without activating it."""
+    try:
+        import ninja
+    except ImportError:
+        return
+    directory = getattr(ninja, "BIN_DIR", None)
+    if directory and directory not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = directory + os.pathsep + os.environ.get("PATH", "")
 
 
 def ready() -> bool:
