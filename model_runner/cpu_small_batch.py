@@ -13,8 +13,9 @@ batch size 1, a matrix-vector product torch already streams once) and prefill-si
 cost the same) stay exactly as they were. Inside the range the results are float32 products of the same
 numbers, summed in another order (a relative difference of about 1e-6).
 
-The packed copy doubles the weights' memory, so the runner packs only when speculative decoding is on (the
-verify forward is the case it is for; model_runner/model_runner.py).
+The packed copy doubles the weights' memory. The runner packs when speculative decoding is on (the verify
+forward) and, for decode batches of a few to 64 requests, whenever the copy takes at most
+`MAX_EXTRA_MEMORY_FRACTION` of the machine's memory (the embedded model: 0.5 GB; model_runner/model_runner.py).
 """
 
 from __future__ import annotations
@@ -28,6 +29,21 @@ from torch import nn
 # Rows (tokens) for which the packed path measured faster than F.linear (2 cores, AVX-512, SmolLM2 shapes).
 MIN_PACKED_ROWS = 3
 MAX_PACKED_ROWS = 64
+# Without speculation, pack only when the packed copy takes at most this share of the machine's memory.
+MAX_EXTRA_MEMORY_FRACTION = 0.1
+
+
+def small_batch_packing_pays(model: nn.Module, speculative_algorithm: Optional[str]) -> bool:
+    """Whether to pack `model`'s float32 CPU linears: always for speculative decoding, else when the copy is
+    small next to the machine's memory."""
+    if speculative_algorithm is not None:
+        return True
+    import psutil
+
+    weight_bytes = sum(m.weight.numel() * m.weight.element_size() for m in model.modules()
+                       if isinstance(getattr(m, "weight", None), torch.Tensor) and m.weight.dim() == 2
+                       and m.weight.dtype == torch.float32)
+    return weight_bytes <= MAX_EXTRA_MEMORY_FRACTION * psutil.virtual_memory().total
 
 
 def small_batch_packing_supported() -> bool:

@@ -1,5 +1,6 @@
 """float32 few-row linears on pre-packed oneDNN weights (model_runner/cpu_small_batch.py): the same products as
-`F.linear` (exactly so outside the packed row range), installed by the runner when speculative decoding is on."""
+`F.linear` (exactly so outside the packed row range), installed by the runner when speculative decoding is on or
+the packed copy is small next to the machine's memory."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from radixserve.model_runner import cpu_small_batch
 from radixserve.model_runner.cpu_small_batch import (
     MAX_PACKED_ROWS, MIN_PACKED_ROWS, SmallBatchLinear, small_batch_packing_supported,
 )
@@ -36,8 +38,11 @@ def test_small_batch_linear_matches_linear(bias):
     torch.testing.assert_close(packed(x), F.linear(x, weight, bias_t), rtol=1e-5, atol=1e-5)
 
 
-def test_runner_packs_for_speculative_decoding_and_logits_agree(tiny_model_dir):
+def test_runner_packs_when_speculating_or_small_and_logits_agree(tiny_model_dir, monkeypatch):
     model_dir = tiny_model_dir("llama")
+    small = ModelRunner(ServerArgs(model_path=model_dir, device="cpu"))  # a few MB: packed by default
+    assert isinstance(small.model.model.layers[0].mlp.down_proj, SmallBatchLinear)
+    monkeypatch.setattr(cpu_small_batch, "MAX_EXTRA_MEMORY_FRACTION", 0.0)  # as for a model too large to copy
     plain = ModelRunner(ServerArgs(model_path=model_dir, device="cpu"))
     spec = ModelRunner(ServerArgs(model_path=model_dir, device="cpu", speculative_algorithm="NGRAM"))
     assert spec.model.logits_head is not None and plain.model.logits_head is None
