@@ -185,6 +185,23 @@ def draw(probs: torch.Tensor, uniforms: torch.Tensor, *, consume: bool = False) 
     return torch.searchsorted(cumulative, target, right=True).squeeze(1)
 
 
+def adjusted_logits(logits: torch.Tensor, info: SamplingBatchInfo) -> tuple[torch.Tensor, torch.Tensor]:
+    """`logits` as float32 with the batch's adjustments (penalties, bans, grammar masks) applied in place, and
+    per row whether no token is left.
+
+    An extreme penalty can push a logit to +inf (or NaN): such a token is kept the most likely one rather than
+    turn the row's distribution into NaN. A row whose constraints leave no token has no distribution to sample
+    from; the callers give it a placeholder id, so one request's impossible constraints never produce an
+    out-of-vocabulary id that would fail the whole batch or poison the next batch's inputs.
+    """
+    if logits.dtype != torch.float32:
+        logits = logits.float()
+    if info.adjustments is not None:
+        info.adjustments.apply(logits)
+        torch.nan_to_num_(logits, nan=-math.inf, posinf=torch.finfo(logits.dtype).max, neginf=-math.inf)
+    return logits, ~(logits.amax(dim=-1) > -math.inf)
+
+
 class Sampler:
     """Picks the next token of every request in a batch; see the module docstring for the semantics."""
 
@@ -216,18 +233,7 @@ class Sampler:
             raise ValueError(
                 f"logits of shape {tuple(logits.shape)} do not match batch {info.batch_size} x vocab {info.vocab_size}"
             )
-        if logits.dtype != torch.float32:
-            logits = logits.float()
-        if info.adjustments is not None:
-            info.adjustments.apply(logits)
-            # An extreme penalty can push a logit to +inf (or NaN): keep such a token the most likely one
-            # rather than let it turn the row's distribution into NaN.
-            torch.nan_to_num_(logits, nan=-math.inf, posinf=torch.finfo(logits.dtype).max, neginf=-math.inf)
-
-        # A row whose constraints (grammar mask, bans) leave no token has no distribution to sample from;
-        # flag it and give it a placeholder id (below), so one request's impossible constraints never produce
-        # an out-of-vocabulary id that would fail the whole batch or poison the next batch's inputs.
-        no_token = ~(logits.amax(dim=-1) > -math.inf)
+        logits, no_token = adjusted_logits(logits, info)
 
         logprobs_all = None
         if return_logprob or top_logprobs_num > 0:

@@ -23,12 +23,11 @@ the caller keeps the rows up to the first rejection of each chain (`chain_result
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple, Optional, Sequence
 
 import torch
 
-from radixserve.model_runner.sampling import PLACEHOLDER_TOKEN_ID, draw, keep_thresholds
+from radixserve.model_runner.sampling import PLACEHOLDER_TOKEN_ID, adjusted_logits, draw, keep_thresholds
 from radixserve.model_runner.sampling_info import SamplingBatchInfo
 
 
@@ -75,12 +74,7 @@ def verify_rows(
     token that follows row j in its chain (-1 on a chain's last row), and one uniform in [0, 1) per row for its
     draw (the plain Sampler's uniform for that position).
     """
-    if logits.dtype != torch.float32:
-        logits = logits.float()
-    if info.adjustments is not None:
-        info.adjustments.apply(logits)
-        torch.nan_to_num_(logits, nan=-math.inf, posinf=torch.finfo(logits.dtype).max, neginf=-math.inf)
-    no_token = ~(logits.amax(dim=-1) > -math.inf)
+    logits, no_token = adjusted_logits(logits, info)
     logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
     probs = torch.nan_to_num(target_probs(logits, info), nan=0.0)
     drawn = draw(probs, draw_uniforms, consume=True).clamp(max=logits.shape[1] - 1)
