@@ -182,7 +182,7 @@ GPU_BACKENDS = [
 ]
 
 
-def _gpu_runner(model_dir: str, backend: str, dtype: str, **kwargs) -> ModelRunner:
+def gpu_runner(model_dir: str, backend: str, dtype: str, **kwargs) -> ModelRunner:
     if backend == "flashinfer":
         pytest.importorskip("flashinfer")
     kwargs.setdefault("cuda_graph_max_bs", 8)
@@ -201,7 +201,7 @@ def _assert_logits_close(graph: torch.Tensor, eager: torch.Tensor, tolerance: fl
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend,dtype,tolerance", GPU_BACKENDS)
 def test_replay_matches_eager(tiny_model_dir, backend, dtype, tolerance):
-    runner = _gpu_runner(tiny_model_dir("llama", **GPU_MODEL), backend, dtype)
+    runner = gpu_runner(tiny_model_dir("llama", **GPU_MODEL), backend, dtype)
     graphs = runner.cuda_graph_runner
     assert graphs is not None and graphs.batch_sizes == [1, 2, 4, 8]
     requests = Requests(runner, random_prompts(runner.vocab_size, [5, 40, 3, 17, 64, 9, 1, 30, 12, 8]))
@@ -229,7 +229,7 @@ def test_replay_matches_eager(tiny_model_dir, backend, dtype, tolerance):
 def test_greedy_generation_same_with_and_without_graphs(tiny_model_dir):
     model_dir = tiny_model_dir("llama", **GPU_MODEL)
     prompts = random_prompts(512, [4, 33, 12, 7, 20])  # 5 requests: replayed in the graph of 8
-    with_graphs = _gpu_runner(model_dir, "triton", "float32")
-    without = _gpu_runner(model_dir, "triton", "float32", disable_cuda_graph=True)
+    with_graphs = gpu_runner(model_dir, "triton", "float32")
+    without = gpu_runner(model_dir, "triton", "float32", disable_cuda_graph=True)
     assert with_graphs.cuda_graph_runner is not None and without.cuda_graph_runner is None
     assert greedy_generate(with_graphs, prompts, 24) == greedy_generate(without, prompts, 24)

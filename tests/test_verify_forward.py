@@ -22,12 +22,11 @@ from radixserve.model_runner.verify_forward import VerifyForward, as_decode_rows
 from radixserve.runtime.wire.server_args import ServerArgs
 
 from scheduler_driver import SchedulerDriver
+from test_cuda_graph import GPU_BACKENDS, GPU_MODEL, gpu_runner
 from test_speculative import repetitive_prompts
 
 ON_GPU = torch.cuda.is_available()
 needs_gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device")
-GPU_MODEL = dict(hidden_size=256, intermediate_size=512, num_attention_heads=8, num_key_value_heads=2,
-                 head_dim=128, max_position_embeddings=512)
 
 
 class Chains:
@@ -87,26 +86,14 @@ def test_decode_rows_give_the_extend_logits_on_cpu(tiny_model_dir):
     assert verify.num_eager_steps == 1 and verify.num_graph_steps == 0
 
 
-# ---- GPU ---------------------------------------------------------------------------------------------
-
-GPU_BACKENDS = [
-    pytest.param("triton", "float32", 1e-4, id="triton-float32"),
-    pytest.param("flashinfer", "bfloat16", 3e-2, id="flashinfer-bfloat16"),
-]
-
-
-def _gpu_runner(model_dir: str, backend: str, dtype: str, **kwargs) -> ModelRunner:
-    if backend == "flashinfer":
-        pytest.importorskip("flashinfer")
-    return ModelRunner(ServerArgs(model_path=model_dir, device="cuda", dtype=dtype, attention_backend=backend,
-                                  max_total_tokens=8192, max_running_requests=16, cuda_graph_max_bs=16, **kwargs))
+# ---- GPU (the CUDA graph tests' model, backends and runner) ------------------------------------------
 
 
 @needs_gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend,dtype,tolerance", GPU_BACKENDS)
 def test_verify_in_graph_matches_eager(tiny_model_dir, backend, dtype, tolerance):
-    runner = _gpu_runner(tiny_model_dir("llama", **GPU_MODEL), backend, dtype)
+    runner = gpu_runner(tiny_model_dir("llama", **GPU_MODEL), backend, dtype, cuda_graph_max_bs=16)
     assert runner.cuda_graph_runner is not None and runner.cuda_graph_runner.max_bs == 16
     verify = VerifyForward(runner)
     chains = Chains(runner, [5, 40, 3, 17, 64, 9])
