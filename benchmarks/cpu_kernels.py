@@ -32,9 +32,6 @@ from radixserve.model_runner.attention.torch_native import TorchNativeAttention 
 from radixserve.model_runner.forward_batch import ForwardMode  # noqa: E402
 from radixserve.model_runner.layers import TORCH_OPS, RotaryEmbedding, cpu_kernel_ops  # noqa: E402
 
-ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
-
-
 def median_us(fn, repeats: int) -> float:
     for _ in range(3):
         fn()
@@ -93,8 +90,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     if not cpu_build.load():
         raise SystemExit("the CPU kernels could not be built here")
-    flags = set(cpu_build.cpu_flags().split())
-    isa = [f for f in ISA_FLAGS if f in flags]
+    isa = cpu_build.cpu_isa()
     records = []
     for dtype_name in args.dtypes.split(","):
         dtype = getattr(torch, dtype_name)
@@ -102,7 +98,7 @@ def main() -> None:
         for row in attention_rows(dtype, batch_sizes, args.context_len, args.repeats) + elementwise_rows(
                 dtype, [int(t) for t in args.tokens.split(",")], args.repeats):
             records.append(dict(dtype=dtype_name, **row, speedup=row["torch_us"] / row["cpu_us"]))
-    print(f"CPU ISA: {','.join(isa)}; torch threads {torch.get_num_threads()}; torch {torch.__version__}")
+    print(f"CPU ISA: {isa}; torch threads {torch.get_num_threads()}; torch {torch.__version__}")
     print(f"{'dtype':9} {'op':34} {'torch (us)':>11} {'C++ (us)':>10} {'speed-up':>9}")
     for r in records:
         print(f"{r['dtype']:9} {r['op']:34} {r['torch_us']:11.1f} {r['cpu_us']:10.1f} {r['speedup']:8.2f}x")

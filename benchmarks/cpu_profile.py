@@ -29,9 +29,6 @@ from serving_datasets import shared_prefix_sessions  # noqa: E402
 from radixserve.kernels import cpu_build  # noqa: E402
 from radixserve.runtime.model_files import load_tokenizer, resolve_model  # noqa: E402
 
-ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
@@ -75,9 +72,8 @@ def main() -> None:
         profiler.__exit__(None, None, None)
     driver.close()
 
-    flags = set(cpu_build.cpu_flags().split())
     backend = type(driver.runner.attn_backend).__name__
-    print(f"CPU ISA: {','.join(f for f in ISA_FLAGS if f in flags)}; torch {torch.__version__}, "
+    print(f"CPU ISA: {cpu_build.cpu_isa()}; torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads; {args.dtype}, {backend}")
     print(f"wall {wall:.2f} s; forward time by mode: "
           + ", ".join(f"{mode} {seconds[mode]:.2f} s in {calls[mode]} steps" for mode in sorted(seconds)))

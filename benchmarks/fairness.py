@@ -23,7 +23,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import signal
 import socket
 import statistics
@@ -35,16 +34,10 @@ from typing import Any, Callable, Optional
 
 import httpx
 
+import _srcpath  # noqa: F401  (radixserve.<folder> from the checkout)
+from radixserve.kernels.cpu_build import cpu_isa
+
 KEY_A, KEY_B, ADMIN = "sk-bench-flood", "sk-bench-light", "sk-bench-admin"
-
-
-def cpu_isa() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            flags = next(line for line in f if line.startswith("flags")).split()
-    except (OSError, StopIteration):
-        return platform.machine()
-    return ",".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags) or platform.machine()
 
 
 def free_port() -> int:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import tempfile
 import time
@@ -23,18 +22,10 @@ from safetensors.torch import save_file
 
 import _srcpath  # noqa: F401  (radixserve.<folder> from the checkout)
 from radixserve import Engine
+from radixserve.kernels.cpu_build import cpu_isa
 
 MODULES = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
            "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
-
-
-def cpu_isa() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            flags = next(line for line in f if line.startswith("flags")).split()
-    except (OSError, StopIteration):
-        return platform.machine()
-    return ",".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags) or platform.machine()
 
 
 def write_adapter(folder: str, config: dict, rank: int, seed: int) -> str:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import signal
 import string
@@ -34,6 +33,8 @@ import psutil
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 from http_fixtures import ADMIN_KEY, KEY_A, KEY_B, ServerProcess, tenants_file  # noqa: E402
+
+from radixserve.kernels.cpu_build import cpu_isa  # noqa: E402
 
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/generate", "/abort_request", "/flush_cache")
 GET_ROUTES = ("/v1/models", "/health", "/get_model_info", "/get_server_info", "/metrics", "/health_generate")
@@ -230,15 +231,6 @@ def health_during_max_body() -> dict[str, Any]:
         return {"body_mb": 20, "status": result.get("status"), "slowest_health_s": round(slowest, 3)}
     finally:
         server.stop()
-
-
-def cpu_isa() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            flags = next(line for line in f if line.startswith("flags")).split()
-    except (OSError, StopIteration):
-        return platform.machine()
-    return ",".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags) or platform.machine()
 
 
 def main() -> None:

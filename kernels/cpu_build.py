@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import platform
 import threading
 import time
 from pathlib import Path
@@ -50,6 +51,17 @@ def cpu_flags() -> str:
     except OSError:
         pass
     return ""
+
+
+# The flags that decide CPU speed here (AVX2 only: bfloat16 is slow; AMX: bfloat16 matmuls on tiles).
+ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+
+
+def cpu_isa() -> str:
+    """Which of `ISA_FLAGS` this CPU has, comma-separated (the machine's name where none is known), printed
+    with every CPU figure."""
+    flags = set(cpu_flags().split())
+    return ",".join(f for f in ISA_FLAGS if f in flags) or platform.machine()
 
 
 def build_directory() -> Path:
