@@ -34,7 +34,6 @@ namespace {
 using radixserve_cpu::exp_inplace;
 
 constexpr int64_t kKeyTile = 32;     // keys per tile
-constexpr int64_t kQueryBlock = 16;  // query tokens per work item for a lone member
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 template <typename T>
