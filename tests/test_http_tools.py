@@ -8,17 +8,17 @@ radix cache; bad tool requests are 400s in the OpenAI envelope."""
 
 from __future__ import annotations
 
-import collections
-import concurrent.futures
 import json
 
 import openai
 import pytest
 
 from http_fixtures import ServerProcess
-from tool_cases import PROMPTS, TOOLS, auto_answer, call_case, check_call, tool
+from tool_cases import (  # noqa: F401  (client, model: fixtures)
+    PROMPTS, TOOLS, call_case, check_auto_answers, check_auto_call_once_started, check_call,
+    check_required_and_named_calls, client, model, tool,
+)
 
-from radixserve.runtime.model_files import default_model_path, load_tokenizer
 from radixserve.runtime.openai.tool_grammar import MAX_PARALLEL_CALLS
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
@@ -31,54 +31,16 @@ def server():
     process.stop()
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=1500.0)
-
-
-@pytest.fixture(scope="module")
-def model(client):
-    return client.models.list().data[0].id
-
-
 def test_required_and_named_calls_always_validate(client, model):
-    def ask(i: int):
-        tools, choice, name = call_case(i)
-        response = client.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": PROMPTS[i % 10]}], tools=tools, tool_choice=choice,
-            parallel_tool_calls=False, max_tokens=160, temperature=0.0 if i < 10 else 0.8, seed=i)
-        return i, response
-
-    with concurrent.futures.ThreadPoolExecutor(max_workers=20) as pool:
-        results = list(pool.map(ask, range(20)))
-    for i, response in results:
-        tools, choice, name = call_case(i)
-        choice_out = response.choices[0]
-        assert choice_out.finish_reason == "tool_calls", (i, choice_out)
-        assert choice_out.message.content is None and len(choice_out.message.tool_calls) == 1, (i, choice_out)
-        call = choice_out.message.tool_calls[0]
-        check_call(call, tools)
-        if not isinstance(choice, str):
-            assert call.function.name == name
+    check_required_and_named_calls(client, model)
 
 
 def test_auto_answers_are_prose_or_valid_calls(client, model):
-    with concurrent.futures.ThreadPoolExecutor(max_workers=16) as pool:
-        kinds = collections.Counter(pool.map(lambda i: auto_answer(client, model, i), range(16)))
-    print("auto answers:", dict(kinds))
-    assert kinds["prose"] > 0  # the grammar leaves the model free to answer in text
+    check_auto_answers(client, model)
 
 
 def test_auto_call_once_started_is_well_formed(client, model):
-    """Pushed towards the call marker (logit_bias on its tokens, at every step), the model starts a call in
-    "auto"; the grammar then makes it one complete, schema-valid call, and ends the output after it."""
-    tokenizer = load_tokenizer(default_model_path())
-    bias = {str(token): 15 for token in tokenizer.encode('<tool_call>')}
-    # one call (parallel_tool_calls false for these i), its strings bounded: 240 tokens always hold it
-    with concurrent.futures.ThreadPoolExecutor(max_workers=8) as pool:
-        kinds = list(pool.map(lambda i: auto_answer(client, model, i, logit_bias=bias, max_tokens=240),
-                              [1, 2, 3, 5, 6, 7, 9, 10]))
-    assert kinds == ["calls"] * 8, kinds
+    check_auto_call_once_started(client, model, "<tool_call>")
 
 
 def test_parallel_calls_end_after_a_bounded_number(client, model):

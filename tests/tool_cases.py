@@ -3,10 +3,16 @@
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import json
 from typing import Optional
 
 import jsonschema
+import openai
+import pytest
+
+from radixserve.runtime.model_files import default_model_path, load_tokenizer
 
 
 def tool(name: str, description: str, properties: dict, required: list[str]) -> dict:
@@ -104,3 +110,58 @@ def auto_answer(client, model: str, i: int, logit_bias: Optional[dict[str, int]]
         return "calls"
     assert choice.finish_reason == "stop", (i, choice)
     return "prose"
+
+
+# ---- the checks both tool-call formats pass over HTTP (tests/test_http_tools*.py) -----------------------------
+
+@pytest.fixture(scope="module")
+def client(server):
+    """The official `openai` client on the module's `server` fixture."""
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=1500.0)
+
+
+@pytest.fixture(scope="module")
+def model(client):
+    return client.models.list().data[0].id
+
+
+def check_required_and_named_calls(client, model: str) -> None:
+    """20 requests with tool_choice "required" or a named function (10 greedy, 10 sampled), one call each:
+    every call validates against its tool's schema and a named call calls that function."""
+    def ask(i: int):
+        tools, choice, _ = call_case(i)
+        return client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": PROMPTS[i % 10]}], tools=tools, tool_choice=choice,
+            parallel_tool_calls=False, max_tokens=160, temperature=0.0 if i < 10 else 0.8, seed=i)
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=20) as pool:
+        responses = list(pool.map(ask, range(20)))
+    for i, response in enumerate(responses):
+        tools, choice, name = call_case(i)
+        choice_out = response.choices[0]
+        assert choice_out.finish_reason == "tool_calls", (i, choice_out)
+        assert choice_out.message.content is None and len(choice_out.message.tool_calls) == 1, (i, choice_out)
+        call = choice_out.message.tool_calls[0]
+        check_call(call, tools)
+        if not isinstance(choice, str):
+            assert call.function.name == name
+
+
+def check_auto_answers(client, model: str) -> None:
+    """16 "auto" requests: each answer is prose or valid calls, and some are prose."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=16) as pool:
+        kinds = collections.Counter(pool.map(lambda i: auto_answer(client, model, i), range(16)))
+    print("auto answers:", dict(kinds))
+    assert kinds["prose"] > 0  # the grammar leaves the model free to answer in text
+
+
+def check_auto_call_once_started(client, model: str, marker: str) -> None:
+    """Pushed towards the call `marker` (logit_bias on its tokens, at every step), the model starts a call in
+    "auto"; the grammar then makes it one complete, schema-valid call, and ends the output after it."""
+    tokenizer = load_tokenizer(default_model_path())
+    bias = {str(token): 15 for token in tokenizer.encode(marker)}
+    # one call (parallel_tool_calls false for these i), its strings bounded: 240 tokens always hold it
+    with concurrent.futures.ThreadPoolExecutor(max_workers=8) as pool:
+        kinds = list(pool.map(lambda i: auto_answer(client, model, i, logit_bias=bias, max_tokens=240),
+                              [1, 2, 3, 5, 6, 7, 9, 10]))
+    assert kinds == ["calls"] * 8, kinds
