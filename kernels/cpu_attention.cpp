@@ -380,6 +380,7 @@ at::Tensor paged_attention(const at::Tensor& q, at::Tensor k_buffer, at::Tensor 
   for (const auto* t : {&loc, &items, &group_member_indptr, &group_kv_indptr, &member_q_start, &member_q_len,
                         &member_q_pos0, &member_kv_indptr, &member_kv_pos0, &kv_slots})
     check_index(*t, "plan tensors");
+  TORCH_CHECK(loc.size(0) == k.size(0) && loc.size(0) == v.size(0), "one KV slot per new token");
   const at::Tensor k_new = k.contiguous(), v_new = v.contiguous();
   at::Tensor out = at::empty(q.sizes(), q.options());
   float* lse_ptr = nullptr;

@@ -154,6 +154,11 @@ std::tuple<at::Tensor, at::Tensor> rotary(const at::Tensor& positions_in, const 
   const at::Tensor positions = positions_in.to(at::kLong).contiguous();
   const at::Tensor cos = cos_in.contiguous(), sin = sin_in.contiguous();
   TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.size(1) * 2 == q.size(2), "float32 tables [positions, D/2]");
+  TORCH_CHECK(positions.numel() == q.size(0) && positions.numel() == k.size(0), "one position per token");
+  if (positions.numel() > 0) {  // a table row past the end would be read out of bounds
+    const auto [low, high] = at::aminmax(positions);
+    TORCH_CHECK(low.item<int64_t>() >= 0 && high.item<int64_t>() < cos.size(0), "position outside the rotary table");
+  }
   at::Tensor q_out = at::empty(q.sizes(), q.options()), k_out = at::empty(k.sizes(), k.options());
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "rotary", [&] {
     rotate<scalar_t>(q, positions.data_ptr<int64_t>(), cos.data_ptr<float>(), sin.data_ptr<float>(), q_out);

@@ -74,3 +74,10 @@ def test_chosen_on_the_cpu_once_loaded():
     assert ops_for(torch.zeros(2)) is cpu_kernel_ops()
     assert ops_for(torch.zeros(2, dtype=torch.bfloat16)) is cpu_kernel_ops()
     assert ops_for(torch.zeros(2, dtype=torch.float64)) is TORCH_OPS
+
+
+def test_rotary_refuses_a_position_past_its_table():
+    rotary = RotaryEmbedding(64, 16, 10000.0)
+    q, k = torch.randn(2, 9, 64), torch.randn(2, 3, 64)
+    with pytest.raises(RuntimeError, match="outside the rotary table"):
+        cpu_kernel_ops().rotary(torch.tensor([3, 16]), q, k, rotary.cos, rotary.sin)
