@@ -18,7 +18,7 @@ import platform
 import threading
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -82,10 +82,7 @@ def load() -> bool:
             return _loaded
         started = time.perf_counter()
         try:
-            from torch.utils.cpp_extension import load as load_extension
-
-            _put_ninja_on_path()
-
+            load_extension = _import_builder()
             directory = build_directory()
             directory.mkdir(parents=True, exist_ok=True)
             load_extension(name="radixserve_cpu_kernels", sources=[str(s) for s in SOURCES], extra_cflags=CFLAGS,
@@ -97,6 +94,17 @@ def load() -> bool:
             _error = f"{type(exc).__name__}: {exc}"
             logger.warning("CPU kernels unavailable, using the torch path: %s", _error)
         return _loaded
+
+
+def _import_builder() -> Any:
+    """torch's extension loader, with `ninja` on PATH. Called in the thread that starts a background build, before
+    the thread starts: the loader imports setuptools, whose import swaps `distutils` modules in and out of
+    `sys.modules`, and an import running at the same time in another thread (the scheduler loading its tokenizer)
+    can then fail with ModuleNotFoundError."""
+    from torch.utils.cpp_extension import load as load_extension
+
+    _put_ninja_on_path()
+    return load_extension
 
 
 def _put_ninja_on_path() -> None:
@@ -121,6 +129,7 @@ def start_background_build() -> None:
     global _thread
     if _loaded or _error is not None or not enabled() or (_thread is not None and _thread.is_alive()):
         return
+    _import_builder()
     _thread = threading.Thread(target=load, name="cpu-kernel-build", daemon=True)
     _thread.start()
 

@@ -47,10 +47,13 @@ def try_load_tokenizer(runner: Any) -> Optional[Any]:
 
     path = runner.server_args.tokenizer_path or runner.model_dir
     try:
-        return load_tokenizer(path)
+        try:
+            return load_tokenizer(path)
+        except ImportError:  # an import racing one in another thread (the CPU kernel loader's) can fail once
+            return load_tokenizer(path)
     except Exception as exc:  # a model without tokenizer files still serves token-id requests
-        logger.warning("no tokenizer in %s (%s); requests with stop strings will be rejected",
-                       path, type(exc).__name__)
+        logger.warning("no tokenizer in %s (%s: %s); requests with stop strings or grammars will be rejected",
+                       path, type(exc).__name__, exc)
         return None
 
 
