@@ -76,6 +76,9 @@ def verify_rows(
     """
     logits, no_token = adjusted_logits(logits, info)
     logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+    if info.all_greedy:  # every p_j is a point mass on its argmax: nothing to draw
+        drawn = logits.argmax(dim=-1).masked_fill(no_token, PLACEHOLDER_TOKEN_ID)
+        return VerifyRows((drafts >= 0) & (drafts == drawn) & ~no_token, drawn, no_token, logprobs)
     probs = torch.nan_to_num(target_probs(logits, info), nan=0.0)
     drawn = draw(probs, draw_uniforms, consume=True).clamp(max=logits.shape[1] - 1)
     if info.any_greedy:  # exact argmax, whatever the rounding of the cumulative sums

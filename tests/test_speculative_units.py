@@ -46,6 +46,47 @@ def test_draft_length_follows_the_acceptance_rate():
     assert state.verify_ct == 8 and state.num_accepted <= state.num_proposed
 
 
+def test_longest_match_reports_its_length_and_continuation():
+    tokens = [7, 8, 9, 1, 2, 3, 7, 8, 9, 4, 5, 6, 0, 8, 9]
+    index = index_of(tokens)
+    assert index.longest_match(1, 12) == (2, 9)  # "8 9" (the "0" before the tail never occurred), then 4 5 6
+    assert index.continuation(9, 3) == [4, 5, 6]
+    assert index.longest_match(1, 1) == (1, 9)  # the window caps the length; the latest occurrence wins
+    assert index.longest_match(3, 12) == (0, -1)
+    assert index_of([1, 2, 3]).longest_match(1, 12) == (0, -1)
+    assert index.continuation(-1, 3) == [] and index.continuation(9, 0) == []
+
+
+def test_ngram_draft_length_follows_the_match_and_the_acceptance_rate():
+    state = SpecState(max_drafts=6)
+    assert [state.ngram_draft_len(n) for n in (0, 1, 2, 5, 12)] == [0, 1, 6, 6, 6]
+    for _ in range(2):
+        state.on_verified(1, 0)  # lone-token drafts rejected: the average falls below one half
+    assert state.ngram_draft_len(1) == 0 and state.ngram_draft_len(2) == 6  # a longer match still pays
+    for _ in range(2):
+        state.on_verified(6, 6)
+    assert state.ngram_draft_len(1) == 1
+
+
+def test_ngram_proposer_sizes_each_chain_by_its_match():
+    from radixserve.radix_cache.pool import KVAllocator, ReqToTokenPool
+    from radixserve.radix_cache.tree import RadixCache
+    from radixserve.runtime.wire.sampling_params import SamplingParams
+    from radixserve.scheduler.req import Req
+    from radixserve.scheduler.speculative.proposers import NgramProposer
+
+    allocator = KVAllocator(64, 1)
+    proposer = NgramProposer(1, 12, RadixCache(ReqToTokenPool(2, 64), allocator, 1))
+    strong = Req("strong", [5, 6, 7, 8, 9, 10, 11, 3, 6, 7], SamplingParams(max_new_tokens=8))  # "6 7" seen
+    weak = Req("weak", [5, 6, 7, 8, 9, 10, 11, 3, 4, 7], SamplingParams(max_new_tokens=8))  # only "7" seen
+    cold = Req("cold", [5, 6, 7, 8, 9, 10, 11, 3, 4, 7], SamplingParams(max_new_tokens=8))
+    for req in (strong, weak, cold):
+        req.spec = SpecState(max_drafts=4)
+    cold.spec.acceptance_ema = 0.25  # its drafts were mostly rejected
+    assert proposer.propose([strong, weak, cold], [4, 4, 4]) == [[8, 9, 10, 11], [8], []]
+    assert proposer.propose([strong], [2]) == [[8, 9]]  # never more than the budget
+
+
 def test_flags_resolve_and_refuse_what_cannot_be_honoured():
     assert resolved_num_draft_tokens(ServerArgs()) is None
     assert resolved_num_draft_tokens(ServerArgs(speculative_algorithm="NGRAM")) == 6

@@ -57,6 +57,7 @@ class DraftModelProposer:
     @torch.inference_mode()
     def propose(self, reqs: list[Req], budgets: list[int]) -> list[list[int]]:
         drafts: list[list[int]] = [[] for _ in reqs]
+        budgets = [min(budget, req.spec.draft_len) for req, budget in zip(reqs, budgets)]  # adaptive length
         active = [i for i, budget in enumerate(budgets) if budget > 0 and self._has_row(reqs[i])]
         if not active:
             return drafts

@@ -32,16 +32,16 @@ class TokenIndex:
             self.tokens.append(token)
             self.positions.setdefault(token, []).append(position)
 
-    def propose(self, max_drafts: int, min_window: int, max_window: int) -> list[int]:
-        """Up to `max_drafts` tokens that followed the latest earlier occurrence of the longest matching suffix
-        (at least `min_window` tokens long, at most `max_window`); [] when there is none."""
+    def longest_match(self, min_window: int, max_window: int) -> tuple[int, int]:
+        """`(n, start)`: the longest suffix of at least `min_window` and at most `max_window` tokens that occurred
+        earlier, `n` its length and `start` the position after its latest earlier occurrence (what followed
+        it there); `(0, -1)` when there is none."""
         tokens = self.tokens
         end = len(tokens)
-        if max_drafts <= 0 or end < 2:
-            return []
-        last = tokens[-1]
+        if end < 2:
+            return 0, -1
         best_len, best_start = 0, -1
-        occurrences = self.positions.get(last, [])
+        occurrences = self.positions.get(tokens[-1], [])
         # The last occurrence is the tail itself; examine the ones before it, latest first.
         for checked, position in enumerate(reversed(occurrences[:-1])):
             if checked >= MAX_CANDIDATES:
@@ -54,6 +54,17 @@ class TokenIndex:
                 best_len, best_start = length, position + 1
                 if length == max_window:
                     break
-        if best_len < min_window or best_start < 0:
+        if best_len < min_window:
+            return 0, -1
+        return best_len, best_start
+
+    def continuation(self, start: int, max_drafts: int) -> list[int]:
+        """Up to `max_drafts` tokens from `start` on (proposals may run into the tail itself: a repeating loop)."""
+        return self.tokens[start: start + max_drafts] if max_drafts > 0 and start >= 0 else []
+
+    def propose(self, max_drafts: int, min_window: int, max_window: int) -> list[int]:
+        """Up to `max_drafts` tokens that followed the latest earlier occurrence of the longest matching suffix
+        (at least `min_window` tokens long, at most `max_window`); [] when there is none."""
+        if max_drafts <= 0:
             return []
-        return tokens[best_start: best_start + max_drafts]
+        return self.continuation(self.longest_match(min_window, max_window)[1], max_drafts)

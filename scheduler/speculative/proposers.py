@@ -15,7 +15,8 @@ from radixserve.scheduler.req import Req
 
 class Proposer(Protocol):
     def propose(self, reqs: list[Req], budgets: list[int]) -> list[list[int]]:
-        """Draft tokens to follow each request's last token (at most `budgets[i]` for request i)."""
+        """Draft tokens to follow each request's last token: at most `budgets[i]` for request i (its chain's
+        longest allowed length), fewer where the proposer expects them to be rejected."""
 
     def settle(self, req: Req, num_before: int, num_taken: int, num_accepted: int) -> None:
         """The request had `num_before` tokens (prompt + outputs) before the verify step, took `num_taken` tokens
@@ -36,7 +37,8 @@ class NgramProposer:
 
     First the radix tree: when another request of the same namespace ran through exactly this request's tokens,
     what it produced next (radix_cache/continuation.py; the tree holds only verified tokens of finished requests
-    and computed prompts). Otherwise prompt lookup over the request's own tokens (scheduler/speculative/ngram.py).
+    and computed prompts), up to the whole budget. Otherwise prompt lookup over the request's own tokens
+    (scheduler/speculative/ngram.py), as many drafts as the match's length warrants (`SpecState.ngram_draft_len`).
     """
 
     def __init__(self, min_window: int, max_window: int, cache: PrefixCache) -> None:
@@ -53,9 +55,10 @@ class NgramProposer:
                 self.num_from_tree += 1
                 drafts.append(from_tree)
                 continue
-            index = req.spec.index
-            index.extend_to(all_ids)
-            drafts.append(index.propose(budget, self.min_window, self.max_window))
+            state = req.spec
+            state.index.extend_to(all_ids)
+            match_len, start = state.index.longest_match(self.min_window, self.max_window)
+            drafts.append(state.index.continuation(start, min(budget, state.ngram_draft_len(match_len))))
         return drafts
 
     def settle(self, req: Req, num_before: int, num_taken: int, num_accepted: int) -> None:

@@ -56,8 +56,9 @@ class Speculator:
         per chain), or the chains' KV does not fit (the plain step then evicts or retracts as usual)."""
         if any(req.grammar is not None for req in reqs):
             return None
-        # The step emits up to drafts + 1 tokens; never more than the request may still produce.
-        budgets = [min(req.spec.draft_len, req.max_new_tokens - len(req.output_ids) - 1) for req in reqs]
+        # The step emits up to drafts + 1 tokens; never more than the request may still produce. Within that the
+        # proposer sizes each chain (by the match it continues, or the request's acceptance rate).
+        budgets = [min(req.spec.max_drafts, req.max_new_tokens - len(req.output_ids) - 1) for req in reqs]
         drafts = self.proposer.propose(reqs, budgets)
         kv_lens = [req.kv_len for req in reqs]
         slots = allocate_slots(self.allocator, self.cache, self.req_to_token_pool, [r.req_pool_idx for r in reqs],
