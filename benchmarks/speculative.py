@@ -158,45 +158,53 @@ def run_settings(settings: dict[str, dict[str, Any]], prompts_by_workload: dict[
 
 
 def verify_cost(model: Optional[str], context_len: int, chain_lens: list[int], repeats: int) -> list[dict]:
-    """CPU time of one verify forward by chain length (1 = a plain decode step), on one torch thread, with the
-    plain float32 linears and with the packed ones speculative decoding installs (model_runner/cpu_small_batch.py):
-    what a chain of drafts costs next to the decode step it replaces."""
+    """CPU time of one verify forward by chain length (1 = a plain decode step), on one torch thread, with
+    `F.linear` for every row count and with the packed float32 linears speculative decoding installs
+    (model_runner/cpu_small_batch.py, from `MIN_PACKED_ROWS` rows): what a chain of drafts costs next to the
+    decode step it replaces. The CPU kernels (attention, norms) are loaded first, as a serving engine has them;
+    chain lengths are timed in turn, round after round, so load from other work weighs on all alike."""
     import statistics
 
     import torch
 
+    from radixserve.kernels import cpu_build
+    from radixserve.model_runner import cpu_small_batch
     from radixserve.model_runner.forward_batch import ForwardMode
     from radixserve.model_runner.model_runner import ModelRunner
     from radixserve.model_runner.static_generate import assign_kv_slots, make_forward_batch
     from radixserve.runtime.wire.server_args import ServerArgs
 
     torch.set_num_threads(1)
-    rows = []
-    for name, algorithm in (("plain linears", None), ("packed (speculative)", "NGRAM")):
-        args = ServerArgs(log_level="warning", device="cpu", speculative_algorithm=algorithm,
-                          **({"model_path": model} if model else {}))
-        runner = ModelRunner(args)
-        row = runner.req_to_token_pool.alloc()
-        prompt = [(7 * i) % runner.vocab_size for i in range(context_len)]
-        slots = assign_kv_slots(runner.allocator, runner.req_to_token_pool, [row], [0], [context_len])
-        runner.forward(make_forward_batch(ForwardMode.EXTEND, [row], [0], [prompt], slots, runner.req_to_token_pool,
-                                          runner.token_to_kv_pool))
-        chain_slots = assign_kv_slots(runner.allocator, runner.req_to_token_pool, [row], [context_len],
-                                      [max(chain_lens)])
-        for length in chain_lens:
-            mode = ForwardMode.DECODE if length == 1 else ForwardMode.EXTEND
-            times = []
-            for _ in range(repeats + 1):
-                batch = make_forward_batch(mode, [row], [context_len], [prompt[:length]], chain_slots[:length],
-                                           runner.req_to_token_pool, runner.token_to_kv_pool,
-                                           logits_indices=torch.arange(length))
-                began = time.process_time()
-                runner.forward(batch)
-                times.append(time.process_time() - began)
-            rows.append({"linears": name, "chain_len": length, "context_len": context_len,
-                         "cpu_ms": 1000 * statistics.median(times[1:])})
-        del runner
-    return rows
+    args = ServerArgs(log_level="warning", device="cpu", speculative_algorithm="NGRAM",
+                      **({"model_path": model} if model else {}))
+    runner = ModelRunner(args)
+    kernels = cpu_build.load()
+    row = runner.req_to_token_pool.alloc()
+    prompt = [(7 * i) % runner.vocab_size for i in range(context_len)]
+    slots = assign_kv_slots(runner.allocator, runner.req_to_token_pool, [row], [0], [context_len])
+    runner.forward(make_forward_batch(ForwardMode.EXTEND, [row], [0], [prompt], slots, runner.req_to_token_pool,
+                                      runner.token_to_kv_pool))
+    chain_slots = assign_kv_slots(runner.allocator, runner.req_to_token_pool, [row], [context_len],
+                                  [max(chain_lens)])
+    packed_from = cpu_small_batch.MIN_PACKED_ROWS
+    variants = {"F.linear": cpu_small_batch.MAX_PACKED_ROWS + 1, f"packed from {packed_from} rows": packed_from}
+    times: dict[tuple[str, int], list[float]] = {(name, n): [] for name in variants for n in chain_lens}
+    try:
+        for _ in range(repeats + 1):
+            for name, min_rows in variants.items():
+                cpu_small_batch.MIN_PACKED_ROWS = min_rows  # read by SmallBatchLinear at every call
+                for length in chain_lens:
+                    mode = ForwardMode.DECODE if length == 1 else ForwardMode.EXTEND
+                    batch = make_forward_batch(mode, [row], [context_len], [prompt[:length]],
+                                               chain_slots[:length], runner.req_to_token_pool,
+                                               runner.token_to_kv_pool, logits_indices=torch.arange(length))
+                    began = time.process_time()
+                    runner.forward(batch)
+                    times[(name, length)].append(time.process_time() - began)
+    finally:
+        cpu_small_batch.MIN_PACKED_ROWS = packed_from
+    return [{"linears": name, "chain_len": length, "context_len": context_len, "cpu_kernels": kernels,
+             "cpu_ms": 1000 * statistics.median(samples[1:])} for (name, length), samples in times.items()]
 
 
 def cpu_description() -> dict[str, Any]:
@@ -237,10 +245,10 @@ def main() -> None:
                         help="requests run together (repeatable; default: 1)")
     parser.add_argument("--out", default=None, help="write the JSON record here")
     parser.add_argument("--verify-cost", action="store_true",
-                        help="only time one verify forward by chain length (plain vs packed linears) and exit")
+                        help="only time one verify forward by chain length (F.linear vs packed linears) and exit")
     args = parser.parse_args()
     if args.verify_cost:
-        costs = verify_cost(args.model, 400, [1, 2, 3, 4, 6, 8, 12], repeats=7)
+        costs = verify_cost(args.model, 400, [1, 2, 3, 4, 5, 6, 8, 10, 12], repeats=9)
         print(f"{'linears':<21} {'chain':>5} {'CPU ms':>7} {'vs decode':>9}")
         for row in costs:
             decode = next(r["cpu_ms"] for r in costs if r["linears"] == row["linears"] and r["chain_len"] == 1)

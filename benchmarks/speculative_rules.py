@@ -24,8 +24,8 @@ from radixserve.scheduler.speculative.state import SpecState  # noqa: E402
 
 RULES = {  # name: (max drafts, min match window, max match window, how a proposal is sized)
     # "match": the proposer's rule (SpecState.ngram_draft_len): a full chain after a match of 2 tokens or more,
-    # one draft after a 1-token match while drafts are accepted. "acceptance": the earlier rule, every proposal
-    # `max drafts` scaled by the request's acceptance average (SpecState.draft_len, what STANDALONE uses).
+    # `max drafts` scaled by the request's acceptance average after a 1-token match. "acceptance": the earlier
+    # rule, every proposal scaled by that average (SpecState.draft_len, what STANDALONE uses).
     "5 drafts, window 1-12, by match (the default)": (5, 1, 12, "match"),
     "5 drafts, window 1-12, by acceptance": (5, 1, 12, "acceptance"),
     "5 drafts, window 2-12, by acceptance": (5, 2, 12, "acceptance"),

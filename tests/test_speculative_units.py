@@ -59,13 +59,14 @@ def test_longest_match_reports_its_length_and_continuation():
 
 def test_ngram_draft_length_follows_the_match_and_the_acceptance_rate():
     state = SpecState(max_drafts=6)
-    assert [state.ngram_draft_len(n) for n in (0, 1, 2, 5, 12)] == [0, 1, 6, 6, 6]
-    for _ in range(2):
-        state.on_verified(1, 0)  # lone-token drafts rejected: the average falls below one half
-    assert state.ngram_draft_len(1) == 0 and state.ngram_draft_len(2) == 6  # a longer match still pays
-    for _ in range(2):
+    assert [state.ngram_draft_len(n) for n in (0, 1, 2, 5, 12)] == [0, 6, 6, 6, 6]
+    for _ in range(4):
+        state.on_verified(6, 0)  # every draft rejected: lone-token matches get one draft
+    assert state.ngram_draft_len(1) == 1 and state.ngram_draft_len(2) == 6  # a longer match still gets a chain
+    assert state.ngram_draft_len(0) == 0
+    for _ in range(4):
         state.on_verified(6, 6)
-    assert state.ngram_draft_len(1) == 1
+    assert state.ngram_draft_len(1) >= 5
 
 
 def test_ngram_proposer_sizes_each_chain_by_its_match():
@@ -77,13 +78,17 @@ def test_ngram_proposer_sizes_each_chain_by_its_match():
 
     allocator = KVAllocator(64, 1)
     proposer = NgramProposer(1, 12, RadixCache(ReqToTokenPool(2, 64), allocator, 1))
-    strong = Req("strong", [5, 6, 7, 8, 9, 10, 11, 3, 6, 7], SamplingParams(max_new_tokens=8))  # "6 7" seen
-    weak = Req("weak", [5, 6, 7, 8, 9, 10, 11, 3, 4, 7], SamplingParams(max_new_tokens=8))  # only "7" seen
-    cold = Req("cold", [5, 6, 7, 8, 9, 10, 11, 3, 4, 7], SamplingParams(max_new_tokens=8))
-    for req in (strong, weak, cold):
+    strong_ids, weak_ids = [5, 6, 7, 8, 9, 10, 11, 3, 6, 7], [5, 6, 7, 8, 9, 10, 11, 3, 4, 7]  # "6 7" / "7" seen
+    strong, weak = Req("strong", strong_ids, SamplingParams()), Req("weak", weak_ids, SamplingParams())
+    cold_strong, cold_weak = Req("cs", strong_ids, SamplingParams()), Req("cw", weak_ids, SamplingParams())
+    new = Req("new", [5, 6, 7, 8, 9, 10, 11, 3, 4, 12], SamplingParams())  # "12" never occurred before
+    reqs = [strong, weak, cold_strong, cold_weak, new]
+    for req in reqs:
         req.spec = SpecState(max_drafts=4)
-    cold.spec.acceptance_ema = 0.25  # its drafts were mostly rejected
-    assert proposer.propose([strong, weak, cold], [4, 4, 4]) == [[8, 9, 10, 11], [8], []]
+    for req in (cold_strong, cold_weak):
+        req.spec.acceptance_ema = 0.25  # their drafts were mostly rejected
+    full = [8, 9, 10, 11]
+    assert proposer.propose(reqs, [4] * len(reqs)) == [full, full, full, [8], []]
     assert proposer.propose([strong], [2]) == [[8, 9]]  # never more than the budget
 
 

@@ -9,14 +9,13 @@ from radixserve.scheduler.speculative.ngram import TokenIndex
 
 # Weight of the latest verify step in the acceptance-rate average that sets the draft length.
 ACCEPTANCE_EMA_WEIGHT = 0.5
-# Prompt lookup (NGRAM): a match of the sequence's last STRONG_MATCH_LEN tokens or more proposes a full chain; a
-# match of the last token alone proposes one draft, and only while the request's acceptance average is at least
-# WEAK_MATCH_MIN_ACCEPTANCE. Measured over the benchmark's greedy outputs (docs/benchmarks.md): the first draft
-# after a 1-token match was accepted 5-42% of the time, after 2 tokens 33-61%, after 3 or more 67-100%, with runs
-# of 2 to 10 accepted drafts; on the CPU a verify chain of 2 costs 1.19x a decode step, one of 6 1.39x, one of 8
-# 1.51x, so a long match pays for a full chain and a lone token barely pays for one draft.
+# Prompt lookup (NGRAM): a match of the sequence's last STRONG_MATCH_LEN tokens or more proposes a full chain
+# whatever the request's acceptance rate; a match of the last token alone proposes `draft_len`. Measured over the
+# benchmark's greedy outputs (docs/benchmarks.md): the first draft after a 1-token match was accepted 5-42% of the
+# time, after 2 tokens 33-61%, after 3 or more 67-100%, with runs of 2 to 10 accepted drafts; on the CPU a verify
+# chain of 6 costs 1.39x a decode step and one of 8 1.50x, so a long match pays for a full chain even in a
+# request whose last chains were rejected.
 STRONG_MATCH_LEN = 2
-WEAK_MATCH_MIN_ACCEPTANCE = 0.5
 
 
 @dataclass
@@ -26,8 +25,8 @@ class SpecState:
     Draft length: a STANDALONE draft model proposes `draft_len`, `max_drafts` scaled by an exponential average of
     the request's acceptance rate (at least one draft), so a request whose text does not repeat itself soon
     verifies one cheap draft per step instead of `max_drafts`, and one that copies its input goes back to long
-    chains as soon as they are accepted. Prompt lookup sizes each proposal by its evidence, the length of the
-    match it continues, and the same average (`ngram_draft_len`).
+    chains as soon as they are accepted. Prompt lookup proposes a full chain after a match of several tokens, the
+    strongest evidence a draft has, and `draft_len` drafts after a 1-token match (`ngram_draft_len`).
     """
 
     max_drafts: int
@@ -50,12 +49,10 @@ class SpecState:
 
     def ngram_draft_len(self, match_len: int) -> int:
         """Drafts to copy after a prompt-lookup match of `match_len` tokens (0: no match): a full chain after a
-        strong match, one draft after a 1-token match while drafts are being accepted, else none."""
+        strong match, the acceptance-scaled `draft_len` after a 1-token match."""
         if match_len >= STRONG_MATCH_LEN:
             return self.max_drafts
-        if match_len >= 1 and self.acceptance_ema >= WEAK_MATCH_MIN_ACCEPTANCE:
-            return 1
-        return 0
+        return self.draft_len if match_len >= 1 else 0
 
     def on_verified(self, num_proposed: int, num_accepted: int) -> None:
         self.verify_ct += 1
