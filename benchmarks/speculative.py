@@ -17,9 +17,11 @@ speed-up over plain; output tokens per CPU-second of the engine's processes and 
 read on a machine shared with other work, best with `OMP_NUM_THREADS=1` so no thread spins waiting for a core;
 mean accept length =
 output tokens per verify step, accept rate of drafts, and whether the greedy outputs are identical to plain
-decoding's), with the CPU's ISA; `--out PATH` writes the same as a JSON record.
+decoding's), with the CPU's ISA; `--out PATH` writes the same as a JSON record. `--repeats N` runs every workload
+N times (caches flushed before each run) and reports totals, which steadies the figures on a shared machine.
 
-    python benchmarks/speculative.py --max-new-tokens 96 --out docs/results/speculative_cpu.json
+    OMP_NUM_THREADS=1 python benchmarks/speculative.py --max-new-tokens 96 --repeats 3 \
+        --out docs/results/speculative_cpu.json
     python benchmarks/speculative.py --verify-cost   # one verify forward's CPU time by chain length
 """
 
@@ -108,9 +110,10 @@ def workloads(tokenizer, num_prompts: int) -> dict[str, list[list[int]]]:
 
 
 def run_settings(settings: dict[str, dict[str, Any]], prompts_by_workload: dict[str, list[list[int]]],
-                 max_new_tokens: int, batch_sizes: list[int]) -> list[Measurement]:
+                 max_new_tokens: int, batch_sizes: list[int], repeats: int = 1) -> list[Measurement]:
     """Every setting's Engine at once, each batch run under each setting in turn: on a shared machine, load that
-    comes and goes then weighs on every setting alike."""
+    comes and goes then weighs on every setting alike. With `repeats`, every workload runs that many times (the
+    caches flushed before each), and the figures are totals over the runs."""
     from contextlib import ExitStack
 
     import psutil
@@ -123,16 +126,31 @@ def run_settings(settings: dict[str, dict[str, Any]], prompts_by_workload: dict[
     def descendants() -> set[int]:
         return {child.pid for child in psutil.Process().children(recursive=True)}
 
-    def cpu_time(pids: set[int]) -> float:
-        total = 0.0
+    def cpu_times(pids: set[int]) -> dict[int, float]:
+        """CPU seconds so far of each of `pids` still running, by pid."""
+        times = {}
         for pid in pids:
             try:
-                times = psutil.Process(pid).cpu_times()
-                total += times.user + times.system
+                process_times = psutil.Process(pid).cpu_times()
+                times[pid] = process_times.user + process_times.system
             except psutil.NoSuchProcess:
                 pass
-        return total
+        return times
 
+    def cpu_spent(before: dict[int, float], pids: set[int]) -> float:
+        """CPU seconds the processes spent since `before`; a process that ended meanwhile (a short-lived helper
+        of the engine's) counts nothing rather than minus its earlier time."""
+        after = cpu_times(pids)
+        return sum(after[pid] - before.get(pid, 0.0) for pid in after)
+
+    import torch
+
+    if not torch.cuda.is_available():
+        from radixserve.kernels import cpu_build
+
+        # Build the CPU kernels here first, so that no engine compiles them (or runs the torch path meanwhile)
+        # inside a timed request.
+        cpu_build.load()
     with ExitStack() as stack:
         engines, processes = {}, {}
         for name, engine_args in settings.items():
@@ -144,15 +162,16 @@ def run_settings(settings: dict[str, dict[str, Any]], prompts_by_workload: dict[
         for workload, prompts in prompts_by_workload.items():
             for batch_size in batch_sizes:
                 measurements = {name: Measurement(workload, name, batch_size) for name in settings}
-                for engine in engines.values():
-                    engine.flush_cache()  # no run may reuse another's prefill
-                for start in range(0, len(prompts), batch_size):
-                    batch = prompts[start: start + batch_size]
-                    for name, engine in engines.items():
-                        began, cpu_began = time.perf_counter(), cpu_time(processes[name])
-                        outs = engine.generate(input_ids=batch, sampling_params=params)
-                        measurements[name].add(outs, time.perf_counter() - began,
-                                               cpu_time(processes[name]) - cpu_began)
+                for _ in range(repeats):
+                    for engine in engines.values():
+                        engine.flush_cache()  # no run may reuse another's prefill (or its tokens as drafts)
+                    for start in range(0, len(prompts), batch_size):
+                        batch = prompts[start: start + batch_size]
+                        for name, engine in engines.items():
+                            began, cpu_began = time.perf_counter(), cpu_times(processes[name])
+                            outs = engine.generate(input_ids=batch, sampling_params=params)
+                            measurements[name].add(outs, time.perf_counter() - began,
+                                                   cpu_spent(cpu_began, processes[name]))
                 results.extend(measurements.values())
     return results
 
@@ -243,6 +262,8 @@ def main() -> None:
     parser.add_argument("--num-draft-tokens", type=int, default=6, help="--speculative-num-draft-tokens")
     parser.add_argument("--batch-size", type=int, action="append", default=None,
                         help="requests run together (repeatable; default: 1)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="run every workload this many times and report totals (steadier on a shared machine)")
     parser.add_argument("--out", default=None, help="write the JSON record here")
     parser.add_argument("--verify-cost", action="store_true",
                         help="only time one verify forward by chain length (F.linear vs packed linears) and exit")
@@ -267,7 +288,7 @@ def main() -> None:
     spec_name = f"ngram-{args.num_draft_tokens}"
     settings = {"off": base, spec_name: {**base, "speculative_algorithm": "NGRAM",
                                          "speculative_num_draft_tokens": args.num_draft_tokens}}
-    measured = run_settings(settings, prompts, args.max_new_tokens, batch_sizes)
+    measured = run_settings(settings, prompts, args.max_new_tokens, batch_sizes, args.repeats)
     plain, spec = measured[0::2], measured[1::2]
 
     machine = cpu_description()
@@ -298,7 +319,7 @@ def main() -> None:
               for name, m in ((m.workload, m) for m in plain if m.batch_size == batch_sizes[0])}
     record = {"benchmark": "speculative", "machine": machine, "model": args.model or "embedded SmolLM2-135M-Instruct",
               "max_new_tokens": args.max_new_tokens, "num_draft_tokens": args.num_draft_tokens,
-              "num_prompts": args.num_prompts, "results": rows,
+              "num_prompts": args.num_prompts, "repeats": args.repeats, "results": rows,
               "greedy_outputs": greedy}  # prompt and plain greedy output ids (benchmarks/speculative_rules.py)
     if args.out:
         Path(args.out).write_text(record_text(record))
