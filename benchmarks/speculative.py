@@ -148,8 +148,9 @@ def run_settings(settings: dict[str, dict[str, Any]], prompts_by_workload: dict[
     if not torch.cuda.is_available():
         from radixserve.kernels import cpu_build
 
-        # Build the CPU kernels here first, so that no engine compiles them (or runs the torch path meanwhile)
-        # inside a timed request.
+        # Build (or load) the CPU kernels here first: most often the engines then find an up-to-date build, and a
+        # build that cannot finish (a stale lock in the build directory) stops the benchmark here instead of
+        # leaving the engines on the torch path. `wait_for_kernel_builds` covers the engines' own builds.
         cpu_build.load()
     with ExitStack() as stack:
         engines, processes = {}, {}
@@ -157,6 +158,7 @@ def run_settings(settings: dict[str, dict[str, Any]], prompts_by_workload: dict[
             before = descendants()
             engines[name] = stack.enter_context(Engine(log_level="warning", **engine_args))
             processes[name] = descendants() - before
+        wait_for_kernel_builds(descendants)
         for engine in engines.values():
             engine.generate(input_ids=[1, 2, 3, 4], sampling_params={"max_new_tokens": 4})  # warm-up
         for workload, prompts in prompts_by_workload.items():
@@ -174,6 +176,26 @@ def run_settings(settings: dict[str, dict[str, Any]], prompts_by_workload: dict[
                                                    cpu_spent(cpu_began, processes[name]))
                 results.extend(measurements.values())
     return results
+
+
+def wait_for_kernel_builds(descendants, timeout: float = 600.0) -> None:
+    """Wait until no engine process is compiling the CPU kernels. An engine that finds no build of its checkout's
+    kernel sources compiles them in the background and serves on the torch path meanwhile; timing it then would
+    count the compiler and the slower path."""
+    import psutil
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        names = set()
+        for pid in descendants():
+            try:
+                names.add(psutil.Process(pid).name())
+            except psutil.NoSuchProcess:
+                pass
+        if not names & {"ninja", "cc1plus", "c++", "g++", "ld"}:
+            time.sleep(2.0)  # the library loads right after its build
+            return
+        time.sleep(1.0)
 
 
 def verify_cost(model: Optional[str], context_len: int, chain_lens: list[int], repeats: int) -> list[dict]:
