@@ -30,6 +30,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -91,7 +92,8 @@ class ItemKernel {
         num_kv_heads_(k_buffer.size(1)),
         head_dim_(q.size(2)),
         group_(num_heads_ / num_kv_heads_),
-        kv_row_(num_kv_heads_ * head_dim_) {
+        kv_row_(num_kv_heads_ * head_dim_),
+        use_amx_(radixserve_cpu::amx_enabled()) {
     k_tile_.resize(kKeyTile * kv_row_);
     v_tile_.resize(kKeyTile * kv_row_);
     zeros_.assign(kv_row_, 0.0f);
@@ -178,6 +180,13 @@ class ItemKernel {
     if (static_cast<int64_t>(lanes_.size()) < blocks) lanes_.resize(blocks);
     row_positions_.resize(rows);
     for (int64_t r = 0; r < rows; ++r) row_positions_[r] = positions_[t_begin + r / group_];
+    // bfloat16 scores on AMX tiles where the CPU and the OS allow them (cpu_attention_amx.h).
+    const bool amx = kKeysAsBf16 && radixserve_cpu::kAmx && D % 32 == 0 && use_amx_ && radixserve_cpu::amx_ready();
+    std::optional<radixserve_cpu::AmxTiles> tiles;
+    if (amx) {
+      tiles.emplace();
+      k_amx_.resize(kKeyTile * D);
+    }
     for (int64_t h = h_begin_; h < h_end_; ++h) {
       const int64_t r0 = row(h, t_begin, 0);
       for (int64_t b = 0; b < blocks; ++b) {
@@ -201,6 +210,7 @@ class ItemKernel {
           } else {
             if constexpr (kKeysAsBf16) {
               k_bf16_rows_[k] = reinterpret_cast<const uint16_t*>(k_ + offset);
+              if (amx) std::memcpy(k_amx_.data() + k * D, k_ + offset, D * sizeof(uint16_t));
             } else {
               to_float(k_ + offset, k_tile_.data() + k * D, D);
               k_rows_[k] = k_tile_.data() + k * D;
@@ -213,11 +223,12 @@ class ItemKernel {
           k_rows_[k] = v_rows_[k] = zeros_.data();
           k_bf16_rows_[k] = reinterpret_cast<const uint16_t*>(zeros_.data());
         }
+        if (amx && n < kKeyTile) std::fill(k_amx_.begin() + n * D, k_amx_.end(), 0);
         prefetch_tile(t0 + kKeyTile, kv_end, h, h + 1);
         const int64_t tile_pos0 = pos0 + (t0 - kv_begin);
         for (int64_t b = 0; b < blocks; ++b) {
           if constexpr (kKeysAsBf16) {
-            lanes_[b].tile<kKeyTile>(k_bf16_rows_, v_rows_, n, tile_pos0);
+            lanes_[b].tile<kKeyTile>(k_bf16_rows_, v_rows_, n, tile_pos0, amx ? k_amx_.data() : nullptr);
           } else {
             lanes_[b].tile<kKeyTile>(k_rows_, v_rows_, n, tile_pos0);
           }
@@ -307,11 +318,12 @@ class ItemKernel {
   const float scale_;
   const int64_t q_stride_token_, q_stride_head_, kv_stride_slot_;
   const int64_t num_heads_, num_kv_heads_, head_dim_, group_, kv_row_;
+  const bool use_amx_;
   int64_t T_ = 0, h_begin_ = 0, h_end_ = 0;  // the unit's KV heads
   std::vector<int64_t> tokens_, positions_, member_token_start_, row_positions_;
   std::vector<float> q_rows_, acc_, max_, sum_, scores_, k_tile_, v_tile_, zeros_;
   std::vector<LaneBlock> lanes_;
-  std::vector<uint16_t> q_bf16_;  // the unscaled queries' bits, for keys read as bfloat16
+  std::vector<uint16_t> q_bf16_, k_amx_;  // the unscaled queries' bits, for keys read as bfloat16; a key tile
   const uint16_t* k_bf16_rows_[kKeyTile];
   const float* k_rows_[kKeyTile];
   const float* v_rows_[kKeyTile];

@@ -12,6 +12,7 @@
 // converted to float32 like the values.
 #pragma once
 
+#include "cpu_attention_amx.h"
 #include "cpu_vec.h"
 
 #include <algorithm>
@@ -151,14 +152,16 @@ class LaneBlock {
 
   // One tile of n (1..kTile) keys at positions pos0, pos0 + 1, ...; keys/values point at each key's D values of
   // this KV head, with entries up to the step width past n pointing at readable (zero) rows. Keys as float32
-  // after `load`, as bfloat16 after `load_bf16`.
+  // after `load`, as bfloat16 after `load_bf16`; with `key_tile` (bfloat16 keys copied contiguously, see
+  // lane_scores_amx, and an AmxTiles in scope), the scores are computed on AMX tiles.
   template <int kTile, typename Key>
-  void tile(const Key* const* keys, const float* const* values, int64_t n, int64_t pos0) {
+  void tile(const Key* const* keys, const float* const* values, int64_t n, int64_t pos0,
+            const uint16_t* key_tile = nullptr) {
     switch (vectors_) {
-      case 1: return tile_for<1, kTile>(keys, values, n, pos0);
-      case 2: return tile_for<2, kTile>(keys, values, n, pos0);
-      case 3: return tile_for<3, kTile>(keys, values, n, pos0);
-      default: return tile_for<4, kTile>(keys, values, n, pos0);
+      case 1: return tile_for<1, kTile>(keys, values, n, pos0, key_tile);
+      case 2: return tile_for<2, kTile>(keys, values, n, pos0, key_tile);
+      case 3: return tile_for<3, kTile>(keys, values, n, pos0, key_tile);
+      default: return tile_for<4, kTile>(keys, values, n, pos0, key_tile);
     }
   }
 
@@ -184,12 +187,18 @@ class LaneBlock {
   }
 
   template <int kVectors, int kTile, typename Key>
-  void tile_for(const Key* const* keys, const float* const* values, int64_t n, int64_t pos0) {
+  void tile_for(const Key* const* keys, const float* const* values, int64_t n, int64_t pos0,
+                const uint16_t* key_tile) {
     constexpr int W = 16 * kVectors;
     constexpr int kSteps = step_width<kVectors>();
     static_assert(kTile % kSteps == 0, "the key tile must be a multiple of the step width");
     float* s = scores_;
-    for (int64_t k = 0; k < n; k += kSteps) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    if constexpr (!std::is_same_v<Key, float>) {
+      if (key_tile != nullptr) lane_scores_amx<kVectors>(qp_.data(), key_tile, D_, n, s);
+    }
+#endif
+    for (int64_t k = 0; k < n && (key_tile == nullptr || std::is_same_v<Key, float>); k += kSteps) {
       if constexpr (std::is_same_v<Key, float>) {
         lane_scores<kVectors, kSteps>(qt_.data(), keys + k, D_, s + k * W);
       } else {

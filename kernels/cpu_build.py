@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(name) for name in ("cpu_attention.cpp", "cpu_elementwise.cpp")]
 HEADERS = [Path(__file__).with_name(name) for name in (
-    "cpu_vec.h", "cpu_attention_dots.h", "cpu_attention_lanes.h")]
+    "cpu_vec.h", "cpu_attention_amx.h", "cpu_attention_dots.h", "cpu_attention_lanes.h")]
 # -fopenmp: ATen's parallel_for is inline OpenMP; the library binds to the libgomp torch already loaded (same
 # soname), so there is one thread pool.
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]

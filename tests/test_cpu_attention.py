@@ -89,11 +89,18 @@ def test_shared_prefix_groups_match_float64_reference(mode, prefix_lens, extend_
 
 
 @pytest.mark.parametrize("mode,prefix_lens,extend_lens,group_size,shared_len", SHARED_CASES)
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (4, 2, 16), (2, 2, 128)])
+@pytest.mark.parametrize("amx", ["1", "0"])
 def test_shared_prefix_groups_bfloat16_are_as_close_as_torch_native(mode, prefix_lens, extend_lens, group_size,
-                                                                    shared_len):
+                                                                    shared_len, num_heads, num_kv_heads, head_dim,
+                                                                    amx, monkeypatch):
+    # On a CPU with AMX-BF16 the scores run on tiles unless RADIXSERVE_CPU_AMX=0 (then, as on a CPU without,
+    # AVX-512 BF16 dot products or float32 ones); head_dim 16 is not a multiple of the tiles' 32.
+    monkeypatch.setenv("RADIXSERVE_CPU_AMX", amx)
+
     def shared_case():
-        case = make_case(mode, prefix_lens, extend_lens, num_heads=9, num_kv_heads=3, head_dim=64, page_size=1,
-                         dtype=torch.bfloat16, seed=3)
+        case = make_case(mode, prefix_lens, extend_lens, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                         head_dim=head_dim, page_size=1, dtype=torch.bfloat16, seed=3)
         return share_prefixes(case, group_size, shared_len)
 
     case = shared_case()
