@@ -6,7 +6,8 @@
 Attention: one layer of a DECODE batch (`--batch-sizes` requests x `--context-len` positions, 9 query heads, 3 KV
 heads, head_dim 64; slots scattered page by page, random KV), `torch_native` against the `cpu` backend, planning
 excluded; then the same with groups of `--group-size` requests sharing their first `--shared-len` positions (the
-offline shared-prefix workload's decode steps: 8 groups of 8 on a 512-token prefix at batch 64). Elementwise: residual add + RMSNorm over [T, 576], SiLU-and-mul over [T, 2 x 1536], rotary over the
+offline shared-prefix workload's decode steps: 8 groups of 8 on a 512-token prefix at batch 64; one group at
+batch 8). Elementwise: residual add + RMSNorm over [T, 576], SiLU-and-mul over [T, 2 x 1536], rotary over the
 query and key heads of a fused projection, for T in `--tokens`, TORCH_OPS against the C++ ops. Medians of
 `--repeats` calls after warm-up; prints a table with the CPU's ISA flags and writes a JSON record (`--out`).
 """
@@ -47,7 +48,7 @@ def median_us(fn, repeats: int) -> float:
 def attention_rows(dtype: torch.dtype, batch_sizes: list[int], context: int, repeats: int, group_size: int,
                    shared_len: int) -> list[dict]:
     rows = []
-    for bs, shared in [(bs, 0) for bs in batch_sizes] + [(bs, shared_len) for bs in batch_sizes if bs > group_size]:
+    for bs, shared in [(bs, 0) for bs in batch_sizes] + [(bs, shared_len) for bs in batch_sizes if bs >= group_size]:
         case = make_case(ForwardMode.DECODE, [context] * bs, [1] * bs, num_heads=9, num_kv_heads=3, head_dim=64,
                          page_size=1, dtype=dtype, keep_reference_data=False)
         if shared:
