@@ -92,6 +92,8 @@ class ServerArgs:
     attention_backend: Optional[str] = None  # None: flashinfer on CUDA, cpu (the C++ kernel) on the CPU
     sampling_backend: Optional[str] = None  # None: "pytorch", the only one
     disable_cuda_graph: bool = False
+    # FlashInfer decode reads a cached prefix shared by several running requests once per step (vLLM's flag name)
+    disable_cascade_attn: bool = False
     cuda_graph_max_bs: Optional[int] = None
     tp_size: int = 1  # tensor-parallel ranks, one scheduler process each (docs/parallelism.md)
     dist_init_addr: Optional[str] = None  # "host:port" of the TP group's rendezvous; None: a free local port
