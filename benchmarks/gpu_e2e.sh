@@ -11,6 +11,8 @@
 #   gsp-cascade: the same, radix cache on, cascade attention on (default) and off (--disable-cascade-attn), each
 #            followed by the server's /metrics (time to first token, queue time) in $OUT/metrics_*.txt.
 #   gsp-clients: the same workload (radix cache and cascade on) from 1 and from 8 client processes.
+#   gsp-policy: the same from 8 client processes, against servers with --schedule-policy fcfs (the default), lpm,
+#            and lpm with --enable-mixed-chunk.
 # STEPS selects (default: all, in that order; a call is limited to ~10 minutes, so split them), e.g.
 #   STEPS="tests overlap" bash benchmarks/gpu_e2e.sh
 # Needs .whl/ (see ../shared/gpu/README.md) and .gpu-assets/llama-3.1-8b-dummy/ (config.json + a tokenizer) carried.
@@ -130,6 +132,19 @@ if want gsp-clients; then
         SUMMARY+=("server (gsp-clients) did not start")
     fi
     stop_server
+fi
+if want gsp-policy; then
+    for config in fcfs lpm lpm-mixed; do
+        flags=(--schedule-policy "${config%-mixed}")
+        [[ $config == *-mixed ]] && flags+=(--enable-mixed-chunk)
+        if serve "${flags[@]}"; then
+            run_step "gsp_policy_$config" 100 "${BENCH[@]}" --dataset generated-shared-prefix --request-rate inf \
+                --flush-cache --client-processes 8 --label "$config" --output-file "$OUT/gsp_policy_$config.json"
+        else
+            SUMMARY+=("server ($config) did not start")
+        fi
+        stop_server
+    done
 fi
 if want gsp; then
     if serve --disable-radix-cache; then
