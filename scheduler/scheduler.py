@@ -167,6 +167,7 @@ class Scheduler:
             logger.error("request id %r is already in use; the new request is dropped", msg.rid)
             return
         req = Req.from_message(msg, next(self._arrivals))
+        req.stream_interval = self.args.stream_interval
         if self.speculator is not None:
             req.spec = self.speculator.new_state()
         self.reqs[req.rid] = req
