@@ -1,13 +1,16 @@
 """SGLang's server flags on radixserve's command line (runtime/wire/sglang_flags.py): a launch line written for
-SGLang parses, the flags radixserve honours take effect, and each of SGLang's other flags is refused by name."""
+SGLang parses (and serves, through `python -m radixserve.launch_server`), the flags radixserve honours take effect,
+and each of SGLang's other flags is refused by name."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 
+import httpx
 import pytest
 
+from http_fixtures import ServerProcess
 from radixserve.__main__ import _parser
 from radixserve.runtime.model_files import server_tokenizer
 from radixserve.runtime.wire import sglang_flags
@@ -88,3 +91,20 @@ def test_stream_interval_batches_a_stream(default_model_dir):
     # The first token at once, then every 3 (tokens 4 and 7), then the end: 4 messages.
     assert outputs[3]["s"].num_messages == 4
     assert outputs[3]["whole"].num_messages == 1
+
+
+def test_sglang_launch_command_serves():
+    """`python -m radixserve.launch_server` with a launch line written for SGLang, streaming every 2 tokens."""
+    server = ServerProcess("--trust-remote-code", "--tensor-parallel-size", "1", "--enable-cache-report",
+                           "--stream-interval", "2", "--log-level", "warning",
+                           command=("-m", "radixserve.launch_server"))
+    try:
+        body = {"text": "Count to ten:", "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True},
+                "stream": True}
+        with httpx.stream("POST", server.url + "/generate", json=body, timeout=120.0) as response:
+            assert response.status_code == 200
+            chunks = [line for line in response.iter_lines() if line.startswith("data:") and "[DONE]" not in line]
+        # The first token, then every 2: tokens 1, 3, 5, then the end (6).
+        assert len(chunks) == 4
+    finally:
+        assert server.stop() == 0
