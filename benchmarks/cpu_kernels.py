@@ -5,7 +5,9 @@
 
 Attention: one layer of a DECODE batch (`--batch-sizes` requests x `--context-len` positions, 9 query heads, 3 KV
 heads, head_dim 64; slots scattered page by page, random KV), `torch_native` against the `cpu` backend, planning
-excluded. Elementwise: residual add + RMSNorm over [T, 576], SiLU-and-mul over [T, 2 x 1536], rotary over the
+excluded; then the same with groups of `--group-size` requests sharing their first `--shared-len` positions (the
+offline shared-prefix workload's decode steps: 8 groups of 8 on a 512-token prefix at batch 64; one group at
+batch 8). Elementwise: residual add + RMSNorm over [T, 576], SiLU-and-mul over [T, 2 x 1536], rotary over the
 query and key heads of a fused projection, for T in `--tokens`, TORCH_OPS against the C++ ops. Medians of
 `--repeats` calls after warm-up; prints a table with the CPU's ISA flags and writes a JSON record (`--out`).
 """
@@ -24,7 +26,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))  # the attention test cases build real paged batches
 
-from attention_cases import make_case  # noqa: E402
+from attention_cases import make_case, share_prefixes  # noqa: E402
 
 from radixserve.kernels import cpu_build  # noqa: E402
 from radixserve.model_runner.attention.cpu_backend import CpuAttentionBackend  # noqa: E402
@@ -43,17 +45,21 @@ def median_us(fn, repeats: int) -> float:
     return statistics.median(times) * 1e6
 
 
-def attention_rows(dtype: torch.dtype, batch_sizes: list[int], context: int, repeats: int) -> list[dict]:
+def attention_rows(dtype: torch.dtype, batch_sizes: list[int], context: int, repeats: int, group_size: int,
+                   shared_len: int) -> list[dict]:
     rows = []
-    for bs in batch_sizes:
+    for bs, shared in [(bs, 0) for bs in batch_sizes] + [(bs, shared_len) for bs in batch_sizes if bs >= group_size]:
         case = make_case(ForwardMode.DECODE, [context] * bs, [1] * bs, num_heads=9, num_kv_heads=3, head_dim=64,
                          page_size=1, dtype=dtype, keep_reference_data=False)
+        if shared:
+            share_prefixes(case, group_size, shared)
         timings = {}
         for name, backend in (("torch_native", TorchNativeAttention()), ("cpu", CpuAttentionBackend())):
             backend.plan(case.batch)
             timings[name] = median_us(lambda: backend.forward(case.q, case.k, case.v, case.layer_id, case.scaling,
                                                               case.batch), repeats)
-        rows.append(dict(op=f"attention decode bs={bs} ctx={context}", torch_us=timings["torch_native"],
+        name = f"attention decode bs={bs} ctx={context}" + (f" shared {group_size}x{shared}" if shared else "")
+        rows.append(dict(op=name, torch_us=timings["torch_native"],
                          cpu_us=timings["cpu"]))
     return rows
 
@@ -82,6 +88,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--batch-sizes", default="8,64")
     parser.add_argument("--context-len", type=int, default=560)
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--shared-len", type=int, default=512)
     parser.add_argument("--tokens", default="64,512")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "cpu_kernels.json"))
@@ -95,13 +103,15 @@ def main() -> None:
     for dtype_name in args.dtypes.split(","):
         dtype = getattr(torch, dtype_name)
         batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-        for row in attention_rows(dtype, batch_sizes, args.context_len, args.repeats) + elementwise_rows(
+        attention = attention_rows(dtype, batch_sizes, args.context_len, args.repeats, args.group_size,
+                                   args.shared_len)
+        for row in attention + elementwise_rows(
                 dtype, [int(t) for t in args.tokens.split(",")], args.repeats):
             records.append(dict(dtype=dtype_name, **row, speedup=row["torch_us"] / row["cpu_us"]))
     print(f"CPU ISA: {isa}; torch threads {torch.get_num_threads()}; torch {torch.__version__}")
-    print(f"{'dtype':9} {'op':34} {'torch (us)':>11} {'C++ (us)':>10} {'speed-up':>9}")
+    print(f"{'dtype':9} {'op':50} {'torch (us)':>11} {'C++ (us)':>10} {'speed-up':>9}")
     for r in records:
-        print(f"{r['dtype']:9} {r['op']:34} {r['torch_us']:11.1f} {r['cpu_us']:10.1f} {r['speedup']:8.2f}x")
+        print(f"{r['dtype']:9} {r['op']:50} {r['torch_us']:11.1f} {r['cpu_us']:10.1f} {r['speedup']:8.2f}x")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(dict(isa=isa, threads=torch.get_num_threads(), torch=torch.__version__,

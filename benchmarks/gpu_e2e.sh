@@ -8,6 +8,11 @@
 #   rates:   serving.py random 1024/512 against `radixserve serve` at Poisson rates 4, 8 and 16, 300 requests
 #            each, the cache flushed before each rate (the prompts repeat), and the latency-vs-rate plot;
 #   gsp:     serving.py generated-shared-prefix (SGLang's defaults, all at once), radix cache on and off.
+#   gsp-cascade: the same, radix cache on, cascade attention on (default) and off (--disable-cascade-attn), each
+#            followed by the server's /metrics (time to first token, queue time) in $OUT/metrics_*.txt.
+#   gsp-clients: the same workload (radix cache and cascade on) from 1 and from 8 client processes.
+#   gsp-policy: the same from 8 client processes, against servers with --schedule-policy fcfs (the default), lpm,
+#            and lpm with --enable-mixed-chunk.
 # STEPS selects (default: all, in that order; a call is limited to ~10 minutes, so split them), e.g.
 #   STEPS="tests overlap" bash benchmarks/gpu_e2e.sh
 # Needs .whl/ (see ../shared/gpu/README.md) and .gpu-assets/llama-3.1-8b-dummy/ (config.json + a tokenizer) carried.
@@ -98,6 +103,48 @@ if want rates || want gsp; then
         SUMMARY+=("server (cache on) did not start")
     fi
     stop_server
+fi
+if want gsp-cascade; then
+    for cascade in on off; do
+        flags=()
+        [[ $cascade == off ]] && flags=(--disable-cascade-attn)
+        if serve "${flags[@]}"; then
+            run_step "gsp_cascade_$cascade" 100 "${BENCH[@]}" --dataset generated-shared-prefix --request-rate inf \
+                --flush-cache --label "cascade-$cascade" --output-file "$OUT/gsp_cascade_$cascade.json"
+            curl -s http://127.0.0.1:30000/metrics | grep -E "^radixserve:(time_to_first_token|e2e_request|tenant_queue_time|inter_token)[a-z_]*_(sum|count)" \
+                > "$OUT/metrics_cascade_$cascade.txt"
+            curl -s http://127.0.0.1:30000/get_server_info | grep -o '"cascade_batches": *[0-9]*' \
+                >> "$OUT/metrics_cascade_$cascade.txt"
+            cat "$OUT/metrics_cascade_$cascade.txt"
+        else
+            SUMMARY+=("server (cascade $cascade) did not start")
+        fi
+        stop_server
+    done
+fi
+if want gsp-clients; then
+    if serve; then
+        for procs in 1 8; do
+            run_step "gsp_clients_$procs" 100 "${BENCH[@]}" --dataset generated-shared-prefix --request-rate inf \
+                --flush-cache --client-processes $procs --label "clients-$procs" --output-file "$OUT/gsp_clients_$procs.json"
+        done
+    else
+        SUMMARY+=("server (gsp-clients) did not start")
+    fi
+    stop_server
+fi
+if want gsp-policy; then
+    for config in fcfs lpm lpm-mixed; do
+        flags=(--schedule-policy "${config%-mixed}")
+        [[ $config == *-mixed ]] && flags+=(--enable-mixed-chunk)
+        if serve "${flags[@]}"; then
+            run_step "gsp_policy_$config" 100 "${BENCH[@]}" --dataset generated-shared-prefix --request-rate inf \
+                --flush-cache --client-processes 8 --label "$config" --output-file "$OUT/gsp_policy_$config.json"
+        else
+            SUMMARY+=("server ($config) did not start")
+        fi
+        stop_server
+    done
 fi
 if want gsp; then
     if serve --disable-radix-cache; then

@@ -43,7 +43,7 @@ from typing import Any, Optional, Sequence
 import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling modules, also when imported by tests
-from serving_client import BACKENDS, Target, arrival_label, run_sessions  # noqa: E402
+from serving_client import BACKENDS, Target, arrival_label, run_sessions, run_sessions_in_processes  # noqa: E402
 from serving_datasets import (  # noqa: E402
     DATASETS,
     Session,
@@ -139,8 +139,12 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     info_before = server_info(target)
     loop, label = arrival_label(args.request_rate, args.max_concurrency)
     print(f"{len(sessions)} sessions, {sum(len(s.turns) for s in sessions)} requests; {label}")
-    results, duration = asyncio.run(run_sessions(target, sessions, args.request_rate, args.max_concurrency,
-                                                 args.seed, not args.disable_tqdm, args.request_timeout))
+    if args.client_processes > 1:
+        results, duration = run_sessions_in_processes(target, sessions, args.client_processes, args.request_rate,
+                                                      args.max_concurrency, args.seed, args.request_timeout)
+    else:
+        results, duration = asyncio.run(run_sessions(target, sessions, args.request_rate, args.max_concurrency,
+                                                     args.seed, not args.disable_tqdm, args.request_timeout))
     info_after = server_info(target)
     before, after = cache_counters(info_before), cache_counters(info_after)
     return {
@@ -150,6 +154,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         "backend": args.backend,
         "base_url": target.base_url,
         "dataset": dataset_params(args),
+        "client_processes": args.client_processes,
         "arrival": {"loop": loop, "label": label, "max_concurrency": args.max_concurrency,
                     "request_rate": "inf" if math.isinf(args.request_rate) else args.request_rate},
         "num_requests": len(results),
@@ -201,6 +206,8 @@ def run_parser() -> argparse.ArgumentParser:
     p.add_argument("--disable-tqdm", action="store_true")
     p.add_argument("--request-timeout", type=float, default=None, help="seconds; default none")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--client-processes", type=int, default=1,
+                   help="client processes sharing the requests (one Python process saturates on many streams)")
     p.add_argument("--label", default=None, help="the series name in plots (default: the backend)")
     p.add_argument("--output-file", default=None, help="default benchmarks/results/serving-<time>.json")
     return p

@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import json
 import math
+import multiprocessing
 import random
 import time
 from dataclasses import dataclass, field
@@ -167,6 +168,30 @@ def arrival_label(request_rate: float, max_concurrency: Optional[int]) -> tuple[
         return "open", "open loop, all requests at once"
     capped = f", at most {max_concurrency} in flight" if max_concurrency else ""
     return "open", f"open loop, Poisson arrivals at {request_rate:g} req/s{capped}"
+
+
+def run_sessions_in_processes(target: Target, sessions: Sequence[Session], processes: int,
+                               request_rate: float = math.inf, max_concurrency: Optional[int] = None, seed: int = 0,
+                               request_timeout: Optional[float] = None) -> tuple[list[RequestResult], float]:
+    """`run_sessions` split over `processes` client processes (sessions dealt round-robin; each process gets the
+    rate and the concurrency divided by `processes`, so the arrival process is the same). One Python process
+    parsing a thousand streams saturates its core and delays what it measures; several do not. The duration runs
+    from the first process's start to the last one's end (their clocks are the same monotonic clock)."""
+    shares = [sessions[i::processes] for i in range(processes)]
+    jobs = [(target, share, request_rate / processes, -(-max_concurrency // processes) if max_concurrency else None,
+             seed + i, request_timeout) for i, share in enumerate(shares) if share]
+    with multiprocessing.get_context("spawn").Pool(len(jobs)) as pool:
+        outcomes = pool.map(_run_share, jobs)
+    results = [result for share_results, _, _ in outcomes for result in share_results]
+    start = min(began for _, began, _ in outcomes)
+    return results, max(ended for _, _, ended in outcomes) - start
+
+
+def _run_share(job: tuple) -> tuple[list[RequestResult], float, float]:
+    target, sessions, rate, concurrency, seed, timeout = job
+    began = time.perf_counter()
+    results, _ = asyncio.run(run_sessions(target, sessions, rate, concurrency, seed, False, timeout))
+    return results, began, time.perf_counter()
 
 
 async def run_sessions(target: Target, sessions: Sequence[Session], request_rate: float = math.inf,

@@ -25,14 +25,14 @@ def run_detokenizer_process(server_args: ServerArgs, ipc: IpcPaths, parent_pid: 
     sender = make_push(ctx, ipc.detokenizer_to_tokenizer)
     try:
         from radixserve.detokenizer_manager.manager import DetokenizerManager
-        from radixserve.runtime.model_files import load_tokenizer, resolve_model
+        from radixserve.runtime.model_files import resolve_model, server_tokenizer
 
         tokenizer_path = server_args.tokenizer_path
         if tokenizer_path is None:
             tokenizer_path = resolve_model(
                 server_args.model_path, server_args.load_format, server_args.model_cache_dir
             ).model_dir
-        manager = DetokenizerManager(load_tokenizer(tokenizer_path))
+        manager = DetokenizerManager(server_tokenizer(tokenizer_path, server_args))
         receiver = make_pull(ctx, ipc.scheduler_to_detokenizer)
     except Exception:
         sender.send(encode(ProcessFailed(process="detokenizer", error=traceback.format_exc())))

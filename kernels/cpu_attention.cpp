@@ -5,10 +5,12 @@
 //   - a group holds one or more members (requests); its shared keys (a cached prefix whose KV slots all members
 //     hold, before any of their queries) are read once for all the members' query rows;
 //   - each member owns a contiguous range of the batch's query tokens and its own keys after the shared part.
-// One work item is (group, block of a lone member's queries), all heads: a key's row of the pool (every KV head)
-// is read once, contiguously. Items are handed to the threads from an atomic counter, so uneven items balance.
-// Per item the scores are computed tile by tile of keys with an online softmax in float32 (running max and sum
-// per query row), whatever the storage dtype.
+// One work item is (group, block of a lone member's queries); a lone member's item runs all heads, so a key's
+// row of the pool (every KV head) is read once, contiguously; a group's item runs as one unit per KV head, so
+// even a single group keeps every thread busy. Units are handed to the threads from an atomic counter, so
+// uneven ones balance. Per unit the scores are computed tile by tile of keys with an online softmax in float32
+// (running max and sum per query row), whatever the storage dtype: many rows per KV head (a group's members, a
+// block of new tokens) as the small matrix products of cpu_attention_lanes.h, few rows as dot products.
 //
 // Causality: the key at position p is seen by the query at position t iff p <= t. Shared keys sit at positions
 // [0, n); a member's own keys at [kv_pos0, kv_pos0 + n).
@@ -18,6 +20,8 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include "cpu_attention_dots.h"
+#include "cpu_attention_lanes.h"
 #include "cpu_vec.h"
 
 #include <algorithm>
@@ -26,14 +30,20 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
 namespace {
 
 using radixserve_cpu::exp_inplace;
+using radixserve_cpu::LaneBlock;
+using radixserve_cpu::scores_dots;
+using radixserve_cpu::softmax_row;
+using radixserve_cpu::values_block;
 
 constexpr int64_t kKeyTile = 32;     // keys per tile
+constexpr int64_t kLaneMinRows = 8;  // rows per KV head from which they attend as lanes (cpu_attention_lanes.h)
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 template <typename T>
@@ -55,90 +65,16 @@ struct Plan {
 
 struct Item {
   int64_t group, q_begin, q_end;  // q range only for a lone member (else the whole group)
+  int64_t kv_head_begin, kv_head_end;
 };
-
-// 16 floats as one value: GCC lowers it to one AVX-512 register, two AVX2 registers or scalar code, whatever the
-// CPU the library is built for.
-typedef float v16 __attribute__((vector_size(64)));
-
-inline v16 load16(const float* p) {
-  v16 x;
-  std::memcpy(&x, p, sizeof(x));
-  return x;
-}
-
-inline void store16(float* p, v16 x) { std::memcpy(p, &x, sizeof(x)); }
-
-// scores[i][0:32] = q_i . keys for `rows` (1..4) query rows against a key tile stored transposed ([d][32]).
-template <int kRows>
-inline void scores_block(const float* q, int64_t q_stride, const float* kt, int64_t D, float* s, int64_t s_stride) {
-  v16 acc[kRows][2] = {};
-  for (int64_t d = 0; d < D; ++d) {
-    const v16 k0 = load16(kt + d * kKeyTile), k1 = load16(kt + d * kKeyTile + 16);
-    for (int i = 0; i < kRows; ++i) {
-      const float qd = q[i * q_stride + d];
-      acc[i][0] += qd * k0;
-      acc[i][1] += qd * k1;
-    }
-  }
-  for (int i = 0; i < kRows; ++i) {
-    store16(s + i * s_stride, acc[i][0]);
-    store16(s + i * s_stride + 16, acc[i][1]);
-  }
-}
-
-// The sum of x's 16 lanes, as a tree.
-inline float reduce16(v16 x) {
-  typedef float v8 __attribute__((vector_size(32)));
-  typedef float v4 __attribute__((vector_size(16)));
-  const v8 a = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7) +
-               __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
-  const v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-  return (b[0] + b[2]) + (b[1] + b[3]);
-}
-
-// scores[i][k] = q_i . key_k for `rows` (1..4) query rows and n keys stored as rows ([k][stride]); for few rows,
-// where transposing the tile would cost more than it saves.
-template <int kRows>
-inline void scores_dots(const float* q, int64_t q_stride, const float* const* keys, int64_t offset, int64_t n,
-                        int64_t D, float* s, int64_t s_stride) {
-  for (int64_t k = 0; k < n; ++k) {
-    const float* key = keys[k] + offset;
-    v16 acc[kRows] = {};
-    for (int64_t d = 0; d < D; d += 16) {
-      const v16 kd = load16(key + d);
-      for (int i = 0; i < kRows; ++i) acc[i] += load16(q + i * q_stride + d) * kd;
-    }
-    for (int i = 0; i < kRows; ++i) s[i * s_stride + k] = reduce16(acc[i]);
-  }
-}
-
-// out[i][0:D] += sum_k p[i][k] * v[k][0:D] for `rows` (1..4) rows, D a multiple of 16 up to 256.
-template <int kRows>
-inline void values_block(const float* p, int64_t p_stride, const float* const* v, int64_t offset, int64_t n,
-                         int64_t D, float* out, int64_t out_stride) {
-  for (int64_t c = 0; c < D; c += 64) {
-    const int chunks = static_cast<int>(std::min<int64_t>(64, D - c) / 16);
-    v16 acc[kRows][4];
-    for (int i = 0; i < kRows; ++i)
-      for (int j = 0; j < chunks; ++j) acc[i][j] = load16(out + i * out_stride + c + 16 * j);
-    for (int64_t k = 0; k < n; ++k) {
-      v16 vk[4];
-      for (int j = 0; j < chunks; ++j) vk[j] = load16(v[k] + offset + c + 16 * j);
-      for (int i = 0; i < kRows; ++i) {
-        const float pk = p[i * p_stride + k];
-        for (int j = 0; j < chunks; ++j) acc[i][j] += pk * vk[j];
-      }
-    }
-    for (int i = 0; i < kRows; ++i)
-      for (int j = 0; j < chunks; ++j) store16(out + i * out_stride + c + 16 * j, acc[i][j]);
-  }
-}
 
 // Query rows of an item are laid out KV head major: row (h, t, g) = h * T * G + t * G + g for query token t of the
 // item and query head h * G + g, so the rows that read one KV head are contiguous.
 template <typename scalar_t>
 class ItemKernel {
+  // bfloat16 keys are read in place by bfloat16 dot products where the CPU has them (cpu_attention_lanes.h).
+  static constexpr bool kKeysAsBf16 = std::is_same_v<scalar_t, c10::BFloat16> && radixserve_cpu::kBf16Dots;
+
  public:
   ItemKernel(const at::Tensor& q, const at::Tensor& k_buffer, const at::Tensor& v_buffer, at::Tensor& out,
              float* lse, const Plan& plan, float scale)
@@ -156,15 +92,16 @@ class ItemKernel {
         num_kv_heads_(k_buffer.size(1)),
         head_dim_(q.size(2)),
         group_(num_heads_ / num_kv_heads_),
-        kv_row_(num_kv_heads_ * head_dim_) {
+        kv_row_(num_kv_heads_ * head_dim_),
+        use_amx_(radixserve_cpu::amx_enabled()) {
     k_tile_.resize(kKeyTile * kv_row_);
-    k_tile_t_.resize(kKeyTile * kv_row_);
     v_tile_.resize(kKeyTile * kv_row_);
     zeros_.assign(kv_row_, 0.0f);
   }
 
   void run(const Item& item) {
     const int64_t D = head_dim_, G = group_;
+    h_begin_ = item.kv_head_begin, h_end_ = item.kv_head_end;
     const int64_t first = plan_.group_member_indptr[item.group];
     const int64_t last = plan_.group_member_indptr[item.group + 1];
     // Tokens of each member: [member_token_start_[m - first], member_token_start_[m - first + 1]).
@@ -184,17 +121,19 @@ class ItemKernel {
     const int64_t R = T_ * num_heads_;
     if (R == 0) return;
     q_rows_.resize(R * D);
+    if constexpr (kKeysAsBf16) q_bf16_.resize(R * D);
     acc_.assign(R * D, 0.0f);
     max_.assign(R, kNegInf);
     sum_.assign(R, 0.0f);
     scores_.resize(R * kKeyTile);
-    for (int64_t h = 0; h < num_kv_heads_; ++h)
+    for (int64_t h = h_begin_; h < h_end_; ++h)
       for (int64_t t = 0; t < T_; ++t)
         for (int64_t g = 0; g < G; ++g) {
           const scalar_t* src = q_ + tokens_[t] * q_stride_token_ + (h * G + g) * q_stride_head_;
           float* dst = q_rows_.data() + row(h, t, g) * D;
           to_float(src, dst, D);
           for (int64_t d = 0; d < D; ++d) dst[d] *= scale_;
+          if constexpr (kKeysAsBf16) std::memcpy(q_bf16_.data() + row(h, t, g) * D, src, D * sizeof(uint16_t));
         }
     // The shared keys, for every token; then each member's own keys, for its tokens.
     attend(plan_.group_kv_indptr[item.group], plan_.group_kv_indptr[item.group + 1], 0, 0, T_);
@@ -202,7 +141,7 @@ class ItemKernel {
       attend(plan_.member_kv_indptr[m], plan_.member_kv_indptr[m + 1], plan_.member_kv_pos0[m],
              member_token_start_[m - first], member_token_start_[m - first + 1]);
     }
-    for (int64_t h = 0; h < num_kv_heads_; ++h)
+    for (int64_t h = h_begin_; h < h_end_; ++h)
       for (int64_t t = 0; t < T_; ++t)
         for (int64_t g = 0; g < G; ++g) {
           const int64_t r = row(h, t, g), head = h * G + g;
@@ -218,72 +157,144 @@ class ItemKernel {
  private:
   int64_t row(int64_t h, int64_t t, int64_t g) const { return (h * T_ + t) * group_ + g; }
 
-  // Online softmax of the item's tokens [t_begin, t_end), all heads, over the keys kv_slots[kv_begin, kv_end) at
-  // positions from pos0.
+  // Online softmax of the item's tokens [t_begin, t_end), the unit's heads, over the keys kv_slots[kv_begin,
+  // kv_end) at positions from pos0.
   void attend(int64_t kv_begin, int64_t kv_end, int64_t pos0, int64_t t_begin, int64_t t_end) {
-    const int64_t D = head_dim_, G = group_, KV = kv_row_;
     if (kv_end <= kv_begin || t_end <= t_begin) return;
     int64_t max_position = 0;
     for (int64_t t = t_begin; t < t_end; ++t) max_position = std::max(max_position, positions_[t]);
     // Keys past the last query's position are seen by no row.
     kv_end = std::min(kv_end, kv_begin + std::max<int64_t>(0, max_position - pos0 + 1));
+    if ((t_end - t_begin) * group_ >= kLaneMinRows) {
+      attend_lanes(kv_begin, kv_end, pos0, t_begin, t_end);
+    } else {
+      attend_dots(kv_begin, kv_end, pos0, t_begin, t_end);
+    }
+  }
+
+  // Many rows per KV head: per KV head, blocks of rows against each key tile, the tile's keys and values of that
+  // head converted to float32 once (bfloat16) or read in place (float32).
+  void attend_lanes(int64_t kv_begin, int64_t kv_end, int64_t pos0, int64_t t_begin, int64_t t_end) {
+    const int64_t D = head_dim_, rows = (t_end - t_begin) * group_;
+    const int64_t blocks = (rows + radixserve_cpu::kLaneRows - 1) / radixserve_cpu::kLaneRows;
+    if (static_cast<int64_t>(lanes_.size()) < blocks) lanes_.resize(blocks);
+    row_positions_.resize(rows);
+    for (int64_t r = 0; r < rows; ++r) row_positions_[r] = positions_[t_begin + r / group_];
+    // bfloat16 scores on AMX tiles where the CPU and the OS allow them (cpu_attention_amx.h).
+    const bool amx = kKeysAsBf16 && radixserve_cpu::kAmx && D % 32 == 0 && use_amx_ && radixserve_cpu::amx_ready();
+    std::optional<radixserve_cpu::AmxTiles> tiles;
+    if (amx) {
+      tiles.emplace();
+      k_amx_.resize(kKeyTile * D);
+    }
+    for (int64_t h = h_begin_; h < h_end_; ++h) {
+      const int64_t r0 = row(h, t_begin, 0);
+      for (int64_t b = 0; b < blocks; ++b) {
+        const int64_t r = r0 + b * radixserve_cpu::kLaneRows;
+        const int64_t block_rows = std::min<int64_t>(radixserve_cpu::kLaneRows, rows - b * radixserve_cpu::kLaneRows);
+        if constexpr (kKeysAsBf16) {
+          lanes_[b].load_bf16(block_rows, D, q_bf16_.data() + r * D, scale_, acc_.data() + r * D, max_.data() + r,
+                              sum_.data() + r, row_positions_.data() + (r - r0));
+        } else {
+          lanes_[b].load(block_rows, D, q_rows_.data() + r * D, acc_.data() + r * D, max_.data() + r,
+                         sum_.data() + r, row_positions_.data() + (r - r0));
+        }
+      }
+      for (int64_t t0 = kv_begin; t0 < kv_end; t0 += kKeyTile) {
+        const int64_t n = std::min(kKeyTile, kv_end - t0);
+        for (int64_t k = 0; k < n; ++k) {
+          const int64_t offset = plan_.kv_slots[t0 + k] * kv_stride_slot_ + h * D;
+          if constexpr (std::is_same_v<scalar_t, float>) {
+            k_rows_[k] = k_ + offset;
+            v_rows_[k] = v_ + offset;
+          } else {
+            if constexpr (kKeysAsBf16) {
+              k_bf16_rows_[k] = reinterpret_cast<const uint16_t*>(k_ + offset);
+              if (amx) std::memcpy(k_amx_.data() + k * D, k_ + offset, D * sizeof(uint16_t));
+            } else {
+              to_float(k_ + offset, k_tile_.data() + k * D, D);
+              k_rows_[k] = k_tile_.data() + k * D;
+            }
+            to_float(v_ + offset, v_tile_.data() + k * D, D);
+            v_rows_[k] = v_tile_.data() + k * D;
+          }
+        }
+        for (int64_t k = n; k < kKeyTile; ++k) {  // a partial tile
+          k_rows_[k] = v_rows_[k] = zeros_.data();
+          k_bf16_rows_[k] = reinterpret_cast<const uint16_t*>(zeros_.data());
+        }
+        if (amx && n < kKeyTile) std::fill(k_amx_.begin() + n * D, k_amx_.end(), 0);
+        prefetch_tile(t0 + kKeyTile, kv_end, h, h + 1);
+        const int64_t tile_pos0 = pos0 + (t0 - kv_begin);
+        for (int64_t b = 0; b < blocks; ++b) {
+          if constexpr (kKeysAsBf16) {
+            lanes_[b].tile<kKeyTile>(k_bf16_rows_, v_rows_, n, tile_pos0, amx ? k_amx_.data() : nullptr);
+          } else {
+            lanes_[b].tile<kKeyTile>(k_rows_, v_rows_, n, tile_pos0);
+          }
+        }
+      }
+      for (int64_t b = 0; b < blocks; ++b) {
+        const int64_t r = r0 + b * radixserve_cpu::kLaneRows;
+        lanes_[b].store(acc_.data() + r * D, max_.data() + r, sum_.data() + r);
+      }
+    }
+  }
+
+  // The K/V rows (heads [h_begin, h_end)) of the tile of keys from t0, into the caches while a tile is computed.
+  void prefetch_tile(int64_t t0, int64_t kv_end, int64_t h_begin, int64_t h_end) {
+    const int64_t bytes = (h_end - h_begin) * head_dim_ * static_cast<int64_t>(sizeof(scalar_t));
+    for (int64_t k = t0; k < std::min(t0 + kKeyTile, kv_end); ++k) {
+      const int64_t offset = plan_.kv_slots[k] * kv_stride_slot_ + h_begin * head_dim_;
+      const char* k_row = reinterpret_cast<const char*>(k_ + offset);
+      const char* v_row = reinterpret_cast<const char*>(v_ + offset);
+      for (int64_t b = 0; b < bytes; b += 64) {
+        radixserve_cpu::prefetch(k_row + b);
+        radixserve_cpu::prefetch(v_row + b);
+      }
+    }
+  }
+
+  // Few rows per KV head: a tile's key rows (the unit's heads) once, dot products per row.
+  void attend_dots(int64_t kv_begin, int64_t kv_end, int64_t pos0, int64_t t_begin, int64_t t_end) {
+    const int64_t D = head_dim_, G = group_, KV = kv_row_;
+    const int64_t head_offset = h_begin_ * D, width = (h_end_ - h_begin_) * D;
     const int64_t rows = (t_end - t_begin) * G;  // per KV head
     for (int64_t t0 = kv_begin; t0 < kv_end; t0 += kKeyTile) {
       const int64_t n = std::min(kKeyTile, kv_end - t0);
       const int64_t tile_pos0 = pos0 + (t0 - kv_begin);
-      // Each key's row (all KV heads) as float32: the pool's own row when it stores float32, else a converted copy.
+      // Each key's row as float32: the pool's own row when it stores float32, else a converted copy.
       for (int64_t k = 0; k < n; ++k) {
         const int64_t offset = plan_.kv_slots[t0 + k] * kv_stride_slot_;
         if constexpr (std::is_same_v<scalar_t, float>) {
           k_rows_[k] = k_ + offset;
           v_rows_[k] = v_ + offset;
         } else {
-          to_float(k_ + offset, k_tile_.data() + k * KV, KV);
-          to_float(v_ + offset, v_tile_.data() + k * KV, KV);
+          to_float(k_ + offset + head_offset, k_tile_.data() + k * KV + head_offset, width);
+          to_float(v_ + offset + head_offset, v_tile_.data() + k * KV + head_offset, width);
           k_rows_[k] = k_tile_.data() + k * KV;
           v_rows_[k] = v_tile_.data() + k * KV;
         }
       }
       for (int64_t k = n; k < kKeyTile; ++k) k_rows_[k] = v_rows_[k] = zeros_.data();  // a partial tile
-      if (t0 + kKeyTile < kv_end) {  // the next tile's rows, while this one is computed
-        const int64_t next = std::min(kKeyTile, kv_end - t0 - kKeyTile);
-        const int64_t row_bytes = KV * static_cast<int64_t>(sizeof(scalar_t));
-        for (int64_t k = 0; k < next; ++k) {
-          const char* k_row = reinterpret_cast<const char*>(k_ + plan_.kv_slots[t0 + kKeyTile + k] * kv_stride_slot_);
-          const char* v_row = reinterpret_cast<const char*>(v_ + plan_.kv_slots[t0 + kKeyTile + k] * kv_stride_slot_);
-          for (int64_t b = 0; b < row_bytes; b += 64) {
-            __builtin_prefetch(k_row + b);
-            __builtin_prefetch(v_row + b);
-          }
-        }
-      }
-      // Many rows per KV head: the scores as a small GEMM over the transposed tile; few: dot products.
-      const bool transposed = rows >= 8;
-      if (transposed) {
-        for (int64_t k = 0; k < kKeyTile; ++k)
-          for (int64_t c = 0; c < KV; ++c) k_tile_t_[c * kKeyTile + k] = k_rows_[k][c];
-      }
-      for (int64_t h = 0; h < num_kv_heads_; ++h) {
+      prefetch_tile(t0 + kKeyTile, kv_end, h_begin_, h_end_);
+      for (int64_t h = h_begin_; h < h_end_; ++h) {
         const int64_t r0 = row(h, t_begin, 0);
         float* s = scores_.data() + r0 * kKeyTile;
         const float* q = q_rows_.data() + r0 * D;
-        if (transposed) {
-          const float* kt = k_tile_t_.data() + h * D * kKeyTile;
-          int64_t i = 0;
-          for (; i + 4 <= rows; i += 4) scores_block<4>(q + i * D, D, kt, D, s + i * kKeyTile, kKeyTile);
-          for (; i < rows; ++i) scores_block<1>(q + i * D, D, kt, D, s + i * kKeyTile, kKeyTile);
-        } else {
-          for (int64_t i = 0; i < rows;) {
-            const int64_t left = rows - i;
-            float* si = s + i * kKeyTile;
-            const float* qi = q + i * D;
-            if (left >= 4) scores_dots<4>(qi, D, k_rows_, h * D, n, D, si, kKeyTile), i += 4;
-            else if (left == 3) scores_dots<3>(qi, D, k_rows_, h * D, n, D, si, kKeyTile), i += 3;
-            else if (left == 2) scores_dots<2>(qi, D, k_rows_, h * D, n, D, si, kKeyTile), i += 2;
-            else scores_dots<1>(qi, D, k_rows_, h * D, n, D, si, kKeyTile), i += 1;
-          }
+        for (int64_t i = 0; i < rows;) {
+          const int64_t left = rows - i;
+          float* si = s + i * kKeyTile;
+          const float* qi = q + i * D;
+          if (left >= 4) scores_dots<4>(qi, D, k_rows_, h * D, n, D, si, kKeyTile), i += 4;
+          else if (left == 3) scores_dots<3>(qi, D, k_rows_, h * D, n, D, si, kKeyTile), i += 3;
+          else if (left == 2) scores_dots<2>(qi, D, k_rows_, h * D, n, D, si, kKeyTile), i += 2;
+          else scores_dots<1>(qi, D, k_rows_, h * D, n, D, si, kKeyTile), i += 1;
         }
-        for (int64_t r = r0; r < r0 + rows; ++r) softmax_update(r, n, positions_[t_begin + (r - r0) / G] - tile_pos0);
+        for (int64_t r = r0; r < r0 + rows; ++r) {
+          softmax_row(scores_.data() + r * kKeyTile, kKeyTile, n, positions_[t_begin + (r - r0) / G] - tile_pos0,
+                      max_[r], sum_[r], acc_.data() + r * D, D);
+        }
         float* out = acc_.data() + r0 * D;
         for (int64_t i = 0; i < rows;) {
           const int64_t left = rows - i;
@@ -298,33 +309,6 @@ class ItemKernel {
     }
   }
 
-  // Row r's scores of a tile become probabilities (0 past the `last_visible` key) under the running max; the
-  // row's sum and accumulator are rescaled when the max grows.
-  void softmax_update(int64_t r, int64_t n, int64_t last_visible) {
-    float* s = scores_.data() + r * kKeyTile;
-    const int64_t visible = std::min(n, std::max<int64_t>(0, last_visible + 1));
-    for (int64_t k = visible; k < kKeyTile; ++k) s[k] = kNegInf;
-    if (visible == 0) {
-      for (int64_t k = 0; k < kKeyTile; ++k) s[k] = 0.0f;
-      return;
-    }
-    float tile_max = kNegInf;
-    for (int64_t k = 0; k < visible; ++k) tile_max = std::max(tile_max, s[k]);
-    const float new_max = std::max(max_[r], tile_max);
-    if (max_[r] != kNegInf && new_max != max_[r]) {
-      const float correction = std::exp(max_[r] - new_max);
-      sum_[r] *= correction;
-      float* a = acc_.data() + r * head_dim_;
-      for (int64_t d = 0; d < head_dim_; ++d) a[d] *= correction;
-    }
-    max_[r] = new_max;
-    for (int64_t k = 0; k < kKeyTile; ++k) s[k] -= new_max;
-    exp_inplace(s, kKeyTile);
-    float tile_sum = 0.0f;
-    for (int64_t k = 0; k < kKeyTile; ++k) tile_sum += s[k];
-    sum_[r] += tile_sum;
-  }
-
   const scalar_t* q_;
   const scalar_t* k_;
   const scalar_t* v_;
@@ -334,9 +318,13 @@ class ItemKernel {
   const float scale_;
   const int64_t q_stride_token_, q_stride_head_, kv_stride_slot_;
   const int64_t num_heads_, num_kv_heads_, head_dim_, group_, kv_row_;
-  int64_t T_ = 0;
-  std::vector<int64_t> tokens_, positions_, member_token_start_;
-  std::vector<float> q_rows_, acc_, max_, sum_, scores_, k_tile_, k_tile_t_, v_tile_, zeros_;
+  const bool use_amx_;
+  int64_t T_ = 0, h_begin_ = 0, h_end_ = 0;  // the unit's KV heads
+  std::vector<int64_t> tokens_, positions_, member_token_start_, row_positions_;
+  std::vector<float> q_rows_, acc_, max_, sum_, scores_, k_tile_, v_tile_, zeros_;
+  std::vector<LaneBlock> lanes_;
+  std::vector<uint16_t> q_bf16_, k_amx_;  // the unscaled queries' bits, for keys read as bfloat16; a key tile
+  const uint16_t* k_bf16_rows_[kKeyTile];
   const float* k_rows_[kKeyTile];
   const float* v_rows_[kKeyTile];
 };
@@ -392,19 +380,29 @@ at::Tensor paged_attention(const at::Tensor& q, at::Tensor k_buffer, at::Tensor 
                   member_q_start.data_ptr<int64_t>(),      member_q_len.data_ptr<int64_t>(),
                   member_q_pos0.data_ptr<int64_t>(),       member_kv_indptr.data_ptr<int64_t>(),
                   member_kv_pos0.data_ptr<int64_t>(),      kv_slots.data_ptr<int64_t>()};
-  const int64_t num_items = items.size(0);
+  TORCH_CHECK(items.dim() == 2 && items.size(1) == 3, "items must be [n, 3]: (group, q_begin, q_end)");
+  // The work units, in the items' order: a group of several members as one unit per KV head.
   const int64_t* item_data = items.data_ptr<int64_t>();
+  const int64_t kv_heads = k_buffer.size(1);
+  std::vector<Item> units;
+  for (int64_t i = 0; i < items.size(0); ++i) {
+    const int64_t* it = item_data + 3 * i;
+    const int64_t members = plan.group_member_indptr[it[0] + 1] - plan.group_member_indptr[it[0]];
+    if (members > 1) {
+      for (int64_t h = 0; h < kv_heads; ++h) units.push_back(Item{it[0], it[1], it[2], h, h + 1});
+    } else {
+      units.push_back(Item{it[0], it[1], it[2], 0, kv_heads});
+    }
+  }
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "paged_attention", [&] {
     store_kv<scalar_t>(k_buffer, v_buffer, loc, k_new, v_new);
     std::atomic<int64_t> next{0};
-    const int64_t workers = std::min<int64_t>(at::get_num_threads(), num_items);
+    const int64_t num_units = static_cast<int64_t>(units.size());
+    const int64_t workers = std::min<int64_t>(at::get_num_threads(), num_units);
     at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
       ItemKernel<scalar_t> kernel(q, k_buffer, v_buffer, out, lse_ptr, plan, static_cast<float>(scale));
       for (int64_t worker = begin; worker < end; ++worker) {
-        for (int64_t i = next.fetch_add(1); i < num_items; i = next.fetch_add(1)) {
-          const int64_t* it = item_data + 3 * i;
-          kernel.run(Item{it[0], it[1], it[2]});
-        }
+        for (int64_t i = next.fetch_add(1); i < num_units; i = next.fetch_add(1)) kernel.run(units[i]);
       }
     });
   });

@@ -4,7 +4,8 @@ The source is compiled by torch's C++ extension builder (g++ with `-O3 -march=na
 keyed by the source, the torch version and this CPU's instruction set, so a build made on one CPU is never loaded
 on another; later processes only load the library (about a second). `make setup` builds it, so a fresh server
 does not wait; where it was not built, `start_background_build` builds it in a thread and the callers use the
-torch path until `ready()` turns true. `RADIXSERVE_CPU_KERNELS=0` turns the kernels off.
+torch path until `ready()` turns true. `RADIXSERVE_CPU_KERNELS=0` turns the kernels off;
+`RADIXSERVE_CPU_AMX=0` keeps the attention's bfloat16 scores off AMX tiles (AVX-512 instead).
 
     python -m radixserve.kernels.cpu_build      # build now, print where and how long
 """
@@ -25,7 +26,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(name) for name in ("cpu_attention.cpp", "cpu_elementwise.cpp")]
-HEADERS = [Path(__file__).with_name("cpu_vec.h")]
+HEADERS = [Path(__file__).with_name(name) for name in (
+    "cpu_vec.h", "cpu_attention_amx.h", "cpu_attention_dots.h", "cpu_attention_lanes.h")]
 # -fopenmp: ATen's parallel_for is inline OpenMP; the library binds to the libgomp torch already loaded (same
 # soname), so there is one thread pool.
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]

@@ -1,4 +1,4 @@
-// Helpers shared by the CPU kernels (cpu_attention.cpp, cpu_elementwise.cpp).
+// Helpers shared by the CPU kernels (cpu_attention*.{cpp,h}, cpu_elementwise.cpp).
 #pragma once
 
 #include <cstdint>
@@ -30,6 +30,50 @@ inline void exp_inplace(float* __restrict x, int64_t n) {
     std::memcpy(&scale, &bits, sizeof(scale));
     x[i] = v < -87.0f ? 0.0f : p * scale;
   }
+}
+
+// 16 floats as one value: GCC lowers it to one AVX-512 register, two AVX2 registers or scalar code, whatever the
+// CPU the library is built for.
+typedef float v16 __attribute__((vector_size(64)));
+
+inline v16 load16(const float* p) {
+  v16 x;
+  std::memcpy(&x, p, sizeof(x));
+  return x;
+}
+
+inline void store16(float* p, v16 x) { std::memcpy(p, &x, sizeof(x)); }
+
+inline v16 splat16(float x) { return v16{} + x; }
+
+typedef int32_t v16i __attribute__((vector_size(64)));
+
+// exp of 16 lanes, the steps of exp_inplace (cpu_vec.h) on one vector.
+inline v16 exp16(v16 v) {
+  const v16 low = splat16(-87.0f), high = splat16(88.0f), round = splat16(12582912.0f);
+  v16 clamped = v < low ? low : v;
+  clamped = clamped > high ? high : clamped;
+  const v16 k = (clamped * 1.44269504088896341f + round) - round;
+  const v16 r = (clamped - k * 0.693145751953125f) - k * 1.428606765330187045e-06f;
+  v16 p = splat16(1.0f / 5040.0f);
+  p = p * r + 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const v16i bits = (__builtin_convertvector(k, v16i) + 127) << 23;
+  v16 scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return v < low ? splat16(0.0f) : p * scale;
+}
+
+// A prefetch of the cache line at p. The empty volatile statement that takes p keeps the loops of prefetches:
+// GCC 12 otherwise deletes some of them (a prefetch has no effect it must keep) with their address loads.
+inline void prefetch(const void* p) {
+  __builtin_prefetch(p);
+  asm volatile("" : : "r"(p));
 }
 
 }  // namespace radixserve_cpu

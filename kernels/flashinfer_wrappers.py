@@ -107,10 +107,11 @@ def plan_prefill(
     q_dtype: torch.dtype,
     kv_dtype: torch.dtype,
     sm_scale: float,
+    causal: bool = True,
 ) -> None:
     """Plan one extend batch as causal paged prefill over prefix + new tokens (whose K/V are in the pool
     before `run`). FlashInfer aligns the causal mask bottom-right, so new token j of a request with
-    prefix p sees positions 0..p + j."""
+    prefix p sees positions 0..p + j. With `causal=False` every query sees all of its request's pages."""
     wrapper.plan(
         qo_indptr_host,
         index.indptr_host,
@@ -120,7 +121,7 @@ def plan_prefill(
         num_kv_heads,
         head_dim,
         page_size,
-        causal=True,
+        causal=causal,
         pos_encoding_mode="NONE",
         sm_scale=sm_scale,
         q_data_type=q_dtype,
@@ -129,8 +130,10 @@ def plan_prefill(
 
 
 def run_paged(
-    wrapper: Any, q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, page_size: int
-) -> torch.Tensor:
-    """Run a planned decode or prefill wrapper for one layer; returns `[num_tokens, num_heads, head_dim]`."""
+    wrapper: Any, q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, page_size: int,
+    return_lse: bool = False,
+) -> Any:
+    """Run a planned decode or prefill wrapper for one layer; returns `[num_tokens, num_heads, head_dim]`, and
+    with `return_lse` also the base-2 log-sum-exp of each query's scores `[num_tokens, num_heads]` (float32)."""
     kv = (paged_kv_view(k_buffer, page_size), paged_kv_view(v_buffer, page_size))
-    return wrapper.run(q, kv)
+    return wrapper.run(q, kv, return_lse=True) if return_lse else wrapper.run(q, kv)

@@ -23,6 +23,20 @@ class ForwardMode(IntEnum):
 
 
 @dataclass
+class PrefixGroups:
+    """Requests of a batch that hold the same KV slots for a cached prefix (the radix tree's nodes they share):
+    every member of group g (batch indices, ascending) has the slots of its first `lengths[g]` positions in
+    common with the others. A request is in at most one group; groups have two members or more."""
+
+    members: list[list[int]]
+    lengths: list[int]  # shared positions per group, whole pages
+
+    def saved_positions(self) -> int:
+        """KV positions per layer that attention reads once per group instead of once per member."""
+        return sum((len(members) - 1) * length for members, length in zip(self.members, self.lengths))
+
+
+@dataclass
 class ForwardBatch:
     """Token-major inputs of one forward pass.
 
@@ -51,6 +65,9 @@ class ForwardBatch:
     attn_metadata: object = field(default=None, repr=False)  # filled by the attention backend's plan()
     # Each request's LoRA adapter name (None: the base model); None when no request of the batch has one.
     lora_names: Optional[list[Optional[str]]] = None
+    # DECODE batches: requests sharing a cached prefix, for backends that read it once per group (cascade
+    # attention); None when not computed. Attention results are the same with or without it.
+    prefix_groups: Optional[PrefixGroups] = None
 
     @property
     def batch_size(self) -> int:

@@ -108,7 +108,8 @@ class ModelRunner:
         logits then live in the graph's output buffer, which the next decode step overwrites: consume them
         (sample) before the next forward.
         """
-        if use_cuda_graph and self.cuda_graph_runner is not None and self.cuda_graph_runner.can_run(batch):
+        if (use_cuda_graph and self.cuda_graph_runner is not None and self.cuda_graph_runner.can_run(batch)
+                and not self.attn_backend.prefers_eager(batch)):
             return self.cuda_graph_runner.replay(batch)
         self.attn_backend.plan(batch)
         if self.lora_manager is not None:

@@ -6,6 +6,7 @@
     radixserve serve-ray --num-replicas 4     # on a Ray cluster (`ray start --head`): see docs/parallelism.md
     radixserve cache-report --url http://127.0.0.1:30000 --out report.html   # the cache page, as one file
     python -m radixserve ...                  # the same
+    python -m radixserve.launch_server ...    # = serve, as SGLang's `python -m sglang.launch_server ...`
 
 Server flags come from ServerArgs (SGLang's names); `radixserve serve --help` lists them with defaults.
 """

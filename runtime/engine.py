@@ -107,7 +107,7 @@ class Engine:
             raise
 
     def _start(self) -> None:
-        from radixserve.runtime.model_files import load_tokenizer
+        from radixserve.runtime.model_files import server_tokenizer
 
         res = self._resources
         child_args = resolve_for_launch(self.server_args)
@@ -118,7 +118,7 @@ class Engine:
         res.sockets = [recv_socket, send_socket]
         res.children = ChildProcesses(child_args, res.ipc)
         res.children.start()
-        self.tokenizer = load_tokenizer(child_args.tokenizer_path)  # while the children load
+        self.tokenizer = server_tokenizer(child_args.tokenizer_path, child_args)  # while the children load
         infos = res.children.wait_ready(recv_socket)
         self.model_info: ModelInfo = msgspec.structs.replace(primary_model_info(infos, child_args),
                                                             tokenizer_path=child_args.tokenizer_path)

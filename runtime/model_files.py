@@ -144,6 +144,12 @@ def safetensors_files(model_dir: str) -> list[str]:
 GENERIC_TOKENIZER_CLASSES = (None, "PreTrainedTokenizerFast", "TokenizersBackend")
 
 
+def server_tokenizer(path: "str | os.PathLike[str]", server_args: Any) -> Any:
+    """The tokenizer at `path` as a server loads it: with the checkpoint's own code when the server was started
+    with `trust_remote_code`."""
+    return load_tokenizer(path, **({"trust_remote_code": True} if server_args.trust_remote_code else {}))
+
+
 def load_tokenizer(path: "str | os.PathLike[str]", **kwargs: Any) -> Any:
     """Load the fast tokenizer of a Hugging Face directory, or of a `.gguf` file (built from its metadata).
 

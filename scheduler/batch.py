@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 
-from radixserve.model_runner.forward_batch import ForwardBatch, ForwardMode
+from radixserve.model_runner.forward_batch import ForwardBatch, ForwardMode, PrefixGroups
 from radixserve.model_runner.sampling_info import SamplingBatchInfo
 from radixserve.radix_cache.pool import KVAllocator, ReqToTokenPool, TokenToKVPool
 from radixserve.scheduler.req import Req
@@ -49,6 +49,7 @@ class ScheduleBatch:
     lora_names: Optional[list[Optional[str]]] = None  # per request; None when no request has an adapter
     # A speculative verify batch (scheduler/speculative/): its chains' drafts and per-row sampling; None otherwise.
     verify: Optional[VerifyPlan] = None
+    prefix_groups: Optional[PrefixGroups] = None  # DECODE batches, for cascade attention (scheduler/prefix_groups.py)
 
     @property
     def batch_size(self) -> int:
@@ -100,6 +101,7 @@ class ScheduleBatch:
             req_to_token_pool=req_to_token_pool,
             token_to_kv_pool=token_to_kv_pool,
             lora_names=self.lora_names,
+            prefix_groups=self.prefix_groups,
         )
 
 

@@ -75,6 +75,8 @@ def server_info(scheduler: "Scheduler") -> dict[str, Any]:
         "new_token_ratio": scheduler.new_token_ratio.value,
         "tensor_parallel": tp_layout(scheduler.runner),
         "fair_share": {"enabled": scheduler.fair_share.enabled, "tenants": scheduler.fair_share.summary()},
+        # Batches whose attention read a prefix shared by several requests once (cascade attention).
+        "cascade_batches": getattr(getattr(scheduler.runner, "attn_backend", None), "num_cascade_batches", 0),
         **(scheduler.speculator.info() if scheduler.speculator is not None else {}),
         "dp_rank": getattr(scheduler.runner, "dp_rank", 0),
     }

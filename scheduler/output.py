@@ -16,11 +16,13 @@ from radixserve.scheduler.req import Req
 
 
 def has_news(req: Req) -> bool:
+    """Whether `req` has something to send: its end, or (streaming) its first tokens or `stream_interval` more."""
     if req.finish_sent:
         return False
     if req.finished:
         return True
-    return req.stream and len(req.output_ids) > req.num_sent_tokens
+    unsent = len(req.output_ids) - req.num_sent_tokens
+    return req.stream and unsent > 0 and (unsent >= req.stream_interval or req.num_sent_tokens == 0)
 
 
 def build_batch_token_out(reqs: Iterable[Req]) -> Optional[BatchTokenOut]:

@@ -7,8 +7,12 @@ Policies (`--schedule-policy`):
   under the same prefix run back to back;
 - `lof`: longest output (max_new_tokens) first;
 - `random`: a seeded shuffle.
-The prefix-aware policies fall back to fcfs when the cache does not share (`--disable-radix-cache`) or the
-queue is so long that matching every request would cost more than it saves.
+The prefix-aware policies fall back to fcfs when the cache does not share (`--disable-radix-cache`); when the
+queue is so long that matching every request against the tree would cost more than it saves, they order it by
+leading tokens instead (`_by_leading_tokens`): requests that begin alike run back to back, in order of their
+group's first arrival. That is what a burst of requests on a few shared system prompts needs before any of them is
+cached: the first of a group computes the prompt, the rest follow as soon as it is in the tree, and each group's
+requests reach their first token together instead of after every group's first request.
 
 Admission budgets (`PrefillAdder`), in the manner of SGLang's PrefillAdder:
 - memory: free + evictable KV tokens, less what running requests are still expected to need
@@ -39,8 +43,9 @@ INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO_FACTOR = 0.14
 NEW_TOKEN_RATIO_DECAY_STEPS = 600
 # Matching every waiting request costs O(total prompt length); beyond this queue length lpm/dfs-weight
-# fall back to fcfs.
+# order by leading tokens.
 PREFIX_POLICY_MAX_QUEUE = 128
+LEADING_TOKENS = 64  # what names a request's group in that ordering (a system prompt differs within it)
 
 
 class SchedulePolicy:
@@ -55,8 +60,10 @@ class SchedulePolicy:
     def order(self, waiting: list[Req]) -> list[Req]:
         """Return the waiting requests in the order admission should try them (the list is not modified)."""
         prefix_aware = self.name in ("lpm", "dfs-weight")
-        if prefix_aware and (not self.shares_prefixes or len(waiting) > PREFIX_POLICY_MAX_QUEUE):
+        if prefix_aware and not self.shares_prefixes:
             return list(waiting)
+        if prefix_aware and len(waiting) > PREFIX_POLICY_MAX_QUEUE:
+            return _by_leading_tokens(waiting)
         if self.name == "fcfs":
             return list(waiting)
         if self.name == "lof":
@@ -99,6 +106,15 @@ class SchedulePolicy:
             children.sort(key=lambda c: weight[c])
             stack.extend(children)
         return ordered
+
+
+def _by_leading_tokens(waiting: list[Req]) -> list[Req]:
+    """Requests grouped by namespace and first `LEADING_TOKENS` prompt tokens, groups in order of their first
+    member's place in the queue, members in queue order (a stable sort: O(queue), no tree matching)."""
+    first_place: dict[tuple, int] = {}
+    places = [first_place.setdefault((req.namespace, tuple(req.origin_input_ids[:LEADING_TOKENS])), place)
+              for place, req in enumerate(waiting)]
+    return [waiting[i] for i in sorted(range(len(waiting)), key=places.__getitem__)]
 
 
 class NewTokenRatio:

@@ -60,6 +60,7 @@ class Req:
         self.return_logprob = return_logprob
         self.top_logprobs_num = top_logprobs_num if return_logprob else 0
         self.stream = stream
+        self.stream_interval = 1  # a stream is sent every this many new tokens (the server's --stream-interval)
         self.arrival_seq = arrival_seq  # order of arrival, for fcfs among re-queued requests
         self.logprob_start_len = logprob_start_len if return_logprob else -1
         self.priority = priority

@@ -54,6 +54,7 @@ from radixserve.scheduler.batch import ScheduleBatch, allocate_slots, assemble_b
 from radixserve.scheduler.cache_view import RecentRequests, cache_tree_summary
 from radixserve.scheduler.fair_share import FairShare
 from radixserve.scheduler.grammar import GrammarManager
+from radixserve.scheduler.prefix_groups import prefix_groups_for
 from radixserve.scheduler.info import ready_info, server_info
 from radixserve.scheduler.lora import LoRAScheduling
 from radixserve.scheduler.input_logprobs import collect_input_logprobs, plan_input_logprobs, prefix_limit
@@ -166,6 +167,7 @@ class Scheduler:
             logger.error("request id %r is already in use; the new request is dropped", msg.rid)
             return
         req = Req.from_message(msg, next(self._arrivals))
+        req.stream_interval = self.args.stream_interval
         if self.speculator is not None:
             req.spec = self.speculator.new_state()
         self.reqs[req.rid] = req
@@ -389,6 +391,7 @@ class Scheduler:
                                self.executor.device)
         batch.input_logprobs = plan_input_logprobs(batch)
         batch.grammar_mask = self.grammars.mask_for(batch)
+        batch.prefix_groups = prefix_groups_for(mode, decodes, self.runner.attn_backend)
         self.fair_share.charge_batch(extends, decodes)
         self.stats.on_batch(batch)
         return batch

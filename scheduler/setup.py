@@ -43,14 +43,14 @@ def make_cache(server_args: ServerArgs, req_to_token_pool: Any, allocator: Any, 
 
 def try_load_tokenizer(runner: Any) -> Optional[Any]:
     """The model's tokenizer (needed for stop strings), or None when the model directory has none."""
-    from radixserve.runtime.model_files import load_tokenizer
+    from radixserve.runtime.model_files import server_tokenizer
 
     path = runner.server_args.tokenizer_path or runner.model_dir
     try:
         try:
-            return load_tokenizer(path)
+            return server_tokenizer(path, runner.server_args)
         except ImportError:  # an import racing one in another thread (the CPU kernel loader's) can fail once
-            return load_tokenizer(path)
+            return server_tokenizer(path, runner.server_args)
     except Exception as exc:  # a model without tokenizer files still serves token-id requests
         logger.warning("no tokenizer in %s (%s: %s); requests with stop strings or grammars will be rejected",
                        path, type(exc).__name__, exc)

@@ -130,6 +130,26 @@ def make_case(
     return AttentionCase(batch, q, k, v, prefix_k, prefix_v, layer_id, head_dim ** -0.5)
 
 
+def share_prefixes(case: AttentionCase, group_size: int, shared_len: int) -> AttentionCase:
+    """Makes each run of `group_size` consecutive requests hold the KV slots of their first member's first
+    `shared_len` positions (a cached prefix they share, as the radix cache hands out), in place; every request's
+    prefix must be at least that long. The reference copies follow."""
+    batch = case.batch
+    assert all(length >= shared_len for length in batch.prefix_lens_cpu)
+    req_to_token = batch.req_to_token_pool.req_to_token
+    rows = batch.req_pool_indices.tolist()
+    for first in range(0, len(rows), group_size):
+        for row in rows[first + 1:first + group_size]:
+            req_to_token[row, :shared_len] = req_to_token[rows[first], :shared_len]
+    if case.prefix_k:
+        k_layer, v_layer = batch.token_to_kv_pool.get_kv_buffer(case.layer_id)
+        for i, (row, prefix_len) in enumerate(zip(rows, batch.prefix_lens_cpu)):
+            slots = req_to_token[row, :prefix_len].long()
+            case.prefix_k[i] = k_layer[slots].double().cpu()
+            case.prefix_v[i] = v_layer[slots].double().cpu()
+    return case
+
+
 def reference_attention(case: AttentionCase, device: str | torch.device = "cpu") -> torch.Tensor:
     """Causal attention of every new token over its request's prefix + new tokens, in float64 on `device`
     from the case's own copies of the data (it never reads the pool). Query head h uses KV head

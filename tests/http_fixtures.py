@@ -39,15 +39,15 @@ def _die_with_parent() -> None:
 
 class ServerProcess:
     def __init__(self, *flags: str, api_key: Optional[str] = None, admin_key: Optional[str] = None,
-                 wait: bool = True) -> None:
-        """Start the server; with `wait` (the default) return once /health answers, else call wait_healthy()."""
+                 wait: bool = True, command: tuple[str, ...] = ("-m", "radixserve", "serve")) -> None:
+        """Start the server (`python <command> --port P <flags>`); with `wait` (the default) return once /health
+        answers, else call wait_healthy()."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
         self.admin_key = admin_key
         self.log = tempfile.NamedTemporaryFile(prefix="radixserve-http-test-", suffix=".log", delete=False)
-        command = [sys.executable, "-m", "radixserve", "serve", "--port", str(self.port), *flags]
-        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT,
+        self.process = subprocess.Popen([sys.executable, *command, "--port", str(self.port), *flags], stdout=self.log, stderr=subprocess.STDOUT,
                                         preexec_fn=_die_with_parent)
         if wait:
             self.wait_healthy()

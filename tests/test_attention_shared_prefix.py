@@ -30,14 +30,15 @@ LAYOUTS = {
 }
 
 
-def build(mode, page_size, num_heads, num_kv_heads, dtype, seed, split_prefixes=False, head_dim=HEAD_DIM):
+def build(mode, page_size, num_heads, num_kv_heads, dtype, seed, split_prefixes=False, head_dim=HEAD_DIM,
+          device="cpu"):
     """The batch of LAYOUTS[mode]; with `split_prefixes`, each group's prefix slots have a gap after the
     first 4 (so they are not consecutive and must be gathered)."""
     layout = LAYOUTS[mode]
     gen = torch.Generator().manual_seed(seed)
-    req_pool = ReqToTokenPool(size=len(layout) + 1, max_context_len=64)
+    req_pool = ReqToTokenPool(size=len(layout) + 1, max_context_len=64, device=device)
     allocator = KVAllocator(size=512, page_size=page_size)
-    kv_pool = TokenToKVPool(512, page_size, NUM_LAYERS, num_kv_heads, head_dim, dtype)
+    kv_pool = TokenToKVPool(512, page_size, NUM_LAYERS, num_kv_heads, head_dim, dtype, device=device)
     for layer in range(NUM_LAYERS):
         for buffer in (kv_pool.k_buffer[layer], kv_pool.v_buffer[layer]):
             buffer.copy_(torch.randn(buffer.shape, generator=gen))
@@ -68,20 +69,20 @@ def build(mode, page_size, num_heads, num_kv_heads, dtype, seed, split_prefixes=
     batch = make_forward_batch(mode, rows, prefix_lens, [[0] * n for n in extend_lens], out_cache_loc,
                                req_pool, kv_pool)
     tokens = sum(extend_lens)
-    q = torch.randn(tokens, num_heads, head_dim, generator=gen).to(dtype)
-    k = torch.randn(tokens, num_kv_heads, head_dim, generator=gen).to(dtype)
-    v = torch.randn(tokens, num_kv_heads, head_dim, generator=gen).to(dtype)
+    q = torch.randn(tokens, num_heads, head_dim, generator=gen).to(device, dtype)
+    k = torch.randn(tokens, num_kv_heads, head_dim, generator=gen).to(device, dtype)
+    v = torch.randn(tokens, num_kv_heads, head_dim, generator=gen).to(device, dtype)
     return batch, q, k, v
 
 
 def reference(batch, q, k, v, scaling):
     """Float64 causal attention of each request over the pool's K/V at its own row's slots."""
-    k_buffer, v_buffer = batch.token_to_kv_pool.get_kv_buffer(LAYER)
+    k_buffer, v_buffer = (buffer.cpu() for buffer in batch.token_to_kv_pool.get_kv_buffer(LAYER))
     group = q.shape[1] // k.shape[1]
     out, start = [], 0
     for row, prefix_len, extend_len in zip(batch.req_pool_indices.tolist(), batch.prefix_lens_cpu,
                                            batch.extend_lens_cpu):
-        slots = batch.req_to_token_pool.req_to_token[row, :prefix_len].long()
+        slots = batch.req_to_token_pool.req_to_token[row, :prefix_len].long().cpu()
         new = slice(start, start + extend_len)
         keys = torch.cat([k_buffer[slots].double(), k[new].double()]).repeat_interleave(group, dim=1)
         values = torch.cat([v_buffer[slots].double(), v[new].double()]).repeat_interleave(group, dim=1)

@@ -12,7 +12,7 @@ import shutil
 import pytest
 import torch
 
-from attention_cases import kv_written, make_case, reference_attention, run_backend  # noqa: E402
+from attention_cases import kv_written, make_case, reference_attention, run_backend, share_prefixes  # noqa: E402
 from radixserve.kernels import cpu_build
 from radixserve.model_runner.attention.cpu_backend import CpuAttentionBackend, CpuAttentionPlan
 from radixserve.model_runner.attention.torch_native import TorchNativeAttention
@@ -59,6 +59,55 @@ def test_bfloat16_is_as_close_as_torch_native(page_size):
     assert out.dtype == torch.bfloat16 and kv_written(case)
     case_ref = make_case(ForwardMode.EXTEND, [30, 0, 90], [3, 40, 1], **args)
     native = run_backend(TorchNativeAttention(), case_ref)
+    error = (out.double() - expected).abs().max()
+    native_error = (native.double() - expected).abs().max()
+    assert error <= 2 * native_error + 1e-3, (error, native_error)
+
+
+# Groups of requests on one cached prefix (share_prefixes): the group path reads the shared keys once for the
+# members' query rows, as lanes of vectors in blocks of up to 64 rows per KV head.
+SHARED_CASES = [
+    # (mode, prefix_lens, extend_lens, group_size, shared_len)
+    (ForwardMode.DECODE, [130] * 16 + [101, 140], [1] * 18, 8, 100),  # 2 groups of 8, then a pair
+    (ForwardMode.DECODE, [40, 75, 33], [1] * 3, 3, 33),  # a partial key tile, members of unequal length
+    (ForwardMode.EXTEND, [64, 80, 70, 99], [3, 5, 1, 7], 4, 64),  # causal own keys within the group
+    (ForwardMode.EXTEND, [50] * 8, [12] * 8, 8, 48),  # 96 tokens: several groups of up to 64, several row blocks
+]
+
+
+@pytest.mark.parametrize("mode,prefix_lens,extend_lens,group_size,shared_len", SHARED_CASES)
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (4, 2, 16), (6, 1, 32), (2, 2, 128)])
+def test_shared_prefix_groups_match_float64_reference(mode, prefix_lens, extend_lens, group_size, shared_len,
+                                                      num_heads, num_kv_heads, head_dim):
+    case = make_case(mode, prefix_lens, extend_lens, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                     head_dim=head_dim, page_size=1, dtype=torch.float32, seed=len(prefix_lens) + head_dim)
+    share_prefixes(case, group_size, shared_len)
+    backend = CpuAttentionBackend(max_extend_len=None)
+    out = run_backend(backend, case)
+    assert case.batch.attn_metadata.num_groups_shared >= 1
+    torch.testing.assert_close(out.double(), reference_attention(case), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("mode,prefix_lens,extend_lens,group_size,shared_len", SHARED_CASES)
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (4, 2, 16), (2, 2, 128)])
+@pytest.mark.parametrize("amx", ["1", "0"])
+def test_shared_prefix_groups_bfloat16_are_as_close_as_torch_native(mode, prefix_lens, extend_lens, group_size,
+                                                                    shared_len, num_heads, num_kv_heads, head_dim,
+                                                                    amx, monkeypatch):
+    # On a CPU with AMX-BF16 the scores run on tiles unless RADIXSERVE_CPU_AMX=0 (then, as on a CPU without,
+    # AVX-512 BF16 dot products or float32 ones); head_dim 16 is not a multiple of the tiles' 32.
+    monkeypatch.setenv("RADIXSERVE_CPU_AMX", amx)
+
+    def shared_case():
+        case = make_case(mode, prefix_lens, extend_lens, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                         head_dim=head_dim, page_size=1, dtype=torch.bfloat16, seed=3)
+        return share_prefixes(case, group_size, shared_len)
+
+    case = shared_case()
+    expected = reference_attention(case)
+    out = run_backend(CpuAttentionBackend(max_extend_len=None), case)
+    assert out.dtype == torch.bfloat16 and case.batch.attn_metadata.num_groups_shared >= 1
+    native = run_backend(TorchNativeAttention(min_shared_prefix=1), shared_case())
     error = (out.double() - expected).abs().max()
     native_error = (native.double() - expected).abs().max()
     assert error <= 2 * native_error + 1e-3, (error, native_error)

@@ -7,7 +7,13 @@ import pytest
 from radixserve.radix_cache.pool import KVAllocator, ReqToTokenPool
 from radixserve.radix_cache.tree import RadixCache
 from radixserve.runtime.wire.messages import SamplingParams
-from radixserve.scheduler.policy import NewTokenRatio, PrefillAdder, SchedulePolicy
+from radixserve.scheduler.policy import (
+    LEADING_TOKENS,
+    PREFIX_POLICY_MAX_QUEUE,
+    NewTokenRatio,
+    PrefillAdder,
+    SchedulePolicy,
+)
 from radixserve.scheduler.req import Req
 
 
@@ -60,6 +66,24 @@ def test_dfs_weight_runs_a_subtree_back_to_back_heaviest_first():
     # Requests at a node come before its subtrees (x matched nothing: it sits at the namespace root); then the
     # b subtree (3 requests) runs back to back, then a's (2).
     assert ordered == ["x", "b1", "b2", "b3", "a1", "a2"]
+
+
+def test_a_long_queue_runs_requests_that_begin_alike_back_to_back():
+    system = {name: [base + i for i in range(LEADING_TOKENS)] for name, base in (("a", 100), ("b", 300), ("c", 500))}
+    arrivals = "abcbaacbcb" * 20  # more than PREFIX_POLICY_MAX_QUEUE requests, nothing cached yet
+    waiting = [req(f"{name}{i}", system[name] + [i]) for i, name in enumerate(arrivals)]
+    waiting.append(req("a-salted", system["a"] + [1], namespace=("", "salt:x")))  # same tokens, other namespace
+    assert len(waiting) > PREFIX_POLICY_MAX_QUEUE
+    for name in ("lpm", "dfs-weight"):
+        ordered = SchedulePolicy(name, make_cache(), True).order(waiting)
+        groups = [r.rid[0] if r.rid != "a-salted" else "salted" for r in ordered]
+        count = {g: groups.count(g) for g in "abc"}
+        assert groups == ["a"] * count["a"] + ["b"] * count["b"] + ["c"] * count["c"] + ["salted"]
+        for group in "abc":  # queue order within a group
+            members = [r for r in ordered if r.rid[0] == group and r.rid != "a-salted"]
+            assert members == [r for r in waiting if r.rid[0] == group and r.rid != "a-salted"]
+    # fcfs keeps the queue as it is, however long.
+    assert SchedulePolicy("fcfs", make_cache(), True).order(waiting) == waiting
 
 
 def test_lof_and_random():

@@ -130,12 +130,13 @@ def test_strided_queries_and_custom_scaling(mode, lens):
     assert (out.double().cpu() - reference_attention(case)).abs().max().item() < TOLERANCE[torch.float32]
 
 
-def _reference_page_table(req_to_token, rows, seq_lens, page_size):
+def _reference_page_table(req_to_token, rows, seq_lens, page_size, starts=None):
     indptr, indices, last = [0], [], []
-    for row, seq_len in zip(rows, seq_lens):
+    for i, (row, seq_len) in enumerate(zip(rows, seq_lens)):
+        start = 0 if starts is None else starts[i]
         num_pages = -(-seq_len // page_size)
-        indices += (req_to_token[row, 0:seq_len:page_size].long() // page_size).tolist()
-        indptr.append(indptr[-1] + num_pages)
+        indices += (req_to_token[row, start:seq_len:page_size].long() // page_size).tolist()
+        indptr.append(indptr[-1] + num_pages - start // page_size)
         last.append(seq_len - (num_pages - 1) * page_size)
     return indptr, indices, last
 
@@ -161,3 +162,25 @@ def test_paged_kv_index_kernel(page_size):
         positions = torch.arange(seq_len)
         expected = pages[positions // page_size] * page_size + positions % page_size
         assert torch.equal(expected, req_to_token[row, :seq_len].long().cpu())
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_paged_kv_index_from_given_starts(page_size):
+    """The table of the keys after a shared prefix (cascade attention's per-request level)."""
+    prefix_lens, extend_lens = [0, 15, 16, 40, 3], [1, 1, 20, 9, 200]
+    starts = [0, 12, 16, 36, 0]
+    case = make_case(ForwardMode.EXTEND, prefix_lens, extend_lens, num_heads=1, num_kv_heads=1, head_dim=16,
+                     page_size=page_size, dtype=torch.float32, device=DEVICE)
+    batch = case.batch
+    req_to_token = batch.req_to_token_pool.req_to_token
+    index = kv_indices.build_paged_kv_index(req_to_token, batch.req_pool_indices, batch.seq_lens,
+                                            batch.seq_lens_cpu, page_size, starts_host=starts)
+    rows = batch.req_pool_indices.tolist()
+    indptr, indices, last = _reference_page_table(req_to_token.cpu(), rows, batch.seq_lens_cpu, page_size, starts)
+    assert index.indptr.tolist() == indptr == index.indptr_host.tolist()
+    assert index.indices.tolist() == indices
+    assert index.last_page_len.tolist() == last == index.last_page_len_host.tolist()
+    if page_size > 1:
+        with pytest.raises(AssertionError, match="whole pages"):
+            kv_indices.build_paged_kv_index(req_to_token, batch.req_pool_indices, batch.seq_lens,
+                                            batch.seq_lens_cpu, page_size, starts_host=[1, 0, 0, 0, 0])

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
+import time
 import uuid
 from typing import Any, AsyncIterator, Callable, Optional
 
@@ -107,9 +108,10 @@ class TokenizerManager:
         Raises ValueError before anything is sent, EngineDeadError when the engine is down.
         """
         self._check_alive()
+        arrived = time.monotonic()  # the request's latencies (ttft, e2e) count its wait for the tokenizer too
         checked = await self._tokenize_and_check(obj)
         self._check_alive()
-        return self._submit(checked, obj)
+        return self._submit(checked, obj, arrived)
 
     async def iterate(self, group: ReqGroup, obj: GenerateReqInput) -> AsyncIterator[Any]:
         """The chunks (stream) or final result(s) of a submitted group; releases it when done or abandoned."""
@@ -166,7 +168,8 @@ class TokenizerManager:
             checked.append((request, input_ids, sampling))
         return checked
 
-    def _submit(self, requests: list[tuple[SingleReq, list[int], SamplingParams]], obj: GenerateReqInput) -> ReqGroup:
+    def _submit(self, requests: list[tuple[SingleReq, list[int], SamplingParams]], obj: GenerateReqInput,
+                arrived: float) -> ReqGroup:
         """Expand n, register the states, then send: either all of the batch is queued or none of it."""
         rank = obj.data_parallel_rank
         if rank is not None and not 0 <= rank < self.num_replicas:
@@ -188,7 +191,7 @@ class TokenizerManager:
         states = [
             ReqState(rid=engine_rid(obj.tenant, rid), display_rid=rid, user_rid=request.rid, tenant=obj.tenant,
                      index=i, prompt_ids=input_ids, return_logprob=request.return_logprob,
-                     logprob_start_len=request.logprob_start_len)
+                     logprob_start_len=request.logprob_start_len, created=arrived)
             for i, (request, rid, input_ids, _) in enumerate(expanded)
         ]
         group = ReqGroup(states)

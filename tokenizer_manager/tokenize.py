@@ -5,6 +5,10 @@ prompt took ~20 s), and a Hugging Face fast tokenizer must not be used by two th
 is borrowed mutably while encoding). So the TokenizerManager awaits this worker: one thread, owning the one
 tokenizer instance it uses, so calls queue rather than overlap and no event loop ever runs them.
 
+Prompts that arrive while the worker is busy are encoded together, in one `encode_batch` call whose Rust core
+spreads the texts over the machine's cores: a burst of long prompts (a thousand requests sent at once) is then
+tokenized in parallel rather than one after another, and none waits for the whole queue before it.
+
 Before tokenizing, a text far beyond the context is refused by its length alone: no token of the vocabulary
 spells more than `max_chars_per_token` characters, so a text longer than `limit * max_chars_per_token`
 characters cannot fit `limit` tokens, and tokenizing it would only waste the worker.
@@ -15,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import os
+import threading
 from typing import Any, Optional
 
 from radixserve.runtime.wire.errors import ContextLengthExceededError
@@ -45,6 +50,9 @@ class TokenizerWorker:
         self.chat_template = chat_template
         self.max_chars_per_token = max_chars_per_token(tokenizer)
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="radixserve-tokenize")
+        self._lock = threading.Lock()
+        self._queued: list[tuple[str, asyncio.Future]] = []  # texts waiting for the next batch encode
+        self.num_encode_calls = 0  # tokenizer calls made for `encode` (fewer than texts when they batch)
 
     def check_text_length(self, text: str, limit: int) -> None:
         """Refuse a text that cannot fit `limit` tokens, without tokenizing it."""
@@ -55,7 +63,34 @@ class TokenizerWorker:
 
     async def encode(self, text: str, limit: int) -> list[int]:
         self.check_text_length(text, limit)
-        return await self._run(lambda: list(self._tokenizer.encode(text)))
+        future = asyncio.get_running_loop().create_future()
+        with self._lock:
+            self._queued.append((text, future))
+            first = len(self._queued) == 1
+        if first:  # a batch is open: the job it schedules takes every text queued by the time it runs
+            self._pool.submit(self._encode_queued)
+        return await future
+
+    def _encode_queued(self) -> None:
+        """On the worker thread: encode every queued text (together when several) and resolve their futures."""
+        with self._lock:
+            batch, self._queued = self._queued, []
+        texts = [text for text, _ in batch]
+        self.num_encode_calls += 1
+        try:
+            if len(texts) == 1:
+                results: list[Any] = [list(self._tokenizer.encode(texts[0]))]
+            else:
+                results = [list(ids) for ids in self._tokenizer(texts)["input_ids"]]
+        except Exception:  # noqa: BLE001 - find the text that fails; the others still get their ids
+            results = []
+            for text in texts:
+                try:
+                    results.append(list(self._tokenizer.encode(text)))
+                except Exception as error:  # noqa: BLE001 - the caller gets it
+                    results.append(error)
+        for (_, future), result in zip(batch, results):
+            future.get_loop().call_soon_threadsafe(_resolve, future, result)
 
     async def apply_chat_template(self, conversation: list[dict[str, Any]], limit: int,
                                   **template_kwargs: Any) -> list[int]:
@@ -85,3 +120,12 @@ class TokenizerWorker:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _resolve(future: asyncio.Future, result: Any) -> None:
+    if future.done():  # the caller went away
+        return
+    if isinstance(result, BaseException):
+        future.set_exception(result)
+    else:
+        future.set_result(result)

@@ -56,7 +56,8 @@ def create_attention_backend(name: str, runner: "ModelRunner | None" = None) -> 
         graph_bs = runner.server_args.cuda_graph_max_bs or 256
         workspace = DEFAULT_WORKSPACE_BYTES * max(1, graph_bs // 128)
         return FlashInferAttentionBackend(*shape, runner.dtype, runner.device, page_size=runner.page_size,
-                                          workspace_bytes=workspace)
+                                          workspace_bytes=workspace,
+                                          cascade=not runner.server_args.disable_cascade_attn)
     except ImportError as exc:
         raise ValueError(f"the flashinfer attention backend is not available: {exc}") from exc
 

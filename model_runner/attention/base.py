@@ -14,6 +14,14 @@ from radixserve.model_runner.forward_batch import ForwardBatch
 
 
 class AttentionBackend(ABC):
+    # Backends that read a shared prefix once per group set this; the scheduler then fills the decode batches'
+    # `prefix_groups` (requests sharing at least `min_shared_prefix` cached positions).
+    uses_prefix_groups = False
+    min_shared_prefix = 0
+
+    def prefers_eager(self, batch: ForwardBatch) -> bool:
+        """Whether `batch` should run eagerly even where a captured CUDA graph fits it."""
+        return False
     @abstractmethod
     def plan(self, batch: ForwardBatch) -> None:
         """Prepare per-batch metadata (index arrays, kernel plans) and store it on `batch.attn_metadata`."""

@@ -10,6 +10,9 @@ wrapper per captured batch size, in FlashInfer's CUDA-graph mode, whose page tab
 shared by all sizes (one graph runs at a time); re-planning before each replay rewrites those buffers and
 the wrapper's own scheduling workspace in place, which the captured kernels read.
 
+Decode batches whose requests share long cached prefixes (`ForwardBatch.prefix_groups`) run as cascade attention
+(`flashinfer_cascade.py`), each group's shared keys read once, unless `cascade=False` (`--disable-cascade-attn`).
+
 `flashinfer` is imported when the backend is constructed, never when this module is imported.
 """
 
@@ -23,6 +26,15 @@ import torch
 from radixserve.kernels import flashinfer_wrappers as fi
 from radixserve.kernels.kv_indices import PagedKVIndex, build_paged_kv_index
 from radixserve.model_runner.attention.base import AttentionBackend
+from radixserve.model_runner.attention.flashinfer_cascade import (
+    MIN_SAVED_BYTES,
+    MIN_SAVED_BYTES_OVER_GRAPH,
+    MIN_SHARED_POSITIONS,
+    CascadeMetadata,
+    cascade_pays,
+    plan_cascade,
+    run_cascade,
+)
 from radixserve.model_runner.forward_batch import ForwardBatch, ForwardMode
 
 
@@ -52,6 +64,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         decode_use_tensor_cores: Optional[bool] = None,
         prefill_backend: str = "fa2",
         workspace_bytes: int = fi.DEFAULT_WORKSPACE_BYTES,
+        cascade: bool = True,
     ) -> None:
         assert num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
         self.device = torch.device(device)
@@ -72,13 +85,29 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._prefill_wrapper = fi.make_prefill_wrapper(self._workspace, prefill_backend)
         self._planned: Optional[torch.cuda.Event] = None  # recorded after the latest plan's copies
         self._graph_wrappers: dict[int, Any] = {}  # captured batch size -> CUDA-graph decode wrapper
+        self.cascade = cascade
+        # The scheduler fills `prefix_groups` of decode batches for backends that set these.
+        self.uses_prefix_groups = cascade
+        self.min_shared_prefix = MIN_SHARED_POSITIONS
+        self.cascade_min_saved_bytes = MIN_SAVED_BYTES  # per step, see flashinfer_cascade.py
+        self.cascade_min_saved_bytes_over_graph = MIN_SAVED_BYTES_OVER_GRAPH
+        self._shared_prefill_wrapper = fi.make_prefill_wrapper(self._workspace, prefill_backend) if cascade else None
+        self.num_cascade_batches = 0
 
     def plan(self, batch: ForwardBatch) -> None:
         assert batch.token_to_kv_pool.page_size == self.page_size, "pool page size differs from the backend's"
-        kv_index = self._kv_index(batch)
         self._wait_for_previous_plan()
         shape = (self.num_heads, self.num_kv_heads, self.head_dim, self.page_size)
         kv_dtype = batch.token_to_kv_pool.dtype
+        if self.cascade and cascade_pays(batch, self.cascade_min_saved_bytes):
+            cascade = plan_cascade(batch, self._shared_prefill_wrapper, self._decode_wrapper, shape, self.dtype,
+                                   self.sm_scale)
+            if cascade is not None:
+                self._mark_planned()
+                self.num_cascade_batches += 1
+                batch.attn_metadata = cascade
+                return
+        kv_index = self._kv_index(batch)
         if batch.mode == ForwardMode.DECODE:
             fi.plan_decode(self._decode_wrapper, kv_index, *shape, self.dtype, kv_dtype, self.sm_scale)
             wrapper = self._decode_wrapper
@@ -91,6 +120,11 @@ class FlashInferAttentionBackend(AttentionBackend):
             wrapper = self._prefill_wrapper
         self._mark_planned()
         batch.attn_metadata = FlashInferMetadata(wrapper, kv_index)
+
+    def prefers_eager(self, batch: ForwardBatch) -> bool:
+        """Whether `batch` should skip its CUDA graph: cascade attention saves more reads than the graph saves
+        launches."""
+        return self.cascade and cascade_pays(batch, self.cascade_min_saved_bytes_over_graph)
 
     def _wait_for_previous_plan(self) -> None:
         """A plan writes a pinned host buffer and queues its copy to the device. The overlap scheduler
@@ -162,12 +196,16 @@ class FlashInferAttentionBackend(AttentionBackend):
         batch: ForwardBatch,
     ) -> torch.Tensor:
         meta = batch.attn_metadata
-        assert isinstance(meta, FlashInferMetadata), "plan() must run before forward()"
+        assert isinstance(meta, (FlashInferMetadata, CascadeMetadata)), "plan() must run before forward()"
         pool = batch.token_to_kv_pool
         pool.set_kv_buffer(layer_id, batch.out_cache_loc, k, v)
         k_buffer, v_buffer = pool.get_kv_buffer(layer_id)
         out_dtype = q.dtype
         if abs(scaling - self.sm_scale) > 1e-12 * abs(self.sm_scale):
             q = q * (scaling / self.sm_scale)
-        out = fi.run_paged(meta.wrapper, q.to(self.dtype).contiguous(), k_buffer, v_buffer, self.page_size)
+        q = q.to(self.dtype).contiguous()
+        if isinstance(meta, CascadeMetadata):
+            out = run_cascade(meta, q, k_buffer, v_buffer, self.page_size)
+        else:
+            out = fi.run_paged(meta.wrapper, q, k_buffer, v_buffer, self.page_size)
         return out if out.dtype == out_dtype else out.to(out_dtype)

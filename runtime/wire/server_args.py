@@ -9,10 +9,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 from dataclasses import dataclass, fields
 from typing import Any, Optional
 
+from radixserve.runtime.wire import sglang_flags
 from radixserve.runtime.wire.speculative_args import check_speculative_args, resolved_num_draft_tokens  # noqa: F401
+
+logger = logging.getLogger(__name__)
 
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
 ATTENTION_BACKENDS = ("torch_native", "cpu", "triton", "flashinfer")
@@ -36,6 +40,10 @@ class ServerArgs:
     # Model and tokenizer
     model_path: Optional[str] = None  # None: the embedded SmolLM2-135M-Instruct GGUF
     tokenizer_path: Optional[str] = None
+    tokenizer_mode: str = "auto"  # SGLang's; "auto" (the fast tokenizer) is the only mode
+    # Lets the tokenizer run code shipped with the checkpoint (Hugging Face's trust_remote_code). Models are always
+    # radixserve's own implementations, so no model code from the checkpoint runs either way.
+    trust_remote_code: bool = False
     load_format: str = "auto"
     model_cache_dir: Optional[str] = None  # GGUF conversions; default ~/.cache/radixserve
     served_model_name: Optional[str] = None
@@ -91,7 +99,10 @@ class ServerArgs:
     # Kernels
     attention_backend: Optional[str] = None  # None: flashinfer on CUDA, cpu (the C++ kernel) on the CPU
     sampling_backend: Optional[str] = None  # None: "pytorch", the only one
+    grammar_backend: Optional[str] = None  # None: "xgrammar", the only one (structured output)
     disable_cuda_graph: bool = False
+    # FlashInfer decode reads a cached prefix shared by several running requests once per step (vLLM's flag name)
+    disable_cascade_attn: bool = False
     cuda_graph_max_bs: Optional[int] = None
     tp_size: int = 1  # tensor-parallel ranks, one scheduler process each (docs/parallelism.md)
     dist_init_addr: Optional[str] = None  # "host:port" of the TP group's rendezvous; None: a free local port
@@ -118,6 +129,7 @@ class ServerArgs:
     # Native /generate and Engine streams: False sends the whole text (and output_ids, logprobs) so far in each
     # chunk, as SGLang does by default; True sends only what is new. OpenAI streams are deltas either way.
     incremental_streaming_output: bool = False
+    stream_interval: int = 1  # a streaming request is sent every N new tokens (its first and last always at once)
     # Unset temperature/top_p/top_k/min_p/repetition_penalty: "model" takes them from the model's
     # generation_config.json, "openai" uses the neutral values (temperature 1, top_p 1, ...).
     sampling_defaults: str = "model"
@@ -156,6 +168,11 @@ class ServerArgs:
         check(self.reasoning_parser is None or self.reasoning_parser in REASONING_PARSERS,
               f"reasoning_parser must be one of {REASONING_PARSERS}, got {self.reasoning_parser!r}")
         check(self.page_size >= 1, f"page_size must be >= 1, got {self.page_size}")
+        check(self.tokenizer_mode == "auto",
+              f"tokenizer_mode must be 'auto' (radixserve runs fast tokenizers only), got {self.tokenizer_mode!r}")
+        check(self.grammar_backend in (None, "xgrammar"),
+              f"grammar_backend must be 'xgrammar' (the only one), got {self.grammar_backend!r}")
+        check(self.stream_interval >= 1, f"stream_interval must be >= 1, got {self.stream_interval}")
         check(self.schedule_policy in SCHEDULE_POLICIES,
               f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}")
         check(self.radix_eviction_policy in EVICTION_POLICIES,
@@ -276,20 +293,24 @@ class ServerArgs:
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
         for f in fields(ServerArgs):
-            flag = "--" + f.name.replace("_", "-")
+            flags = ["--" + f.name.replace("_", "-"), *sglang_flags.ALIASES.get(f.name, ())]
             default = f.default if f.default is not dataclasses.MISSING else None
             kind = _field_type(f)
             if kind is bool:  # --flag sets it, --no-flag clears it (so flags that default to on can be turned off)
-                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
+                parser.add_argument(*flags, action=argparse.BooleanOptionalAction, default=default,
                                     help=f"(default: {default})")
             elif kind is list:  # --flag A B C
-                parser.add_argument(flag, nargs="*", default=default, help=f"(default: {default})")
+                parser.add_argument(*flags, nargs="*", default=default, help=f"(default: {default})")
             else:
-                parser.add_argument(flag, type=kind, default=default, help=f"(default: {default})")
+                parser.add_argument(*flags, type=kind, default=default, help=f"(default: {default})")
         parser.add_argument("--model", dest="model_path", help="alias of --model-path")
+        taken = {option for action in parser._actions for option in action.option_strings}
+        sglang_flags.add_cli_args(parser, taken)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "ServerArgs":
+        """Raises ValueError for SGLang flags radixserve cannot honour (runtime/wire/sglang_flags.py)."""
+        sglang_flags.check_cli_args(args)
         return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
 
     def to_dict(self) -> dict[str, Any]:
@@ -339,6 +360,12 @@ def make_server_args(model_path: Optional[str] = None, **kwargs: Any) -> ServerA
     known = {f.name for f in fields(ServerArgs)}
     if "model" in kwargs and model_path is None:
         model_path = kwargs.pop("model")
+    for name in [name for name in kwargs if name not in known and sglang_flags.is_always(name)]:
+        logger.info("%s: %s", name, sglang_flags.ALWAYS["--" + name.replace("_", "-")])
+        del kwargs[name]
+    sglang_only = sorted(name for name in set(kwargs) - known if sglang_flags.is_sglang_option(name))
+    if sglang_only:
+        raise ValueError(sglang_flags.refusal(["--" + name.replace("_", "-") for name in sglang_only]))
     unknown = sorted(set(kwargs) - known)
     if unknown:
         raise ValueError(f"unknown server argument(s): {', '.join(unknown)}")

@@ -1,0 +1,110 @@
+"""SGLang's server flags on radixserve's command line (runtime/wire/sglang_flags.py): a launch line written for
+SGLang parses (and serves, through `python -m radixserve.launch_server`), the flags radixserve honours take effect,
+and each of SGLang's other flags is refused by name."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from http_fixtures import ServerProcess
+from radixserve.__main__ import _parser
+from radixserve.runtime.model_files import server_tokenizer
+from radixserve.runtime.wire import sglang_flags
+from radixserve.runtime.wire.server_args import ServerArgs, make_server_args
+from scheduler_driver import SchedulerDriver
+
+
+def _parse(*flags: str) -> ServerArgs:
+    return ServerArgs.from_cli_args(_parser().parse_args(["serve", *flags]))
+
+
+def test_an_sglang_launch_line_parses():
+    args = _parse("--model-path", "m", "--trust-remote-code", "--tensor-parallel-size", "1", "--data-parallel-size",
+                  "1", "--mem-fraction-static", "0.8", "--enable-cache-report", "--disable-custom-all-reduce",
+                  "--grammar-backend", "xgrammar", "--stream-interval", "4", "--tokenizer-mode", "auto",
+                  "--enable-hicache", "--nccl-init-addr", "127.0.0.1:5000", "--host", "0.0.0.0", "--port", "30001")
+    assert args.trust_remote_code and args.enable_hierarchical_cache
+    assert (args.tp_size, args.dp_size, args.stream_interval, args.grammar_backend) == (1, 1, 4, "xgrammar")
+    assert args.dist_init_addr == "127.0.0.1:5000"
+    assert _parse("--tp", "1").tp_size == 1  # argparse's prefix of --tp-size, as with SGLang
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--tokenizer-mode", "slow"], "fast tokenizers only"),
+    (["--grammar-backend", "outlines"], "xgrammar"),
+    (["--stream-interval", "0"], "stream_interval must be >= 1"),
+])
+def test_values_radixserve_cannot_honour(flags, message):
+    with pytest.raises(ValueError, match=message):
+        _parse(*flags)
+
+
+def test_every_other_sglang_flag_is_refused_by_name():
+    flags = sglang_flags.unsupported_flags()
+    assert len(flags) > 400 and "--enable-torch-compile" in flags
+    parser = _parser()
+    for flag, kind in flags.items():
+        values = {"flag": [], "value": ["1"], "list": ["a", "b"]}[kind]
+        with pytest.raises(ValueError) as refused:
+            ServerArgs.from_cli_args(parser.parse_args(["serve", flag, *values]))
+        assert flag in str(refused.value) and "not supported by radixserve" in str(refused.value), flag
+    with pytest.raises(ValueError, match="--quantization .weights run in the model's dtype.*--enable-torch-compile"):
+        _parse("--quantization", "fp8", "--enable-torch-compile")
+
+
+def test_engine_keywords_follow_the_same_rules():
+    with pytest.raises(ValueError, match="--enable-torch-compile .decode runs under CUDA graphs"):
+        make_server_args(enable_torch_compile=True)
+    assert make_server_args(enable_cache_report=True, trust_remote_code=True).trust_remote_code
+    with pytest.raises(ValueError, match="unknown server argument.*no_such_option"):
+        make_server_args(no_such_option=1)
+
+
+def test_the_command_line_refuses_before_starting_anything():
+    done = subprocess.run([sys.executable, "-m", "radixserve", "serve", "--enable-torch-compile"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "SGLang's --enable-torch-compile" in done.stderr and "not supported by radixserve" in done.stderr
+
+
+def test_trust_remote_code_reaches_the_tokenizer(default_model_dir):
+    tokenizer = server_tokenizer(default_model_dir, ServerArgs(trust_remote_code=True))
+    assert tokenizer.encode("Hello") == server_tokenizer(default_model_dir, ServerArgs()).encode("Hello")
+
+
+def test_stream_interval_batches_a_stream(default_model_dir):
+    prompt = list(range(300, 340))
+    outputs = {}
+    for interval in (1, 3):
+        driver = SchedulerDriver(default_model_dir, stream_interval=interval)
+        driver.submit("s", prompt, max_new_tokens=8, ignore_eos=True)
+        driver.submit("whole", prompt, max_new_tokens=8, ignore_eos=True, stream=False)
+        results = driver.run_until_idle()
+        driver.close()
+        outputs[interval] = results
+    assert outputs[1]["s"].output_ids == outputs[3]["s"].output_ids == outputs[3]["whole"].output_ids
+    assert outputs[1]["s"].num_messages == 8
+    # The first token at once, then every 3 (tokens 4 and 7), then the end: 4 messages.
+    assert outputs[3]["s"].num_messages == 4
+    assert outputs[3]["whole"].num_messages == 1
+
+
+def test_sglang_launch_command_serves():
+    """`python -m radixserve.launch_server` with a launch line written for SGLang, streaming every 2 tokens."""
+    server = ServerProcess("--trust-remote-code", "--tensor-parallel-size", "1", "--enable-cache-report",
+                           "--stream-interval", "2", "--log-level", "warning",
+                           command=("-m", "radixserve.launch_server"))
+    try:
+        body = {"text": "Count to ten:", "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True},
+                "stream": True}
+        with httpx.stream("POST", server.url + "/generate", json=body, timeout=120.0) as response:
+            assert response.status_code == 200
+            chunks = [line for line in response.iter_lines() if line.startswith("data:") and "[DONE]" not in line]
+        # The first token, then every 2: tokens 1, 3, 5, then the end (6).
+        assert len(chunks) == 4
+    finally:
+        assert server.stop() == 0
