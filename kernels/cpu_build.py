@@ -12,6 +12,8 @@ torch path until `ready()` turns true. `RADIXSERVE_CPU_KERNELS=0` turns the kern
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
@@ -19,7 +21,7 @@ import platform
 import threading
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -87,15 +89,37 @@ def load() -> bool:
             load_extension = _import_builder()
             directory = build_directory()
             directory.mkdir(parents=True, exist_ok=True)
-            load_extension(name="radixserve_cpu_kernels", sources=[str(s) for s in SOURCES], extra_cflags=CFLAGS,
-                           extra_include_paths=[str(SOURCES[0].parent)], extra_ldflags=["-fopenmp"],
-                           build_directory=str(directory), is_python_module=False, verbose=False)
+            with _build_lock(directory):
+                load_extension(name="radixserve_cpu_kernels", sources=[str(s) for s in SOURCES],
+                               extra_cflags=CFLAGS, extra_include_paths=[str(SOURCES[0].parent)],
+                               extra_ldflags=["-fopenmp"], build_directory=str(directory), is_python_module=False,
+                               verbose=False)
             _loaded = True
             logger.info("CPU kernels ready in %.1f s (%s)", time.perf_counter() - started, directory)
         except Exception as exc:  # noqa: BLE001 - any build failure means the torch path
             _error = f"{type(exc).__name__}: {exc}"
             logger.warning("CPU kernels unavailable, using the torch path: %s", _error)
         return _loaded
+
+
+@contextlib.contextmanager
+def _build_lock(directory: Path) -> Iterator[None]:
+    """One process at a time builds or loads from `directory`, under an OS file lock that dies with its holder.
+
+    torch's builder marks a build in progress with a `lock` file and makes every other process wait for it to go; a
+    build killed half-way (Ctrl-C during `make setup`) leaves that file behind, and every later server would wait on
+    it forever, serving on the torch path. Whoever holds this lock knows no build is running, so a `lock` file it
+    finds is stale and is removed."""
+    with open(directory / "build.flock", "w", encoding="utf-8") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            stale = directory / "lock"
+            if stale.exists():
+                logger.warning("removing a stale build lock left by a process that died mid-build: %s", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _import_builder() -> Any:

@@ -7,7 +7,10 @@ through the kernel's group path.
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -149,6 +152,21 @@ def test_build_is_cached_per_cpu_and_source():
     assert directory.is_dir() and any(directory.glob("*.so"))
     assert cpu_build.ready() and cpu_build.load()
     assert directory.parent.name == "kernels" and directory.name.startswith("cpu-")
+
+
+def test_a_build_killed_half_way_does_not_block_later_loads(tmp_path):
+    """torch's `lock` file left by a dead builder: the next process removes it (it holds the OS build lock, so no
+    build is running) and loads the library instead of waiting forever."""
+    built = cpu_build.build_directory()
+    copy = tmp_path / "kernels" / built.name
+    shutil.copytree(built, copy, ignore=shutil.ignore_patterns("lock", "build.flock"))
+    (copy / "lock").write_text("", encoding="utf-8")
+    script = ("from radixserve.kernels import cpu_build; import sys; "
+              "sys.exit(0 if cpu_build.load() and cpu_build.build_directory().name == sys.argv[1] else 1)")
+    done = subprocess.run([sys.executable, "-c", script, built.name], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "RADIXSERVE_CACHE_DIR": str(tmp_path)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "stale build lock" in done.stderr and not (copy / "lock").exists()
 
 
 def test_long_extends_run_on_torch_native():
