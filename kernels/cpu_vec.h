@@ -6,32 +6,6 @@
 
 namespace radixserve_cpu {
 
-// exp(x) for a whole array, written so the compiler vectorizes it (no calls, no branches): x = n ln2 + r with
-// |r| <= ln2 / 2 (n rounded to nearest by adding and subtracting 1.5 * 2^23; Cody-Waite split of ln2), exp(r) by
-// its degree-7 Taylor polynomial (relative error < 1e-8 on that range), 2^n through the exponent bits. Inputs
-// below -87 (masked scores included) give exactly 0.
-inline void exp_inplace(float* __restrict x, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
-    const float v = x[i];
-    float clamped = v < -87.0f ? -87.0f : v;
-    clamped = clamped > 88.0f ? 88.0f : clamped;
-    const float k = (clamped * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-    const float r = (clamped - k * 0.693145751953125f) - k * 1.428606765330187045e-06f;
-    float p = 1.0f / 5040.0f;
-    p = p * r + 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
-    float scale;
-    std::memcpy(&scale, &bits, sizeof(scale));
-    x[i] = v < -87.0f ? 0.0f : p * scale;
-  }
-}
-
 // 16 floats as one value: GCC lowers it to one AVX-512 register, two AVX2 registers or scalar code, whatever the
 // CPU the library is built for.
 typedef float v16 __attribute__((vector_size(64)));
@@ -48,7 +22,10 @@ inline v16 splat16(float x) { return v16{} + x; }
 
 typedef int32_t v16i __attribute__((vector_size(64)));
 
-// exp of 16 lanes, the steps of exp_inplace (cpu_vec.h) on one vector.
+// exp of 16 lanes, written so it stays in vector registers (no calls, no branches): x = n ln2 + r with
+// |r| <= ln2 / 2 (n rounded to nearest by adding and subtracting 1.5 * 2^23; Cody-Waite split of ln2), exp(r) by
+// its degree-7 Taylor polynomial (relative error < 1e-8 on that range), 2^n through the exponent bits. Inputs
+// below -87 (masked scores included) give exactly 0.
 inline v16 exp16(v16 v) {
   const v16 low = splat16(-87.0f), high = splat16(88.0f), round = splat16(12582912.0f);
   v16 clamped = v < low ? low : v;
@@ -67,6 +44,18 @@ inline v16 exp16(v16 v) {
   v16 scale;
   std::memcpy(&scale, &bits, sizeof(scale));
   return v < low ? splat16(0.0f) : p * scale;
+}
+
+// exp(x) for a whole array: exp16 on each 16 floats, the tail padded.
+inline void exp_inplace(float* __restrict x, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) store16(x + i, exp16(load16(x + i)));
+  if (i < n) {
+    float tail[16] = {};
+    std::memcpy(tail, x + i, (n - i) * sizeof(float));
+    const v16 e = exp16(load16(tail));
+    std::memcpy(x + i, &e, (n - i) * sizeof(float));
+  }
 }
 
 // A prefetch of the cache line at p. The empty volatile statement that takes p keeps the loops of prefetches:
