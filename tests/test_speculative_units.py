@@ -15,23 +15,28 @@ def index_of(tokens: list[int]) -> TokenIndex:
     return index
 
 
+def propose(index: TokenIndex, max_drafts: int, min_window: int, max_window: int) -> list[int]:
+    """What the n-gram proposer copies: up to `max_drafts` tokens after the longest, latest match."""
+    return index.continuation(index.longest_match(min_window, max_window)[1], max_drafts)
+
+
 def test_proposes_what_followed_the_longest_latest_match():
     # "7 8 9" occurred twice; its latest earlier occurrence was followed by 4 5, the first one by 1 2.
     tokens = [7, 8, 9, 1, 2, 3, 7, 8, 9, 4, 5, 6, 0, 8, 9]
-    assert index_of(tokens).propose(2, 1, 12) == [4, 5]
+    assert propose(index_of(tokens), 2, 1, 12) == [4, 5]
     # The longest match wins over a later, shorter one: "1 8 9" matches at the start, "2 8 9" only by "8 9".
-    assert index_of([1, 8, 9, 4, 2, 8, 9, 5, 3, 1, 8, 9]).propose(2, 1, 12) == [4, 2]
-    assert index_of(tokens).propose(2, 3, 12) == []  # no 3-token match of "0 8 9"
-    assert index_of([1, 2, 3]).propose(4, 1, 12) == []  # the last token never occurred before
-    assert index_of(tokens).propose(0, 1, 12) == []
+    assert propose(index_of([1, 8, 9, 4, 2, 8, 9, 5, 3, 1, 8, 9]), 2, 1, 12) == [4, 2]
+    assert propose(index_of(tokens), 2, 3, 12) == []  # no 3-token match of "0 8 9"
+    assert propose(index_of([1, 2, 3]), 4, 1, 12) == []  # the last token never occurred before
+    assert propose(index_of(tokens), 0, 1, 12) == []
 
 
 def test_index_grows_with_the_sequence():
     index = index_of([5, 6, 7])
     index.extend_to([5, 6, 7, 5])
-    assert index.propose(3, 1, 12) == [6, 7, 5]  # proposals may run into the tail itself (a repeating loop)
+    assert propose(index, 3, 1, 12) == [6, 7, 5]  # proposals may run into the tail itself (a repeating loop)
     index.extend_to([5, 6, 7, 5, 6, 7, 5, 6])
-    assert index.propose(2, 1, 12) == [7, 5]
+    assert propose(index, 2, 1, 12) == [7, 5]
 
 
 def test_draft_length_follows_the_acceptance_rate():

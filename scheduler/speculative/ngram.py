@@ -61,10 +61,3 @@ class TokenIndex:
     def continuation(self, start: int, max_drafts: int) -> list[int]:
         """Up to `max_drafts` tokens from `start` on (proposals may run into the tail itself: a repeating loop)."""
         return self.tokens[start: start + max_drafts] if max_drafts > 0 and start >= 0 else []
-
-    def propose(self, max_drafts: int, min_window: int, max_window: int) -> list[int]:
-        """Up to `max_drafts` tokens that followed the latest earlier occurrence of the longest matching suffix
-        (at least `min_window` tokens long, at most `max_window`); [] when there is none."""
-        if max_drafts <= 0:
-            return []
-        return self.continuation(self.longest_match(min_window, max_window)[1], max_drafts)
