@@ -9,14 +9,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import logging
 from dataclasses import dataclass, fields
 from typing import Any, Optional
 
 from radixserve.runtime.wire import sglang_flags
 from radixserve.runtime.wire.speculative_args import check_speculative_args, resolved_num_draft_tokens  # noqa: F401
-
-logger = logging.getLogger(__name__)
 
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
 ATTENTION_BACKENDS = ("torch_native", "cpu", "triton", "flashinfer")
@@ -293,7 +290,7 @@ class ServerArgs:
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
         for f in fields(ServerArgs):
-            flags = ["--" + f.name.replace("_", "-"), *sglang_flags.ALIASES.get(f.name, ())]
+            flags = [sglang_flags.flag_of(f.name), *sglang_flags.ALIASES.get(f.name, ())]
             default = f.default if f.default is not dataclasses.MISSING else None
             kind = _field_type(f)
             if kind is bool:  # --flag sets it, --no-flag clears it (so flags that default to on can be turned off)
@@ -360,12 +357,7 @@ def make_server_args(model_path: Optional[str] = None, **kwargs: Any) -> ServerA
     known = {f.name for f in fields(ServerArgs)}
     if "model" in kwargs and model_path is None:
         model_path = kwargs.pop("model")
-    for name in [name for name in kwargs if name not in known and sglang_flags.is_always(name)]:
-        logger.info("%s: %s", name, sglang_flags.ALWAYS["--" + name.replace("_", "-")])
-        del kwargs[name]
-    sglang_only = sorted(name for name in set(kwargs) - known if sglang_flags.is_sglang_option(name))
-    if sglang_only:
-        raise ValueError(sglang_flags.refusal(["--" + name.replace("_", "-") for name in sglang_only]))
+    kwargs = sglang_flags.check_keywords(kwargs, known)
     unknown = sorted(set(kwargs) - known)
     if unknown:
         raise ValueError(f"unknown server argument(s): {', '.join(unknown)}")

@@ -100,10 +100,19 @@ def refusal(flags: Sequence[str]) -> str:
             "remove it (`radixserve serve --help` lists the flags radixserve takes)")
 
 
-def is_sglang_option(name: str) -> bool:
-    """Whether `name`, an Engine keyword (`enable_torch_compile`), is one of SGLang's options radixserve lacks."""
-    return "--" + name.replace("_", "-") in unsupported_flags()
+def flag_of(name: str) -> str:
+    """The command-line flag of an Engine keyword: `enable_torch_compile` -> `--enable-torch-compile`."""
+    return "--" + name.replace("_", "-")
 
 
-def is_always(name: str) -> bool:
-    return "--" + name.replace("_", "-") in ALWAYS
+def check_keywords(kwargs: dict[str, Any], known: set[str]) -> dict[str, Any]:
+    """`Engine(**kwargs)`'s counterpart of `check_cli_args`: the keywords without the accepted SGLang ones (logged);
+    raises ValueError naming the unsupported SGLang options among those not in `known`."""
+    extra = [name for name in kwargs if name not in known]
+    refused = sorted(flag_of(name) for name in extra if flag_of(name) in unsupported_flags())
+    if refused:
+        raise ValueError(refusal(refused))
+    for name in extra:
+        if flag_of(name) in ALWAYS:
+            logger.info("%s: %s", name, ALWAYS[flag_of(name)])
+    return {name: value for name, value in kwargs.items() if flag_of(name) not in ALWAYS or name in known}
