@@ -74,22 +74,20 @@ def build_paged_kv_index(
     device = req_to_token.device
     batch = len(seq_lens_host)
     host_lens = torch.tensor(list(seq_lens_host), dtype=torch.int32)
-    host_first_pages = torch.zeros(batch, dtype=torch.int32)
+    host_pages = (host_lens + page_size - 1) // page_size
+    device_pages = (seq_lens + page_size - 1) // page_size
+    host_first_pages, starts = torch.zeros(batch, dtype=torch.int32), None
     if starts_host is not None:
         host_starts = torch.tensor(list(starts_host), dtype=torch.int32)
         assert bool((host_starts % page_size == 0).all()), "starts must be whole pages"
         host_first_pages = host_starts // page_size
+        starts = host_starts.to(device, non_blocking=True)
+        device_pages = device_pages - starts // page_size
     assert bool((host_lens > host_first_pages * page_size).all()), "every request needs at least one position"
-    host_pages = (host_lens + page_size - 1) // page_size
     indptr_host = torch.zeros(batch + 1, dtype=torch.int32)
     indptr_host[1:] = torch.cumsum(host_pages - host_first_pages, dim=0)
     last_page_len_host = host_lens - (host_pages - 1) * page_size
 
-    device_pages = (seq_lens + page_size - 1) // page_size
-    starts = None
-    if starts_host is not None:
-        starts = host_starts.to(device, non_blocking=True)
-        device_pages = device_pages - starts // page_size
     indptr = torch.zeros(batch + 1, dtype=torch.int32, device=device)
     indptr[1:] = torch.cumsum(device_pages, dim=0)
     indices = torch.empty(int(indptr_host[-1]), dtype=torch.int32, device=device)

@@ -86,8 +86,6 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._planned: Optional[torch.cuda.Event] = None  # recorded after the latest plan's copies
         self._graph_wrappers: dict[int, Any] = {}  # captured batch size -> CUDA-graph decode wrapper
         self.cascade = cascade
-        # The scheduler fills `prefix_groups` of decode batches for backends that set these.
-        self.uses_prefix_groups = cascade
         self.min_shared_prefix = MIN_SHARED_POSITIONS
         self.cascade_min_saved_bytes = MIN_SAVED_BYTES  # per step, see flashinfer_cascade.py
         self.cascade_min_saved_bytes_over_graph = MIN_SAVED_BYTES_OVER_GRAPH
@@ -120,6 +118,10 @@ class FlashInferAttentionBackend(AttentionBackend):
             wrapper = self._prefill_wrapper
         self._mark_planned()
         batch.attn_metadata = FlashInferMetadata(wrapper, kv_index)
+
+    @property
+    def uses_prefix_groups(self) -> bool:  # the scheduler then fills `prefix_groups` of decode batches
+        return self.cascade
 
     def prefers_eager(self, batch: ForwardBatch) -> bool:
         """Whether `batch` should skip its CUDA graph: cascade attention saves more reads than the graph saves
