@@ -4,10 +4,12 @@ encoding each alone gives (the tokenizer's own `encode` is the reference), and a
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
 from radixserve.runtime.model_files import load_tokenizer
+from radixserve.runtime.wire.errors import EngineDeadError
 from radixserve.tokenizer_manager.tokenize import TokenizerWorker
 
 TEXTS = ["", "Hello", " leading space", "<|im_start|>user\nName three fruits.<|im_end|>\n", "naïve café 東京 🙂",
@@ -49,3 +51,20 @@ def test_one_text_at_a_time_and_a_failed_caller(default_model_dir, tokenizer):
     finally:
         worker.close()
     assert results == [tokenizer.encode(text) for text in TEXTS + ["after a cancelled caller"]]
+
+
+def test_closing_fails_queued_texts_instead_of_leaving_them_waiting(default_model_dir):
+    worker = TokenizerWorker(load_tokenizer(default_model_dir))
+
+    async def close_with_texts_queued():
+        worker._pool.submit(time.sleep, 0.5)  # the worker thread busy, so the texts wait in the queue
+        queued = [asyncio.ensure_future(worker.encode(f"text {i}", 10 ** 6)) for i in range(3)]
+        await asyncio.sleep(0.05)
+        worker.close()
+        outcomes = await asyncio.wait_for(asyncio.gather(*queued, return_exceptions=True), timeout=5)
+        with pytest.raises(EngineDeadError):
+            await worker.encode("after close", 10 ** 6)
+        return outcomes
+
+    outcomes = asyncio.run(close_with_texts_queued())
+    assert all(isinstance(outcome, EngineDeadError) for outcome in outcomes)

@@ -22,7 +22,7 @@ import os
 import threading
 from typing import Any, Optional
 
-from radixserve.runtime.wire.errors import ContextLengthExceededError
+from radixserve.runtime.wire.errors import ContextLengthExceededError, EngineDeadError
 
 
 def load_chat_template(value: Optional[str]) -> Optional[str]:
@@ -53,6 +53,7 @@ class TokenizerWorker:
         self._lock = threading.Lock()
         self._queued: list[tuple[str, asyncio.Future]] = []  # texts waiting for the next batch encode
         self.num_encode_calls = 0  # tokenizer calls made for `encode` (fewer than texts when they batch)
+        self._closed = False
 
     def check_text_length(self, text: str, limit: int) -> None:
         """Refuse a text that cannot fit `limit` tokens, without tokenizing it."""
@@ -65,6 +66,8 @@ class TokenizerWorker:
         self.check_text_length(text, limit)
         future = asyncio.get_running_loop().create_future()
         with self._lock:
+            if self._closed:
+                raise EngineDeadError("the engine is shut down")
             self._queued.append((text, future))
             first = len(self._queued) == 1
         if first:  # a batch is open: the job it schedules takes every text queued by the time it runs
@@ -119,7 +122,13 @@ class TokenizerWorker:
         return await asyncio.get_running_loop().run_in_executor(self._pool, work)
 
     def close(self) -> None:
+        """Stop the worker; texts still queued fail with EngineDeadError (their callers never wait forever)."""
+        with self._lock:
+            self._closed = True
+            queued, self._queued = self._queued, []
         self._pool.shutdown(wait=False, cancel_futures=True)
+        for _, future in queued:
+            future.get_loop().call_soon_threadsafe(_resolve, future, EngineDeadError("the engine is shut down"))
 
 
 def _resolve(future: asyncio.Future, result: Any) -> None:
