@@ -1,0 +1,48 @@
+"""The serving profile tools of benchmarks/: the py-spy stack split and the in-process serving replay."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import scheduler_stack_split  # noqa: E402
+
+LOOP = "<module> (<string>:1);run_scheduler_process (scheduler/process.py:98);serve (scheduler/process.py:146)"
+STEP = LOOP + ";Scheduler.step (scheduler/scheduler.py:124);BatchExecutor.enqueue (scheduler/overlap.py:139)"
+FORWARD = STEP + ";ModelRunner.forward (model_runner/model_runner.py:118);LlamaModel.forward (models/llama.py:150)"
+
+
+def test_stack_split_counts_loop_parts_and_layer_kinds():
+    lines = [
+        # o_proj inside the attention module: a linear layer, not attention
+        f"{FORWARD};LlamaAttention.forward (models/llama.py:85);RowParallelLinear.forward (layers.py:60) 5\n",
+        f"{FORWARD};LlamaAttention.forward (models/llama.py:84);CpuAttentionBackend.forward (cpu_backend.py:89) 3\n",
+        f"{FORWARD};RMSNorm.forward (layers.py:97) 2\n",
+        f"{STEP};Sampler.sample (model_runner/sampling.py:243) 4\n",
+        f"{LOOP};Poller.poll (zmq/sugar/poll.py:106) 1\n",
+        "<module> (<string>:1);_watch_parent.<locals>.watch (scheduler/process.py:160) 5\n",
+        "\n",
+    ]
+    total, loop, forward = scheduler_stack_split.split(lines)
+    assert total == 20
+    assert loop == {"model forward": 10, "sampling": 4, "waiting for work": 1, "other threads": 5}
+    assert forward == {"linear layers": 5, "attention": 3, "RMSNorm, rotary, SiLU-and-mul": 2}
+
+
+@pytest.mark.slow
+def test_serving_replay_runs_every_request_to_the_end():
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "cpu_serving_profile.py"), "--dtype", "float32", "--rate", "50",
+         "--num-prompts", "4", "--input-len", "16", "--output-len", "4", "--server-arg", "chunked_prefill_size=32"],
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "server args {'chunked_prefill_size': 32}" in out.stdout
+    assert "EXTEND" in out.stdout and "DECODE" in out.stdout
+    assert "TTFT median / p99" in out.stdout
