@@ -69,9 +69,12 @@ def cpu_isa() -> str:
 
 
 def build_directory() -> Path:
+    """The cache folder of this checkout's build. Its key holds the sources' folder too: torch's builder writes
+    the source paths into its ninja file, so two checkouts of the same sources sharing one folder would each
+    rebuild the library (both cores for about 30 s, on the torch path meanwhile) whenever the other used it last."""
     key = hashlib.sha256()
-    for part in (*(s.read_bytes() for s in SOURCES + HEADERS), torch.__version__.encode(), cpu_flags().encode(),
-                 " ".join(CFLAGS).encode()):
+    for part in (*(s.read_bytes() for s in SOURCES + HEADERS), str(SOURCES[0].parent.resolve()).encode(),
+                 torch.__version__.encode(), cpu_flags().encode(), " ".join(CFLAGS).encode()):
         key.update(part)
     root = Path(os.environ.get("RADIXSERVE_CACHE_DIR", Path.home() / ".cache" / "radixserve"))
     return root / "kernels" / f"cpu-{key.hexdigest()[:16]}"

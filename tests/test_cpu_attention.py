@@ -154,6 +154,21 @@ def test_build_is_cached_per_cpu_and_source():
     assert directory.parent.name == "kernels" and directory.name.startswith("cpu-")
 
 
+def test_checkouts_of_the_same_sources_build_in_folders_of_their_own(tmp_path, monkeypatch):
+    """torch's builder writes the source paths into its ninja file: two checkouts sharing a folder would rebuild
+    the library each time the other one had used it last."""
+    copy = tmp_path / "kernels"
+    copy.mkdir()
+    for source in cpu_build.SOURCES + cpu_build.HEADERS:
+        shutil.copy(source, copy / source.name)
+    here = cpu_build.build_directory()
+    monkeypatch.setattr(cpu_build, "SOURCES", [copy / s.name for s in cpu_build.SOURCES])
+    monkeypatch.setattr(cpu_build, "HEADERS", [copy / h.name for h in cpu_build.HEADERS])
+    there = cpu_build.build_directory()
+    assert there != here and there.parent == here.parent
+    assert cpu_build.build_directory() == there  # the same checkout keeps its folder
+
+
 def test_a_build_killed_half_way_does_not_block_later_loads(tmp_path):
     """torch's `lock` file left by a dead builder: the next process removes it (it holds the OS build lock, so no
     build is running) and loads the library instead of waiting forever."""
