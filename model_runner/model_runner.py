@@ -184,8 +184,9 @@ class ModelRunner:
         model.eval().requires_grad_(False)
         if self.device.type == "cpu" and self.dtype == torch.bfloat16:
             pack_cpu_linears(model)  # the weights are final now; see model_runner/cpu_packed.py
-        elif self.device.type == "cpu" and small_batch_packing_pays(model, self.server_args.speculative_algorithm):
-            pack_small_batch_linears(model)  # few-row forwards; see model_runner/cpu_small_batch.py
+        elif self.device.type == "cpu" and self.dtype == torch.float32:
+            packed = small_batch_packing_pays(model, self.server_args.speculative_algorithm)
+            pack_small_batch_linears(model, packed=packed)  # few-row forwards; see model_runner/cpu_small_batch.py
         return model
 
     def _size_memory(self) -> tuple[int, int]:
