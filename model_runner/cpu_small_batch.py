@@ -21,6 +21,7 @@ embedded model: 0.5 GB; model_runner/model_runner.py); the kernel needs no copy.
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -49,7 +50,10 @@ NO_ROWS = (1, 0)
 
 
 def kernel_rows(dtype: torch.dtype, head: bool) -> tuple[int, int]:
-    """Row range (inclusive; empty as `(1, 0)`) in which a linear of this weight dtype runs the C++ kernel."""
+    """Row range (inclusive; empty as `(1, 0)`) in which a linear of this weight dtype runs the C++ kernel;
+    `RADIXSERVE_CPU_SMALL_LINEAR=0` keeps every linear off it (the packed path and `F.linear` as before it)."""
+    if os.environ.get("RADIXSERVE_CPU_SMALL_LINEAR", "1") == "0":
+        return NO_ROWS
     ranges = KERNEL_ROWS.get(dtype)
     return NO_ROWS if ranges is None else ranges[1 if head else 0]
 
