@@ -5,9 +5,11 @@
 // the arithmetic per weight element is M multiply-adds. So the weight is read from memory once per call: the
 // output rows are split into tiles of a few weight rows; a tile's rows are streamed once for the first few input
 // rows and re-read from L1 for the others (a tile of 4 rows of K = 1536 floats is 24 KB), each loaded weight vector
-// feeding one multiply-add per input row of the pass. Every (weight row, input row) pair keeps its own vector of
-// partial sums over K, reduced to one float at the end; bfloat16 weights are widened to float32 in registers. The
-// tiles are split over the threads (ATen's parallel_for, OpenMP).
+// feeding one multiply-add per input row of the pass, while the next tile's rows are prefetched. Every (weight row,
+// input row) pair keeps its own vector of partial sums over K; a shuffle tree turns a tile's vectors into one vector
+// of sums at the end. bfloat16 weights are widened to float32 in registers. The tiles are split over the threads
+// (ATen's parallel_for, OpenMP). Measured against F.linear and oneDNN's packed weights in benchmarks/cpu_linear.py
+// (figures in docs/benchmarks.md); model_runner/cpu_small_batch.py picks the row counts it runs.
 //
 // The sum order differs from torch's (per-lane partial sums, then a pairwise reduction): float32 results agree to
 // about 1e-6 relative; bfloat16 outputs are the float32 sums (+ bias) rounded once, as oneDNN rounds them.
