@@ -79,8 +79,6 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--eager-batch-sizes", type=int_list, default=[1],
                         help="decode sizes to repeat without CUDA graphs (when graphs are on)")
     parser.add_argument("--disable-cuda-graph", action="store_true")
-    parser.add_argument("--skinny-gemm-max-rows", type=int, default=0,
-                        help="linears of at most this many rows through the skinny Triton GEMM (0: cuBLAS)")
     parser.add_argument("--profile-batch-size", type=int, default=0, help="0: no profile")
     parser.add_argument("--prefill-repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=20, help="timed decode steps")
@@ -117,7 +115,7 @@ def build_runner(args: argparse.Namespace, model_path: Optional[str], load_forma
         attention_backend=args.attention_backend, page_size=page, random_seed=args.seed,
         context_length=max(args.input_len, args.context_len), max_total_tokens=tokens,
         max_running_requests=max(all_sizes), cuda_graph_max_bs=max(args.decode_batch_sizes or [1]),
-        disable_cuda_graph=disable_cuda_graph, skinny_gemm_max_rows=args.skinny_gemm_max_rows,
+        disable_cuda_graph=disable_cuda_graph,
     ))
 
 

@@ -14,7 +14,6 @@ import torch
 from radixserve.model_runner.attention import AttentionBackend, create_attention_backend
 from radixserve.model_runner.cpu_packed import pack_cpu_linears
 from radixserve.model_runner.cpu_small_batch import pack_small_batch_linears, small_batch_packing_pays
-from radixserve.model_runner.skinny_linear import use_skinny_linears
 from radixserve.model_runner.forward_batch import ForwardBatch
 from radixserve.model_runner.loader import dummy_weights, iter_weights
 from radixserve.model_runner.lora.setup import create_lora_manager
@@ -187,9 +186,6 @@ class ModelRunner:
             pack_cpu_linears(model)  # the weights are final now; see model_runner/cpu_packed.py
         elif self.device.type == "cpu" and small_batch_packing_pays(model, self.server_args.speculative_algorithm):
             pack_small_batch_linears(model)  # few-row forwards; see model_runner/cpu_small_batch.py
-        elif (self.device.type == "cuda" and self.dtype in (torch.float16, torch.bfloat16)
-              and self.server_args.skinny_gemm_max_rows > 0):
-            use_skinny_linears(model, self.server_args.skinny_gemm_max_rows)  # see model_runner/skinny_linear.py
         return model
 
     def _size_memory(self) -> tuple[int, int]:

@@ -101,9 +101,6 @@ class ServerArgs:
     # FlashInfer decode reads a cached prefix shared by several running requests once per step (vLLM's flag name)
     disable_cascade_attn: bool = False
     cuda_graph_max_bs: Optional[int] = None
-    # GPU float16/bfloat16 linears of at most this many rows run as one skinny Triton GEMM (0: cuBLAS always;
-    # kernels/skinny_gemm.py)
-    skinny_gemm_max_rows: int = 0
     tp_size: int = 1  # tensor-parallel ranks, one scheduler process each (docs/parallelism.md)
     dist_init_addr: Optional[str] = None  # "host:port" of the TP group's rendezvous; None: a free local port
     dist_timeout: float = 600.0  # seconds a collective may wait for a peer before the group fails
@@ -203,8 +200,6 @@ class ServerArgs:
               f"sampling_backend {self.sampling_backend!r} is not available: radixserve samples with PyTorch only "
               f"(use one of {SAMPLING_BACKENDS} or leave it unset)")
         check(self.watchdog_timeout > 0, f"watchdog_timeout must be positive, got {self.watchdog_timeout}")
-        check(0 <= self.skinny_gemm_max_rows <= 16,
-              f"skinny_gemm_max_rows must be in 0..16, got {self.skinny_gemm_max_rows}")
         check(self.tp_size >= 1, f"tp_size must be >= 1, got {self.tp_size}")
         check(self.nnodes >= 1 and 0 <= self.node_rank < self.nnodes,
               f"node_rank must be in 0..nnodes-1, got node_rank {self.node_rank} with nnodes {self.nnodes}")
