@@ -16,8 +16,9 @@ backups of the slots it reads. Otherwise (the view cannot be made) the staged pa
 - device -> host (`backup`): gathered on the device and copied into pinned staging on the copy stream; the
   staging is scattered into the buffer once its event fired: opportunistically at the next backup, and before
   anything reads slots it writes (a load waits only for the writes of the slots it loads, so it never waits for
-  the batch in flight when its own slots were written long ago). The scheduler frees the device slots right away: the next batch that may write them
-  is launched after `_fence`, which makes the launching stream wait for the copy stream.
+  the batch in flight when its own slots were written long ago). The scheduler frees the device slots right
+  away: the next batch that may write them is launched after `_fence`, which makes the launching stream wait
+  for the copy stream.
 - host -> device (`load`, `load_data`): gathered on the host into pinned staging, copied and scattered into the
   device pool on the copy stream, then fenced the same way, so the batch that reads the loaded KV waits for it
   while the batch before it (already launched) runs concurrently.

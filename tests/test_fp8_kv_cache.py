@@ -63,20 +63,23 @@ def test_the_flag_takes_sglang_names_and_refuses_others() -> None:
         ServerArgs(kv_cache_dtype="fp4_e2m1")
 
 
-def test_the_host_tier_keeps_float8_kv_byte_for_byte() -> None:
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not ON_GPU, reason="no GPU"))])
+def test_the_host_tier_keeps_float8_kv_byte_for_byte(device: str) -> None:
     from radixserve.radix_cache.host_pool import HostKVPool
 
-    pool = TokenToKVPool(16, 1, 2, 2, 8, torch.float8_e4m3fn)
+    pool = TokenToKVPool(16, 1, 2, 2, 8, torch.float8_e4m3fn, device=device)
     for buffer in pool.k_buffer + pool.v_buffer:
-        buffer.copy_(torch.randn(buffer.shape) * 4)
+        buffer.copy_(torch.randn(buffer.shape, device=device) * 4)
     host = HostKVPool(pool, 8)
-    device_slots, host_slots = torch.tensor([3, 5, 9]), host.alloc(3)
+    device_slots, host_slots = torch.tensor([3, 5, 9], device=device), host.alloc(3)
     host.backup(device_slots, host_slots)
     saved = [buffer[device_slots].float() for buffer in pool.k_buffer + pool.v_buffer]
     for buffer in pool.k_buffer + pool.v_buffer:
-        buffer[device_slots] = torch.zeros(3, 2, 8, dtype=buffer.dtype)
-    targets = torch.tensor([1, 2, 4])
+        buffer[device_slots] = torch.zeros(3, 2, 8, dtype=buffer.dtype, device=device)
+    targets = torch.tensor([1, 2, 4], device=device)
     host.load(host_slots, targets)
+    if device == "cuda":
+        torch.cuda.synchronize()
     assert all(torch.equal(buffer[targets].float(), expected)
                for buffer, expected in zip(pool.k_buffer + pool.v_buffer, saved))
 
