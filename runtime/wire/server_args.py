@@ -102,7 +102,7 @@ class ServerArgs:
     disable_cuda_graph: bool = False
     # FlashInfer decode reads a cached prefix shared by several running requests once per step (vLLM's flag name)
     disable_cascade_attn: bool = False
-    cuda_graph_max_bs: Optional[int] = None
+    cuda_graph_max_bs: Optional[int] = None  # None: 1024 on a GPU of >= 64 GiB, else 256 (model_runner/cuda_graph.py)
     tp_size: int = 1  # tensor-parallel ranks, one scheduler process each (docs/parallelism.md)
     dist_init_addr: Optional[str] = None  # "host:port" of the TP group's rendezvous; None: a free local port
     dist_timeout: float = 600.0  # seconds a collective may wait for a peer before the group fails
