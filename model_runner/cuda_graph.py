@@ -229,13 +229,18 @@ class CudaGraphRunner:
 
 
 def graph_max_batch_size(runner: "ModelRunner") -> int:
-    """The largest decode batch to capture: `--cuda-graph-max-bs`, else LARGE_GPU_MAX_BS on a GPU of at least
-    LARGE_GPU_BYTES and DEFAULT_MAX_BS on a smaller one; at most the runner's max_running_requests."""
-    chosen = runner.server_args.cuda_graph_max_bs
-    if chosen is None:
-        large = torch.cuda.get_device_properties(runner.device).total_memory >= LARGE_GPU_BYTES
-        chosen = LARGE_GPU_MAX_BS if large else DEFAULT_MAX_BS
-    return max(1, min(chosen, runner.max_running_requests))
+    """The largest decode batch to capture for `runner` (see `choose_graph_max_batch_size`)."""
+    return choose_graph_max_batch_size(runner.server_args.cuda_graph_max_bs,
+                                       torch.cuda.get_device_properties(runner.device).total_memory,
+                                       runner.max_running_requests)
+
+
+def choose_graph_max_batch_size(requested: Optional[int], gpu_bytes: int, max_running_requests: int) -> int:
+    """`--cuda-graph-max-bs` when given, else LARGE_GPU_MAX_BS on a GPU of at least LARGE_GPU_BYTES and
+    DEFAULT_MAX_BS on a smaller one; at most `max_running_requests`."""
+    if requested is None:
+        requested = LARGE_GPU_MAX_BS if gpu_bytes >= LARGE_GPU_BYTES else DEFAULT_MAX_BS
+    return max(1, min(requested, max_running_requests))
 
 
 def create_cuda_graph_runner(runner: "ModelRunner") -> Optional[CudaGraphRunner]:
