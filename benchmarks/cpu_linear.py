@@ -22,12 +22,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from pathlib import Path
 from typing import Callable
 
 import _srcpath  # noqa: F401
+import roofline
 import torch
 import torch.nn.functional as F
 
@@ -36,16 +35,11 @@ from radixserve.kernels import cpu_build
 LAYERS = 30
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out_features, in_features)
 HEAD_SHAPE = (49152, 576)
+CPU = torch.device("cpu")
 
 
 def median_ms(fn: Callable[[], object], repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+    return roofline.median_ms(fn, CPU, repeats, warmup=1)
 
 
 def paths(weights: list[torch.Tensor]) -> dict[str, Callable[[torch.Tensor, int], torch.Tensor]]:
