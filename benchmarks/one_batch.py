@@ -52,7 +52,7 @@ import roofline  # noqa: E402
 from radixserve.model_runner.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
 from radixserve.model_runner.model_runner import ModelRunner  # noqa: E402
 from radixserve.model_runner.static_generate import assign_kv_slots, make_forward_batch  # noqa: E402
-from radixserve.radix_cache.pool import TokenToKVPool  # noqa: E402
+from radixserve.radix_cache.pool import FLOAT8_DTYPES, TokenToKVPool  # noqa: E402
 from radixserve.runtime.wire.server_args import ServerArgs  # noqa: E402
 
 PROFILE_STEPS = 5
@@ -79,6 +79,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--eager-batch-sizes", type=int_list, default=[1],
                         help="decode sizes to repeat without CUDA graphs (when graphs are on)")
     parser.add_argument("--disable-cuda-graph", action="store_true")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="auto | bfloat16 | fp8_e4m3 | fp8_e5m2 | ...")
     parser.add_argument("--profile-batch-size", type=int, default=0, help="0: no profile")
     parser.add_argument("--prefill-repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=20, help="timed decode steps")
@@ -115,7 +116,7 @@ def build_runner(args: argparse.Namespace, model_path: Optional[str], load_forma
         attention_backend=args.attention_backend, page_size=page, random_seed=args.seed,
         context_length=max(args.input_len, args.context_len), max_total_tokens=tokens,
         max_running_requests=max(all_sizes), cuda_graph_max_bs=max(args.decode_batch_sizes or [1]),
-        disable_cuda_graph=disable_cuda_graph,
+        disable_cuda_graph=disable_cuda_graph, kv_cache_dtype=args.kv_cache_dtype,
     ))
 
 
@@ -123,7 +124,11 @@ def randomize_kv(pool: TokenToKVPool, seed: int) -> None:
     """Random KV everywhere, so attention never reads zeros."""
     generator = torch.Generator(device=pool.device).manual_seed(seed)
     for buffer in pool.k_buffer + pool.v_buffer:
-        buffer.normal_(0.0, 1.0, generator=generator)
+        if buffer.dtype in FLOAT8_DTYPES:  # no normal_ for float8: drawn in bfloat16, then cast
+            buffer.copy_(torch.empty(buffer.shape, dtype=torch.bfloat16, device=buffer.device).normal_(
+                0.0, 1.0, generator=generator))
+        else:
+            buffer.normal_(0.0, 1.0, generator=generator)
 
 
 class StaticRequests:

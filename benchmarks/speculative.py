@@ -199,11 +199,13 @@ def wait_for_kernel_builds(descendants, timeout: float = 600.0) -> None:
 
 
 def verify_cost(model: Optional[str], context_len: int, chain_lens: list[int], repeats: int) -> list[dict]:
-    """CPU time of one verify forward by chain length (1 = a plain decode step), on one torch thread, with
-    `F.linear` for every row count and with the packed float32 linears speculative decoding installs
-    (model_runner/cpu_small_batch.py, from `MIN_PACKED_ROWS` rows): what a chain of drafts costs next to the
-    decode step it replaces. The CPU kernels (attention, norms) are loaded first, as a serving engine has them;
-    chain lengths are timed in turn, round after round, so load from other work weighs on all alike."""
+    """CPU time of one verify forward by chain length (1 = a plain decode step), on one torch thread, with three
+    choices of float32 linears (model_runner/cpu_small_batch.py): `F.linear` for every row count; the packed
+    weights from `MIN_PACKED_ROWS` rows without the small-row kernel (what speculative decoding ran before the
+    kernel); and the linears as the runner installs them (the kernel in its rows, the packed weights past them):
+    what a chain of drafts costs next to the decode step it replaces. The CPU kernels (attention, norms) are loaded
+    first, as a serving engine has them; chain lengths are timed in turn, round after round, so load from other
+    work weighs on all alike."""
     import statistics
 
     import torch
@@ -228,12 +230,20 @@ def verify_cost(model: Optional[str], context_len: int, chain_lens: list[int], r
     chain_slots = assign_kv_slots(runner.allocator, runner.req_to_token_pool, [row], [context_len],
                                   [max(chain_lens)])
     packed_from = cpu_small_batch.MIN_PACKED_ROWS
-    variants = {"F.linear": cpu_small_batch.MAX_PACKED_ROWS + 1, f"packed from {packed_from} rows": packed_from}
+    linears = [m for m in runner.model.modules() if isinstance(m, cpu_small_batch.SmallBatchLinear)]
+    installed = {id(m): m.kernel_rows for m in linears}
+    low, high = cpu_small_batch.kernel_rows(torch.float32, head=False)
+    # name -> (first packed row count, whether the small-row kernel runs)
+    variants = {"F.linear": (cpu_small_batch.MAX_PACKED_ROWS + 1, False),
+                f"packed from {packed_from} rows": (packed_from, False),
+                f"kernel {low}-{high} rows, packed past": (packed_from, True)}
     times: dict[tuple[str, int], list[float]] = {(name, n): [] for name in variants for n in chain_lens}
     try:
         for _ in range(repeats + 1):
-            for name, min_rows in variants.items():
+            for name, (min_rows, kernel) in variants.items():
                 cpu_small_batch.MIN_PACKED_ROWS = min_rows  # read by SmallBatchLinear at every call
+                for module in linears:
+                    module.kernel_rows = installed[id(module)] if kernel else cpu_small_batch.NO_ROWS
                 for length in chain_lens:
                     mode = ForwardMode.DECODE if length == 1 else ForwardMode.EXTEND
                     batch = make_forward_batch(mode, [row], [context_len], [prompt[:length]],
@@ -244,6 +254,8 @@ def verify_cost(model: Optional[str], context_len: int, chain_lens: list[int], r
                     times[(name, length)].append(time.process_time() - began)
     finally:
         cpu_small_batch.MIN_PACKED_ROWS = packed_from
+        for module in linears:
+            module.kernel_rows = installed[id(module)]
     return [{"linears": name, "chain_len": length, "context_len": context_len, "cpu_kernels": kernels,
              "cpu_ms": 1000 * statistics.median(samples[1:])} for (name, length), samples in times.items()]
 
@@ -288,14 +300,14 @@ def main() -> None:
                         help="run every workload this many times and report totals (steadier on a shared machine)")
     parser.add_argument("--out", default=None, help="write the JSON record here")
     parser.add_argument("--verify-cost", action="store_true",
-                        help="only time one verify forward by chain length (F.linear vs packed linears) and exit")
+                        help="only time one verify forward by chain length (F.linear, packed, kernel linears) and exit")
     args = parser.parse_args()
     if args.verify_cost:
         costs = verify_cost(args.model, 400, [1, 2, 3, 4, 5, 6, 8, 10, 12], repeats=9)
-        print(f"{'linears':<21} {'chain':>5} {'CPU ms':>7} {'vs decode':>9}")
+        print(f"{'linears':<32} {'chain':>5} {'CPU ms':>7} {'vs decode':>9}")
         for row in costs:
             decode = next(r["cpu_ms"] for r in costs if r["linears"] == row["linears"] and r["chain_len"] == 1)
-            print(f"{row['linears']:<21} {row['chain_len']:>5} {row['cpu_ms']:>7.1f} {row['cpu_ms'] / decode:>8.2f}x")
+            print(f"{row['linears']:<32} {row['chain_len']:>5} {row['cpu_ms']:>7.1f} {row['cpu_ms'] / decode:>8.2f}x")
         if args.out:
             Path(args.out).write_text(json.dumps({"benchmark": "speculative verify cost",
                                                   "machine": cpu_description(), "rows": costs}, indent=2) + "\n")

@@ -5,7 +5,8 @@ a rule would have proposed, and how many of them would have been accepted, follo
 greedy output alone, without running the model. This replays the real proposer (scheduler/speculative/ngram.py)
 and its draft-length rules (scheduler/speculative/state.py) with other settings over the outputs that
 `benchmarks/speculative.py --out` records, and prices each verify step with the CPU times of
-`benchmarks/speculative.py --verify-cost --out` (the packed linears' row).
+`benchmarks/speculative.py --verify-cost --out` (the row of the linears the runner installs: the small-row kernel's,
+or the packed linears' in a record made before the kernel).
 
     python benchmarks/speculative_rules.py RUN.json VERIFY_COST.json
 """
@@ -62,8 +63,9 @@ def replay(prompt: list[int], output: list[int], max_drafts: int, low: int, high
 
 def main() -> None:
     run = json.loads(open(sys.argv[1]).read())
-    costs = {row["chain_len"]: row["cpu_ms"] for row in json.loads(open(sys.argv[2]).read())["rows"]
-             if row["linears"].startswith("packed")}
+    rows = json.loads(open(sys.argv[2]).read())["rows"]
+    installed = "kernel" if any(row["linears"].startswith("kernel") for row in rows) else "packed"
+    costs = {row["chain_len"]: row["cpu_ms"] for row in rows if row["linears"].startswith(installed)}
 
     def cost(chain_len: int) -> float:  # the nearest measured chain length at or above
         return costs[min((n for n in costs if n >= chain_len), default=max(costs))]

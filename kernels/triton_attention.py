@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from radixserve.radix_cache.pool import FLOAT8_DTYPES
+
 _LOG2_E = 1.0 / math.log(2.0)
 
 
@@ -68,7 +70,7 @@ def _decode_split_kernel(
         slots = tl.load(Req_to_token + row * stride_r2t_row + offs_n, mask=key_mask, other=0).to(tl.int64)
         kv_mask = key_mask[:, None] & dim_mask[None, :]
         k = tl.load(K_buffer + slots[:, None] * stride_k_slot + kv_head * stride_k_head + offs_d[None, :],
-                    mask=kv_mask, other=0.0)
+                    mask=kv_mask, other=0.0).to(q.dtype)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         scores = tl.where(key_mask[None, :], scores, float("-inf"))
         # Every block inside [start, end) holds at least one real key, so new_max is finite.
@@ -77,7 +79,7 @@ def _decode_split_kernel(
         probs = tl.exp2(scores - new_max[:, None])
         row_sum = row_sum * rescale + tl.sum(probs, 1)
         v = tl.load(V_buffer + slots[:, None] * stride_v_slot + kv_head * stride_v_head + offs_d[None, :],
-                    mask=kv_mask, other=0.0)
+                    mask=kv_mask, other=0.0).to(q.dtype)
         acc = acc * rescale[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=DOT_PRECISION)
         row_max = new_max
 
@@ -168,7 +170,7 @@ def _extend_kernel(
         slots = tl.load(Req_to_token + row * stride_r2t_row + offs_n, mask=key_mask, other=0).to(tl.int64)
         kv_mask = key_mask[:, None] & dim_mask[None, :]
         k = tl.load(K_buffer + slots[:, None] * stride_k_slot + kv_head * stride_k_head + offs_d[None, :],
-                    mask=kv_mask, other=0.0)
+                    mask=kv_mask, other=0.0).to(q.dtype)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         visible = key_mask[None, :] & (offs_n[None, :] <= query_pos[:, None])
         scores = tl.where(visible, scores, float("-inf"))
@@ -179,7 +181,7 @@ def _extend_kernel(
         probs = tl.exp2(scores - new_max[:, None])
         row_sum = row_sum * rescale + tl.sum(probs, 1)
         v = tl.load(V_buffer + slots[:, None] * stride_v_slot + kv_head * stride_v_head + offs_d[None, :],
-                    mask=kv_mask, other=0.0)
+                    mask=kv_mask, other=0.0).to(q.dtype)
         acc = acc * rescale[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=DOT_PRECISION)
         row_max = new_max
 
@@ -201,7 +203,9 @@ def _check_layout(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tenso
     assert q.shape[2] == k_buffer.shape[2], "q and KV head_dim differ"
     for t in (q, k_buffer, v_buffer, out):
         assert t.stride(-1) == 1, "the head_dim axis must be contiguous"
-    assert q.dtype == k_buffer.dtype == v_buffer.dtype, "q and KV buffers must share a dtype"
+    assert k_buffer.dtype == v_buffer.dtype, "the K and V buffers must share a dtype"
+    assert q.dtype == k_buffer.dtype or k_buffer.dtype in FLOAT8_DTYPES, \
+        "q and KV buffers must share a dtype, or the KV buffers hold float8 (read as q's dtype)"
     if not q.is_cuda and q.dtype == torch.bfloat16:
         # Triton's CPU interpreter (numpy) has no bfloat16: its dot products come out as garbage.
         raise NotImplementedError("bfloat16 Triton attention needs a GPU; use float16 or float32 on the CPU")

@@ -1,30 +1,34 @@
-"""float32 linear layers on the CPU that run inputs of a few rows through pre-packed oneDNN weights.
+"""float32 linear layers on the CPU for inputs of a few rows: the small-row C++ kernel, pre-packed oneDNN weights
+or `F.linear`, whichever measured fastest for the row count.
 
-A speculative verify step feeds each request's chain (the last token and up to `num_draft_tokens - 1`
-drafts) through the model: a handful of rows per linear layer. For such shapes torch's float32 `F.linear`
-repacks the whole weight on every call, so a 6-row verify forward of SmolLM2-135M cost about twice a 1-row
-decode forward (measured on a 2-core AVX-512 machine, one thread: 128 ms against 65 ms), which ate most of
-what the accepted drafts saved. oneDNN's blocked layout, packed once at load time
-(`torch.ops.mkldnn._reorder_linear_weight`, as model_runner/cpu_packed.py does for bfloat16), makes the cost
-nearly flat in the number of rows (the LM head of that model: 10 ms for 6 rows against 19 ms).
+Decode batches and speculative verify chains feed a handful of rows through each linear layer, where the cost is
+reading the weight. torch's float32 `F.linear` streams up to 3 rows at little more than the cost of one and takes a
+slower path from 4 rows on (a 6-row verify forward of SmolLM2-135M cost about twice a decode forward); oneDNN's
+blocked layout, packed once at load time (`torch.ops.mkldnn._reorder_linear_weight`), is nearly flat in the rows but
+costs more than `F.linear` at 1 to 3; the C++ kernel (kernels/cpu_linear.cpp, `torch.ops.radixserve_cpu.small_linear`)
+reads the plain weight once per call and is the fastest of the three from 2 to 16 rows (benchmarks/cpu_linear.py;
+figures in docs/benchmarks.md).
 
-`SmallBatchLinear` keeps `F.linear` outside `[MIN_PACKED_ROWS, MAX_PACKED_ROWS]`: up to three rows (plain decode at
-batch size 1 and short verify chains, products torch already streams once) and prefill-sized inputs (where both paths
-cost the same) stay exactly as they were. Inside the range the results are float32 products of the same
-numbers, summed in another order (a relative difference of about 1e-6).
+`SmallBatchLinear` routes by row count: the kernel inside `KERNEL_ROWS` once the CPU kernels are loaded, the packed
+weight inside `[MIN_PACKED_ROWS, MAX_PACKED_ROWS]` where the runner made a packed copy, `F.linear` otherwise (one-row
+decode of the projections, prefill). The kernel and the packed path sum the same float32 products in other orders
+than `F.linear` (a relative difference of about 1e-6).
 
-The packed copy doubles the weights' memory. The runner packs when speculative decoding is on (the verify
-forward) and, for decode batches of a few to 64 requests, whenever the copy takes at most
-`MAX_EXTRA_MEMORY_FRACTION` of the machine's memory (the embedded model: 0.5 GB; model_runner/model_runner.py).
+The packed copy doubles the weights' memory. The runner makes it when speculative decoding is on (verify steps of
+more than 16 rows) and otherwise whenever it takes at most `MAX_EXTRA_MEMORY_FRACTION` of the machine's memory (the
+embedded model: 0.5 GB; model_runner/model_runner.py); the kernel needs no copy.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from radixserve.kernels import cpu_build
 
 # Rows (tokens) for which the packed path measured faster than F.linear (2 cores, AVX-512, SmolLM2 shapes, one
 # thread, every layer's weights in turn as in a forward: F.linear streams up to 3 rows at the cost of about one,
@@ -33,6 +37,35 @@ MIN_PACKED_ROWS = 4
 MAX_PACKED_ROWS = 64
 # Without speculation, pack only when the packed copy takes at most this share of the machine's memory.
 MAX_EXTRA_MEMORY_FRACTION = 0.1
+# Rows (inclusive) for which kernels/cpu_linear.cpp measured fastest, per weight dtype: (projections, LM head).
+# benchmarks/cpu_linear.py, 2-core AVX-512 machine, one and two threads: float32 projections 2-16 rows (one row:
+# F.linear 34.4 ms, the kernel 36.4 ms for the 120 of a forward), the float32 LM head from one row (6.3 ms against
+# 7.7); bfloat16 projections up to 4 rows (the packed weights, on AMX, from 5: 25.7 against 27.3 ms at 5 rows) and
+# the bfloat16 LM head at one row (from 2 rows the packed head is faster).
+KERNEL_ROWS: dict[torch.dtype, tuple[tuple[int, int], tuple[int, int]]] = {
+    torch.float32: ((2, 16), (1, 16)),
+    torch.bfloat16: ((1, 4), (1, 1)),
+}
+NO_ROWS = (1, 0)
+
+
+def kernel_rows(dtype: torch.dtype, head: bool) -> tuple[int, int]:
+    """Row range (inclusive; empty as `(1, 0)`) in which a linear of this weight dtype runs the C++ kernel;
+    `RADIXSERVE_CPU_SMALL_LINEAR=0` keeps every linear off it (the packed path and `F.linear` as before it)."""
+    if os.environ.get("RADIXSERVE_CPU_SMALL_LINEAR", "1") == "0":
+        return NO_ROWS
+    ranges = KERNEL_ROWS.get(dtype)
+    return NO_ROWS if ranges is None else ranges[1 if head else 0]
+
+
+def kernel_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                  rows: tuple[int, int]) -> Optional[torch.Tensor]:
+    """`x @ weight.T (+ bias)` by the C++ kernel when x's row count is inside `rows` and the kernels are loaded;
+    None otherwise (the caller's other path)."""
+    count = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if not rows[0] <= count <= rows[1] or not cpu_build.ready():
+        return None
+    return torch.ops.radixserve_cpu.small_linear(x, weight, bias)
 
 
 def small_batch_packing_pays(model: nn.Module, speculative_algorithm: Optional[str]) -> bool:
@@ -61,18 +94,24 @@ def small_batch_packing_supported() -> bool:
 
 
 class SmallBatchLinear(nn.Module):
-    """`x @ W.T (+ b)` for float32 CPU tensors: oneDNN's pre-packed weight for a few rows, `F.linear` else."""
+    """`x @ W.T (+ b)` for float32 CPU tensors: the C++ kernel, oneDNN's pre-packed weight or `F.linear`, by the
+    number of rows (see the module's docstring). `packed=False`: no packed copy (the kernel still runs)."""
 
-    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], *, packed: bool = True,
+                 head: bool = False) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.weight = weight  # the plain weight stays (state_dict readers, the other row counts)
+        self.weight = weight  # the plain weight stays (state_dict readers, the kernel, the other row counts)
         self.bias = bias
-        self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+        self.kernel_rows = kernel_rows(weight.dtype, head)
+        self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None) if packed else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = kernel_linear(x, self.weight, self.bias, self.kernel_rows)
+        if out is not None:
+            return out
         rows = x.reshape(-1, self.in_features)
-        if not MIN_PACKED_ROWS <= rows.shape[0] <= MAX_PACKED_ROWS:
+        if self._packed is None or not MIN_PACKED_ROWS <= rows.shape[0] <= MAX_PACKED_ROWS:
             return F.linear(x, self.weight, self.bias)
         out = torch.ops.mkldnn._linear_pointwise(rows.contiguous(), self._packed, self.bias, "none", [], "")
         return out.reshape(*x.shape[:-1], self.out_features)
@@ -83,14 +122,15 @@ def _single_rank(module: nn.Module) -> bool:
     return tp is None or tp.size == 1
 
 
-def pack_small_batch_linears(model: nn.Module) -> int:
+def pack_small_batch_linears(model: nn.Module, packed: bool = True) -> int:
     """Replace the float32 CPU projections of `model` (`nn.Linear`, and `RowParallelLinear` on one rank) by
-    `SmallBatchLinear`, and give the LM head one (`model.logits_head`, read by `compute_logits`); returns how
-    many linears were packed (0 when oneDNN cannot do it here)."""
+    `SmallBatchLinear`, and give the LM head one (`model.logits_head`, read by `compute_logits`); with `packed`
+    (and where oneDNN can pack here) each keeps a packed copy of its weight. Starts loading the CPU kernels in the
+    background. Returns how many linears were replaced."""
     from radixserve.model_runner.parallel import RowParallelLinear
 
-    if not small_batch_packing_supported():
-        return 0
+    packed = packed and small_batch_packing_supported()
+    cpu_build.start_background_build()
     targets = [
         (parent, name, child)
         for parent in model.modules()
@@ -98,14 +138,15 @@ def pack_small_batch_linears(model: nn.Module) -> int:
         if (type(child) is nn.Linear or (type(child) is RowParallelLinear and _single_rank(child)))
         and child.weight.dtype == torch.float32 and child.weight.device.type == "cpu"
     ]
+    head = getattr(model, "lm_head", None)
     for parent, name, child in targets:
-        setattr(parent, name, SmallBatchLinear(child.weight, child.bias))
+        setattr(parent, name, SmallBatchLinear(child.weight, child.bias, packed=packed, head=child is head))
     if not hasattr(model, "logits_head") or not _single_rank(model):
         return len(targets)
     head = getattr(model, "lm_head", None)
-    if isinstance(head, SmallBatchLinear):  # an untied head was packed above
+    if isinstance(head, SmallBatchLinear):  # an untied head was replaced above
         model.logits_head = head
     elif head is None and model.lm_head_weight.dtype == torch.float32 and model.lm_head_weight.device.type == "cpu":
-        model.logits_head = SmallBatchLinear(model.lm_head_weight, None)  # tied to the embedding
+        model.logits_head = SmallBatchLinear(model.lm_head_weight, None, packed=packed, head=True)  # tied
         return len(targets) + 1
     return len(targets)

@@ -34,6 +34,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BS = 256
+# On a GPU of at least LARGE_GPU_BYTES the graphs go up to LARGE_GPU_MAX_BS: at batch ~1000 an eager decode
+# step's kernel launches are host work as long as the GPU's own, and on a slower host the step waits for
+# them (docs/benchmarks.md, "Capturing larger decode batches").
+LARGE_GPU_BYTES = 64 << 30
+LARGE_GPU_MAX_BS = 1024
 # Padding request: token 0 at position 0 in request row 0, one position long (row 0, position 0 always
 # holds some valid slot index, so reading it is safe), writing its K/V to the pool's dummy slot 0.
 PADDING_SLOT = 0
@@ -223,14 +228,27 @@ class CudaGraphRunner:
         return self.model.compute_logits(hidden, view)
 
 
+def graph_max_batch_size(runner: "ModelRunner") -> int:
+    """The largest decode batch to capture for `runner` (see `choose_graph_max_batch_size`)."""
+    return choose_graph_max_batch_size(runner.server_args.cuda_graph_max_bs,
+                                       torch.cuda.get_device_properties(runner.device).total_memory,
+                                       runner.max_running_requests)
+
+
+def choose_graph_max_batch_size(requested: Optional[int], gpu_bytes: int, max_running_requests: int) -> int:
+    """`--cuda-graph-max-bs` when given, else LARGE_GPU_MAX_BS on a GPU of at least LARGE_GPU_BYTES and
+    DEFAULT_MAX_BS on a smaller one; at most `max_running_requests`."""
+    if requested is None:
+        requested = LARGE_GPU_MAX_BS if gpu_bytes >= LARGE_GPU_BYTES else DEFAULT_MAX_BS
+    return max(1, min(requested, max_running_requests))
+
+
 def create_cuda_graph_runner(runner: "ModelRunner") -> Optional[CudaGraphRunner]:
     """The decode graphs for `runner` (on CUDA, CUDA graphs not disabled), or None with a warning when its
-    attention backend cannot be captured. Sizes: `capture_batch_sizes` up to `cuda_graph_max_bs` (default
-    256), at most the runner's max_running_requests."""
+    attention backend cannot be captured. Sizes: `capture_batch_sizes` up to `graph_max_batch_size`."""
     backend = runner.attn_backend
     if not supports_cuda_graph(backend):
         logger.warning("the %s attention backend cannot run in CUDA graphs; decode runs eagerly",
                        type(backend).__name__)
         return None
-    max_bs = min(runner.server_args.cuda_graph_max_bs or DEFAULT_MAX_BS, runner.max_running_requests)
-    return CudaGraphRunner(runner, capture_batch_sizes(max(1, max_bs)))
+    return CudaGraphRunner(runner, capture_batch_sizes(graph_max_batch_size(runner)))

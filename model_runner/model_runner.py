@@ -21,7 +21,7 @@ from radixserve.runtime.model_files import resolve_model
 from radixserve.model_runner.model_config import ModelConfig
 from radixserve.model_runner.models import get_model_class
 from radixserve.model_runner.parallel import HeadLayout, ReplicaPlacement, join_tp_group, min_over_ranks
-from radixserve.radix_cache.pool import KVAllocator, ReqToTokenPool, TokenToKVPool
+from radixserve.radix_cache.pool import KV_CACHE_DTYPES, KVAllocator, ReqToTokenPool, TokenToKVPool
 from radixserve.runtime.wire.server_args import ServerArgs
 
 if TYPE_CHECKING:
@@ -150,11 +150,7 @@ class ModelRunner:
 
     def _resolve_kv_cache_dtype(self) -> torch.dtype:
         name = self.server_args.kv_cache_dtype
-        if name == "auto":
-            return self.dtype
-        if name not in _DTYPES:
-            raise ValueError(f"kv_cache_dtype must be 'auto' or one of {tuple(_DTYPES)}, got {name!r}")
-        return _DTYPES[name]
+        return self.dtype if name == "auto" else KV_CACHE_DTYPES[name]
 
     def _resolve_context_len(self) -> int:
         config = self.model_config
@@ -184,8 +180,9 @@ class ModelRunner:
         model.eval().requires_grad_(False)
         if self.device.type == "cpu" and self.dtype == torch.bfloat16:
             pack_cpu_linears(model)  # the weights are final now; see model_runner/cpu_packed.py
-        elif self.device.type == "cpu" and small_batch_packing_pays(model, self.server_args.speculative_algorithm):
-            pack_small_batch_linears(model)  # few-row forwards; see model_runner/cpu_small_batch.py
+        elif self.device.type == "cpu" and self.dtype == torch.float32:
+            packed = small_batch_packing_pays(model, self.server_args.speculative_algorithm)
+            pack_small_batch_linears(model, packed=packed)  # few-row forwards; see model_runner/cpu_small_batch.py
         return model
 
     def _size_memory(self) -> tuple[int, int]:

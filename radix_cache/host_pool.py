@@ -16,8 +16,9 @@ backups of the slots it reads. Otherwise (the view cannot be made) the staged pa
 - device -> host (`backup`): gathered on the device and copied into pinned staging on the copy stream; the
   staging is scattered into the buffer once its event fired: opportunistically at the next backup, and before
   anything reads slots it writes (a load waits only for the writes of the slots it loads, so it never waits for
-  the batch in flight when its own slots were written long ago). The scheduler frees the device slots right away: the next batch that may write them
-  is launched after `_fence`, which makes the launching stream wait for the copy stream.
+  the batch in flight when its own slots were written long ago). The scheduler frees the device slots right
+  away: the next batch that may write them is launched after `_fence`, which makes the launching stream wait
+  for the copy stream.
 - host -> device (`load`, `load_data`): gathered on the host into pinned staging, copied and scattered into the
   device pool on the copy stream, then fenced the same way, so the batch that reads the loaded KV waits for it
   while the batch before it (already launched) runs concurrently.
@@ -31,7 +32,7 @@ from typing import Optional
 
 import torch
 
-from radixserve.radix_cache.pool import KVAllocator, TokenToKVPool
+from radixserve.radix_cache.pool import FLOAT8_DTYPES, KVAllocator, TokenToKVPool
 
 _MAX_PENDING_WRITES = 64
 
@@ -49,8 +50,10 @@ class HostKVPool:
         self.device = device_pool.device
         self.on_cuda = self.device.type == "cuda"
         shape = (self.size + self.page_size, device_pool.num_layers, 2, device_pool.num_kv_heads, device_pool.head_dim)
+        # Float8 KV travels as its bytes (torch has no index_copy for float8).
+        self.storage_dtype = torch.uint8 if device_pool.dtype in FLOAT8_DTYPES else device_pool.dtype
         # torch.empty: pages of RAM are only committed once written.
-        self.buffer = torch.empty(shape, dtype=device_pool.dtype, pin_memory=self.on_cuda)
+        self.buffer = torch.empty(shape, dtype=self.storage_dtype, pin_memory=self.on_cuda)
         self._stream = torch.cuda.Stream(self.device) if self.on_cuda else None
         # Pending device -> host copies in issue order: (sequence number, copied, host slots, staging).
         self._writes: list[tuple[int, torch.cuda.Event, torch.Tensor, torch.Tensor]] = []
@@ -142,15 +145,20 @@ class HostKVPool:
     def _gather_device(self, device_slots: torch.Tensor) -> torch.Tensor:
         pool = self.device_pool
         return torch.stack(
-            [torch.stack((k[device_slots], v[device_slots]), dim=1) for k, v in zip(pool.k_buffer, pool.v_buffer)],
+            [torch.stack((self._stored(k)[device_slots], self._stored(v)[device_slots]), dim=1)
+             for k, v in zip(pool.k_buffer, pool.v_buffer)],
             dim=1,
         )
 
     def _scatter_device(self, device_slots: torch.Tensor, data: torch.Tensor) -> None:
         pool = self.device_pool
         for layer, (k, v) in enumerate(zip(pool.k_buffer, pool.v_buffer)):
-            k[device_slots] = data[:, layer, 0]
-            v[device_slots] = data[:, layer, 1]
+            self._stored(k)[device_slots] = data[:, layer, 0]
+            self._stored(v)[device_slots] = data[:, layer, 1]
+
+    def _stored(self, device_buffer: torch.Tensor) -> torch.Tensor:
+        """`device_buffer` viewed in the host buffer's dtype (its bytes, for float8)."""
+        return device_buffer if device_buffer.dtype == self.storage_dtype else device_buffer.view(self.storage_dtype)
 
     def _begin(self, device_slots: torch.Tensor) -> None:
         """Before a copy on the copy stream: it sees what the launching stream queued so far (the slot indices

@@ -16,6 +16,14 @@ from typing import Optional, Sequence
 
 import torch
 
+# KV stored as float8 (SGLang's fp8_e4m3 / fp8_e5m2 with a scale of 1: the values are cast as they are) and read
+# back in the activations' dtype by every attention backend.
+FLOAT8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+KV_CACHE_DTYPES = {
+    "float32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
+    "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2,
+}
+
 
 class ReqToTokenPool:
     """`req_to_token[row, position] = KV slot index`; one row per running request."""

@@ -21,6 +21,7 @@ from radixserve.model_runner.sampling_info import SamplingBatchInfo
 from radixserve.radix_cache.pool import KVAllocator, ReqToTokenPool, TokenToKVPool
 from radixserve.scheduler.req import Req
 from radixserve.scheduler.stop import StopChecker
+from radixserve.scheduler.sampling_reuse import SamplingInfoReuse
 
 if TYPE_CHECKING:
     from radixserve.model_runner.logprobs import InputLogprobPlan
@@ -113,9 +114,11 @@ def assemble_batch(
     stop_checker: StopChecker,
     vocab_size: int,
     device: torch.device,
+    sampling_reuse: Optional[SamplingInfoReuse] = None,
 ) -> ScheduleBatch:
     """The batch of `extends` (request, prefix_len, extend_len, slots; kv_len already raised) followed by
-    `decodes` (requests whose next token, already given a slot in `decode_slots`, is read from the token table)."""
+    `decodes` (requests whose next token, already given a slot in `decode_slots`, is read from the token table).
+    With `sampling_reuse`, the sampling tensors of the batch before are used again where they still apply."""
     reqs, prefix_lens, extend_lens, input_ids, samples, slot_parts = [], [], [], [], [], []
     for req, prefix_len, extend_len, slots in extends:
         reqs.append(req)
@@ -134,11 +137,15 @@ def assemble_batch(
     if decodes:
         slot_parts.append(decode_slots)
     sampling_reqs = [r for r, s in zip(reqs, samples) if s]
+
+    def build() -> SamplingBatchInfo:
+        return build_sampling_info(reqs, samples, stop_checker, vocab_size, device)
+
     return ScheduleBatch(
         mode=mode, reqs=reqs, rows=[req.req_pool_idx for req in reqs], prefix_lens=prefix_lens,
         extend_lens=extend_lens, input_ids=input_ids, table_entries=table_entries,
         out_cache_loc=torch.cat(slot_parts), samples_output=samples,
-        sampling_info=build_sampling_info(reqs, samples, stop_checker, vocab_size, device),
+        sampling_info=sampling_reuse.get(reqs, samples, build) if sampling_reuse is not None else build(),
         return_logprob=any(r.return_logprob for r in sampling_reqs),
         top_logprobs_num=max((r.top_logprobs_num for r in sampling_reqs), default=0),
         lora_names=[r.lora_name for r in reqs] if any(r.lora_name for r in reqs) else None,

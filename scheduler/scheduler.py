@@ -55,6 +55,7 @@ from radixserve.scheduler.cache_view import RecentRequests, cache_tree_summary
 from radixserve.scheduler.fair_share import FairShare
 from radixserve.scheduler.grammar import GrammarManager
 from radixserve.scheduler.prefix_groups import prefix_groups_for
+from radixserve.scheduler.sampling_reuse import SamplingInfoReuse
 from radixserve.scheduler.info import ready_info, server_info
 from radixserve.scheduler.lora import LoRAScheduling
 from radixserve.scheduler.input_logprobs import collect_input_logprobs, plan_input_logprobs, prefix_limit
@@ -89,6 +90,7 @@ class Scheduler:
         self.cache = make_cache(server_args, self.req_to_token_pool, self.allocator, model_runner.token_to_kv_pool)
         self.tokenizer = tokenizer if tokenizer is not None else try_load_tokenizer(model_runner)
         self.stop_checker = StopChecker(model_runner.model_config.eos_token_ids, self.tokenizer)
+        self.sampling_reuse = SamplingInfoReuse()  # steady decode batches keep their sampling tensors
         self.grammars = GrammarManager(self.tokenizer, model_runner.vocab_size, self.stop_checker.eos_token_ids)
         self.policy = SchedulePolicy(
             server_args.schedule_policy, self.cache, not server_args.disable_radix_cache, server_args.random_seed
@@ -388,7 +390,7 @@ class Scheduler:
         self, mode: ForwardMode, extends: list, decodes: list[Req], decode_slots: Optional[torch.Tensor]
     ) -> ScheduleBatch:
         batch = assemble_batch(mode, extends, decodes, decode_slots, self.stop_checker, self.runner.vocab_size,
-                               self.executor.device)
+                               self.executor.device, self.sampling_reuse)
         batch.input_logprobs = plan_input_logprobs(batch)
         batch.grammar_mask = self.grammars.mask_for(batch)
         batch.prefix_groups = prefix_groups_for(mode, decodes, self.runner.attn_backend)

@@ -56,10 +56,12 @@ def make_case(
     num_layers: int = 2,
     layer_id: int = 1,
     keep_reference_data: bool = True,
+    kv_dtype: torch.dtype | None = None,
 ) -> AttentionCase:
     """A batch whose request i has `prefix_lens[i]` positions already in the pool and `extend_lens[i]`
     new tokens (1 each for DECODE). `keep_reference_data=False` skips the host copies of the prefixes
-    that `reference_attention` needs (for large timing batches)."""
+    that `reference_attention` needs (for large timing batches). The pool holds `kv_dtype` (default: `dtype`,
+    the queries' and new K/V's)."""
     assert len(prefix_lens) == len(extend_lens)
     if mode == ForwardMode.DECODE:
         assert all(e == 1 for e in extend_lens)
@@ -71,7 +73,7 @@ def make_case(
 
     req_pool = ReqToTokenPool(batch_size + 2, max(seq_lens) + 8, device=device)
     allocator = KVAllocator(capacity, page_size)
-    kv_pool = TokenToKVPool(capacity, page_size, num_layers, num_kv_heads, head_dim, dtype, device=device)
+    kv_pool = TokenToKVPool(capacity, page_size, num_layers, num_kv_heads, head_dim, kv_dtype or dtype, device=device)
     noise = torch.Generator(device=device).manual_seed(seed)
     for layer in range(num_layers):
         for buffer in (kv_pool.k_buffer[layer], kv_pool.v_buffer[layer]):
@@ -187,5 +189,6 @@ def kv_written(case: AttentionCase) -> bool:
     """Whether the new tokens' K/V now sit at `out_cache_loc` of the case's layer."""
     k_layer, v_layer = case.batch.token_to_kv_pool.get_kv_buffer(case.layer_id)
     loc = case.batch.out_cache_loc
-    dtype = k_layer.dtype
-    return bool(torch.equal(k_layer[loc], case.k.to(dtype)) and torch.equal(v_layer[loc], case.v.to(dtype)))
+    dtype = k_layer.dtype  # compared as float32: torch has no equality for float8
+    return bool(torch.equal(k_layer[loc].float(), case.k.to(dtype).float())
+                and torch.equal(v_layer[loc].float(), case.v.to(dtype).float()))

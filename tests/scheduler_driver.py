@@ -26,7 +26,8 @@ _RUNNERS: dict[tuple, ModelRunner] = {}
 # Server arguments that shape the runner (memory, pages); everything else only affects the scheduler.
 RUNNER_ARGS = ("page_size", "max_total_tokens", "max_running_requests", "context_length", "device", "dtype",
                "attention_backend", "lora_paths", "max_loras_per_batch", "max_lora_rank", "enable_lora",
-               "speculative_algorithm", "disable_cuda_graph", "cuda_graph_max_bs")  # speculative decoding packs float32 weights for verify forwards
+               "speculative_algorithm", "disable_cuda_graph", "cuda_graph_max_bs",  # speculation packs float32 weights
+               "kv_cache_dtype")
 
 
 def shared_runner(model_dir: str, **runner_args: Any) -> ModelRunner:

@@ -1,6 +1,8 @@
-"""float32 few-row linears on pre-packed oneDNN weights (model_runner/cpu_small_batch.py): the same products as
-`F.linear` (exactly so outside the packed row range), installed by the runner when speculative decoding is on or
-the packed copy is small next to the machine's memory."""
+"""float32 few-row linears (model_runner/cpu_small_batch.py): the small-row C++ kernel, pre-packed oneDNN weights or
+`F.linear` by row count, the same products as `F.linear` (exactly `F.linear` outside the kernel's and the packed
+row ranges), installed by the runner on float32 CPU models (with a packed copy when speculative decoding is on or the
+copy is small next to the machine's memory); and the bfloat16 packed linears' kernel rows
+(model_runner/cpu_packed.py)."""
 
 from __future__ import annotations
 
@@ -8,9 +10,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from radixserve.kernels import cpu_build
 from radixserve.model_runner import cpu_small_batch
+from radixserve.model_runner.cpu_packed import PackedLinear, packing_supported
 from radixserve.model_runner.cpu_small_batch import (
-    MAX_PACKED_ROWS, MIN_PACKED_ROWS, SmallBatchLinear, small_batch_packing_supported,
+    MAX_PACKED_ROWS, MIN_PACKED_ROWS, SmallBatchLinear, kernel_rows, small_batch_packing_supported,
 )
 from radixserve.model_runner.forward_batch import ForwardMode
 from radixserve.model_runner.model_runner import ModelRunner
@@ -20,47 +24,102 @@ from radixserve.runtime.wire.server_args import ServerArgs
 pytestmark = pytest.mark.skipif(not small_batch_packing_supported(), reason="needs oneDNN float32 linears")
 
 
+@pytest.fixture(scope="module")
+def kernels():
+    assert cpu_build.load(), "the CPU kernels failed to build (see the log)"
+
+
+def kernel_ran(module, x) -> bool:
+    """Whether `module(x)` ran the C++ kernel (`radixserve_cpu::small_linear` in torch's profile of the call)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        module(x)
+    return any(event.name == "radixserve_cpu::small_linear" for event in profile.events())
+
+
 @pytest.mark.parametrize("bias", [False, True])
-def test_small_batch_linear_matches_linear(bias):
+@pytest.mark.parametrize("packed", [True, False])
+def test_small_batch_linear_matches_linear(kernels, bias, packed):
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(200, 96, generator=generator)
     bias_t = torch.randn(200, generator=generator) if bias else None
-    packed = SmallBatchLinear(weight, bias_t)
-    for rows in [1, 2, MIN_PACKED_ROWS, 6, MAX_PACKED_ROWS, MAX_PACKED_ROWS + 1, 300]:
+    module = SmallBatchLinear(weight, bias_t, packed=packed)
+    low, high = kernel_rows(torch.float32, head=False)
+    assert (low, high) == module.kernel_rows and low <= 2 and high >= 8
+    for rows in sorted({1, 2, 3, MIN_PACKED_ROWS, 6, high, high + 1, MAX_PACKED_ROWS, MAX_PACKED_ROWS + 1, 300}):
         x = torch.randn(rows, 96, generator=generator)
         want = F.linear(x.double(), weight.double(), None if bias_t is None else bias_t.double()).float()
-        got = packed(x)
+        got = module(x)
         assert got.shape == want.shape
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-        if not MIN_PACKED_ROWS <= rows <= MAX_PACKED_ROWS:
-            assert torch.equal(got, F.linear(x, weight, bias_t))  # outside the range: F.linear itself
+        in_kernel = low <= rows <= high
+        assert kernel_ran(module, x) == in_kernel
+        if not in_kernel and not (packed and MIN_PACKED_ROWS <= rows <= MAX_PACKED_ROWS):
+            assert torch.equal(got, F.linear(x, weight, bias_t))  # F.linear itself
     x = torch.randn(2, 3, 96, generator=generator)  # leading dimensions are kept
-    torch.testing.assert_close(packed(x), F.linear(x, weight, bias_t), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(module(x), F.linear(x, weight, bias_t), rtol=1e-5, atol=1e-5)
 
 
-def test_runner_packs_when_speculating_or_small_and_logits_agree(tiny_model_dir, monkeypatch):
+@pytest.mark.skipif(not packing_supported(), reason="needs oneDNN bfloat16 support on this CPU")
+def test_bfloat16_packed_linear_runs_the_kernel_at_few_rows(kernels):
+    linear = torch.nn.Linear(96, 80, bias=True).to(torch.bfloat16).requires_grad_(False)
+    module, head = PackedLinear(linear), PackedLinear(linear, head=True)
+    low, high = module.kernel_rows
+    assert low == 1 and high >= 1 and head.kernel_rows[1] <= high
+    generator = torch.Generator().manual_seed(1)
+    for rows in range(1, high + 3):
+        x = torch.randn(rows, 96, generator=generator).to(torch.bfloat16)
+        assert kernel_ran(module, x) == (rows <= high)
+        assert kernel_ran(head, x) == (rows <= head.kernel_rows[1])
+        exact = F.linear(x.double(), linear.weight.double(), linear.bias.double())
+        torch.testing.assert_close(module(x).double(), exact, rtol=2 ** -8, atol=1e-3)
+
+
+def test_runner_installs_them_and_verify_chain_logits_agree(kernels, tiny_model_dir, monkeypatch):
     model_dir = tiny_model_dir("llama")
     small = ModelRunner(ServerArgs(model_path=model_dir, device="cpu"))  # a few MB: packed by default
-    assert isinstance(small.model.model.layers[0].mlp.down_proj, SmallBatchLinear)
+    assert small.model.model.layers[0].mlp.down_proj._packed is not None
     monkeypatch.setattr(cpu_small_batch, "MAX_EXTRA_MEMORY_FRACTION", 0.0)  # as for a model too large to copy
     plain = ModelRunner(ServerArgs(model_path=model_dir, device="cpu"))
     spec = ModelRunner(ServerArgs(model_path=model_dir, device="cpu", speculative_algorithm="NGRAM"))
-    assert spec.model.logits_head is not None and plain.model.logits_head is None
-    assert isinstance(spec.model.model.layers[0].mlp.down_proj, SmallBatchLinear)
+    for runner, packed in ((plain, False), (spec, True)):  # the kernel needs no copy; the packed path does
+        layer = runner.model.model.layers[0]
+        assert isinstance(layer.mlp.down_proj, SmallBatchLinear)
+        assert isinstance(runner.model.logits_head, SmallBatchLinear)
+        assert (layer.mlp.down_proj._packed is not None) == packed
+        assert runner.model.logits_head.kernel_rows == kernel_rows(torch.float32, head=True)
     tokens = list(range(3, 40))
-    logits = []
-    for runner in (plain, spec):
+
+    def chain_logits(runner: ModelRunner, chain_len: int) -> torch.Tensor:
         row = runner.req_to_token_pool.alloc()
         slots = assign_kv_slots(runner.allocator, runner.req_to_token_pool, [row], [0], [len(tokens)])
-        # A verify-sized chain: 30 positions of prefix, then 7 new tokens with logits at each.
-        prefix = make_forward_batch(ForwardMode.EXTEND, [row], [0], [tokens[:30]], slots[:30],
+        # A verify-sized chain: a prefix, then `chain_len` new tokens with logits at each.
+        start = len(tokens) - chain_len
+        prefix = make_forward_batch(ForwardMode.EXTEND, [row], [0], [tokens[:start]], slots[:start],
                                     runner.req_to_token_pool, runner.token_to_kv_pool)
         runner.forward(prefix)
-        chain = make_forward_batch(ForwardMode.EXTEND, [row], [30], [tokens[30:]], slots[30:],
+        chain = make_forward_batch(ForwardMode.EXTEND, [row], [start], [tokens[start:]], slots[start:],
                                    runner.req_to_token_pool, runner.token_to_kv_pool,
-                                   logits_indices=torch.arange(7))
-        logits.append(runner.forward(chain))
+                                   logits_indices=torch.arange(chain_len))
+        logits = runner.forward(chain)
         runner.allocator.free(slots)
         runner.req_to_token_pool.free(row)
-    torch.testing.assert_close(logits[1], logits[0], rtol=1e-4, atol=1e-4)
-    assert torch.equal(logits[1].argmax(-1), logits[0].argmax(-1))
+        return logits
+
+    for chain_len in (2, 7, 20):  # the kernel's rows; past them, the packed path on `spec`
+        got = [chain_logits(runner, chain_len) for runner in (plain, spec)]
+        with monkeypatch.context() as patch:  # the reference: the torch path throughout (F.linear, torch ops)
+            patch.setattr(cpu_build, "ready", lambda: False)
+            want = chain_logits(plain, chain_len)
+        for logits in got:
+            torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4)
+            assert torch.equal(logits.argmax(-1), want.argmax(-1))
+
+
+def test_switch_keeps_linears_off_the_kernel(kernels, monkeypatch):
+    weight = torch.randn(64, 32)
+    x = torch.randn(6, 32)
+    assert kernel_ran(SmallBatchLinear(weight, None, packed=False), x)
+    monkeypatch.setenv("RADIXSERVE_CPU_SMALL_LINEAR", "0")
+    assert kernel_rows(torch.float32, head=False) == cpu_small_batch.NO_ROWS
+    module = SmallBatchLinear(weight, None, packed=False)
+    assert not kernel_ran(module, x) and torch.equal(module(x), F.linear(x, weight))

@@ -21,6 +21,7 @@ from radixserve.model_runner.cuda_graph import (
     PADDING_ROW,
     PADDING_SLOT,
     capture_batch_sizes,
+    choose_graph_max_batch_size,
     padded_batch_size,
     supports_cuda_graph,
 )
@@ -96,6 +97,14 @@ def test_capture_batch_sizes():
     assert sizes[:8] == [1, 2, 4, 8, 12, 16, 24, 32] and sizes[-1] == 256
     assert all(b - a == 16 for a, b in zip(sizes[7:], sizes[8:]))
     assert capture_batch_sizes(100)[-2:] == [96, 100]
+
+
+def test_graph_max_batch_size_follows_the_flag_then_the_gpu_memory():
+    assert choose_graph_max_batch_size(None, 141 << 30, 2048) == 1024  # an H200
+    assert choose_graph_max_batch_size(None, 24 << 30, 2048) == 256
+    assert choose_graph_max_batch_size(None, 141 << 30, 300) == 300  # never above max_running_requests
+    assert choose_graph_max_batch_size(64, 141 << 30, 2048) == 64
+    assert choose_graph_max_batch_size(2048, 24 << 30, 512) == 512
 
 
 def test_padded_batch_size_is_the_next_captured_size():

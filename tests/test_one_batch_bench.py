@@ -51,7 +51,8 @@ def test_llama_8b_bytes_and_flops():
     assert roofline.prefill_flops(model, 1, tokens) == 2 * layer_params * layers * tokens + attention + 2 * h * vocab
 
 
-def test_run_on_cpu_with_a_dummy_config(tmp_path):
+@pytest.mark.parametrize("kv_cache_dtype,kv_element_bytes", [("auto", 4), ("fp8_e4m3", 1)])
+def test_run_on_cpu_with_a_dummy_config(tmp_path, kv_cache_dtype, kv_element_bytes):
     config_path = tmp_path / "tiny.json"
     config_path.write_text(json.dumps(TINY_CONFIG))
     out = tmp_path / "out"
@@ -59,7 +60,7 @@ def test_run_on_cpu_with_a_dummy_config(tmp_path):
         "--config", str(config_path), "--device", "cpu", "--attention-backend", "torch_native",
         "--prefill-batch-sizes", "1,2", "--input-len", "16", "--prefill-repeats", "2",
         "--decode-batch-sizes", "1,3", "--context-len", "24", "--steps", "3", "--warmup", "1",
-        "--out", str(out), "--tag", "tiny",
+        "--kv-cache-dtype", kv_cache_dtype, "--out", str(out), "--tag", "tiny",
     ])
     assert code == 0
     result = json.loads((out / "tiny.json").read_text())
@@ -73,7 +74,7 @@ def test_run_on_cpu_with_a_dummy_config(tmp_path):
     assert result["weight_gb"] * 1e9 == pytest.approx(4 * (2 * layer + 64 + 512 * 64))
     bandwidth = result["bandwidth_tb_s"] * 1e12
     assert bandwidth > 0
-    kv_bytes_per_token = 2 * 2 * 2 * 16 * 4  # K and V, 2 layers, 2 KV heads, head_dim 16, float32
+    kv_bytes_per_token = 2 * 2 * 2 * 16 * kv_element_bytes  # K and V, 2 layers, 2 KV heads, head_dim 16
     for r in result["decode"]:
         assert r["cuda_graph"] is False and r["step_ms"] > 0 and r["back_to_back_ms"] > 0
         assert r["kv_gb"] * 1e9 == pytest.approx(r["batch"] * 24 * kv_bytes_per_token)

@@ -50,10 +50,11 @@ def create_attention_backend(name: str, runner: "ModelRunner | None" = None) -> 
     try:
         from radixserve.kernels.flashinfer_wrappers import DEFAULT_WORKSPACE_BYTES
         from radixserve.model_runner.attention.flashinfer_backend import FlashInferAttentionBackend
+        from radixserve.model_runner.cuda_graph import graph_max_batch_size
 
         # Split-KV decode scratch grows with the batch: 128 MB per 128 requests of the largest captured batch
         # (the largest uncaptured batches plan within it too).
-        graph_bs = runner.server_args.cuda_graph_max_bs or 256
+        graph_bs = graph_max_batch_size(runner)
         workspace = DEFAULT_WORKSPACE_BYTES * max(1, graph_bs // 128)
         return FlashInferAttentionBackend(*shape, runner.dtype, runner.device, page_size=runner.page_size,
                                           workspace_bytes=workspace,

@@ -15,6 +15,7 @@ import torch
 from radixserve.kernels.triton_attention import decode_attention, extend_attention
 from radixserve.model_runner.attention.base import AttentionBackend
 from radixserve.model_runner.forward_batch import ForwardBatch, ForwardMode
+from radixserve.radix_cache.pool import FLOAT8_DTYPES
 
 # A CPU "device" here is the interpreter: enough programs to exercise the split-KV path, no more.
 _CPU_TARGET_PROGRAMS = 16
@@ -114,8 +115,9 @@ class TritonAttentionBackend(AttentionBackend):
         k_buffer, v_buffer = pool.get_kv_buffer(layer_id)
         if q.stride(-1) != 1:
             q = q.contiguous()
-        # The kernels read q and KV in one dtype; cast q to the KV dtype and the result back.
-        q_kv = q if q.dtype == k_buffer.dtype else q.to(k_buffer.dtype)
+        # The kernels read q and KV in one dtype (float8 KV is read as q's); cast q to the KV dtype otherwise and
+        # the result back.
+        q_kv = q if q.dtype == k_buffer.dtype or k_buffer.dtype in FLOAT8_DTYPES else q.to(k_buffer.dtype)
         out = torch.empty_like(q_kv)
         req_to_token = batch.req_to_token_pool.req_to_token
         meta = batch.attn_metadata

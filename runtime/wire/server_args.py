@@ -19,6 +19,8 @@ SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
 ATTENTION_BACKENDS = ("torch_native", "cpu", "triton", "flashinfer")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# SGLang's names: fp8_e4m3 / fp8_e5m2 store K and V as float8 (scale 1), read back in the model's dtype.
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "bf16", "float16", "fp8_e4m3", "fp8_e5m2")
 EVICTION_POLICIES = ("lru", "lfu")
 DEFAULT_MAX_QUEUED_REQUESTS = 1024
 HICACHE_WRITE_POLICIES = ("write_through", "write_back")
@@ -49,7 +51,7 @@ class ServerArgs:
     reasoning_parser: Optional[str] = None  # one of REASONING_PARSERS: how <think> text is split off
     context_length: Optional[int] = None
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
-    kv_cache_dtype: str = "auto"
+    kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES; auto: the model's dtype
     device: str = "auto"  # auto: cuda when available, else cpu
     random_seed: int = 0
 
@@ -100,7 +102,7 @@ class ServerArgs:
     disable_cuda_graph: bool = False
     # FlashInfer decode reads a cached prefix shared by several running requests once per step (vLLM's flag name)
     disable_cascade_attn: bool = False
-    cuda_graph_max_bs: Optional[int] = None
+    cuda_graph_max_bs: Optional[int] = None  # None: 1024 on a GPU of >= 64 GiB, else 256 (model_runner/cuda_graph.py)
     tp_size: int = 1  # tensor-parallel ranks, one scheduler process each (docs/parallelism.md)
     dist_init_addr: Optional[str] = None  # "host:port" of the TP group's rendezvous; None: a free local port
     dist_timeout: float = 600.0  # seconds a collective may wait for a peer before the group fails
@@ -158,6 +160,8 @@ class ServerArgs:
 
         check(self.load_format in LOAD_FORMATS, f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         check(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        check(self.kv_cache_dtype in KV_CACHE_DTYPES,
+              f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         check(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
               f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         check(self.tool_call_parser is None or self.tool_call_parser in TOOL_CALL_PARSERS,

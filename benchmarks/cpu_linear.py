@@ -1,0 +1,99 @@
+"""Small-row linear layers on the CPU: the C++ kernel (kernels/cpu_linear.cpp) against `F.linear` and the packed
+oneDNN path, on the embedded model's projection shapes.
+
+    python benchmarks/cpu_linear.py --threads 1
+    python benchmarks/cpu_linear.py --threads 2 --rows 1 2 4 8 --dtypes float32
+
+One "forward" is the 120 projections of SmolLM2-135M (30 layers of qkv 960x576, o 576x576, gate_up 3072x576,
+down 576x1536, each layer its own random weights, so nothing stays in the core's caches from one layer to the next
+as in a real forward); the LM head (49152x576) is timed on its own. For each dtype and row count M, the median
+milliseconds of `--repeats` forwards after a warm-up, per path:
+
+- `F.linear`: torch's op on the plain weight (float32: MKL/oneDNN; bfloat16: oneDNN, reordering the weight on
+  every call);
+- `packed`: `torch.ops.mkldnn._linear_pointwise` on a weight packed once (model_runner/cpu_small_batch.py for
+  float32, model_runner/cpu_packed.py for bfloat16);
+- `kernel`: `torch.ops.radixserve_cpu.small_linear` on the plain weight.
+
+Prints a table with the CPU's ISA flags and writes a JSON record (`--out`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Callable
+
+import _srcpath  # noqa: F401
+import roofline
+import torch
+import torch.nn.functional as F
+
+from radixserve.kernels import cpu_build
+
+LAYERS = 30
+LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out_features, in_features)
+HEAD_SHAPE = (49152, 576)
+CPU = torch.device("cpu")
+
+
+def median_ms(fn: Callable[[], object], repeats: int) -> float:
+    return roofline.median_ms(fn, CPU, repeats, warmup=1)
+
+
+def paths(weights: list[torch.Tensor]) -> dict[str, Callable[[torch.Tensor, int], torch.Tensor]]:
+    """name -> call(x, index of the weight); the packed copies are made here, once."""
+    packed = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in weights]
+    kernel = torch.ops.radixserve_cpu.small_linear
+    return {
+        "F.linear": lambda x, i: F.linear(x, weights[i]),
+        "packed": lambda x, i: torch.ops.mkldnn._linear_pointwise(x, packed[i], None, "none", [], ""),
+        "kernel": lambda x, i: kernel(x, weights[i], None),
+    }
+
+
+def measure(dtype: torch.dtype, rows: list[int], repeats: int) -> list[dict]:
+    generator = torch.Generator().manual_seed(0)
+    shapes = LAYER_SHAPES * LAYERS
+    weights = [(torch.randn(n, k, generator=generator) * 0.05).to(dtype) for n, k in shapes]
+    head = [(torch.randn(*HEAD_SHAPE, generator=generator) * 0.05).to(dtype)]
+    layer_paths, head_paths = paths(weights), paths(head)
+    records = []
+    for m in rows:
+        inputs = {k: torch.randn(m, k, generator=generator).to(dtype) for k in {k for _, k in LAYER_SHAPES}}
+        record = dict(dtype=str(dtype).removeprefix("torch."), rows=m)
+        for name, call in layer_paths.items():
+            record[f"{name}_forward_ms"] = median_ms(
+                lambda: [call(inputs[shape[1]], i) for i, shape in enumerate(shapes)], repeats)
+        for name, call in head_paths.items():
+            record[f"{name}_head_ms"] = median_ms(lambda: call(inputs[HEAD_SHAPE[1]], 0), repeats)
+        records.append(record)
+        print(f"{record['dtype']:>9} M={m:>2}  forward: " + "  ".join(
+            f"{name} {record[f'{name}_forward_ms']:6.1f}" for name in layer_paths) + "   head: " + "  ".join(
+            f"{name} {record[f'{name}_head_ms']:5.2f}" for name in head_paths), flush=True)
+    return records
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--rows", type=int, nargs="+", default=list(range(1, 13)))
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--out", help="write the JSON record here")
+    args = parser.parse_args()
+    if not cpu_build.load():
+        raise SystemExit("the CPU kernels did not build (see the log)")
+    torch.set_num_threads(args.threads)
+    print(f"ISA {cpu_build.cpu_isa()} (torch: {torch.backends.cpu.get_cpu_capability()}), torch {torch.__version__}, "
+          f"{args.threads} thread(s); milliseconds, median of {args.repeats}")
+    records = [r for dtype in args.dtypes for r in measure(getattr(torch, dtype), args.rows, args.repeats)]
+    if args.out:
+        Path(args.out).write_text(json.dumps({
+            "benchmark": "cpu small-row linear", "isa": cpu_build.cpu_isa(), "torch": torch.__version__,
+            "threads": args.threads, "records": records}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
