@@ -29,6 +29,23 @@ from serving_datasets import shared_prefix_sessions  # noqa: E402
 from radixserve.kernels import cpu_build  # noqa: E402
 from radixserve.runtime.model_files import load_tokenizer, resolve_model  # noqa: E402
 
+def time_forwards_by_mode(runner) -> tuple[collections.defaultdict, collections.Counter]:
+    """Wrap `runner.forward` so that each call's wall time adds up by batch mode; returns (seconds, calls),
+    filled as forwards run."""
+    seconds, calls = collections.defaultdict(float), collections.Counter()
+    forward = runner.forward
+
+    def timed_forward(batch, *a, **k):
+        start = time.perf_counter()
+        out = forward(batch, *a, **k)
+        seconds[batch.mode.name] += time.perf_counter() - start
+        calls[batch.mode.name] += 1
+        return out
+
+    runner.forward = timed_forward
+    return seconds, calls
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
@@ -45,17 +62,7 @@ def main() -> None:
     driver.run_until_idle()
     driver.flush_cache()
 
-    seconds, calls = collections.defaultdict(float), collections.Counter()
-    forward = driver.runner.forward
-
-    def timed_forward(batch, *a, **k):
-        start = time.perf_counter()
-        out = forward(batch, *a, **k)
-        seconds[batch.mode.name] += time.perf_counter() - start
-        calls[batch.mode.name] += 1
-        return out
-
-    driver.runner.forward = timed_forward
+    seconds, calls = time_forwards_by_mode(driver.runner)
     for i, session in enumerate(sessions):
         driver.submit(f"r{i}", session.turns[0].new_ids, max_new_tokens=32, ignore_eos=True)
     profiler = None

@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
 import torch  # noqa: E402
+from cpu_profile import time_forwards_by_mode  # noqa: E402
 from scheduler_driver import SchedulerDriver  # noqa: E402
 
 from radixserve.kernels import cpu_build  # noqa: E402
@@ -82,17 +83,7 @@ def main() -> None:
         t += rng.expovariate(args.rate)
         arrivals.append(t)
 
-    seconds, calls = collections.defaultdict(float), collections.Counter()
-    forward = driver.runner.forward
-
-    def timed_forward(batch, *a, **k):
-        start = time.perf_counter()
-        out = forward(batch, *a, **k)
-        seconds[batch.mode.name] += time.perf_counter() - start
-        calls[batch.mode.name] += 1
-        return out
-
-    driver.runner.forward = timed_forward
+    seconds, calls = time_forwards_by_mode(driver.runner)
     busy = None
     if args.busy_share > 0:
         busy = subprocess.Popen([sys.executable, "-c", BUSY_LOOP, str(args.busy_share)])
