@@ -77,6 +77,20 @@ def _limit_work(value):
             _limit_work(item)
 
 
+def _bound_generation(path: str, body) -> None:
+    """Give a generation body that leaves its length unset the same small maximum: unset means "up to the context
+    window", thousands of decode steps, which is load, not a crash."""
+    if not isinstance(body, dict):
+        return
+    if path in ("/v1/chat/completions", "/v1/completions"):
+        if "max_tokens" not in body and "max_completion_tokens" not in body:
+            body["max_tokens"] = MAX_WORK
+    elif path == "/generate":
+        params = body.setdefault("sampling_params", {})
+        if isinstance(params, dict):
+            params.setdefault("max_new_tokens", MAX_WORK)
+
+
 def _fuzz(server, operation, mode: GenerationMode, deadline: float, statuses: collections.Counter) -> None:
     """Up to EXAMPLES_PER_OPERATION generated requests to one operation (until `deadline`); fails on a 5xx."""
 
@@ -87,6 +101,7 @@ def _fuzz(server, operation, mode: GenerationMode, deadline: float, statuses: co
         if time.monotonic() > deadline:
             return
         _limit_work(case.body)
+        _bound_generation(operation.path, case.body)
         response = case.call(headers=server.headers(), timeout=120)
         statuses[response.status_code] += 1
         case.validate_response(response, checks=[not_a_server_error])
