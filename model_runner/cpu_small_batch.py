@@ -143,7 +143,7 @@ def pack_small_batch_linears(model: nn.Module, packed: bool = True) -> int:
         setattr(parent, name, SmallBatchLinear(child.weight, child.bias, packed=packed, head=child is head))
     if not hasattr(model, "logits_head") or not _single_rank(model):
         return len(targets)
-    head = getattr(model, "lm_head", None)
+    head = getattr(model, "lm_head", None)  # the replacement, where an untied head was replaced above
     if isinstance(head, SmallBatchLinear):  # an untied head was replaced above
         model.logits_head = head
     elif head is None and model.lm_head_weight.dtype == torch.float32 and model.lm_head_weight.device.type == "cpu":

@@ -246,5 +246,4 @@ def needs_exact_history(req: Req) -> bool:
     the next verify chain starts from), so under overlap the scheduler first waits for its batch in flight."""
     if req.spec is not None:
         return True
-    p = req.sampling_params
-    return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+    return req.sampling_params.has_penalties()

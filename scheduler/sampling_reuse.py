@@ -21,8 +21,7 @@ def has_per_step_sampling(req: Req) -> bool:
     """Whether `req`'s sampling tensors for its next output depend on the step: a seed, a penalty, or banned ids
     while it is below `min_new_tokens`."""
     p = req.sampling_params
-    return (p.seed is not None or p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0
-            or p.presence_penalty != 0.0 or req.kv_len - req.prompt_len < p.min_new_tokens)
+    return p.seed is not None or p.has_penalties() or req.kv_len - req.prompt_len < p.min_new_tokens
 
 
 class SamplingInfoReuse:

@@ -57,6 +57,11 @@ def test_backends_read_float8_kv_as_a_float64_reference_does(kv_name: str, case_
 
 
 def test_the_flag_takes_sglang_names_and_refuses_others() -> None:
+    from radixserve.radix_cache import pool
+    from radixserve.runtime.wire import server_args
+
+    # The names the flag accepts are the ones the runner can map to a dtype.
+    assert set(server_args.KV_CACHE_DTYPES) - {"auto"} == set(pool.KV_CACHE_DTYPES)
     for name in ("auto", "bf16", "bfloat16", "fp8_e4m3", "fp8_e5m2"):
         ServerArgs(kv_cache_dtype=name)
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):

@@ -71,6 +71,10 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     def is_greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
 
+    def has_penalties(self) -> bool:
+        """Whether sampling reads the request's earlier tokens (repetition, frequency or presence penalty)."""
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
     @classmethod
     def from_request(cls, params: Optional[dict[str, Any]], vocab_size: int,
                      defaults: Optional[Mapping[str, Any]] = None) -> "SamplingParams":
