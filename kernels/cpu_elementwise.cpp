@@ -16,7 +16,34 @@
 #include <tuple>
 #include <vector>
 
+namespace radixserve_cpu {
+
+// float64 inputs (dispatched too, never on a hot path) through the same float32 vector code.
+inline v16 load16(const double* p) {
+  v16 x;
+  for (int i = 0; i < 16; ++i) x[i] = static_cast<float>(p[i]);
+  return x;
+}
+
+inline void store16(double* p, v16 x) {
+  for (int i = 0; i < 16; ++i) p[i] = x[i];
+}
+
+template <>
+inline v16 round16<double>(v16 x) {
+  return x;
+}
+
+}  // namespace radixserve_cpu
+
 namespace {
+
+using radixserve_cpu::exp16;
+using radixserve_cpu::load16;
+using radixserve_cpu::round16;
+using radixserve_cpu::store16;
+using radixserve_cpu::sum16;
+using radixserve_cpu::v16;
 
 // Rows per thread chunk: small inputs (a decode batch) stay on one thread, where a fork would cost more.
 int64_t grain_rows(int64_t cols) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(cols, 1)); }
@@ -26,14 +53,24 @@ inline T round_to(float x) {
   return static_cast<T>(x);
 }
 
-// out = weight * dtype(x * rsqrt(mean(x^2) + eps)) over one row; `x` already float32.
+// out = weight * dtype(x * rsqrt(mean(x^2) + eps)) over one row; `x` already float32. Whole 16-float vectors, the
+// tail (cols not a multiple of 16) element by element.
 template <typename scalar_t>
 inline void norm_row(const float* x, const scalar_t* weight, int64_t cols, float eps, scalar_t* out) {
-  float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t c = 0; c < cols; ++c) sum += x[c] * x[c];
+  const int64_t body = cols / 16 * 16;
+  v16 squares{};
+  for (int64_t c = 0; c < body; c += 16) {
+    const v16 v = load16(x + c);
+    squares += v * v;
+  }
+  float sum = sum16(squares);
+  for (int64_t c = body; c < cols; ++c) sum += x[c] * x[c];
   const float inv = 1.0f / std::sqrt(sum / static_cast<float>(cols) + eps);
-  for (int64_t c = 0; c < cols; ++c) {
+  for (int64_t c = 0; c < body; c += 16) {
+    const v16 normed = round16<scalar_t>(load16(x + c) * inv);
+    store16(out + c, load16(weight + c) * normed);
+  }
+  for (int64_t c = body; c < cols; ++c) {
     const float normed = static_cast<float>(round_to<scalar_t>(x[c] * inv));
     out[c] = round_to<scalar_t>(static_cast<float>(weight[c]) * normed);
   }
@@ -50,7 +87,9 @@ at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight_in, double 
     at::parallel_for(0, rows, grain_rows(cols), [&](int64_t begin, int64_t end) {
       std::vector<float> row(cols);
       for (int64_t r = begin; r < end; ++r) {
-        for (int64_t c = 0; c < cols; ++c) row[c] = static_cast<float>(xp[r * cols + c]);
+        const int64_t body = cols / 16 * 16;
+        for (int64_t c = 0; c < body; c += 16) store16(row.data() + c, load16(xp + r * cols + c));
+        for (int64_t c = body; c < cols; ++c) row[c] = static_cast<float>(xp[r * cols + c]);
         norm_row(row.data(), wp, cols, static_cast<float>(eps), op + r * cols);
       }
     });
@@ -74,7 +113,13 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x_in, const at
     at::parallel_for(0, rows, grain_rows(cols), [&](int64_t begin, int64_t end) {
       std::vector<float> row(cols);
       for (int64_t r = begin; r < end; ++r) {
-        for (int64_t c = 0; c < cols; ++c) {
+        const int64_t body = cols / 16 * 16;
+        for (int64_t c = 0; c < body; c += 16) {
+          const v16 s = round16<scalar_t>(load16(rp + r * cols + c) + load16(xp + r * cols + c));
+          store16(sp + r * cols + c, s);
+          store16(row.data() + c, s);
+        }
+        for (int64_t c = body; c < cols; ++c) {
           const scalar_t s = round_to<scalar_t>(static_cast<float>(rp[r * cols + c]) + static_cast<float>(xp[r * cols + c]));
           sp[r * cols + c] = s;
           row[c] = static_cast<float>(s);
@@ -97,18 +142,25 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up_in) {
     const scalar_t* in = gate_up.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
     at::parallel_for(0, rows, grain_rows(2 * width), [&](int64_t begin, int64_t end) {
-      std::vector<float> g(width), e(width);
+      std::vector<float> g(16), e(16);  // the tail
       for (int64_t r = begin; r < end; ++r) {
         const scalar_t* gate = in + r * 2 * width;
         const scalar_t* up = gate + width;
-        for (int64_t c = 0; c < width; ++c) {
-          g[c] = static_cast<float>(gate[c]);
-          e[c] = -g[c];
+        scalar_t* o = op + r * width;
+        const int64_t body = width / 16 * 16;
+        for (int64_t c = 0; c < body; c += 16) {
+          const v16 g16 = load16(gate + c);
+          const v16 activated = round16<scalar_t>(g16 / (1.0f + exp16(-g16)));
+          store16(o + c, activated * load16(up + c));
         }
-        radixserve_cpu::exp_inplace(e.data(), width);
-        for (int64_t c = 0; c < width; ++c) {
-          const float activated = static_cast<float>(round_to<scalar_t>(g[c] / (1.0f + e[c])));
-          op[r * width + c] = round_to<scalar_t>(activated * static_cast<float>(up[c]));
+        for (int64_t c = body; c < width; ++c) {
+          g[c - body] = static_cast<float>(gate[c]);
+          e[c - body] = -g[c - body];
+        }
+        radixserve_cpu::exp_inplace(e.data(), width - body);
+        for (int64_t c = body; c < width; ++c) {
+          const float activated = static_cast<float>(round_to<scalar_t>(g[c - body] / (1.0f + e[c - body])));
+          o[c] = round_to<scalar_t>(activated * static_cast<float>(up[c]));
         }
       }
     });
@@ -131,7 +183,14 @@ void rotate(const at::Tensor& x, const int64_t* positions, const float* cos, con
       for (int64_t h = 0; h < heads; ++h) {
         const scalar_t* in = xp + t * st + h * sh;
         scalar_t* o = op + (t * heads + h) * 2 * half;
-        for (int64_t i = 0; i < half; ++i) {
+        const int64_t body = half / 16 * 16;
+        for (int64_t i = 0; i < body; i += 16) {
+          const v16 c = round16<scalar_t>(load16(c_row + i)), s = round16<scalar_t>(load16(s_row + i));
+          const v16 x1 = load16(in + i), x2 = load16(in + i + half);
+          store16(o + i, round16<scalar_t>(x1 * c) - round16<scalar_t>(x2 * s));
+          store16(o + i + half, round16<scalar_t>(x2 * c) + round16<scalar_t>(x1 * s));
+        }
+        for (int64_t i = body; i < half; ++i) {
           const float c = static_cast<float>(round_to<scalar_t>(c_row[i]));
           const float s = static_cast<float>(round_to<scalar_t>(s_row[i]));
           const float x1 = static_cast<float>(in[i]), x2 = static_cast<float>(in[i + half]);

@@ -1,8 +1,14 @@
 // Helpers shared by the CPU kernels (cpu_attention*.{cpp,h}, cpu_elementwise.cpp).
 #pragma once
 
+#include <c10/util/BFloat16.h>
+
 #include <cstdint>
 #include <cstring>
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace radixserve_cpu {
 
@@ -21,6 +27,67 @@ inline void store16(float* p, v16 x) { std::memcpy(p, &x, sizeof(x)); }
 inline v16 splat16(float x) { return v16{} + x; }
 
 typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
+
+// 16 elements of a float32 or bfloat16 array as float32 lanes, and back. The bfloat16 store rounds to nearest even,
+// as c10::BFloat16's constructor does, but in vector registers (the scalar conversion with its NaN branch does not
+// vectorize: the elementwise kernels spent most of their time in it): one VCVTNEPS2BF16 with AVX-512 BF16, else the
+// integer form of the same rounding. A NaN stays a NaN (its payload may differ from c10's 0x7FC0) and, with the
+// instruction, a float32 subnormal rounds to zero.
+inline v16 load16(const c10::BFloat16* p) {
+  v16h half;
+  std::memcpy(&half, p, sizeof(half));
+  const v16u bits = __builtin_convertvector(half, v16u) << 16;
+  v16 x;
+  std::memcpy(&x, &bits, sizeof(x));
+  return x;
+}
+
+inline v16h bf16_bits(v16 x) {
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+  __m512 wide;
+  std::memcpy(&wide, &x, sizeof(wide));
+  const __m256bh narrow = _mm512_cvtneps_pbh(wide);
+  v16h half;
+  std::memcpy(&half, &narrow, sizeof(half));
+  return half;
+#else
+  v16u bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  const v16u rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+  return __builtin_convertvector(x != x ? v16u{} + 0x7FC0u : rounded, v16h);
+#endif
+}
+
+inline void store16(c10::BFloat16* p, v16 x) {
+  const v16h half = bf16_bits(x);
+  std::memcpy(p, &half, sizeof(half));
+}
+
+// x rounded to T and widened back to float32 (what `float(T(x))` gives, lane by lane).
+template <typename T>
+inline v16 round16(v16 x);
+
+template <>
+inline v16 round16<float>(v16 x) {
+  return x;
+}
+
+template <>
+inline v16 round16<c10::BFloat16>(v16 x) {
+  const v16u bits = __builtin_convertvector(bf16_bits(x), v16u) << 16;
+  v16 out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+// Sum of the 16 lanes.
+inline float sum16(v16 x) {
+  float total = 0.0f;
+  for (int i = 0; i < 16; ++i) total += x[i];
+  return total;
+}
 
 // exp of 16 lanes, written so it stays in vector registers (no calls, no branches): x = n ln2 + r with
 // |r| <= ln2 / 2 (n rounded to nearest by adding and subtracting 1.5 * 2^23; Cody-Waite split of ln2), exp(r) by

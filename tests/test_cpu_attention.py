@@ -17,7 +17,8 @@ import torch
 
 from attention_cases import kv_written, make_case, reference_attention, run_backend, share_prefixes  # noqa: E402
 from radixserve.kernels import cpu_build
-from radixserve.model_runner.attention.cpu_backend import CpuAttentionBackend, CpuAttentionPlan
+from radixserve.model_runner.attention.cpu_backend import (MAX_KERNEL_EXTEND_LEN, CpuAttentionBackend,
+                                                           CpuAttentionPlan)
 from radixserve.model_runner.attention.torch_native import TorchNativeAttention
 from radixserve.model_runner.forward_batch import ForwardMode
 from test_attention_shared_prefix import GROUP_LENS, LAYER, LAYOUTS, build, reference  # noqa: E402
@@ -75,6 +76,7 @@ SHARED_CASES = [
     (ForwardMode.DECODE, [40, 75, 33], [1] * 3, 3, 33),  # a partial key tile, members of unequal length
     (ForwardMode.EXTEND, [64, 80, 70, 99], [3, 5, 1, 7], 4, 64),  # causal own keys within the group
     (ForwardMode.EXTEND, [50] * 8, [12] * 8, 8, 48),  # 96 tokens: several groups of up to 64, several row blocks
+    (ForwardMode.EXTEND, [70] * 4, [32] * 4, 4, 64),  # the shared-prefix workload's 32-token extends, 2 a group
 ]
 
 
@@ -185,12 +187,14 @@ def test_a_build_killed_half_way_does_not_block_later_loads(tmp_path):
 
 
 def test_long_extends_run_on_torch_native():
-    case = make_case(ForwardMode.EXTEND, [0, 3], [17, 2], num_heads=4, num_kv_heads=2, head_dim=16, page_size=1,
-                     dtype=torch.float32, seed=2)
-    out = run_backend(CpuAttentionBackend(), case)  # 17 > MAX_KERNEL_EXTEND_LEN
+    longest = MAX_KERNEL_EXTEND_LEN
+    case = make_case(ForwardMode.EXTEND, [0, 3], [longest + 1, 2], num_heads=4, num_kv_heads=2, head_dim=16,
+                     page_size=1, dtype=torch.float32, seed=2)
+    out = run_backend(CpuAttentionBackend(), case)
     assert not isinstance(case.batch.attn_metadata, CpuAttentionPlan)
     torch.testing.assert_close(out.double(), reference_attention(case), atol=2e-5, rtol=2e-5)
-    short = make_case(ForwardMode.EXTEND, [0, 3], [16, 2], num_heads=4, num_kv_heads=2, head_dim=16, page_size=1,
-                      dtype=torch.float32, seed=2)
-    run_backend(CpuAttentionBackend(), short)
+    short = make_case(ForwardMode.EXTEND, [0, 3], [longest, 2], num_heads=4, num_kv_heads=2, head_dim=16,
+                      page_size=1, dtype=torch.float32, seed=2)
+    out = run_backend(CpuAttentionBackend(), short)
     assert isinstance(short.batch.attn_metadata, CpuAttentionPlan)
+    torch.testing.assert_close(out.double(), reference_attention(short), atol=2e-5, rtol=2e-5)
