@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from radixserve.model_runner.cpu_packed import PackedLinear, packing_supported
+from radixserve.model_runner.cpu_packed import PLAIN_MIN_ROWS, PackedLinear, packing_supported
 from radixserve.model_runner.forward_batch import ForwardMode
 from radixserve.model_runner.layers import rope_inverse_frequencies
 from radixserve.runtime.model_files import load_tokenizer
@@ -142,7 +142,7 @@ def test_packed_linear_equals_linear(bias):
     generator = torch.Generator().manual_seed(0)
     linear = torch.nn.Linear(96, 80, bias=bias).to(torch.bfloat16).requires_grad_(False)
     packed = PackedLinear(linear)
-    for shape in [(7, 96), (64, 96), (2, 5, 96)]:  # past the small-row kernel's rows (tests/test_cpu_small_batch.py)
+    for shape in [(7, 96), (64, 96), (2, 5, 96), (PLAIN_MIN_ROWS, 96)]:  # past the small-row kernel's rows
         x = torch.randn(shape, generator=generator).to(torch.bfloat16)
         assert torch.equal(packed(x), linear(x))
 
