@@ -3,6 +3,7 @@ oneDNN path, on the embedded model's projection shapes.
 
     python benchmarks/cpu_linear.py --threads 1
     python benchmarks/cpu_linear.py --threads 2 --rows 1 2 4 8 --dtypes float32
+    python benchmarks/cpu_linear.py --threads 2 --rows 8 32 64 128 256 --dtypes bfloat16
 
 One "forward" is the 120 projections of SmolLM2-135M (30 layers of qkv 960x576, o 576x576, gate_up 3072x576,
 down 576x1536, each layer its own random weights, so nothing stays in the core's caches from one layer to the next
@@ -13,7 +14,9 @@ milliseconds of `--repeats` forwards after a warm-up, per path:
   every call);
 - `packed`: `torch.ops.mkldnn._linear_pointwise` on a weight packed once (model_runner/cpu_small_batch.py for
   float32, model_runner/cpu_packed.py for bfloat16);
-- `kernel`: `torch.ops.radixserve_cpu.small_linear` on the plain weight.
+- `kernel`: `torch.ops.radixserve_cpu.small_linear` on the plain weight;
+- `amx` (bfloat16, where the CPU and the OS grant AMX tiles): `torch.ops.radixserve_cpu.amx_linear` on the weight
+  packed for the tiles (model_runner/cpu_amx_linear.py).
 
 Prints a table with the CPU's ISA flags and writes a JSON record (`--out`).
 """
@@ -31,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from radixserve.kernels import cpu_build
+from radixserve.model_runner.cpu_amx_linear import pack_for_tiles
 
 LAYERS = 30
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out_features, in_features)
@@ -46,11 +50,15 @@ def paths(weights: list[torch.Tensor]) -> dict[str, Callable[[torch.Tensor, int]
     """name -> call(x, index of the weight); the packed copies are made here, once."""
     packed = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in weights]
     kernel = torch.ops.radixserve_cpu.small_linear
-    return {
+    found = {
         "F.linear": lambda x, i: F.linear(x, weights[i]),
         "packed": lambda x, i: torch.ops.mkldnn._linear_pointwise(x, packed[i], None, "none", [], ""),
         "kernel": lambda x, i: kernel(x, weights[i], None),
     }
+    if weights[0].dtype == torch.bfloat16 and torch.ops.radixserve_cpu.amx_linear_ready():
+        tiles = [pack_for_tiles(w) for w in weights]
+        found["amx"] = lambda x, i: torch.ops.radixserve_cpu.amx_linear(x, tiles[i], None)
+    return found
 
 
 def measure(dtype: torch.dtype, rows: list[int], repeats: int) -> list[dict]:

@@ -17,6 +17,9 @@ bfloat16 weight once, widening it to float32 in registers, and measured faster t
 projections of a forward at one row and one thread: 23.6 against 25.5 ms; two threads 11.6 against 14.6). Its outputs
 are the float32 sums rounded once to bfloat16, as oneDNN's, summed in another order (not bit-equal to `F.linear`).
 
+From 2 to 128 rows (decode batches) the AMX kernel runs on a tile-packed copy of the weight where the CPU has
+AMX-BF16 (model_runner/cpu_amx_linear.py), ahead of the small-row kernel; elsewhere, and above, as described.
+
 At prefill row counts (`PLAIN_MIN_ROWS` and more) the projections that do not widen their input (out_features <=
 in_features: o and down) go back to `F.linear`, whose oneDNN matmul reads the plain weight and measured faster there
 than the packed inner product (2-core AMX machine, 30 layers' weights in turn, 512 rows: o 313 -> 276 us, down
@@ -30,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixserve.kernels import cpu_build
+from radixserve.model_runner.cpu_amx_linear import AmxWeight, amx_copy_pays
 from radixserve.model_runner.cpu_small_batch import kernel_linear, kernel_rows
 from radixserve.model_runner.parallel import RowParallelLinear
 
@@ -48,7 +52,7 @@ def packing_supported() -> bool:
 class PackedLinear(nn.Module):
     """`nn.Linear` with a pre-packed bfloat16 weight. The plain weight stays, for `state_dict` and readers."""
 
-    def __init__(self, linear: nn.Module, head: bool = False) -> None:
+    def __init__(self, linear: nn.Module, head: bool = False, amx: bool = True) -> None:
         super().__init__()
         self.out_features, self.in_features = linear.weight.shape
         self.weight = linear.weight
@@ -56,9 +60,13 @@ class PackedLinear(nn.Module):
         self.kernel_rows = kernel_rows(linear.weight.dtype, head)
         self.plain_min_rows = PLAIN_MIN_ROWS if self.out_features <= self.in_features else None
         self._packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
+        self.amx = AmxWeight(linear.weight, enabled=amx)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """`x [..., in_features]` bfloat16 on the CPU, like the weight."""
+        out = self.amx.linear(x, self.bias)
+        if out is not None:
+            return out
         out = kernel_linear(x, self.weight, self.bias, self.kernel_rows)
         if out is not None:
             return out
@@ -87,8 +95,9 @@ def pack_cpu_linears(model: nn.Module) -> int:
         if _packable(child)
     ]
     lm_head = getattr(model, "lm_head", None)
+    amx = amx_copy_pays(model)
     for parent, name, child in targets:
-        setattr(parent, name, PackedLinear(child, head=child is lm_head))
+        setattr(parent, name, PackedLinear(child, head=child is lm_head, amx=amx))
     single_rank = getattr(getattr(model, "tp", None), "size", 0) == 1
     if single_rank and isinstance(getattr(model, "lm_head", None), PackedLinear):  # an untied head, packed above
         model.logits_head = model.lm_head
@@ -97,6 +106,6 @@ def pack_cpu_linears(model: nn.Module) -> int:
     if weight is not None and weight.dtype == torch.bfloat16 and weight.device.type == "cpu":
         head = nn.Linear(1, 1, bias=False)
         head.weight = weight
-        model.logits_head = PackedLinear(head, head=True)
+        model.logits_head = PackedLinear(head, head=True, amx=amx)
         return len(targets) + 1
     return len(targets)

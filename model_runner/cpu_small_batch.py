@@ -41,7 +41,8 @@ MAX_EXTRA_MEMORY_FRACTION = 0.1
 # benchmarks/cpu_linear.py, 2-core AVX-512 machine, one and two threads: float32 projections 2-16 rows (one row:
 # F.linear 34.4 ms, the kernel 36.4 ms for the 120 of a forward), the float32 LM head from one row (6.3 ms against
 # 7.7); bfloat16 projections up to 4 rows (the packed weights, on AMX, from 5: 25.7 against 27.3 ms at 5 rows) and
-# the bfloat16 LM head at one row (from 2 rows the packed head is faster).
+# the bfloat16 LM head at one row (from 2 rows the packed head is faster). Where the CPU has AMX tiles the bfloat16
+# linears run the AMX kernel from 2 rows instead (model_runner/cpu_amx_linear.py).
 KERNEL_ROWS: dict[torch.dtype, tuple[tuple[int, int], tuple[int, int]]] = {
     torch.float32: ((2, 16), (1, 16)),
     torch.bfloat16: ((1, 4), (1, 1)),

@@ -1,0 +1,81 @@
+"""The bfloat16 AMX linear kernel (kernels/cpu_amx_linear.cpp) against float64, and where the packed CPU linears
+(model_runner/cpu_packed.py) run it: 2 to 128 rows, weights whose shape it takes, only where the tiles are granted."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from radixserve.kernels import cpu_build
+from radixserve.model_runner import cpu_amx_linear
+from radixserve.model_runner.cpu_amx_linear import AmxWeight, pack_for_tiles
+from radixserve.model_runner.cpu_packed import PackedLinear, packing_supported
+
+
+@pytest.fixture(scope="module")
+def amx():
+    assert cpu_build.load(), "the CPU kernels failed to build (see the log)"
+    if not torch.ops.radixserve_cpu.amx_linear_ready():
+        pytest.skip("no AMX-BF16 tiles on this CPU (or not granted by the OS)")
+
+
+def exact(x, weight, bias):
+    out = x.double() @ weight.double().T
+    return out if bias is None else out + bias.double()
+
+
+def ops_run(module, x) -> set[str]:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        module(x)
+    return {event.name for event in profile.events() if event.name.startswith(("radixserve_cpu::", "mkldnn::"))}
+
+
+@pytest.mark.parametrize("out_features,in_features", [(64, 32), (960, 576), (96, 1536)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_matches_float64(amx, out_features, in_features, bias):
+    gen = torch.Generator().manual_seed(out_features + in_features)
+    weight = (torch.randn(out_features, in_features, generator=gen) * 0.05).to(torch.bfloat16)
+    bias_t = torch.randn(out_features, generator=gen).to(torch.bfloat16) if bias else None
+    packed = pack_for_tiles(weight)
+    for rows in (1, 5, 16, 17, 32, 33, 64, 128):  # whole and partial 32-row blocks
+        x = torch.randn(rows, in_features, generator=gen).to(torch.bfloat16)
+        out = torch.ops.radixserve_cpu.amx_linear(x, packed, bias_t)
+        assert out.dtype == torch.bfloat16 and out.shape == (rows, out_features)
+        # float32 sums of exact products, rounded once to bfloat16: within half a bfloat16 step (+ float32 noise)
+        torch.testing.assert_close(out.double(), exact(x, weight, bias_t), rtol=2 ** -8, atol=1e-3)
+    x = torch.randn(2, 3, in_features, generator=gen).to(torch.bfloat16)  # leading dimensions are kept
+    assert torch.ops.radixserve_cpu.amx_linear(x, packed, bias_t).shape == (2, 3, out_features)
+
+
+def test_refuses_shapes_it_does_not_take(amx):
+    weight = torch.randn(48, 64).to(torch.bfloat16)  # 48 output columns: not whole blocks of 32
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        torch.ops.radixserve_cpu.amx_linear(torch.randn(5, 64).to(torch.bfloat16), pack_for_tiles(weight), None)
+    assert AmxWeight(torch.randn(80, 96).to(torch.bfloat16)).linear(torch.randn(8, 96).to(torch.bfloat16), None) is None
+
+
+@pytest.mark.skipif(not packing_supported(), reason="needs oneDNN bfloat16 support on this CPU")
+def test_packed_linear_runs_it_at_decode_rows(amx):
+    gen = torch.Generator().manual_seed(3)
+    linear = torch.nn.Linear(96, 64, bias=True).to(torch.bfloat16).requires_grad_(False)
+    module = PackedLinear(linear)
+    for rows, expected in [(1, "radixserve_cpu::small_linear"),
+                           (cpu_amx_linear.MIN_ROWS, "radixserve_cpu::amx_linear"),
+                           (cpu_amx_linear.MAX_ROWS, "radixserve_cpu::amx_linear"),
+                           (cpu_amx_linear.MAX_ROWS + 1, "mkldnn::_linear_pointwise")]:
+        x = torch.randn(rows, 96, generator=gen).to(torch.bfloat16)
+        ran = ops_run(module, x)
+        assert expected in ran, (rows, ran)
+        torch.testing.assert_close(module(x).double(), exact(x, linear.weight, linear.bias), rtol=2 ** -8, atol=1e-3)
+    off = PackedLinear(linear, amx=False)  # no copy (the memory rule said no): oneDNN's packed weight
+    x = torch.randn(8, 96, generator=gen).to(torch.bfloat16)
+    assert "radixserve_cpu::amx_linear" not in ops_run(off, x) and off.amx.packed is None
+
+
+@pytest.mark.skipif(not packing_supported(), reason="needs oneDNN bfloat16 support on this CPU")
+def test_switched_off_by_the_environment(amx, monkeypatch):
+    monkeypatch.setenv("RADIXSERVE_CPU_AMX", "0")
+    assert not torch.ops.radixserve_cpu.amx_linear_ready()
+    module = PackedLinear(torch.nn.Linear(96, 64, bias=False).to(torch.bfloat16).requires_grad_(False))
+    x = torch.randn(8, 96).to(torch.bfloat16)
+    assert "radixserve_cpu::amx_linear" not in ops_run(module, x) and module.amx.usable is False
