@@ -40,6 +40,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from radixserve.kernels import cpu_build
 from radixserve.model_runner.sampling_info import SamplingBatchInfo, seeded_uniform
 
 __all__ = ["PLACEHOLDER_TOKEN_ID", "SampleOutput", "Sampler", "SamplingBatchInfo", "seeded_uniform", "keep_mask", "keep_thresholds"]
@@ -202,6 +203,15 @@ def adjusted_logits(logits: torch.Tensor, info: SamplingBatchInfo) -> tuple[torc
     return logits, ~(logits.amax(dim=-1) > -math.inf)
 
 
+def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
+    """`logits.argmax(dim=-1)` for `[bs, vocab]` logits; on the CPU, once its kernels are loaded, by the C++ argmax
+    (kernels/cpu_argmax.cpp: the same ids, first on ties and NaN first, about 3 ms -> well under 1 ms for a
+    64-row decode batch of a 49k vocabulary)."""
+    if logits.device.type == "cpu" and logits.shape[-1] > 0 and cpu_build.ready():
+        return torch.ops.radixserve_cpu.argmax_rows(logits)
+    return logits.argmax(dim=-1)
+
+
 class Sampler:
     """Picks the next token of every request in a batch; see the module docstring for the semantics."""
 
@@ -240,9 +250,9 @@ class Sampler:
             logprobs_all = torch.log_softmax(logits, dim=-1)
 
         if info.all_greedy:
-            next_ids = logits.argmax(dim=-1)
+            next_ids = greedy_ids(logits)
         elif info.any_greedy:
-            next_ids = logits.argmax(dim=-1)  # before _sample_rows, which may scale the logits
+            next_ids = greedy_ids(logits)  # before _sample_rows, which may scale the logits
             next_ids[info.sampled_rows] = self._sample_rows(logits, info)
         else:
             next_ids = self._sample_rows(logits, info)

@@ -81,3 +81,23 @@ def test_rotary_refuses_a_position_past_its_table():
     q, k = torch.randn(2, 9, 64), torch.randn(2, 3, 64)
     with pytest.raises(RuntimeError, match="outside the rotary table"):
         cpu_kernel_ops().rotary(torch.tensor([3, 16]), q, k, rotary.cos, rotary.sin)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_argmax_rows_equals_torch_argmax(dtype):
+    """Greedy sampling's argmax (kernels/cpu_argmax.cpp): torch.argmax's ids, ties (first), NaN (first NaN), -inf
+    rows, lengths with and without a partial vector."""
+    gen = torch.Generator().manual_seed(5)
+    for vocab in (1, 15, 16, 49152 + 7):
+        x = torch.randn(9, vocab, generator=gen).to(dtype)
+        if vocab > 1:
+            x[1, -1] = x[1].max() + 1  # maximum in the tail
+            x[2] = 0.5  # all tied: the first
+            x[3, vocab // 2] = float("nan")
+            x[4, 0] = float("nan")
+            x[4, -1] = float("nan")
+            top = x[5].max() + 1
+            x[5, [vocab - 1, vocab // 3]] = top  # tied maxima in different lanes
+        x[6] = float("-inf")  # a row with no token left
+        got = torch.ops.radixserve_cpu.argmax_rows(x)
+        assert got.dtype == torch.int64 and torch.equal(got, x.argmax(dim=-1)), (vocab, got, x.argmax(dim=-1))
