@@ -61,3 +61,20 @@ def test_layer_scaling_other_than_planned(mode):
     out = run_backend(backend, case)
     error = (out.double() - reference_attention(case, device="cuda")).abs().max().item()
     assert error < BF16_ATOL, f"max abs error vs float64 reference: {error}"
+
+
+@pytest.mark.parametrize("batch_size", [8, 40])
+def test_graph_decode_plan_matches_reference(batch_size):
+    """A CUDA-graph decode wrapper, planned as for a capture, at a batch that FlashInfer's graph-mode planner
+    splits over the keys (8 requests) and at one where every request is a single chunk (40 requests x 8 KV
+    heads fill more than 2 CTAs per SM of an H200)."""
+    backend = FlashInferAttentionBackend(32, 8, HEAD_DIM, torch.bfloat16, "cuda", page_size=1)
+    generator = torch.Generator().manual_seed(5)
+    prefix_lens = torch.randint(0, 900, (batch_size,), generator=generator).tolist()
+    case = make_case(ForwardMode.DECODE, prefix_lens, [1] * batch_size, num_heads=32, num_kv_heads=8,
+                     head_dim=HEAD_DIM, page_size=1, dtype=torch.bfloat16, device="cuda", seed=7)
+    backend.init_cuda_graph_state(batch_size, max(prefix_lens) + 1)
+    backend.plan_for_capture(case.batch)
+    out = backend.forward(case.q, case.k, case.v, case.layer_id, case.scaling, case.batch)
+    error = (out.double() - reference_attention(case, device="cuda")).abs().max().item()
+    assert error < BF16_ATOL, f"max abs error vs float64 reference: {error}"
