@@ -186,6 +186,7 @@ class ItemKernel {
     if (amx) {
       tiles.emplace();
       k_amx_.resize(kKeyTile * D);
+      v_amx_.resize(kKeyTile * D);
     }
     for (int64_t h = h_begin_; h < h_end_; ++h) {
       const int64_t r0 = row(h, t_begin, 0);
@@ -210,7 +211,11 @@ class ItemKernel {
           } else {
             if constexpr (kKeysAsBf16) {
               k_bf16_rows_[k] = reinterpret_cast<const uint16_t*>(k_ + offset);
-              if (amx) std::memcpy(k_amx_.data() + k * D, k_ + offset, D * sizeof(uint16_t));
+              if (amx) {
+                std::memcpy(k_amx_.data() + k * D, k_ + offset, D * sizeof(uint16_t));
+                v_bf16_rows_[k] = reinterpret_cast<const uint16_t*>(v_ + offset);
+                continue;  // the values go to the tiles transposed, not as float32
+              }
             } else {
               to_float(k_ + offset, k_tile_.data() + k * D, D);
               k_rows_[k] = k_tile_.data() + k * D;
@@ -221,14 +226,19 @@ class ItemKernel {
         }
         for (int64_t k = n; k < kKeyTile; ++k) {  // a partial tile
           k_rows_[k] = v_rows_[k] = zeros_.data();
-          k_bf16_rows_[k] = reinterpret_cast<const uint16_t*>(zeros_.data());
+          k_bf16_rows_[k] = v_bf16_rows_[k] = reinterpret_cast<const uint16_t*>(zeros_.data());
         }
         if (amx && n < kKeyTile) std::fill(k_amx_.begin() + n * D, k_amx_.end(), 0);
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+        static_assert(kKeyTile == 32, "transpose_values takes tiles of 32 keys");
+        if (amx) radixserve_cpu::transpose_values(v_bf16_rows_, D, v_amx_.data());
+#endif
         prefetch_tile(t0 + kKeyTile, kv_end, h, h + 1);
         const int64_t tile_pos0 = pos0 + (t0 - kv_begin);
         for (int64_t b = 0; b < blocks; ++b) {
           if constexpr (kKeysAsBf16) {
-            lanes_[b].tile<kKeyTile>(k_bf16_rows_, v_rows_, n, tile_pos0, amx ? k_amx_.data() : nullptr);
+            lanes_[b].tile<kKeyTile>(k_bf16_rows_, v_rows_, n, tile_pos0, amx ? k_amx_.data() : nullptr,
+                                     amx ? v_amx_.data() : nullptr);
           } else {
             lanes_[b].tile<kKeyTile>(k_rows_, v_rows_, n, tile_pos0);
           }
@@ -269,6 +279,9 @@ class ItemKernel {
         if constexpr (std::is_same_v<scalar_t, float>) {
           k_rows_[k] = k_ + offset;
           v_rows_[k] = v_ + offset;
+        } else if constexpr (kKeysAsBf16) {  // read in place
+          k_bf16_rows_[k] = reinterpret_cast<const uint16_t*>(k_ + offset);
+          v_bf16_rows_[k] = reinterpret_cast<const uint16_t*>(v_ + offset);
         } else {
           to_float(k_ + offset + head_offset, k_tile_.data() + k * KV + head_offset, width);
           to_float(v_ + offset + head_offset, v_tile_.data() + k * KV + head_offset, width);
@@ -276,11 +289,18 @@ class ItemKernel {
           v_rows_[k] = v_tile_.data() + k * KV;
         }
       }
-      for (int64_t k = n; k < kKeyTile; ++k) k_rows_[k] = v_rows_[k] = zeros_.data();  // a partial tile
+      for (int64_t k = n; k < kKeyTile; ++k) {  // a partial tile
+        k_rows_[k] = v_rows_[k] = zeros_.data();
+        k_bf16_rows_[k] = v_bf16_rows_[k] = reinterpret_cast<const uint16_t*>(zeros_.data());
+      }
       prefetch_tile(t0 + kKeyTile, kv_end, h_begin_, h_end_);
       for (int64_t h = h_begin_; h < h_end_; ++h) {
         const int64_t r0 = row(h, t_begin, 0);
         float* s = scores_.data() + r0 * kKeyTile;
+        if constexpr (kKeysAsBf16) {
+          dots_bf16(s, r0, rows, h, n, tile_pos0, t_begin);
+          continue;
+        }
         const float* q = q_rows_.data() + r0 * D;
         for (int64_t i = 0; i < rows;) {
           const int64_t left = rows - i;
@@ -309,6 +329,40 @@ class ItemKernel {
     }
   }
 
+#if defined(__AVX512BF16__)
+  // The bfloat16 form of attend_dots' inner step for KV head h: the scores of the unscaled bfloat16 queries
+  // against the keys in place (pair products, float32 sums; then scaled), the probabilities rounded to bfloat16
+  // against pairs of value rows in place (float32 sums), no float32 copies of the tile.
+  void dots_bf16(float* s, int64_t r0, int64_t rows, int64_t h, int64_t n, int64_t tile_pos0, int64_t t_begin) {
+    const int64_t D = head_dim_;
+    for (int64_t i = 0; i < rows; ++i)
+      radixserve_cpu::scores_bf16(q_bf16_.data() + (r0 + i) * D, k_bf16_rows_, h * D, n, D, scale_, s + i * kKeyTile);
+    p_bf16_.resize(rows * kKeyTile);
+    for (int64_t r = r0; r < r0 + rows; ++r) {
+      float* sr = scores_.data() + r * kKeyTile;
+      softmax_row(sr, kKeyTile, n, positions_[t_begin + (r - r0) / group_] - tile_pos0, max_[r], sum_[r],
+                  acc_.data() + r * D, D);
+      for (int64_t k = 0; k < kKeyTile; k += 16) {
+        const radixserve_cpu::v16h bits = radixserve_cpu::bf16_bits(radixserve_cpu::load16(sr + k));
+        std::memcpy(p_bf16_.data() + (r - r0) * kKeyTile + k, &bits, sizeof(bits));
+      }
+    }
+    float* out = acc_.data() + r0 * D;
+    const uint16_t* p = p_bf16_.data();
+    for (int64_t i = 0; i < rows;) {
+      const int64_t left = rows - i;
+      const uint16_t* pi = p + i * kKeyTile;
+      float* oi = out + i * D;
+      if (left >= 4) radixserve_cpu::values_bf16<4>(pi, kKeyTile, v_bf16_rows_, h * D, n, D, oi, D), i += 4;
+      else if (left == 3) radixserve_cpu::values_bf16<3>(pi, kKeyTile, v_bf16_rows_, h * D, n, D, oi, D), i += 3;
+      else if (left == 2) radixserve_cpu::values_bf16<2>(pi, kKeyTile, v_bf16_rows_, h * D, n, D, oi, D), i += 2;
+      else radixserve_cpu::values_bf16<1>(pi, kKeyTile, v_bf16_rows_, h * D, n, D, oi, D), i += 1;
+    }
+  }
+#else
+  void dots_bf16(float*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t) {}
+#endif
+
   const scalar_t* q_;
   const scalar_t* k_;
   const scalar_t* v_;
@@ -323,8 +377,10 @@ class ItemKernel {
   std::vector<int64_t> tokens_, positions_, member_token_start_, row_positions_;
   std::vector<float> q_rows_, acc_, max_, sum_, scores_, k_tile_, v_tile_, zeros_;
   std::vector<LaneBlock> lanes_;
-  std::vector<uint16_t> q_bf16_, k_amx_;  // the unscaled queries' bits, for keys read as bfloat16; a key tile
+  std::vector<uint16_t> q_bf16_, k_amx_, v_amx_;  // the unscaled queries' bits; a key tile; a value tile transposed
+  std::vector<uint16_t> p_bf16_;                   // probabilities of a tile as bfloat16, [row][key]
   const uint16_t* k_bf16_rows_[kKeyTile];
+  const uint16_t* v_bf16_rows_[kKeyTile];
   const float* k_rows_[kKeyTile];
   const float* v_rows_[kKeyTile];
 };

@@ -1,6 +1,8 @@
 // Attention of a few query rows that read one KV head (a decode token's query heads per KV head): per row, dot
 // products with each key and weighted sums of the values, on 16-float vectors (cpu_vec.h); the keys and values
-// are read as rows ([key][head_dim], at `offset` in each key's row). Many rows: cpu_attention_lanes.h.
+// are read as rows ([key][head_dim], at `offset` in each key's row). Where the CPU has AVX-512 BF16, bfloat16 keys
+// and values are read in place: the scores as bfloat16 pair products, the probabilities rounded to bfloat16
+// against pairs of value rows, both summed in float32. Many rows: cpu_attention_lanes.h.
 #pragma once
 
 #include "cpu_vec.h"
@@ -8,7 +10,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 namespace radixserve_cpu {
 
@@ -59,6 +65,74 @@ inline void values_block(const float* p, int64_t p_stride, const float* const* v
       for (int j = 0; j < chunks; ++j) store16(out + i * out_stride + c + 16 * j, acc[i][j]);
   }
 }
+
+#if defined(__AVX512BF16__)
+// Lane k of the result: the sum of acc[k]'s 16 lanes (halves, then quarters, then within 128-bit lanes, which
+// leaves acc[4i + L] at 4L + i; a permutation puts it back).
+inline __m512 reduce16x16(const __m512* acc) {
+  __m512 half[8], quarter[4];
+  for (int i = 0; i < 8; ++i)
+    half[i] = _mm512_add_ps(_mm512_shuffle_f32x4(acc[2 * i], acc[2 * i + 1], 0x44),
+                            _mm512_shuffle_f32x4(acc[2 * i], acc[2 * i + 1], 0xee));
+  for (int i = 0; i < 4; ++i)
+    quarter[i] = _mm512_add_ps(_mm512_shuffle_f32x4(half[2 * i], half[2 * i + 1], 0x88),
+                               _mm512_shuffle_f32x4(half[2 * i], half[2 * i + 1], 0xdd));
+  const __m512 u0 =
+      _mm512_add_ps(_mm512_unpacklo_ps(quarter[0], quarter[1]), _mm512_unpackhi_ps(quarter[0], quarter[1]));
+  const __m512 u1 =
+      _mm512_add_ps(_mm512_unpacklo_ps(quarter[2], quarter[3]), _mm512_unpackhi_ps(quarter[2], quarter[3]));
+  const __m512 sums = _mm512_add_ps(_mm512_shuffle_ps(u0, u1, 0x44), _mm512_shuffle_ps(u0, u1, 0xee));
+  return _mm512_permutexvar_ps(_mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0), sums);
+}
+
+// s[k] = scale * (q . keys[k] + offset) for n keys, as bfloat16 pair products (exact) summed in float32; the key
+// pointers up to the next multiple of 16 past n read zeros.
+inline void scores_bf16(const uint16_t* q, const uint16_t* const* keys, int64_t offset, int64_t n, int64_t D,
+                        float scale, float* s) {
+  for (int64_t k0 = 0; k0 < n; k0 += 16) {
+    __m512 acc[16];
+    for (int k = 0; k < 16; ++k) acc[k] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += 32) {
+      const __mmask32 mask = D - d >= 32 ? 0xFFFFFFFFu : 0xFFFFu;
+      const __m512bh qd = (__m512bh)_mm512_maskz_loadu_epi16(mask, q + d);
+      for (int k = 0; k < 16; ++k)
+        acc[k] = _mm512_dpbf16_ps(acc[k], (__m512bh)_mm512_maskz_loadu_epi16(mask, keys[k0 + k] + offset + d), qd);
+    }
+    _mm512_storeu_ps(s + k0, _mm512_mul_ps(reduce16x16(acc), _mm512_set1_ps(scale)));
+  }
+}
+
+// out[i][0:D] += sum_k p[i][k] * v[k][0:D] for `rows` (1..4) rows, with p as bfloat16 bits (p[i * p_stride + k])
+// and the values as bfloat16 rows, key pairs at once (the two rows interleaved; the row past an odd n reads zeros
+// and its p is 0); D a multiple of 16.
+template <int kRows>
+inline void values_bf16(const uint16_t* p, int64_t p_stride, const uint16_t* const* v, int64_t offset, int64_t n,
+                        int64_t D, float* out, int64_t out_stride) {
+  const __m512i pairs = pair_index();
+  for (int64_t c = 0; c < D; c += 64) {
+    const int chunks = static_cast<int>(std::min<int64_t>(64, D - c) / 16);
+    __m512 acc[kRows][4];
+    for (int i = 0; i < kRows; ++i)
+      for (int j = 0; j < chunks; ++j) acc[i][j] = _mm512_loadu_ps(out + i * out_stride + c + 16 * j);
+    for (int64_t k = 0; k < n; k += 2) {
+      __m512bh vp[4];
+      for (int j = 0; j < chunks; ++j) {
+        const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v[k] + offset + c + 16 * j));
+        const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v[k + 1] + offset + c + 16 * j));
+        vp[j] = (__m512bh)_mm512_permutexvar_epi16(pairs, _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1));
+      }
+      for (int i = 0; i < kRows; ++i) {
+        int32_t pair;
+        std::memcpy(&pair, p + i * p_stride + k, sizeof(pair));
+        const __m512bh pk = (__m512bh)_mm512_set1_epi32(pair);
+        for (int j = 0; j < chunks; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], vp[j], pk);
+      }
+    }
+    for (int i = 0; i < kRows; ++i)
+      for (int j = 0; j < chunks; ++j) _mm512_storeu_ps(out + i * out_stride + c + 16 * j, acc[i][j]);
+  }
+}
+#endif
 
 // One row's scores of a tile of `tile` keys, s[0:tile], become probabilities (0 past the `last_visible` key of
 // the n in the tile) under the row's running max; its sum and accumulator acc[0:D] are rescaled when the max grows.

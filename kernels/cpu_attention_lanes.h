@@ -153,15 +153,16 @@ class LaneBlock {
   // One tile of n (1..kTile) keys at positions pos0, pos0 + 1, ...; keys/values point at each key's D values of
   // this KV head, with entries up to the step width past n pointing at readable (zero) rows. Keys as float32
   // after `load`, as bfloat16 after `load_bf16`; with `key_tile` (bfloat16 keys copied contiguously, see
-  // lane_scores_amx, and an AmxTiles in scope), the scores are computed on AMX tiles.
+  // lane_scores_amx, and an AmxTiles in scope), the scores are computed on AMX tiles, and with `value_tile` too
+  // (the tile's bfloat16 values transposed, see transpose_values; kTile 32), the values (`values` unread).
   template <int kTile, typename Key>
   void tile(const Key* const* keys, const float* const* values, int64_t n, int64_t pos0,
-            const uint16_t* key_tile = nullptr) {
+            const uint16_t* key_tile = nullptr, const uint16_t* value_tile = nullptr) {
     switch (vectors_) {
-      case 1: return tile_for<1, kTile>(keys, values, n, pos0, key_tile);
-      case 2: return tile_for<2, kTile>(keys, values, n, pos0, key_tile);
-      case 3: return tile_for<3, kTile>(keys, values, n, pos0, key_tile);
-      default: return tile_for<4, kTile>(keys, values, n, pos0, key_tile);
+      case 1: return tile_for<1, kTile>(keys, values, n, pos0, key_tile, value_tile);
+      case 2: return tile_for<2, kTile>(keys, values, n, pos0, key_tile, value_tile);
+      case 3: return tile_for<3, kTile>(keys, values, n, pos0, key_tile, value_tile);
+      default: return tile_for<4, kTile>(keys, values, n, pos0, key_tile, value_tile);
     }
   }
 
@@ -188,7 +189,7 @@ class LaneBlock {
 
   template <int kVectors, int kTile, typename Key>
   void tile_for(const Key* const* keys, const float* const* values, int64_t n, int64_t pos0,
-                const uint16_t* key_tile) {
+                const uint16_t* key_tile, const uint16_t* value_tile) {
     constexpr int W = 16 * kVectors;
     constexpr int kSteps = step_width<kVectors>();
     static_assert(kTile % kSteps == 0, "the key tile must be a multiple of the step width");
@@ -241,6 +242,21 @@ class LaneBlock {
       }
     }
     for (int j = 0; j < kVectors; ++j) store16(sum_.data() + 16 * j, total[j]);
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+    if constexpr (!std::is_same_v<Key, float> && kTile == 32) {
+      if (value_tile != nullptr) {
+        bool rescale = false;  // the accumulator is scaled only where some lane's max grew
+        for (int j = 0; j < kVectors; ++j)
+          for (int l = 0; l < 16; ++l) rescale |= correction[j][l] != 1.0f;
+        if (rescale) {
+          for (int64_t d = 0; d < D_; ++d)
+            for (int j = 0; j < kVectors; ++j)
+              store16(acc_.data() + d * W + 16 * j, load16(acc_.data() + d * W + 16 * j) * correction[j]);
+        }
+        return lane_values_amx<kVectors>(s, n, value_tile, D_, acc_.data());
+      }
+    }
+#endif
     for (int64_t d = 0; d < D_; d += kSteps)
       lane_values<kVectors, kSteps>(s, values, n, d, correction, acc_.data());
   }

@@ -125,6 +125,18 @@ inline void exp_inplace(float* __restrict x, int64_t n) {
   }
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+// The index that interleaves the two 16-element halves of 32 bfloat16s into pairs: (x[i], x[16 + i]) at 2i.
+inline __m512i pair_index() {
+  alignas(64) uint16_t index[32];
+  for (int i = 0; i < 16; ++i) {
+    index[2 * i] = static_cast<uint16_t>(i);
+    index[2 * i + 1] = static_cast<uint16_t>(16 + i);
+  }
+  return _mm512_load_si512(index);
+}
+#endif
+
 // A prefetch of the cache line at p. The empty volatile statement that takes p keeps the loops of prefetches:
 // GCC 12 otherwise deletes some of them (a prefetch has no effect it must keep) with their address loads.
 inline void prefetch(const void* p) {

@@ -68,6 +68,23 @@ def test_bfloat16_is_as_close_as_torch_native(page_size):
     assert error <= 2 * native_error + 1e-3, (error, native_error)
 
 
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (4, 2, 16), (2, 2, 128), (6, 1, 32)])
+def test_bfloat16_decode_is_as_close_as_torch_native(num_heads, num_kv_heads, head_dim):
+    # A few rows per KV head: bfloat16 pair products for the scores, and the probabilities rounded to bfloat16
+    # against pairs of value rows, where the CPU has AVX-512 BF16 (float32 elsewhere).
+    args = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=1,
+                dtype=torch.bfloat16, seed=head_dim)
+    lens = [0, 5, 31, 32, 33, 200, 700]
+    case = make_case(ForwardMode.DECODE, lens, [1] * len(lens), **args)
+    expected = reference_attention(case)
+    out = run_backend(CpuAttentionBackend(), case)
+    assert isinstance(case.batch.attn_metadata, CpuAttentionPlan)
+    native = run_backend(TorchNativeAttention(), make_case(ForwardMode.DECODE, lens, [1] * len(lens), **args))
+    error = (out.double() - expected).abs().max()
+    native_error = (native.double() - expected).abs().max()
+    assert error <= 2 * native_error + 1e-3, (error, native_error)
+
+
 # Groups of requests on one cached prefix (share_prefixes): the group path reads the shared keys once for the
 # members' query rows, as lanes of vectors in blocks of up to 64 rows per KV head.
 SHARED_CASES = [
