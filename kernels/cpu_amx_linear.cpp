@@ -30,23 +30,7 @@ namespace {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 
 // Tiles 0-3: C (16 rows x 16 float32), 4-5: A (16 rows x 32 bfloat16), 6-7: B (16 pairs x 16 columns x 2).
-class GemmTiles {
- public:
-  GemmTiles() {
-    struct {
-      uint8_t palette, start_row, reserved[14];
-      uint16_t colsb[16];
-      uint8_t rows[16];
-    } config;
-    std::memset(&config, 0, sizeof(config));
-    config.palette = 1;
-    for (int t = 0; t < 8; ++t) config.colsb[t] = 64, config.rows[t] = 16;
-    _tile_loadconfig(&config);
-  }
-  ~GemmTiles() { _tile_release(); }
-  GemmTiles(const GemmTiles&) = delete;
-  GemmTiles& operator=(const GemmTiles&) = delete;
-};
+constexpr int kGemmTiles = 8;
 
 constexpr int64_t kAhead = 4;  // K blocks of the weight prefetched ahead of the tile loads
 
@@ -135,7 +119,7 @@ at::Tensor amx_linear(const at::Tensor& x_in, const at::Tensor& packed, const st
   const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
   c10::BFloat16* yp = y.data_ptr<c10::BFloat16>();
   at::parallel_for(0, N / 32, 1, [&](int64_t begin, int64_t end) {
-    GemmTiles tiles;
+    radixserve_cpu::AmxTiles tiles(kGemmTiles);
     alignas(64) float sums[32 * 32];
     for (int64_t nb = begin; nb < end; ++nb) column_block(ap, pp, bp, M, Mpad, N, K, nb, yp, sums);
   });

@@ -33,11 +33,12 @@ inline bool amx_ready() {
   return ready;
 }
 
-// The tile configuration of this thread while it lives: tiles 0 (scores), 1 (keys), 2 (queries), each 16 rows of
-// 64 bytes. The configuration is per thread and other kernels (oneDNN's) set their own, so it is loaded per use.
+// The tile configuration of this thread while it lives: the first `num_tiles` tiles of 16 rows of 64 bytes each
+// (the attention uses 3: scores, keys, queries; for the values, accumulator, values, probabilities; the linear
+// kernel 8). The configuration is per thread and other kernels (oneDNN's) set their own, so it is loaded per use.
 class AmxTiles {
  public:
-  AmxTiles() {
+  explicit AmxTiles(int num_tiles = 3) {
     struct {
       uint8_t palette, start_row, reserved[14];
       uint16_t colsb[16];
@@ -45,7 +46,7 @@ class AmxTiles {
     } config;
     std::memset(&config, 0, sizeof(config));
     config.palette = 1;
-    for (int t = 0; t < 3; ++t) config.colsb[t] = 64, config.rows[t] = 16;  // values: 0 acc, 1 values, 2 p
+    for (int t = 0; t < num_tiles; ++t) config.colsb[t] = 64, config.rows[t] = 16;
     _tile_loadconfig(&config);
   }
   ~AmxTiles() { _tile_release(); }
