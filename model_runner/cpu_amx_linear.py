@@ -11,8 +11,8 @@ row 14.8 -> 14.2 but the LM head 1.63 -> 1.79, so one row stays on that kernel.
 
 `AmxWeight` holds the weight packed into the tiles' pair layout, made at the first call that can use it (the kernel
 library loads in the background) and only where the CPU and the OS grant the tiles (`RADIXSERVE_CPU_AMX=0` keeps
-oneDNN). The copy adds the weights' size once more; `amx_copy_pays` applies the same memory rule as the float32
-packed copies (model_runner/cpu_small_batch.py).
+oneDNN). The copy adds the weights' size once more; `extra_copy_fits` (model_runner/cpu_small_batch.py) is the
+same memory rule as for the float32 packed copies.
 """
 
 from __future__ import annotations
@@ -37,16 +37,6 @@ def pack_for_tiles(weight: torch.Tensor) -> torch.Tensor:
 def shape_supported(weight: torch.Tensor) -> bool:
     """The kernel takes 32 output columns and 32 of K at a time."""
     return weight.dim() == 2 and weight.shape[0] % 32 == 0 and weight.shape[1] % 32 == 0
-
-
-def amx_copy_pays(model: torch.nn.Module) -> bool:
-    """Whether a tile-packed copy of `model`'s bfloat16 CPU linear weights fits the extra-memory budget."""
-    from radixserve.model_runner.cpu_small_batch import MAX_EXTRA_MEMORY_FRACTION
-    import psutil
-
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters()
-                       if p.dim() == 2 and p.dtype == torch.bfloat16 and p.device.type == "cpu")
-    return weight_bytes <= MAX_EXTRA_MEMORY_FRACTION * psutil.virtual_memory().total
 
 
 class AmxWeight:

@@ -33,8 +33,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixserve.kernels import cpu_build
-from radixserve.model_runner.cpu_amx_linear import AmxWeight, amx_copy_pays
-from radixserve.model_runner.cpu_small_batch import kernel_linear, kernel_rows
+from radixserve.model_runner.cpu_amx_linear import AmxWeight
+from radixserve.model_runner.cpu_small_batch import extra_copy_fits, kernel_linear, kernel_rows
 from radixserve.model_runner.parallel import RowParallelLinear
 
 # Rows from which a projection with out_features <= in_features runs `F.linear` instead of the packed weight.
@@ -95,7 +95,7 @@ def pack_cpu_linears(model: nn.Module) -> int:
         if _packable(child)
     ]
     lm_head = getattr(model, "lm_head", None)
-    amx = amx_copy_pays(model)
+    amx = extra_copy_fits(model, torch.bfloat16)
     for parent, name, child in targets:
         setattr(parent, name, PackedLinear(child, head=child is lm_head, amx=amx))
     single_rank = getattr(getattr(model, "tp", None), "size", 0) == 1

@@ -72,13 +72,16 @@ def kernel_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
 def small_batch_packing_pays(model: nn.Module, speculative_algorithm: Optional[str]) -> bool:
     """Whether to pack `model`'s float32 CPU linears: always for speculative decoding, else when the copy is
     small next to the machine's memory."""
-    if speculative_algorithm is not None:
-        return True
+    return speculative_algorithm is not None or extra_copy_fits(model, torch.float32)
+
+
+def extra_copy_fits(model: nn.Module, dtype: torch.dtype) -> bool:
+    """Whether one more copy of `model`'s matrix weights of `dtype` on the CPU (each shared weight counted once)
+    takes at most `MAX_EXTRA_MEMORY_FRACTION` of the machine's memory."""
     import psutil
 
-    weight_bytes = sum(m.weight.numel() * m.weight.element_size() for m in model.modules()
-                       if isinstance(getattr(m, "weight", None), torch.Tensor) and m.weight.dim() == 2
-                       and m.weight.dtype == torch.float32)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters()
+                       if p.dim() == 2 and p.dtype == dtype and p.device.type == "cpu")
     return weight_bytes <= MAX_EXTRA_MEMORY_FRACTION * psutil.virtual_memory().total
 
 
