@@ -120,8 +120,8 @@ class ItemKernel {
     T_ = static_cast<int64_t>(tokens_.size());
     const int64_t R = T_ * num_heads_;
     if (R == 0) return;
-    q_rows_.resize(R * D);
     if constexpr (kKeysAsBf16) q_bf16_.resize(R * D);
+    else q_rows_.resize(R * D);
     acc_.assign(R * D, 0.0f);
     max_.assign(R, kNegInf);
     sum_.assign(R, 0.0f);
@@ -130,14 +130,22 @@ class ItemKernel {
       for (int64_t t = 0; t < T_; ++t)
         for (int64_t g = 0; g < G; ++g) {
           const scalar_t* src = q_ + tokens_[t] * q_stride_token_ + (h * G + g) * q_stride_head_;
-          float* dst = q_rows_.data() + row(h, t, g) * D;
-          to_float(src, dst, D);
-          for (int64_t d = 0; d < D; ++d) dst[d] *= scale_;
-          if constexpr (kKeysAsBf16) std::memcpy(q_bf16_.data() + row(h, t, g) * D, src, D * sizeof(uint16_t));
+          if constexpr (kKeysAsBf16) {  // read as bfloat16 bits only
+            std::memcpy(q_bf16_.data() + row(h, t, g) * D, src, D * sizeof(uint16_t));
+          } else {
+            float* dst = q_rows_.data() + row(h, t, g) * D;
+            to_float(src, dst, D);
+            for (int64_t d = 0; d < D; ++d) dst[d] *= scale_;
+          }
         }
     // The shared keys, for every token; then each member's own keys, for its tokens.
     attend(plan_.group_kv_indptr[item.group], plan_.group_kv_indptr[item.group + 1], 0, 0, T_);
     for (int64_t m = first; m < last; ++m) {
+      // The next member's first tile of keys comes in while this member's keys are computed.
+      if (m + 1 < last)
+        prefetch_keys(plan_.member_kv_indptr[m + 1],
+                      std::min(plan_.member_kv_indptr[m + 1] + kKeyTile, plan_.member_kv_indptr[m + 2]), h_begin_,
+                      h_end_);
       attend(plan_.member_kv_indptr[m], plan_.member_kv_indptr[m + 1], plan_.member_kv_pos0[m],
              member_token_start_[m - first], member_token_start_[m - first + 1]);
     }
@@ -184,7 +192,7 @@ class ItemKernel {
     const bool amx = kKeysAsBf16 && radixserve_cpu::kAmx && D % 32 == 0 && use_amx_ && radixserve_cpu::amx_ready();
     std::optional<radixserve_cpu::AmxTiles> tiles;
     if (amx) {
-      tiles.emplace();
+      tiles.emplace(radixserve_cpu::kAttentionTiles);
       k_amx_.resize(kKeyTile * D);
       v_amx_.resize(kKeyTile * D);
     }
@@ -203,7 +211,9 @@ class ItemKernel {
       }
       for (int64_t t0 = kv_begin; t0 < kv_end; t0 += kKeyTile) {
         const int64_t n = std::min(kKeyTile, kv_end - t0);
+        const int64_t ahead = t0 + kKeyTile;  // the next tile's rows, a key at a time
         for (int64_t k = 0; k < n; ++k) {
+          if (ahead + k < kv_end) prefetch_keys(ahead + k, ahead + k + 1, h, h + 1);
           const int64_t offset = plan_.kv_slots[t0 + k] * kv_stride_slot_ + h * D;
           if constexpr (std::is_same_v<scalar_t, float>) {
             k_rows_[k] = k_ + offset;
@@ -233,7 +243,6 @@ class ItemKernel {
         static_assert(kKeyTile == 32, "transpose_values takes tiles of 32 keys");
         if (amx) radixserve_cpu::transpose_values(v_bf16_rows_, D, v_amx_.data());
 #endif
-        prefetch_tile(t0 + kKeyTile, kv_end, h, h + 1);
         const int64_t tile_pos0 = pos0 + (t0 - kv_begin);
         for (int64_t b = 0; b < blocks; ++b) {
           if constexpr (kKeysAsBf16) {
@@ -251,10 +260,11 @@ class ItemKernel {
     }
   }
 
-  // The K/V rows (heads [h_begin, h_end)) of the tile of keys from t0, into the caches while a tile is computed.
-  void prefetch_tile(int64_t t0, int64_t kv_end, int64_t h_begin, int64_t h_end) {
+  // The K/V rows (heads [h_begin, h_end)) of the keys kv_slots[begin, end), into the caches while other keys are
+  // computed.
+  void prefetch_keys(int64_t begin, int64_t end, int64_t h_begin, int64_t h_end) {
     const int64_t bytes = (h_end - h_begin) * head_dim_ * static_cast<int64_t>(sizeof(scalar_t));
-    for (int64_t k = t0; k < std::min(t0 + kKeyTile, kv_end); ++k) {
+    for (int64_t k = begin; k < end; ++k) {
       const int64_t offset = plan_.kv_slots[k] * kv_stride_slot_ + h_begin * head_dim_;
       const char* k_row = reinterpret_cast<const char*>(k_ + offset);
       const char* v_row = reinterpret_cast<const char*>(v_ + offset);
@@ -273,8 +283,10 @@ class ItemKernel {
     for (int64_t t0 = kv_begin; t0 < kv_end; t0 += kKeyTile) {
       const int64_t n = std::min(kKeyTile, kv_end - t0);
       const int64_t tile_pos0 = pos0 + (t0 - kv_begin);
+      const int64_t ahead = t0 + kKeyTile;  // the next tile's rows, a key at a time
       // Each key's row as float32: the pool's own row when it stores float32, else a converted copy.
       for (int64_t k = 0; k < n; ++k) {
+        if (ahead + k < kv_end) prefetch_keys(ahead + k, ahead + k + 1, h_begin_, h_end_);
         const int64_t offset = plan_.kv_slots[t0 + k] * kv_stride_slot_;
         if constexpr (std::is_same_v<scalar_t, float>) {
           k_rows_[k] = k_ + offset;
@@ -293,7 +305,6 @@ class ItemKernel {
         k_rows_[k] = v_rows_[k] = zeros_.data();
         k_bf16_rows_[k] = v_bf16_rows_[k] = reinterpret_cast<const uint16_t*>(zeros_.data());
       }
-      prefetch_tile(t0 + kKeyTile, kv_end, h_begin_, h_end_);
       for (int64_t h = h_begin_; h < h_end_; ++h) {
         const int64_t r0 = row(h, t_begin, 0);
         float* s = scores_.data() + r0 * kKeyTile;
@@ -338,14 +349,11 @@ class ItemKernel {
     for (int64_t i = 0; i < rows; ++i)
       radixserve_cpu::scores_bf16(q_bf16_.data() + (r0 + i) * D, k_bf16_rows_, h * D, n, D, scale_, s + i * kKeyTile);
     p_bf16_.resize(rows * kKeyTile);
+    static_assert(kKeyTile == 32, "softmax_row32_bf16 takes tiles of 32 keys");
     for (int64_t r = r0; r < r0 + rows; ++r) {
-      float* sr = scores_.data() + r * kKeyTile;
-      softmax_row(sr, kKeyTile, n, positions_[t_begin + (r - r0) / group_] - tile_pos0, max_[r], sum_[r],
-                  acc_.data() + r * D, D);
-      for (int64_t k = 0; k < kKeyTile; k += 16) {
-        const radixserve_cpu::v16h bits = radixserve_cpu::bf16_bits(radixserve_cpu::load16(sr + k));
-        std::memcpy(p_bf16_.data() + (r - r0) * kKeyTile + k, &bits, sizeof(bits));
-      }
+      radixserve_cpu::softmax_row32_bf16(scores_.data() + r * kKeyTile, n,
+                                         positions_[t_begin + (r - r0) / group_] - tile_pos0, max_[r], sum_[r],
+                                         acc_.data() + r * D, D, p_bf16_.data() + (r - r0) * kKeyTile);
     }
     float* out = acc_.data() + r0 * D;
     const uint16_t* p = p_bf16_.data();

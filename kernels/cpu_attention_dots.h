@@ -134,6 +134,38 @@ inline void values_bf16(const uint16_t* p, int64_t p_stride, const uint16_t* con
 }
 #endif
 
+#if defined(__AVX512BF16__)
+// softmax_row for a tile of 32 keys in two vectors, the scores' exponentials in base 2 (exp2_16), the
+// probabilities written to p[0:32] rounded to bfloat16 (0 past the last visible key).
+inline void softmax_row32_bf16(const float* s, int64_t n, int64_t last_visible, float& max, float& sum, float* acc,
+                               int64_t D, uint16_t* p) {
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity(), kLog2e = 1.4426950408889634f;
+  const int64_t visible = std::min(n, std::max<int64_t>(0, last_visible + 1));
+  if (visible == 0) {
+    std::memset(p, 0, 32 * sizeof(uint16_t));
+    return;
+  }
+  const uint32_t keep = visible >= 32 ? 0xFFFFFFFFu : (1u << visible) - 1;
+  const __m512 minus_inf = _mm512_set1_ps(kNegInf);
+  const __m512 lo = _mm512_mask_loadu_ps(minus_inf, static_cast<__mmask16>(keep), s);
+  const __m512 hi = _mm512_mask_loadu_ps(minus_inf, static_cast<__mmask16>(keep >> 16), s + 16);
+  const float new_max = std::max(max, _mm512_reduce_max_ps(_mm512_max_ps(lo, hi)));
+  if (max != kNegInf && new_max != max) {
+    const float correction = std::exp(max - new_max);
+    sum *= correction;
+    const __m512 c = _mm512_set1_ps(correction);
+    for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(acc + d, _mm512_mul_ps(_mm512_loadu_ps(acc + d), c));
+  }
+  max = new_max;
+  const __m512 log2e = _mm512_set1_ps(kLog2e), shift = _mm512_set1_ps(new_max * kLog2e);
+  const __m512 p_lo = exp2_16(_mm512_fmsub_ps(lo, log2e, shift));
+  const __m512 p_hi = exp2_16(_mm512_fmsub_ps(hi, log2e, shift));
+  sum += _mm512_reduce_add_ps(_mm512_add_ps(p_lo, p_hi));
+  const __m512bh bits = _mm512_cvtne2ps_pbh(p_hi, p_lo);  // p_lo in the low half
+  std::memcpy(p, &bits, 32 * sizeof(uint16_t));
+}
+#endif
+
 // One row's scores of a tile of `tile` keys, s[0:tile], become probabilities (0 past the `last_visible` key of
 // the n in the tile) under the row's running max; its sum and accumulator acc[0:D] are rescaled when the max grows.
 inline void softmax_row(float* s, int64_t tile, int64_t n, int64_t last_visible, float& max, float& sum, float* acc,

@@ -136,8 +136,8 @@ class LaneBlock {
     load_state(rows, D, acc, max, sum, positions);
     const int64_t W = 16 * vectors_;
     qp_.assign(D * W, 0);
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t d = 0; d < D; ++d) qp_[((d / 2) * W + r) * 2 + d % 2] = q[r * D + d];
+    for (int64_t r = 0; r < rows; ++r)  // a pair of bfloat16s at a time
+      for (int64_t i = 0; i < D / 2; ++i) std::memcpy(qp_.data() + (i * W + r) * 2, q + r * D + 2 * i, 4);
     score_scale_ = scale;
   }
 
@@ -180,7 +180,9 @@ class LaneBlock {
     position_.assign(W, std::numeric_limits<float>::max());  // padding lanes: never masked
     min_position_ = std::numeric_limits<int64_t>::max();
     for (int64_t r = 0; r < rows; ++r) {
-      for (int64_t d = 0; d < D; ++d) acc_[d * W + r] = acc[r * D + d];
+      // A row that has seen no key yet (max -inf) has a zero accumulator: nothing to copy.
+      if (max[r] != kNegInf)
+        for (int64_t d = 0; d < D; ++d) acc_[d * W + r] = acc[r * D + d];
       max_[r] = max[r], sum_[r] = sum[r];
       position_[r] = static_cast<float>(positions[r]);  // exact: positions are far below 2^24
       min_position_ = std::min(min_position_, positions[r]);
@@ -208,6 +210,11 @@ class LaneBlock {
 #endif
       }
     }
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+    if constexpr (!std::is_same_v<Key, float> && kTile == 32) {
+      if (value_tile != nullptr) return softmax_values_amx<kVectors>(n, pos0, value_tile);
+    }
+#endif
     // Scale, causal mask (only where some row does not see the whole tile) and the tile's max per lane.
     v16 position[kVectors], old_max[kVectors], new_max[kVectors], shift[kVectors], correction[kVectors];
     for (int j = 0; j < kVectors; ++j) {
@@ -242,24 +249,88 @@ class LaneBlock {
       }
     }
     for (int j = 0; j < kVectors; ++j) store16(sum_.data() + 16 * j, total[j]);
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-    if constexpr (!std::is_same_v<Key, float> && kTile == 32) {
-      if (value_tile != nullptr) {
-        bool rescale = false;  // the accumulator is scaled only where some lane's max grew
-        for (int j = 0; j < kVectors; ++j)
-          for (int l = 0; l < 16; ++l) rescale |= correction[j][l] != 1.0f;
-        if (rescale) {
-          for (int64_t d = 0; d < D_; ++d)
-            for (int j = 0; j < kVectors; ++j)
-              store16(acc_.data() + d * W + 16 * j, load16(acc_.data() + d * W + 16 * j) * correction[j]);
-        }
-        return lane_values_amx<kVectors>(s, n, value_tile, D_, acc_.data());
-      }
-    }
-#endif
     for (int64_t d = 0; d < D_; d += kSteps)
       lane_values<kVectors, kSteps>(s, values, n, d, correction, acc_.data());
   }
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+  // The rest of a tile whose scores s[key][lane] (unscaled) are in scores_ and whose values are on AMX tiles:
+  // causal mask, softmax in base 2 (exp2_16) and the values' tile products. A lane's reference max moves only when
+  // the tile's max exceeds it by more than kMaxSlack (so the probabilities stay below e^kMaxSlack = 256, which
+  // float32 sums and bfloat16 hold as well as numbers below 1): after the first tiles the accumulator is almost
+  // never rescaled, where the running max of every lane made that a pass over it for most tiles. The
+  // probabilities go straight to bfloat16 key pairs for the tile product; the sum takes them in float32.
+  template <int kVectors>
+  void softmax_values_amx(int64_t n, int64_t pos0, const uint16_t* value_tile) {
+    constexpr int W = 16 * kVectors;
+    constexpr float kLog2e = 1.4426950408889634f, kMaxSlack = 5.545177444479562f;  // 8 ln 2
+    float* s = scores_;
+    const __m512 minus_inf = _mm512_set1_ps(kNegInf);
+    __m512 position[kVectors], raw_max[kVectors];
+    for (int j = 0; j < kVectors; ++j) {
+      position[j] = _mm512_loadu_ps(position_.data() + 16 * j);
+      raw_max[j] = minus_inf;
+    }
+    if (pos0 + n - 1 > min_position_) {  // some row does not see the whole tile
+      for (int64_t k = 0; k < n; ++k) {
+        const __m512 key_position = _mm512_set1_ps(static_cast<float>(pos0 + k));
+        for (int j = 0; j < kVectors; ++j) {
+          const __mmask16 hidden = _mm512_cmp_ps_mask(key_position, position[j], _CMP_GT_OQ);
+          const __m512 x = _mm512_mask_mov_ps(_mm512_loadu_ps(s + k * W + 16 * j), hidden, minus_inf);
+          _mm512_storeu_ps(s + k * W + 16 * j, x);
+          raw_max[j] = _mm512_max_ps(raw_max[j], x);
+        }
+      }
+    } else {
+      for (int64_t k = 0; k < n; ++k)
+        for (int j = 0; j < kVectors; ++j) raw_max[j] = _mm512_max_ps(raw_max[j], _mm512_loadu_ps(s + k * W + 16 * j));
+    }
+    const __m512 scale = _mm512_set1_ps(score_scale_), scale2 = _mm512_set1_ps(score_scale_ * kLog2e);
+    const __m512 log2e = _mm512_set1_ps(kLog2e), one = _mm512_set1_ps(1.0f);
+    __m512 shift2[kVectors], correction[kVectors];
+    __mmask16 rescale = 0;
+    for (int j = 0; j < kVectors; ++j) {
+      const __m512 old_max = _mm512_loadu_ps(max_.data() + 16 * j);
+      const __m512 tile_max = _mm512_mul_ps(raw_max[j], scale);
+      // A lane that has seen no key (max -inf) takes the tile's max; its sum and accumulator are 0.
+      const __mmask16 grow = _mm512_cmp_ps_mask(tile_max, _mm512_add_ps(old_max, _mm512_set1_ps(kMaxSlack)), _CMP_GT_OQ);
+      const __m512 new_max = _mm512_mask_mov_ps(old_max, grow, tile_max);
+      _mm512_storeu_ps(max_.data() + 16 * j, new_max);
+      const __mmask16 moved = grow & _mm512_cmp_ps_mask(old_max, minus_inf, _CMP_NEQ_OQ);
+      correction[j] = _mm512_mask_mov_ps(
+          one, moved, exp2_16(_mm512_mul_ps(_mm512_sub_ps(old_max, new_max), log2e)));
+      rescale |= moved;
+      // Lanes still at -inf saw only masked keys: their scores are -inf, shifted by 0.
+      const __mmask16 seen = _mm512_cmp_ps_mask(new_max, minus_inf, _CMP_NEQ_OQ);
+      shift2[j] = _mm512_maskz_mul_ps(seen, new_max, log2e);
+    }
+    if (rescale) {
+      for (int64_t d = 0; d < D_; ++d)
+        for (int j = 0; j < kVectors; ++j)
+          _mm512_storeu_ps(acc_.data() + d * W + 16 * j,
+                           _mm512_mul_ps(_mm512_loadu_ps(acc_.data() + d * W + 16 * j), correction[j]));
+    }
+    __m512 total[kVectors];
+    for (int j = 0; j < kVectors; ++j) total[j] = _mm512_mul_ps(_mm512_loadu_ps(sum_.data() + 16 * j), correction[j]);
+    alignas(64) uint16_t pp[16 * W * 2];  // [key pair][lane][2]
+    const __m512i pairs = pair_index();
+    const __m512 zero = _mm512_setzero_ps();
+    for (int p = 0; p < 16; ++p) {
+      for (int j = 0; j < kVectors; ++j) {
+        const __m512 a = 2 * p < n ? exp2_16(_mm512_fmsub_ps(_mm512_loadu_ps(s + 2 * p * W + 16 * j), scale2, shift2[j]))
+                                   : zero;
+        const __m512 b = 2 * p + 1 < n
+                             ? exp2_16(_mm512_fmsub_ps(_mm512_loadu_ps(s + (2 * p + 1) * W + 16 * j), scale2, shift2[j]))
+                             : zero;
+        total[j] = _mm512_add_ps(total[j], _mm512_add_ps(a, b));
+        const __m512i both = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(b, a));  // a in the low half
+        _mm512_store_si512(pp + (p * W + 16 * j) * 2, _mm512_permutexvar_epi16(pairs, both));
+      }
+    }
+    for (int j = 0; j < kVectors; ++j) _mm512_storeu_ps(sum_.data() + 16 * j, total[j]);
+    lane_values_amx<kVectors>(pp, value_tile, D_, acc_.data());
+  }
+#endif
 
   int64_t rows_ = 0, D_ = 0, min_position_ = 0;
   int vectors_ = 1;
