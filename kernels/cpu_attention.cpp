@@ -5,9 +5,10 @@
 //   - a group holds one or more members (requests); its shared keys (a cached prefix whose KV slots all members
 //     hold, before any of their queries) are read once for all the members' query rows;
 //   - each member owns a contiguous range of the batch's query tokens and its own keys after the shared part.
-// One work item is (group, block of a lone member's queries); a lone member's item runs all heads, so a key's
-// row of the pool (every KV head) is read once, contiguously; a group's item runs as one unit per KV head, so
-// even a single group keeps every thread busy. Units are handed to the threads from an atomic counter, so
+// One work item is (group, block of a lone member's queries); an item runs all heads, so a key's row of the pool
+// (every KV head) is read once, contiguously, except where the batch has fewer groups of several members than
+// two per thread: then such a group runs as one unit per KV head, so even a single group keeps every thread
+// busy. Units are handed to the threads from an atomic counter, so
 // uneven ones balance. Per unit the scores are computed tile by tile of keys with an online softmax in float32
 // (running max and sum per query row), whatever the storage dtype: many rows per KV head (a group's members, a
 // block of new tokens) as the small matrix products of cpu_attention_lanes.h, few rows as dot products.
@@ -43,6 +44,9 @@ using radixserve_cpu::softmax_row;
 using radixserve_cpu::values_block;
 
 constexpr int64_t kKeyTile = 32;     // keys per tile
+// A group of several members runs as one unit (every KV head) where the batch has at least this many such groups
+// per thread, else as one unit per KV head so that few groups still keep every thread busy.
+constexpr int64_t kGroupsPerThread = 2;
 constexpr int64_t kLaneMinRows = 8;  // rows per KV head from which they attend as lanes (cpu_attention_lanes.h)
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
@@ -185,7 +189,8 @@ class ItemKernel {
   void attend_lanes(int64_t kv_begin, int64_t kv_end, int64_t pos0, int64_t t_begin, int64_t t_end) {
     const int64_t D = head_dim_, rows = (t_end - t_begin) * group_;
     const int64_t blocks = (rows + radixserve_cpu::kLaneRows - 1) / radixserve_cpu::kLaneRows;
-    if (static_cast<int64_t>(lanes_.size()) < blocks) lanes_.resize(blocks);
+    const int64_t heads = h_end_ - h_begin_;
+    if (static_cast<int64_t>(lanes_.size()) < heads * blocks) lanes_.resize(heads * blocks);
     row_positions_.resize(rows);
     for (int64_t r = 0; r < rows; ++r) row_positions_[r] = positions_[t_begin + r / group_];
     // bfloat16 scores on AMX tiles where the CPU and the OS allow them (cpu_attention_amx.h).
@@ -196,24 +201,31 @@ class ItemKernel {
       k_amx_.resize(kKeyTile * D);
       v_amx_.resize(kKeyTile * D);
     }
+    // Block b of head h is lanes_[(h - h_begin_) * blocks + b].
     for (int64_t h = h_begin_; h < h_end_; ++h) {
       const int64_t r0 = row(h, t_begin, 0);
       for (int64_t b = 0; b < blocks; ++b) {
         const int64_t r = r0 + b * radixserve_cpu::kLaneRows;
         const int64_t block_rows = std::min<int64_t>(radixserve_cpu::kLaneRows, rows - b * radixserve_cpu::kLaneRows);
+        LaneBlock& lanes = lanes_[(h - h_begin_) * blocks + b];
         if constexpr (kKeysAsBf16) {
-          lanes_[b].load_bf16(block_rows, D, q_bf16_.data() + r * D, scale_, acc_.data() + r * D, max_.data() + r,
-                              sum_.data() + r, row_positions_.data() + (r - r0));
+          lanes.load_bf16(block_rows, D, q_bf16_.data() + r * D, scale_, acc_.data() + r * D, max_.data() + r,
+                          sum_.data() + r, row_positions_.data() + (r - r0));
         } else {
-          lanes_[b].load(block_rows, D, q_rows_.data() + r * D, acc_.data() + r * D, max_.data() + r,
-                         sum_.data() + r, row_positions_.data() + (r - r0));
+          lanes.load(block_rows, D, q_rows_.data() + r * D, acc_.data() + r * D, max_.data() + r, sum_.data() + r,
+                     row_positions_.data() + (r - r0));
         }
       }
-      for (int64_t t0 = kv_begin; t0 < kv_end; t0 += kKeyTile) {
-        const int64_t n = std::min(kKeyTile, kv_end - t0);
-        const int64_t ahead = t0 + kKeyTile;  // the next tile's rows, a key at a time
+    }
+    // Tile by tile of keys, every head of the unit in turn: a key's row of the pool (the unit's heads, contiguous)
+    // is read once per tile, so keys stored in consecutive slots stream from memory.
+    for (int64_t t0 = kv_begin; t0 < kv_end; t0 += kKeyTile) {
+      const int64_t n = std::min(kKeyTile, kv_end - t0);
+      const int64_t ahead = t0 + kKeyTile;  // the next tile's rows, a key at a time
+      const int64_t tile_pos0 = pos0 + (t0 - kv_begin);
+      for (int64_t h = h_begin_; h < h_end_; ++h) {
         for (int64_t k = 0; k < n; ++k) {
-          if (ahead + k < kv_end) prefetch_keys(ahead + k, ahead + k + 1, h, h + 1);
+          if (h == h_begin_ && ahead + k < kv_end) prefetch_keys(ahead + k, ahead + k + 1, h_begin_, h_end_);
           const int64_t offset = plan_.kv_slots[t0 + k] * kv_stride_slot_ + h * D;
           if constexpr (std::is_same_v<scalar_t, float>) {
             k_rows_[k] = k_ + offset;
@@ -243,19 +255,22 @@ class ItemKernel {
         static_assert(kKeyTile == 32, "transpose_values takes tiles of 32 keys");
         if (amx) radixserve_cpu::transpose_values(v_bf16_rows_, D, v_amx_.data());
 #endif
-        const int64_t tile_pos0 = pos0 + (t0 - kv_begin);
         for (int64_t b = 0; b < blocks; ++b) {
+          LaneBlock& lanes = lanes_[(h - h_begin_) * blocks + b];
           if constexpr (kKeysAsBf16) {
-            lanes_[b].tile<kKeyTile>(k_bf16_rows_, v_rows_, n, tile_pos0, amx ? k_amx_.data() : nullptr,
-                                     amx ? v_amx_.data() : nullptr);
+            lanes.tile<kKeyTile>(k_bf16_rows_, v_rows_, n, tile_pos0, amx ? k_amx_.data() : nullptr,
+                                 amx ? v_amx_.data() : nullptr);
           } else {
-            lanes_[b].tile<kKeyTile>(k_rows_, v_rows_, n, tile_pos0);
+            lanes.tile<kKeyTile>(k_rows_, v_rows_, n, tile_pos0);
           }
         }
       }
+    }
+    for (int64_t h = h_begin_; h < h_end_; ++h) {
+      const int64_t r0 = row(h, t_begin, 0);
       for (int64_t b = 0; b < blocks; ++b) {
         const int64_t r = r0 + b * radixserve_cpu::kLaneRows;
-        lanes_[b].store(acc_.data() + r * D, max_.data() + r, sum_.data() + r);
+        lanes_[(h - h_begin_) * blocks + b].store(acc_.data() + r * D, max_.data() + r, sum_.data() + r);
       }
     }
   }
@@ -449,10 +464,18 @@ at::Tensor paged_attention(const at::Tensor& q, at::Tensor k_buffer, at::Tensor 
   const int64_t* item_data = items.data_ptr<int64_t>();
   const int64_t kv_heads = k_buffer.size(1);
   std::vector<Item> units;
+  // A group's unit of every KV head reads each key's row of the pool (all heads, contiguous) at once, so keys in
+  // consecutive slots stream from memory; per-KV-head units read a third of each row, three times.
+  int64_t shared_groups = 0;
+  for (int64_t i = 0; i < items.size(0); ++i) {
+    const int64_t group = item_data[3 * i];
+    shared_groups += plan.group_member_indptr[group + 1] - plan.group_member_indptr[group] > 1;
+  }
+  const bool split_groups = shared_groups < kGroupsPerThread * at::get_num_threads();
   for (int64_t i = 0; i < items.size(0); ++i) {
     const int64_t* it = item_data + 3 * i;
     const int64_t members = plan.group_member_indptr[it[0] + 1] - plan.group_member_indptr[it[0]];
-    if (members > 1) {
+    if (members > 1 && split_groups) {
       for (int64_t h = 0; h < kv_heads; ++h) units.push_back(Item{it[0], it[1], it[2], h, h + 1});
     } else {
       units.push_back(Item{it[0], it[1], it[2], 0, kv_heads});

@@ -97,10 +97,20 @@ SHARED_CASES = [
 ]
 
 
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def threads(request):
+    # With one thread the batches of two or more groups run each group as one unit of every KV head; with two,
+    # groups of fewer than four run as one unit per KV head (the kernel's kGroupsPerThread).
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("mode,prefix_lens,extend_lens,group_size,shared_len", SHARED_CASES)
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (4, 2, 16), (6, 1, 32), (2, 2, 128)])
 def test_shared_prefix_groups_match_float64_reference(mode, prefix_lens, extend_lens, group_size, shared_len,
-                                                      num_heads, num_kv_heads, head_dim):
+                                                      num_heads, num_kv_heads, head_dim, threads):
     case = make_case(mode, prefix_lens, extend_lens, num_heads=num_heads, num_kv_heads=num_kv_heads,
                      head_dim=head_dim, page_size=1, dtype=torch.float32, seed=len(prefix_lens) + head_dim)
     share_prefixes(case, group_size, shared_len)
@@ -115,7 +125,7 @@ def test_shared_prefix_groups_match_float64_reference(mode, prefix_lens, extend_
 @pytest.mark.parametrize("amx", ["1", "0"])
 def test_shared_prefix_groups_bfloat16_are_as_close_as_torch_native(mode, prefix_lens, extend_lens, group_size,
                                                                     shared_len, num_heads, num_kv_heads, head_dim,
-                                                                    amx, monkeypatch):
+                                                                    amx, threads, monkeypatch):
     # On a CPU with AMX-BF16 the scores run on tiles unless RADIXSERVE_CPU_AMX=0 (then, as on a CPU without,
     # AVX-512 BF16 dot products or float32 ones); head_dim 16 is not a multiple of the tiles' 32.
     monkeypatch.setenv("RADIXSERVE_CPU_AMX", amx)
