@@ -126,3 +126,25 @@ def test_switched_off_by_the_environment(amx, monkeypatch):
     module = PackedLinear(torch.nn.Linear(96, 64, bias=False).to(torch.bfloat16).requires_grad_(False))
     x = torch.randn(8, 96).to(torch.bfloat16)
     assert "radixserve_cpu::amx_linear" not in ops_run(module, x) and module.amx.usable is False
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not packing_supported(), reason="needs oneDNN bfloat16 support on this CPU")
+def test_default_model_prefill_on_the_prefill_loop(amx, default_model_dir):
+    """A 300-token bfloat16 prefill of the embedded model through the prefill loop: its last-token logits are as
+    close to float32's as those of the same prefill on oneDNN, and the top token agrees."""
+    from test_model_forward import make_runner, run_extend
+
+    prompt = [(i * 7919) % 40000 + 100 for i in range(300)]
+    exact = run_extend(make_runner(default_model_dir), [prompt], [0]).float()
+    runner = make_runner(default_model_dir, dtype="bfloat16")
+    packed = [m for m in runner.model.modules() if isinstance(m, PackedLinear)]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        tiles = run_extend(runner, [prompt], [0]).float()
+    assert "radixserve_cpu::amx_gemm" in {event.name for event in profile.events()}
+    for module in packed:  # the same runner, prefill back on oneDNN
+        module.amx.gemm_min_rows = None
+    onednn = run_extend(runner, [prompt], [0]).float()
+    assert torch.equal(tiles.argmax(-1), exact.argmax(-1)) and torch.equal(onednn.argmax(-1), exact.argmax(-1))
+    tiles_error, onednn_error = (tiles - exact).abs().max(), (onednn - exact).abs().max()
+    assert tiles_error <= 1.5 * onednn_error + 0.05, (tiles_error, onednn_error)
