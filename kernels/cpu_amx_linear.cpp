@@ -117,7 +117,8 @@ inline void store_rows(const Pending& p, int64_t r0, int64_t r1) {
 // Prefill: one 32 x 32 block of sums over K blocks [k0, k1), the 2 x 2 tiles of one step (A: two 16-row tiles of
 // `rows`, row stride K; B: the two 16-column panels b0, b1) into four C tiles, which start at zero (`first`) or
 // at `sums`, and end in `sums`. Meanwhile the previous block's sums (`pending`, if any) are rounded into y, a few
-// rows per K step, so that vector work overlaps the tile products instead of following them.
+// rows per K step, so that vector work overlaps the tile products instead of following them. `ahead`, where not
+// null, is the next column block's weight (its slice [k0, k1)), prefetched into L1 step by step.
 inline void tile_block(const uint16_t* rows, const uint16_t* b0, const uint16_t* b1, int64_t K, int64_t k0,
                        int64_t k1, bool first, float* sums, const Pending& pending, const uint16_t* ahead) {
   const int64_t per_step = (pending.rows + (k1 - k0) - 1) / (k1 - k0);
