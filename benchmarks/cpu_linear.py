@@ -4,6 +4,7 @@ oneDNN path, on the embedded model's projection shapes.
     python benchmarks/cpu_linear.py --threads 1
     python benchmarks/cpu_linear.py --threads 2 --rows 1 2 4 8 --dtypes float32
     python benchmarks/cpu_linear.py --threads 2 --rows 8 32 64 128 256 --dtypes bfloat16
+    python benchmarks/cpu_linear.py --threads 2 --rows 256 512 1024 --dtypes bfloat16 --paths packed F.linear amx gemm
 
 One "forward" is the 120 projections of SmolLM2-135M (30 layers of qkv 960x576, o 576x576, gate_up 3072x576,
 down 576x1536, each layer its own random weights, so nothing stays in the core's caches from one layer to the next
@@ -16,7 +17,11 @@ milliseconds of `--repeats` forwards after a warm-up, per path:
   float32, model_runner/cpu_packed.py for bfloat16);
 - `kernel`: `torch.ops.radixserve_cpu.small_linear` on the plain weight;
 - `amx` (bfloat16, where the CPU and the OS grant AMX tiles): `torch.ops.radixserve_cpu.amx_linear` on the weight
-  packed for the tiles (model_runner/cpu_amx_linear.py).
+  packed for the tiles (model_runner/cpu_amx_linear.py), the loop for decode batches;
+- `gemm` (same condition): `torch.ops.radixserve_cpu.amx_gemm` on the same packed weight, the loop for prefill.
+
+`--paths` keeps only the named paths (the small-row kernel takes seconds at prefill row counts). A forward at
+prefill row counts also prints the 120 projections' TFLOP/s per path.
 
 Prints a table with the CPU's ISA flags and writes a JSON record (`--out`).
 """
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from pathlib import Path
 from typing import Callable
 
@@ -42,12 +48,24 @@ HEAD_SHAPE = (49152, 576)
 CPU = torch.device("cpu")
 
 
-def median_ms(fn: Callable[[], object], repeats: int) -> float:
-    return roofline.median_ms(fn, CPU, repeats, warmup=1)
+def medians_ms(calls: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """name -> median milliseconds of `repeats` calls after one warm-up each, the paths alternated call by call (so a
+    slow minute of a shared machine falls on all of them alike)."""
+    for call in calls.values():
+        call()
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(repeats):
+        for name, call in calls.items():
+            times[name].append(roofline.time_ms(call, CPU))
+    return {name: statistics.median(found) for name, found in times.items()}
 
 
-def paths(weights: list[torch.Tensor]) -> dict[str, Callable[[torch.Tensor, int], torch.Tensor]]:
-    """name -> call(x, index of the weight); the packed copies are made here, once."""
+PATHS = ("F.linear", "packed", "kernel", "amx", "gemm")
+
+
+def paths(weights: list[torch.Tensor], names: tuple[str, ...]) -> dict[str, Callable[[torch.Tensor, int], torch.Tensor]]:
+    """name -> call(x, index of the weight) for the paths of `names` that run here; the packed copies are made
+    here, once."""
     packed = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in weights]
     kernel = torch.ops.radixserve_cpu.small_linear
     found = {
@@ -58,28 +76,32 @@ def paths(weights: list[torch.Tensor]) -> dict[str, Callable[[torch.Tensor, int]
     if weights[0].dtype == torch.bfloat16 and torch.ops.radixserve_cpu.amx_linear_ready():
         tiles = [pack_for_tiles(w) for w in weights]
         found["amx"] = lambda x, i: torch.ops.radixserve_cpu.amx_linear(x, tiles[i], None)
-    return found
+        found["gemm"] = lambda x, i: torch.ops.radixserve_cpu.amx_gemm(x, tiles[i], None)
+    return {name: call for name, call in found.items() if name in names}
 
 
-def measure(dtype: torch.dtype, rows: list[int], repeats: int) -> list[dict]:
+def measure(dtype: torch.dtype, rows: list[int], repeats: int, names: tuple[str, ...]) -> list[dict]:
     generator = torch.Generator().manual_seed(0)
     shapes = LAYER_SHAPES * LAYERS
     weights = [(torch.randn(n, k, generator=generator) * 0.05).to(dtype) for n, k in shapes]
     head = [(torch.randn(*HEAD_SHAPE, generator=generator) * 0.05).to(dtype)]
-    layer_paths, head_paths = paths(weights), paths(head)
+    layer_paths, head_paths = paths(weights, names), paths(head, names)
+    flops = 2 * sum(n * k for n, k in shapes)  # per row of a forward
     records = []
     for m in rows:
         inputs = {k: torch.randn(m, k, generator=generator).to(dtype) for k in {k for _, k in LAYER_SHAPES}}
         record = dict(dtype=str(dtype).removeprefix("torch."), rows=m)
-        for name, call in layer_paths.items():
-            record[f"{name}_forward_ms"] = median_ms(
-                lambda: [call(inputs[shape[1]], i) for i, shape in enumerate(shapes)], repeats)
-        for name, call in head_paths.items():
-            record[f"{name}_head_ms"] = median_ms(lambda: call(inputs[HEAD_SHAPE[1]], 0), repeats)
+        forward = medians_ms({name: (lambda call: lambda: [call(inputs[shape[1]], i) for i, shape in enumerate(
+            shapes)])(call) for name, call in layer_paths.items()}, repeats)
+        head_ms = medians_ms({name: (lambda call: lambda: call(inputs[HEAD_SHAPE[1]], 0))(call)
+                              for name, call in head_paths.items()}, repeats)
+        record.update({f"{name}_forward_ms": ms for name, ms in forward.items()})
+        record.update({f"{name}_head_ms": ms for name, ms in head_ms.items()})
         records.append(record)
         print(f"{record['dtype']:>9} M={m:>2}  forward: " + "  ".join(
             f"{name} {record[f'{name}_forward_ms']:6.1f}" for name in layer_paths) + "   head: " + "  ".join(
-            f"{name} {record[f'{name}_head_ms']:5.2f}" for name in head_paths), flush=True)
+            f"{name} {record[f'{name}_head_ms']:5.2f}" for name in head_paths) + "   TFLOP/s: " + "  ".join(
+            f"{name} {flops * m / record[f'{name}_forward_ms'] / 1e9:4.2f}" for name in layer_paths), flush=True)
     return records
 
 
@@ -89,6 +111,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=list(range(1, 13)))
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--paths", nargs="+", default=list(PATHS), choices=PATHS, help="time only these paths")
     parser.add_argument("--out", help="write the JSON record here")
     args = parser.parse_args()
     if not cpu_build.load():
@@ -96,7 +119,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     print(f"ISA {cpu_build.cpu_isa()} (torch: {torch.backends.cpu.get_cpu_capability()}), torch {torch.__version__}, "
           f"{args.threads} thread(s); milliseconds, median of {args.repeats}")
-    records = [r for dtype in args.dtypes for r in measure(getattr(torch, dtype), args.rows, args.repeats)]
+    records = [r for dtype in args.dtypes for r in measure(getattr(torch, dtype), args.rows, args.repeats,
+                                                                     tuple(args.paths))]
     if args.out:
         Path(args.out).write_text(json.dumps({
             "benchmark": "cpu small-row linear", "isa": cpu_build.cpu_isa(), "torch": torch.__version__,

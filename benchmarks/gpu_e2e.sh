@@ -13,7 +13,8 @@
 #            followed by the server's /metrics (time to first token, queue time) in $OUT/metrics_*.txt.
 #   gsp-clients: the same workload (radix cache and cascade on) from 1 and from 8 client processes.
 #   gsp-policy: the same from 8 client processes, against servers with --schedule-policy fcfs (the default), lpm,
-#            and lpm with --enable-mixed-chunk.
+#            and lpm with --enable-mixed-chunk; each after a smaller burst (16 x 16 prompts) that compiles the
+#            cascade kernels, with the server's Prefill/Decode batch lines in $OUT/gsp_policy_*_scheduler.log.
 # STEPS selects (default: all, in that order; a call is limited to ~10 minutes, so split them), e.g.
 #   STEPS="tests overlap" bash benchmarks/gpu_e2e.sh
 # Needs .whl/ (see ../shared/gpu/README.md) and .gpu-assets/llama-3.1-8b-dummy/ (config.json + a tokenizer) carried.
@@ -82,9 +83,10 @@ fi
 serve() {  # start a server with extra flags; wait for /health
     # From /tmp: `python -m` puts the working directory first on sys.path, where the checkout's thin
     # radixserve/ would shadow the installed package.
+    SERVER_LOG="$OUT/server-$RANDOM.log"
     (cd /tmp && exec "$PY" -m radixserve serve \
         --model-path "$MODEL" --load-format dummy --dtype bfloat16 --port 30000 --log-level warning "$@" \
-        > "$OUT/server-$RANDOM.log" 2>&1) &
+        > "$SERVER_LOG" 2>&1) &
     SERVER=$!
     for _ in $(seq 1 360); do  # up to 3 minutes: a fresh host JIT-compiles the FlashInfer kernels
         curl -sf http://127.0.0.1:30000/health > /dev/null && return 0
@@ -145,9 +147,12 @@ if want gsp-policy; then
     for config in fcfs lpm lpm-mixed; do
         flags=(--schedule-policy "${config%-mixed}")
         [[ $config == *-mixed ]] && flags+=(--enable-mixed-chunk)
-        if serve "${flags[@]}"; then
+        if serve "${flags[@]}" --log-level info; then
+            run_step "gsp_policy_${config}_warmup" 60 "${BENCH[@]}" --dataset generated-shared-prefix --request-rate inf \
+                --gsp-num-groups 16 --gsp-prompts-per-group 16 --gsp-output-len 24 --output-file "$OUT/gsp_policy_warmup.json"
             run_step "gsp_policy_$config" 100 "${BENCH[@]}" --dataset generated-shared-prefix --request-rate inf \
                 --flush-cache --client-processes 8 --label "$config" --output-file "$OUT/gsp_policy_$config.json"
+            grep -hE "Prefill batch|Decode batch" "$SERVER_LOG" > "$OUT/gsp_policy_${config}_scheduler.log"
         else
             SUMMARY+=("server ($config) did not start")
         fi

@@ -17,13 +17,15 @@ bfloat16 weight once, widening it to float32 in registers, and measured faster t
 projections of a forward at one row and one thread: 23.6 against 25.5 ms; two threads 11.6 against 14.6). Its outputs
 are the float32 sums rounded once to bfloat16, as oneDNN's, summed in another order (not bit-equal to `F.linear`).
 
-From 2 to 128 rows (decode batches) the AMX kernel runs on a tile-packed copy of the weight where the CPU has
-AMX-BF16 (model_runner/cpu_amx_linear.py), ahead of the small-row kernel; elsewhere, and above, as described.
+From 2 to 128 rows (decode batches) and from 256 rows (prefill) the AMX kernel's two loops run on a tile-packed
+copy of the weight where the CPU has AMX-BF16 (model_runner/cpu_amx_linear.py), ahead of the small-row kernel;
+elsewhere, and from 129 to 255 rows, as described.
 
-At prefill row counts (`PLAIN_MIN_ROWS` and more) the projections that do not widen their input (out_features <=
-in_features: o and down) go back to `F.linear`, whose oneDNN matmul reads the plain weight and measured faster there
-than the packed inner product (2-core AMX machine, 30 layers' weights in turn, 512 rows: o 313 -> 276 us, down
-848 -> 603 us; 384 rows: 332 -> 269, 904 -> 611; the widening qkv and gate_up stay faster packed at every count).
+Without the AMX kernel, at prefill row counts (`PLAIN_MIN_ROWS` and more) the projections that do not widen their
+input (out_features <= in_features: o and down) go back to `F.linear`, whose oneDNN matmul reads the plain weight and
+measured faster there than the packed inner product (2-core AMX machine, 30 layers' weights in turn, 512 rows: o
+313 -> 276 us, down 848 -> 603 us; 384 rows: 332 -> 269, 904 -> 611; the widening qkv and gate_up stay faster
+packed at every count).
 """
 
 from __future__ import annotations

@@ -8,7 +8,9 @@ Guarantees:
 - the run is admitted into `InflightRequests` when created (so a full server answers 503 at once) and
   released by `close()`, which every route calls in a `finally`;
 - a client that disconnects is noticed within `DISCONNECT_POLL_SECONDS`: the run stops and every engine
-  request it started that has not finished is aborted, so its KV is released;
+  request it started that has not finished is aborted, so its KV is released. Once a stream's response has
+  started on a server whose ASGI spec is below 2.4, Starlette's own listener notices the disconnect and
+  cancels the response (which closes the run), so the run stops polling and a chunk costs one queue read;
 - `close()` is synchronous, so it also runs when the route's task is being cancelled (Starlette cancels a
   streaming response when the client goes away; uvicorn cancels requests at the end of a drain);
 - engine ValueErrors become 400s, a request the engine failed alone gets its own status, a dead engine 503,
@@ -116,6 +118,7 @@ class GenerationRun:
         self._tasks: list[asyncio.Task] = []
         self._pending = set(range(len(requests)))
         self._closed = False
+        self._poll_disconnect = http_request is not None
         self._tenant = tenant
         state.inflight.admit(handles, tenant)
 
@@ -138,16 +141,21 @@ class GenerationRun:
         getter: Optional[asyncio.Future] = None
         try:
             while self._pending:
-                if getter is None:
-                    getter = asyncio.ensure_future(self._queue.get())
-                done, _ = await asyncio.wait({getter}, timeout=DISCONNECT_POLL_SECONDS)
-                if not done:
-                    if self._http_request is not None and await self._http_request.is_disconnected():
-                        self.close()
-                        raise ClientDisconnected()
-                    continue
-                index, item = getter.result()
-                getter = None
+                if getter is None and not self._queue.empty():
+                    index, item = self._queue.get_nowait()
+                elif getter is None and not self._poll_disconnect:
+                    index, item = await self._queue.get()
+                else:
+                    if getter is None:
+                        getter = asyncio.ensure_future(self._queue.get())
+                    done, _ = await asyncio.wait({getter}, timeout=DISCONNECT_POLL_SECONDS)
+                    if not done:
+                        if self._http_request is not None and await self._http_request.is_disconnected():
+                            self.close()
+                            raise ClientDisconnected()
+                        continue
+                    index, item = getter.result()
+                    getter = None
                 if item is _END:
                     self._pending.discard(index)
                 elif isinstance(item, BaseException):
@@ -165,6 +173,15 @@ class GenerationRun:
         async for index, chunk in self.events():
             results[index].append(chunk)
         return results
+
+    def response_watches_disconnect(self) -> None:
+        """The streaming response has started: where Starlette listens for the client's disconnect itself
+        (ASGI spec below 2.4), stop polling for it here."""
+        if self._http_request is None:
+            return
+        spec = self._http_request.scope.get("asgi", {}).get("spec_version", "2.0")
+        if tuple(int(part) for part in spec.split(".")) < (2, 4):
+            self._poll_disconnect = False
 
     def close(self) -> None:
         """Stop the run: abort the engine requests that have not finished, and release the admission."""
@@ -198,6 +215,7 @@ async def start_stream(run: GenerationRun) -> AsyncIterator[tuple[int, Any]]:
         if first is None:
             return
         yield first
+        run.response_watches_disconnect()
         async for event in events:
             yield event
 

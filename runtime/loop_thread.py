@@ -5,7 +5,9 @@ The Engine's TokenizerManager lives on this loop. Callers reach it from:
   iterator fed through a thread-safe queue;
 - any other running event loop (a Jupyter cell, `asyncio.run`, uvicorn): `call_async(coro)` and
   `stream_async(start, iterate)` await through `asyncio.wrap_future` / `call_soon_threadsafe`, so the caller's
-  loop is never blocked and no nested loop (nest_asyncio) is needed.
+  loop is never blocked and no nested loop (nest_asyncio) is needed. Stream items for one caller loop travel
+  in batches (`_Outbox`): a server streaming to a thousand clients wakes its loop once per engine round, not
+  once per chunk.
 
 Streams start in two steps: `start()` runs on the engine loop and may raise (bad arguments) before anything
 is queued; `iterate(started)` then yields items. Closing or abandoning a stream on the caller's side cancels
@@ -20,6 +22,7 @@ import contextlib
 import inspect
 import queue
 import threading
+import weakref
 from typing import Any, AsyncIterator, Awaitable, Callable, Iterator, TypeVar
 
 T = TypeVar("T")
@@ -27,8 +30,33 @@ T = TypeVar("T")
 _ITEM, _END, _ERROR = "item", "end", "error"
 
 
+class _Outbox:
+    """Stream items bound for one caller loop. The first item posted after a delivery schedules the next
+    delivery (one `call_soon_threadsafe`); the items posted until it runs go with it, in order."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._pending: list[tuple[asyncio.Queue, tuple[str, Any]]] = []
+
+    def post(self, items: asyncio.Queue, entry: tuple[str, Any]) -> None:
+        with self._lock:
+            self._pending.append((items, entry))
+            if len(self._pending) > 1:
+                return
+        with contextlib.suppress(RuntimeError):  # the caller's loop is already closed: nobody listens
+            self._loop.call_soon_threadsafe(self._deliver)
+
+    def _deliver(self) -> None:
+        with self._lock:
+            batch, self._pending = self._pending, []
+        for items, entry in batch:
+            items.put_nowait(entry)
+
+
 class LoopThread:
     def __init__(self, name: str = "radixserve-engine-loop"):
+        self._outboxes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # caller loop -> _Outbox
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.thread.start()
@@ -104,10 +132,12 @@ class LoopThread:
         """Like `stream`, awaited from any running loop; returns once start() succeeded (or raises)."""
         caller_loop = asyncio.get_running_loop()
         items: asyncio.Queue = asyncio.Queue()
+        outbox = self._outboxes.get(caller_loop)
+        if outbox is None:
+            outbox = self._outboxes[caller_loop] = _Outbox(caller_loop)
 
         def emit(entry: tuple[str, Any]) -> None:
-            with contextlib.suppress(RuntimeError):  # the caller's loop is already closed: nobody listens
-                caller_loop.call_soon_threadsafe(items.put_nowait, entry)
+            outbox.post(items, entry)
 
         future = self._pump(start, iterate, emit)
         try:

@@ -9,10 +9,12 @@ Policies (`--schedule-policy`):
 - `random`: a seeded shuffle.
 The prefix-aware policies fall back to fcfs when the cache does not share (`--disable-radix-cache`); when the
 queue is so long that matching every request against the tree would cost more than it saves, they order it by
-leading tokens instead (`_by_leading_tokens`): requests that begin alike run back to back, in order of their
-group's first arrival. That is what a burst of requests on a few shared system prompts needs before any of them is
-cached: the first of a group computes the prompt, the rest follow as soon as it is in the tree, and each group's
-requests reach their first token together instead of after every group's first request.
+leading tokens instead (`_by_leading_tokens`): requests that begin alike run back to back, and only each group's
+first request is matched against the tree. Groups whose prompt is cached go first (longest cached prefix first, as
+lpm does for single requests), then the others in order of their first place in the queue. That is what a burst of
+requests on a few shared system prompts needs: the first of a group computes the prompt, the rest follow as soon
+as it is in the tree, and while requests still arrive, the cheap ones (their prompt cached) are not held behind the
+first requests of groups that arrived before them.
 
 Admission budgets (`PrefillAdder`), in the manner of SGLang's PrefillAdder:
 - memory: free + evictable KV tokens, less what running requests are still expected to need
@@ -63,7 +65,7 @@ class SchedulePolicy:
         if prefix_aware and not self.shares_prefixes:
             return list(waiting)
         if prefix_aware and len(waiting) > PREFIX_POLICY_MAX_QUEUE:
-            return _by_leading_tokens(waiting)
+            return self._by_leading_tokens(waiting)
         if self.name == "fcfs":
             return list(waiting)
         if self.name == "lof":
@@ -107,14 +109,19 @@ class SchedulePolicy:
             stack.extend(children)
         return ordered
 
-
-def _by_leading_tokens(waiting: list[Req]) -> list[Req]:
-    """Requests grouped by namespace and first `LEADING_TOKENS` prompt tokens, groups in order of their first
-    member's place in the queue, members in queue order (a stable sort: O(queue), no tree matching)."""
-    first_place: dict[tuple, int] = {}
-    places = [first_place.setdefault((req.namespace, tuple(req.origin_input_ids[:LEADING_TOKENS])), place)
-              for place, req in enumerate(waiting)]
-    return [waiting[i] for i in sorted(range(len(waiting)), key=places.__getitem__)]
+    def _by_leading_tokens(self, waiting: list[Req]) -> list[Req]:
+        """Requests grouped by namespace and first `LEADING_TOKENS` prompt tokens, members in queue order. The
+        first `PREFIX_POLICY_MAX_QUEUE` groups (by first place) are ranked by their first member's cached prefix,
+        longest first; ties and the groups beyond keep the order of their first place. Matching one request per
+        group bounds the tree work at `PREFIX_POLICY_MAX_QUEUE` matches however long the queue is."""
+        first_place: dict[tuple, int] = {}
+        places = [first_place.setdefault((req.namespace, tuple(req.origin_input_ids[:LEADING_TOKENS])), place)
+                  for place, req in enumerate(waiting)]
+        rank: dict[int, tuple[int, int]] = {}  # first place -> (-cached prefix length, first place)
+        for place in sorted(first_place.values()):
+            cached = self._match(waiting[place]).length if len(rank) < PREFIX_POLICY_MAX_QUEUE else 0
+            rank[place] = (-cached, place)
+        return [waiting[i] for i in sorted(range(len(waiting)), key=lambda i: rank[places[i]])]
 
 
 class NewTokenRatio:

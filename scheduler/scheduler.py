@@ -65,7 +65,7 @@ from radixserve.scheduler.policy import CLIP_MAX_NEW_TOKENS, NewTokenRatio, Pref
 from radixserve.scheduler.req import Req
 from radixserve.scheduler.setup import check_request, make_cache, try_load_tokenizer
 from radixserve.scheduler.speculative import make_speculator
-from radixserve.scheduler.stats import SchedulerStats, decode_log_line
+from radixserve.scheduler.stats import SchedulerStats, decode_log_line, prefill_log_line
 from radixserve.scheduler.stop import StopChecker
 
 logger = logging.getLogger(__name__)
@@ -269,6 +269,10 @@ class Scheduler:
             else:
                 self.running.append(req)
         mode = ForwardMode.MIXED if decodes else ForwardMode.EXTEND
+        if logger.isEnabledFor(logging.INFO):
+            logger.info(prefill_log_line(len(entries), sum(e[2] for e in entries), sum(e[1] for e in entries),
+                                         self._used_tokens(), self.allocator.size, len(self.running),
+                                         len(self.waiting)))
         return self._make_batch(mode, entries, decodes, decode_slots)
 
     def _admit_in_order(self, reqs: list[Req], adder: PrefillAdder, entries: list, rows: int) -> None:
@@ -549,10 +553,11 @@ class Scheduler:
             if out is not None:
                 self._outputs.append(out)
 
+    def _used_tokens(self) -> int:
+        return self.allocator.size - self.allocator.available_size() - self.cache.evictable_size()
+
     def _log_decode(self) -> None:
-        total = self.allocator.size
-        used = total - self.allocator.available_size() - self.cache.evictable_size()
-        logger.info(decode_log_line(len(self.running), len(self.waiting), used, total,
+        logger.info(decode_log_line(len(self.running), len(self.waiting), self._used_tokens(), self.allocator.size,
                                     self.stats.cache_hit_rate, self.stats.close_window()))
 
     def shutdown(self) -> None:

@@ -83,6 +83,17 @@ class SchedulerStats:
         }
 
 
+def prefill_log_line(
+    num_new_seqs: int, new_tokens: int, cached_tokens: int, used_tokens: int, total_tokens: int, num_running: int,
+    num_queued: int
+) -> str:
+    usage = used_tokens / total_tokens if total_tokens else 0.0
+    return (
+        f"Prefill batch. #new-seq: {num_new_seqs}, #new-token: {new_tokens}, #cached-token: {cached_tokens}, "
+        f"token usage: {usage:.2f}, #running-req: {num_running}, #queue-req: {num_queued}"
+    )
+
+
 def decode_log_line(
     num_running: int, num_queued: int, used_tokens: int, total_tokens: int, hit_rate: float, throughput: float
 ) -> str:

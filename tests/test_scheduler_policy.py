@@ -86,6 +86,23 @@ def test_a_long_queue_runs_requests_that_begin_alike_back_to_back():
     assert SchedulePolicy("fcfs", make_cache(), True).order(waiting) == waiting
 
 
+def test_a_long_queue_runs_groups_with_a_cached_prompt_first():
+    """While a burst still arrives, requests whose group prompt is already cached are not held behind the first
+    request of a group that arrived before them: groups rank by their first member's cached prefix."""
+    system = {name: [base + i for i in range(LEADING_TOKENS + 40)] for name, base in (("a", 100), ("b", 300), ("c", 500))}
+    cache = make_cache()
+    cache_tokens(cache, system["c"])  # c's whole system prompt
+    cache_tokens(cache, system["b"][: LEADING_TOKENS + 10])  # the first part of b's
+    arrivals = "abcbaacbcb" * 20
+    waiting = [req(f"{name}{i}", system[name] + [i]) for i, name in enumerate(arrivals)]
+    for name in ("lpm", "dfs-weight"):
+        ordered = SchedulePolicy(name, cache, True).order(waiting)
+        groups = [r.rid[0] for r in ordered]
+        count = {g: groups.count(g) for g in "abc"}
+        assert groups == ["c"] * count["c"] + ["b"] * count["b"] + ["a"] * count["a"]
+        assert [r for r in ordered if r.rid[0] == "b"] == [r for r in waiting if r.rid[0] == "b"]
+
+
 def test_lof_and_random():
     waiting = [req(str(n), [1, 2], max_new_tokens=n) for n in (3, 30, 10)]
     assert [r.rid for r in SchedulePolicy("lof", make_cache(), True).order(waiting)] == ["30", "10", "3"]

@@ -328,3 +328,22 @@ def test_decode_log_line_every_interval(tiny_llama, caplog):
     for field in ("#running-req: 3", "#queue-req: 0", "token usage:", "cache hit rate:", "gen throughput (token/s):"):
         assert field in lines[0], field
     driver.close()
+
+
+def test_prefill_log_line_every_prefill_batch(tiny_llama, caplog):
+    """One SGLang-style "Prefill batch." line per extend batch, with what the batch computes and reuses."""
+    driver = driver_for(tiny_llama, True, chunked_prefill_size=-1, max_prefill_tokens=30)
+    prompts = make_prompts(15, 4, 512, 20, 21)
+    for i, prompt in enumerate(prompts):
+        driver.submit(f"r{i}", prompt, max_new_tokens=2)
+    with caplog.at_level("INFO", logger="radixserve.scheduler.scheduler"):
+        driver.run_until_idle()
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Prefill batch.")]
+    stats = driver.scheduler.stats
+    assert len(lines) == stats.extend_batches + stats.mixed_batches >= 2  # 30 tokens a batch: not all at once
+    new_seqs = sum(int(line.split("#new-seq: ")[1].split(",")[0]) for line in lines)
+    new_tokens = sum(int(line.split("#new-token: ")[1].split(",")[0]) for line in lines)
+    assert new_seqs == len(prompts)
+    assert new_tokens == sum(map(len, prompts)) - stats.cached_tokens
+    assert "#queue-req: " in lines[0] and "#cached-token: 0" in lines[0]
+    driver.close()
