@@ -49,50 +49,6 @@ constexpr int64_t kAhead = 4;  // K blocks of the weight prefetched ahead of the
 constexpr int64_t kSliceBlocks = 9;         // prefill: at most this many K blocks of 32 per slice
 constexpr int64_t kChunkBytes = 1 << 20;    // prefill: the weight panels of one chunk of column blocks (L2)
 
-// Columns [32 nb, 32 nb + 32) of y for rows [0, M); `a` holds Mpad (a multiple of 32) rows of K bfloat16.
-inline void column_block(const uint16_t* a, const uint16_t* packed, const float* bias, int64_t M, int64_t Mpad,
-                         int64_t N, int64_t K, int64_t nb, c10::BFloat16* y, float* sums) {
-  const int64_t k_blocks = K / 32;
-  const uint16_t* b0 = packed + (2 * nb) * k_blocks * 512;
-  const uint16_t* b1 = b0 + k_blocks * 512;
-  for (int64_t m0 = 0; m0 < Mpad; m0 += 32) {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    const uint16_t* rows = a + m0 * K;
-    for (int64_t kb = 0; kb < k_blocks; ++kb) {
-      if (m0 == 0 && kb + kAhead < k_blocks) {  // the weight streams from memory once: ask for it ahead
-        for (int line = 0; line < 16; ++line) {
-          radixserve_cpu::prefetch(b0 + (kb + kAhead) * 512 + line * 32);
-          radixserve_cpu::prefetch(b1 + (kb + kAhead) * 512 + line * 32);
-        }
-      }
-      _tile_loadd(4, rows + kb * 32, K * 2);
-      _tile_loadd(5, rows + 16 * K + kb * 32, K * 2);
-      _tile_loadd(6, b0 + kb * 512, 64);
-      _tile_loadd(7, b1 + kb * 512, 64);
-      _tile_dpbf16ps(0, 4, 6);
-      _tile_dpbf16ps(1, 4, 7);
-      _tile_dpbf16ps(2, 5, 6);
-      _tile_dpbf16ps(3, 5, 7);
-    }
-    _tile_stored(0, sums, 32 * 4);
-    _tile_stored(1, sums + 16, 32 * 4);
-    _tile_stored(2, sums + 16 * 32, 32 * 4);
-    _tile_stored(3, sums + 16 * 32 + 16, 32 * 4);
-    const int64_t rows_here = std::min<int64_t>(32, M - m0);
-    for (int64_t r = 0; r < rows_here; ++r) {
-      c10::BFloat16* out = y + (m0 + r) * N + nb * 32;
-      for (int j = 0; j < 2; ++j) {
-        radixserve_cpu::v16 v = radixserve_cpu::load16(sums + r * 32 + 16 * j);
-        if (bias != nullptr) v += radixserve_cpu::load16(bias + nb * 32 + 16 * j);
-        radixserve_cpu::store16(out + 16 * j, v);
-      }
-    }
-  }
-}
-
 // A 32 x 32 block of float32 sums waiting to be rounded into y: `rows` rows of 32 columns at `out` (row stride
 // `ld`), + `bias` (32 floats) where not null.
 struct Pending {
@@ -114,6 +70,53 @@ inline void store_rows(const Pending& p, int64_t r0, int64_t r1) {
   }
 }
 
+// The four C tiles (a 32 x 32 block of float32 sums, row stride 32) from zero, and into `sums`.
+inline void zero_sum_tiles() {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+}
+
+inline void store_sum_tiles(float* sums) {
+  _tile_stored(0, sums, 32 * 4);
+  _tile_stored(1, sums + 16, 32 * 4);
+  _tile_stored(2, sums + 16 * 32, 32 * 4);
+  _tile_stored(3, sums + 16 * 32 + 16, 32 * 4);
+}
+
+// Columns [32 nb, 32 nb + 32) of y for rows [0, M); `a` holds Mpad (a multiple of 32) rows of K bfloat16.
+inline void column_block(const uint16_t* a, const uint16_t* packed, const float* bias, int64_t M, int64_t Mpad,
+                         int64_t N, int64_t K, int64_t nb, c10::BFloat16* y, float* sums) {
+  const int64_t k_blocks = K / 32;
+  const uint16_t* b0 = packed + (2 * nb) * k_blocks * 512;
+  const uint16_t* b1 = b0 + k_blocks * 512;
+  for (int64_t m0 = 0; m0 < Mpad; m0 += 32) {
+    zero_sum_tiles();
+    const uint16_t* rows = a + m0 * K;
+    for (int64_t kb = 0; kb < k_blocks; ++kb) {
+      if (m0 == 0 && kb + kAhead < k_blocks) {  // the weight streams from memory once: ask for it ahead
+        for (int line = 0; line < 16; ++line) {
+          radixserve_cpu::prefetch(b0 + (kb + kAhead) * 512 + line * 32);
+          radixserve_cpu::prefetch(b1 + (kb + kAhead) * 512 + line * 32);
+        }
+      }
+      _tile_loadd(4, rows + kb * 32, K * 2);
+      _tile_loadd(5, rows + 16 * K + kb * 32, K * 2);
+      _tile_loadd(6, b0 + kb * 512, 64);
+      _tile_loadd(7, b1 + kb * 512, 64);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+    store_sum_tiles(sums);
+    const Pending block{sums, y + m0 * N + nb * 32, bias == nullptr ? nullptr : bias + nb * 32,
+                        std::min<int64_t>(32, M - m0), N};
+    store_rows(block, 0, 32);
+  }
+}
+
 // Prefill: one 32 x 32 block of sums over K blocks [k0, k1), the 2 x 2 tiles of one step (A: two 16-row tiles of
 // `rows`, row stride K; B: the two 16-column panels b0, b1) into four C tiles, which start at zero (`first`) or
 // at `sums`, and end in `sums`. Meanwhile the previous block's sums (`pending`, if any) are rounded into y, a few
@@ -123,10 +126,7 @@ inline void tile_block(const uint16_t* rows, const uint16_t* b0, const uint16_t*
                        int64_t k1, bool first, float* sums, const Pending& pending, const uint16_t* ahead) {
   const int64_t per_step = (pending.rows + (k1 - k0) - 1) / (k1 - k0);
   if (first) {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
+    zero_sum_tiles();
   } else {
     _tile_loadd(0, sums, 32 * 4);
     _tile_loadd(1, sums + 16, 32 * 4);
@@ -150,10 +150,7 @@ inline void tile_block(const uint16_t* rows, const uint16_t* b0, const uint16_t*
       }
     }
   }
-  _tile_stored(0, sums, 32 * 4);
-  _tile_stored(1, sums + 16, 32 * 4);
-  _tile_stored(2, sums + 16 * 32, 32 * 4);
-  _tile_stored(3, sums + 16 * 32 + 16, 32 * 4);
+  store_sum_tiles(sums);
 }
 
 // Column blocks [begin, end) of y for all Mpad rows. Per chunk of `chunk` column blocks (their weight panels
