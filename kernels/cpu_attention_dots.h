@@ -134,6 +134,17 @@ inline void values_bf16(const uint16_t* p, int64_t p_stride, const uint16_t* con
 }
 #endif
 
+// A row's running max moves to `new_max`: its sum and accumulator acc[0:D], summed under the old max, are rescaled
+// (nothing to rescale while nothing was summed, max still -inf).
+inline void move_max(float& max, float new_max, float& sum, float* acc, int64_t D) {
+  if (max != -std::numeric_limits<float>::infinity() && new_max != max) {
+    const float correction = std::exp(max - new_max);
+    sum *= correction;
+    for (int64_t d = 0; d < D; ++d) acc[d] *= correction;
+  }
+  max = new_max;
+}
+
 #if defined(__AVX512BF16__)
 // softmax_row for a tile of 32 keys in two vectors, the scores' exponentials in base 2 (exp2_16), the
 // probabilities written to p[0:32] rounded to bfloat16 (0 past the last visible key).
@@ -150,13 +161,7 @@ inline void softmax_row32_bf16(const float* s, int64_t n, int64_t last_visible, 
   const __m512 lo = _mm512_mask_loadu_ps(minus_inf, static_cast<__mmask16>(keep), s);
   const __m512 hi = _mm512_mask_loadu_ps(minus_inf, static_cast<__mmask16>(keep >> 16), s + 16);
   const float new_max = std::max(max, _mm512_reduce_max_ps(_mm512_max_ps(lo, hi)));
-  if (max != kNegInf && new_max != max) {
-    const float correction = std::exp(max - new_max);
-    sum *= correction;
-    const __m512 c = _mm512_set1_ps(correction);
-    for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(acc + d, _mm512_mul_ps(_mm512_loadu_ps(acc + d), c));
-  }
-  max = new_max;
+  move_max(max, new_max, sum, acc, D);
   const __m512 log2e = _mm512_set1_ps(kLog2e), shift = _mm512_set1_ps(new_max * kLog2e);
   const __m512 p_lo = exp2_16(_mm512_fmsub_ps(lo, log2e, shift));
   const __m512 p_hi = exp2_16(_mm512_fmsub_ps(hi, log2e, shift));
@@ -180,12 +185,7 @@ inline void softmax_row(float* s, int64_t tile, int64_t n, int64_t last_visible,
   float tile_max = kNegInf;
   for (int64_t k = 0; k < visible; ++k) tile_max = std::max(tile_max, s[k]);
   const float new_max = std::max(max, tile_max);
-  if (max != kNegInf && new_max != max) {
-    const float correction = std::exp(max - new_max);
-    sum *= correction;
-    for (int64_t d = 0; d < D; ++d) acc[d] *= correction;
-  }
-  max = new_max;
+  move_max(max, new_max, sum, acc, D);
   for (int64_t k = 0; k < tile; ++k) s[k] -= new_max;
   exp_inplace(s, tile);
   float tile_sum = 0.0f;
