@@ -4,13 +4,14 @@
     python benchmarks/cpu_kernels.py --threads 1 --dtypes bfloat16
 
 Attention: one layer of a DECODE batch (`--batch-sizes` requests x `--context-len` positions, 9 query heads, 3 KV
-heads, head_dim 64; slots scattered page by page (`--page-size`, default 1), random KV), `torch_native` against the `cpu` backend, planning
-excluded; then the same with groups of `--group-size` requests sharing their first `--shared-len` positions (the
-offline shared-prefix workload's decode steps: 8 groups of 8 on a 512-token prefix at batch 64; one group at
-batch 8). The cpu backend keeps packed copies of the shared prefixes across calls (cpu_shared_packs.py), so the
-calls after the first read them; `--rebuild-packs` drops them before every call (the cost of a group's first
-step), `RADIXSERVE_CPU_KV_PACK_MIB=0` turns them off (every call gathers). Elementwise: residual add + RMSNorm over [T, 576], SiLU-and-mul over [T, 2 x 1536], rotary over the
-query and key heads of a fused projection, for T in `--tokens`, TORCH_OPS against the C++ ops. Medians of
+heads, head_dim 64; slots scattered page by page, `--page-size` 1 by default, random KV), `torch_native` against
+the `cpu` backend, planning excluded; then the same with groups of `--group-size` requests sharing their first
+`--shared-len` positions (the offline shared-prefix workload's decode steps: 8 groups of 8 on a 512-token prefix at
+batch 64; one group at batch 8). The cpu backend keeps packed copies of the shared prefixes across calls
+(cpu_shared_packs.py), so the calls after the first read them; `--rebuild-packs` drops them before every call (the
+cost of a group's first step), `RADIXSERVE_CPU_KV_PACK_MIB=0` turns them off (every call gathers). Elementwise:
+residual add + RMSNorm over [T, 576], SiLU-and-mul over [T, 2 x 1536], rotary over the query and key heads of a
+fused projection, for T in `--tokens`, TORCH_OPS against the C++ ops. Medians of
 `--repeats` calls after warm-up; prints a table with the CPU's ISA flags and writes a JSON record (`--out`).
 """
 

@@ -66,6 +66,8 @@ at::Tensor pack_shared_kv(const at::Tensor& k_buffer, const at::Tensor& v_buffer
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(radixserve_cpu, m) { m.def("pack_shared_kv(Tensor k_buffer, Tensor v_buffer, Tensor slots) -> Tensor"); }
+TORCH_LIBRARY_FRAGMENT(radixserve_cpu, m) {
+  m.def("pack_shared_kv(Tensor k_buffer, Tensor v_buffer, Tensor slots) -> Tensor");
+}
 
 TORCH_LIBRARY_IMPL(radixserve_cpu, CPU, m) { m.impl("pack_shared_kv", &pack_shared_kv); }

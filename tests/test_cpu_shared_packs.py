@@ -16,6 +16,7 @@ import torch
 from attention_cases import make_case, reference_attention, run_backend, share_prefixes  # noqa: E402
 from radixserve.kernels import cpu_build
 from radixserve.model_runner.attention.cpu_backend import CpuAttentionBackend
+from radixserve.model_runner.attention.cpu_shared_packs import budget_from_env
 from radixserve.model_runner.forward_batch import ForwardMode
 
 
@@ -163,3 +164,66 @@ def test_the_kernel_rejects_a_copy_of_the_wrong_size():
             case.q, k_buffer, v_buffer, case.k, case.v, meta.out_cache_loc, meta.items, meta.group_member_indptr,
             meta.group_kv_indptr, meta.member_q_start, meta.member_q_len, meta.member_q_pos0,
             meta.member_kv_indptr, meta.member_kv_pos0, meta.kv_slots, case.scaling, torch.empty(0), packs)
+
+
+@needs_amx
+@pytest.mark.parametrize("max_group_tokens,copies", [(64, 1), (1024, 0)])
+def test_an_extend_batch_copies_only_a_prefix_that_several_groups_read(max_group_tokens, copies):
+    # Four requests extending by 32 tokens on one 64-token prefix: groups of at most 64 tokens are two groups
+    # on that prefix (one copy, read twice); one group of 128 would read it once (no copy: gathering is cheaper).
+    case = make_case(ForwardMode.EXTEND, [70] * 4, [32] * 4, num_heads=9, num_kv_heads=3, head_dim=64, page_size=1,
+                     dtype=torch.bfloat16, seed=4)
+    share_prefixes(case, 4, 64)
+    backend = CpuAttentionBackend(max_group_tokens=max_group_tokens, max_extend_len=None)
+    out = run_backend(backend, case)
+    assert backend.shared_packs.num_built == copies and backend.shared_packs.num_reused == copies
+    expected = run_backend(CpuAttentionBackend(max_group_tokens=max_group_tokens, max_extend_len=None,
+                                               shared_pack_bytes=0), case)
+    assert torch.equal(out, expected)
+
+
+@needs_amx
+def test_the_scheduler_decodes_the_same_tokens_with_copies_and_reused_slots_get_fresh_ones(default_model_dir):
+    # The embedded model in bfloat16 through the real scheduler: two waves of requests, 2 groups of 4 on a 64-token
+    # prefix each. Before each wave the cache is flushed and the allocator starts its free list over, so the second
+    # wave's prefixes (other tokens) are written into the very slots the first wave's copies were made from.
+    # Copies made at the first decode step are read at the next ones; greedy tokens equal those of the gathering
+    # kernel in both waves (its output is bit-identical), so the second wave got fresh copies.
+    from scheduler_driver import SchedulerDriver
+
+    gen = torch.Generator().manual_seed(0)
+
+    def wave():
+        prompts = []
+        for _ in range(2):
+            prefix = torch.randint(100, 20000, (64,), generator=gen).tolist()
+            prompts += [prefix + torch.randint(100, 20000, (8,), generator=gen).tolist() for _ in range(4)]
+        return prompts
+
+    waves = [wave(), wave()]
+    driver = SchedulerDriver(default_model_dir, dtype="bfloat16", attention_backend="cpu", check_every_step=False)
+    packs = driver.runner.attn_backend.shared_packs
+    outputs = {}
+    try:
+        for budget in (packs.budget_bytes, 0):
+            packs.budget_bytes = budget
+            slot_lists = []
+            for w, prompts in enumerate(waves):
+                driver.flush_cache()
+                allocator = driver.runner.allocator
+                assert allocator.available_size() == allocator.size
+                allocator.clear()
+                for i, ids in enumerate(prompts):
+                    driver.submit(f"{budget}-{w}-{i}", ids, max_new_tokens=6, ignore_eos=True)
+                results = driver.run_until_idle()
+                outputs[budget, w] = [results[f"{budget}-{w}-{i}"].output_ids for i in range(len(prompts))]
+                slot_lists.append(sorted(slots.tolist() for slots in packs.prefixes()))
+            if budget:
+                assert packs.num_built > 0 and packs.num_reused > packs.num_built
+                assert len(slot_lists[0]) == 2 and slot_lists[0] == slot_lists[1]
+    finally:
+        packs.budget_bytes = budget_from_env()
+        driver.close()
+    assert outputs[budget_from_env(), 0] == outputs[0, 0]
+    assert outputs[budget_from_env(), 1] == outputs[0, 1]
+    assert outputs[0, 0] != outputs[0, 1]

@@ -8,9 +8,9 @@ working set stays in the core's caches. Each request's own keys are its KV slots
 once per batch from `req_to_token`; the kernel reads K and V through them, with no gathered copy.
 
 Work items are (group, block of `QUERY_BLOCK` queries of a lone request), every head at once, ordered longest
-first so the threads' dynamic hand-out ends together. `forward` writes the new K/V into the pool and attends, in the kernel.
-A group whose rows attend on AMX tiles (bfloat16) reads its shared keys from a packed copy kept across decode steps
-(cpu_shared_packs.py) instead of gathering and transposing them at every call.
+first so the threads' dynamic hand-out ends together. `forward` writes the new K/V into the pool and attends, in
+the kernel. A group whose rows attend on AMX tiles (bfloat16) reads its shared keys from a packed copy kept across
+decode steps (cpu_shared_packs.py) instead of gathering and transposing them at every call.
 
 Batches with a long extend (prefill chunks, see `MAX_KERNEL_EXTEND_LEN`), and, until the kernel library is loaded
 (built at first use in the background, see `kernels/cpu_build.py`), every batch, and dtypes or head sizes it does

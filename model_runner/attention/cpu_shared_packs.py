@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import weakref
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -79,7 +80,8 @@ class SharedKvPacks:
     def assign(self, batch: ForwardBatch, prefixes: list[Optional[torch.Tensor]]) -> list[Optional[SharedPack]]:
         """The copies for `batch`'s groups, whose shared prefixes are `prefixes` (slot lists; None: the group
         has no use for a copy), None where a group has none; equal lists share one copy. Drops every copy the
-        batch does not use."""
+        batch does not use. Outside DECODE batches a copy is made only for a prefix that several groups read
+        (a copy read once costs more than the gather it replaces, and no later batch reuses it)."""
         if self.budget_bytes <= 0 or not self.supported:
             self.clear()
             return [None] * len(prefixes)
@@ -89,10 +91,11 @@ class SharedKvPacks:
         pool = batch.token_to_kv_pool
         buffer = pool.k_buffer[0]
         per_token = 2 * buffer.shape[1] * buffer.shape[2] * buffer.element_size() * len(pool.k_buffer)
+        readers = Counter(keys)
         result = []
         for key, slots in zip(keys, prefixes):
             pack = None if key is None else self._packs.get(key)
-            if key is not None and pack is None:
+            if key is not None and pack is None and (batch.mode == ForwardMode.DECODE or readers[key] > 1):
                 nbytes = -(-slots.numel() // PACK_TILE) * PACK_TILE * per_token
                 if self.reserved_bytes + nbytes <= self.budget_bytes:
                     pack = SharedPack(slots.to(torch.int64).contiguous(), nbytes, [None] * len(pool.k_buffer))
@@ -129,6 +132,10 @@ class SharedKvPacks:
     @property
     def num_packs(self) -> int:
         return len(self._packs)
+
+    def prefixes(self) -> list[torch.Tensor]:
+        """The slot lists that have copies now."""
+        return [pack.slots for pack in self._packs.values()]
 
 
 _EMPTY = torch.empty(0, dtype=torch.bfloat16)
