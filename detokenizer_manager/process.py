@@ -6,6 +6,7 @@ replies) is forwarded byte for byte, so the TokenizerManager has a single socket
 
 from __future__ import annotations
 
+import gc
 import logging
 import sys
 import traceback
@@ -38,6 +39,8 @@ def run_detokenizer_process(server_args: ServerArgs, ipc: IpcPaths, parent_pid: 
         sender.send(encode(ProcessFailed(process="detokenizer", error=traceback.format_exc())))
         sender.close()  # lingers until the report is delivered
         sys.exit(1)
+    gc.collect()
+    gc.freeze()  # start-up objects stay out of the full collections that run while requests stream
     sender.send(encode(ProcessReady(process="detokenizer")))
     logger.info("detokenizer ready (tokenizer %s)", tokenizer_path)
 
