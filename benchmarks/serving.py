@@ -151,7 +151,8 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     before, after = cache_counters(info_before), cache_counters(info_after)
     details = {}
     if args.output_details:
-        details = {"details_origin_s": min((r.start for r in results), default=0.0), "details": request_details(results)}
+        origin = min((r.start for r in results), default=0.0)
+        details = {"details_origin_s": origin, "details": request_details(results)}
     return {
         "kind": "serving",
         "timestamp": datetime.now().isoformat(timespec="seconds"),
