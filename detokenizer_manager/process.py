@@ -6,13 +6,13 @@ replies) is forwarded byte for byte, so the TokenizerManager has a single socket
 
 from __future__ import annotations
 
-import gc
 import logging
 import sys
 import traceback
 
 import zmq
 
+from radixserve.runtime.wire.heap import settle_heap
 from radixserve.runtime.wire.ipc import IpcPaths, make_pull, make_push
 from radixserve.runtime.wire.messages import BatchTokenOut, ProcessFailed, ProcessReady, decode, encode
 from radixserve.runtime.wire.server_args import ServerArgs
@@ -39,8 +39,7 @@ def run_detokenizer_process(server_args: ServerArgs, ipc: IpcPaths, parent_pid: 
         sender.send(encode(ProcessFailed(process="detokenizer", error=traceback.format_exc())))
         sender.close()  # lingers until the report is delivered
         sys.exit(1)
-    gc.collect()
-    gc.freeze()  # start-up objects stay out of the full collections that run while requests stream
+    settle_heap()  # start-up objects stay out of the collections that run while requests stream
     sender.send(encode(ProcessReady(process="detokenizer")))
     logger.info("detokenizer ready (tokenizer %s)", tokenizer_path)
 

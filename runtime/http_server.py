@@ -18,7 +18,6 @@ shut the engine and its processes down, and exit 0. A child process that dies fa
 from __future__ import annotations
 
 import asyncio
-import gc
 import contextlib
 import logging
 import signal
@@ -46,6 +45,7 @@ from radixserve.runtime.openai.protocol import ChatCompletionRequest, Completion
 from radixserve.runtime.openai.serving_chat import create_chat_completion, encode_chat
 from radixserve.runtime.openai.serving_completions import create_completion
 from radixserve.runtime.openapi import install_openapi
+from radixserve.runtime.wire.heap import settle_heap
 from radixserve.runtime.wire.server_args import ServerArgs
 from radixserve.runtime.tenancy import TenantResolver
 from radixserve.tokenizer_manager.tokenize import load_chat_template
@@ -100,10 +100,7 @@ def create_app(engine: Any, server_args: ServerArgs) -> FastAPI:
             await encode_chat(state, [ChatMessage(role="user", content="hello")])
         if not server_args.skip_server_warmup:
             await asyncio.wait_for(_warmup(state), WARMUP_TIMEOUT_SECONDS)
-        # What start-up loaded (modules, the app, the tokenizer) lives as long as the server: out of the cyclic
-        # collector, a full collection while streams run scans only what requests made.
-        gc.collect()
-        gc.freeze()
+        settle_heap()  # what start-up loaded stays out of the collections that run while requests stream
         yield
 
     app = FastAPI(title="radixserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url="/openapi.json")
