@@ -39,7 +39,8 @@ def run_detokenizer_process(server_args: ServerArgs, ipc: IpcPaths, parent_pid: 
         sender.send(encode(ProcessFailed(process="detokenizer", error=traceback.format_exc())))
         sender.close()  # lingers until the report is delivered
         sys.exit(1)
-    settle_heap()  # start-up objects stay out of the collections that run while requests stream
+    # Start-up objects stay out of the collections that run while requests stream (runtime/wire/heap.py).
+    settle_heap(server_args.gc_threshold, server_args.gc_warning_threshold_secs)
     sender.send(encode(ProcessReady(process="detokenizer")))
     logger.info("detokenizer ready (tokenizer %s)", tokenizer_path)
 

@@ -100,7 +100,8 @@ def create_app(engine: Any, server_args: ServerArgs) -> FastAPI:
             await encode_chat(state, [ChatMessage(role="user", content="hello")])
         if not server_args.skip_server_warmup:
             await asyncio.wait_for(_warmup(state), WARMUP_TIMEOUT_SECONDS)
-        settle_heap()  # what start-up loaded stays out of the collections that run while requests stream
+        # What start-up loaded stays out of the collections that run while requests stream (runtime/wire/heap.py).
+        settle_heap(server_args.gc_threshold, server_args.gc_warning_threshold_secs)
         yield
 
     app = FastAPI(title="radixserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url="/openapi.json")

@@ -76,7 +76,7 @@ def run_scheduler_process(server_args: ServerArgs, ipc: IpcPaths, parent_pid: in
         sys.exit(1)
 
     # Everything loaded so far (modules, the model, the pools) lives as long as the process (runtime/wire/heap.py).
-    settle_heap()
+    settle_heap(server_args.gc_threshold, server_args.gc_warning_threshold_secs)
     sender.send(encode(ProcessReady(process=name, model=scheduler.ready_info())))
     logger.info("%s ready: %s", name, scheduler.ready_info())
     watchdog = StepWatchdog(server_args.watchdog_timeout, lambda: describe_scheduler(scheduler))
