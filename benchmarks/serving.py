@@ -37,6 +37,7 @@ import math
 import os
 import platform
 import sys
+import time
 from datetime import datetime
 from typing import Any, Optional, Sequence
 
@@ -152,7 +153,8 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     details = {}
     if args.output_details:
         origin = min((r.start for r in results), default=0.0)
-        details = {"details_origin_s": origin, "details": request_details(results)}
+        details = {"details_origin_s": origin, "details_origin_unix_s": time.time() - (time.perf_counter() - origin),
+                   "details": request_details(results)}
     return {
         "kind": "serving",
         "timestamp": datetime.now().isoformat(timespec="seconds"),

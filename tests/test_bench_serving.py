@@ -108,6 +108,13 @@ def test_cli_shared_prefix_record(server, default_model_dir, tmp_path):
     assert all(d["output_len"] == 4 and len(d["itl_ms"]) == 3 and d["error"] == "" for d in details)
     gaps = [g for d in details for g in d["itl_ms"]]
     assert sum(gaps) / len(gaps) == pytest.approx(record["itl_ms"]["mean"], abs=0.01)
+    # The timeline reads the details back: 6 streams of 4 chunks, 18 gaps.
+    timeline = subprocess.run([sys.executable, os.path.join(BENCHMARKS, "serving_timeline.py"), str(output)],
+                              capture_output=True, text=True, timeout=60)
+    assert timeline.returncode == 0, timeline.stderr
+    assert timeline.stdout.startswith("gaps 18: median")
+    assert sum(int(line.split()[1]) for line in timeline.stdout.splitlines()
+               if line[:6].strip().replace(".", "").isdigit()) == 24
     # Nothing else ran meanwhile, so the server's counters equal the per-response counts.
     assert record["cache_hit_rate"] > 0
     assert record["cache_hit_rate"] == pytest.approx(record["reported_cached_tokens"] / record["total_input_tokens"])
