@@ -37,13 +37,16 @@ import math
 import os
 import platform
 import sys
+import time
 from datetime import datetime
 from typing import Any, Optional, Sequence
 
 import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling modules, also when imported by tests
-from serving_client import BACKENDS, Target, arrival_label, run_sessions, run_sessions_in_processes  # noqa: E402
+from serving_client import (  # noqa: E402
+    BACKENDS, RequestResult, Target, arrival_label, run_sessions, run_sessions_in_processes,
+)
 from serving_datasets import (  # noqa: E402
     DATASETS,
     Session,
@@ -147,6 +150,11 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                                                      args.seed, not args.disable_tqdm, args.request_timeout))
     info_after = server_info(target)
     before, after = cache_counters(info_before), cache_counters(info_after)
+    details = {}
+    if args.output_details:
+        origin = min((r.start for r in results), default=0.0)
+        details = {"details_origin_s": origin, "details_origin_unix_s": time.time() - (time.perf_counter() - origin),
+                   "details": request_details(results)}
     return {
         "kind": "serving",
         "timestamp": datetime.now().isoformat(timespec="seconds"),
@@ -165,7 +173,18 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         "server": {name: info_before.get(name) for name in SERVER_FIELDS} if info_before else None,
         "environment": {"python": platform.python_version(), "platform": platform.platform(),
                         "httpx": httpx.__version__},
+        **details,
     }
+
+
+def request_details(results: Sequence[RequestResult]) -> list[dict[str, Any]]:
+    """Per request: when it was sent (s after the first send, which the record keeps as `details_origin_s` on the
+    host's monotonic clock, `time.perf_counter()`, shared by the client processes), its time to first token and its
+    inter-token gaps (ms)."""
+    first = min((r.start for r in results), default=0.0)
+    return [{"start_s": round(r.start - first, 4), "ttft_ms": round(r.ttft * 1e3, 2),
+             "itl_ms": [round(gap * 1e3, 2) for gap in r.itl], "output_len": r.output_len, "error": r.error}
+            for r in results]
 
 
 def _rate(value: str) -> float:
@@ -210,6 +229,8 @@ def run_parser() -> argparse.ArgumentParser:
                    help="client processes sharing the requests (one Python process saturates on many streams)")
     p.add_argument("--label", default=None, help="the series name in plots (default: the backend)")
     p.add_argument("--output-file", default=None, help="default benchmarks/results/serving-<time>.json")
+    p.add_argument("--output-details", action="store_true",
+                   help="also record each request's send time, TTFT and inter-token gaps")
     return p
 
 

@@ -12,6 +12,7 @@ import traceback
 
 import zmq
 
+from radixserve.runtime.wire.heap import settle_heap
 from radixserve.runtime.wire.ipc import IpcPaths, make_pull, make_push
 from radixserve.runtime.wire.messages import BatchTokenOut, ProcessFailed, ProcessReady, decode, encode
 from radixserve.runtime.wire.server_args import ServerArgs
@@ -38,6 +39,8 @@ def run_detokenizer_process(server_args: ServerArgs, ipc: IpcPaths, parent_pid: 
         sender.send(encode(ProcessFailed(process="detokenizer", error=traceback.format_exc())))
         sender.close()  # lingers until the report is delivered
         sys.exit(1)
+    # Start-up objects stay out of the collections that run while requests stream (runtime/wire/heap.py).
+    settle_heap(server_args.gc_threshold, server_args.gc_warning_threshold_secs)
     sender.send(encode(ProcessReady(process="detokenizer")))
     logger.info("detokenizer ready (tokenizer %s)", tokenizer_path)
 

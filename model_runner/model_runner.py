@@ -89,6 +89,7 @@ class ModelRunner:
             config.head_dim, self.kv_cache_dtype, self.device,
         )
         self.attn_backend = self._create_attention_backend()
+        self.attn_backend.warm_up(self.kv_cache_dtype)
         self.model.set_attention_backend(self.attn_backend)
         self.lora_manager = create_lora_manager(self) if server_args.lora_enabled() else None
         self.cuda_graph_runner = self._create_cuda_graph_runner()

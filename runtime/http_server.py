@@ -45,6 +45,7 @@ from radixserve.runtime.openai.protocol import ChatCompletionRequest, Completion
 from radixserve.runtime.openai.serving_chat import create_chat_completion, encode_chat
 from radixserve.runtime.openai.serving_completions import create_completion
 from radixserve.runtime.openapi import install_openapi
+from radixserve.runtime.wire.heap import settle_heap
 from radixserve.runtime.wire.server_args import ServerArgs
 from radixserve.runtime.tenancy import TenantResolver
 from radixserve.tokenizer_manager.tokenize import load_chat_template
@@ -99,6 +100,8 @@ def create_app(engine: Any, server_args: ServerArgs) -> FastAPI:
             await encode_chat(state, [ChatMessage(role="user", content="hello")])
         if not server_args.skip_server_warmup:
             await asyncio.wait_for(_warmup(state), WARMUP_TIMEOUT_SECONDS)
+        # What start-up loaded stays out of the collections that run while requests stream (runtime/wire/heap.py).
+        settle_heap(server_args.gc_threshold, server_args.gc_warning_threshold_secs)
         yield
 
     app = FastAPI(title="radixserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url="/openapi.json")

@@ -99,6 +99,10 @@ class NativeGenerateRequest(StrictModel):
                     raise ValueError(f"{name} has {len(value)} entries for a batch of {size}")
             elif name == "rid" and value is not None and size is not None:
                 raise ValueError("a batch needs a list of rids")
+        if self.input_ids is not None and size is None:
+            # One prompt's ids live as long as its stream: as a tuple of ints the cyclic garbage collector stops
+            # tracking them, where a list would be walked by every full collection (see split_requests).
+            self.input_ids = tuple(self.input_ids)  # type: ignore[assignment]
         return self
 
     @property

@@ -14,7 +14,6 @@ for `--watchdog-timeout` seconds.
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import sys
@@ -26,6 +25,7 @@ from typing import TYPE_CHECKING, Optional
 
 import zmq
 
+from radixserve.runtime.wire.heap import settle_heap
 from radixserve.runtime.wire.ipc import IpcPaths, make_pull, make_push
 from radixserve.runtime.wire.messages import ProcessFailed, ProcessReady, decode, encode
 from radixserve.runtime.wire.server_args import ServerArgs
@@ -75,10 +75,8 @@ def run_scheduler_process(server_args: ServerArgs, ipc: IpcPaths, parent_pid: in
         sender.close()  # lingers until the report is delivered (bounded by the socket's linger)
         sys.exit(1)
 
-    # Everything loaded so far (modules, the model, the pools) lives as long as the process: keep it out of
-    # the cyclic garbage collector, whose full collections otherwise rescan it while requests run.
-    gc.collect()
-    gc.freeze()
+    # Everything loaded so far (modules, the model, the pools) lives as long as the process (runtime/wire/heap.py).
+    settle_heap(server_args.gc_threshold, server_args.gc_warning_threshold_secs)
     sender.send(encode(ProcessReady(process=name, model=scheduler.ready_info())))
     logger.info("%s ready: %s", name, scheduler.ready_info())
     watchdog = StepWatchdog(server_args.watchdog_timeout, lambda: describe_scheduler(scheduler))

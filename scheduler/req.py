@@ -54,7 +54,9 @@ class Req:
         lora_name: Optional[str] = None,
     ) -> None:
         self.rid = rid
-        self.origin_input_ids = list(origin_input_ids)
+        # A tuple of ints is untracked by the cyclic collector after its first pass, so the prompts of a full batch
+        # (millions of ids) are not walked again by every full collection while the requests run.
+        self.origin_input_ids = tuple(origin_input_ids)
         self.sampling_params = sampling_params
         self.namespace = tuple(namespace)
         self.return_logprob = return_logprob
@@ -113,7 +115,7 @@ class Req:
 
     @property
     def all_ids(self) -> list[int]:
-        return self.origin_input_ids + self.output_ids
+        return [*self.origin_input_ids, *self.output_ids]
 
     @property
     def finished(self) -> bool:

@@ -84,7 +84,7 @@ def test_cli_shared_prefix_record(server, default_model_dir, tmp_path):
                "--tokenizer", default_model_dir, "--dataset", "generated-shared-prefix", "--gsp-num-groups", "2",
                "--gsp-prompts-per-group", "3", "--gsp-system-prompt-len", "48", "--gsp-question-len", "8",
                "--gsp-output-len", "4", "--max-concurrency", "2", "--seed", "11", "--disable-tqdm",
-               "--output-file", str(output)]
+               "--output-details", "--output-file", str(output)]
     completed = subprocess.run(command, capture_output=True, text=True, timeout=240)
     assert completed.returncode == 0, completed.stdout + completed.stderr
     assert "closed loop, 2 requests in flight" in completed.stdout
@@ -102,6 +102,19 @@ def test_cli_shared_prefix_record(server, default_model_dir, tmp_path):
     assert record["short_outputs"] == 0 and record["errors"] == []
     assert record["e2e_latency_ms"]["mean"] > record["ttft_ms"]["mean"]
     assert math.isclose(record["output_throughput"], 24 / record["duration_s"])
+    # --output-details: one entry per request, its gaps those the ITL distribution was made of.
+    details = record["details"]
+    assert len(details) == 6 and min(d["start_s"] for d in details) == 0
+    assert all(d["output_len"] == 4 and len(d["itl_ms"]) == 3 and d["error"] == "" for d in details)
+    gaps = [g for d in details for g in d["itl_ms"]]
+    assert sum(gaps) / len(gaps) == pytest.approx(record["itl_ms"]["mean"], abs=0.01)
+    # The timeline reads the details back: 6 streams of 4 chunks, 18 gaps.
+    timeline = subprocess.run([sys.executable, os.path.join(BENCHMARKS, "serving_timeline.py"), str(output)],
+                              capture_output=True, text=True, timeout=60)
+    assert timeline.returncode == 0, timeline.stderr
+    assert timeline.stdout.startswith("gaps 18: median")
+    assert sum(int(line.split()[1]) for line in timeline.stdout.splitlines()
+               if line[:6].strip().replace(".", "").isdigit()) == 24
     # Nothing else ran meanwhile, so the server's counters equal the per-response counts.
     assert record["cache_hit_rate"] > 0
     assert record["cache_hit_rate"] == pytest.approx(record["reported_cached_tokens"] / record["total_input_tokens"])

@@ -43,6 +43,7 @@ def test_cascade_matches_float64_reference(page_size, num_heads, num_kv_heads):
         members=[[i for i, (group, _, _) in enumerate(layout) if group == name] for name in GROUP_LENS],
         lengths=list(GROUP_LENS.values()))
     backend = _backend(num_heads, num_kv_heads, page_size, cascade_min_saved_bytes=0)
+    backend.warm_up(torch.bfloat16)  # what a model runner does at start-up: a real batch's plans come after it
     backend.plan(batch)
     assert isinstance(batch.attn_metadata, CascadeMetadata)
     scaling = HEAD_DIM ** -0.5

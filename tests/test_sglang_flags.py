@@ -31,6 +31,8 @@ def test_an_sglang_launch_line_parses():
     assert (args.tp_size, args.dp_size, args.stream_interval, args.grammar_backend) == (1, 1, 4, "xgrammar")
     assert args.dist_init_addr == "127.0.0.1:5000"
     assert _parse("--tp", "1").tp_size == 1  # argparse's prefix of --tp-size, as with SGLang
+    gc_args = _parse("--gc-threshold", "50000", "20", "--gc-warning-threshold-secs", "0.5")
+    assert (gc_args.gc_threshold, gc_args.gc_warning_threshold_secs) == ([50000, 20], 0.5)
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -96,8 +98,8 @@ def test_stream_interval_batches_a_stream(default_model_dir):
 def test_sglang_launch_command_serves():
     """`python -m radixserve.launch_server` with a launch line written for SGLang, streaming every 2 tokens."""
     server = ServerProcess("--trust-remote-code", "--tensor-parallel-size", "1", "--enable-cache-report",
-                           "--stream-interval", "2", "--log-level", "warning",
-                           command=("-m", "radixserve.launch_server"))
+                           "--stream-interval", "2", "--log-level", "warning", "--gc-threshold", "60000", "15",
+                           "--gc-warning-threshold-secs", "0.000001", command=("-m", "radixserve.launch_server"))
     try:
         body = {"text": "Count to ten:", "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True},
                 "stream": True}
@@ -106,5 +108,7 @@ def test_sglang_launch_command_serves():
             chunks = [line for line in response.iter_lines() if line.startswith("data:") and "[DONE]" not in line]
         # The first token, then every 2: tokens 1, 3, 5, then the end (6).
         assert len(chunks) == 4
+        # Every process settles its heap at start-up with a collection, which the warning threshold catches.
+        assert server.log_text().count("long garbage collection: generation 2") >= 3, server.log_text()[-3000:]
     finally:
         assert server.stop() == 0

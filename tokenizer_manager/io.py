@@ -47,7 +47,8 @@ class GenerateReqInput:
         """True for one prompt (a str, or a flat list of token ids)."""
         if self.text is not None:
             return isinstance(self.text, str)
-        return not (isinstance(self.input_ids, list) and self.input_ids and isinstance(self.input_ids[0], list))
+        ids = self.input_ids
+        return not (isinstance(ids, (list, tuple)) and ids and isinstance(ids[0], (list, tuple)))
 
 
 @dataclass
@@ -57,7 +58,7 @@ class SingleReq:
     index: int  # position in the batch
     rid: str
     text: Optional[str]
-    input_ids: Optional[list[int]]
+    input_ids: Optional[tuple[int, ...]]  # a tuple: see split_requests
     sampling_params: Union[dict[str, Any], SamplingParams]
     return_logprob: bool
     logprob_start_len: int
@@ -107,15 +108,18 @@ def split_requests(obj: GenerateReqInput) -> list[SingleReq]:
             texts = list(obj.text)
         else:
             raise ValueError("text must be a string or a list of strings")
-        ids: list[Optional[list[int]]] = [None] * len(texts)
+        ids: list[Optional[tuple[int, ...]]] = [None] * len(texts)
     else:
-        if not isinstance(obj.input_ids, list):
+        if not isinstance(obj.input_ids, (list, tuple)):
             raise ValueError("input_ids must be a list of ints or a list of lists of ints")
         batch_ids = [obj.input_ids] if obj.is_single else obj.input_ids
         for one in batch_ids:
-            if not isinstance(one, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in one):
+            if not isinstance(one, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                             for t in one):
                 raise ValueError("input_ids must be a list of ints or a list of lists of ints")
-        ids = [list(one) for one in batch_ids]
+        # Prompts are kept as tuples of ints, which the cyclic garbage collector stops tracking after one pass:
+        # a burst's prompts (millions of ids) would otherwise be walked by every full collection while it runs.
+        ids = [tuple(one) for one in batch_ids]
         texts = [None] * len(ids)
     batch_size = len(texts)
     if batch_size == 0:

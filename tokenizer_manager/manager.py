@@ -154,7 +154,7 @@ class TokenizerManager:
                             f"input_ids hold token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}"
                         )
                 else:
-                    input_ids = await self.encode(request.text)
+                    input_ids = tuple(await self.encode(request.text))  # a tuple, as split_requests makes them
                 sampling = sampling.fit_context(len(input_ids), self.limits)
                 if request.lora_name is not None and request.lora_name not in self.lora_adapters:
                     raise ValueError(_unknown_adapter(request.lora_name, self.model_info.lora_enabled))

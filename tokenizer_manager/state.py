@@ -37,7 +37,7 @@ class ReqState:
     user_rid: str  # the caller's rid, before the n expansion added "-<i>"
     tenant: Optional[str]
     index: int  # position in the caller's (n-expanded) batch, and in its ReqGroup's states
-    prompt_ids: list[int]
+    prompt_ids: tuple[int, ...]
     return_logprob: bool
     logprob_start_len: int
     created: float = field(default_factory=time.monotonic)

@@ -22,6 +22,11 @@ class AttentionBackend(ABC):
     def prefers_eager(self, batch: ForwardBatch) -> bool:
         """Whether `batch` should run eagerly even where a captured CUDA graph fits it."""
         return False
+
+    def warm_up(self, kv_dtype: torch.dtype) -> None:
+        """Run once at start-up the kernels that only some batches use, so that their first use (which may
+        compile them) does not stall a running server. Nothing by default."""
+
     @abstractmethod
     def plan(self, batch: ForwardBatch) -> None:
         """Prepare per-batch metadata (index arrays, kernel plans) and store it on `batch.attn_metadata`."""

@@ -34,6 +34,7 @@ from radixserve.model_runner.attention.flashinfer_cascade import (
     cascade_pays,
     plan_cascade,
     run_cascade,
+    warm_up_cascade,
 )
 from radixserve.model_runner.forward_batch import ForwardBatch, ForwardMode
 
@@ -122,6 +123,12 @@ class FlashInferAttentionBackend(AttentionBackend):
     @property
     def uses_prefix_groups(self) -> bool:  # the scheduler then fills `prefix_groups` of decode batches
         return self.cascade
+
+    def warm_up(self, kv_dtype: torch.dtype) -> None:
+        if self.cascade:
+            shape = (self.num_heads, self.num_kv_heads, self.head_dim, self.page_size)
+            warm_up_cascade(self._shared_prefill_wrapper, self._decode_wrapper, shape, self.dtype, kv_dtype,
+                            self.sm_scale, self.device)
 
     def prefers_eager(self, batch: ForwardBatch) -> bool:
         """Whether `batch` should skip its CUDA graph: cascade attention saves more reads than the graph saves

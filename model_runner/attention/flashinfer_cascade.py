@@ -99,6 +99,31 @@ def plan_cascade(batch: ForwardBatch, shared_wrapper: Any, own_wrapper: Any, sha
                            torch.tensor(member_rows, dtype=torch.int64).to(device, non_blocking=True))
 
 
+def warm_up_cascade(shared_wrapper: Any, own_wrapper: Any, shape: tuple[int, int, int, int], q_dtype: torch.dtype,
+                    kv_dtype: torch.dtype, sm_scale: float, device: torch.device) -> None:
+    """One cascade step of one layer on two requests that share a page: its kernels (the paged prefill with
+    log-sum-exps, `merge_state`) compile on their first use on a new machine, several seconds that would otherwise
+    stall the first shared-prefix decode step of a running server."""
+    num_heads, num_kv_heads, head_dim, page_size = shape
+    # Request i holds the shared page 0 and then one position on page i + 1.
+    req_to_token = torch.tensor([[*range(page_size), (i + 1) * page_size] for i in range(2)], dtype=torch.int32,
+                                device=device)
+    rows = torch.arange(2, dtype=torch.int64, device=device)
+    lengths = [page_size + 1] * 2
+    own_index = build_paged_kv_index(req_to_token, rows, torch.tensor(lengths, device=device), lengths, page_size,
+                                     starts_host=[page_size] * 2)
+    shared_index = build_paged_kv_index(req_to_token, rows[:1], torch.tensor([page_size], device=device),
+                                        [page_size], page_size)
+    fi.plan_decode(own_wrapper, own_index, *shape, q_dtype, kv_dtype, sm_scale)
+    fi.plan_prefill(shared_wrapper, torch.tensor([0, 2], dtype=torch.int32), shared_index, *shape, q_dtype, kv_dtype,
+                    sm_scale, causal=False)
+    buffer = torch.zeros(3 * page_size, num_kv_heads, head_dim, dtype=kv_dtype, device=device)
+    q = torch.zeros(2, num_heads, head_dim, dtype=q_dtype, device=device)
+    run_cascade(CascadeMetadata(shared_wrapper, own_wrapper, shared_index, own_index, rows), q, buffer, buffer,
+                page_size)
+    torch.cuda.synchronize(device)
+
+
 def run_cascade(meta: CascadeMetadata, q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
                 page_size: int) -> torch.Tensor:
     """One layer: `q` `[batch, heads, head_dim]` (one query per request) -> attention output of the same shape."""

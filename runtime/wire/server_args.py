@@ -136,6 +136,10 @@ class ServerArgs:
     # Logging and checks
     log_level: str = "info"
     decode_log_interval: int = 40
+    # Python's cyclic collector in the serving processes (runtime/wire/heap.py): SGLang's 1-3 thresholds (None:
+    # a young threshold of heap.YOUNG_THRESHOLD), and a warning logged for any collection longer than this (0: off).
+    gc_threshold: Optional[list[int]] = None
+    gc_warning_threshold_secs: float = 0.0
     enable_metrics: bool = True
     check_invariants_when_idle: bool = True
     watchdog_timeout: float = 300.0  # seconds one scheduler step may take (scheduler/watchdog.py)
@@ -245,6 +249,10 @@ class ServerArgs:
               "LoRA adapters need the one-tier radix cache: drop enable_hierarchical_cache")
         check(self.log_level.lower() in ("debug", "info", "warning", "error", "critical"),
               f"unknown log_level {self.log_level!r}")
+        if self.gc_threshold is not None:
+            self.gc_threshold = parse_gc_threshold(self.gc_threshold)
+        check(self.gc_warning_threshold_secs >= 0,
+              f"gc_warning_threshold_secs must be >= 0, got {self.gc_warning_threshold_secs}")
         check_speculative_args(self)
 
     # ---- resolved values -------------------------------------------------------------------------
@@ -326,6 +334,20 @@ def _field_type(f: dataclasses.Field) -> type:
         if annotation == name or annotation == f"Optional[{name}]":
             return kind
     return str
+
+
+def parse_gc_threshold(value: Any) -> list[int]:
+    """1 to 3 thresholds (generations 0, 1, 2), each an int >= 0 (given as ints or, from the command line, strings)."""
+    try:
+        if isinstance(value, (str, bytes)) or any(isinstance(item, bool) or not isinstance(item, (int, str))
+                                                  for item in value):
+            raise TypeError
+        thresholds = [int(item) for item in value]
+    except (TypeError, ValueError):
+        raise ValueError(f"gc_threshold must be 1 to 3 integers, got {value!r}") from None
+    if not 1 <= len(thresholds) <= 3 or min(thresholds) < 0:
+        raise ValueError(f"gc_threshold must be 1 to 3 integers >= 0, got {value!r}")
+    return thresholds
 
 
 def parse_lora_paths(value: Any) -> list[str]:
