@@ -4,14 +4,11 @@
     python benchmarks/cpu_kernels.py --threads 1 --dtypes bfloat16
 
 Attention: one layer of a DECODE batch (`--batch-sizes` requests x `--context-len` positions, 9 query heads, 3 KV
-heads, head_dim 64; slots scattered page by page, `--page-size` 1 by default, random KV), `torch_native` against
-the `cpu` backend, planning excluded; then the same with groups of `--group-size` requests sharing their first
-`--shared-len` positions (the offline shared-prefix workload's decode steps: 8 groups of 8 on a 512-token prefix at
-batch 64; one group at batch 8). The cpu backend keeps packed copies of the shared prefixes across calls
-(cpu_shared_packs.py), so the calls after the first read them; `--rebuild-packs` drops them before every call (the
-cost of a group's first step), `RADIXSERVE_CPU_KV_PACK_MIB=0` turns them off (every call gathers). Elementwise:
-residual add + RMSNorm over [T, 576], SiLU-and-mul over [T, 2 x 1536], rotary over the query and key heads of a
-fused projection, for T in `--tokens`, TORCH_OPS against the C++ ops. Medians of
+heads, head_dim 64; slots scattered page by page, random KV), `torch_native` against the `cpu` backend, planning
+excluded; then the same with groups of `--group-size` requests sharing their first `--shared-len` positions (the
+offline shared-prefix workload's decode steps: 8 groups of 8 on a 512-token prefix at batch 64; one group at
+batch 8). Elementwise: residual add + RMSNorm over [T, 576], SiLU-and-mul over [T, 2 x 1536], rotary over the
+query and key heads of a fused projection, for T in `--tokens`, TORCH_OPS against the C++ ops. Medians of
 `--repeats` calls after warm-up; prints a table with the CPU's ISA flags and writes a JSON record (`--out`).
 """
 
@@ -19,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -50,24 +46,18 @@ def median_us(fn, repeats: int) -> float:
 
 
 def attention_rows(dtype: torch.dtype, batch_sizes: list[int], context: int, repeats: int, group_size: int,
-                   shared_len: int, rebuild_packs: bool = False, page_size: int = 1) -> list[dict]:
+                   shared_len: int) -> list[dict]:
     rows = []
     for bs, shared in [(bs, 0) for bs in batch_sizes] + [(bs, shared_len) for bs in batch_sizes if bs >= group_size]:
         case = make_case(ForwardMode.DECODE, [context] * bs, [1] * bs, num_heads=9, num_kv_heads=3, head_dim=64,
-                         page_size=page_size, dtype=dtype, keep_reference_data=False)
+                         page_size=1, dtype=dtype, keep_reference_data=False)
         if shared:
             share_prefixes(case, group_size, shared)
         timings = {}
         for name, backend in (("torch_native", TorchNativeAttention()), ("cpu", CpuAttentionBackend())):
             backend.plan(case.batch)
-
-            def call(backend=backend) -> None:
-                if rebuild_packs and isinstance(backend, CpuAttentionBackend):
-                    backend.shared_packs.clear()
-                    case.batch.attn_metadata.packs = None
-                backend.forward(case.q, case.k, case.v, case.layer_id, case.scaling, case.batch)
-
-            timings[name] = median_us(call, repeats)
+            timings[name] = median_us(lambda: backend.forward(case.q, case.k, case.v, case.layer_id, case.scaling,
+                                                              case.batch), repeats)
         name = f"attention decode bs={bs} ctx={context}" + (f" shared {group_size}x{shared}" if shared else "")
         rows.append(dict(op=name, torch_us=timings["torch_native"],
                          cpu_us=timings["cpu"]))
@@ -102,10 +92,6 @@ def main() -> None:
     parser.add_argument("--shared-len", type=int, default=512)
     parser.add_argument("--tokens", default="64,512")
     parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--page-size", type=int, default=1,
-                        help="KV pages shuffled in the pool (1: every slot scattered; 64: runs of 64 slots)")
-    parser.add_argument("--rebuild-packs", action="store_true",
-                        help="drop the shared prefixes' packed copies before every attention call")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "cpu_kernels.json"))
     args = parser.parse_args()
     if args.threads:
@@ -118,7 +104,7 @@ def main() -> None:
         dtype = getattr(torch, dtype_name)
         batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
         attention = attention_rows(dtype, batch_sizes, args.context_len, args.repeats, args.group_size,
-                                   args.shared_len, args.rebuild_packs, args.page_size)
+                                   args.shared_len)
         for row in attention + elementwise_rows(
                 dtype, [int(t) for t in args.tokens.split(",")], args.repeats):
             records.append(dict(dtype=dtype_name, **row, speedup=row["torch_us"] / row["cpu_us"]))
@@ -129,10 +115,7 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(dict(isa=isa, threads=torch.get_num_threads(), torch=torch.__version__,
-                                   context_len=args.context_len, rebuild_packs=args.rebuild_packs,
-                                   page_size=args.page_size,
-                                   pack_budget_mib=os.environ.get("RADIXSERVE_CPU_KV_PACK_MIB", "256"),
-                                   records=records), indent=1))
+                                   context_len=args.context_len, records=records), indent=1))
     print(f"record written to {out}")
 
 

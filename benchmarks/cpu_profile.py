@@ -84,10 +84,6 @@ def main() -> None:
           f"{torch.get_num_threads()} threads; {args.dtype}, {backend}")
     print(f"wall {wall:.2f} s; forward time by mode: "
           + ", ".join(f"{mode} {seconds[mode]:.2f} s in {calls[mode]} steps" for mode in sorted(seconds)))
-    packs = getattr(driver.runner.attn_backend, "shared_packs", None)
-    if packs is not None:
-        print(f"shared-prefix packed copies: {packs.num_built} made (prefix x layer), {packs.num_reused} reused "
-              f"(group x layer), budget {packs.budget_bytes / 2**20:.0f} MiB")
     if profiler is not None:
         print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
 

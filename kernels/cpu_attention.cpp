@@ -15,10 +15,6 @@
 //
 // Causality: the key at position p is seen by the query at position t iff p <= t. Shared keys sit at positions
 // [0, n); a member's own keys at [kv_pos0, kv_pos0 + n).
-//
-// A group may come with a packed copy of its shared keys and values (cpu_attention_pack.h, made once by
-// pack_shared_kv and kept across decode steps by the caller): where its rows attend on AMX tiles, the tiles are
-// read from that copy instead of gathered from the pool and transposed.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -27,7 +23,6 @@
 
 #include "cpu_attention_dots.h"
 #include "cpu_attention_lanes.h"
-#include "cpu_attention_pack.h"
 #include "cpu_vec.h"
 
 #include <algorithm>
@@ -70,7 +65,6 @@ struct Plan {
   const int64_t* member_kv_indptr;     // [members + 1] into kv_slots: the member's own keys
   const int64_t* member_kv_pos0;       // [members] position of the member's first own key
   const int64_t* kv_slots;
-  const uint16_t* const* packs;  // [groups]: a group's packed shared keys (nullptr: none), or nullptr for none
 };
 
 struct Item {
@@ -149,9 +143,7 @@ class ItemKernel {
           }
         }
     // The shared keys, for every token; then each member's own keys, for its tokens.
-    shared_pack_ = plan_.packs != nullptr ? plan_.packs[item.group] : nullptr;
     attend(plan_.group_kv_indptr[item.group], plan_.group_kv_indptr[item.group + 1], 0, 0, T_);
-    shared_pack_ = nullptr;
     for (int64_t m = first; m < last; ++m) {
       // The next member's first tile of keys comes in while this member's keys are computed.
       if (m + 1 < last)
@@ -225,25 +217,12 @@ class ItemKernel {
         }
       }
     }
-    // The group's packed shared keys (kv_begin is then the group's first shared key): tile products read there.
-    const uint16_t* pack = amx ? shared_pack_ : nullptr;
     // Tile by tile of keys, every head of the unit in turn: a key's row of the pool (the unit's heads, contiguous)
     // is read once per tile, so keys stored in consecutive slots stream from memory.
     for (int64_t t0 = kv_begin; t0 < kv_end; t0 += kKeyTile) {
       const int64_t n = std::min(kKeyTile, kv_end - t0);
       const int64_t ahead = t0 + kKeyTile;  // the next tile's rows, a key at a time
       const int64_t tile_pos0 = pos0 + (t0 - kv_begin);
-      if (pack != nullptr) {
-        static_assert(kKeyTile == radixserve_cpu::kPackTile, "the packed copy holds the kernel's key tiles");
-        const int64_t tile = (t0 - kv_begin) / kKeyTile;
-        for (int64_t h = h_begin_; h < h_end_; ++h) {
-          const uint16_t* keys = pack + radixserve_cpu::pack_block_offset(tile, h, num_kv_heads_, D);
-          for (int64_t b = 0; b < blocks; ++b)
-            lanes_[(h - h_begin_) * blocks + b].tile<kKeyTile>(k_bf16_rows_, v_rows_, n, tile_pos0, keys,
-                                                               keys + kKeyTile * D);
-        }
-        continue;
-      }
       for (int64_t h = h_begin_; h < h_end_; ++h) {
         for (int64_t k = 0; k < n; ++k) {
           if (h == h_begin_ && ahead + k < kv_end) prefetch_keys(ahead + k, ahead + k + 1, h_begin_, h_end_);
@@ -418,7 +397,6 @@ class ItemKernel {
   const int64_t num_heads_, num_kv_heads_, head_dim_, group_, kv_row_;
   const bool use_amx_;
   int64_t T_ = 0, h_begin_ = 0, h_end_ = 0;  // the unit's KV heads
-  const uint16_t* shared_pack_ = nullptr;     // the packed copy of the keys being attended, if any
   std::vector<int64_t> tokens_, positions_, member_token_start_, row_positions_;
   std::vector<float> q_rows_, acc_, max_, sum_, scores_, k_tile_, v_tile_, zeros_;
   std::vector<LaneBlock> lanes_;
@@ -459,7 +437,7 @@ at::Tensor paged_attention(const at::Tensor& q, at::Tensor k_buffer, at::Tensor 
                            const at::Tensor& member_q_start, const at::Tensor& member_q_len,
                            const at::Tensor& member_q_pos0, const at::Tensor& member_kv_indptr,
                            const at::Tensor& member_kv_pos0, const at::Tensor& kv_slots, double scale,
-                           at::Tensor lse, at::TensorList packs) {
+                           at::Tensor lse) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [tokens, heads, head_dim] with unit stride");
   TORCH_CHECK(k_buffer.is_contiguous() && v_buffer.is_contiguous(), "the KV buffers must be contiguous");
   TORCH_CHECK(q.scalar_type() == k_buffer.scalar_type() && k.scalar_type() == k_buffer.scalar_type(),
@@ -477,33 +455,14 @@ at::Tensor paged_attention(const at::Tensor& q, at::Tensor k_buffer, at::Tensor 
     TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.is_contiguous(), "lse must be contiguous float32");
     lse_ptr = lse.data_ptr<float>();
   }
-  const int64_t num_groups = group_member_indptr.size(0) - 1;
-  const int64_t kv_heads = k_buffer.size(1);
-  // Each group's packed shared keys, checked against the size its shared keys need (cpu_attention_pack.h).
-  std::vector<const uint16_t*> pack_data;
-  if (!packs.empty()) {
-    TORCH_CHECK(static_cast<int64_t>(packs.size()) == num_groups, "packs: one tensor per group (empty for none)");
-    pack_data.assign(num_groups, nullptr);
-    const int64_t* shared = group_kv_indptr.data_ptr<int64_t>();
-    for (int64_t g = 0; g < num_groups; ++g) {
-      if (!packs[g].defined() || packs[g].numel() == 0) continue;
-      const int64_t n = shared[g + 1] - shared[g];
-      TORCH_CHECK(packs[g].scalar_type() == at::kBFloat16 && k_buffer.scalar_type() == at::kBFloat16 &&
-                      packs[g].is_contiguous() &&
-                      packs[g].numel() == radixserve_cpu::pack_tiles(n) * kv_heads *
-                                              radixserve_cpu::pack_block_elements(k_buffer.size(2)),
-                  "group ", g, "'s pack does not hold its ", n, " shared keys (see pack_shared_kv)");
-      pack_data[g] = reinterpret_cast<const uint16_t*>(packs[g].data_ptr<at::BFloat16>());
-    }
-  }
   const Plan plan{group_member_indptr.data_ptr<int64_t>(), group_kv_indptr.data_ptr<int64_t>(),
                   member_q_start.data_ptr<int64_t>(),      member_q_len.data_ptr<int64_t>(),
                   member_q_pos0.data_ptr<int64_t>(),       member_kv_indptr.data_ptr<int64_t>(),
-                  member_kv_pos0.data_ptr<int64_t>(),      kv_slots.data_ptr<int64_t>(),
-                  pack_data.empty() ? nullptr : pack_data.data()};
+                  member_kv_pos0.data_ptr<int64_t>(),      kv_slots.data_ptr<int64_t>()};
   TORCH_CHECK(items.dim() == 2 && items.size(1) == 3, "items must be [n, 3]: (group, q_begin, q_end)");
   // The work units, in the items' order: a group of several members as one unit per KV head.
   const int64_t* item_data = items.data_ptr<int64_t>();
+  const int64_t kv_heads = k_buffer.size(1);
   std::vector<Item> units;
   // A group's unit of every KV head reads each key's row of the pool (all heads, contiguous) at once, so keys in
   // consecutive slots stream from memory; per-KV-head units read a third of each row, three times.
@@ -544,7 +503,7 @@ TORCH_LIBRARY(radixserve_cpu, m) {
       "paged_attention(Tensor q, Tensor(a!) k_buffer, Tensor(b!) v_buffer, Tensor k, Tensor v, Tensor loc, "
       "Tensor items, Tensor group_member_indptr, Tensor group_kv_indptr, Tensor member_q_start, "
       "Tensor member_q_len, Tensor member_q_pos0, Tensor member_kv_indptr, Tensor member_kv_pos0, "
-      "Tensor kv_slots, float scale, Tensor(c!) lse, Tensor[] packs) -> Tensor");
+      "Tensor kv_slots, float scale, Tensor(c!) lse) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(radixserve_cpu, CPU, m) { m.impl("paged_attention", &paged_attention); }

@@ -8,9 +8,7 @@ working set stays in the core's caches. Each request's own keys are its KV slots
 once per batch from `req_to_token`; the kernel reads K and V through them, with no gathered copy.
 
 Work items are (group, block of `QUERY_BLOCK` queries of a lone request), every head at once, ordered longest
-first so the threads' dynamic hand-out ends together. `forward` writes the new K/V into the pool and attends, in
-the kernel. A group whose rows attend on AMX tiles (bfloat16) reads its shared keys from a packed copy kept across
-decode steps (cpu_shared_packs.py) instead of gathering and transposing them at every call.
+first so the threads' dynamic hand-out ends together. `forward` writes the new K/V into the pool and attends, in the kernel.
 
 Batches with a long extend (prefill chunks, see `MAX_KERNEL_EXTEND_LEN`), and, until the kernel library is loaded
 (built at first use in the background, see `kernels/cpu_build.py`), every batch, and dtypes or head sizes it does
@@ -20,7 +18,6 @@ not cover, batches go through the torch_native backend, the reference.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -28,7 +25,6 @@ import torch
 
 from radixserve.kernels import cpu_build
 from radixserve.model_runner.attention.base import AttentionBackend
-from radixserve.model_runner.attention.cpu_shared_packs import LANE_MIN_ROWS, SharedKvPacks, SharedPack
 from radixserve.model_runner.attention.torch_native import TorchNativeAttention, find_shared_prefixes
 from radixserve.model_runner.forward_batch import ForwardBatch
 
@@ -56,34 +52,26 @@ class CpuAttentionPlan:
     kv_slots: torch.Tensor
     out_cache_loc: torch.Tensor
     num_groups_shared: int  # groups with shared keys and more than one member (reported by tests)
-    group_shared_slots: list[Optional[torch.Tensor]]  # per group: its shared keys' slots (None: none)
-    group_tokens: list[int]  # per group: its members' query tokens
-    packs: Optional[list[Optional[SharedPack]]] = None  # per group, set at the batch's first forward call
 
 
 class CpuAttentionBackend(AttentionBackend):
     """The CPU's fast attention; torch_native's results up to float rounding (tests/test_cpu_attention.py)."""
 
     def __init__(self, min_shared_prefix: int = 32, max_group_tokens: int = 64,
-                 max_extend_len: Optional[int] = MAX_KERNEL_EXTEND_LEN,
-                 shared_pack_bytes: Optional[int] = None) -> None:
+                 max_extend_len: Optional[int] = MAX_KERNEL_EXTEND_LEN) -> None:
         self.min_shared_prefix = min_shared_prefix
         self.max_group_tokens = max_group_tokens
         self.max_extend_len = max_extend_len
-        # Packed copies of shared prefixes (default budget: RADIXSERVE_CPU_KV_PACK_MIB, 256 MiB; 0: none).
-        self.shared_packs = SharedKvPacks(shared_pack_bytes)
         self.fallback = TorchNativeAttention()
         self.kernel_cascade_batches = 0  # kernel batches with at least one shared-prefix group
         cpu_build.start_background_build()
 
     def plan(self, batch: ForwardBatch) -> None:
         pool = batch.token_to_kv_pool
-        self.shared_packs.begin(batch)
         buffer = pool.k_buffer[0]
         long_extend = self.max_extend_len is not None and max(batch.extend_lens_cpu) > self.max_extend_len
         if long_extend or not cpu_build.ready() or buffer.dtype not in SUPPORTED_DTYPES or buffer.is_cuda or (
                 not supported_head_dim(buffer.shape[-1])):
-            self.shared_packs.clear()
             self.fallback.plan(batch)
             return
         batch.attn_metadata = plan_groups(batch, self.min_shared_prefix, self.max_group_tokens)
@@ -101,25 +89,11 @@ class CpuAttentionBackend(AttentionBackend):
                 self.fallback.plan(batch)
             return self.fallback.forward(q, k, v, layer_id, scaling, batch)
         k_buffer, v_buffer = batch.token_to_kv_pool.get_kv_buffer(layer_id)
-        if meta.packs is None:
-            meta.packs = self.shared_packs.assign(batch, self._packed_prefixes(meta, q.shape[1] // k_buffer.shape[1],
-                                                                               k_buffer))
-        packs = self.shared_packs.for_layer(meta.packs, layer_id, k_buffer, v_buffer)
         return torch.ops.radixserve_cpu.paged_attention(
             q, k_buffer, v_buffer, k.to(k_buffer.dtype), v.to(v_buffer.dtype), meta.out_cache_loc, meta.items,
             meta.group_member_indptr, meta.group_kv_indptr, meta.member_q_start, meta.member_q_len,
-            meta.member_q_pos0, meta.member_kv_indptr, meta.member_kv_pos0, meta.kv_slots, scaling, _EMPTY, packs,
+            meta.member_q_pos0, meta.member_kv_indptr, meta.member_kv_pos0, meta.kv_slots, scaling, _EMPTY,
         )
-
-    @staticmethod
-    def _packed_prefixes(meta: CpuAttentionPlan, query_heads_per_kv_head: int,
-                         k_buffer: torch.Tensor) -> list[Optional[torch.Tensor]]:
-        """Per group, the shared slots to keep a packed copy of: those of groups whose rows attend on AMX tiles
-        (bfloat16, head_dim a multiple of 32, enough rows per KV head, RADIXSERVE_CPU_AMX not 0), else None."""
-        if k_buffer.dtype != torch.bfloat16 or k_buffer.shape[-1] % 32 or os.environ.get("RADIXSERVE_CPU_AMX") == "0":
-            return [None] * len(meta.group_shared_slots)
-        return [slots if slots is not None and tokens * query_heads_per_kv_head >= LANE_MIN_ROWS else None
-                for slots, tokens in zip(meta.group_shared_slots, meta.group_tokens)]
 
 
 _EMPTY = torch.empty(0)
@@ -204,6 +178,4 @@ def plan_groups(batch: ForwardBatch, min_shared_prefix: int = 32, max_group_toke
         kv_slots=torch.cat([*shared_slots, own_slots]).to(torch.int64).contiguous(),
         out_cache_loc=batch.out_cache_loc.to(torch.int64).contiguous(),
         num_groups_shared=sum(1 for slots, members in groups if slots is not None and len(members) > 1),
-        group_shared_slots=[slots for slots, _ in groups],
-        group_tokens=[sum(extend_lens[m] for m in members) for _, members in groups],
     )
