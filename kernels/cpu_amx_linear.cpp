@@ -70,19 +70,11 @@ inline void store_rows(const Pending& p, int64_t r0, int64_t r1) {
   }
 }
 
-// The four C tiles (a 32 x 32 block of float32 sums, row stride 32) from zero, and into `sums`.
-inline void zero_sum_tiles() {
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
-}
-
-inline void store_sum_tiles(float* sums) {
-  _tile_stored(0, sums, 32 * 4);
-  _tile_stored(1, sums + 16, 32 * 4);
-  _tile_stored(2, sums + 16 * 32, 32 * 4);
-  _tile_stored(3, sums + 16 * 32 + 16, 32 * 4);
+// The four C tiles into or from `sums`, a 32 x 32 block of float32 sums (row stride 32): C(a, b) holds rows
+// 16a.., columns 16b.. (cpu_attention_amx.h's 2 x 2 tile layout).
+template <bool kStore>
+inline void move_sum_tiles(float* sums) {
+  radixserve_cpu::tile_move_2x2<kStore, true, true>(sums, 16 * 32, 16, 32 * 4);
 }
 
 // Columns [32 nb, 32 nb + 32) of y for rows [0, M); `a` holds Mpad (a multiple of 32) rows of K bfloat16.
@@ -92,7 +84,7 @@ inline void column_block(const uint16_t* a, const uint16_t* packed, const float*
   const uint16_t* b0 = packed + (2 * nb) * k_blocks * 512;
   const uint16_t* b1 = b0 + k_blocks * 512;
   for (int64_t m0 = 0; m0 < Mpad; m0 += 32) {
-    zero_sum_tiles();
+    radixserve_cpu::tile_zero_2x2<true, true>();
     const uint16_t* rows = a + m0 * K;
     for (int64_t kb = 0; kb < k_blocks; ++kb) {
       if (m0 == 0 && kb + kAhead < k_blocks) {  // the weight streams from memory once: ask for it ahead
@@ -101,6 +93,7 @@ inline void column_block(const uint16_t* a, const uint16_t* packed, const float*
           radixserve_cpu::prefetch(b1 + (kb + kAhead) * 512 + line * 32);
         }
       }
+      // Both A tiles, then both B tiles: at 32 rows ~8% faster here than tile_step_2x2's order (A0, B0, B1, A1).
       _tile_loadd(4, rows + kb * 32, K * 2);
       _tile_loadd(5, rows + 16 * K + kb * 32, K * 2);
       _tile_loadd(6, b0 + kb * 512, 64);
@@ -110,7 +103,7 @@ inline void column_block(const uint16_t* a, const uint16_t* packed, const float*
       _tile_dpbf16ps(2, 5, 6);
       _tile_dpbf16ps(3, 5, 7);
     }
-    store_sum_tiles(sums);
+    move_sum_tiles<true>(sums);
     const Pending block{sums, y + m0 * N + nb * 32, bias == nullptr ? nullptr : bias + nb * 32,
                         std::min<int64_t>(32, M - m0), N};
     store_rows(block, 0, 32);
@@ -126,12 +119,9 @@ inline void tile_block(const uint16_t* rows, const uint16_t* b0, const uint16_t*
                        int64_t k1, bool first, float* sums, const Pending& pending, const uint16_t* ahead) {
   const int64_t per_step = (pending.rows + (k1 - k0) - 1) / (k1 - k0);
   if (first) {
-    zero_sum_tiles();
+    radixserve_cpu::tile_zero_2x2<true, true>();
   } else {
-    _tile_loadd(0, sums, 32 * 4);
-    _tile_loadd(1, sums + 16, 32 * 4);
-    _tile_loadd(2, sums + 16 * 32, 32 * 4);
-    _tile_loadd(3, sums + 16 * 32 + 16, 32 * 4);
+    move_sum_tiles<false>(sums);
   }
   for (int64_t kb = k0; kb < k1; ++kb) {
     _tile_loadd(4, rows + kb * 32, K * 2);
@@ -150,7 +140,7 @@ inline void tile_block(const uint16_t* rows, const uint16_t* b0, const uint16_t*
       }
     }
   }
-  store_sum_tiles(sums);
+  move_sum_tiles<true>(sums);
 }
 
 // Column blocks [begin, end) of y for all Mpad rows. Per chunk of `chunk` column blocks (their weight panels

@@ -34,7 +34,8 @@ inline bool amx_ready() {
 }
 
 // The tile configuration of this thread while it lives: the first `num_tiles` tiles of 16 rows of 64 bytes each
-// (the attention uses all 8: four accumulators and two of each operand, see tile_step_2x2; the linear kernel 8). The configuration is per thread and other kernels (oneDNN's) set their own, so it is loaded per use.
+// (the attention and the linear kernel use all 8: four accumulators and two of each operand, see tile_step_2x2).
+// The configuration is per thread and other kernels (oneDNN's) set their own, so it is loaded per use.
 class AmxTiles {
  public:
   explicit AmxTiles(int num_tiles = 3) {
@@ -69,6 +70,15 @@ inline void tile_step_2x2(const void* a0, const void* a1, int64_t a_stride, cons
   if constexpr (kA1 && kB1) _tile_dpbf16ps(3, 5, 7);
 }
 
+// The accumulator tiles of a 2 x 2 block from zero.
+template <bool kA1, bool kB1>
+inline void tile_zero_2x2() {
+  _tile_zero(0);
+  if constexpr (kB1) _tile_zero(1);
+  if constexpr (kA1) _tile_zero(2);
+  if constexpr (kA1 && kB1) _tile_zero(3);
+}
+
 // Stores (kStore) or loads the accumulator tiles of a 2 x 2 block, C(a, b) at c + a * a_step + b * b_step.
 template <bool kStore, bool kA1, bool kB1>
 inline void tile_move_2x2(float* c, int64_t a_step, int64_t b_step, int64_t stride) {
@@ -89,10 +99,7 @@ inline void tile_move_2x2(float* c, int64_t a_step, int64_t b_step, int64_t stri
 template <int kVectors, bool kA1, bool kB1>
 inline void lane_scores_2x2(const uint16_t* qp, const uint16_t* keys, int64_t D, int j, float* s) {
   constexpr int W = 16 * kVectors;
-  _tile_zero(0);
-  if constexpr (kB1) _tile_zero(1);
-  if constexpr (kA1) _tile_zero(2);
-  if constexpr (kA1 && kB1) _tile_zero(3);
+  tile_zero_2x2<kA1, kB1>();
   for (int64_t d0 = 0; d0 < D; d0 += 32) {
     const uint16_t* b = qp + ((d0 / 2) * W + 16 * j) * 2;
     tile_step_2x2<kA1, kB1>(keys + d0, keys + 16 * D + d0, D * 2, b, b + 32, W * 4);
