@@ -7,10 +7,12 @@ produces them (one final result per request when not streaming, incremental chun
 Guarantees:
 - the run is admitted into `InflightRequests` when created (so a full server answers 503 at once) and
   released by `close()`, which every route calls in a `finally`;
-- a client that disconnects is noticed within `DISCONNECT_POLL_SECONDS`: the run stops and every engine
-  request it started that has not finished is aborted, so its KV is released. Once a stream's response has
-  started on a server whose ASGI spec is below 2.4, Starlette's own listener notices the disconnect and
-  cancels the response (which closes the run), so the run stops polling and a chunk costs one queue read;
+- a client that disconnects is noticed at once: one task per run waits on the ASGI receive channel for
+  `http.disconnect` (no polling, so a thousand requests waiting for their first token cost nothing while they
+  wait), the run stops and every engine request it started that has not finished is aborted, so its KV is
+  released. Once a stream's response has started on a server whose ASGI spec is below 2.4, Starlette's own
+  listener notices the disconnect and cancels the response (which closes the run), so the run's watcher
+  stops and a chunk costs one queue read;
 - `close()` is synchronous, so it also runs when the route's task is being cancelled (Starlette cancels a
   streaming response when the client goes away; uvicorn cancels requests at the end of a drain);
 - engine ValueErrors become 400s, a request the engine failed alone gets its own status, a dead engine 503,
@@ -37,9 +39,9 @@ from radixserve.runtime.wire.errors import EngineDeadError, RequestFailedError
 
 logger = logging.getLogger(__name__)
 
-DISCONNECT_POLL_SECONDS = 0.25
 SSE_DONE = b"data: [DONE]\n\n"
 _END = object()
+_DISCONNECTED = object()
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that closed the connection before the answer
 
 
@@ -118,7 +120,7 @@ class GenerationRun:
         self._tasks: list[asyncio.Task] = []
         self._pending = set(range(len(requests)))
         self._closed = False
-        self._poll_disconnect = http_request is not None
+        self._watcher: Optional[asyncio.Task] = None
         self._tenant = tenant
         state.inflight.admit(handles, tenant)
 
@@ -132,40 +134,33 @@ class GenerationRun:
         except BaseException as error:  # handed to the consumer, which owns error reporting
             self._queue.put_nowait((index, error))
 
+    async def _watch_disconnect(self, receive: Any) -> None:
+        """Wait for the client's `http.disconnect` (the body has been read by now; any other message is
+        skipped) and hand it to the consumer."""
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        self._queue.put_nowait((-1, _DISCONNECTED))
+
     async def events(self) -> AsyncIterator[tuple[int, Any]]:
         """Yield `(request index, engine chunk)` until every request has finished.
 
         Raises APIError if the engine rejects or fails a request, ClientDisconnected if the client leaves."""
         if not self._tasks and not self._closed:
             self._tasks = [asyncio.ensure_future(self._pump(i, r)) for i, r in enumerate(self._requests)]
-        getter: Optional[asyncio.Future] = None
-        try:
-            while self._pending:
-                if getter is None and not self._queue.empty():
-                    index, item = self._queue.get_nowait()
-                elif getter is None and not self._poll_disconnect:
-                    index, item = await self._queue.get()
-                else:
-                    if getter is None:
-                        getter = asyncio.ensure_future(self._queue.get())
-                    done, _ = await asyncio.wait({getter}, timeout=DISCONNECT_POLL_SECONDS)
-                    if not done:
-                        if self._http_request is not None and await self._http_request.is_disconnected():
-                            self.close()
-                            raise ClientDisconnected()
-                        continue
-                    index, item = getter.result()
-                    getter = None
-                if item is _END:
-                    self._pending.discard(index)
-                elif isinstance(item, BaseException):
-                    self._pending.discard(index)
-                    raise engine_error(self._state, item)
-                else:
-                    yield index, item
-        finally:
-            if getter is not None:
-                getter.cancel()
+            if self._http_request is not None:
+                self._watcher = asyncio.ensure_future(self._watch_disconnect(self._http_request.receive))
+        while self._pending:
+            index, item = self._queue.get_nowait() if not self._queue.empty() else await self._queue.get()
+            if item is _END:
+                self._pending.discard(index)
+            elif item is _DISCONNECTED:
+                self.close()
+                raise ClientDisconnected()
+            elif isinstance(item, BaseException):
+                self._pending.discard(index)
+                raise engine_error(self._state, item)
+            else:
+                yield index, item
 
     async def collect(self) -> list[list[Any]]:
         """All chunks of every request (one final result each when not streaming), in request order."""
@@ -176,12 +171,12 @@ class GenerationRun:
 
     def response_watches_disconnect(self) -> None:
         """The streaming response has started: where Starlette listens for the client's disconnect itself
-        (ASGI spec below 2.4), stop polling for it here."""
-        if self._http_request is None:
+        (ASGI spec below 2.4), stop watching for it here."""
+        if self._http_request is None or self._watcher is None:
             return
         spec = self._http_request.scope.get("asgi", {}).get("spec_version", "2.0")
         if tuple(int(part) for part in spec.split(".")) < (2, 4):
-            self._poll_disconnect = False
+            self._watcher.cancel()
 
     def close(self) -> None:
         """Stop the run: abort the engine requests that have not finished, and release the admission."""
@@ -191,6 +186,8 @@ class GenerationRun:
         unfinished = bool(self._pending)
         for task in self._tasks:
             task.cancel()
+        if self._watcher is not None:
+            self._watcher.cancel()
         if unfinished:
             for rid in self._engine_rids:
                 try:

@@ -1,5 +1,5 @@
 """Streaming through the Engine: read SGLang's way (each chunk holds the whole output so far), a stream ends with
-exactly the non-streamed result (CJK, emoji, stop strings), and aborting streams in every way (close, cancel, abort by id) leaks nothing.
+exactly the non-streamed result (CJK, emoji, stop strings), and aborting streams in every way (close, cancel, abort by id, an HTTP client's disconnect) leaks nothing.
 
 Real scheduler and detokenizer processes on the embedded default model (CPU); one Engine for the module.
 """
@@ -115,6 +115,48 @@ def test_request_observer_and_abort_by_id(engine):
     assert meta["finish_reason"]["type"] == "abort" and meta["ttft"] > 0 and times == sorted(times)
 
 
+
+
+def test_an_http_run_waits_for_its_clients_disconnect_without_polling(engine):
+    """The HTTP layer's run over this engine, with a real ASGI receive channel: while it generates, the channel is
+    read once (a run waiting for tokens costs nothing); the client's `http.disconnect` stops the run at once and
+    aborts its request."""
+    from starlette.requests import Request
+
+    from radixserve.runtime.http_generation import ClientDisconnected, GenerationRun
+    from radixserve.runtime.http_state import InflightRequests, ServerState
+    from radixserve.tokenizer_manager.io import GenerateReqInput
+
+    state = ServerState(engine=engine, server_args=None, tenants=None, inflight=InflightRequests(None),
+                        tokenizer=None, served_model_name="m", model_info=None, context_len=0, vocab_size=0,
+                        max_total_tokens=None)
+    request = GenerateReqInput(text="Write a long story about a dragon.", rid="http-run-disconnect", stream=True,
+                               sampling_params={"max_new_tokens": 400, "ignore_eos": True})
+
+    async def main():
+        reads, disconnect = [], asyncio.Event()
+
+        async def receive():
+            reads.append(time.monotonic())
+            await disconnect.wait()
+            return {"type": "http.disconnect"}
+
+        http_request = Request({"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}}, receive)
+        run = GenerationRun(state, {"http-run-disconnect": ["http-run-disconnect"]}, [request], None, http_request)
+        chunks = 0
+        with pytest.raises(ClientDisconnected):
+            async for _, chunk in run.events():
+                chunks += 1
+                if chunks == 20:
+                    await asyncio.sleep(1.0)  # time passes: the channel is read once per run, not per interval
+                    assert len(reads) == 1
+                    disconnect.set()
+        return chunks, chunk
+
+    chunks, last = asyncio.run(main())
+    assert 20 <= chunks < 400 and last["meta_info"]["finish_reason"] is None
+    info = wait_until_idle(engine)
+    assert info["num_pending_requests_in_tokenizer_manager"] == 0
 
 
 def test_closing_a_sync_stream_aborts_it(engine):

@@ -93,6 +93,12 @@ def _per_request(name: str, value: Any, batch_size: int, is_item: Any) -> list[A
     return [value] * batch_size
 
 
+def _all_ints(values: Any) -> bool:
+    """Whether every item is an int (bools are not): checked per distinct type, so a prompt of thousands of
+    ids costs one pass in C."""
+    return all(issubclass(kind, int) and kind is not bool for kind in set(map(type, values)))
+
+
 def split_requests(obj: GenerateReqInput) -> list[SingleReq]:
     """Validate the shape of `obj` and return one SingleReq per prompt, in order.
 
@@ -114,8 +120,7 @@ def split_requests(obj: GenerateReqInput) -> list[SingleReq]:
             raise ValueError("input_ids must be a list of ints or a list of lists of ints")
         batch_ids = [obj.input_ids] if obj.is_single else obj.input_ids
         for one in batch_ids:
-            if not isinstance(one, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool)
-                                                             for t in one):
+            if not isinstance(one, (list, tuple)) or not _all_ints(one):
                 raise ValueError("input_ids must be a list of ints or a list of lists of ints")
         # Prompts are kept as tuples of ints, which the cyclic garbage collector stops tracking after one pass:
         # a burst's prompts (millions of ids) would otherwise be walked by every full collection while it runs.

@@ -1,0 +1,256 @@
+"""Alternative kernels for a decode step of the Llama-3.1-8B shape on the GPU, each measured on its own.
+
+Three parts (all by default; name some to run only those):
+
+- `gemm`: each projection (qkv, o, gate/up, down over 32 layers' weights, and the LM head) at 1-16 rows, cuBLAS
+  (`torch.mm`) against FlashInfer's `tinygemm_bf16`, each captured in a CUDA graph, with the read floor from the
+  measured copy bandwidth and the largest difference between the two outputs.
+- `attn`: one layer's decode attention (32 query heads, 8 KV heads, head_dim 128, bf16) for several batch x context
+  shapes and page sizes 1 and 16: FlashInfer's tensor-core decode planned eagerly and for CUDA graphs, its FA3
+  backend, and TensorRT-LLM's XQA kernel (pages of 16), each checked against the first.
+- `two-stream`: a whole 32-layer decode step (RMSNorm, the four projections, FlashInfer decode attention, SiLU) in a
+  CUDA graph: the full batch, its two halves one after the other, and the halves on two streams (so that one half's
+  attention may overlap the other's matmuls), also with the second half started a layer late.
+
+    python benchmarks/gpu_decode_kernels.py --out docs/results/gpu_kernels_h200/gpu_decode_kernels.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+
+import torch
+import torch.nn.functional as F
+
+HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
+HIDDEN, INTERMEDIATE, LAYERS, VOCAB = 4096, 14336, 32, 128256
+PROJECTIONS = {"qkv": (6144, HIDDEN), "o": (HIDDEN, HIDDEN), "gate_up": (2 * INTERMEDIATE, HIDDEN),
+               "down": (HIDDEN, INTERMEDIATE)}
+BF16 = torch.bfloat16
+
+
+def time_ms(fn, repeats: int = 20, warmup: int = 3) -> float:
+    """Mean milliseconds of `fn` over `repeats` back-to-back calls, by CUDA events."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / repeats
+
+
+def capture(fn) -> torch.cuda.CUDAGraph:
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read and written."""
+    src = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src), 10)
+    return 2 * src.numel() / (ms / 1e3)
+
+
+def gemm_part(rows_list: list[int]) -> dict:
+    from flashinfer.gemm import tinygemm_bf16
+
+    bandwidth = copy_bandwidth()
+    weights = {name: [torch.randn(shape, dtype=BF16, device="cuda") * 0.02 for _ in range(LAYERS)]
+               for name, shape in PROJECTIONS.items()}
+    weights["lm_head"] = [torch.randn(VOCAB, HIDDEN, dtype=BF16, device="cuda") * 0.02]
+    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")
+    print(f"{'rows':>4} {'projection':>10} {'cuBLAS ms':>10} {'tinygemm ms':>12} {'floor ms':>9} {'max diff':>9}")
+    result = {"bandwidth_tb_s": bandwidth / 1e12, "rows": {}}
+    for rows in rows_list:
+        row = {}
+        for name, mats in weights.items():
+            x = torch.randn(rows, mats[0].shape[1], dtype=BF16, device="cuda")
+            out = torch.empty(rows, mats[0].shape[0], dtype=BF16, device="cuda")
+            tinygemm_bf16(x, mats[0], out)
+            diff = (out.float() - F.linear(x, mats[0]).float()).abs().max().item()
+
+            def cublas(x=x, out=out, mats=mats):
+                for weight in mats:
+                    torch.mm(x, weight.t(), out=out)
+
+            def tiny(x=x, out=out, mats=mats):
+                for weight in mats:
+                    tinygemm_bf16(x, weight, out)
+
+            a, b = time_ms(capture(cublas).replay), time_ms(capture(tiny).replay)
+            floor = sum(w.numel() * 2 for w in mats) / bandwidth * 1e3
+            row[name] = {"cublas_ms": a, "tinygemm_ms": b, "floor_ms": floor, "max_diff": diff}
+            print(f"{rows:>4} {name:>10} {a:>10.3f} {b:>12.3f} {floor:>9.3f} {diff:>9.1e}")
+        result["rows"][rows] = row
+    return result
+
+
+def paged_case(batch: int, context: int, page: int):
+    pages_per_request = math.ceil(context / page)
+    total = batch * pages_per_request
+    k = torch.randn(total, page, KV_HEADS, HEAD_DIM, dtype=BF16, device="cuda")
+    v = torch.randn_like(k)
+    indices = torch.randperm(total, device="cuda", dtype=torch.int32)
+    indptr = torch.arange(0, batch + 1, dtype=torch.int32) * pages_per_request
+    last = torch.full((batch,), context - (pages_per_request - 1) * page, dtype=torch.int32)
+    q = torch.randn(batch, HEADS, HEAD_DIM, dtype=BF16, device="cuda")
+    return k, v, indices, indptr, last, q
+
+
+def attention_part(shapes: list[tuple[int, int]]) -> dict:
+    import flashinfer
+    from flashinfer.decode import trtllm_batch_decode_with_kv_cache
+
+    workspace = torch.zeros(512 << 20, dtype=torch.uint8, device="cuda")
+    scale = 1 / math.sqrt(HEAD_DIM)
+    plan_args = dict(pos_encoding_mode="NONE", q_data_type=BF16, kv_data_type=BF16, sm_scale=scale)
+    result = {}
+    print(f"{'batch':>5} {'context':>7} {'page':>4} {'kernel':>12} {'us':>8} {'TB/s':>6} {'max diff':>9}")
+    for batch, context in shapes:
+        for page in (16, 1):
+            k, v, indices, indptr, last, q = paged_case(batch, context, page)
+            kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM * 2
+            eager = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=True)
+            eager.plan(indptr, indices, last, HEADS, KV_HEADS, HEAD_DIM, page, **plan_args)
+            reference = eager.run(q, (k, v)).float()
+            graph = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                workspace, "NHD", use_cuda_graph=True, use_tensor_cores=True,
+                paged_kv_indptr_buffer=indptr.cuda(), paged_kv_indices_buffer=indices.clone(),
+                paged_kv_last_page_len_buffer=last.cuda())
+            graph.plan(indptr, indices, last, HEADS, KV_HEADS, HEAD_DIM, page, **plan_args)
+            fa3 = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=True, backend="fa3")
+            fa3.plan(indptr, indices, last, HEADS, KV_HEADS, HEAD_DIM, page, **plan_args)
+            kernels = {"fa2 eager": lambda: eager.run(q, (k, v)), "fa2 graph": lambda: graph.run(q, (k, v)),
+                       "fa3": lambda: fa3.run(q, (k, v))}
+            if page >= 16:  # XQA takes pages of 16-128 tokens and a dense page table
+                table = indices.view(batch, -1)
+                lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+                xqa_workspace = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
+                kernels["xqa"] = lambda: trtllm_batch_decode_with_kv_cache(
+                    q, (k, v), xqa_workspace, table, lens, context, bmm1_scale=scale, bmm2_scale=1.0,
+                    kv_layout="NHD", backend="xqa")
+            cell = {}
+            for name, fn in kernels.items():
+                diff = (fn().float().reshape(reference.shape) - reference).abs().max().item()
+                ms = time_ms(fn)
+                cell[name] = {"us": ms * 1e3, "tb_s": kv_bytes / ms / 1e9, "max_diff": diff}
+                print(f"{batch:>5} {context:>7} {page:>4} {name:>12} {ms * 1e3:>8.1f} {kv_bytes / ms / 1e9:>6.2f} "
+                      f"{diff:>9.1e}")
+            result[f"{batch}x{context}/page{page}"] = cell
+            del k, v
+            torch.cuda.empty_cache()
+    return result
+
+
+class HalfStep:
+    """A 32-layer decode step of `batch` requests over its own slice of a shared KV buffer (pages of 1)."""
+
+    def __init__(self, weights, batch: int, context: int, k, v, first_slot: int) -> None:
+        import flashinfer
+
+        self.weights, self.batch = weights, batch
+        self.workspace = torch.zeros(768 << 20, dtype=torch.uint8, device="cuda")
+        indptr = torch.arange(0, batch + 1, dtype=torch.int32) * context
+        indices = torch.arange(batch * context, dtype=torch.int32, device="cuda") + first_slot
+        last = torch.ones(batch, dtype=torch.int32)
+        self.wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=True, paged_kv_indptr_buffer=indptr.cuda(),
+            paged_kv_indices_buffer=indices, paged_kv_last_page_len_buffer=last.cuda())
+        self.wrapper.plan(indptr, indices, last, HEADS, KV_HEADS, HEAD_DIM, 1, pos_encoding_mode="NONE",
+                          q_data_type=BF16, kv_data_type=BF16, sm_scale=1 / math.sqrt(HEAD_DIM))
+        self.x = torch.randn(batch, HIDDEN, dtype=BF16, device="cuda")
+        self.kv = (k.view(-1, 1, KV_HEADS, HEAD_DIM), v.view(-1, 1, KV_HEADS, HEAD_DIM))
+
+    def forward(self, after_attention=None, wait_for=None) -> torch.Tensor:
+        x = self.x.clone()
+        for layer in range(LAYERS):
+            if wait_for is not None and layer < len(wait_for):
+                torch.cuda.current_stream().wait_event(wait_for[layer])
+            qkv = F.linear(F.rms_norm(x, (HIDDEN,)), self.weights["qkv"][layer])
+            attended = self.wrapper.run(qkv[:, : HEADS * HEAD_DIM].reshape(self.batch, HEADS, HEAD_DIM), self.kv)
+            if after_attention is not None and layer < len(after_attention):
+                after_attention[layer].record()
+            x = x + F.linear(attended.reshape(self.batch, -1), self.weights["o"][layer])
+            gate_up = F.linear(F.rms_norm(x, (HIDDEN,)), self.weights["gate_up"][layer])
+            x = x + F.linear(F.silu(gate_up[:, :INTERMEDIATE]) * gate_up[:, INTERMEDIATE:], self.weights["down"][layer])
+        return x
+
+
+def two_stream_part(shapes: list[tuple[int, int]]) -> dict:
+    weights = {name: [torch.randn(shape, dtype=BF16, device="cuda") * 0.02 for _ in range(LAYERS)]
+               for name, shape in PROJECTIONS.items()}
+    result = {}
+    print(f"{'batch':>5} {'context':>7} {'full ms':>8} {'halves in turn':>15} {'two streams':>12} {'late start':>11}")
+    for batch, context in shapes:
+        k = torch.randn(batch * context, KV_HEADS, HEAD_DIM, dtype=BF16, device="cuda")
+        v = torch.randn_like(k)
+        half = batch // 2
+        full = HalfStep(weights, batch, context, k, v, 0)
+        first = HalfStep(weights, half, context, k, v, 0)
+        second = HalfStep(weights, batch - half, context, k, v, half * context)
+        streams = (torch.cuda.Stream(), torch.cuda.Stream())
+
+        def on_two_streams(late: bool) -> None:
+            events = [torch.cuda.Event()] if late else None
+            current = torch.cuda.current_stream()
+            for stream in streams:
+                stream.wait_stream(current)
+            with torch.cuda.stream(streams[0]):
+                first.forward(after_attention=events)
+            with torch.cuda.stream(streams[1]):
+                second.forward(wait_for=events)
+            for stream in streams:
+                current.wait_stream(stream)
+
+        cell = {
+            "full_ms": time_ms(capture(full.forward).replay, 10),
+            "halves_in_turn_ms": time_ms(capture(lambda: (first.forward(), second.forward())).replay, 10),
+            "two_streams_ms": time_ms(capture(lambda: on_two_streams(False)).replay, 10),
+            "two_streams_late_start_ms": time_ms(capture(lambda: on_two_streams(True)).replay, 10),
+        }
+        result[f"{batch}x{context}"] = cell
+        print(f"{batch:>5} {context:>7} {cell['full_ms']:>8.2f} {cell['halves_in_turn_ms']:>15.2f} "
+              f"{cell['two_streams_ms']:>12.2f} {cell['two_streams_late_start_ms']:>11.2f}")
+        del k, v, full, first, second
+        torch.cuda.empty_cache()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("parts", nargs="*", choices=["gemm", "attn", "two-stream"], default=[])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    parser.add_argument("--out", default=None, help="JSON record")
+    args = parser.parse_args()
+    parts = args.parts or ["gemm", "attn", "two-stream"]
+    record = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "started": time.time()}
+    if "gemm" in parts:
+        record["gemm"] = gemm_part(args.rows)
+        torch.cuda.empty_cache()
+    if "attn" in parts:
+        record["attention"] = attention_part([(1000, 300), (1000, 512), (1, 1024), (64, 1024), (256, 1024)])
+    if "two-stream" in parts:
+        record["two_stream"] = two_stream_part([(1000, 300), (1000, 512), (512, 512), (256, 1024)])
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(record, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
