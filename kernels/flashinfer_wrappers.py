@@ -56,6 +56,12 @@ def make_decode_wrapper(workspace: torch.Tensor, use_tensor_cores: bool) -> Any:
     return flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=use_tensor_cores)
 
 
+def fa3_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether FlashInfer's FA3 prefill kernels run here: Hopper (compute capability 9.x), 16-bit activations."""
+    return (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+            and dtype in (torch.bfloat16, torch.float16))
+
+
 def make_prefill_wrapper(workspace: torch.Tensor, backend: str = "fa2") -> Any:
     """A `BatchPrefillWithPagedKVCacheWrapper` over the NHD layout."""
     flashinfer = require_flashinfer()

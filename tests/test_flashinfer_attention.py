@@ -15,6 +15,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("flashinfer")
 
 from attention_cases import kv_written, make_case, reference_attention, run_backend  # noqa: E402
+from radixserve.kernels.flashinfer_wrappers import fa3_available  # noqa: E402
 from radixserve.model_runner.attention.flashinfer_backend import FlashInferAttentionBackend  # noqa: E402
 from radixserve.model_runner.attention.torch_native import TorchNativeAttention  # noqa: E402
 from radixserve.model_runner.forward_batch import ForwardMode  # noqa: E402
@@ -51,6 +52,43 @@ def test_matches_reference_and_torch_native(mode, page_size, num_heads, num_kv_h
     assert error < BF16_ATOL, f"max abs error vs float64 reference: {error}"
     native = run_backend(TorchNativeAttention(), _case(mode, page_size, num_heads, num_kv_heads))
     torch.testing.assert_close(out, native, atol=BF16_ATOL, rtol=2e-2)
+
+
+needs_fa3 = pytest.mark.skipif(not fa3_available(torch.device("cuda"), torch.bfloat16),
+                               reason="FlashInfer's FA3 kernels need a Hopper GPU")
+LONG_EXTEND = ([0, 37, 300], [300, 129, 200])  # 210 new tokens a request on average: FA3 under "auto"
+
+
+@needs_fa3
+@pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.MIXED])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_fa3_extend_matches_reference(mode, page_size):
+    backend = FlashInferAttentionBackend(32, 8, HEAD_DIM, torch.bfloat16, "cuda", page_size=page_size,
+                                         prefill_backend="fa3")
+    case = _case(mode, page_size, 32, 8, seed=5)
+    out = run_backend(backend, case)
+    assert case.batch.attn_metadata.wrapper is backend._fa3_prefill_wrapper
+    error = (out.double() - reference_attention(case, device="cuda")).abs().max().item()
+    assert error < BF16_ATOL, f"max abs error vs float64 reference: {error}"
+
+
+@needs_fa3
+def test_auto_runs_long_extends_on_fa3_and_short_ones_on_fa2():
+    backend = FlashInferAttentionBackend(32, 8, HEAD_DIM, torch.bfloat16, "cuda", page_size=1)
+    backend.warm_up(torch.bfloat16)
+    for (prefix_lens, extend_lens), fa3 in ((LONG_EXTEND, True), (BATCHES[ForwardMode.EXTEND], False)):
+        case = make_case(ForwardMode.EXTEND, prefix_lens, extend_lens, num_heads=32, num_kv_heads=8,
+                         head_dim=HEAD_DIM, page_size=1, dtype=torch.bfloat16, device="cuda", seed=6)
+        out = run_backend(backend, case)
+        chosen = case.batch.attn_metadata.wrapper
+        assert chosen is (backend._fa3_prefill_wrapper if fa3 else backend._prefill_wrapper)
+        error = (out.double() - reference_attention(case, device="cuda")).abs().max().item()
+        assert error < BF16_ATOL, f"max abs error vs float64 reference: {error}"
+
+
+def test_prefill_backend_is_checked():
+    with pytest.raises(ValueError, match="auto, fa2 or fa3"):
+        FlashInferAttentionBackend(8, 2, HEAD_DIM, torch.bfloat16, "cuda", prefill_backend="fa4")
 
 
 @pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.DECODE])

@@ -3,7 +3,9 @@
 Per batch, `plan` builds the page table on the device from `req_to_token` (a Triton kernel, no host
 loop) and plans one FlashInfer wrapper; per layer, `forward` writes the new K/V into the pool and runs the
 planned wrapper over the pool's buffers viewed as NHD pages. Extend (and MIXED) batches run as paged
-prefill over prefix + new tokens together, causally: one kernel, no separate ragged pass and merge.
+prefill over prefix + new tokens together, causally: one kernel, no separate ragged pass and merge. On Hopper,
+extend batches of at least `FA3_MIN_MEAN_EXTEND` new tokens a request run on FlashInfer's FA3 kernels (compiled
+at start-up), shorter ones and every other GPU on its FA2 kernels.
 
 Decode under CUDA graphs (`init_cuda_graph_state`, `plan_for_capture`, `plan_for_replay`): one decode
 wrapper per captured batch size, in FlashInfer's CUDA-graph mode, whose page table lives in fixed buffers
@@ -39,6 +41,12 @@ from radixserve.model_runner.attention.flashinfer_cascade import (
 from radixserve.model_runner.forward_batch import ForwardBatch, ForwardMode
 
 
+# New tokens per request (mean over an extend batch) from which FlashInfer's FA3 prefill kernels beat its FA2 ones
+# on an H200 (`benchmarks/gpu_kernels.py extend`: 64 requests on a 2,048-position prefix, one layer of the 8B
+# shape: 128 new tokens 0.65 against 0.97 ms, 64 new 0.62 against 0.46; FA3's time hardly falls below 64).
+FA3_MIN_MEAN_EXTEND = 128
+
+
 @dataclass
 class FlashInferMetadata:
     wrapper: Any  # the planned decode or prefill wrapper
@@ -51,6 +59,9 @@ class FlashInferAttentionBackend(AttentionBackend):
     `dtype` is the dtype of q (the model's activations); the KV dtype is read from the pool at plan
     time. FlashInfer fixes the softmax scale when planning: `sm_scale` (default `head_dim ** -0.5`) is
     planned, and a layer called with another `scaling` has its queries rescaled to match.
+
+    `prefill_backend`: "auto" (FA3 for long extends where `fa3_available`, else FA2), "fa2", or "fa3" (every
+    extend batch on FA3; Hopper only). Cascade and decode never use FA3 (it lost 3-5x on one query a request).
     """
 
     def __init__(
@@ -63,7 +74,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         page_size: int = 1,
         sm_scale: Optional[float] = None,
         decode_use_tensor_cores: Optional[bool] = None,
-        prefill_backend: str = "fa2",
+        prefill_backend: str = "auto",
         workspace_bytes: int = fi.DEFAULT_WORKSPACE_BYTES,
         cascade: bool = True,
     ) -> None:
@@ -83,14 +94,22 @@ class FlashInferAttentionBackend(AttentionBackend):
         self.decode_use_tensor_cores = decode_use_tensor_cores
         self._workspace = fi.new_workspace(self.device, workspace_bytes)
         self._decode_wrapper = fi.make_decode_wrapper(self._workspace, decode_use_tensor_cores)
-        self._prefill_wrapper = fi.make_prefill_wrapper(self._workspace, prefill_backend)
+        if prefill_backend not in ("auto", "fa2", "fa3"):
+            raise ValueError(f"prefill_backend must be auto, fa2 or fa3, not {prefill_backend!r}")
+        if prefill_backend == "fa3" and not fi.fa3_available(self.device, dtype):
+            raise ValueError("FlashInfer's fa3 prefill kernels need a Hopper GPU and 16-bit activations")
+        self._prefill_wrapper = fi.make_prefill_wrapper(self._workspace, "fa2")
+        self._fa3_prefill_wrapper = None
+        if prefill_backend == "fa3" or (prefill_backend == "auto" and fi.fa3_available(self.device, dtype)):
+            self._fa3_prefill_wrapper = fi.make_prefill_wrapper(self._workspace, "fa3")
+        self.fa3_min_mean_extend = 0 if prefill_backend == "fa3" else FA3_MIN_MEAN_EXTEND
         self._planned: Optional[torch.cuda.Event] = None  # recorded after the latest plan's copies
         self._graph_wrappers: dict[int, Any] = {}  # captured batch size -> CUDA-graph decode wrapper
         self.cascade = cascade
         self.min_shared_prefix = MIN_SHARED_POSITIONS
         self.cascade_min_saved_bytes = MIN_SAVED_BYTES  # per step, see flashinfer_cascade.py
         self.cascade_min_saved_bytes_over_graph = MIN_SAVED_BYTES_OVER_GRAPH
-        self._shared_prefill_wrapper = fi.make_prefill_wrapper(self._workspace, prefill_backend) if cascade else None
+        self._shared_prefill_wrapper = fi.make_prefill_wrapper(self._workspace, "fa2") if cascade else None
         self.num_cascade_batches = 0
 
     def plan(self, batch: ForwardBatch) -> None:
@@ -113,22 +132,46 @@ class FlashInferAttentionBackend(AttentionBackend):
         else:
             qo_indptr_host = torch.zeros(batch.batch_size + 1, dtype=torch.int32)
             qo_indptr_host[1:] = torch.cumsum(torch.tensor(batch.extend_lens_cpu, dtype=torch.int32), dim=0)
-            fi.plan_prefill(
-                self._prefill_wrapper, qo_indptr_host, kv_index, *shape, self.dtype, kv_dtype, self.sm_scale
-            )
-            wrapper = self._prefill_wrapper
+            wrapper = self._extend_wrapper(batch, kv_dtype)
+            fi.plan_prefill(wrapper, qo_indptr_host, kv_index, *shape, self.dtype, kv_dtype, self.sm_scale)
         self._mark_planned()
         batch.attn_metadata = FlashInferMetadata(wrapper, kv_index)
+
+    def _extend_wrapper(self, batch: ForwardBatch, kv_dtype: torch.dtype) -> Any:
+        """FA3 for an extend batch long enough to gain from it (and a pool in the activations' dtype), else FA2."""
+        if (self._fa3_prefill_wrapper is not None and kv_dtype == self.dtype
+                and sum(batch.extend_lens_cpu) >= self.fa3_min_mean_extend * batch.batch_size):
+            return self._fa3_prefill_wrapper
+        return self._prefill_wrapper
 
     @property
     def uses_prefix_groups(self) -> bool:  # the scheduler then fills `prefix_groups` of decode batches
         return self.cascade
 
     def warm_up(self, kv_dtype: torch.dtype) -> None:
+        if self._fa3_prefill_wrapper is not None and kv_dtype == self.dtype:
+            self._warm_up_fa3()
         if self.cascade:
             shape = (self.num_heads, self.num_kv_heads, self.head_dim, self.page_size)
             warm_up_cascade(self._shared_prefill_wrapper, self._decode_wrapper, shape, self.dtype, kv_dtype,
                             self.sm_scale, self.device)
+
+    def _warm_up_fa3(self) -> None:
+        """One FA3 extend of one request on dummy tensors: its kernels compile at their first use on a new machine
+        (a minute or more), which would otherwise stall the first long prompt of a running server."""
+        length = max(self.fa3_min_mean_extend, 1)
+        pages = -(-length // self.page_size)
+        req_to_token = torch.arange(pages * self.page_size, dtype=torch.int32, device=self.device)[None]
+        kv_index = build_paged_kv_index(req_to_token, torch.zeros(1, dtype=torch.int64, device=self.device),
+                                        torch.tensor([length], device=self.device), [length], self.page_size)
+        shape = (self.num_heads, self.num_kv_heads, self.head_dim, self.page_size)
+        fi.plan_prefill(self._fa3_prefill_wrapper, torch.tensor([0, length], dtype=torch.int32), kv_index, *shape,
+                        self.dtype, self.dtype, self.sm_scale)
+        buffer = torch.zeros(pages * self.page_size, self.num_kv_heads, self.head_dim, dtype=self.dtype,
+                             device=self.device)
+        q = torch.zeros(length, self.num_heads, self.head_dim, dtype=self.dtype, device=self.device)
+        fi.run_paged(self._fa3_prefill_wrapper, q, buffer, buffer, self.page_size)
+        torch.cuda.synchronize(self.device)
 
     def prefers_eager(self, batch: ForwardBatch) -> bool:
         """Whether `batch` should skip its CUDA graph: cascade attention saves more reads than the graph saves

@@ -1,6 +1,6 @@
-"""Alternative kernels for a decode step of the Llama-3.1-8B shape on the GPU, each measured on its own.
+"""Alternative kernels for the steps of the Llama-3.1-8B shape on the GPU, each measured on its own.
 
-Three parts (all by default; name some to run only those):
+Four parts (all by default; name some to run only those):
 
 - `gemm`: each projection (qkv, o, gate/up, down over 32 layers' weights, and the LM head) at 1-16 rows, cuBLAS
   (`torch.mm`) against FlashInfer's `tinygemm_bf16`, each captured in a CUDA graph, with the read floor from the
@@ -8,11 +8,13 @@ Three parts (all by default; name some to run only those):
 - `attn`: one layer's decode attention (32 query heads, 8 KV heads, head_dim 128, bf16) for several batch x context
   shapes and page sizes 1 and 16: FlashInfer's tensor-core decode planned eagerly and for CUDA graphs, its FA3
   backend, and TensorRT-LLM's XQA kernel (pages of 16), each checked against the first.
+- `extend`: one layer's attention of an extend batch (causal, pages of 1, over a cached prefix or none), FlashInfer's
+  FA2 prefill kernels (the backend's) against its FA3 ones, with the achieved TFLOP/s.
 - `two-stream`: a whole 32-layer decode step (RMSNorm, the four projections, FlashInfer decode attention, SiLU) in a
   CUDA graph: the full batch, its two halves one after the other, and the halves on two streams (so that one half's
   attention may overlap the other's matmuls), also with the second half started a layer late.
 
-    python benchmarks/gpu_decode_kernels.py --out docs/results/gpu_kernels_h200/gpu_decode_kernels.json
+    python benchmarks/gpu_kernels.py --out docs/results/gpu_kernels_h200/gpu_kernels.json
 """
 
 from __future__ import annotations
@@ -158,6 +160,39 @@ def attention_part(shapes: list[tuple[int, int]]) -> dict:
     return result
 
 
+def extend_part(shapes: list[tuple[int, int, int]]) -> dict:
+    import flashinfer
+
+    workspace = torch.zeros(512 << 20, dtype=torch.uint8, device="cuda")
+    result = {}
+    print(f"{'batch':>5} {'new':>5} {'prefix':>6} {'backend':>7} {'us':>8} {'TFLOP/s':>8} {'max diff':>9}")
+    for batch, new, prefix in shapes:
+        length = prefix + new
+        k = torch.randn(batch * length, 1, KV_HEADS, HEAD_DIM, dtype=BF16, device="cuda")
+        v = torch.randn_like(k)
+        indices = torch.randperm(batch * length, device="cuda", dtype=torch.int32)
+        qo_indptr = torch.arange(0, batch + 1, dtype=torch.int32) * new
+        kv_indptr = torch.arange(0, batch + 1, dtype=torch.int32) * length
+        last = torch.ones(batch, dtype=torch.int32)
+        q = torch.randn(batch * new, HEADS, HEAD_DIM, dtype=BF16, device="cuda")
+        flops = 4 * HEADS * HEAD_DIM * batch * (new * prefix + new * (new + 1) // 2)
+        cell, reference = {}, None
+        for backend in ("fa2", "fa3"):
+            wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend=backend)
+            wrapper.plan(qo_indptr, kv_indptr, indices, last, HEADS, KV_HEADS, HEAD_DIM, 1, causal=True,
+                         pos_encoding_mode="NONE", q_data_type=BF16, kv_data_type=BF16, sm_scale=HEAD_DIM ** -0.5)
+            out = wrapper.run(q, (k, v)).float()
+            reference = out if reference is None else reference
+            ms = time_ms(lambda: wrapper.run(q, (k, v)))
+            diff = (out - reference).abs().max().item()
+            cell[backend] = {"us": ms * 1e3, "tflop_s": flops / ms / 1e9, "max_diff": diff}
+            print(f"{batch:>5} {new:>5} {prefix:>6} {backend:>7} {ms * 1e3:>8.1f} {flops / ms / 1e9:>8.1f} {diff:>9.1e}")
+        result[f"{batch}x{new}+{prefix}"] = cell
+        del k, v
+        torch.cuda.empty_cache()
+    return result
+
+
 class HalfStep:
     """A 32-layer decode step of `batch` requests over its own slice of a shared KV buffer (pages of 1)."""
 
@@ -234,17 +269,31 @@ def two_stream_part(shapes: list[tuple[int, int]]) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("parts", nargs="*", choices=["gemm", "attn", "two-stream"], default=[])
+    parser.add_argument("parts", nargs="*", metavar="PART", help="gemm, attn, extend, two-stream (default: all)")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    parser.add_argument("--extend-shapes", nargs="+", default=["32x256+0", "64x128+2048", "4x2176+0", "1x8192+0"],
+                        help="extend batches as REQUESTSxNEW+PREFIX (the defaults: an 8,192-token chunk of 256-token "
+                             "prompts; SGLang's generated-shared-prefix prompts, 128 new tokens on a cached 2,048-token "
+                             "system prompt, and a group's first prompt; one long prompt)")
     parser.add_argument("--out", default=None, help="JSON record")
     args = parser.parse_args()
-    parts = args.parts or ["gemm", "attn", "two-stream"]
+    known = ["gemm", "attn", "extend", "two-stream"]
+    if set(args.parts) - set(known):
+        parser.error(f"unknown parts {sorted(set(args.parts) - set(known))}; choose from {known}")
+    parts = args.parts or known
     record = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "started": time.time()}
     if "gemm" in parts:
         record["gemm"] = gemm_part(args.rows)
         torch.cuda.empty_cache()
     if "attn" in parts:
         record["attention"] = attention_part([(1000, 300), (1000, 512), (1, 1024), (64, 1024), (256, 1024)])
+    if "extend" in parts:
+        shapes = []
+        for shape in args.extend_shapes:
+            requests, rest = shape.split("x")
+            new, prefix = rest.split("+")
+            shapes.append((int(requests), int(new), int(prefix)))
+        record["extend"] = extend_part(shapes)
     if "two-stream" in parts:
         record["two_stream"] = two_stream_part([(1000, 300), (1000, 512), (512, 512), (256, 1024)])
     if args.out:
