@@ -136,9 +136,12 @@ class GenerationRun:
 
     async def _watch_disconnect(self, receive: Any) -> None:
         """Wait for the client's `http.disconnect` (the body has been read by now; any other message is
-        skipped) and hand it to the consumer."""
-        while (await receive())["type"] != "http.disconnect":
-            pass
+        skipped) and hand it to the consumer. A channel that fails is a client that left."""
+        try:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+        except Exception as error:
+            logger.debug("receive channel failed: %r", error)
         self._queue.put_nowait((-1, _DISCONNECTED))
 
     async def events(self) -> AsyncIterator[tuple[int, Any]]:

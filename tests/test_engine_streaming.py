@@ -117,10 +117,11 @@ def test_request_observer_and_abort_by_id(engine):
 
 
 
-def test_an_http_run_waits_for_its_clients_disconnect_without_polling(engine):
+@pytest.mark.parametrize("ending", ["disconnect", "broken channel"])
+def test_an_http_run_waits_for_its_clients_disconnect_without_polling(engine, ending):
     """The HTTP layer's run over this engine, with a real ASGI receive channel: while it generates, the channel is
-    read once (a run waiting for tokens costs nothing); the client's `http.disconnect` stops the run at once and
-    aborts its request."""
+    read once (a run waiting for tokens costs nothing); the client's `http.disconnect`, or a channel that fails,
+    stops the run at once and aborts its request."""
     from starlette.requests import Request
 
     from radixserve.runtime.http_generation import ClientDisconnected, GenerationRun
@@ -139,6 +140,8 @@ def test_an_http_run_waits_for_its_clients_disconnect_without_polling(engine):
         async def receive():
             reads.append(time.monotonic())
             await disconnect.wait()
+            if ending == "broken channel":
+                raise OSError("connection reset")
             return {"type": "http.disconnect"}
 
         http_request = Request({"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}}, receive)
