@@ -157,8 +157,8 @@ class FlashInferAttentionBackend(AttentionBackend):
                             self.sm_scale, self.device)
 
     def _warm_up_fa3(self) -> None:
-        """One FA3 extend of one request on dummy tensors: its kernels compile at their first use on a new machine
-        (a minute or more), which would otherwise stall the first long prompt of a running server."""
+        """One FA3 extend of one request on dummy tensors: its kernels compile at their first use on a new machine,
+        which would otherwise stall the first long prompt of a running server."""
         length = max(self.fa3_min_mean_extend, 1)
         pages = -(-length // self.page_size)
         req_to_token = torch.arange(pages * self.page_size, dtype=torch.int32, device=self.device)[None]
