@@ -212,7 +212,13 @@ def test_a_killed_replica_is_replaced_and_requests_go_on(affinity):
             timeout=120)
         assert response.status_code == 200, response.text
     wait_for_replicas(2, replaced=victim)
-    info = httpx.get(affinity + "/get_server_info", timeout=60).json()
+    # The ingress learns of the new replica from Ray's controller a little after `serve.status()` lists it.
+    deadline = time.monotonic() + 60
+    while True:
+        info = httpx.get(affinity + "/get_server_info", timeout=60).json()
+        if info["dp_size"] == 2 or time.monotonic() > deadline:
+            break
+        time.sleep(1.0)
     assert info["dp_size"] == 2 and len(info["replicas"]) == 2
 
 
