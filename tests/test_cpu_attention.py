@@ -213,15 +213,30 @@ def test_a_build_killed_half_way_does_not_block_later_loads(tmp_path):
     assert "stale build lock" in done.stderr and not (copy / "lock").exists()
 
 
-def test_long_extends_run_on_torch_native():
-    longest = MAX_KERNEL_EXTEND_LEN
-    case = make_case(ForwardMode.EXTEND, [0, 3], [longest + 1, 2], num_heads=4, num_kv_heads=2, head_dim=16,
-                     page_size=1, dtype=torch.float32, seed=2)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_long_prefills_run_on_the_kernel_by_default(dtype):
+    assert MAX_KERNEL_EXTEND_LEN is None
+    args = dict(num_heads=9, num_kv_heads=3, head_dim=64, page_size=1, dtype=dtype, seed=4)
+    case = make_case(ForwardMode.EXTEND, [0, 100, 0], [600, 300, 2], **args)
+    expected = reference_attention(case)
     out = run_backend(CpuAttentionBackend(), case)
+    assert isinstance(case.batch.attn_metadata, CpuAttentionPlan) and kv_written(case)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=2e-5)
+    else:
+        native = run_backend(TorchNativeAttention(), make_case(ForwardMode.EXTEND, [0, 100, 0], [600, 300, 2], **args))
+        error, native_error = (out.double() - expected).abs().max(), (native.double() - expected).abs().max()
+        assert error <= 2 * native_error + 1e-3, (error, native_error)
+
+
+def test_extends_longer_than_a_given_limit_run_on_torch_native():
+    case = make_case(ForwardMode.EXTEND, [0, 3], [65, 2], num_heads=4, num_kv_heads=2, head_dim=16,
+                     page_size=1, dtype=torch.float32, seed=2)
+    out = run_backend(CpuAttentionBackend(max_extend_len=64), case)
     assert not isinstance(case.batch.attn_metadata, CpuAttentionPlan)
     torch.testing.assert_close(out.double(), reference_attention(case), atol=2e-5, rtol=2e-5)
-    short = make_case(ForwardMode.EXTEND, [0, 3], [longest, 2], num_heads=4, num_kv_heads=2, head_dim=16,
+    short = make_case(ForwardMode.EXTEND, [0, 3], [64, 2], num_heads=4, num_kv_heads=2, head_dim=16,
                       page_size=1, dtype=torch.float32, seed=2)
-    out = run_backend(CpuAttentionBackend(), short)
+    out = run_backend(CpuAttentionBackend(max_extend_len=64), short)
     assert isinstance(short.batch.attn_metadata, CpuAttentionPlan)
     torch.testing.assert_close(out.double(), reference_attention(short), atol=2e-5, rtol=2e-5)

@@ -10,9 +10,10 @@ once per batch from `req_to_token`; the kernel reads K and V through them, with 
 Work items are (group, block of `QUERY_BLOCK` queries of a lone request), every head at once, ordered longest
 first so the threads' dynamic hand-out ends together. `forward` writes the new K/V into the pool and attends, in the kernel.
 
-Batches with a long extend (prefill chunks, see `MAX_KERNEL_EXTEND_LEN`), and, until the kernel library is loaded
-(built at first use in the background, see `kernels/cpu_build.py`), every batch, and dtypes or head sizes it does
-not cover, batches go through the torch_native backend, the reference.
+Until the kernel library is loaded (built at first use in the background, see `kernels/cpu_build.py`), every
+batch, and batches of dtypes or head sizes it does not cover, go through the torch_native backend, the reference;
+so do batches with an extend longer than `max_extend_len`, where one is given (none by default, see
+`MAX_KERNEL_EXTEND_LEN`).
 """
 
 from __future__ import annotations
@@ -29,13 +30,11 @@ from radixserve.model_runner.attention.torch_native import TorchNativeAttention,
 from radixserve.model_runner.forward_batch import ForwardBatch
 
 QUERY_BLOCK = 16  # query tokens per work item of a lone request
-# Batches with a request extending by more tokens than this run on torch_native: for long prefills its
-# scaled-dot-product kernel (blocked GEMMs) is as fast in float32 and faster in bfloat16 than this kernel's loops;
-# decode, short extends and speculative verification run here. Up to 64: the offline shared-prefix workload's steps
-# of 16 requests extending by 32 tokens each on a cached 512-token prefix (one SDPA call per request on torch_native,
-# with gathered K/V) measured 300 -> 235-260 ms in bfloat16 and 700-737 -> 603-637 ms in float32 here, where the
-# requests of a prefix share its keys (docs/benchmarks.md).
-MAX_KERNEL_EXTEND_LEN = 64
+# Every extend runs here by default, long prefills included: on an AMX CPU the kernel ties torch_native's
+# scaled-dot-product path on 512-token prefill chunks, and on an AVX-512-BF16 CPU without AMX it takes a 4,096-token
+# prefill from 13.1 to 5.8 s in bfloat16 and from 17.0 to 11.9 s in float32 (torch_native masks every key, so
+# its causal half is computed too; docs/benchmarks.md). `max_extend_len` sends longer extends to torch_native.
+MAX_KERNEL_EXTEND_LEN: Optional[int] = None
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 
 
