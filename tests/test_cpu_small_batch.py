@@ -14,7 +14,7 @@ from radixserve.kernels import cpu_build
 from radixserve.model_runner import cpu_small_batch
 from radixserve.model_runner.cpu_packed import PackedLinear, packing_supported
 from radixserve.model_runner.cpu_small_batch import (
-    MAX_PACKED_ROWS, MIN_PACKED_ROWS, SmallBatchLinear, kernel_rows, small_batch_packing_supported,
+    MIN_PACKED_ROWS, SmallBatchLinear, kernel_rows, small_batch_packing_supported,
 )
 from radixserve.model_runner.forward_batch import ForwardMode
 from radixserve.model_runner.model_runner import ModelRunner
@@ -29,11 +29,11 @@ def kernels():
     assert cpu_build.load(), "the CPU kernels failed to build (see the log)"
 
 
-def kernel_ran(module, x) -> bool:
-    """Whether `module(x)` ran the C++ kernel (`radixserve_cpu::small_linear` in torch's profile of the call)."""
+def kernel_ran(module, x, op: str = "radixserve_cpu::small_linear") -> bool:
+    """Whether `module(x)` ran the C++ kernel (or `op`), from torch's profile of the call."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
         module(x)
-    return any(event.name == "radixserve_cpu::small_linear" for event in profile.events())
+    return any(event.name == op for event in profile.events())
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -45,7 +45,7 @@ def test_small_batch_linear_matches_linear(kernels, bias, packed):
     module = SmallBatchLinear(weight, bias_t, packed=packed)
     low, high = kernel_rows(torch.float32, head=False)
     assert (low, high) == module.kernel_rows and low <= 2 and high >= 8
-    for rows in sorted({1, 2, 3, MIN_PACKED_ROWS, 6, high, high + 1, MAX_PACKED_ROWS, MAX_PACKED_ROWS + 1, 300}):
+    for rows in sorted({1, 2, 3, MIN_PACKED_ROWS, 6, high, high + 1, 64, 65, 300, 600}):
         x = torch.randn(rows, 96, generator=generator)
         want = F.linear(x.double(), weight.double(), None if bias_t is None else bias_t.double()).float()
         got = module(x)
@@ -53,7 +53,9 @@ def test_small_batch_linear_matches_linear(kernels, bias, packed):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         in_kernel = low <= rows <= high
         assert kernel_ran(module, x) == in_kernel
-        if not in_kernel and not (packed and MIN_PACKED_ROWS <= rows <= MAX_PACKED_ROWS):
+        on_packed = packed and not in_kernel and rows >= MIN_PACKED_ROWS
+        assert kernel_ran(module, x, "mkldnn::_linear_pointwise") == on_packed
+        if not in_kernel and not on_packed:
             assert torch.equal(got, F.linear(x, weight, bias_t))  # F.linear itself
     x = torch.randn(2, 3, 96, generator=generator)  # leading dimensions are kept
     torch.testing.assert_close(module(x), F.linear(x, weight, bias_t), rtol=1e-5, atol=1e-5)
