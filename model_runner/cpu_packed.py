@@ -21,11 +21,13 @@ From 2 to 128 rows (decode batches) and from 256 rows (prefill) the AMX kernel's
 copy of the weight where the CPU has AMX-BF16 (model_runner/cpu_amx_linear.py), ahead of the small-row kernel;
 elsewhere, and from 129 to 255 rows, as described.
 
-Without the AMX kernel, at prefill row counts (`PLAIN_MIN_ROWS` and more) the projections that do not widen their
-input (out_features <= in_features: o and down) go back to `F.linear`, whose oneDNN matmul reads the plain weight and
-measured faster there than the packed inner product (2-core AMX machine, 30 layers' weights in turn, 512 rows: o
-313 -> 276 us, down 848 -> 603 us; 384 rows: 332 -> 269, 904 -> 611; the widening qkv and gate_up stay faster
-packed at every count).
+On a CPU with AMX-BF16 but without the AMX kernel (its extra copy did not fit), at prefill row counts
+(`PLAIN_MIN_ROWS` and more) the projections that do not widen their input (out_features <= in_features: o and down)
+go back to `F.linear`, whose oneDNN matmul reads the plain weight and measured faster there than the packed inner
+product (2-core AMX machine, 30 layers' weights in turn, 512 rows: o 313 -> 276 us, down 848 -> 603 us; 384 rows:
+332 -> 269, 904 -> 611; the widening qkv and gate_up stay faster packed at every count). Without AMX the packed
+weight is the faster one at those counts too (2-core AVX-512-BF16 machine, 384 / 512 / 2,048 rows: o 698 -> 604,
+942 -> 879, 3,663 -> 3,467 us; down 1,740 -> 1,686, 2,324 -> 2,308, 9,411 -> 9,247 us).
 """
 
 from __future__ import annotations
@@ -60,7 +62,8 @@ class PackedLinear(nn.Module):
         self.weight = linear.weight
         self.bias = linear.bias
         self.kernel_rows = kernel_rows(linear.weight.dtype, head)
-        self.plain_min_rows = PLAIN_MIN_ROWS if self.out_features <= self.in_features else None
+        narrowing = self.out_features <= self.in_features
+        self.plain_min_rows = PLAIN_MIN_ROWS if narrowing and "amx_bf16" in cpu_build.cpu_flags().split() else None
         self._packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
         self.amx = AmxWeight(linear.weight, enabled=amx)
 
