@@ -7,7 +7,8 @@ Attention: one layer of a DECODE batch (`--batch-sizes` requests x `--context-le
 heads, head_dim 64; slots scattered page by page, random KV), `torch_native` against the `cpu` backend, planning
 excluded; then the same with groups of `--group-size` requests sharing their first `--shared-len` positions (the
 offline shared-prefix workload's decode steps: 8 groups of 8 on a 512-token prefix at batch 64; one group at
-batch 8). Elementwise: residual add + RMSNorm over [T, 576], SiLU-and-mul over [T, 2 x 1536], rotary over the
+batch 8); then one layer of a prefill of each length in `--prefill-lens` (one request, no cached prefix).
+Elementwise: residual add + RMSNorm over [T, 576], SiLU-and-mul over [T, 2 x 1536], rotary over the
 query and key heads of a fused projection, for T in `--tokens`, TORCH_OPS against the C++ ops. Medians of
 `--repeats` calls after warm-up; prints a table with the CPU's ISA flags and writes a JSON record (`--out`).
 """
@@ -64,6 +65,20 @@ def attention_rows(dtype: torch.dtype, batch_sizes: list[int], context: int, rep
     return rows
 
 
+def prefill_rows(dtype: torch.dtype, lengths: list[int], repeats: int) -> list[dict]:
+    rows = []
+    for length in lengths:
+        case = make_case(ForwardMode.EXTEND, [0], [length], num_heads=9, num_kv_heads=3, head_dim=64, page_size=1,
+                         dtype=dtype, keep_reference_data=False)
+        timings = {}
+        for name, backend in (("torch_native", TorchNativeAttention()), ("cpu", CpuAttentionBackend())):
+            backend.plan(case.batch)
+            timings[name] = median_us(lambda: backend.forward(case.q, case.k, case.v, case.layer_id, case.scaling,
+                                                              case.batch), repeats)
+        rows.append(dict(op=f"attention prefill T={length}", torch_us=timings["torch_native"], cpu_us=timings["cpu"]))
+    return rows
+
+
 def elementwise_rows(dtype: torch.dtype, tokens: list[int], repeats: int) -> list[dict]:
     ops, rotary, rows = cpu_kernel_ops(), RotaryEmbedding(64, 4096, 10000.0), []
     for t in tokens:
@@ -90,6 +105,7 @@ def main() -> None:
     parser.add_argument("--context-len", type=int, default=560)
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--shared-len", type=int, default=512)
+    parser.add_argument("--prefill-lens", default="512,2048", help="comma-separated; empty for none")
     parser.add_argument("--tokens", default="64,512")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "cpu_kernels.json"))
@@ -105,7 +121,8 @@ def main() -> None:
         batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
         attention = attention_rows(dtype, batch_sizes, args.context_len, args.repeats, args.group_size,
                                    args.shared_len)
-        for row in attention + elementwise_rows(
+        prefill = prefill_rows(dtype, [int(t) for t in args.prefill_lens.split(",") if t], args.repeats)
+        for row in attention + prefill + elementwise_rows(
                 dtype, [int(t) for t in args.tokens.split(",")], args.repeats):
             records.append(dict(dtype=dtype_name, **row, speedup=row["torch_us"] / row["cpu_us"]))
     print(f"CPU ISA: {isa}; torch threads {torch.get_num_threads()}; torch {torch.__version__}")

@@ -21,7 +21,10 @@ milliseconds of `--repeats` forwards after a warm-up, per path:
 - `gemm` (same condition): `torch.ops.radixserve_cpu.amx_gemm` on the same packed weight, the loop for prefill.
 
 `--paths` keeps only the named paths (the small-row kernel takes seconds at prefill row counts). A forward at
-prefill row counts also prints the 120 projections' TFLOP/s per path.
+prefill row counts also prints the 120 projections' TFLOP/s per path. `--by-projection` also times each kind of
+projection on its own (its 30 layers' weights in turn):
+
+    python benchmarks/cpu_linear.py --threads 2 --rows 65 512 2048 --paths packed F.linear --by-projection
 
 Prints a table with the CPU's ISA flags and writes a JSON record (`--out`).
 """
@@ -44,6 +47,7 @@ from radixserve.model_runner.cpu_amx_linear import pack_for_tiles
 
 LAYERS = 30
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out_features, in_features)
+PROJECTIONS = ("qkv", "o", "gate_up", "down")  # the names of LAYER_SHAPES
 HEAD_SHAPE = (49152, 576)
 CPU = torch.device("cpu")
 
@@ -80,7 +84,8 @@ def paths(weights: list[torch.Tensor], names: tuple[str, ...]) -> dict[str, Call
     return {name: call for name, call in found.items() if name in names}
 
 
-def measure(dtype: torch.dtype, rows: list[int], repeats: int, names: tuple[str, ...]) -> list[dict]:
+def measure(dtype: torch.dtype, rows: list[int], repeats: int, names: tuple[str, ...],
+            by_projection: bool = False) -> list[dict]:
     generator = torch.Generator().manual_seed(0)
     shapes = LAYER_SHAPES * LAYERS
     weights = [(torch.randn(n, k, generator=generator) * 0.05).to(dtype) for n, k in shapes]
@@ -97,11 +102,19 @@ def measure(dtype: torch.dtype, rows: list[int], repeats: int, names: tuple[str,
                               for name, call in head_paths.items()}, repeats)
         record.update({f"{name}_forward_ms": ms for name, ms in forward.items()})
         record.update({f"{name}_head_ms": ms for name, ms in head_ms.items()})
+        for j, projection in enumerate(PROJECTIONS if by_projection else ()):
+            own = [i for i in range(len(shapes)) if i % len(LAYER_SHAPES) == j]
+            split = medians_ms({name: (lambda call: lambda: [call(inputs[shapes[i][1]], i) for i in own])(call)
+                                for name, call in layer_paths.items()}, repeats)
+            record.update({f"{name}_{projection}_ms": ms for name, ms in split.items()})
         records.append(record)
         print(f"{record['dtype']:>9} M={m:>2}  forward: " + "  ".join(
             f"{name} {record[f'{name}_forward_ms']:6.1f}" for name in layer_paths) + "   head: " + "  ".join(
             f"{name} {record[f'{name}_head_ms']:5.2f}" for name in head_paths) + "   TFLOP/s: " + "  ".join(
             f"{name} {flops * m / record[f'{name}_forward_ms'] / 1e9:4.2f}" for name in layer_paths), flush=True)
+        for projection in PROJECTIONS if by_projection else ():
+            print(f"{'':>9} {'':>4}  {projection:>8}: " + "  ".join(
+                f"{name} {record[f'{name}_{projection}_ms']:6.2f}" for name in layer_paths), flush=True)
     return records
 
 
@@ -112,6 +125,7 @@ def main() -> None:
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--paths", nargs="+", default=list(PATHS), choices=PATHS, help="time only these paths")
+    parser.add_argument("--by-projection", action="store_true", help="also time each kind of projection alone")
     parser.add_argument("--out", help="write the JSON record here")
     args = parser.parse_args()
     if not cpu_build.load():
@@ -120,7 +134,7 @@ def main() -> None:
     print(f"ISA {cpu_build.cpu_isa()} (torch: {torch.backends.cpu.get_cpu_capability()}), torch {torch.__version__}, "
           f"{args.threads} thread(s); milliseconds, median of {args.repeats}")
     records = [r for dtype in args.dtypes for r in measure(getattr(torch, dtype), args.rows, args.repeats,
-                                                                     tuple(args.paths))]
+                                                                     tuple(args.paths), args.by_projection)]
     if args.out:
         Path(args.out).write_text(json.dumps({
             "benchmark": "cpu small-row linear", "isa": cpu_build.cpu_isa(), "torch": torch.__version__,

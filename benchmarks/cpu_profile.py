@@ -5,6 +5,7 @@ the CPU yardstick at once (G=8 P=8 S=512 Q=32 O=32, as `offline_throughput.py`),
 
     python benchmarks/cpu_profile.py --dtype bfloat16                       # the default backend (cpu)
     python benchmarks/cpu_profile.py --dtype float32 --attention-backend torch_native --top 20
+    python benchmarks/cpu_profile.py --dtype bfloat16 --max-kernel-extend 64    # longer extends on torch_native
 
 Prints the wall time, the ModelRunner's forward time per mode (EXTEND, DECODE, MIXED), and with `--top N` the
 torch profiler's N most expensive ops by self CPU time, with the CPU's ISA flags.
@@ -51,6 +52,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--attention-backend", default=None, help="default: the CPU's default (cpu)")
     parser.add_argument("--top", type=int, default=0, help="profile and list the N most expensive ops")
+    parser.add_argument("--max-kernel-extend", type=int, default=None,
+                        help="cpu backend: extends longer than this run on torch_native (default: none do)")
     args = parser.parse_args()
 
     model_dir = resolve_model(None).model_dir
@@ -58,6 +61,10 @@ def main() -> None:
     extra = {"attention_backend": args.attention_backend} if args.attention_backend else {}
     driver = SchedulerDriver(model_dir, check_every_step=False, dtype=args.dtype, **extra)
     cpu_build.wait()
+    if args.max_kernel_extend is not None:
+        if not hasattr(driver.runner.attn_backend, "max_extend_len"):
+            parser.error("--max-kernel-extend needs the cpu attention backend")
+        driver.runner.attn_backend.max_extend_len = args.max_kernel_extend
     driver.submit("warm-up", list(range(11, 19)), max_new_tokens=4, ignore_eos=True)
     driver.run_until_idle()
     driver.flush_cache()

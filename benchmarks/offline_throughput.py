@@ -178,6 +178,8 @@ def run_vllm(args, workload: Workload, model_dir: str) -> RunResult:
     """vLLM's CPU build on the same prompts and weights, in its own virtual environment (see vllm_cpu_offline.py)."""
     request = {"model": model_dir, "dtype": args.dtype, "prompts": workload.prompts, "output_len": workload.output_len,
                "threads": args.vllm_threads, "kv_cache_gib": args.vllm_kv_cache_gib}
+    if args.vllm_profile_dir:
+        request["profile_dir"] = os.path.abspath(args.vllm_profile_dir)
     with tempfile.TemporaryDirectory(prefix="vllm-cpu-") as tmp:
         request_path, result_path = os.path.join(tmp, "request.json"), os.path.join(tmp, "result.json")
         with open(request_path, "w") as f:
@@ -246,6 +248,8 @@ def main(argv: Optional[list[str]] = None) -> None:
                         help="add a vLLM-CPU row: the Python of a virtual environment where vllm-cpu is installed")
     parser.add_argument("--vllm-threads", type=int, default=os.cpu_count(), help="cores vLLM-CPU binds to")
     parser.add_argument("--vllm-kv-cache-gib", type=int, default=4, help="vLLM-CPU's KV cache size")
+    parser.add_argument("--vllm-profile-dir", help="profile vLLM-CPU's timed run with torch's profiler into this "
+                        "folder (its own table of ops: rank0.profiler_out.txt)")
     parser.add_argument("--engine-arg", action="append", default=[], metavar="NAME=VALUE")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-level", default="warning")

@@ -9,7 +9,8 @@ radixserve); it imports nothing from radixserve:
 The second form prints the environment this runner gives vLLM, for starting its OpenAI server the same way.
 
 request.json: {"model": HF directory, "dtype": "float32" | "bfloat16", "prompts": [[token id, ...], ...],
-"output_len": int, "threads": int, "kv_cache_gib": int}.
+"output_len": int, "threads": int, "kv_cache_gib": int, optional "profile_dir": an absolute folder where vLLM's
+torch profiler writes its trace and table of the timed call}.
 result.json: {"seconds": wall time of one `LLM.generate` call on all prompts (startup and a short warm-up
 excluded), "outputs": [[token id, ...], ...] in prompt order, "cached_tokens": [prompt tokens each request
 found in vLLM's prefix cache], "versions": {...}, "config": what vLLM ran with}.
@@ -53,7 +54,10 @@ def main(request_path: str, result_path: str) -> None:
 
     # The KV cache size comes from VLLM_CPU_KVCACHE_SPACE. Without it, vLLM sizes the cache as
     # gpu_memory_utilization x RAM and refuses to start unless that much is free: its default 0.9 fails here.
-    llm = LLM(model=request["model"], dtype=request["dtype"], seed=0, gpu_memory_utilization=0.3)
+    profiling = {"profiler_config": {"profiler": "torch", "torch_profiler_dir": request["profile_dir"],
+                                     "torch_profiler_use_gzip": False, "torch_profiler_with_stack": False}
+                 } if request.get("profile_dir") else {}
+    llm = LLM(model=request["model"], dtype=request["dtype"], seed=0, gpu_memory_utilization=0.3, **profiling)
     params = SamplingParams(temperature=0.0, max_tokens=request["output_len"], min_tokens=request["output_len"],
                             ignore_eos=True, detokenize=False)
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in request["prompts"]]
@@ -61,9 +65,13 @@ def main(request_path: str, result_path: str) -> None:
     llm.generate([TokensPrompt(prompt_token_ids=list(range(11, 19)))],
                  SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, detokenize=False), use_tqdm=False)
     llm.reset_prefix_cache()
+    if profiling:
+        llm.start_profile()
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start
+    if profiling:
+        llm.stop_profile()
 
     config = llm.llm_engine.vllm_config
     result = {
