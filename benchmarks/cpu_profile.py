@@ -52,6 +52,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--attention-backend", default=None, help="default: the CPU's default (cpu)")
     parser.add_argument("--top", type=int, default=0, help="profile and list the N most expensive ops")
+    parser.add_argument("--chunked-prefill-size", type=int, default=None, help="default: the CPU's (512)")
     parser.add_argument("--max-kernel-extend", type=int, default=None,
                         help="cpu backend: extends longer than this run on torch_native (default: none do)")
     args = parser.parse_args()
@@ -59,6 +60,8 @@ def main() -> None:
     model_dir = resolve_model(None).model_dir
     sessions = shared_prefix_sessions(load_tokenizer(model_dir), 8, 8, 512, 32, 32)
     extra = {"attention_backend": args.attention_backend} if args.attention_backend else {}
+    if args.chunked_prefill_size is not None:
+        extra["chunked_prefill_size"] = args.chunked_prefill_size
     driver = SchedulerDriver(model_dir, check_every_step=False, dtype=args.dtype, **extra)
     cpu_build.wait()
     if args.max_kernel_extend is not None:

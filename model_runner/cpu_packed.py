@@ -26,8 +26,9 @@ On a CPU with AMX-BF16 but without the AMX kernel (its extra copy did not fit), 
 go back to `F.linear`, whose oneDNN matmul reads the plain weight and measured faster there than the packed inner
 product (2-core AMX machine, 30 layers' weights in turn, 512 rows: o 313 -> 276 us, down 848 -> 603 us; 384 rows:
 332 -> 269, 904 -> 611; the widening qkv and gate_up stay faster packed at every count). Without AMX the packed
-weight is the faster one at those counts too (2-core AVX-512-BF16 machine, 384 / 512 / 2,048 rows: o 698 -> 604,
-942 -> 879, 3,663 -> 3,467 us; down 1,740 -> 1,686, 2,324 -> 2,308, 9,411 -> 9,247 us).
+weight is the faster one at those counts too (2-core AVX-512-BF16 machine, the 30 layers' o and down at 512 rows:
+33.8 -> 30.6 and 75.5 -> 75.2 ms; at 2,048 rows: 118.5 -> 112.5 and 292.1 -> 278.8 ms; benchmarks/cpu_linear.py
+`--by-projection`).
 """
 
 from __future__ import annotations

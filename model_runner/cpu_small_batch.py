@@ -34,8 +34,8 @@ from radixserve.kernels import cpu_build
 # thread, every layer's weights in turn as in a forward: F.linear streams up to 3 rows at the cost of about one,
 # 42 ms against the packed path's 47 ms for the 120 projections at 3 rows; from 4 rows the packed path wins).
 # Prefill rows too: on a 2-core AVX-512-BF16 machine (AMD EPYC) the packed weight beat `F.linear` at every count
-# measured from 65 to 2,048 rows, the four projections of a SmolLM2 layer 19.9 against 16.8 ms at 512 rows
-# (docs/benchmarks.md).
+# measured from 65 to 2,048 rows, the 120 projections of a SmolLM2 forward 865 against 678 ms at 512 rows
+# (benchmarks/cpu_linear.py; docs/benchmarks.md).
 MIN_PACKED_ROWS = 4
 # Without speculation, pack only when the packed copy takes at most this share of the machine's memory.
 MAX_EXTRA_MEMORY_FRACTION = 0.1

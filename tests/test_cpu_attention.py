@@ -213,18 +213,26 @@ def test_a_build_killed_half_way_does_not_block_later_loads(tmp_path):
     assert "stale build lock" in done.stderr and not (copy / "lock").exists()
 
 
+LONG_EXTENDS = [
+    # (mode, prefix_lens, extend_lens)
+    (ForwardMode.EXTEND, [0, 100, 0], [600, 300, 2]),
+    (ForwardMode.MIXED, [40, 0, 200], [1, 400, 1]),  # a prefill chunk among decodes (--enable-mixed-chunk)
+]
+
+
+@pytest.mark.parametrize("mode,prefix_lens,extend_lens", LONG_EXTENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_long_prefills_run_on_the_kernel_by_default(dtype):
+def test_long_prefills_run_on_the_kernel_by_default(dtype, mode, prefix_lens, extend_lens):
     assert MAX_KERNEL_EXTEND_LEN is None
     args = dict(num_heads=9, num_kv_heads=3, head_dim=64, page_size=1, dtype=dtype, seed=4)
-    case = make_case(ForwardMode.EXTEND, [0, 100, 0], [600, 300, 2], **args)
+    case = make_case(mode, prefix_lens, extend_lens, **args)
     expected = reference_attention(case)
     out = run_backend(CpuAttentionBackend(), case)
     assert isinstance(case.batch.attn_metadata, CpuAttentionPlan) and kv_written(case)
     if dtype == torch.float32:
         torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=2e-5)
     else:
-        native = run_backend(TorchNativeAttention(), make_case(ForwardMode.EXTEND, [0, 100, 0], [600, 300, 2], **args))
+        native = run_backend(TorchNativeAttention(), make_case(mode, prefix_lens, extend_lens, **args))
         error, native_error = (out.double() - expected).abs().max(), (native.double() - expected).abs().max()
         assert error <= 2 * native_error + 1e-3, (error, native_error)
 

@@ -31,9 +31,10 @@ from radixserve.model_runner.forward_batch import ForwardBatch
 
 QUERY_BLOCK = 16  # query tokens per work item of a lone request
 # Every extend runs here by default, long prefills included: on an AMX CPU the kernel ties torch_native's
-# scaled-dot-product path on 512-token prefill chunks, and on an AVX-512-BF16 CPU without AMX it takes a 4,096-token
-# prefill from 13.1 to 5.8 s in bfloat16 and from 17.0 to 11.9 s in float32 (torch_native masks every key, so
-# its causal half is computed too; docs/benchmarks.md). `max_extend_len` sends longer extends to torch_native.
+# scaled-dot-product path on 512-token prefill chunks, and on an AVX-512-BF16 CPU without AMX it takes one layer's
+# attention of a 4,096-token prefill from 346 to 110 ms in bfloat16 and from 344 to 157 ms in float32
+# (benchmarks/cpu_kernels.py; torch_native masks every key, so its causal half is computed too). `max_extend_len`
+# sends longer extends to torch_native.
 MAX_KERNEL_EXTEND_LEN: Optional[int] = None
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 
