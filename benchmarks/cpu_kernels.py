@@ -46,6 +46,17 @@ def median_us(fn, repeats: int) -> float:
     return statistics.median(times) * 1e6
 
 
+def backend_timings(case, repeats: int) -> dict[str, float]:
+    """Median microseconds of one layer's attention of `case` on torch_native and on the cpu backend, planning
+    excluded."""
+    timings = {}
+    for name, backend in (("torch_native", TorchNativeAttention()), ("cpu", CpuAttentionBackend())):
+        backend.plan(case.batch)
+        timings[name] = median_us(lambda: backend.forward(case.q, case.k, case.v, case.layer_id, case.scaling,
+                                                          case.batch), repeats)
+    return timings
+
+
 def attention_rows(dtype: torch.dtype, batch_sizes: list[int], context: int, repeats: int, group_size: int,
                    shared_len: int) -> list[dict]:
     rows = []
@@ -54,11 +65,7 @@ def attention_rows(dtype: torch.dtype, batch_sizes: list[int], context: int, rep
                          page_size=1, dtype=dtype, keep_reference_data=False)
         if shared:
             share_prefixes(case, group_size, shared)
-        timings = {}
-        for name, backend in (("torch_native", TorchNativeAttention()), ("cpu", CpuAttentionBackend())):
-            backend.plan(case.batch)
-            timings[name] = median_us(lambda: backend.forward(case.q, case.k, case.v, case.layer_id, case.scaling,
-                                                              case.batch), repeats)
+        timings = backend_timings(case, repeats)
         name = f"attention decode bs={bs} ctx={context}" + (f" shared {group_size}x{shared}" if shared else "")
         rows.append(dict(op=name, torch_us=timings["torch_native"],
                          cpu_us=timings["cpu"]))
@@ -70,11 +77,7 @@ def prefill_rows(dtype: torch.dtype, lengths: list[int], repeats: int) -> list[d
     for length in lengths:
         case = make_case(ForwardMode.EXTEND, [0], [length], num_heads=9, num_kv_heads=3, head_dim=64, page_size=1,
                          dtype=dtype, keep_reference_data=False)
-        timings = {}
-        for name, backend in (("torch_native", TorchNativeAttention()), ("cpu", CpuAttentionBackend())):
-            backend.plan(case.batch)
-            timings[name] = median_us(lambda: backend.forward(case.q, case.k, case.v, case.layer_id, case.scaling,
-                                                              case.batch), repeats)
+        timings = backend_timings(case, repeats)
         rows.append(dict(op=f"attention prefill T={length}", torch_us=timings["torch_native"], cpu_us=timings["cpu"]))
     return rows
 

@@ -24,6 +24,7 @@ import json
 import math
 import time
 
+import roofline
 import torch
 import torch.nn.functional as F
 
@@ -38,14 +39,7 @@ def time_ms(fn, repeats: int = 20, warmup: int = 3) -> float:
     """Mean milliseconds of `fn` over `repeats` back-to-back calls, by CUDA events."""
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / repeats
+    return roofline.time_ms(fn, torch.device("cuda"), calls=repeats)
 
 
 def capture(fn) -> torch.cuda.CUDAGraph:

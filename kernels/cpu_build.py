@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import logging
 import os
@@ -48,8 +49,10 @@ def enabled() -> bool:
     return os.environ.get("RADIXSERVE_CPU_KERNELS", "1") != "0"
 
 
+@functools.lru_cache(maxsize=None)
 def cpu_flags() -> str:
-    """The CPU's instruction-set flags (`/proc/cpuinfo`), sorted; empty where unreadable."""
+    """The CPU's instruction-set flags (`/proc/cpuinfo`, read once per process), sorted; empty where
+    unreadable."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
