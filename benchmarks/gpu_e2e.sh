@@ -14,7 +14,8 @@
 #   gsp-clients: the same workload (radix cache and cascade on) from 1 and from 8 client processes.
 #   gsp-policy: the same from 8 client processes, against servers with --schedule-policy fcfs (the default), lpm,
 #            and lpm with --enable-mixed-chunk; each after a smaller burst (16 x 16 prompts) that compiles the
-#            cascade kernels, with the server's Prefill/Decode batch lines in $OUT/gsp_policy_*_scheduler.log.
+#            cascade kernels, with the server's Prefill/Decode batch lines in $OUT/gsp_policy_*_scheduler.log;
+#            GSP_POLICIES picks the servers (default "fcfs lpm lpm-mixed"; a name given twice runs twice).
 # STEPS selects (default: all, in that order; a call is limited to ~10 minutes, so split them), e.g.
 #   STEPS="tests overlap" bash benchmarks/gpu_e2e.sh
 # Needs .whl/ (see ../shared/gpu/README.md) and .gpu-assets/llama-3.1-8b-dummy/ (config.json + a tokenizer) carried.
@@ -144,17 +145,21 @@ if want gsp-clients; then
     stop_server
 fi
 if want gsp-policy; then
-    for config in fcfs lpm lpm-mixed; do
+    run=0
+    for config in ${GSP_POLICIES:-fcfs lpm lpm-mixed}; do
+        run=$((run + 1))
         flags=(--schedule-policy "${config%-mixed}")
         [[ $config == *-mixed ]] && flags+=(--enable-mixed-chunk)
+        name=$config
+        [[ -e $OUT/gsp_policy_$name.json ]] && name=${config}_$run  # a name given again
         if serve "${flags[@]}" --log-level info; then
-            run_step "gsp_policy_${config}_warmup" 60 "${BENCH[@]}" --dataset generated-shared-prefix --request-rate inf \
+            run_step "gsp_policy_${name}_warmup" 60 "${BENCH[@]}" --dataset generated-shared-prefix --request-rate inf \
                 --gsp-num-groups 16 --gsp-prompts-per-group 16 --gsp-output-len 24 --output-file "$OUT/gsp_policy_warmup.json"
-            run_step "gsp_policy_$config" 100 "${BENCH[@]}" --dataset generated-shared-prefix --request-rate inf \
-                --flush-cache --client-processes 8 --label "$config" --output-file "$OUT/gsp_policy_$config.json"
-            grep -hE "Prefill batch|Decode batch" "$SERVER_LOG" > "$OUT/gsp_policy_${config}_scheduler.log"
+            run_step "gsp_policy_$name" 100 "${BENCH[@]}" --dataset generated-shared-prefix --request-rate inf \
+                --flush-cache --client-processes 8 --label "$config" --output-file "$OUT/gsp_policy_$name.json"
+            grep -hE "Prefill batch|Decode batch" "$SERVER_LOG" > "$OUT/gsp_policy_${name}_scheduler.log"
         else
-            SUMMARY+=("server ($config) did not start")
+            SUMMARY+=("server ($name) did not start")
         fi
         stop_server
     done
