@@ -185,7 +185,8 @@ class ItemKernel {
   }
 
   // Many rows per KV head: per KV head, blocks of rows against each key tile, the tile's keys and values of that
-  // head converted to float32 once (bfloat16) or read in place (float32).
+  // head read in place (float32), the keys in place and the values transposed into key pairs (bfloat16 with
+  // AVX-512 BF16), or both converted to float32 once.
   void attend_lanes(int64_t kv_begin, int64_t kv_end, int64_t pos0, int64_t t_begin, int64_t t_end) {
     const int64_t D = head_dim_, rows = (t_end - t_begin) * group_;
     const int64_t blocks = (rows + radixserve_cpu::kLaneRows - 1) / radixserve_cpu::kLaneRows;
@@ -193,13 +194,15 @@ class ItemKernel {
     if (static_cast<int64_t>(lanes_.size()) < heads * blocks) lanes_.resize(heads * blocks);
     row_positions_.resize(rows);
     for (int64_t r = 0; r < rows; ++r) row_positions_[r] = positions_[t_begin + r / group_];
-    // bfloat16 scores on AMX tiles where the CPU and the OS allow them (cpu_attention_amx.h).
-    const bool amx = kKeysAsBf16 && radixserve_cpu::kAmx && D % 32 == 0 && use_amx_ && radixserve_cpu::amx_ready();
+    // bfloat16 values as transposed key pairs (vdpbf16ps), and on AMX tiles with the scores where the CPU and the
+    // OS allow them (cpu_attention_amx.h).
+    const bool pairs = kKeysAsBf16 && D % 16 == 0;
+    const bool amx = pairs && radixserve_cpu::kAmx && D % 32 == 0 && use_amx_ && radixserve_cpu::amx_ready();
     std::optional<radixserve_cpu::AmxTiles> tiles;
+    if (pairs) vt_.resize(kKeyTile * D);
     if (amx) {
       tiles.emplace(radixserve_cpu::kAttentionTiles);
       k_amx_.resize(kKeyTile * D);
-      v_amx_.resize(kKeyTile * D);
     }
     // Block b of head h is lanes_[(h - h_begin_) * blocks + b].
     for (int64_t h = h_begin_; h < h_end_; ++h) {
@@ -233,10 +236,10 @@ class ItemKernel {
           } else {
             if constexpr (kKeysAsBf16) {
               k_bf16_rows_[k] = reinterpret_cast<const uint16_t*>(k_ + offset);
-              if (amx) {
-                std::memcpy(k_amx_.data() + k * D, k_ + offset, D * sizeof(uint16_t));
+              if (pairs) {
+                if (amx) std::memcpy(k_amx_.data() + k * D, k_ + offset, D * sizeof(uint16_t));
                 v_bf16_rows_[k] = reinterpret_cast<const uint16_t*>(v_ + offset);
-                continue;  // the values go to the tiles transposed, not as float32
+                continue;  // the values go to the lanes transposed, not as float32
               }
             } else {
               to_float(k_ + offset, k_tile_.data() + k * D, D);
@@ -251,15 +254,15 @@ class ItemKernel {
           k_bf16_rows_[k] = v_bf16_rows_[k] = reinterpret_cast<const uint16_t*>(zeros_.data());
         }
         if (amx && n < kKeyTile) std::fill(k_amx_.begin() + n * D, k_amx_.end(), 0);
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#if defined(__AVX512BF16__)
         static_assert(kKeyTile == 32, "transpose_values takes tiles of 32 keys");
-        if (amx) radixserve_cpu::transpose_values(v_bf16_rows_, D, v_amx_.data());
+        if (pairs) radixserve_cpu::transpose_values(v_bf16_rows_, D, vt_.data());
 #endif
         for (int64_t b = 0; b < blocks; ++b) {
           LaneBlock& lanes = lanes_[(h - h_begin_) * blocks + b];
           if constexpr (kKeysAsBf16) {
             lanes.tile<kKeyTile>(k_bf16_rows_, v_rows_, n, tile_pos0, amx ? k_amx_.data() : nullptr,
-                                 amx ? v_amx_.data() : nullptr);
+                                 pairs ? vt_.data() : nullptr);
           } else {
             lanes.tile<kKeyTile>(k_rows_, v_rows_, n, tile_pos0);
           }
@@ -400,7 +403,7 @@ class ItemKernel {
   std::vector<int64_t> tokens_, positions_, member_token_start_, row_positions_;
   std::vector<float> q_rows_, acc_, max_, sum_, scores_, k_tile_, v_tile_, zeros_;
   std::vector<LaneBlock> lanes_;
-  std::vector<uint16_t> q_bf16_, k_amx_, v_amx_;  // the unscaled queries' bits; a key tile; a value tile transposed
+  std::vector<uint16_t> q_bf16_, k_amx_, vt_;  // the unscaled queries' bits; a key tile; a value tile transposed
   std::vector<uint16_t> p_bf16_;                   // probabilities of a tile as bfloat16, [row][key]
   const uint16_t* k_bf16_rows_[kKeyTile];
   const uint16_t* v_bf16_rows_[kKeyTile];

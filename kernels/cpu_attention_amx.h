@@ -3,8 +3,9 @@
 // queries' pairs (B: 16 pairs x 16 lanes x 2, the layout LaneBlock keeps for vdpbf16ps), summed in float32 over
 // head_dim in steps of 32 (TDPBF16PS: exact products, float32 sums). The values too: the transposed accumulator
 // acc[d][lane] of 16 columns x 16 lanes gains the tile product of the values transposed (A: 16 columns x 32 keys,
-// a copy per key tile and KV head) and the probabilities rounded to bfloat16 as key pairs (B: 16 pairs x 16 lanes
-// x 2), so each 32 keys of a 64-wide head are 4 tile products per 16 rows instead of 2,048 float32 FMAs.
+// a copy per key tile and KV head, transpose_values in cpu_attention_lanes.h) and the probabilities rounded to
+// bfloat16 as key pairs (B: 16 pairs x 16 lanes x 2), so each 32 keys of a 64-wide head are 4 tile products per 16
+// rows instead of 1,024 vdpbf16ps (lane_values_bf16).
 #pragma once
 
 #include "cpu_vec.h"
@@ -118,45 +119,6 @@ inline void lane_scores_amx(const uint16_t* qp, const uint16_t* keys, int64_t D,
     else if (n > 16) lane_scores_2x2<kVectors, true, false>(qp, keys, D, j, s);
     else if (b1) lane_scores_2x2<kVectors, false, true>(qp, keys, D, j, s);
     else lane_scores_2x2<kVectors, false, false>(qp, keys, D, j, s);
-  }
-}
-
-// vt[d][0:32] = rows[k][d] for the 32 keys of a tile (bfloat16 bits; rows past the tile's keys point at zeros),
-// D a multiple of 16. Per 16 columns: each key pair's two rows interleaved into 32-bit pairs, then a 16 x 16
-// transpose of those pairs (32-bit unpacks, then 128-bit lane shuffles).
-inline void transpose_values(const uint16_t* const* rows, int64_t D, uint16_t* vt) {
-  const __m512i pairs = pair_index();
-  for (int64_t d0 = 0; d0 < D; d0 += 16) {
-    __m512i r[16], t[16];
-    for (int p = 0; p < 16; ++p) {  // r[p] = (key 2p, key 2p + 1) at the columns d0 + 0..15
-      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[2 * p] + d0));
-      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[2 * p + 1] + d0));
-      r[p] = _mm512_permutexvar_epi16(pairs, _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1));
-    }
-    for (int i = 0; i < 8; ++i) {
-      t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-      t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-    }
-    // r[4a + b], 128-bit lane L: column 4L + b of the pair rows 4a..4a + 3.
-    for (int a = 0; a < 4; ++a) {
-      r[4 * a] = _mm512_unpacklo_epi64(t[4 * a], t[4 * a + 2]);
-      r[4 * a + 1] = _mm512_unpackhi_epi64(t[4 * a], t[4 * a + 2]);
-      r[4 * a + 2] = _mm512_unpacklo_epi64(t[4 * a + 1], t[4 * a + 3]);
-      r[4 * a + 3] = _mm512_unpackhi_epi64(t[4 * a + 1], t[4 * a + 3]);
-    }
-    for (int b = 0; b < 4; ++b) {
-      t[b] = _mm512_shuffle_i32x4(r[b], r[4 + b], 0x88);
-      t[4 + b] = _mm512_shuffle_i32x4(r[b], r[4 + b], 0xdd);
-      t[8 + b] = _mm512_shuffle_i32x4(r[8 + b], r[12 + b], 0x88);
-      t[12 + b] = _mm512_shuffle_i32x4(r[8 + b], r[12 + b], 0xdd);
-    }
-    uint16_t* out = vt + d0 * 32;
-    for (int b = 0; b < 4; ++b) {
-      _mm512_storeu_si512(out + b * 32, _mm512_shuffle_i32x4(t[b], t[8 + b], 0x88));
-      _mm512_storeu_si512(out + (8 + b) * 32, _mm512_shuffle_i32x4(t[b], t[8 + b], 0xdd));
-      _mm512_storeu_si512(out + (4 + b) * 32, _mm512_shuffle_i32x4(t[4 + b], t[12 + b], 0x88));
-      _mm512_storeu_si512(out + (12 + b) * 32, _mm512_shuffle_i32x4(t[4 + b], t[12 + b], 0xdd));
-    }
   }
 }
 

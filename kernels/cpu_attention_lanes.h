@@ -8,8 +8,9 @@
 // broadcast against the lanes of every row vector, and each row's softmax state (running max, sum) is a lane of a
 // vector, updated with vector operations. Lanes past the block's rows hold zero queries and are never read back.
 // Where the CPU has AVX-512 BF16, bfloat16 scores are dot products of bfloat16 pairs (vdpbf16ps: exact products,
-// float32 sums) of the unscaled queries with the pool's keys in place, scaled after; elsewhere the keys are
-// converted to float32 like the values.
+// float32 sums) of the unscaled queries with the pool's keys in place, scaled after, and the values' products
+// take the probabilities rounded to bfloat16 against each column's pair of values from one transposed copy per
+// tile and KV head (transpose_values), two keys per vdpbf16ps; elsewhere keys and values are converted to float32.
 #pragma once
 
 #include "cpu_attention_amx.h"
@@ -89,6 +90,71 @@ inline void lane_scores_bf16(const uint16_t* qp, const uint16_t* const* keys, in
   for (int k = 0; k < kSteps; ++k)
     for (int j = 0; j < kVectors; ++j) _mm512_storeu_ps(s + k * W + 16 * j, acc[k][j]);
 }
+
+// vt[d][0:32] = rows[k][d] for the 32 keys of a tile (bfloat16 bits; rows past the tile's keys point at zeros),
+// D a multiple of 16. Per 16 columns: each key pair's two rows interleaved into 32-bit pairs, then a 16 x 16
+// transpose of those pairs (32-bit unpacks, then 128-bit lane shuffles).
+inline void transpose_values(const uint16_t* const* rows, int64_t D, uint16_t* vt) {
+  const __m512i pairs = pair_index();
+  for (int64_t d0 = 0; d0 < D; d0 += 16) {
+    __m512i r[16], t[16];
+    for (int p = 0; p < 16; ++p) {  // r[p] = (key 2p, key 2p + 1) at the columns d0 + 0..15
+      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[2 * p] + d0));
+      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[2 * p + 1] + d0));
+      r[p] = _mm512_permutexvar_epi16(pairs, _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1));
+    }
+    for (int i = 0; i < 8; ++i) {
+      t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+      t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    // r[4a + b], 128-bit lane L: column 4L + b of the pair rows 4a..4a + 3.
+    for (int a = 0; a < 4; ++a) {
+      r[4 * a] = _mm512_unpacklo_epi64(t[4 * a], t[4 * a + 2]);
+      r[4 * a + 1] = _mm512_unpackhi_epi64(t[4 * a], t[4 * a + 2]);
+      r[4 * a + 2] = _mm512_unpacklo_epi64(t[4 * a + 1], t[4 * a + 3]);
+      r[4 * a + 3] = _mm512_unpackhi_epi64(t[4 * a + 1], t[4 * a + 3]);
+    }
+    for (int b = 0; b < 4; ++b) {
+      t[b] = _mm512_shuffle_i32x4(r[b], r[4 + b], 0x88);
+      t[4 + b] = _mm512_shuffle_i32x4(r[b], r[4 + b], 0xdd);
+      t[8 + b] = _mm512_shuffle_i32x4(r[8 + b], r[12 + b], 0x88);
+      t[12 + b] = _mm512_shuffle_i32x4(r[8 + b], r[12 + b], 0xdd);
+    }
+    uint16_t* out = vt + d0 * 32;
+    for (int b = 0; b < 4; ++b) {
+      _mm512_storeu_si512(out + b * 32, _mm512_shuffle_i32x4(t[b], t[8 + b], 0x88));
+      _mm512_storeu_si512(out + (8 + b) * 32, _mm512_shuffle_i32x4(t[b], t[8 + b], 0xdd));
+      _mm512_storeu_si512(out + (4 + b) * 32, _mm512_shuffle_i32x4(t[4 + b], t[12 + b], 0x88));
+      _mm512_storeu_si512(out + (12 + b) * 32, _mm512_shuffle_i32x4(t[4 + b], t[12 + b], 0xdd));
+    }
+  }
+}
+
+// acc[d][lanes] += sum_k vt[d][k] * p[k][lanes] over the 32 keys of a tile, as vdpbf16ps of key pairs (exact
+// products, float32 sums): pp the probabilities as bfloat16 key pairs ([16 pairs][16 * kVectors lanes][2]), each
+// column's pair of values broadcast from vt (transpose_values), step_width columns at a time.
+template <int kVectors>
+inline void lane_values_bf16(const uint16_t* pp, const uint16_t* vt, int64_t D, float* acc) {
+  constexpr int W = 16 * kVectors;
+  constexpr int kSteps = step_width<kVectors>();
+  for (int64_t d0 = 0; d0 < D; d0 += kSteps) {
+    __m512 sum[kSteps][kVectors];
+    for (int c = 0; c < kSteps; ++c)
+      for (int j = 0; j < kVectors; ++j) sum[c][j] = _mm512_loadu_ps(acc + (d0 + c) * W + 16 * j);
+    for (int p = 0; p < 16; ++p) {
+      __m512bh pk[kVectors];
+      for (int j = 0; j < kVectors; ++j) pk[j] = (__m512bh)_mm512_loadu_si512(pp + (p * W + 16 * j) * 2);
+      for (int c = 0; c < kSteps; ++c) {
+        int32_t pair;
+        std::memcpy(&pair, vt + (d0 + c) * 32 + 2 * p, sizeof(pair));
+        const __m512bh v = (__m512bh)_mm512_set1_epi32(pair);
+        for (int j = 0; j < kVectors; ++j) sum[c][j] = _mm512_dpbf16_ps(sum[c][j], v, pk[j]);
+      }
+    }
+    for (int c = 0; c < kSteps; ++c)
+      for (int j = 0; j < kVectors; ++j) _mm512_storeu_ps(acc + (d0 + c) * W + 16 * j, sum[c][j]);
+  }
+}
 #else
 constexpr bool kBf16Dots = false;
 #endif
@@ -153,8 +219,9 @@ class LaneBlock {
   // One tile of n (1..kTile) keys at positions pos0, pos0 + 1, ...; keys/values point at each key's D values of
   // this KV head, with entries up to the step width past n pointing at readable (zero) rows. Keys as float32
   // after `load`, as bfloat16 after `load_bf16`; with `key_tile` (bfloat16 keys copied contiguously, see
-  // lane_scores_amx, and an AmxTiles in scope), the scores are computed on AMX tiles, and with `value_tile` too
-  // (the tile's bfloat16 values transposed, see transpose_values; kTile 32), the values (`values` unread).
+  // lane_scores_amx, and an AmxTiles in scope), the scores are computed on AMX tiles. With `value_tile` (bfloat16
+  // keys; the tile's values transposed, see transpose_values; kTile 32) the values' products take the
+  // probabilities as bfloat16 pairs (`values` unread), on AMX tiles with `key_tile`, else as vdpbf16ps.
   template <int kTile, typename Key>
   void tile(const Key* const* keys, const float* const* values, int64_t n, int64_t pos0,
             const uint16_t* key_tile = nullptr, const uint16_t* value_tile = nullptr) {
@@ -210,9 +277,9 @@ class LaneBlock {
 #endif
       }
     }
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#if defined(__AVX512BF16__)
     if constexpr (!std::is_same_v<Key, float> && kTile == 32) {
-      if (value_tile != nullptr) return softmax_values_amx<kVectors>(n, pos0, value_tile);
+      if (value_tile != nullptr) return softmax_values_bf16<kVectors>(n, pos0, value_tile, key_tile != nullptr);
     }
 #endif
     // Scale, causal mask (only where some row does not see the whole tile) and the tile's max per lane.
@@ -253,15 +320,16 @@ class LaneBlock {
       lane_values<kVectors, kSteps>(s, values, n, d, correction, acc_.data());
   }
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-  // The rest of a tile whose scores s[key][lane] (unscaled) are in scores_ and whose values are on AMX tiles:
-  // causal mask, softmax in base 2 (exp2_16) and the values' tile products. A lane's reference max moves only when
+#if defined(__AVX512BF16__)
+  // The rest of a tile whose scores s[key][lane] (unscaled) are in scores_, with its bfloat16 values transposed
+  // (vt, see transpose_values): causal mask, softmax in base 2 (exp2_16) and the values' products, on AMX tiles
+  // (`on_tiles`, an AmxTiles of 8 tiles in scope) or as vdpbf16ps. A lane's reference max moves only when
   // the tile's max exceeds it by more than kMaxSlack (so the probabilities stay below e^kMaxSlack = 256, which
   // float32 sums and bfloat16 hold as well as numbers below 1): after the first tiles the accumulator is almost
   // never rescaled, where the running max of every lane made that a pass over it for most tiles. The
-  // probabilities go straight to bfloat16 key pairs for the tile product; the sum takes them in float32.
+  // probabilities go straight to bfloat16 key pairs for the products; the sum takes them in float32.
   template <int kVectors>
-  void softmax_values_amx(int64_t n, int64_t pos0, const uint16_t* value_tile) {
+  void softmax_values_bf16(int64_t n, int64_t pos0, const uint16_t* value_tile, bool on_tiles) {
     constexpr int W = 16 * kVectors;
     constexpr float kLog2e = 1.4426950408889634f, kMaxSlack = 5.545177444479562f;  // 8 ln 2
     float* s = scores_;
@@ -328,7 +396,11 @@ class LaneBlock {
       }
     }
     for (int j = 0; j < kVectors; ++j) _mm512_storeu_ps(sum_.data() + 16 * j, total[j]);
-    lane_values_amx<kVectors>(pp, value_tile, D_, acc_.data());
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    if (on_tiles) return lane_values_amx<kVectors>(pp, value_tile, D_, acc_.data());
+#endif
+    (void)on_tiles;
+    lane_values_bf16<kVectors>(pp, value_tile, D_, acc_.data());
   }
 #endif
 
