@@ -6,6 +6,8 @@
 #            on a subset (padded batches of 64) on the same GPU, compared by output tokens/s;
 #   offline-off: the same with the overlap scheduler off;
 #   offline-fp8: the same (no HF baseline) with the bf16 KV cache and then with --kv-cache-dtype fp8_e4m3;
+#   offline-variants: the same (no HF baseline) once per engine argument in OFFLINE_VARIANTS (default
+#            "page_size=16"), e.g. OFFLINE_VARIANTS="page_size=16 chunked_prefill_size=16384";
 #   rates:   serving.py random 1024/512 against `radixserve serve` at Poisson rates 4, 8 and 16, 300 requests
 #            each, the cache flushed before each rate (the prompts repeat), and the latency-vs-rate plot;
 #   gsp:     serving.py generated-shared-prefix (SGLang's defaults, all at once), radix cache on and off.
@@ -72,6 +74,13 @@ if want offline-off; then
     run_step offline_no_overlap 120 "${OFFLINE[@]}" --model "$MODEL" --load-format dummy --dtype bfloat16 \
         --dataset random --num-prompts 1000 --random-input-len 256 --random-output-len 256 --cache on --skip-hf \
         --engine-arg disable_overlap_schedule=true --output-json "$OUT/offline.jsonl"
+fi
+if want offline-variants; then
+    for variant in ${OFFLINE_VARIANTS:-page_size=16}; do
+        run_step "offline_${variant//=/_}" 150 "${OFFLINE[@]}" --model "$MODEL" --load-format dummy --dtype bfloat16 \
+            --dataset random --num-prompts 1000 --random-input-len 256 --random-output-len 256 --cache on --skip-hf \
+            --engine-arg "$variant" --output-json "$OUT/offline_variants.jsonl"
+    done
 fi
 if want offline-fp8; then
     for kv in auto fp8_e4m3; do
