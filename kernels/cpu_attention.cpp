@@ -404,7 +404,7 @@ class ItemKernel {
   std::vector<float> q_rows_, acc_, max_, sum_, scores_, k_tile_, v_tile_, zeros_;
   std::vector<LaneBlock> lanes_;
   std::vector<uint16_t> q_bf16_, k_amx_, vt_;  // the unscaled queries' bits; a key tile; a value tile transposed
-  std::vector<uint16_t> p_bf16_;                   // probabilities of a tile as bfloat16, [row][key]
+  std::vector<uint16_t> p_bf16_;               // probabilities of a tile as bfloat16, [row][key]
   const uint16_t* k_bf16_rows_[kKeyTile];
   const uint16_t* v_bf16_rows_[kKeyTile];
   const float* k_rows_[kKeyTile];
