@@ -90,7 +90,7 @@ if want offline-fp8; then
     done
 fi
 
-serve() {  # start a server with extra flags; wait for /health
+serve() {  # start a server with extra flags; wait for /health (the seconds it took go to the summary)
     # From /tmp: `python -m` puts the working directory first on sys.path, where the checkout's thin
     # radixserve/ would shadow the installed package.
     SERVER_LOG="$OUT/server-$RANDOM.log"
@@ -98,8 +98,12 @@ serve() {  # start a server with extra flags; wait for /health
         --model-path "$MODEL" --load-format dummy --dtype bfloat16 --port 30000 --log-level warning "$@" \
         > "$SERVER_LOG" 2>&1) &
     SERVER=$!
+    local started=$SECONDS
     for _ in $(seq 1 360); do  # up to 3 minutes: a fresh host JIT-compiles the FlashInfer kernels
-        curl -sf http://127.0.0.1:30000/health > /dev/null && return 0
+        if curl -sf http://127.0.0.1:30000/health > /dev/null; then
+            SUMMARY+=("server $* ready after $((SECONDS - started))s")
+            return 0
+        fi
         sleep 0.5
     done
     return 1

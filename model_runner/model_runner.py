@@ -125,9 +125,14 @@ class ModelRunner:
     # ---- set-up ----------------------------------------------------------------------------------
     def _create_attention_backend(self) -> AttentionBackend:
         """The requested backend; when none was requested and the device default (flashinfer on CUDA)
-        cannot run here, fall back to triton, then torch_native, with a warning."""
+        cannot run here, fall back to triton, then torch_native, with a warning (not with a
+        --prefill-attention-backend, which only the flashinfer backend honours)."""
         name = self.server_args.resolved_attention_backend()
-        if self.server_args.attention_backend is not None:
+        prefill = self.server_args.prefill_attention_backend
+        if prefill is not None and name != "flashinfer":
+            raise ValueError(f"--prefill-attention-backend {prefill} picks the flashinfer backend's extend kernels, "
+                             f"and this {self.device.type} runs the {name} attention backend")
+        if self.server_args.attention_backend is not None or prefill is not None:
             return create_attention_backend(name, self)
         candidates = [name] + [n for n in ("triton", "torch_native") if n != name]
         for i, candidate in enumerate(candidates):

@@ -39,6 +39,10 @@ def test_an_sglang_launch_line_parses():
     (["--tokenizer-mode", "slow"], "fast tokenizers only"),
     (["--grammar-backend", "outlines"], "xgrammar"),
     (["--stream-interval", "0"], "stream_interval must be >= 1"),
+    (["--prefill-attention-backend", "triton"], "must be flashinfer .* or fa3"),
+    (["--prefill-attention-backend", "fa3", "--attention-backend", "triton"],
+     "the triton attention backend has its own"),
+    (["--prefill-attention-backend", "fa3", "--kv-cache-dtype", "fp8_e4m3"], "fa3 reads a KV cache in the model's"),
 ])
 def test_values_radixserve_cannot_honour(flags, message):
     with pytest.raises(ValueError, match=message):
@@ -112,3 +116,12 @@ def test_sglang_launch_command_serves():
         assert server.log_text().count("long garbage collection: generation 2") >= 3, server.log_text()[-3000:]
     finally:
         assert server.stop() == 0
+
+
+def test_prefill_attention_backend_is_refused_where_flashinfer_does_not_run(tiny_model_dir):
+    assert _parse("--prefill-attention-backend", "flashinfer").prefill_attention_backend == "flashinfer"
+    from radixserve.model_runner.model_runner import ModelRunner
+
+    refusal = "--prefill-attention-backend fa3 picks the flashinfer backend's extend kernels, and this cpu runs the cpu"
+    with pytest.raises(ValueError, match=refusal):
+        ModelRunner(ServerArgs(model_path=tiny_model_dir("llama"), device="cpu", prefill_attention_backend="fa3"))

@@ -56,8 +56,9 @@ def create_attention_backend(name: str, runner: "ModelRunner | None" = None) -> 
         # (the largest uncaptured batches plan within it too).
         graph_bs = graph_max_batch_size(runner)
         workspace = DEFAULT_WORKSPACE_BYTES * max(1, graph_bs // 128)
+        prefill = {None: "auto", "flashinfer": "fa2", "fa3": "fa3"}[runner.server_args.prefill_attention_backend]
         return FlashInferAttentionBackend(*shape, runner.dtype, runner.device, page_size=runner.page_size,
-                                          workspace_bytes=workspace,
+                                          workspace_bytes=workspace, prefill_backend=prefill,
                                           cascade=not runner.server_args.disable_cascade_attn)
     except ImportError as exc:
         raise ValueError(f"the flashinfer attention backend is not available: {exc}") from exc

@@ -17,6 +17,7 @@ from radixserve.runtime.wire.speculative_args import check_speculative_args, res
 
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
 ATTENTION_BACKENDS = ("torch_native", "cpu", "triton", "flashinfer")
+PREFILL_ATTENTION_BACKENDS = ("flashinfer", "fa3")  # SGLang's names; FlashInfer's FA2 and FA3 extend kernels
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # SGLang's names: fp8_e4m3 / fp8_e5m2 store K and V as float8 (scale 1), read back in the model's dtype.
@@ -97,6 +98,10 @@ class ServerArgs:
 
     # Kernels
     attention_backend: Optional[str] = None  # None: flashinfer on CUDA, cpu (the C++ kernel) on the CPU
+    # SGLang's flag, for the flashinfer backend's extend kernels: None picks FA3 for long extends on Hopper (compiled
+    # at start-up) and FA2 for the rest; "flashinfer" FA2 for every extend (nothing FA3 to compile); "fa3" FA3 for
+    # every extend (Hopper only)
+    prefill_attention_backend: Optional[str] = None
     sampling_backend: Optional[str] = None  # None: "pytorch", the only one
     grammar_backend: Optional[str] = None  # None: "xgrammar", the only one (structured output)
     disable_cuda_graph: bool = False
@@ -192,6 +197,15 @@ class ServerArgs:
               "hicache_storage_dir and hicache_size need enable_hierarchical_cache")
         check(self.attention_backend is None or self.attention_backend in ATTENTION_BACKENDS,
               f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        check(self.prefill_attention_backend in (None, *PREFILL_ATTENTION_BACKENDS),
+              f"prefill_attention_backend must be flashinfer (FlashInfer's FA2 kernels for every extend) or fa3 "
+              f"(its FA3 kernels, Hopper GPUs), got {self.prefill_attention_backend!r}")
+        check(self.prefill_attention_backend is None or self.attention_backend in (None, "flashinfer"),
+              f"prefill_attention_backend picks the flashinfer backend's extend kernels; the "
+              f"{self.attention_backend} attention backend has its own")
+        check(not (self.prefill_attention_backend == "fa3" and self.kv_cache_dtype != "auto"),
+              "prefill_attention_backend fa3 reads a KV cache in the model's dtype; drop kv_cache_dtype or use "
+              "flashinfer")
         check(self.mem_fraction_static is None or 0.0 < self.mem_fraction_static < 1.0,
               f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
         check(self.max_total_tokens is None or self.max_total_tokens > 0,
