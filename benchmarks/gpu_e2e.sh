@@ -64,29 +64,27 @@ if want overlap; then
     run_step overlap_idle 200 "$PY" benchmarks/overlap_idle.py --model "$MODEL" --load-format dummy --dtype bfloat16 \
         --batch-size 64 --input-len 256 --output-len 512 --out "$OUT"
 fi
-OFFLINE=("$PY" benchmarks/offline_throughput.py)
+# The offline workload of every offline step: 1000 random prompts of 256 tokens, 256 out, radix cache on.
+OFFLINE=("$PY" benchmarks/offline_throughput.py --model "$MODEL" --load-format dummy --dtype bfloat16 --dataset random
+         --num-prompts 1000 --random-input-len 256 --random-output-len 256 --cache on)
 if want offline; then
-    run_step offline_overlap 200 "${OFFLINE[@]}" --model "$MODEL" --load-format dummy --dtype bfloat16 \
-        --dataset random --num-prompts 1000 --random-input-len 256 --random-output-len 256 --cache on \
-        --hf-device cuda --hf-batch-size 64 --hf-num-prompts 128 --output-json "$OUT/offline.jsonl"
+    run_step offline_overlap 200 "${OFFLINE[@]}" --hf-device cuda --hf-batch-size 64 --hf-num-prompts 128 \
+        --output-json "$OUT/offline.jsonl"
 fi
 if want offline-off; then
-    run_step offline_no_overlap 120 "${OFFLINE[@]}" --model "$MODEL" --load-format dummy --dtype bfloat16 \
-        --dataset random --num-prompts 1000 --random-input-len 256 --random-output-len 256 --cache on --skip-hf \
-        --engine-arg disable_overlap_schedule=true --output-json "$OUT/offline.jsonl"
+    run_step offline_no_overlap 120 "${OFFLINE[@]}" --skip-hf --engine-arg disable_overlap_schedule=true \
+        --output-json "$OUT/offline.jsonl"
 fi
 if want offline-variants; then
     for variant in ${OFFLINE_VARIANTS:-page_size=16}; do
-        run_step "offline_${variant//=/_}" 150 "${OFFLINE[@]}" --model "$MODEL" --load-format dummy --dtype bfloat16 \
-            --dataset random --num-prompts 1000 --random-input-len 256 --random-output-len 256 --cache on --skip-hf \
-            --engine-arg "$variant" --output-json "$OUT/offline_variants.jsonl"
+        run_step "offline_${variant//=/_}" 150 "${OFFLINE[@]}" --skip-hf --engine-arg "$variant" \
+            --output-json "$OUT/offline_variants.jsonl"
     done
 fi
 if want offline-fp8; then
     for kv in auto fp8_e4m3; do
-        run_step "offline_kv_$kv" 150 "${OFFLINE[@]}" --model "$MODEL" --load-format dummy --dtype bfloat16 \
-            --dataset random --num-prompts 1000 --random-input-len 256 --random-output-len 256 --cache on --skip-hf \
-            --engine-arg kv_cache_dtype=$kv --output-json "$OUT/offline_kv.jsonl"
+        run_step "offline_kv_$kv" 150 "${OFFLINE[@]}" --skip-hf --engine-arg kv_cache_dtype=$kv \
+            --output-json "$OUT/offline_kv.jsonl"
     done
 fi
 
