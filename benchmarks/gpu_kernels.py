@@ -1,18 +1,22 @@
 """Alternative kernels for the steps of the Llama-3.1-8B shape on the GPU, each measured on its own.
 
-Four parts (all by default; name some to run only those):
+Five parts (all by default; name some to run only those):
 
 - `gemm`: each projection (qkv, o, gate/up, down over 32 layers' weights, and the LM head) at 1-16 rows, cuBLAS
   (`torch.mm`) against FlashInfer's `tinygemm_bf16`, each captured in a CUDA graph, with the read floor from the
   measured copy bandwidth and the largest difference between the two outputs.
 - `attn`: one layer's decode attention (32 query heads, 8 KV heads, head_dim 128, bf16) for several batch x context
-  shapes and page sizes 1 and 16: FlashInfer's tensor-core decode planned eagerly and for CUDA graphs, its FA3
-  backend, and TensorRT-LLM's XQA kernel (pages of 16), each checked against the first.
+  shapes and pool layouts (`--attn-pools`: page size and NHD, a page's tokens outermost, or HND, its heads
+  outermost): FlashInfer's tensor-core decode planned eagerly and for CUDA graphs, its FA3 backend (`--fa3`), and
+  TensorRT-LLM's XQA kernel (pages of 16-128), each checked against the first.
 - `extend`: one layer's attention of an extend batch (causal, pages of 1, over a cached prefix or none), FlashInfer's
   FA2 prefill kernels (the backend's) against its FA3 ones, with the achieved TFLOP/s.
 - `two-stream`: a whole 32-layer decode step (RMSNorm, the four projections, FlashInfer decode attention, SiLU) in a
   CUDA graph: the full batch, its two halves one after the other, and the halves on two streams (so that one half's
   attention may overlap the other's matmuls), also with the second half started a layer late.
+- `l2-prefetch`: the same step at small batches, and again with each layer's output-projection weight read into
+  the L2 cache on a second stream while that layer's attention runs (a Triton kernel of `--prefetch-programs`
+  programs), so that the projection reads it from L2 instead of HBM.
 
     python benchmarks/gpu_kernels.py --out docs/results/gpu_kernels_h200/gpu_kernels.json
 """
@@ -67,8 +71,7 @@ def gemm_part(rows_list: list[int]) -> dict:
     from flashinfer.gemm import tinygemm_bf16
 
     bandwidth = copy_bandwidth()
-    weights = {name: [torch.randn(shape, dtype=BF16, device="cuda") * 0.02 for _ in range(LAYERS)]
-               for name, shape in PROJECTIONS.items()}
+    weights = layer_weights()
     weights["lm_head"] = [torch.randn(VOCAB, HIDDEN, dtype=BF16, device="cuda") * 0.02]
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")
     print(f"{'rows':>4} {'projection':>10} {'cuBLAS ms':>10} {'tinygemm ms':>12} {'floor ms':>9} {'max diff':>9}")
@@ -97,10 +100,11 @@ def gemm_part(rows_list: list[int]) -> dict:
     return result
 
 
-def paged_case(batch: int, context: int, page: int):
+def paged_case(batch: int, context: int, page: int, layout: str = "NHD"):
     pages_per_request = math.ceil(context / page)
     total = batch * pages_per_request
-    k = torch.randn(total, page, KV_HEADS, HEAD_DIM, dtype=BF16, device="cuda")
+    shape = (total, page, KV_HEADS, HEAD_DIM) if layout == "NHD" else (total, KV_HEADS, page, HEAD_DIM)
+    k = torch.randn(shape, dtype=BF16, device="cuda")
     v = torch.randn_like(k)
     indices = torch.randperm(total, device="cuda", dtype=torch.int32)
     indptr = torch.arange(0, batch + 1, dtype=torch.int32) * pages_per_request
@@ -109,7 +113,7 @@ def paged_case(batch: int, context: int, page: int):
     return k, v, indices, indptr, last, q
 
 
-def attention_part(shapes: list[tuple[int, int]]) -> dict:
+def attention_part(shapes: list[tuple[int, int]], pools: list[tuple[int, str]], with_fa3: bool) -> dict:
     import flashinfer
     from flashinfer.decode import trtllm_batch_decode_with_kv_cache
 
@@ -117,38 +121,41 @@ def attention_part(shapes: list[tuple[int, int]]) -> dict:
     scale = 1 / math.sqrt(HEAD_DIM)
     plan_args = dict(pos_encoding_mode="NONE", q_data_type=BF16, kv_data_type=BF16, sm_scale=scale)
     result = {}
-    print(f"{'batch':>5} {'context':>7} {'page':>4} {'kernel':>12} {'us':>8} {'TB/s':>6} {'max diff':>9}")
+    print(f"{'batch':>5} {'context':>7} {'pool':>8} {'kernel':>12} {'us':>8} {'TB/s':>6} {'max diff':>9}")
     for batch, context in shapes:
-        for page in (16, 1):
-            k, v, indices, indptr, last, q = paged_case(batch, context, page)
+        for page, layout in pools:
+            k, v, indices, indptr, last, q = paged_case(batch, context, page, layout)
             kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM * 2
-            eager = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=True)
+            eager = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, layout, use_tensor_cores=True)
             eager.plan(indptr, indices, last, HEADS, KV_HEADS, HEAD_DIM, page, **plan_args)
             reference = eager.run(q, (k, v)).float()
             graph = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                workspace, "NHD", use_cuda_graph=True, use_tensor_cores=True,
+                workspace, layout, use_cuda_graph=True, use_tensor_cores=True,
                 paged_kv_indptr_buffer=indptr.cuda(), paged_kv_indices_buffer=indices.clone(),
                 paged_kv_last_page_len_buffer=last.cuda())
             graph.plan(indptr, indices, last, HEADS, KV_HEADS, HEAD_DIM, page, **plan_args)
-            fa3 = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=True, backend="fa3")
-            fa3.plan(indptr, indices, last, HEADS, KV_HEADS, HEAD_DIM, page, **plan_args)
-            kernels = {"fa2 eager": lambda: eager.run(q, (k, v)), "fa2 graph": lambda: graph.run(q, (k, v)),
-                       "fa3": lambda: fa3.run(q, (k, v))}
-            if page >= 16:  # XQA takes pages of 16-128 tokens and a dense page table
+            kernels = {"fa2 eager": lambda: eager.run(q, (k, v)), "fa2 graph": lambda: graph.run(q, (k, v))}
+            if with_fa3:
+                fa3 = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, layout, use_tensor_cores=True,
+                                                                    backend="fa3")
+                fa3.plan(indptr, indices, last, HEADS, KV_HEADS, HEAD_DIM, page, **plan_args)
+                kernels["fa3"] = lambda: fa3.run(q, (k, v))
+            if 16 <= page <= 128:  # XQA takes pages of 16-128 tokens and a dense page table
                 table = indices.view(batch, -1)
                 lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
                 xqa_workspace = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
                 kernels["xqa"] = lambda: trtllm_batch_decode_with_kv_cache(
                     q, (k, v), xqa_workspace, table, lens, context, bmm1_scale=scale, bmm2_scale=1.0,
-                    kv_layout="NHD", backend="xqa")
+                    kv_layout=layout, backend="xqa")
             cell = {}
             for name, fn in kernels.items():
                 diff = (fn().float().reshape(reference.shape) - reference).abs().max().item()
                 ms = time_ms(fn)
                 cell[name] = {"us": ms * 1e3, "tb_s": kv_bytes / ms / 1e9, "max_diff": diff}
-                print(f"{batch:>5} {context:>7} {page:>4} {name:>12} {ms * 1e3:>8.1f} {kv_bytes / ms / 1e9:>6.2f} "
+                pool = f"{page}/{layout}"
+                print(f"{batch:>5} {context:>7} {pool:>8} {name:>12} {ms * 1e3:>8.1f} {kv_bytes / ms / 1e9:>6.2f} "
                       f"{diff:>9.1e}")
-            result[f"{batch}x{context}/page{page}"] = cell
+            result[f"{batch}x{context}/page{page}" + ("" if layout == "NHD" else f"/{layout}")] = cell
             del k, v
             torch.cuda.empty_cache()
     return result
@@ -187,6 +194,18 @@ def extend_part(shapes: list[tuple[int, int, int]]) -> dict:
     return result
 
 
+def layer_weights() -> dict[str, list[torch.Tensor]]:
+    """Random weights of each projection, one per layer."""
+    return {name: [torch.randn(shape, dtype=BF16, device="cuda") * 0.02 for _ in range(LAYERS)]
+            for name, shape in PROJECTIONS.items()}
+
+
+def random_kv(slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random K and V for `slots` positions of one layer (pages of 1)."""
+    k = torch.randn(slots, KV_HEADS, HEAD_DIM, dtype=BF16, device="cuda")
+    return k, torch.randn_like(k)
+
+
 class HalfStep:
     """A 32-layer decode step of `batch` requests over its own slice of a shared KV buffer (pages of 1)."""
 
@@ -206,15 +225,25 @@ class HalfStep:
         self.x = torch.randn(batch, HIDDEN, dtype=BF16, device="cuda")
         self.kv = (k.view(-1, 1, KV_HEADS, HEAD_DIM), v.view(-1, 1, KV_HEADS, HEAD_DIM))
 
-    def forward(self, after_attention=None, wait_for=None) -> torch.Tensor:
+    def forward(self, after_attention=None, wait_for=None, prefetch=None) -> torch.Tensor:
+        """`prefetch(weight)`, when given, runs on a side stream beside each layer's attention, given the output
+        projection's weight."""
         x = self.x.clone()
+        current = torch.cuda.current_stream()
+        side = torch.cuda.Stream() if prefetch is not None else None
         for layer in range(LAYERS):
             if wait_for is not None and layer < len(wait_for):
-                torch.cuda.current_stream().wait_event(wait_for[layer])
+                current.wait_event(wait_for[layer])
             qkv = F.linear(F.rms_norm(x, (HIDDEN,)), self.weights["qkv"][layer])
+            if side is not None:
+                side.wait_stream(current)
+                with torch.cuda.stream(side):
+                    prefetch(self.weights["o"][layer])
             attended = self.wrapper.run(qkv[:, : HEADS * HEAD_DIM].reshape(self.batch, HEADS, HEAD_DIM), self.kv)
             if after_attention is not None and layer < len(after_attention):
                 after_attention[layer].record()
+            if side is not None:
+                current.wait_stream(side)
             x = x + F.linear(attended.reshape(self.batch, -1), self.weights["o"][layer])
             gate_up = F.linear(F.rms_norm(x, (HIDDEN,)), self.weights["gate_up"][layer])
             x = x + F.linear(F.silu(gate_up[:, :INTERMEDIATE]) * gate_up[:, INTERMEDIATE:], self.weights["down"][layer])
@@ -222,13 +251,11 @@ class HalfStep:
 
 
 def two_stream_part(shapes: list[tuple[int, int]]) -> dict:
-    weights = {name: [torch.randn(shape, dtype=BF16, device="cuda") * 0.02 for _ in range(LAYERS)]
-               for name, shape in PROJECTIONS.items()}
+    weights = layer_weights()
     result = {}
     print(f"{'batch':>5} {'context':>7} {'full ms':>8} {'halves in turn':>15} {'two streams':>12} {'late start':>11}")
     for batch, context in shapes:
-        k = torch.randn(batch * context, KV_HEADS, HEAD_DIM, dtype=BF16, device="cuda")
-        v = torch.randn_like(k)
+        k, v = random_kv(batch * context)
         half = batch // 2
         full = HalfStep(weights, batch, context, k, v, 0)
         first = HalfStep(weights, half, context, k, v, 0)
@@ -261,17 +288,62 @@ def two_stream_part(shapes: list[tuple[int, int]]) -> dict:
     return result
 
 
+def l2_prefetch_part(shapes: list[tuple[int, int]], programs_list: list[int]) -> dict:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def touch_kernel(src, n, out, BLOCK: tl.constexpr):
+        """Reads src[0, n) (int32 words), program by program in strides, keeping the lines in L2."""
+        pid, programs = tl.program_id(0), tl.num_programs(0)
+        acc = tl.zeros([BLOCK], dtype=tl.int32)
+        for start in range(pid * BLOCK, n, programs * BLOCK):
+            offsets = start + tl.arange(0, BLOCK)
+            acc ^= tl.load(src + offsets, mask=offsets < n, other=0, eviction_policy="evict_last")
+        tl.store(out + pid, tl.sum(acc))
+
+    sink = torch.empty(max(programs_list), dtype=torch.int32, device="cuda")
+    weights = layer_weights()
+    result = {}
+    print(f"{'batch':>5} {'context':>7} {'variant':>16} {'step ms':>8}")
+    for batch, context in shapes:
+        k, v = random_kv(batch * context)
+        step = HalfStep(weights, batch, context, k, v, 0)
+        cell = {"plain_ms": time_ms(capture(step.forward).replay, 20)}
+        print(f"{batch:>5} {context:>7} {'plain':>16} {cell['plain_ms']:>8.3f}")
+        for programs in programs_list:
+            def prefetch(weight, programs=programs):
+                words = weight.view(torch.int32).view(-1)
+                touch_kernel[(programs,)](words, words.numel(), sink, BLOCK=2048)
+
+            ms = time_ms(capture(lambda: step.forward(prefetch=prefetch)).replay, 20)
+            cell[f"prefetch_{programs}_ms"] = ms
+            print(f"{batch:>5} {context:>7} {f'prefetch x{programs}':>16} {ms:>8.3f}")
+        result[f"{batch}x{context}"] = cell
+        del k, v, step
+        torch.cuda.empty_cache()
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("parts", nargs="*", metavar="PART", help="gemm, attn, extend, two-stream (default: all)")
+    parser.add_argument("parts", nargs="*", metavar="PART",
+                        help="gemm, attn, extend, two-stream, l2-prefetch (default: all)")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--extend-shapes", nargs="+", default=["32x256+0", "64x128+2048", "4x2176+0", "1x8192+0"],
                         help="extend batches as REQUESTSxNEW+PREFIX (the defaults: an 8,192-token chunk of 256-token "
                              "prompts; SGLang's generated-shared-prefix prompts, 128 new tokens on a cached 2,048-token "
                              "system prompt, and a group's first prompt; one long prompt)")
+    parser.add_argument("--attn-pools", nargs="+", default=["16:NHD", "1:NHD"],
+                        help="attn: pool layouts as PAGE:LAYOUT, LAYOUT NHD or HND")
+    parser.add_argument("--attn-shapes", nargs="+", default=["1000x300", "1000x512", "1x1024", "64x1024", "256x1024"],
+                        help="attn: BATCHxCONTEXT")
+    parser.add_argument("--fa3", action="store_true", help="attn: also FlashInfer's FA3 backend as the decode")
+    parser.add_argument("--prefetch-programs", type=int, nargs="+", default=[16, 32, 66, 132],
+                        help="l2-prefetch: programs of the prefetch kernel, one variant each")
     parser.add_argument("--out", default=None, help="JSON record")
     args = parser.parse_args()
-    known = ["gemm", "attn", "extend", "two-stream"]
+    known = ["gemm", "attn", "extend", "two-stream", "l2-prefetch"]
     if set(args.parts) - set(known):
         parser.error(f"unknown parts {sorted(set(args.parts) - set(known))}; choose from {known}")
     parts = args.parts or known
@@ -280,7 +352,9 @@ def main() -> None:
         record["gemm"] = gemm_part(args.rows)
         torch.cuda.empty_cache()
     if "attn" in parts:
-        record["attention"] = attention_part([(1000, 300), (1000, 512), (1, 1024), (64, 1024), (256, 1024)])
+        pools = [(int(pool.split(":")[0]), pool.split(":")[1]) for pool in args.attn_pools]
+        shapes = [tuple(int(n) for n in shape.split("x")) for shape in args.attn_shapes]
+        record["attention"] = attention_part(shapes, pools, args.fa3)
     if "extend" in parts:
         shapes = []
         for shape in args.extend_shapes:
@@ -290,6 +364,8 @@ def main() -> None:
         record["extend"] = extend_part(shapes)
     if "two-stream" in parts:
         record["two_stream"] = two_stream_part([(1000, 300), (1000, 512), (512, 512), (256, 1024)])
+    if "l2-prefetch" in parts:
+        record["l2_prefetch"] = l2_prefetch_part([(1, 1024), (8, 1024), (32, 1024)], args.prefetch_programs)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(record, f, indent=1)

@@ -19,7 +19,8 @@ steps are issued without waiting, i.e. what the device alone needs once the host
 (weight bytes read + KV bytes read) / bandwidth, the bandwidth that of a device-to-device copy measured at
 the start (bytes read + written / time). On a GPU, decode runs in CUDA graphs unless disabled;
 `--eager-batch-sizes` repeats those sizes without graphs; `--profile-batch-size` lists the top kernels of a
-few graph steps. Times come from CUDA events on a GPU, the wall clock on the CPU.
+few graph steps, `--profile-prefill-batch-size` those of a few prefill forwards of `--input-len` tokens each.
+Times come from CUDA events on a GPU, the wall clock on the CPU.
 
 Prints tables and writes JSON to `--out` (default $OUT, else benchmarks/results/). A stage that fails is
 recorded with its error and the run goes on.
@@ -56,7 +57,7 @@ from radixserve.radix_cache.pool import FLOAT8_DTYPES, TokenToKVPool  # noqa: E4
 from radixserve.runtime.wire.server_args import ServerArgs  # noqa: E402
 
 PROFILE_STEPS = 5
-PROFILE_TOP_KERNELS = 15
+PROFILE_TOP_KERNELS = 20
 
 
 def int_list(text: str) -> list[int]:
@@ -80,7 +81,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         help="decode sizes to repeat without CUDA graphs (when graphs are on)")
     parser.add_argument("--disable-cuda-graph", action="store_true")
     parser.add_argument("--kv-cache-dtype", default="auto", help="auto | bfloat16 | fp8_e4m3 | fp8_e5m2 | ...")
-    parser.add_argument("--profile-batch-size", type=int, default=0, help="0: no profile")
+    parser.add_argument("--profile-batch-size", type=int, default=0, help="decode batch to profile (0: none)")
+    parser.add_argument("--profile-prefill-batch-size", type=int, default=0, help="prefill batch to profile (0: none)")
     parser.add_argument("--prefill-repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=20, help="timed decode steps")
     parser.add_argument("--warmup", type=int, default=3)
@@ -169,13 +171,19 @@ def environment(runner: ModelRunner) -> dict:
 
 # ---- measurements ----------------------------------------------------------------------------------
 
+def prefill_batch(runner: ModelRunner, requests: StaticRequests, rng: random.Random) -> ForwardBatch:
+    """An EXTEND batch of random prompts filling `requests` from position 0."""
+    size = len(requests.rows)
+    prompts = [[rng.randrange(runner.vocab_size) for _ in range(requests.length)] for _ in range(size)]
+    return make_forward_batch(ForwardMode.EXTEND, requests.rows, [0] * size, prompts, requests.slots,
+                              runner.req_to_token_pool, runner.token_to_kv_pool)
+
+
 def bench_prefill(runner: ModelRunner, args: argparse.Namespace, batch_size: int, matmul_rate: float,
                   bandwidth: float, weight_bytes: int, rng: random.Random) -> dict:
     requests = StaticRequests(runner, batch_size, args.input_len)
     try:
-        prompts = [[rng.randrange(runner.vocab_size) for _ in range(args.input_len)] for _ in range(batch_size)]
-        batch = make_forward_batch(ForwardMode.EXTEND, requests.rows, [0] * batch_size, prompts, requests.slots,
-                                   runner.req_to_token_pool, runner.token_to_kv_pool)
+        batch = prefill_batch(runner, requests, rng)
         ms = roofline.median_ms(lambda: runner.forward(batch), runner.device, args.prefill_repeats, warmup=1)
     finally:
         requests.free()
@@ -229,15 +237,23 @@ def bench_decode(runner: ModelRunner, args: argparse.Namespace, batch_size: int,
                 tokens_per_s=batch_size / step_ms * 1e3, weight_gb=weight_bytes / 1e9, kv_gb=kv_bytes / 1e9)
 
 
-def profile_decode(runner: ModelRunner, args: argparse.Namespace, batch_size: int) -> dict:
-    """Top device kernels of PROFILE_STEPS decode steps (CUDA graphs when available), per step."""
+def profile_steps(runner: ModelRunner, args: argparse.Namespace, batch_size: int, prefill: bool) -> dict:
+    """Top device kernels of PROFILE_STEPS decode steps (CUDA graphs when available) or prefill forwards, per
+    step."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if runner.device.type == "cuda" else [])
 
-    requests = StaticRequests(runner, batch_size, args.context_len)
+    length = args.input_len if prefill else args.context_len
+    requests = StaticRequests(runner, batch_size, length)
     try:
-        step = decode_step_fn(runner, decode_batch(runner, requests, args.seed), True)
+        if prefill:
+            batch = prefill_batch(runner, requests, random.Random(args.seed))
+
+            def step() -> None:
+                runner.forward(batch)
+        else:
+            step = decode_step_fn(runner, decode_batch(runner, requests, args.seed), True)
         for _ in range(args.warmup):
             step()
         roofline.synchronize(runner.device)
@@ -263,7 +279,8 @@ def profile_decode(runner: ModelRunner, args: argparse.Namespace, batch_size: in
     kernels = [dict(name=e.key[:90], calls_per_step=e.count / PROFILE_STEPS,
                     us_per_step=device_us(e) / PROFILE_STEPS) for e in events[:PROFILE_TOP_KERNELS]]
     total = sum(device_us(e) for e in events) / PROFILE_STEPS
-    return dict(batch=batch_size, context_len=args.context_len, device_us_per_step=total, top_kernels=kernels)
+    return dict(mode="prefill" if prefill else "decode", batch=batch_size, context_len=length,
+                device_us_per_step=total, top_kernels=kernels)
 
 
 # ---- report ----------------------------------------------------------------------------------------
@@ -293,18 +310,19 @@ def print_report(result: dict) -> None:
             print(f"{'':<10}{r['batch']:>6}{r['context_len']:>8}{'yes' if r['cuda_graph'] else 'no':>7}"
                   f"{r['step_ms']:>10.3f}{r['back_to_back_ms']:>9.3f}{r['floor_ms']:>10.3f}"
                   f"{r['floor_fraction']:>11.1%}{r['tokens_per_s']:>10.0f}{r['kv_gb']:>8.2f}")
-    profile_result = result.get("profile")
-    if profile_result and "top_kernels" in profile_result:
-        print(f"\nprofile, batch {profile_result['batch']}: {profile_result['device_us_per_step']:.0f} us of "
-              "device time per step; top kernels (us per step, calls per step):")
-        for k in profile_result["top_kernels"]:
-            print(f"  {k['us_per_step']:>9.1f} {k['calls_per_step']:>6.0f}  {k['name']}")
+    for profile_result in (result.get("profile"), result.get("prefill_profile")):
+        if profile_result and "top_kernels" in profile_result:
+            print(f"\nprofile, {profile_result['mode']} batch {profile_result['batch']} x "
+                  f"{profile_result['context_len']}: {profile_result['device_us_per_step']:.0f} us of device time "
+                  "per step; top kernels (us per step, calls per step):")
+            for k in profile_result["top_kernels"]:
+                print(f"  {k['us_per_step']:>9.1f} {k['calls_per_step']:>6.0f}  {k['name']}")
     for error in result["errors"]:
         print(f"\nERROR in {error['stage']}: {error['error']}")
 
 
 def run(args: argparse.Namespace) -> dict:
-    result: dict = dict(args=vars(args), prefill=[], decode=[], profile=None, errors=[])
+    result: dict = dict(args=vars(args), prefill=[], decode=[], profile=None, prefill_profile=None, errors=[])
 
     def record_error(stage: str, exc: BaseException, row: Optional[dict] = None) -> None:
         message = f"{type(exc).__name__}: {exc}"
@@ -358,12 +376,14 @@ def run(args: argparse.Namespace) -> dict:
         result["decode"].append(row)
         print(f"[one_batch] decode {row}", flush=True)
 
-    if args.profile_batch_size:
-        try:
-            result["profile"] = profile_decode(runner, args, args.profile_batch_size)
-        except Exception as exc:
-            result["profile"] = {}
-            record_error("profile", exc, result["profile"])
+    for key, size, prefill in (("profile", args.profile_batch_size, False),
+                               ("prefill_profile", args.profile_prefill_batch_size, True)):
+        if size:
+            try:
+                result[key] = profile_steps(runner, args, size, prefill)
+            except Exception as exc:
+                result[key] = {}
+                record_error(key.replace("_", " "), exc, result[key])
     result["total_seconds"] = round(time.time() - started, 1)
     return result
 

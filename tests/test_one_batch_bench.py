@@ -3,7 +3,8 @@
 - The bytes a decode step reads and the FLOPs of a prefill, for the shipped Llama-3.1-8B config, against
   counts worked out by hand from the published shape (about 15.0 GB of weights read per decode step).
 - A whole run of the benchmark on a tiny random-weight config with torch_native: every requested row is
-  measured, the JSON holds each decode step's floor as (weight bytes + KV bytes) / measured bandwidth.
+  measured, the JSON holds each decode step's floor as (weight bytes + KV bytes) / measured bandwidth, and the
+  decode and prefill profiles list the matmuls among their top ops.
 """
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ def test_run_on_cpu_with_a_dummy_config(tmp_path, kv_cache_dtype, kv_element_byt
         "--config", str(config_path), "--device", "cpu", "--attention-backend", "torch_native",
         "--prefill-batch-sizes", "1,2", "--input-len", "16", "--prefill-repeats", "2",
         "--decode-batch-sizes", "1,3", "--context-len", "24", "--steps", "3", "--warmup", "1",
-        "--kv-cache-dtype", kv_cache_dtype, "--out", str(out), "--tag", "tiny",
+        "--kv-cache-dtype", kv_cache_dtype, "--profile-batch-size", "3", "--profile-prefill-batch-size", "2",
+        "--out", str(out), "--tag", "tiny",
     ])
     assert code == 0
     result = json.loads((out / "tiny.json").read_text())
@@ -68,6 +70,11 @@ def test_run_on_cpu_with_a_dummy_config(tmp_path, kv_cache_dtype, kv_element_byt
     assert [r["batch"] for r in result["prefill"]] == [1, 2]
     assert [r["batch"] for r in result["decode"]] == [1, 3]  # no eager repeats without CUDA graphs
     assert all(r["ms"] > 0 and r["tokens"] == r["batch"] * 16 for r in result["prefill"])
+    for key, mode, batch, length in (("profile", "decode", 3, 24), ("prefill_profile", "prefill", 2, 16)):
+        profile = result[key]
+        assert (profile["mode"], profile["batch"], profile["context_len"]) == (mode, batch, length)
+        assert profile["device_us_per_step"] > 0
+        assert any("linear" in k["name"] or "mm" in k["name"] for k in profile["top_kernels"])
 
     # Every parameter but the untied input embedding table, in float32.
     layer = 64 * (64 + 2 * 32) + 64 * 64 + 3 * 64 * 128 + 2 * 64
