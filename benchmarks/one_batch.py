@@ -274,7 +274,10 @@ def profile_steps(runner: ModelRunner, args: argparse.Namespace, batch_size: int
                 return float(getattr(event, name))
         return 0.0
 
-    events = [e for e in prof.key_averages() if device_us(e) > 0]
+    def listed(event) -> bool:  # on a GPU the kernels and copies, not the host ops and API calls that issued them
+        return not on_gpu or getattr(event, "device_type", None) != torch.autograd.DeviceType.CPU
+
+    events = [e for e in prof.key_averages() if listed(e) and device_us(e) > 0]
     events.sort(key=device_us, reverse=True)
     kernels = [dict(name=e.key[:90], calls_per_step=e.count / PROFILE_STEPS,
                     us_per_step=device_us(e) / PROFILE_STEPS) for e in events[:PROFILE_TOP_KERNELS]]
