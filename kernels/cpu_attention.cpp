@@ -40,6 +40,9 @@ namespace {
 using radixserve_cpu::exp_inplace;
 using radixserve_cpu::LaneBlock;
 using radixserve_cpu::scores_dots;
+#if defined(__AVX512F__)
+using radixserve_cpu::scores_f32;
+#endif
 using radixserve_cpu::softmax_row;
 using radixserve_cpu::values_block;
 
@@ -331,6 +334,9 @@ class ItemKernel {
           continue;
         }
         const float* q = q_rows_.data() + r0 * D;
+#if defined(__AVX512F__)
+        for (int64_t i = 0; i < rows; ++i) scores_f32(q + i * D, k_rows_, h * D, n, D, s + i * kKeyTile);
+#else
         for (int64_t i = 0; i < rows;) {
           const int64_t left = rows - i;
           float* si = s + i * kKeyTile;
@@ -340,6 +346,7 @@ class ItemKernel {
           else if (left == 2) scores_dots<2>(qi, D, k_rows_, h * D, n, D, si, kKeyTile), i += 2;
           else scores_dots<1>(qi, D, k_rows_, h * D, n, D, si, kKeyTile), i += 1;
         }
+#endif
         for (int64_t r = r0; r < r0 + rows; ++r) {
           softmax_row(scores_.data() + r * kKeyTile, kKeyTile, n, positions_[t_begin + (r - r0) / G] - tile_pos0,
                       max_[r], sum_[r], acc_.data() + r * D, D);

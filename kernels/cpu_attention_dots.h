@@ -12,7 +12,8 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
-#if defined(__AVX512BF16__)
+#include <type_traits>
+#if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -44,29 +45,44 @@ inline void scores_dots(const float* q, int64_t q_stride, const float* const* ke
   }
 }
 
+// Runs f(std::integral_constant<int, chunks>{}, c) over the columns of a row of D (a multiple of 16), 64 at a time:
+// `chunks` 16-float vectors from column c. The count is a compile-time constant so that a micro-kernel's
+// accumulator arrays stay in registers (with a run-time count GCC keeps them on the stack).
+template <typename F>
+inline void for_column_chunks(int64_t D, F&& f) {
+  for (int64_t c = 0; c < D; c += 64) {
+    switch (std::min<int64_t>(64, D - c) / 16) {
+      case 4: f(std::integral_constant<int, 4>{}, c); break;
+      case 3: f(std::integral_constant<int, 3>{}, c); break;
+      case 2: f(std::integral_constant<int, 2>{}, c); break;
+      default: f(std::integral_constant<int, 1>{}, c); break;
+    }
+  }
+}
+
 // out[i][0:D] += sum_k p[i][k] * v[k][0:D] for `rows` (1..4) rows, D a multiple of 16 up to 256.
 template <int kRows>
 inline void values_block(const float* p, int64_t p_stride, const float* const* v, int64_t offset, int64_t n,
                          int64_t D, float* out, int64_t out_stride) {
-  for (int64_t c = 0; c < D; c += 64) {
-    const int chunks = static_cast<int>(std::min<int64_t>(64, D - c) / 16);
-    v16 acc[kRows][4];
+  for_column_chunks(D, [&](auto chunks_constant, int64_t c) {
+    constexpr int kChunks = decltype(chunks_constant)::value;
+    v16 acc[kRows][kChunks];
     for (int i = 0; i < kRows; ++i)
-      for (int j = 0; j < chunks; ++j) acc[i][j] = load16(out + i * out_stride + c + 16 * j);
+      for (int j = 0; j < kChunks; ++j) acc[i][j] = load16(out + i * out_stride + c + 16 * j);
     for (int64_t k = 0; k < n; ++k) {
-      v16 vk[4];
-      for (int j = 0; j < chunks; ++j) vk[j] = load16(v[k] + offset + c + 16 * j);
+      v16 vk[kChunks];
+      for (int j = 0; j < kChunks; ++j) vk[j] = load16(v[k] + offset + c + 16 * j), pin(vk[j]);
       for (int i = 0; i < kRows; ++i) {
         const float pk = p[i * p_stride + k];
-        for (int j = 0; j < chunks; ++j) acc[i][j] += pk * vk[j];
+        for (int j = 0; j < kChunks; ++j) acc[i][j] += pk * vk[j];
       }
     }
     for (int i = 0; i < kRows; ++i)
-      for (int j = 0; j < chunks; ++j) store16(out + i * out_stride + c + 16 * j, acc[i][j]);
-  }
+      for (int j = 0; j < kChunks; ++j) store16(out + i * out_stride + c + 16 * j, acc[i][j]);
+  });
 }
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 // Lane k of the result: the sum of acc[k]'s 16 lanes (halves, then quarters, then within 128-bit lanes, which
 // leaves acc[4i + L] at 4L + i; a permutation puts it back).
 inline __m512 reduce16x16(const __m512* acc) {
@@ -84,6 +100,23 @@ inline __m512 reduce16x16(const __m512* acc) {
   const __m512 sums = _mm512_add_ps(_mm512_shuffle_ps(u0, u1, 0x44), _mm512_shuffle_ps(u0, u1, 0xee));
   return _mm512_permutexvar_ps(_mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0), sums);
 }
+
+// s[k] = q . keys[k] (float32 rows, at `offset` in each) for n keys, 16 keys' sums reduced together: a fourth of
+// the shuffles and adds of one reduce16 per key. The key pointers up to the next multiple of 16 past n read zeros.
+inline void scores_f32(const float* q, const float* const* keys, int64_t offset, int64_t n, int64_t D, float* s) {
+  for (int64_t k0 = 0; k0 < n; k0 += 16) {
+    __m512 acc[16];
+    for (int k = 0; k < 16; ++k) acc[k] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += 16) {
+      const __m512 qd = _mm512_loadu_ps(q + d);
+      for (int k = 0; k < 16; ++k) acc[k] = _mm512_fmadd_ps(_mm512_loadu_ps(keys[k0 + k] + offset + d), qd, acc[k]);
+    }
+    _mm512_storeu_ps(s + k0, reduce16x16(acc));
+  }
+}
+#endif
+
+#if defined(__AVX512BF16__)
 
 // s[k] = scale * (q . keys[k] + offset) for n keys, as bfloat16 pair products (exact) summed in float32; the key
 // pointers up to the next multiple of 16 past n read zeros.
@@ -109,14 +142,14 @@ template <int kRows>
 inline void values_bf16(const uint16_t* p, int64_t p_stride, const uint16_t* const* v, int64_t offset, int64_t n,
                         int64_t D, float* out, int64_t out_stride) {
   const __m512i pairs = pair_index();
-  for (int64_t c = 0; c < D; c += 64) {
-    const int chunks = static_cast<int>(std::min<int64_t>(64, D - c) / 16);
-    __m512 acc[kRows][4];
+  for_column_chunks(D, [&](auto chunks_constant, int64_t c) {
+    constexpr int kChunks = decltype(chunks_constant)::value;
+    __m512 acc[kRows][kChunks];
     for (int i = 0; i < kRows; ++i)
-      for (int j = 0; j < chunks; ++j) acc[i][j] = _mm512_loadu_ps(out + i * out_stride + c + 16 * j);
+      for (int j = 0; j < kChunks; ++j) acc[i][j] = _mm512_loadu_ps(out + i * out_stride + c + 16 * j);
     for (int64_t k = 0; k < n; k += 2) {
-      __m512bh vp[4];
-      for (int j = 0; j < chunks; ++j) {
+      __m512bh vp[kChunks];
+      for (int j = 0; j < kChunks; ++j) {
         const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v[k] + offset + c + 16 * j));
         const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v[k + 1] + offset + c + 16 * j));
         vp[j] = (__m512bh)_mm512_permutexvar_epi16(pairs, _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1));
@@ -125,12 +158,12 @@ inline void values_bf16(const uint16_t* p, int64_t p_stride, const uint16_t* con
         int32_t pair;
         std::memcpy(&pair, p + i * p_stride + k, sizeof(pair));
         const __m512bh pk = (__m512bh)_mm512_set1_epi32(pair);
-        for (int j = 0; j < chunks; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], vp[j], pk);
+        for (int j = 0; j < kChunks; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], vp[j], pk);
       }
     }
     for (int i = 0; i < kRows; ++i)
-      for (int j = 0; j < chunks; ++j) _mm512_storeu_ps(out + i * out_stride + c + 16 * j, acc[i][j]);
-  }
+      for (int j = 0; j < kChunks; ++j) _mm512_storeu_ps(out + i * out_stride + c + 16 * j, acc[i][j]);
+  });
 }
 #endif
 

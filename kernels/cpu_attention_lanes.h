@@ -54,7 +54,7 @@ inline void lane_scores(const float* qt, const float* const* keys, int64_t D, fl
   for (int k = 0; k < kSteps; ++k) key[k] = keys[k];
   for (int64_t d = 0; d < D; ++d) {
     v16 q[kVectors];
-    for (int j = 0; j < kVectors; ++j) q[j] = load16(qt + d * W + 16 * j);
+    for (int j = 0; j < kVectors; ++j) q[j] = load16(qt + d * W + 16 * j), pin(q[j]);
     for (int k = 0; k < kSteps; ++k) {
       const float kd = key[k][d];
       for (int j = 0; j < kVectors; ++j) acc[k][j] += kd * q[j];
@@ -169,7 +169,7 @@ inline void lane_values(const float* p, const float* const* values, int64_t n, i
     for (int j = 0; j < kVectors; ++j) sum[c][j] = load16(acc + (d0 + c) * W + 16 * j) * correction[j];
   for (int64_t k = 0; k < n; ++k) {
     v16 pk[kVectors];
-    for (int j = 0; j < kVectors; ++j) pk[j] = load16(p + k * W + 16 * j);
+    for (int j = 0; j < kVectors; ++j) pk[j] = load16(p + k * W + 16 * j), pin(pk[j]);
     const float* value = values[k] + d0;
     for (int c = 0; c < kSteps; ++c) {
       const float vd = value[c];

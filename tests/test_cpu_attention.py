@@ -43,7 +43,9 @@ CASES = [
 
 
 @pytest.mark.parametrize("mode,prefix_lens,extend_lens", CASES)
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (4, 2, 16), (6, 1, 32), (2, 2, 128)])
+# head_dim 48 and 80: a row's columns end in a chunk of 3 or 1 vectors (for_column_chunks).
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim",
+                         [(9, 3, 64), (4, 2, 16), (6, 1, 32), (2, 2, 128), (2, 1, 80), (3, 3, 48)])
 def test_matches_float64_reference(mode, prefix_lens, extend_lens, num_heads, num_kv_heads, head_dim):
     case = make_case(mode, prefix_lens, extend_lens, num_heads=num_heads, num_kv_heads=num_kv_heads,
                      head_dim=head_dim, page_size=1, dtype=torch.float32, seed=sum(prefix_lens) + num_heads)
@@ -68,7 +70,8 @@ def test_bfloat16_is_as_close_as_torch_native(page_size):
     assert error <= 2 * native_error + 1e-3, (error, native_error)
 
 
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (4, 2, 16), (2, 2, 128), (6, 1, 32)])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim",
+                         [(9, 3, 64), (4, 2, 16), (2, 2, 128), (6, 1, 32), (2, 1, 80), (3, 3, 48)])
 def test_bfloat16_decode_is_as_close_as_torch_native(num_heads, num_kv_heads, head_dim):
     # A few rows per KV head: bfloat16 pair products for the scores, and the probabilities rounded to bfloat16
     # against pairs of value rows, where the CPU has AVX-512 BF16 (float32 elsewhere).
