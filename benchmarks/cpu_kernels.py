@@ -2,6 +2,7 @@
 
     python benchmarks/cpu_kernels.py                       # float32 and bfloat16, 2 threads (all cores)
     python benchmarks/cpu_kernels.py --threads 1 --dtypes bfloat16
+    python benchmarks/cpu_kernels.py --library ~/.cache/radixserve/kernels/cpu-<key>/radixserve_cpu_kernels.so
 
 Attention: one layer of a DECODE batch (`--batch-sizes` requests x `--context-len` positions, 9 query heads, 3 KV
 heads, head_dim 64; slots scattered page by page, random KV), `torch_native` against the `cpu` backend, planning
@@ -11,6 +12,8 @@ batch 8); then one layer of a prefill of each length in `--prefill-lens` (one re
 Elementwise: residual add + RMSNorm over [T, 576], SiLU-and-mul over [T, 2 x 1536], rotary over the
 query and key heads of a fused projection, for T in `--tokens`, TORCH_OPS against the C++ ops. Medians of
 `--repeats` calls after warm-up; prints a table with the CPU's ISA flags and writes a JSON record (`--out`).
+`--library` loads a library built before (another commit's sources, from its cache folder) instead of building
+this checkout's, so two builds compare in alternating runs on the same machine.
 """
 
 from __future__ import annotations
@@ -112,10 +115,14 @@ def main() -> None:
     parser.add_argument("--tokens", default="64,512")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "cpu_kernels.json"))
+    parser.add_argument("--library", default=None,
+                        help="a built radixserve_cpu_kernels.so to time instead of this checkout's build")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    if not cpu_build.load():
+    if args.library:
+        cpu_build.load_library(args.library)
+    elif not cpu_build.load():
         raise SystemExit("the CPU kernels could not be built here")
     isa = cpu_build.cpu_isa()
     records = []
@@ -135,7 +142,7 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(dict(isa=isa, threads=torch.get_num_threads(), torch=torch.__version__,
-                                   context_len=args.context_len, records=records), indent=1))
+                                   context_len=args.context_len, library=args.library, records=records), indent=1))
     print(f"record written to {out}")
 
 

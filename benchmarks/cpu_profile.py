@@ -7,8 +7,10 @@ the CPU yardstick at once (G=8 P=8 S=512 Q=32 O=32, as `offline_throughput.py`),
     python benchmarks/cpu_profile.py --dtype float32 --attention-backend torch_native --top 20
     python benchmarks/cpu_profile.py --dtype bfloat16 --max-kernel-extend 64    # longer extends on torch_native
 
-Prints the wall time, the ModelRunner's forward time per mode (EXTEND, DECODE, MIXED), and with `--top N` the
-torch profiler's N most expensive ops by self CPU time, with the CPU's ISA flags.
+Prints the wall time, the ModelRunner's forward time and the attention backend's share of it per mode (EXTEND,
+DECODE, MIXED), and with `--top N` the torch profiler's N most expensive ops by self CPU time, with the CPU's ISA
+flags. `--library` runs a library built before (another commit's kernels, from its cache folder) instead of this
+checkout's build, to compare two builds in alternating runs.
 """
 
 from __future__ import annotations
@@ -30,11 +32,11 @@ from serving_datasets import shared_prefix_sessions  # noqa: E402
 from radixserve.kernels import cpu_build  # noqa: E402
 from radixserve.runtime.model_files import load_tokenizer, resolve_model  # noqa: E402
 
-def time_forwards_by_mode(runner) -> tuple[collections.defaultdict, collections.Counter]:
-    """Wrap `runner.forward` so that each call's wall time adds up by batch mode; returns (seconds, calls),
-    filled as forwards run."""
-    seconds, calls = collections.defaultdict(float), collections.Counter()
-    forward = runner.forward
+def time_forwards_by_mode(runner) -> tuple[collections.defaultdict, collections.Counter, collections.defaultdict]:
+    """Wrap `runner.forward` and its attention backend's `forward` so that each call's wall time adds up by batch
+    mode; returns (forward seconds, forward calls, attention seconds), filled as forwards run."""
+    seconds, calls, attention = collections.defaultdict(float), collections.Counter(), collections.defaultdict(float)
+    forward, attend = runner.forward, runner.attn_backend.forward
 
     def timed_forward(batch, *a, **k):
         start = time.perf_counter()
@@ -43,8 +45,15 @@ def time_forwards_by_mode(runner) -> tuple[collections.defaultdict, collections.
         calls[batch.mode.name] += 1
         return out
 
+    def timed_attention(q, k, v, layer_id, scaling, batch, *a, **kw):
+        start = time.perf_counter()
+        out = attend(q, k, v, layer_id, scaling, batch, *a, **kw)
+        attention[batch.mode.name] += time.perf_counter() - start
+        return out
+
     runner.forward = timed_forward
-    return seconds, calls
+    runner.attn_backend.forward = timed_attention
+    return seconds, calls, attention
 
 
 def main() -> None:
@@ -55,7 +64,11 @@ def main() -> None:
     parser.add_argument("--chunked-prefill-size", type=int, default=None, help="default: the CPU's (512)")
     parser.add_argument("--max-kernel-extend", type=int, default=None,
                         help="cpu backend: extends longer than this run on torch_native (default: none do)")
+    parser.add_argument("--library", default=None,
+                        help="a built radixserve_cpu_kernels.so to run instead of this checkout's build")
     args = parser.parse_args()
+    if args.library:
+        cpu_build.load_library(args.library)
 
     model_dir = resolve_model(None).model_dir
     sessions = shared_prefix_sessions(load_tokenizer(model_dir), 8, 8, 512, 32, 32)
@@ -72,7 +85,7 @@ def main() -> None:
     driver.run_until_idle()
     driver.flush_cache()
 
-    seconds, calls = time_forwards_by_mode(driver.runner)
+    seconds, calls, attention = time_forwards_by_mode(driver.runner)
     for i, session in enumerate(sessions):
         driver.submit(f"r{i}", session.turns[0].new_ids, max_new_tokens=32, ignore_eos=True)
     profiler = None
@@ -94,6 +107,8 @@ def main() -> None:
           f"{torch.get_num_threads()} threads; {args.dtype}, {backend}")
     print(f"wall {wall:.2f} s; forward time by mode: "
           + ", ".join(f"{mode} {seconds[mode]:.2f} s in {calls[mode]} steps" for mode in sorted(seconds)))
+    print("attention (the backend's forward, all layers) by mode: "
+          + ", ".join(f"{mode} {attention[mode]:.2f} s" for mode in sorted(attention)))
     if profiler is not None:
         print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
 

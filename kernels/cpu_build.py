@@ -154,6 +154,17 @@ def _put_ninja_on_path() -> None:
         os.environ["PATH"] = directory + os.pathsep + os.environ.get("PATH", "")
 
 
+def load_library(path: str) -> None:
+    """Load a library built before (another checkout's or commit's, from its cache folder) instead of building
+    this one's: for benchmarks that compare two builds. Once loaded, this process keeps it."""
+    global _loaded
+    with _lock:
+        if _loaded:
+            raise RuntimeError("the CPU kernels are already loaded in this process")
+        torch.ops.load_library(str(Path(path).expanduser()))
+        _loaded = True
+
+
 def ready() -> bool:
     """Whether the kernels are loaded (never blocks)."""
     return _loaded

@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -214,6 +215,40 @@ def test_a_build_killed_half_way_does_not_block_later_loads(tmp_path):
                           env={**os.environ, "RADIXSERVE_CACHE_DIR": str(tmp_path)})
     assert done.returncode == 0, done.stderr[-2000:]
     assert "stale build lock" in done.stderr and not (copy / "lock").exists()
+
+
+def test_a_library_built_before_loads_by_path_for_comparisons(tmp_path):
+    """`load_library` (the benchmarks' `--library`): a fresh process runs a copy of a built library, not a build of
+    its own (an empty cache folder stays empty), attends as the reference does, and refuses a second load."""
+    library = tmp_path / "before.so"
+    shutil.copy(next(cpu_build.build_directory().glob("*.so")), library)
+    script = """
+import sys, torch
+sys.path.insert(0, sys.argv[2])
+from attention_cases import make_case, reference_attention
+from radixserve.kernels import cpu_build
+from radixserve.model_runner.attention.cpu_backend import CpuAttentionBackend, CpuAttentionPlan
+from radixserve.model_runner.forward_batch import ForwardMode
+cpu_build.load_library(sys.argv[1])
+assert cpu_build.ready()
+case = make_case(ForwardMode.DECODE, [40, 7], [1, 1], num_heads=9, num_kv_heads=3, head_dim=64, page_size=1,
+                 dtype=torch.float32, seed=2)
+backend = CpuAttentionBackend()
+backend.plan(case.batch)
+assert isinstance(case.batch.attn_metadata, CpuAttentionPlan)
+out = backend.forward(case.q, case.k, case.v, case.layer_id, case.scaling, case.batch)
+torch.testing.assert_close(out.double(), reference_attention(case), atol=2e-5, rtol=2e-5)
+try:
+    cpu_build.load_library(sys.argv[1])
+except RuntimeError:
+    print("refused")
+"""
+    cache = tmp_path / "cache"
+    done = subprocess.run([sys.executable, "-c", script, str(library), str(Path(__file__).parent)],
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "RADIXSERVE_CACHE_DIR": str(cache)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["refused"] and not cache.exists()
 
 
 LONG_EXTENDS = [
