@@ -83,7 +83,7 @@ def main() -> None:
         t += rng.expovariate(args.rate)
         arrivals.append(t)
 
-    seconds, calls = time_forwards_by_mode(driver.runner)
+    seconds, calls, attention = time_forwards_by_mode(driver.runner)
     busy = None
     if args.busy_share > 0:
         busy = subprocess.Popen([sys.executable, "-c", BUSY_LOOP, str(args.busy_share)])
@@ -130,6 +130,8 @@ def main() -> None:
     print(f"wall {wall:.2f} s, {steps} steps; forward by mode: " + ", ".join(
         f"{mode} {seconds[mode]:.2f} s in {calls[mode]} ({1e3 * seconds[mode] / calls[mode]:.1f} ms each)"
         for mode in sorted(seconds)) + f"; outside the forward {outside:.2f} s ({1e3 * outside / steps:.2f} ms a step)")
+    print("attention (the backend's forward, all layers) by mode: "
+          + ", ".join(f"{mode} {attention[mode]:.2f} s" for mode in sorted(attention)))
     print(f"TTFT median / p99 {1e3 * statistics.median(ttft):.0f} / {1e3 * percentile(ttft, 0.99):.0f} ms; "
           f"ITL {1e3 * statistics.median(itl):.1f} / {1e3 * percentile(itl, 0.99):.0f} ms; "
           f"E2E median {1e3 * statistics.median(e2e):.0f} ms")

@@ -46,3 +46,4 @@ def test_serving_replay_runs_every_request_to_the_end():
     assert "server args {'chunked_prefill_size': 32}" in out.stdout
     assert "EXTEND" in out.stdout and "DECODE" in out.stdout
     assert "TTFT median / p99" in out.stdout
+    assert "attention (the backend's forward, all layers) by mode: DECODE" in out.stdout
