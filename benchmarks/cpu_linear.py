@@ -16,6 +16,8 @@ milliseconds of `--repeats` forwards after a warm-up, per path:
 - `packed`: `torch.ops.mkldnn._linear_pointwise` on a weight packed once (model_runner/cpu_small_batch.py for
   float32, model_runner/cpu_packed.py for bfloat16);
 - `kernel`: `torch.ops.radixserve_cpu.small_linear` on the plain weight;
+- `panel` (float32 on AVX-512, bfloat16 on AVX512_BF16): `torch.ops.radixserve_cpu.panel_linear` on the weight
+  packed in column panels (model_runner/cpu_panel_linear.py);
 - `amx` (bfloat16, where the CPU and the OS grant AMX tiles): `torch.ops.radixserve_cpu.amx_linear` on the weight
   packed for the tiles (model_runner/cpu_amx_linear.py), the loop for decode batches;
 - `gemm` (same condition): `torch.ops.radixserve_cpu.amx_gemm` on the same packed weight, the loop for prefill.
@@ -25,6 +27,9 @@ prefill row counts also prints the 120 projections' TFLOP/s per path. `--by-proj
 projection on its own (its 30 layers' weights in turn):
 
     python benchmarks/cpu_linear.py --threads 2 --rows 65 512 2048 --paths packed F.linear --by-projection
+
+`--hot` gives every layer the first layer's weights, so they stay in the caches: the difference to a plain run is
+the time spent waiting for memory.
 
 Prints a table with the CPU's ISA flags and writes a JSON record (`--out`).
 """
@@ -44,6 +49,7 @@ import torch.nn.functional as F
 
 from radixserve.kernels import cpu_build
 from radixserve.model_runner.cpu_amx_linear import pack_for_tiles
+from radixserve.model_runner.cpu_panel_linear import pack_panels
 
 LAYERS = 30
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out_features, in_features)
@@ -64,7 +70,7 @@ def medians_ms(calls: dict[str, Callable[[], object]], repeats: int) -> dict[str
     return {name: statistics.median(found) for name, found in times.items()}
 
 
-PATHS = ("F.linear", "packed", "kernel", "amx", "gemm")
+PATHS = ("F.linear", "packed", "kernel", "panel", "amx", "gemm")
 
 
 def paths(weights: list[torch.Tensor], names: tuple[str, ...]) -> dict[str, Callable[[torch.Tensor, int], torch.Tensor]]:
@@ -77,6 +83,9 @@ def paths(weights: list[torch.Tensor], names: tuple[str, ...]) -> dict[str, Call
         "packed": lambda x, i: torch.ops.mkldnn._linear_pointwise(x, packed[i], None, "none", [], ""),
         "kernel": lambda x, i: kernel(x, weights[i], None),
     }
+    if "panel" in names and torch.ops.radixserve_cpu.panel_linear_supported(weights[0].dtype):
+        panels = [pack_panels(w) for w in weights]
+        found["panel"] = lambda x, i: torch.ops.radixserve_cpu.panel_linear(x, panels[i], None)
     if weights[0].dtype == torch.bfloat16 and torch.ops.radixserve_cpu.amx_linear_ready():
         tiles = [pack_for_tiles(w) for w in weights]
         found["amx"] = lambda x, i: torch.ops.radixserve_cpu.amx_linear(x, tiles[i], None)
@@ -85,10 +94,11 @@ def paths(weights: list[torch.Tensor], names: tuple[str, ...]) -> dict[str, Call
 
 
 def measure(dtype: torch.dtype, rows: list[int], repeats: int, names: tuple[str, ...],
-            by_projection: bool = False) -> list[dict]:
+            by_projection: bool = False, hot: bool = False) -> list[dict]:
     generator = torch.Generator().manual_seed(0)
     shapes = LAYER_SHAPES * LAYERS
-    weights = [(torch.randn(n, k, generator=generator) * 0.05).to(dtype) for n, k in shapes]
+    weights = [(torch.randn(n, k, generator=generator) * 0.05).to(dtype) for n, k in shapes[:4 if hot else None]]
+    weights = weights * (LAYERS if hot else 1)  # hot: every layer the first one's weights, kept in the caches
     head = [(torch.randn(*HEAD_SHAPE, generator=generator) * 0.05).to(dtype)]
     layer_paths, head_paths = paths(weights, names), paths(head, names)
     flops = 2 * sum(n * k for n, k in shapes)  # per row of a forward
@@ -126,6 +136,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--paths", nargs="+", default=list(PATHS), choices=PATHS, help="time only these paths")
     parser.add_argument("--by-projection", action="store_true", help="also time each kind of projection alone")
+    parser.add_argument("--hot", action="store_true",
+                        help="every layer runs the first layer's weights, which stay in the caches: against the "
+                             "default, what waiting for memory costs")
     parser.add_argument("--out", help="write the JSON record here")
     args = parser.parse_args()
     if not cpu_build.load():
@@ -134,11 +147,12 @@ def main() -> None:
     print(f"ISA {cpu_build.cpu_isa()} (torch: {torch.backends.cpu.get_cpu_capability()}), torch {torch.__version__}, "
           f"{args.threads} thread(s); milliseconds, median of {args.repeats}")
     records = [r for dtype in args.dtypes for r in measure(getattr(torch, dtype), args.rows, args.repeats,
-                                                                     tuple(args.paths), args.by_projection)]
+                                                                     tuple(args.paths), args.by_projection,
+                                                                     args.hot)]
     if args.out:
         Path(args.out).write_text(json.dumps({
             "benchmark": "cpu small-row linear", "isa": cpu_build.cpu_isa(), "torch": torch.__version__,
-            "threads": args.threads, "records": records}, indent=1))
+            "threads": args.threads, "hot": args.hot, "records": records}, indent=1))
 
 
 if __name__ == "__main__":

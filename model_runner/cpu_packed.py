@@ -18,8 +18,9 @@ projections of a forward at one row and one thread: 23.6 against 25.5 ms; two th
 are the float32 sums rounded once to bfloat16, as oneDNN's, summed in another order (not bit-equal to `F.linear`).
 
 From 2 to 128 rows (decode batches) and from 256 rows (prefill) the AMX kernel's two loops run on a tile-packed
-copy of the weight where the CPU has AMX-BF16 (model_runner/cpu_amx_linear.py), ahead of the small-row kernel;
-elsewhere, and from 129 to 255 rows, as described.
+copy of the weight where the CPU has AMX-BF16 (model_runner/cpu_amx_linear.py), ahead of the small-row kernel.
+Without AMX but with AVX512_BF16, decode batches (2 to 128 rows, the LM head to 64) run the column-panel kernel on
+a copy of its own (model_runner/cpu_panel_linear.py). Elsewhere, and at the other row counts, as described.
 
 On a CPU with AMX-BF16 but without the AMX kernel (its extra copy did not fit), at prefill row counts
 (`PLAIN_MIN_ROWS` and more) the projections that do not widen their input (out_features <= in_features: o and down)
@@ -39,6 +40,7 @@ from torch import nn
 
 from radixserve.kernels import cpu_build
 from radixserve.model_runner.cpu_amx_linear import AmxWeight
+from radixserve.model_runner.cpu_panel_linear import PanelWeight
 from radixserve.model_runner.cpu_small_batch import extra_copy_fits, kernel_linear, kernel_rows
 from radixserve.model_runner.parallel import RowParallelLinear
 
@@ -67,10 +69,14 @@ class PackedLinear(nn.Module):
         self.plain_min_rows = PLAIN_MIN_ROWS if narrowing and "amx_bf16" in cpu_build.cpu_flags().split() else None
         self._packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
         self.amx = AmxWeight(linear.weight, enabled=amx)
+        self.panel = PanelWeight(linear.weight, head=head, enabled_here=amx)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """`x [..., in_features]` bfloat16 on the CPU, like the weight."""
         out = self.amx.linear(x, self.bias)
+        if out is not None:
+            return out
+        out = self.panel.linear(x, self.bias)
         if out is not None:
             return out
         out = kernel_linear(x, self.weight, self.bias, self.kernel_rows)

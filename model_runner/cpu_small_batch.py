@@ -9,9 +9,10 @@ costs more than `F.linear` at 1 to 3; the C++ kernel (kernels/cpu_linear.cpp, `t
 reads the plain weight once per call and is the fastest of the three from 2 to 16 rows (benchmarks/cpu_linear.py;
 figures in docs/benchmarks.md).
 
-`SmallBatchLinear` routes by row count: the kernel inside `KERNEL_ROWS` once the CPU kernels are loaded, the packed
-weight from `MIN_PACKED_ROWS` rows on (prefill chunks included) where the runner made a packed copy, `F.linear`
-otherwise (one-row decode of the projections, or no packed copy). The kernel and the packed path sum the same float32
+`SmallBatchLinear` routes by row count: on AVX-512 the column-panel kernel for decode batches (its `ROWS`,
+model_runner/cpu_panel_linear.py), ahead of the rest; the kernel inside `KERNEL_ROWS` once the CPU kernels are
+loaded, the packed weight from `MIN_PACKED_ROWS` rows on (prefill chunks included) where the runner made a packed
+copy, `F.linear` otherwise (one-row decode of the projections, or no packed copy). The kernel and the packed path sum the same float32
 products in other orders than `F.linear` (a relative difference of about 1e-6).
 
 The packed copy doubles the weights' memory. The runner makes it when speculative decoding is on (verify steps of
@@ -29,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixserve.kernels import cpu_build
+from radixserve.model_runner.cpu_panel_linear import PanelWeight
 
 # Rows (tokens) for which the packed path measured faster than F.linear (2 cores, AVX-512, SmolLM2 shapes, one
 # thread, every layer's weights in turn as in a forward: F.linear streams up to 3 rows at the cost of about one,
@@ -104,15 +106,19 @@ class SmallBatchLinear(nn.Module):
     number of rows (see the module's docstring). `packed=False`: no packed copy (the kernel still runs)."""
 
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], *, packed: bool = True,
-                 head: bool = False) -> None:
+                 head: bool = False, panel: bool = True) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.weight = weight  # the plain weight stays (state_dict readers, the kernel, the other row counts)
         self.bias = bias
         self.kernel_rows = kernel_rows(weight.dtype, head)
         self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None) if packed else None
+        self.panel = PanelWeight(weight, head=head, enabled_here=panel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.panel.linear(x, self.bias)
+        if out is not None:
+            return out
         out = kernel_linear(x, self.weight, self.bias, self.kernel_rows)
         if out is not None:
             return out
@@ -135,6 +141,7 @@ def pack_small_batch_linears(model: nn.Module, packed: bool = True) -> int:
     background. Returns how many linears were replaced."""
     from radixserve.model_runner.parallel import RowParallelLinear
 
+    panel = packed  # the panel kernel's copy follows the same memory rule
     packed = packed and small_batch_packing_supported()
     cpu_build.start_background_build()
     targets = [
@@ -146,13 +153,15 @@ def pack_small_batch_linears(model: nn.Module, packed: bool = True) -> int:
     ]
     head = getattr(model, "lm_head", None)
     for parent, name, child in targets:
-        setattr(parent, name, SmallBatchLinear(child.weight, child.bias, packed=packed, head=child is head))
+        setattr(parent, name, SmallBatchLinear(child.weight, child.bias, packed=packed, head=child is head,
+                                               panel=panel))
     if not hasattr(model, "logits_head") or not _single_rank(model):
         return len(targets)
     head = getattr(model, "lm_head", None)  # the replacement, where an untied head was replaced above
     if isinstance(head, SmallBatchLinear):  # an untied head was replaced above
         model.logits_head = head
     elif head is None and model.lm_head_weight.dtype == torch.float32 and model.lm_head_weight.device.type == "cpu":
-        model.logits_head = SmallBatchLinear(model.lm_head_weight, None, packed=packed, head=True)  # tied
+        model.logits_head = SmallBatchLinear(model.lm_head_weight, None, packed=packed, head=True,  # tied
+                                             panel=panel)
         return len(targets) + 1
     return len(targets)

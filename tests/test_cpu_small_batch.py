@@ -121,8 +121,8 @@ def test_runner_installs_them_and_verify_chain_logits_agree(kernels, tiny_model_
 def test_switch_keeps_linears_off_the_kernel(kernels, monkeypatch):
     weight = torch.randn(64, 32)
     x = torch.randn(6, 32)
-    assert kernel_ran(SmallBatchLinear(weight, None, packed=False), x)
+    assert kernel_ran(SmallBatchLinear(weight, None, packed=False, panel=False), x)  # panel: its own test file
     monkeypatch.setenv("RADIXSERVE_CPU_SMALL_LINEAR", "0")
     assert kernel_rows(torch.float32, head=False) == cpu_small_batch.NO_ROWS
-    module = SmallBatchLinear(weight, None, packed=False)
+    module = SmallBatchLinear(weight, None, packed=False, panel=False)
     assert not kernel_ran(module, x) and torch.equal(module(x), F.linear(x, weight))
