@@ -29,6 +29,11 @@ def kernels():
     assert cpu_build.load(), "the CPU kernels failed to build (see the log)"
 
 
+@pytest.fixture(autouse=True)
+def panel_on(monkeypatch):
+    monkeypatch.setenv("RADIXSERVE_CPU_PANEL_LINEAR", "1")  # the suite's default is off (tests/conftest.py)
+
+
 def supported(dtype: torch.dtype) -> bool:
     return bool(torch.ops.radixserve_cpu.panel_linear_supported(dtype))
 
@@ -126,7 +131,7 @@ def test_float32_linears_run_it_for_their_rows(monkeypatch):
     assert not panel_ran(SmallBatchLinear(torch.randn(100, 40), None), x)  # 100 columns: not whole panels
     monkeypatch.setenv("RADIXSERVE_CPU_PANEL_LINEAR", "0")
     assert not panel_ran(SmallBatchLinear(weight, bias), x)
-    monkeypatch.delenv("RADIXSERVE_CPU_PANEL_LINEAR")
+    monkeypatch.delenv("RADIXSERVE_CPU_PANEL_LINEAR")  # unset: on
     assert PanelWeight(weight).linear(x, None) is not None and cpu_panel_linear.enabled()
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from radixserve.kernels import cpu_build
 from radixserve.model_runner.cpu_packed import PLAIN_MIN_ROWS, PackedLinear, packing_supported
 from radixserve.model_runner.forward_batch import ForwardMode
 from radixserve.model_runner.layers import rope_inverse_frequencies
@@ -67,10 +68,13 @@ def random_prompts(vocab_size: int, lengths: list[int], seed: int) -> list[list[
     return [torch.randint(0, vocab_size, (n,), generator=generator).tolist() for n in lengths]
 
 
-def assert_same_greedy_tokens(model_dir: str, prompts: list[list[int]], **runner_kwargs) -> list[list[int]]:
+def assert_same_greedy_tokens(model_dir: str, prompts: list[list[int]], on_runner=None,
+                              **runner_kwargs) -> list[list[int]]:
     runner = make_runner(model_dir, **runner_kwargs)
     eos = runner.model_config.eos_token_ids
     ours = greedy_generate(runner, prompts, MAX_NEW_TOKENS, stop_token_ids=eos)
+    if on_runner is not None:
+        on_runner(runner)
     reference = hf_model(model_dir)
     for prompt, tokens in zip(prompts, ours):
         assert tokens == hf_greedy(reference, prompt, MAX_NEW_TOKENS, eos), f"prompt {prompt[:8]}..."
@@ -96,20 +100,33 @@ CHAT_PROMPTS = [
 ]
 
 
-def test_default_model_matches_transformers(default_model_dir):
+@pytest.fixture
+def panel_linears(monkeypatch):
+    """The CPU linears' column-panel kernel on, loaded before the runner is made (off elsewhere in the suite:
+    tests/conftest.py)."""
+    monkeypatch.setenv("RADIXSERVE_CPU_PANEL_LINEAR", "1")
+    assert cpu_build.load(), "the CPU kernels failed to build (see the log)"
+    return any(torch.ops.radixserve_cpu.panel_linear_supported(d) for d in (torch.float32, torch.bfloat16))
+
+
+def test_default_model_matches_transformers(default_model_dir, panel_linears):
+    """With the decode batches' linears on the column-panel kernel where the CPU has AVX-512."""
     tokenizer = load_tokenizer(default_model_dir)
     prompts = [tokenizer.encode(text) for text in PLAIN_PROMPTS]
     for messages in CHAT_PROMPTS:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         prompts.append(tokenizer.encode(text, add_special_tokens=False))
     assert len(prompts) >= 8 and len({len(p) for p in prompts}) >= 5
-    outputs = assert_same_greedy_tokens(default_model_dir, prompts)
+    def panel_ran(runner):  # `usable` turns True at the first call the kernel takes
+        assert runner.model.model.layers[0].mlp.down_proj.panel.usable is (True if panel_linears else False)
+
+    outputs = assert_same_greedy_tokens(default_model_dir, prompts, on_runner=panel_ran)
     # Not a degenerate comparison: real text came out, and at least some requests ran all 32 steps.
     assert "Paris" in tokenizer.decode(outputs[0])
     assert any(len(tokens) == MAX_NEW_TOKENS for tokens in outputs)
 
 
-def test_default_model_in_bfloat16_on_cpu(default_model_dir):
+def test_default_model_in_bfloat16_on_cpu(default_model_dir, panel_linears):
     """The CPU bfloat16 mode: next-token logits are as close to float32 ones as Hugging Face's own bfloat16
     model's are, and the top token agrees with float32 on every prompt."""
     from transformers import AutoModelForCausalLM
@@ -123,6 +140,9 @@ def test_default_model_in_bfloat16_on_cpu(default_model_dir):
         assert isinstance(layer.self_attn.qkv_proj, PackedLinear) and isinstance(layer.self_attn.o_proj, PackedLinear)
         assert isinstance(layer.mlp.down_proj, PackedLinear) and isinstance(runner.model.logits_head, PackedLinear)
     ours = run_extend(runner, prompts, [0] * len(prompts)).float()
+    if packing_supported() and torch.ops.radixserve_cpu.panel_linear_supported(torch.bfloat16):
+        amx = runner.model.model.layers[0].mlp.down_proj.amx.usable  # AMX tiles take these rows first
+        assert runner.model.model.layers[0].mlp.down_proj.panel.usable is (not amx)
 
     def hf_last_logits(dtype):
         model = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=dtype).eval()
