@@ -51,17 +51,22 @@ bool supported(at::ScalarType dtype) {
 #if defined(__AVX512F__)
 
 // Where a row block prefetches: `count` steps of the next panel from `first` (each step 128 bytes, two lines), one
-// every `every` of the block's own steps.
+// every `every` of the block's own steps; `at(k)` at each of them.
 struct Prefetch {
   const char* first = nullptr;
   int64_t count = 0;
   int64_t every = 1;
-};
+  int64_t next = 0;
+  int64_t issued = 0;
 
-inline void prefetch_step(const char* p) {
-  _mm_prefetch(p, _MM_HINT_T1);
-  _mm_prefetch(p + 64, _MM_HINT_T1);
-}
+  inline void at(int64_t k) {
+    if (k != next || issued >= count) return;
+    const char* p = first + 128 * issued++;
+    _mm_prefetch(p, _MM_HINT_T1);
+    _mm_prefetch(p + 64, _MM_HINT_T1);
+    next += every;
+  }
+};
 
 inline void store_row(float* y, __m512 lo, __m512 hi, const float* bias) {
   if (bias != nullptr) {
@@ -79,12 +84,8 @@ inline void block_f32(const float* __restrict x, int64_t ldx, const float* __res
   __m512 acc[R][2];
 #pragma GCC unroll 12
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-  int64_t next = 0, issued = 0;
   for (int64_t k = 0; k < steps; ++k) {
-    if (k == next && issued < pf.count) {
-      prefetch_step(pf.first + 128 * issued++);
-      next += pf.every;
-    }
+    pf.at(k);
     const __m512 b0 = _mm512_loadu_ps(b + k * kPanel), b1 = _mm512_loadu_ps(b + k * kPanel + 16);
 #pragma GCC unroll 12
     for (int r = 0; r < R; ++r) {
@@ -105,12 +106,8 @@ inline void block_bf16(const c10::BFloat16* __restrict x, int64_t ldx, const c10
   __m512 acc[R][2];
 #pragma GCC unroll 12
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-  int64_t next = 0, issued = 0;
   for (int64_t j = 0; j < steps; ++j) {
-    if (j == next && issued < pf.count) {
-      prefetch_step(pf.first + 128 * issued++);
-      next += pf.every;
-    }
+    pf.at(j);
     const __m512bh b0 = (__m512bh)_mm512_loadu_si512(b + j * 2 * kPanel);
     const __m512bh b1 = (__m512bh)_mm512_loadu_si512(b + j * 2 * kPanel + kPanel);
 #pragma GCC unroll 12

@@ -20,6 +20,7 @@ from radixserve.model_runner import cpu_panel_linear
 from radixserve.model_runner.cpu_packed import PackedLinear, packing_supported
 from radixserve.model_runner.cpu_panel_linear import ROWS, PanelWeight, pack_panels
 from radixserve.model_runner.cpu_small_batch import SmallBatchLinear, small_batch_packing_supported
+from test_cpu_linear import check, make  # the float64 reference and its bounds
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -41,26 +42,6 @@ def supported(dtype: torch.dtype) -> bool:
 def needs(dtype: torch.dtype) -> None:
     if not supported(dtype):
         pytest.skip(f"the panel kernel needs AVX-512 ({dtype}: AVX512_BF16 for bfloat16) on this CPU")
-
-
-def check(x: torch.Tensor, weight: torch.Tensor, bias, got: torch.Tensor) -> None:
-    assert got.dtype == weight.dtype and got.shape == (*x.shape[:-1], weight.shape[0])
-    x64, w64 = x.double().reshape(-1, x.shape[-1]), weight.double()
-    exact = x64 @ w64.T + (0 if bias is None else bias.double())
-    magnitude = x64.abs() @ w64.abs().T + (0 if bias is None else bias.double().abs())
-    bound = 1e-5 * magnitude + 1e-30
-    if weight.dtype == torch.bfloat16:
-        bound = bound + 2.0 ** -8 * exact.abs() * 1.0001
-    worst = ((got.double().reshape(exact.shape) - exact).abs() / bound).max().item()
-    assert worst <= 1.0, f"error {worst:.2f}x the bound"
-
-
-def make(m: int, n: int, k: int, dtype: torch.dtype, seed: int, bias: bool):
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(m, k, generator=gen).to(dtype)
-    weight = (torch.randn(n, k, generator=gen) / k ** 0.5).to(dtype)
-    b = torch.randn(n, generator=gen).to(dtype) if bias else None
-    return x, weight, b
 
 
 DTYPES = [torch.float32, torch.bfloat16]
