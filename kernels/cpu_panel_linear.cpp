@@ -196,8 +196,6 @@ void panel_linear_typed(const T* x, const T* packed, const float* bias, int64_t 
 
 #endif  // __AVX512F__
 
-bool panel_linear_supported(at::ScalarType dtype) { return supported(dtype); }
-
 at::Tensor panel_linear(const at::Tensor& x_in, const at::Tensor& packed, const std::optional<at::Tensor>& bias_in) {
   const at::ScalarType dtype = packed.scalar_type();
   TORCH_CHECK(supported(dtype), "panel_linear: ", dtype, " weights need AVX-512 (bfloat16: AVX512_BF16) here");
@@ -235,7 +233,7 @@ at::Tensor panel_linear(const at::Tensor& x_in, const at::Tensor& packed, const 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(radixserve_cpu, m) {
-  m.def("panel_linear_supported(ScalarType dtype) -> bool", &panel_linear_supported);
+  m.def("panel_linear_supported(ScalarType dtype) -> bool", &supported);
   m.def("panel_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
 }
 

@@ -66,10 +66,12 @@ class PackedLinear(nn.Module):
         self.bias = linear.bias
         self.kernel_rows = kernel_rows(linear.weight.dtype, head)
         narrowing = self.out_features <= self.in_features
-        self.plain_min_rows = PLAIN_MIN_ROWS if narrowing and "amx_bf16" in cpu_build.cpu_flags().split() else None
+        has_amx = "amx_bf16" in cpu_build.cpu_flags().split()
+        self.plain_min_rows = PLAIN_MIN_ROWS if narrowing and has_amx else None
         self._packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
         self.amx = AmxWeight(linear.weight, enabled=amx)
-        self.panel = PanelWeight(linear.weight, head=head, enabled_here=amx)
+        # Where the CPU has AMX tiles their kernel takes the panel kernel's rows: no copy for it there.
+        self.panel = PanelWeight(linear.weight, head=head, enabled_here=amx and not has_amx)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """`x [..., in_features]` bfloat16 on the CPU, like the weight."""

@@ -1,17 +1,17 @@
-"""Linear layers of decode batches on AVX-512 CPUs without AMX tiles: the column-panel kernel
-(kernels/cpu_panel_linear.cpp) on a copy of the weight packed for it, float32 and (with AVX512_BF16) bfloat16.
+"""Linear layers of decode batches on AVX-512 CPUs: the column-panel kernel (kernels/cpu_panel_linear.cpp) on a copy
+of the weight packed for it, float32 and (with AVX512_BF16, on CPUs without AMX tiles) bfloat16.
 
 A decode step feeds a few dozen rows through each projection, and every layer's weights stream from memory once a
-step. oneDNN's packed inner product takes about as long as reading the weight plus multiplying it; the panel kernel
-prefetches the next column panel while it multiplies the current one. Measured on a 2-core AVX-512-BF16 machine
+step. oneDNN's packed inner product spends about a tenth of its time there waiting for the weights, and its tiles
+are slower on the narrow projections; the panel kernel prefetches the next column panel while it multiplies the
+current one (`benchmarks/cpu_linear.py --hot` against a plain run). Measured on a 2-core AVX-512-BF16 machine
 without AMX (AMD EPYC, 2 threads, `python benchmarks/cpu_linear.py --threads 2 --rows ... --paths packed kernel
 panel`: the 120 projections of SmolLM2-135M, 30 layers' weights in turn; figures in docs/benchmarks.md).
 
 `PanelWeight` packs when it is made, where the CPU has the instructions (so neither the first request nor a timed
 run pays for it), and answers None (the caller's other path) outside its row range, until the kernel library has
 loaded (in the background), where the CPU lacks the instructions, or where the shape does not fit (32 output columns
-a panel; an even K in bfloat16). `RADIXSERVE_CPU_PANEL_LINEAR=0` keeps every linear off
-it. The copy adds the weights' size once more: the callers make one only under the same memory rule as the other
+a panel; an even K in bfloat16). `RADIXSERVE_CPU_PANEL_LINEAR=0` keeps every linear off it. The copy adds the weights' size once more: the callers make one only under the same memory rule as the other
 packed copies (`extra_copy_fits`, model_runner/cpu_small_batch.py).
 """
 
