@@ -56,6 +56,10 @@ logger = logging.getLogger(__name__)
 WARMUP_TIMEOUT_SECONDS = 120.0
 # After the drain timeout aborts what is left, aborted requests still need a moment to send their last chunk.
 ABORT_GRACE_SECONDS = 5.0
+# An idle keep-alive connection stays open longer than client pools and proxies keep theirs (httpx and so the
+# openai client 5 s, aiohttp 15 s, nginx and cloud load balancers 60 s), so the client always closes it first.
+# A server that closes first races the client's next request on that socket, which then fails with a reset.
+KEEP_ALIVE_SECONDS = 75
 
 
 def served_model_name(server_args: ServerArgs) -> str:
@@ -236,7 +240,7 @@ def launch_server(server_args: ServerArgs) -> None:
             log_level=server_args.log_level.lower(),
             loop="uvloop" if _has_uvloop() else "asyncio",
             timeout_graceful_shutdown=int(server_args.graceful_shutdown_timeout + ABORT_GRACE_SECONDS) + 1,
-            timeout_keep_alive=5,
+            timeout_keep_alive=KEEP_ALIVE_SECONDS,
         )
         server = _DrainingServer(config, app.state.server, server_args.graceful_shutdown_timeout)
         failure: list[str] = []

@@ -5,6 +5,7 @@ reason; errors raise the client's matching exception class with the envelope fie
 
 from __future__ import annotations
 
+import socket
 import time
 
 import httpx
@@ -45,6 +46,17 @@ def _stream_texts(chunks) -> tuple[dict[int, str], dict[int, list[str]]]:
             if choice.finish_reason is not None:
                 finishes.setdefault(choice.index, []).append(choice.finish_reason)
     return texts, finishes
+
+
+def test_idle_connection_outlives_the_client_pool(server):
+    """A keep-alive connection left idle past the openai client's pool expiry (httpx's 5 s) still answers: the
+    client closes its idle connections first, so it never sends a request on a socket the server is closing."""
+    request = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        for pause in (0.0, 6.0):
+            time.sleep(pause)
+            sock.sendall(request)
+            assert sock.recv(4096).startswith(b"HTTP/1.1 200"), f"no answer after {pause} s idle"
 
 
 def test_models(client, model):
