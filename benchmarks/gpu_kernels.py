@@ -1,10 +1,13 @@
 """Alternative kernels for the steps of the Llama-3.1-8B shape on the GPU, each measured on its own.
 
-Five parts (all by default; name some to run only those):
+Six parts (all by default; name some to run only those):
 
 - `gemm`: each projection (qkv, o, gate/up, down over 32 layers' weights, and the LM head) at 1-16 rows, cuBLAS
   (`torch.mm`) against FlashInfer's `tinygemm_bf16`, each captured in a CUDA graph, with the read floor from the
   measured copy bandwidth and the largest difference between the two outputs.
+- `blas`: the same projections at 1 row to a prefill chunk of rows, through cuBLAS and through cuBLASLt (torch's
+  preferred BLAS library), each captured in a CUDA graph, against the floor of their bytes at the copy bandwidth
+  or their FLOPs at the rate of an 8192^3 product; then a whole 32-layer decode step through each.
 - `attn`: one layer's decode attention (32 query heads, 8 KV heads, head_dim 128, bf16) for several batch x context
   shapes and pool layouts (`--attn-pools`: page size and NHD, a page's tokens outermost, or HND, its heads
   outermost): FlashInfer's tensor-core decode planned eagerly and for CUDA graphs, its FA3 backend (`--fa3`), and
@@ -97,6 +100,57 @@ def gemm_part(rows_list: list[int]) -> dict:
             row[name] = {"cublas_ms": a, "tinygemm_ms": b, "floor_ms": floor, "max_diff": diff}
             print(f"{rows:>4} {name:>10} {a:>10.3f} {b:>12.3f} {floor:>9.3f} {diff:>9.1e}")
         result["rows"][rows] = row
+    return result
+
+
+def blas_part(rows_list: list[int], steps: list[tuple[int, int]]) -> dict:
+    libraries = ("cublas", "cublaslt")
+    bandwidth = copy_bandwidth()
+    cube = torch.randn(8192, 8192, dtype=BF16, device="cuda")
+    rate = 2 * 8192**3 / (time_ms(lambda: cube @ cube, 10) / 1e3)
+    del cube
+    weights = layer_weights()
+    weights["lm_head"] = [torch.randn(VOCAB, HIDDEN, dtype=BF16, device="cuda") * 0.02]
+    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s, 8192^3 product {rate / 1e12:.0f} TFLOP/s")
+    print(f"{'rows':>5} {'projection':>10} {'cuBLAS ms':>10} {'cuBLASLt ms':>12} {'floor ms':>9} {'max diff':>9}")
+    result = {"bandwidth_tb_s": bandwidth / 1e12, "matmul_tflop_s": rate / 1e12, "rows": {}, "steps": {}}
+    for rows in rows_list:
+        row = {}
+        for name, mats in weights.items():
+            if name == "lm_head" and rows > 1024:
+                continue  # a prefill computes the logits of its last tokens only
+            x = torch.randn(rows, mats[0].shape[1], dtype=BF16, device="cuda")
+            out = torch.empty(rows, mats[0].shape[0], dtype=BF16, device="cuda")
+            times, outs = {}, {}
+            for library in libraries:
+                torch.backends.cuda.preferred_blas_library(library)
+                outs[library] = F.linear(x, mats[0])
+
+                def product(x=x, out=out, mats=mats):
+                    for weight in mats:
+                        torch.mm(x, weight.t(), out=out)
+
+                times[library] = time_ms(capture(product).replay)
+            flops = 2 * rows * sum(w.numel() for w in mats)
+            floor = max(sum(w.numel() * 2 for w in mats) / bandwidth, flops / rate) * 1e3
+            diff = (outs["cublas"].float() - outs["cublaslt"].float()).abs().max().item()
+            row[name] = {"cublas_ms": times["cublas"], "cublaslt_ms": times["cublaslt"], "floor_ms": floor,
+                         "max_diff": diff}
+            print(f"{rows:>5} {name:>10} {times['cublas']:>10.3f} {times['cublaslt']:>12.3f} {floor:>9.3f} "
+                  f"{diff:>9.1e}")
+        result["rows"][rows] = row
+    print(f"{'batch':>5} {'context':>7} {'cuBLAS step ms':>15} {'cuBLASLt step ms':>17}")
+    for batch, context in steps:
+        k, v = random_kv(batch * context)
+        step = HalfStep(weights, batch, context, k, v, 0)
+        times = {}
+        for library in libraries:
+            torch.backends.cuda.preferred_blas_library(library)
+            times[library] = time_ms(capture(step.forward).replay)
+        result["steps"][f"{batch}x{context}"] = times
+        print(f"{batch:>5} {context:>7} {times['cublas']:>15.3f} {times['cublaslt']:>17.3f}")
+        del k, v, step
+    torch.backends.cuda.preferred_blas_library("cublas")
     return result
 
 
@@ -328,8 +382,10 @@ def l2_prefetch_part(shapes: list[tuple[int, int]], programs_list: list[int]) ->
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("parts", nargs="*", metavar="PART",
-                        help="gemm, attn, extend, two-stream, l2-prefetch (default: all)")
+                        help="gemm, blas, attn, extend, two-stream, l2-prefetch (default: all)")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    parser.add_argument("--blas-rows", type=int, nargs="+", default=[1, 8, 1000, 8192])
+    parser.add_argument("--blas-steps", nargs="+", default=["1x1024", "1000x300"], help="blas: BATCHxCONTEXT")
     parser.add_argument("--extend-shapes", nargs="+", default=["32x256+0", "64x128+2048", "4x2176+0", "1x8192+0"],
                         help="extend batches as REQUESTSxNEW+PREFIX (the defaults: an 8,192-token chunk of 256-token "
                              "prompts; SGLang's generated-shared-prefix prompts, 128 new tokens on a cached 2,048-token "
@@ -343,13 +399,17 @@ def main() -> None:
                         help="l2-prefetch: programs of the prefetch kernel, one variant each")
     parser.add_argument("--out", default=None, help="JSON record")
     args = parser.parse_args()
-    known = ["gemm", "attn", "extend", "two-stream", "l2-prefetch"]
+    known = ["gemm", "blas", "attn", "extend", "two-stream", "l2-prefetch"]
     if set(args.parts) - set(known):
         parser.error(f"unknown parts {sorted(set(args.parts) - set(known))}; choose from {known}")
     parts = args.parts or known
     record = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "started": time.time()}
     if "gemm" in parts:
         record["gemm"] = gemm_part(args.rows)
+        torch.cuda.empty_cache()
+    if "blas" in parts:
+        steps = [tuple(int(n) for n in shape.split("x")) for shape in args.blas_steps]
+        record["blas"] = blas_part(args.blas_rows, steps)
         torch.cuda.empty_cache()
     if "attn" in parts:
         pools = [(int(pool.split(":")[0]), pool.split(":")[1]) for pool in args.attn_pools]

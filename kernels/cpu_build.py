@@ -50,17 +50,28 @@ def enabled() -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def cpu_flags() -> str:
-    """The CPU's instruction-set flags (`/proc/cpuinfo`, read once per process), sorted; empty where
+def _cpuinfo_field(name: str) -> str:
+    """The first `name` line's value in `/proc/cpuinfo` (read once per field and process); empty where
     unreadable."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("flags"):
-                    return " ".join(sorted(line.split(":", 1)[1].split()))
+                if line.split(":", 1)[0].strip() == name:
+                    return line.split(":", 1)[1].strip()
     except OSError:
         pass
     return ""
+
+
+def cpu_flags() -> str:
+    """The CPU's instruction-set flags (`/proc/cpuinfo`), sorted; empty where unreadable."""
+    return " ".join(sorted(_cpuinfo_field("flags").split()))
+
+
+def cpu_vendor() -> str:
+    """The CPU's vendor as `/proc/cpuinfo` names it (`GenuineIntel`, `AuthenticAMD`, ...); empty where
+    unreadable."""
+    return _cpuinfo_field("vendor_id")
 
 
 # The flags that decide CPU speed here (AVX2 only: bfloat16 is slow; AMX: bfloat16 matmuls on tiles).

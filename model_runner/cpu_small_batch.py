@@ -12,8 +12,8 @@ figures in docs/benchmarks.md).
 `SmallBatchLinear` routes by row count: on AVX-512 the column-panel kernel for decode batches (its `ROWS`,
 model_runner/cpu_panel_linear.py), ahead of the rest; the kernel inside `KERNEL_ROWS` once the CPU kernels are
 loaded, the packed weight from `MIN_PACKED_ROWS` rows on (prefill chunks included) where the runner made a packed
-copy, `F.linear` otherwise (one-row decode of the projections, or no packed copy). The kernel and the packed path sum the same float32
-products in other orders than `F.linear` (a relative difference of about 1e-6).
+copy, `F.linear` otherwise (one-row decode of the projections on Intel CPUs, or no packed copy). The kernel and the
+packed path sum the same float32 products in other orders than `F.linear` (a relative difference of about 1e-6).
 
 The packed copy doubles the weights' memory. The runner makes it when speculative decoding is on (verify steps of
 more than 16 rows) and otherwise whenever it takes at most `MAX_EXTRA_MEMORY_FRACTION` of the machine's memory (the
@@ -42,16 +42,20 @@ MIN_PACKED_ROWS = 4
 # Without speculation, pack only when the packed copy takes at most this share of the machine's memory.
 MAX_EXTRA_MEMORY_FRACTION = 0.1
 # Rows (inclusive) for which kernels/cpu_linear.cpp measured fastest, per weight dtype: (projections, LM head).
-# benchmarks/cpu_linear.py, 2-core AVX-512 machine, one and two threads: float32 projections 2-16 rows (one row:
-# F.linear 34.4 ms, the kernel 36.4 ms for the 120 of a forward), the float32 LM head from one row (6.3 ms against
-# 7.7); bfloat16 projections up to 4 rows (the packed weights, on AMX, from 5: 25.7 against 27.3 ms at 5 rows) and
-# the bfloat16 LM head at one row (from 2 rows the packed head is faster). Where the CPU has AMX tiles the bfloat16
-# linears run the AMX kernel from 2 rows instead (model_runner/cpu_amx_linear.py).
+# benchmarks/cpu_linear.py, 2-core AVX-512 machine (Intel, AMX), one and two threads: float32 projections 2-16 rows
+# (one row: F.linear 34.4 ms, the kernel 36.4 ms for the 120 of a forward), the float32 LM head from one row (6.3 ms
+# against 7.7); bfloat16 projections up to 4 rows (the packed weights, on AMX, from 5: 25.7 against 27.3 ms at 5
+# rows) and the bfloat16 LM head at one row (from 2 rows the packed head is faster). Where the CPU has AMX tiles the
+# bfloat16 linears run the AMX kernel from 2 rows instead (model_runner/cpu_amx_linear.py).
 KERNEL_ROWS: dict[torch.dtype, tuple[tuple[int, int], tuple[int, int]]] = {
     torch.float32: ((2, 16), (1, 16)),
     torch.bfloat16: ((1, 4), (1, 1)),
 }
 NO_ROWS = (1, 0)
+# One-row float32 projections: `F.linear` (torch's BLAS, MKL on x86) streams one row about as fast as the kernel on
+# Intel CPUs (the figures above), and slowly on others: on a 2-core AMD EPYC (Zen 4) it took 35.6 ms for the 120
+# projections at 2 threads and 35.7 at one, against the kernel's 15.2 and 20.8. There the kernel takes one row too.
+FAST_BLAS_VENDORS = ("GenuineIntel",)
 
 
 def kernel_rows(dtype: torch.dtype, head: bool) -> tuple[int, int]:
@@ -60,7 +64,12 @@ def kernel_rows(dtype: torch.dtype, head: bool) -> tuple[int, int]:
     if os.environ.get("RADIXSERVE_CPU_SMALL_LINEAR", "1") == "0":
         return NO_ROWS
     ranges = KERNEL_ROWS.get(dtype)
-    return NO_ROWS if ranges is None else ranges[1 if head else 0]
+    if ranges is None:
+        return NO_ROWS
+    low, high = ranges[1 if head else 0]
+    if dtype == torch.float32 and cpu_build.cpu_vendor() not in FAST_BLAS_VENDORS:
+        low = 1
+    return low, high
 
 
 def kernel_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],

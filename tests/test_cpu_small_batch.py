@@ -126,3 +126,13 @@ def test_switch_keeps_linears_off_the_kernel(kernels, monkeypatch):
     assert kernel_rows(torch.float32, head=False) == cpu_small_batch.NO_ROWS
     module = SmallBatchLinear(weight, None, packed=False, panel=False)
     assert not kernel_ran(module, x) and torch.equal(module(x), F.linear(x, weight))
+
+
+def test_one_row_float32_projections_take_the_kernel_where_blas_streams_one_row_slowly(monkeypatch):
+    monkeypatch.setattr(cpu_build, "cpu_vendor", lambda: "GenuineIntel")  # MKL's one-row F.linear is fast there
+    assert kernel_rows(torch.float32, head=False) == (2, 16) and kernel_rows(torch.float32, head=True) == (1, 16)
+    monkeypatch.setattr(cpu_build, "cpu_vendor", lambda: "AuthenticAMD")
+    assert kernel_rows(torch.float32, head=False) == (1, 16) and kernel_rows(torch.float32, head=True) == (1, 16)
+    assert kernel_rows(torch.bfloat16, head=False) == (1, 4)
+    monkeypatch.setenv("RADIXSERVE_CPU_SMALL_LINEAR", "0")
+    assert kernel_rows(torch.float32, head=False) == (1, 0)

@@ -126,6 +126,14 @@ def test_default_model_matches_transformers(default_model_dir, panel_linears):
     assert any(len(tokens) == MAX_NEW_TOKENS for tokens in outputs)
 
 
+def test_default_model_one_request_at_a_time_matches_transformers(default_model_dir):
+    """Decode batches of one row: every float32 linear on the small-row kernel where its range starts at one row
+    (CPUs whose BLAS streams one row slowly, model_runner/cpu_small_batch.py), on `F.linear` elsewhere."""
+    tokenizer = load_tokenizer(default_model_dir)
+    for text in PLAIN_PROMPTS[:2]:
+        assert_same_greedy_tokens(default_model_dir, [tokenizer.encode(text)])
+
+
 def test_default_model_in_bfloat16_on_cpu(default_model_dir, panel_linears):
     """The CPU bfloat16 mode: next-token logits are as close to float32 ones as Hugging Face's own bfloat16
     model's are, and the top token agrees with float32 on every prompt."""
