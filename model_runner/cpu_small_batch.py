@@ -12,7 +12,7 @@ figures in docs/benchmarks.md).
 `SmallBatchLinear` routes by row count: on AVX-512 the column-panel kernel for decode batches (its `ROWS`,
 model_runner/cpu_panel_linear.py), ahead of the rest; the kernel inside `KERNEL_ROWS` once the CPU kernels are
 loaded, the packed weight from `MIN_PACKED_ROWS` rows on (prefill chunks included) where the runner made a packed
-copy, `F.linear` otherwise (one-row decode of the projections on Intel CPUs, or no packed copy). The kernel and the
+copy, `F.linear` otherwise (one-row decode of the projections but on AMD CPUs, or no packed copy). The kernel and the
 packed path sum the same float32 products in other orders than `F.linear` (a relative difference of about 1e-6).
 
 The packed copy doubles the weights' memory. The runner makes it when speculative decoding is on (verify steps of
@@ -53,9 +53,10 @@ KERNEL_ROWS: dict[torch.dtype, tuple[tuple[int, int], tuple[int, int]]] = {
 }
 NO_ROWS = (1, 0)
 # One-row float32 projections: `F.linear` (torch's BLAS, MKL on x86) streams one row about as fast as the kernel on
-# Intel CPUs (the figures above), and slowly on others: on a 2-core AMD EPYC (Zen 4) it took 35.6 ms for the 120
-# projections at 2 threads and 35.7 at one, against the kernel's 15.2 and 20.8. There the kernel takes one row too.
-FAST_BLAS_VENDORS = ("GenuineIntel",)
+# Intel CPUs (the figures above) and slowly on AMD's: on a 2-core AMD EPYC (Zen 4) it took 35.6 ms for the 120
+# projections at 2 threads and 35.7 at one, against the kernel's 15.2 and 20.8 (with AVX2 only, emulated there:
+# 40.9 and 40.0 against 18.4 and 25.5). On CPUs of these vendors the kernel takes one row too.
+ONE_ROW_KERNEL_VENDORS = ("AuthenticAMD",)
 
 
 def kernel_rows(dtype: torch.dtype, head: bool) -> tuple[int, int]:
@@ -67,7 +68,7 @@ def kernel_rows(dtype: torch.dtype, head: bool) -> tuple[int, int]:
     if ranges is None:
         return NO_ROWS
     low, high = ranges[1 if head else 0]
-    if dtype == torch.float32 and cpu_build.cpu_vendor() not in FAST_BLAS_VENDORS:
+    if dtype == torch.float32 and cpu_build.cpu_vendor() in ONE_ROW_KERNEL_VENDORS:
         low = 1
     return low, high
 
