@@ -74,8 +74,7 @@ def gemm_part(rows_list: list[int]) -> dict:
     from flashinfer.gemm import tinygemm_bf16
 
     bandwidth = copy_bandwidth()
-    weights = layer_weights()
-    weights["lm_head"] = [torch.randn(VOCAB, HIDDEN, dtype=BF16, device="cuda") * 0.02]
+    weights = projection_weights()
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")
     print(f"{'rows':>4} {'projection':>10} {'cuBLAS ms':>10} {'tinygemm ms':>12} {'floor ms':>9} {'max diff':>9}")
     result = {"bandwidth_tb_s": bandwidth / 1e12, "rows": {}}
@@ -87,15 +86,11 @@ def gemm_part(rows_list: list[int]) -> dict:
             tinygemm_bf16(x, mats[0], out)
             diff = (out.float() - F.linear(x, mats[0]).float()).abs().max().item()
 
-            def cublas(x=x, out=out, mats=mats):
-                for weight in mats:
-                    torch.mm(x, weight.t(), out=out)
-
             def tiny(x=x, out=out, mats=mats):
                 for weight in mats:
                     tinygemm_bf16(x, weight, out)
 
-            a, b = time_ms(capture(cublas).replay), time_ms(capture(tiny).replay)
+            a, b = time_ms(capture(products(x, out, mats)).replay), time_ms(capture(tiny).replay)
             floor = sum(w.numel() * 2 for w in mats) / bandwidth * 1e3
             row[name] = {"cublas_ms": a, "tinygemm_ms": b, "floor_ms": floor, "max_diff": diff}
             print(f"{rows:>4} {name:>10} {a:>10.3f} {b:>12.3f} {floor:>9.3f} {diff:>9.1e}")
@@ -109,8 +104,7 @@ def blas_part(rows_list: list[int], steps: list[tuple[int, int]]) -> dict:
     cube = torch.randn(8192, 8192, dtype=BF16, device="cuda")
     rate = 2 * 8192**3 / (time_ms(lambda: cube @ cube, 10) / 1e3)
     del cube
-    weights = layer_weights()
-    weights["lm_head"] = [torch.randn(VOCAB, HIDDEN, dtype=BF16, device="cuda") * 0.02]
+    weights = projection_weights()
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s, 8192^3 product {rate / 1e12:.0f} TFLOP/s")
     print(f"{'rows':>5} {'projection':>10} {'cuBLAS ms':>10} {'cuBLASLt ms':>12} {'floor ms':>9} {'max diff':>9}")
     result = {"bandwidth_tb_s": bandwidth / 1e12, "matmul_tflop_s": rate / 1e12, "rows": {}, "steps": {}}
@@ -125,12 +119,7 @@ def blas_part(rows_list: list[int], steps: list[tuple[int, int]]) -> dict:
             for library in libraries:
                 torch.backends.cuda.preferred_blas_library(library)
                 outs[library] = F.linear(x, mats[0])
-
-                def product(x=x, out=out, mats=mats):
-                    for weight in mats:
-                        torch.mm(x, weight.t(), out=out)
-
-                times[library] = time_ms(capture(product).replay)
+                times[library] = time_ms(capture(products(x, out, mats)).replay)
             flops = 2 * rows * sum(w.numel() for w in mats)
             floor = max(sum(w.numel() * 2 for w in mats) / bandwidth, flops / rate) * 1e3
             diff = (outs["cublas"].float() - outs["cublaslt"].float()).abs().max().item()
@@ -246,6 +235,22 @@ def extend_part(shapes: list[tuple[int, int, int]]) -> dict:
         del k, v
         torch.cuda.empty_cache()
     return result
+
+
+def projection_weights() -> dict[str, list[torch.Tensor]]:
+    """`layer_weights()` and the LM head's."""
+    weights = layer_weights()
+    weights["lm_head"] = [torch.randn(VOCAB, HIDDEN, dtype=BF16, device="cuda") * 0.02]
+    return weights
+
+
+def products(x: torch.Tensor, out: torch.Tensor, mats: list[torch.Tensor]):
+    """A function that multiplies `x` by each of `mats` (transposed) into `out` through torch's BLAS."""
+    def run() -> None:
+        for weight in mats:
+            torch.mm(x, weight.t(), out=out)
+
+    return run
 
 
 def layer_weights() -> dict[str, list[torch.Tensor]]:

@@ -63,9 +63,16 @@ def _cpuinfo_field(name: str) -> str:
     return ""
 
 
+@functools.lru_cache(maxsize=None)
 def cpu_flags() -> str:
     """The CPU's instruction-set flags (`/proc/cpuinfo`), sorted; empty where unreadable."""
     return " ".join(sorted(_cpuinfo_field("flags").split()))
+
+
+@functools.lru_cache(maxsize=None)
+def has_cpu_flag(flag: str) -> bool:
+    """Whether `/proc/cpuinfo` lists `flag` (`avx512f`, `amx_bf16`, ...) for this CPU."""
+    return flag in cpu_flags().split()
 
 
 def cpu_vendor() -> str:
@@ -81,8 +88,7 @@ ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
 def cpu_isa() -> str:
     """Which of `ISA_FLAGS` this CPU has, comma-separated (the machine's name where none is known), printed
     with every CPU figure."""
-    flags = set(cpu_flags().split())
-    return ",".join(f for f in ISA_FLAGS if f in flags) or platform.machine()
+    return ",".join(f for f in ISA_FLAGS if has_cpu_flag(f)) or platform.machine()
 
 
 def build_directory() -> Path:

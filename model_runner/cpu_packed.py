@@ -66,7 +66,7 @@ class PackedLinear(nn.Module):
         self.bias = linear.bias
         self.kernel_rows = kernel_rows(linear.weight.dtype, head)
         narrowing = self.out_features <= self.in_features
-        has_amx = "amx_bf16" in cpu_build.cpu_flags().split()
+        has_amx = cpu_build.has_cpu_flag("amx_bf16")
         self.plain_min_rows = PLAIN_MIN_ROWS if narrowing and has_amx else None
         self._packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
         self.amx = AmxWeight(linear.weight, enabled=amx)

@@ -11,8 +11,9 @@ panel`: the 120 projections of SmolLM2-135M, 30 layers' weights in turn; figures
 `PanelWeight` packs when it is made, where the CPU has the instructions (so neither the first request nor a timed
 run pays for it), and answers None (the caller's other path) outside its row range, until the kernel library has
 loaded (in the background), where the CPU lacks the instructions, or where the shape does not fit (32 output columns
-a panel; an even K in bfloat16). `RADIXSERVE_CPU_PANEL_LINEAR=0` keeps every linear off it. The copy adds the weights' size once more: the callers make one only under the same memory rule as the other
-packed copies (`extra_copy_fits`, model_runner/cpu_small_batch.py).
+a panel; an even K in bfloat16). `RADIXSERVE_CPU_PANEL_LINEAR=0` keeps every linear off it. The copy adds the
+weights' size once more: the callers make one only under the same memory rule as the other packed copies
+(`extra_copy_fits`, model_runner/cpu_small_batch.py).
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ class PanelWeight:
     def __init__(self, weight: torch.Tensor, head: bool = False, enabled_here: bool = True) -> None:
         self.weight = weight
         usable = (enabled_here and enabled() and cpu_build.enabled() and shape_supported(weight)
-                  and weight.device.type == "cpu" and ISA_FLAGS[weight.dtype] in cpu_build.cpu_flags().split())
+                  and weight.device.type == "cpu" and cpu_build.has_cpu_flag(ISA_FLAGS[weight.dtype]))
         self.usable: Optional[bool] = None if usable else False  # None: until the library says
         self.rows = ROWS[weight.dtype][1 if head else 0] if usable else (1, 0)
         self.packed = pack_panels(weight) if usable else None

@@ -117,8 +117,9 @@ def test_default_model_matches_transformers(default_model_dir, panel_linears):
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         prompts.append(tokenizer.encode(text, add_special_tokens=False))
     assert len(prompts) >= 8 and len({len(p) for p in prompts}) >= 5
+
     def panel_ran(runner):  # `usable` turns True at the first call the kernel takes
-        assert runner.model.model.layers[0].mlp.down_proj.panel.usable is (True if panel_linears else False)
+        assert runner.model.model.layers[0].mlp.down_proj.panel.usable is bool(panel_linears)
 
     outputs = assert_same_greedy_tokens(default_model_dir, prompts, on_runner=panel_ran)
     # Not a degenerate comparison: real text came out, and at least some requests ran all 32 steps.
@@ -149,7 +150,7 @@ def test_default_model_in_bfloat16_on_cpu(default_model_dir, panel_linears):
         assert isinstance(layer.mlp.down_proj, PackedLinear) and isinstance(runner.model.logits_head, PackedLinear)
     ours = run_extend(runner, prompts, [0] * len(prompts)).float()
     if packing_supported() and torch.ops.radixserve_cpu.panel_linear_supported(torch.bfloat16):
-        amx_cpu = "amx_bf16" in cpu_build.cpu_flags().split()  # the AMX kernel has these rows there
+        amx_cpu = cpu_build.has_cpu_flag("amx_bf16")  # the AMX kernel has these rows there
         assert runner.model.model.layers[0].mlp.down_proj.panel.usable is (not amx_cpu)
 
     def hf_last_logits(dtype):
