@@ -14,7 +14,7 @@ drop), and B's share of the tokens the server computed while B ran (the schedule
 
     OMP_NUM_THREADS=1 python benchmarks/fairness.py --out docs/results/fairness_cpu_32streams.json
 
-(one PyTorch thread per process on a small shared CPU host: see docs/benchmarks.md#fair-share-under-a-flood-cpu).
+(one PyTorch thread per process on a small shared CPU host: see docs/benchmarks/history/features.md#fair-share-under-a-flood-cpu).
 """
 
 from __future__ import annotations

@@ -59,7 +59,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 else
     echo "WARNING: no .whl/ wheels carried (bash ../shared/gpu/fetch-wheels.sh pytest pluggy iniconfig packaging pygments)"
 fi
-export PYTHONPATH=/tmp/site:$ROOT/benchmarks:$ROOT${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONPATH=/tmp/site:$ROOT/benchmarks${PYTHONPATH:+:$PYTHONPATH}
 export FLASHINFER_WORKSPACE_BASE=$ROOT/.gpu-cache
 mkdir -p "$FLASHINFER_WORKSPACE_BASE"
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max.mem --format=csv 2>&1 | tee "$OUT/gpu.txt"
@@ -76,7 +76,7 @@ for name in ("triton", "flashinfer", "transformers", "pytest"):
 EOF
 
 # -p _srcpath maps radixserve.<folder> onto the checkout before conftest imports it (not pip-installed here).
-run_step pytest 250 230 "$PY" -m pytest -p _srcpath -p no:cacheprovider -q -rs \
+run_step pytest 250 230 "$PY" -P -m pytest -p _srcpath -p no:cacheprovider -q -rs \
     --junitxml "$OUT/pytest.xml" \
     tests/test_flashinfer_attention.py tests/test_triton_attention.py tests/test_cuda_graph.py \
     tests/test_fused_kernels.py tests/test_sampling.py

@@ -33,7 +33,7 @@ mkdir -p "$FLASHINFER_WORKSPACE_BASE"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 
 if [ -z "${SKIP_TESTS:-}" ]; then
-    timeout 240 "$PY" -m pytest -p _srcpath -p no:cacheprovider -q -x tests/test_hicache_gpu.py 2>&1 \
+    timeout 240 "$PY" -P -m pytest -p _srcpath -p no:cacheprovider -q -x tests/test_hicache_gpu.py 2>&1 \
         | tee "$OUT/hicache_gpu_pytest.log" | tail -5
 fi
 

@@ -19,8 +19,6 @@ import torch
 import triton
 import triton.language as tl
 
-from radixserve.radix_cache.pool import FLOAT8_DTYPES
-
 _LOG2_E = 1.0 / math.log(2.0)
 
 
@@ -204,7 +202,7 @@ def _check_layout(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tenso
     for t in (q, k_buffer, v_buffer, out):
         assert t.stride(-1) == 1, "the head_dim axis must be contiguous"
     assert k_buffer.dtype == v_buffer.dtype, "the K and V buffers must share a dtype"
-    assert q.dtype == k_buffer.dtype or k_buffer.dtype in FLOAT8_DTYPES, \
+    assert q.dtype == k_buffer.dtype or k_buffer.dtype in (torch.float8_e4m3fn, torch.float8_e5m2), \
         "q and KV buffers must share a dtype, or the KV buffers hold float8 (read as q's dtype)"
     if not q.is_cuda and q.dtype == torch.bfloat16:
         # Triton's CPU interpreter (numpy) has no bfloat16: its dot products come out as garbage.

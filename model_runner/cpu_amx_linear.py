@@ -13,7 +13,7 @@ Prefill steps (a chunk of up to 512 tokens) are bound by the tile products inste
 keeps a slice of 32 input rows in L1 while the weight's column panels stream past, and measured faster than both
 oneDNN paths (the packed inner product, and `F.linear` for o and down) from `GEMM_MIN_ROWS` on (`python
 benchmarks/cpu_linear.py --threads 2 --rows 256 512 1024 --dtypes bfloat16 --paths packed F.linear amx gemm`;
-figures in docs/benchmarks.md, "bfloat16 prefill linears on AMX tiles"). From 129 to 255 rows the packed oneDNN
+figures in docs/benchmarks/history/cpu.md, "bfloat16 prefill linears on AMX tiles"). From 129 to 255 rows the packed oneDNN
 weight stays (the decode loop falls behind it there, the prefill loop ties it).
 
 `AmxWeight` holds the weight packed into the tiles' pair layout, made at the first call that can use it (the kernel

@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_BS = 256
 # On a GPU of at least LARGE_GPU_BYTES the graphs go up to LARGE_GPU_MAX_BS: at batch ~1000 an eager decode
 # step's kernel launches are host work as long as the GPU's own, and on a slower host the step waits for
-# them (docs/benchmarks.md, "Capturing larger decode batches").
+# them (docs/benchmarks/history/gpu.md, "Capturing larger decode batches").
 LARGE_GPU_BYTES = 64 << 30
 LARGE_GPU_MAX_BS = 1024
 # Padding request: token 0 at position 0 in request row 0, one position long (row 0, position 0 always
@@ -172,6 +172,10 @@ class CudaGraphRunner:
         self._token_to_kv_pool = runner.token_to_kv_pool
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._views: dict[int, ForwardBatch] = {}
+        # Every graph writes its logits into rows of this one buffer (a batch reads them before the next replay);
+        # a buffer per graph would hold a [bs, vocab] float32 block per captured size: 17 GiB for Llama 3's
+        # vocabulary and sizes up to 1024.
+        self._logits: Optional[torch.Tensor] = None
         self._outputs: dict[int, torch.Tensor] = {}
         self._pool = torch.cuda.graph_pool_handle()
         backend.init_cuda_graph_state(self.max_bs, runner.req_to_token_pool.max_context_len)
@@ -214,14 +218,17 @@ class CudaGraphRunner:
         with torch.cuda.stream(stream):
             self.attn_backend.plan_for_capture(view)
             for _ in range(WARMUP_RUNS):
-                self._forward(view)
+                logits = self._forward(view)
+            if self._logits is None:  # the first capture is the largest (see _capture_all)
+                self._logits = torch.empty((self.max_bs, logits.shape[1]), dtype=logits.dtype, device=logits.device)
+            del logits
         stream.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool, stream=stream):
-            output = self._forward(view)
+            self._logits[:bs].copy_(self._forward(view))
         self._graphs[bs] = graph
         self._views[bs] = view
-        self._outputs[bs] = output
+        self._outputs[bs] = self._logits[:bs]
 
     def _forward(self, view: ForwardBatch) -> torch.Tensor:
         hidden = self.model(view.input_ids, view.positions, view)

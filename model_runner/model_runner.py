@@ -6,6 +6,7 @@ already allocated and recorded in `req_to_token`, and returns logits.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import TYPE_CHECKING, Optional
 
@@ -16,6 +17,7 @@ from radixserve.model_runner.cpu_packed import pack_cpu_linears
 from radixserve.model_runner.cpu_small_batch import pack_small_batch_linears, small_batch_packing_pays
 from radixserve.model_runner.forward_batch import ForwardBatch
 from radixserve.model_runner.loader import dummy_weights, iter_weights
+from radixserve.model_runner.memory_plan import MemoryPlan, graph_bytes, margin_bytes, profile_step_memory
 from radixserve.model_runner.lora.setup import create_lora_manager
 from radixserve.runtime.model_files import resolve_model
 from radixserve.model_runner.model_config import ModelConfig
@@ -34,11 +36,19 @@ GiB = 1 << 30
 CPU_KV_RAM_FRACTION = 0.25
 CPU_KV_MAX_BYTES = 1 * GiB
 CPU_KV_MAX_CONTEXTS = 64
-CUDA_DEFAULT_MEM_FRACTION = 0.85
+# The share of the device for weights + KV when the start-up profile fails (held on an H100 80GB with Llama-3.1-8B).
+FALLBACK_MEM_FRACTION = 0.80
 CPU_DEFAULT_MAX_RUNNING_REQUESTS = 128
 # Request rows beyond max_running_requests, so rows for the next batch can be taken while the current
 # batch still holds its own (overlap scheduling).
 SPARE_REQUEST_ROWS = 8
+
+
+
+def default_max_running(kv_tokens: int) -> int:
+    """The request limit on a GPU when none is given: a row per 512 KV tokens, between 32 and 1024."""
+    return min(1024, max(32, kv_tokens // 512))
+
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -192,14 +202,24 @@ class ModelRunner:
         return model
 
     def _size_memory(self) -> tuple[int, int]:
-        """(usable KV token slots rounded down to whole pages, max running requests)."""
+        """(usable KV token slots rounded down to whole pages, max running requests); logs the memory plan."""
         args, config = self.server_args, self.model_config
         bytes_per_token = TokenToKVPool.bytes_per_token(
             config.num_hidden_layers, self.head_layout.num_kv_heads, config.head_dim, self.kv_cache_dtype
         )
         row_bytes = self.context_len * 4  # one int32 req_to_token row
+        plan: Optional[MemoryPlan] = None
         if args.max_total_tokens is not None:
             budget_tokens = args.max_total_tokens
+        elif self.device.type == "cuda" and args.mem_fraction_static is None:
+            try:
+                plan = self._profiled_plan(bytes_per_token, row_bytes)
+                budget_tokens = plan.kv_tokens
+            except Exception:  # a start-up that cannot profile still serves, on the fixed share
+                logger.exception("profiling the step memory failed; the KV pool takes --mem-fraction-static %.2f",
+                                 FALLBACK_MEM_FRACTION)
+                self._reset_after_profile()
+                budget_tokens = self._kv_budget_bytes(bytes_per_token, FALLBACK_MEM_FRACTION) // bytes_per_token
         else:
             budget_tokens = self._kv_budget_bytes(bytes_per_token) // bytes_per_token
 
@@ -207,9 +227,11 @@ class ModelRunner:
             max_running = args.max_running_requests
         elif self.device.type == "cpu":
             max_running = CPU_DEFAULT_MAX_RUNNING_REQUESTS
+        elif plan is not None:
+            max_running = min(self._profiled_max_running, default_max_running(budget_tokens))
         else:
-            max_running = min(1024, max(32, budget_tokens // 512))
-        if args.max_total_tokens is None and self.device.type == "cuda":
+            max_running = default_max_running(budget_tokens)
+        if args.max_total_tokens is None and plan is None and self.device.type == "cuda":
             # The request table lives in the same memory as the KV pool.
             rows_bytes = (max_running + SPARE_REQUEST_ROWS) * row_bytes
             budget_tokens -= -(-rows_bytes // bytes_per_token)
@@ -222,18 +244,62 @@ class ModelRunner:
                 f"not enough memory for the KV cache ({budget_tokens} tokens); lower the model size, raise "
                 "mem_fraction_static or set max_total_tokens"
             )
+        if self.device.type == "cuda":
+            if plan is None:
+                source = ("max_total_tokens" if args.max_total_tokens is not None
+                          else f"mem_fraction_static={args.mem_fraction_static or FALLBACK_MEM_FRACTION}")
+                plan = MemoryPlan(torch.cuda.get_device_name(self.device),
+                                  torch.cuda.get_device_properties(self.device).total_memory,
+                                  torch.cuda.memory_allocated(self.device), total * bytes_per_token, total,
+                                  source=source)
+            else:
+                plan = dataclasses.replace(plan, kv=total * bytes_per_token, kv_tokens=total)
+            self.memory_plan = plan
+            logger.info("%s", plan.describe())
         return total, max_running
 
-    def _kv_budget_bytes(self, bytes_per_token: int) -> int:
-        """Bytes the KV pool may take: on CUDA what mem_fraction_static leaves after the loaded weights; on
-        CPU a share of the available RAM, capped (a CPU serves few tokens per second, so a bigger pool only
-        costs memory)."""
-        fraction = self.server_args.mem_fraction_static
+    def _profiled_plan(self, bytes_per_token: int, row_bytes: int) -> MemoryPlan:
+        """The KV pool from what the profiled steps leave (model_runner/memory_plan.py); sets
+        `_profiled_max_running`, the request limit the steps were profiled with."""
+        args = self.server_args
+        torch.cuda.synchronize(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        weights = torch.cuda.memory_allocated(self.device)
+        # The request limit follows the pool's size; profile with the largest the pool could give.
+        provisional = (free - margin_bytes(total)) // bytes_per_token
+        max_running = args.max_running_requests or default_max_running(provisional)
+        self._profiled_max_running = max_running
+        step = profile_step_memory(self, max_running)
+        graph_bs = 0
+        if not args.disable_cuda_graph and not args.lora_enabled():
+            from radixserve.model_runner.cuda_graph import choose_graph_max_batch_size
+
+            graph_bs = choose_graph_max_batch_size(args.cuda_graph_max_bs, total, max_running)
+        torch.cuda.synchronize(self.device)
+        free = torch.cuda.mem_get_info(self.device)[0]
+        plan = MemoryPlan(
+            device_name=torch.cuda.get_device_name(self.device), total=total, weights=weights, kv=0, kv_tokens=0,
+            activations=max(step.prefill, step.decode), workspace=step.workspace,
+            cuda_graphs=graph_bytes(self, graph_bs, step),
+            request_table=(max_running + SPARE_REQUEST_ROWS) * row_bytes, margin=margin_bytes(total))
+        kv_bytes = max(0, free - plan.reserve)
+        return dataclasses.replace(plan, kv=kv_bytes, kv_tokens=kv_bytes // bytes_per_token)
+
+    def _reset_after_profile(self) -> None:
+        for name in ("attn_backend", "req_to_token_pool", "allocator", "token_to_kv_pool"):
+            self.__dict__.pop(name, None)
+        self.model.set_attention_backend(None)
+        torch.cuda.empty_cache()
+
+    def _kv_budget_bytes(self, bytes_per_token: int, fraction: Optional[float] = None) -> int:
+        """Bytes the KV pool may take: on CUDA what `--mem-fraction-static` leaves after the loaded weights (the
+        default is the profiled plan instead, see `_profiled_plan`); on CPU a share of the available RAM, capped
+        (a CPU serves few tokens per second, so a bigger pool only costs memory)."""
+        fraction = self.server_args.mem_fraction_static if fraction is None else fraction
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             free, total = torch.cuda.mem_get_info(self.device)
             # mem_fraction_static is the share of the whole device for weights + KV; weights are loaded.
-            fraction = fraction if fraction is not None else CUDA_DEFAULT_MEM_FRACTION
             return int(free - total * (1.0 - fraction))
         import psutil
 

@@ -5,6 +5,7 @@
     radixserve generate "Write a haiku about the sea."
     radixserve serve-ray --num-replicas 4     # on a Ray cluster (`ray start --head`): see docs/parallelism.md
     radixserve cache-report --url http://127.0.0.1:30000 --out report.html   # the cache page, as one file
+    radixserve check-env                      # the resolved versions, the CPU's instruction sets, the device
     python -m radixserve ...                  # the same
     python -m radixserve.launch_server ...    # = serve, as SGLang's `python -m sglang.launch_server ...`
 
@@ -17,6 +18,7 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
+from radixserve.runtime.import_path import drop_checkout_from_sys_path
 from radixserve.runtime.wire.server_args import ServerArgs
 
 
@@ -42,6 +44,12 @@ def _parser() -> argparse.ArgumentParser:
     from radixserve.runtime.ray_serve.cli import add_cli_args as add_ray_cli_args
 
     add_ray_cli_args(serve_ray)
+
+    check_env = commands.add_parser("check-env", help="print the resolved versions, the CPU's instruction sets and "
+                                    "the device (as `make test` does first)")
+    from radixserve.runtime.check_env import add_cli_args as add_check_env_cli_args
+
+    add_check_env_cli_args(check_env)
 
     report = commands.add_parser("cache-report", help="write a running server's cache page to one HTML file")
     from radixserve.runtime.cache_report import add_cli_args
@@ -100,7 +108,12 @@ def _generate(args: argparse.Namespace, server_args: ServerArgs) -> int:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    drop_checkout_from_sys_path()  # before anything imports a dependency that imports `kernels` by its bare name
     args = _parser().parse_args(argv)
+    if args.command == "check-env":
+        from radixserve.runtime.check_env import run as check_env
+
+        return check_env(args)
     if args.command == "cache-report":
         from radixserve.runtime.cache_report import run
 

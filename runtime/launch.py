@@ -32,6 +32,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import zmq
 
+from radixserve.runtime.import_path import drop_checkout_from_sys_path
 from radixserve.runtime.wire.ipc import IpcPaths
 from radixserve.runtime.wire.messages import ModelInfo, ProcessFailed, ProcessReady, decode
 from radixserve.runtime.wire.server_args import ServerArgs
@@ -64,7 +65,9 @@ def watch_parent(parent_pid: int, interval_s: float = PARENT_POLL_INTERVAL_S) ->
 
 
 def _child_main(name: str, entry: ChildEntry, server_args: ServerArgs, ipc: IpcPaths, parent_pid: int) -> None:
-    """What every child runs first: die with the parent, leave Ctrl-C to the parent, log with its name."""
+    """What every child runs first: die with the parent, leave Ctrl-C to the parent, log with its name, and keep
+    the checkout's folders out of bare imports (a spawned child copies the parent's `sys.path`)."""
+    drop_checkout_from_sys_path()
     watch_parent(parent_pid)
     # A terminal's Ctrl-C reaches the whole process group; the parent handles it and stops the children.
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -25,6 +25,7 @@ overlap the scheduler fills it once it has processed the previous batch's tokens
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 from dataclasses import dataclass
 from typing import Optional
 
@@ -35,6 +36,9 @@ from radixserve.model_runner.sampling import Sampler
 from radixserve.model_runner.verify_forward import VerifyForward
 from radixserve.scheduler.batch import ScheduleBatch
 from radixserve.scheduler.speculative.verify import enqueue_verify
+
+logger = logging.getLogger(__name__)
+OOM_ATTEMPTS = 2  # an allocation failure often passes once the caching allocator has released its free blocks
 
 
 @dataclass
@@ -84,6 +88,8 @@ class LaunchedBatch:
         self._future = future
 
     def result(self) -> BatchResult:
+        """The batch's samples; raises `torch.OutOfMemoryError` when the device could not hold the batch (the
+        scheduler fails the batch's requests and serves on, see `Scheduler._fail_batch`)."""
         return self._future.result().wait()
 
 
@@ -107,7 +113,10 @@ class BatchExecutor:
     def launch(self, batch: ScheduleBatch) -> LaunchedBatch:
         if self._worker is None:
             future: concurrent.futures.Future = concurrent.futures.Future()
-            future.set_result(self.enqueue(batch))
+            try:
+                future.set_result(self.enqueue(batch))
+            except torch.OutOfMemoryError as error:  # raised where the worker's future would raise it
+                future.set_exception(error)
             return LaunchedBatch(batch, future)
         ready = None
         if self._stream is not None:
@@ -123,10 +132,24 @@ class BatchExecutor:
             self._stream.wait_event(ready)
             return self.enqueue(batch)
 
-    @torch.inference_mode()
     def enqueue(self, batch: ScheduleBatch) -> PendingResult:
         """Queue the batch's forward pass and sampling on the current stream; on a GPU, returns without
-        waiting for the device."""
+        waiting for the device. An allocation that fails (`torch.OutOfMemoryError`) is retried once, after the
+        allocator hands its cached blocks back, before any later batch runs; a second failure is raised."""
+        for attempt in range(OOM_ATTEMPTS):
+            try:
+                return self._enqueue(batch)
+            except torch.OutOfMemoryError:
+                if attempt == OOM_ATTEMPTS - 1:
+                    raise
+                logger.warning("out of device memory running a batch of %d requests; retrying it once",
+                               len(batch.reqs))
+                if self.device.type == "cuda":
+                    torch.cuda.empty_cache()
+        raise AssertionError("unreachable")
+
+    @torch.inference_mode()
+    def _enqueue(self, batch: ScheduleBatch) -> PendingResult:
         runner = self.runner
         forward_batch = batch.to_forward_batch(
             runner.req_to_token_pool, runner.token_to_kv_pool, self.token_table, self.device

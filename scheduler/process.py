@@ -86,13 +86,13 @@ def run_scheduler_process(server_args: ServerArgs, ipc: IpcPaths, parent_pid: in
 
         reporter = ReplicaReporter(dp_rank, make_push(ctx, ipc.replica_reports), scheduler)
     try:
+        watchdog.start()
         if server_args.tp_size > 1:
             from radixserve.scheduler.tp import TPRelay, serve_tp
 
             relay = TPRelay(tp_rank, scheduler.runner.tp_cpu_group)
-            serve_tp(scheduler, relay, receiver, sender if tp_rank == 0 else None, reporter)
+            serve_tp(scheduler, relay, receiver, sender if tp_rank == 0 else None, watchdog, reporter)
         else:
-            watchdog.start()
             serve(scheduler, receiver, sender, watchdog, reporter)
     except BaseException:
         logger.exception("%s crashed", name)

@@ -91,6 +91,7 @@ class Req:
         self.prefix_indices: torch.Tensor = _EMPTY_SLOTS
         self.last_node: Any = None
         self.num_inflight = 0  # launched batches holding this request whose results are not processed
+        self.kv_unwritten = False  # a batch of it failed (out of device memory): its own slots hold no valid KV
         self.kv_released = True  # no row and no KV yet
 
         # Admission bookkeeping
@@ -161,6 +162,7 @@ class Req:
         self.prefix_indices = _EMPTY_SLOTS
         self.last_node = None
         self.kv_released = True
+        self.kv_unwritten = False
 
     def append_token(self, token_id: int, logprob: Optional[float], top_logprobs: Optional[list]) -> None:
         self.output_ids.append(token_id)

@@ -33,6 +33,7 @@ in-process; `process.py` wires it to ZMQ.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 from collections import deque
@@ -403,7 +404,12 @@ class Scheduler:
         return batch
 
     def _process_result(self, launched: LaunchedBatch) -> None:
-        batch, result = launched.batch, launched.result()
+        batch = launched.batch
+        try:
+            result = launched.result()
+        except torch.OutOfMemoryError as error:
+            self._fail_batch(batch, error)
+            return
         if batch.verify is not None:
             self._process_verify(batch, result)
             return
@@ -428,6 +434,46 @@ class Scheduler:
             interval = self.args.decode_log_interval
             if interval > 0 and self.stats.decode_steps % interval == 0:
                 self._log_decode()
+
+    def _fail_batch(self, batch: ScheduleBatch, error: BaseException) -> None:
+        """The device ran out of memory for `batch` even after the executor's retry: its requests finish with an
+        error (503, so clients may retry) and the server goes on.
+
+        The batch's tokens were already in the radix tree (every extend batch inserts at scheduling), and batches
+        launched after it may have read their never-written KV. So the results of those later batches are
+        dropped, every other request holding KV is retracted (it recomputes and completes with the same
+        output), and the tree is emptied: no slot of unwritten KV can be matched again."""
+        logger.error("out of device memory running a batch of %d requests (%d new tokens); they fail, %d running "
+                     "requests are retracted: %s", len(batch.reqs), batch.num_new_tokens,
+                     len(self.running) - len(batch.reqs), str(error).splitlines()[0] if str(error) else error)
+        self.stats.num_failed_batches += 1
+        for req in batch.reqs:
+            req.num_inflight -= 1
+        while self.inflight:
+            later = self.inflight.popleft()
+            with contextlib.suppress(torch.OutOfMemoryError):
+                later.result()
+            for req in later.batch.reqs:
+                req.num_inflight -= 1
+        if self.runner.device.type == "cuda":
+            torch.cuda.empty_cache()
+        for req in self.reqs.values():
+            req.kv_unwritten = req.req_pool_idx is not None  # nothing goes into the tree: it is emptied below
+        message = ("the server ran out of device memory while running this request's batch; retry later, or "
+                   "lower --mem-fraction-static / --chunked-prefill-size / --cuda-graph-max-bs on the server")
+        for req in batch.reqs:
+            if not req.finished:
+                self._finish(req, FinishReason.abort(message, status_code=503))
+        if self.chunked_req is not None and not self.chunked_req.finished:
+            self.running.append(self.chunked_req)  # retracted below with the running ones
+        self.chunked_req = None
+        for req in list(self.running):
+            self._retract(req)
+        for req in list(self.reqs.values()):
+            self._maybe_release(req)
+        self.cache.reset()
+        if self.speculator is not None:
+            self.speculator.flush()
 
     def _process_output(self, req: Req, result: Any, i: int) -> None:
         """Take entry i's sampled token into `req` and finish it if it stops here."""
@@ -502,7 +548,13 @@ class Scheduler:
 
     def _release_kv(self, req: Req) -> None:
         """The one place a request's KV and row are handed back: KV to the cache, row to the pool."""
-        if req.req_pool_idx is not None:
+        if req.req_pool_idx is not None and req.kv_unwritten:
+            # A failed batch never wrote its KV: only the tree's prefix goes back, the request's own slots are freed.
+            kept = len(req.prefix_indices)
+            self.cache.cache_finished_req(req, req.all_ids[:kept])
+            self.allocator.free(self.req_to_token_pool.req_to_token[req.req_pool_idx, kept:req.kv_len].to(torch.int64))
+            self.req_to_token_pool.free(req.req_pool_idx)
+        elif req.req_pool_idx is not None:
             token_ids = req.all_ids[: req.kv_len]
             if len(token_ids) < req.kv_len:
                 # Only a request whose last step had no token to sample: under overlap the batch after it

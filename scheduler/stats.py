@@ -17,6 +17,7 @@ class SchedulerStats:
     num_finished: int = 0
     num_aborted: int = 0
     num_retractions: int = 0
+    num_failed_batches: int = 0  # batches the device could not hold (out of memory); their requests failed
     prefill_tokens_computed: int = 0  # extend tokens run through the model (cached prefix excluded)
     decode_steps: int = 0  # DECODE batches
     extend_batches: int = 0  # EXTEND batches

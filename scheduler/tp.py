@@ -26,6 +26,7 @@ import torch.distributed as dist
 import zmq
 
 from radixserve.runtime.wire.messages import decode, encode
+from radixserve.scheduler.watchdog import StepWatchdog
 
 logger = logging.getLogger(__name__)
 
@@ -83,9 +84,11 @@ class TPRelay:
 
 
 def serve_tp(scheduler: Any, relay: TPRelay, receiver: Optional[zmq.Socket], sender: Optional[zmq.Socket],
-             reporter: Any = None) -> None:
+             watchdog: StepWatchdog, reporter: Any = None) -> None:
     """The loop of every rank (rank 0 with its sockets and, in a data-parallel replica, its reporter; the
-    others with None): never returns."""
+    others with None): never returns. `watchdog` watches each rank's round of work after the exchange; waiting
+    in the exchange for rank 0 is not work, so an idle group never trips it, and a rank stuck in a step (or in
+    a collective whose peer is stuck) ends its process, which takes the group down."""
     poller = zmq.Poller()
     if receiver is not None:
         poller.register(receiver, zmq.POLLIN)
@@ -99,24 +102,32 @@ def serve_tp(scheduler: Any, relay: TPRelay, receiver: Optional[zmq.Socket], sen
             step_input = TPStepInput(_drain(receiver, poller, timeout), check_digest=idle and not checked)
             checked = idle
         step_input = relay.exchange(step_input)
-        if step_input.check_digest:
-            relay.check_digests(scheduler)
-        for data in step_input.messages:
-            message = decode(data)
-            if reporter is not None:
-                reporter.received_request(message)
-            scheduler.handle_message(message)
-        if scheduler.grammars.num_queued:
-            # Grammars compile on a thread whose finishing time differs by rank: wait, so that every rank
-            # admits a grammar request at the same step.
-            scheduler.grammars.wait_for_queue()
-        worked = scheduler.step()
-        outputs = scheduler.take_outputs()
-        if sender is not None:
-            for message in outputs:
-                sender.send(encode(message))
+        with watchdog.busy():
+            worked = _round(scheduler, relay, step_input, sender, reporter)
+
+
+def _round(scheduler: Any, relay: TPRelay, step_input: TPStepInput, sender: Optional[zmq.Socket],
+           reporter: Any) -> bool:
+    """One round of work on every rank: the messages of this round, one step, the outputs (rank 0 sends)."""
+    if step_input.check_digest:
+        relay.check_digests(scheduler)
+    for data in step_input.messages:
+        message = decode(data)
         if reporter is not None:
-            reporter.after_round()
+            reporter.received_request(message)
+        scheduler.handle_message(message)
+    if scheduler.grammars.num_queued:
+        # Grammars compile on a thread whose finishing time differs by rank: wait, so that every rank
+        # admits a grammar request at the same step.
+        scheduler.grammars.wait_for_queue()
+    worked = scheduler.step()
+    outputs = scheduler.take_outputs()
+    if sender is not None:
+        for message in outputs:
+            sender.send(encode(message))
+    if reporter is not None:
+        reporter.after_round()
+    return worked
 
 
 def _drain(receiver: zmq.Socket, poller: zmq.Poller, timeout_ms: int) -> list[bytes]:

@@ -186,3 +186,22 @@ def test_a_replica_whose_engine_is_down_is_passed_over_until_ray_replaces_it(cls
             ranked = await choose(router, prefix(GROUP_B + (tail,)))
             assert ranked and all(group == ["c"] for group in ranked if group)
     asyncio.run(run())
+
+
+@pytest.mark.parametrize("salt, lora", [(None, None), ("s1", None), (None, "adapter-a"), ("s1", "adapter-a")])
+def test_the_routing_key_is_the_cache_namespace(salt, lora):
+    """The Ray ingress routes a request by the namespace the scheduler caches it under, adapter included."""
+    from types import SimpleNamespace
+
+    from radixserve.runtime.ray_serve.proxy import EngineProxy
+    from radixserve.tokenizer_manager.io import GenerateReqInput, split_requests
+
+    async def encode(text):
+        return [len(text), 7, 8]
+
+    obj = GenerateReqInput(text="hello there", sampling_params={"max_new_tokens": 4}, cache_salt=salt, lora_path=lora,
+                           tenant="acme")
+    route = asyncio.run(EngineProxy._route(SimpleNamespace(async_encode=encode), obj))
+    assert route.namespace == split_requests(obj)[0].namespace("acme")
+    assert route.namespace[0] == "tenant:acme" and (lora is None) == (not any("lora" in p for p in route.namespace))
+    assert route.key == (11, 7, 8) and route.tokens == 3 + 4

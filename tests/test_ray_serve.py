@@ -22,7 +22,7 @@ from typing import Optional
 import httpx
 import pytest
 
-from tests.http_fixtures import free_port
+from http_fixtures import free_port
 
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")

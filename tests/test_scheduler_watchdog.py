@@ -61,3 +61,41 @@ def test_a_step_past_the_timeout_ends_the_scheduler_process(default_model_dir, c
     assert "watchdog: scheduler round" in log and "no progress" in log
     assert "stuck-prefill" in log  # the state names the request being computed
     assert "thread MainThread" in log and "run_scheduler_process" in log  # and the stacks show where it was
+
+
+@pytest.mark.slow
+def test_a_stuck_tensor_parallel_rank_ends_the_group(tiny_model_dir, capfd):
+    """`--tp-size 2 --watchdog-timeout 5`: rank 1 stops (SIGSTOP) mid-generation; rank 0's round waits in a
+    collective past the timeout, its watchdog ends it, and the engine fails the pending request instead of
+    hanging."""
+    import os
+    import signal
+
+    from radixserve import Engine
+
+    model = tiny_model_dir("llama", with_tokenizer=True)
+    engine = Engine(model_path=model, device="cpu", dtype="float32", tp_size=2, watchdog_timeout=5.0,
+                    max_running_requests=4, log_level="info")
+    try:
+        ranks = engine._resources.children.pids()
+        errors: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                while True:  # requests one after another until the group fails them
+                    engine.generate(input_ids=[5, 6, 7, 8], sampling_params={"max_new_tokens": 400,
+                                                                             "temperature": 0.0, "ignore_eos": True})
+            except BaseException as error:  # the request must fail, not hang
+                errors.append(error)
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        time.sleep(2.0)
+        os.kill(ranks["scheduler-tp1"], signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        thread.join(timeout=60.0)
+        assert not thread.is_alive(), "the request still waits 60 s after a rank got stuck"
+        assert errors and 5.0 <= time.monotonic() - stopped_at < 60.0
+    finally:
+        engine.shutdown()
+    assert "watchdog: scheduler round" in capfd.readouterr().err

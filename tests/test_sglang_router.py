@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from tests.http_fixtures import ADMIN_KEY, ServerProcess, _die_with_parent, free_port
+from http_fixtures import ADMIN_KEY, ServerProcess, _die_with_parent, free_port
 
 pytest.importorskip("sglang_router")
 pytestmark = pytest.mark.slow

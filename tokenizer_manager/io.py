@@ -67,6 +67,11 @@ class SingleReq:
     priority: Optional[int] = None
     lora_name: Optional[str] = None
 
+    def namespace(self, tenant: Optional[str]) -> tuple[str, ...]:
+        """This prompt's radix-cache namespace: the one the scheduler caches it under and every router (the DP
+        controller, the Ray proxy) routes it by."""
+        return make_namespace(tenant, self.cache_salt, self.lora_name)
+
 
 def make_namespace(tenant: Optional[str], cache_salt: Optional[str], lora_name: Optional[str] = None,
                    ) -> tuple[str, ...]:

@@ -44,7 +44,7 @@ from radixserve.runtime.wire.errors import EngineDeadError, request_failed
 from radixserve.runtime.wire.lora import LoadLoRAAdapterReq, LoRAAdapterReqOutput, UnloadLoRAAdapterReq
 from radixserve.runtime.wire.sampling_params import InvalidSamplingParams, LengthLimits, SamplingParams
 from radixserve.tokenizer_manager.replicas import merge_replies
-from radixserve.tokenizer_manager.io import GenerateReqInput, SingleReq, make_namespace, split_requests
+from radixserve.tokenizer_manager.io import GenerateReqInput, SingleReq, split_requests
 from radixserve.tokenizer_manager.state import ReqGroup, ReqState
 from radixserve.tokenizer_manager.tokenize import TokenizerWorker
 
@@ -202,7 +202,7 @@ class TokenizerManager:
                 rid=state.rid,
                 input_ids=input_ids,
                 sampling_params=sampling,
-                namespace=make_namespace(obj.tenant, request.cache_salt, request.lora_name),
+                namespace=request.namespace(obj.tenant),
                 return_logprob=request.return_logprob,
                 logprob_start_len=request.logprob_start_len,
                 top_logprobs_num=request.top_logprobs_num,

@@ -37,7 +37,7 @@ from radixserve.runtime.wire.errors import EngineDeadError
 from radixserve.runtime.wire.messages import UNBOUNDED_NEW_TOKENS
 from radixserve.runtime.wire.sampling_params import LengthLimits, SamplingParams
 from radixserve.runtime.wire.server_args import ServerArgs
-from radixserve.tokenizer_manager.io import GenerateReqInput, make_namespace
+from radixserve.tokenizer_manager.io import GenerateReqInput, split_requests
 from radixserve.tokenizer_manager.replicas import merge_cache_trees, merge_server_info
 from radixserve.tokenizer_manager.tokenize import TokenizerWorker, load_chat_template
 
@@ -136,11 +136,11 @@ class EngineProxy:
         else:
             text = obj.text if isinstance(obj.text, str) else (obj.text or [""])[0]
             ids = await self.async_encode(text) if isinstance(text, str) else []
-        salt = obj.cache_salt[0] if isinstance(obj.cache_salt, list) else obj.cache_salt
-        params = obj.sampling_params[0] if isinstance(obj.sampling_params, list) else obj.sampling_params
+        first = split_requests(obj)[0]
+        params = first.sampling_params
         max_new = params.max_new_tokens if isinstance(params, SamplingParams) else (params or {}).get("max_new_tokens")
         tokens = len(ids) + (UNBOUNDED_NEW_TOKENS if max_new is None else int(max_new))
-        return PrefixRoute(make_namespace(obj.tenant, salt), tuple(ids), tokens)
+        return PrefixRoute(first.namespace(obj.tenant), tuple(ids), tokens)
 
     # ---- tokenization ----------------------------------------------------------------------------
     async def async_encode(self, text: str) -> list[int]:
