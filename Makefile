@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 TORCH_SPEC ?= torch==2.13.0
 PROMPT ?= Write a haiku about the sea.
 
-.PHONY: setup serve test generate clean browser lint-imports
+.PHONY: setup serve test test-fast generate clean browser lint-imports
 
 setup: $(STAMP)
 
@@ -36,13 +36,21 @@ browser:
 # The import layers of pyproject.toml, on an installed copy (build/lint): the editable install maps the folders
 # with an import hook that a static reader cannot follow.
 lint-imports: $(STAMP)
-	rm -rf build/lint
+	rm -rf build/lint build/lib
 	$(PY) -m pip install -q --no-deps --no-compile --no-build-isolation --target build/lint . 2>/dev/null
 	cd build && PYTHONPATH=$(CURDIR)/build/lint PYTHONSAFEPATH=1 $(CURDIR)/$(VENV)/bin/lint-imports --config $(CURDIR)/pyproject.toml
 
 test: $(STAMP) browser lint-imports
 	$(VENV)/bin/radixserve check-env
 	$(VENV)/bin/pytest -q tests
+
+# The core of every feature (cache, scheduler, sampling, requests, detokenizer, Engine, OpenAI server, DSL, tool
+# parsers, memory failures, the import path), for the loop between edits; `make test` before a commit.
+FAST_TESTS := tests/test_radix_cache.py tests/test_scheduler.py tests/test_sampling.py tests/test_request_validation.py \
+	tests/test_detokenizer.py tests/test_import_path.py tests/test_device_memory_failures.py tests/test_memory_plan.py \
+	tests/test_frontend_units.py tests/test_tool_parsers.py tests/test_http_openai.py tests/test_engine.py
+test-fast: $(STAMP) lint-imports
+	$(VENV)/bin/pytest -q -m "not slow and not gpu" $(FAST_TESTS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

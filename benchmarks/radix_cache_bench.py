@@ -33,7 +33,8 @@ import numpy as np
 import torch
 
 from radixserve.radix_cache.pool import KVAllocator, ReqToTokenPool
-from radixserve.radix_cache.tree import RadixCache, common_prefix_length
+from radixserve.radix_cache.keys import common_prefix_length
+from radixserve.radix_cache.tree import RadixCache
 
 VOCAB_SIZE = 49152
 # One int object per token id, shared by every list (as a tokenizer's cache would), so memory is 8 bytes a token.

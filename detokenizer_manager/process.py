@@ -26,13 +26,11 @@ def run_detokenizer_process(server_args: ServerArgs, ipc: IpcPaths, parent_pid: 
     sender = make_push(ctx, ipc.detokenizer_to_tokenizer)
     try:
         from radixserve.detokenizer_manager.manager import DetokenizerManager
-        from radixserve.runtime.model_files import resolve_model, server_tokenizer
+        from radixserve.runtime.wire.tokenizer_files import server_tokenizer
 
         tokenizer_path = server_args.tokenizer_path
-        if tokenizer_path is None:
-            tokenizer_path = resolve_model(
-                server_args.model_path, server_args.load_format, server_args.model_cache_dir
-            ).model_dir
+        if tokenizer_path is None:  # the launch resolves it (runtime/launch.py, resolve_for_launch)
+            raise ValueError("the detokenizer needs the resolved tokenizer_path")
         manager = DetokenizerManager(server_tokenizer(tokenizer_path, server_args))
         receiver = make_pull(ctx, ipc.scheduler_to_detokenizer)
     except Exception:

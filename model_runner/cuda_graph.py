@@ -28,7 +28,7 @@ import torch
 from radixserve.model_runner.forward_batch import ForwardBatch, ForwardMode
 
 if TYPE_CHECKING:
-    from radixserve.model_runner.model_runner import ModelRunner
+    from radixserve.model_runner.runner_parts import RunnerParts
     from radixserve.radix_cache.pool import ReqToTokenPool, TokenToKVPool
 
 logger = logging.getLogger(__name__)
@@ -159,7 +159,7 @@ class CudaGraphRunner:
     than the largest captured size that wants the default logits (each request's token).
     """
 
-    def __init__(self, runner: "ModelRunner", batch_sizes: Sequence[int]) -> None:
+    def __init__(self, runner: "RunnerParts", batch_sizes: Sequence[int]) -> None:
         assert runner.device.type == "cuda", "CUDA graphs need a CUDA device"
         backend = runner.attn_backend
         assert supports_cuda_graph(backend), f"{type(backend).__name__} cannot run in CUDA graphs"
@@ -235,7 +235,7 @@ class CudaGraphRunner:
         return self.model.compute_logits(hidden, view)
 
 
-def graph_max_batch_size(runner: "ModelRunner") -> int:
+def graph_max_batch_size(runner: "RunnerParts") -> int:
     """The largest decode batch to capture for `runner` (see `choose_graph_max_batch_size`)."""
     return choose_graph_max_batch_size(runner.server_args.cuda_graph_max_bs,
                                        torch.cuda.get_device_properties(runner.device).total_memory,
@@ -250,7 +250,7 @@ def choose_graph_max_batch_size(requested: Optional[int], gpu_bytes: int, max_ru
     return max(1, min(requested, max_running_requests))
 
 
-def create_cuda_graph_runner(runner: "ModelRunner") -> Optional[CudaGraphRunner]:
+def create_cuda_graph_runner(runner: "RunnerParts") -> Optional[CudaGraphRunner]:
     """The decode graphs for `runner` (on CUDA, CUDA graphs not disabled), or None with a warning when its
     attention backend cannot be captured. Sizes: `capture_batch_sizes` up to `graph_max_batch_size`."""
     backend = runner.attn_backend

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -34,7 +34,8 @@ from radixserve.radix_cache.pool import KVAllocator, ReqToTokenPool, TokenToKVPo
 from radixserve.runtime.wire.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from radixserve.model_runner.model_runner import ModelRunner
+    from radixserve.model_runner.attention.base import AttentionBackend
+    from radixserve.model_runner.runner_parts import RunnerParts
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +96,7 @@ def margin_bytes(total: int) -> int:
     return max(MARGIN_MIN_BYTES, int(total * MARGIN_FRACTION))
 
 
-def profile_prefill_shape(runner: "ModelRunner", max_running: int) -> tuple[int, int]:
+def profile_prefill_shape(runner: "RunnerParts", max_running: int) -> tuple[int, int]:
     """(new tokens, requests) of the largest prefill batch the scheduler can form."""
     args = runner.server_args
     chunk = args.resolved_chunked_prefill_size()
@@ -105,7 +106,7 @@ def profile_prefill_shape(runner: "ModelRunner", max_running: int) -> tuple[int,
     return tokens, max(1, min(max_running, tokens))
 
 
-def graph_bytes(runner: "ModelRunner", graph_bs: int, step: StepMemory) -> int:
+def graph_bytes(runner: "RunnerParts", graph_bs: int, step: StepMemory) -> int:
     """The decode graphs' memory: one decode forward's activations and logits in their private pool (measured
     at `step.decode_batch` >= `graph_bs` requests, scaled down), the logits buffer the graphs copy into, and the
     attention backend's page-table buffers for `graph_bs` requests of a whole context."""
@@ -117,9 +118,11 @@ def graph_bytes(runner: "ModelRunner", graph_bs: int, step: StepMemory) -> int:
 
 
 @torch.inference_mode()
-def profile_step_memory(runner: "ModelRunner", max_running: int) -> StepMemory:
+def profile_step_memory(runner: "RunnerParts", max_running: int,
+                        make_backend: Callable[[], "AttentionBackend"]) -> StepMemory:
     """Run the largest prefill and decode steps (see the module docstring) on temporary pools and return their
-    peak memory. Leaves the runner without pools or attention backend; the caller builds the real ones."""
+    peak memory, with the attention backend `make_backend()` builds over them. Leaves the runner without pools or
+    attention backend; the caller builds the real ones."""
     device = runner.device
     config = runner.model_config
     page = runner.page_size
@@ -136,7 +139,7 @@ def profile_step_memory(runner: "ModelRunner", max_running: int) -> StepMemory:
     runner.cuda_graph_runner = None
     torch.cuda.synchronize(device)
     before_backend = torch.cuda.memory_allocated(device)
-    runner.attn_backend = runner._create_attention_backend()
+    runner.attn_backend = make_backend()
     runner.attn_backend.warm_up(runner.kv_cache_dtype)
     runner.model.set_attention_backend(runner.attn_backend)
     torch.cuda.synchronize(device)

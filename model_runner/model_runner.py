@@ -269,7 +269,7 @@ class ModelRunner:
         provisional = (free - margin_bytes(total)) // bytes_per_token
         max_running = args.max_running_requests or default_max_running(provisional)
         self._profiled_max_running = max_running
-        step = profile_step_memory(self, max_running)
+        step = profile_step_memory(self, max_running, self._create_attention_backend)
         graph_bs = 0
         if not args.disable_cuda_graph and not args.lora_enabled():
             from radixserve.model_runner.cuda_graph import choose_graph_max_batch_size

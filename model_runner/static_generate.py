@@ -16,7 +16,7 @@ from radixserve.model_runner.forward_batch import ForwardBatch, ForwardMode
 from radixserve.radix_cache.pool import KVAllocator, ReqToTokenPool, TokenToKVPool
 
 if TYPE_CHECKING:
-    from radixserve.model_runner.model_runner import ModelRunner
+    from radixserve.model_runner.runner_parts import RunnerParts
 
 
 def assign_kv_slots(
@@ -86,7 +86,7 @@ def make_forward_batch(
 
 
 def greedy_generate(
-    runner: "ModelRunner",
+    runner: "RunnerParts",
     prompts: list[list[int]],
     max_new_tokens: int,
     stop_token_ids: Iterable[int] = (),

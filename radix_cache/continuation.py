@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from radixserve.radix_cache.tree import common_prefix_length
+from radixserve.radix_cache.keys import common_prefix_length
 
 
 def _child_for(node: Any, key: list[int], pos: int) -> Optional[Any]:

@@ -39,7 +39,9 @@ from radixserve.radix_cache.hinode import DiskQueue, HiTreeNode, HostQueue
 from radixserve.radix_cache.host_pool import HostKVPool
 from radixserve.radix_cache.stats import LowerTierInfo, TierCounters
 from radixserve.radix_cache.base import MatchResult
-from radixserve.radix_cache.tree import RadixCache, TreeNode, common_prefix_length
+from radixserve.radix_cache.hiradix_check import check_hiradix
+from radixserve.radix_cache.keys import common_prefix_length
+from radixserve.radix_cache.tree import RadixCache, TreeNode
 
 WRITE_POLICIES = ("write_through", "write_back")
 
@@ -454,6 +456,4 @@ class HiRadixCache(RadixCache):
     # ---- invariants ----------------------------------------------------------------------------------
     def check_invariants(self, held_slots: int = 0) -> None:
         """The tree, all three tiers' accounting and the eviction queues; see hiradix_check.py."""
-        from radixserve.radix_cache.hiradix_check import check_hiradix
-
         check_hiradix(self, held_slots)

@@ -7,12 +7,9 @@ operation, the scheduler whenever it goes idle.
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
-
-if TYPE_CHECKING:
-    from radixserve.radix_cache.hiradix import HiRadixCache
 
 
 def _require(ok: bool, message: str) -> None:
@@ -33,7 +30,7 @@ def _check_slots(values: list, page_size: int, tier: str) -> None:
                  f"a {tier} node value is not made of whole pages")
 
 
-def check_hiradix(cache: "HiRadixCache", held_slots: int = 0) -> None:
+def check_hiradix(cache: Any, held_slots: int = 0) -> None:  # cache: a HiRadixCache
     """Raise AssertionError unless the tree, the three tiers and the eviction queues are consistent.
 
     Device: `allocator.size == free + evictable + protected + held_slots`, counting device tokens only (the

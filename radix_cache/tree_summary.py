@@ -19,7 +19,7 @@ from __future__ import annotations
 import heapq
 from typing import Any, Iterator, NamedTuple, Optional
 
-from radixserve.radix_cache.tree import common_prefix_length
+from radixserve.radix_cache.keys import common_prefix_length
 from radixserve.runtime.wire.cache_tree import CacheTier, CacheTreeNode, NamespaceTree, namespace_name
 
 TreeNode = Any  # radix_cache.tree.TreeNode (duck-typed so the no-share cache's bare root works too)

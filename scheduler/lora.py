@@ -10,15 +10,12 @@ adapter loaded later under the same name.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Iterable, Optional
+from typing import Any, Iterable, Optional
 
 from radixserve.runtime.wire.lora import (
     LoadLoRAAdapterReq, LoRAAdapterReqOutput, UnloadLoRAAdapterReq, namespace_part,
 )
 from radixserve.scheduler.req import Req
-
-if TYPE_CHECKING:
-    from radixserve.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -45,14 +42,16 @@ class LoRAScheduling:
         names = {r.lora_name for r in batch_reqs if r.lora_name is not None}
         return req.lora_name in names or len(names) < self.manager.max_loras_per_batch
 
-    def handle(self, msg: Any, scheduler: "Scheduler") -> LoRAAdapterReqOutput:
+    def handle(self, msg: Any, reqs: dict[str, Req], cache: Any) -> LoRAAdapterReqOutput:
+        """Answer a load or unload RPC; `reqs` are the scheduler's requests not yet released, `cache` its prefix
+        cache (an unloaded adapter's namespaces are evicted from it)."""
         if self.manager is None:
             return self._reply(msg, "this server serves no LoRA adapters (start it with --enable-lora)")
         try:
             if isinstance(msg, LoadLoRAAdapterReq):
                 self.manager.load(msg.lora_name, msg.lora_path)
             elif isinstance(msg, UnloadLoRAAdapterReq):
-                error = self._unload(msg.lora_name, scheduler)
+                error = self._unload(msg.lora_name, reqs, cache)
                 if error is not None:
                     return self._reply(msg, error)
         except ValueError as error:  # LoRAAdapterError, or a malformed adapter file
@@ -61,16 +60,16 @@ class LoRAScheduling:
             return self._reply(msg, f"cannot read LoRA adapter {msg.lora_name!r}: {error}")
         return self._reply(msg, None)
 
-    def _unload(self, name: str, scheduler: "Scheduler") -> Optional[str]:
+    def _unload(self, name: str, reqs: dict[str, Req], cache: Any) -> Optional[str]:
         if name not in self.manager.adapters:
             return f"no LoRA adapter named {name!r} is loaded"
-        users = [r.rid for r in scheduler.reqs.values() if r.lora_name == name]
+        users = [r.rid for r in reqs.values() if r.lora_name == name]
         if users:
             return (f"LoRA adapter {name!r} is in use by {len(users)} queued or running request(s); unload it "
                     "once they finish")
         self.manager.unload(name)
         part = namespace_part(name)
-        freed = scheduler.cache.evict_namespaces(lambda namespace: part in namespace)
+        freed = cache.evict_namespaces(lambda namespace: part in namespace)
         logger.info("LoRA adapter %s unloaded; %d cached tokens of it freed", name, freed)
         return None
 

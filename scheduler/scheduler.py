@@ -43,7 +43,7 @@ import torch
 
 from radixserve.model_runner.forward_batch import ForwardMode
 from radixserve.model_runner.sampling import PLACEHOLDER_TOKEN_ID
-from radixserve.radix_cache.tree import common_prefix_length
+from radixserve.radix_cache.keys import common_prefix_length
 from radixserve.runtime.wire.cache_tree import CacheTreeReq, CacheTreeReqOutput
 from radixserve.runtime.wire.messages import (
     AbortReq, FinishReason, FlushCacheReq, FlushCacheReqOutput, GetServerInfoReq, GetServerInfoReqOutput, ModelInfo,
@@ -159,9 +159,10 @@ class Scheduler:
         elif isinstance(msg, GetServerInfoReq):
             self._reply(GetServerInfoReqOutput(msg.rpc_id, self.server_info()))
         elif isinstance(msg, (LoadLoRAAdapterReq, UnloadLoRAAdapterReq)):
-            self._reply(self.lora.handle(msg, self))
+            self._reply(self.lora.handle(msg, self.reqs, self.cache))
         elif isinstance(msg, CacheTreeReq):
-            self._reply(CacheTreeReqOutput(msg.rpc_id, cache_tree_summary(self, msg)))
+            summary = cache_tree_summary(msg, self.cache, self.allocator, self.reqs, self.recent_requests)
+            self._reply(CacheTreeReqOutput(msg.rpc_id, summary))
         else:
             logger.warning("scheduler ignores a message of type %s", type(msg).__name__)
 

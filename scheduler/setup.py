@@ -43,7 +43,7 @@ def make_cache(server_args: ServerArgs, req_to_token_pool: Any, allocator: Any, 
 
 def try_load_tokenizer(runner: Any) -> Optional[Any]:
     """The model's tokenizer (needed for stop strings), or None when the model directory has none."""
-    from radixserve.runtime.model_files import server_tokenizer
+    from radixserve.runtime.wire.tokenizer_files import server_tokenizer
 
     path = runner.server_args.tokenizer_path or runner.model_dir
     try:

@@ -18,7 +18,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from radixserve.radix_cache.pool import KVAllocator, ReqToTokenPool
 from radixserve.radix_cache.stats import MAX_NAMESPACES
-from radixserve.radix_cache.tree import RadixCache, common_prefix_length
+from radixserve.radix_cache.keys import common_prefix_length
+from radixserve.radix_cache.tree import RadixCache
 
 # Distinct tuples whose naive string concatenations would collide.
 NAMESPACES = [(), ("a",), ("a", "b"), ("a|b",), ("ab",), ("b",)]

@@ -11,12 +11,12 @@ from typing import TYPE_CHECKING
 from radixserve.model_runner.attention.base import AttentionBackend
 
 if TYPE_CHECKING:
-    from radixserve.model_runner.model_runner import ModelRunner
+    from radixserve.model_runner.runner_parts import RunnerParts
 
 BACKEND_NAMES = ("torch_native", "cpu", "triton", "flashinfer")
 
 
-def create_attention_backend(name: str, runner: "ModelRunner | None" = None) -> AttentionBackend:
+def create_attention_backend(name: str, runner: "RunnerParts | None" = None) -> AttentionBackend:
     """The backend called `name`, built for `runner` (model shapes, device, dtype, page size, pool sizes).
 
     `torch_native` needs no runner. Raises ValueError for an unknown name, or for a backend that cannot run
