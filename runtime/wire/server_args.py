@@ -57,6 +57,7 @@ class ServerArgs:
     random_seed: int = 0
 
     # Memory
+    # None: on a GPU the KV pool takes what the profiled start-up steps leave (model_runner/memory_plan.py).
     mem_fraction_static: Optional[float] = None
     max_total_tokens: Optional[int] = None
     page_size: int = 1
