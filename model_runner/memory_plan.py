@@ -178,5 +178,5 @@ def profile_step_memory(runner: "RunnerParts", max_running: int,
     runner.model.set_attention_backend(None)
     del runner.attn_backend, runner.req_to_token_pool, runner.allocator, runner.token_to_kv_pool
     torch.cuda.empty_cache()
-    return StepMemory(prefill=peaks[0], decode=peaks[1], decode_forward=forward_peaks[1], workspace=workspace, prefill_tokens=prefill_tokens,
-                      decode_batch=max_running)
+    return StepMemory(prefill=peaks[0], decode=peaks[1], decode_forward=forward_peaks[1], workspace=workspace,
+                      prefill_tokens=prefill_tokens, decode_batch=max_running)
