@@ -3,6 +3,7 @@
 # and the CUDA graphs, then gpu_e2e.sh offline and gsp with default settings. Needs .whl/ and .gpu-assets/ carried.
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl || exit 1
+rm -rf /tmp/site/radixserve /tmp/site/radixserve-*  # a copy gpu_e2e.sh installed on this machine before: use the checkout's
 export PYTHONPATH=/tmp/site:$PWD/benchmarks
 export FLASHINFER_WORKSPACE_BASE=$PWD/.gpu-cache; mkdir -p $FLASHINFER_WORKSPACE_BASE
 nvidia-smi --query-gpu=name,memory.total --format=csv

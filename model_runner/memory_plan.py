@@ -117,6 +117,35 @@ def graph_bytes(runner: "RunnerParts", graph_bs: int, step: StepMemory) -> int:
     return forward + graph_bs * runner.vocab_size * 4 + graph_bs * pages_per_request * 4
 
 
+class DeviceMemory:
+    """The caching allocator's counters of one device (all zero on the CPU, which keeps none, so the profile's steps
+    still run there)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+
+    def synchronize(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def allocated(self) -> int:
+        return torch.cuda.memory_allocated(self.device) if self.cuda else 0
+
+    def reset_peak(self) -> None:
+        self.synchronize()
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def peak(self) -> int:
+        self.synchronize()
+        return torch.cuda.max_memory_allocated(self.device) if self.cuda else 0
+
+    def release_cached(self) -> None:
+        if self.cuda:
+            torch.cuda.empty_cache()
+
+
 @torch.inference_mode()
 def profile_step_memory(runner: "RunnerParts", max_running: int,
                         make_backend: Callable[[], "AttentionBackend"]) -> StepMemory:
@@ -135,15 +164,17 @@ def profile_step_memory(runner: "RunnerParts", max_running: int,
     runner.allocator = KVAllocator(slots, page, device)
     runner.token_to_kv_pool = TokenToKVPool(slots, page, config.num_hidden_layers, runner.head_layout.num_kv_heads,
                                             config.head_dim, runner.kv_cache_dtype, device)
+    runner.max_running_requests = max_running  # the backend sizes its decode buffers by it
     runner.lora_manager = None
     runner.cuda_graph_runner = None
-    torch.cuda.synchronize(device)
-    before_backend = torch.cuda.memory_allocated(device)
+    memory = DeviceMemory(device)
+    memory.synchronize()
+    before_backend = memory.allocated()
     runner.attn_backend = make_backend()
     runner.attn_backend.warm_up(runner.kv_cache_dtype)
     runner.model.set_attention_backend(runner.attn_backend)
-    torch.cuda.synchronize(device)
-    workspace = torch.cuda.memory_allocated(device) - before_backend
+    memory.synchronize()
+    workspace = memory.allocated() - before_backend
 
     sampler = Sampler()
     vocab = runner.vocab_size
@@ -158,25 +189,22 @@ def profile_step_memory(runner: "RunnerParts", max_running: int,
         (ForwardMode.DECODE, list(range(max_running)), [0] * max_running, [[1]] * max_running),
     ):
         runner.allocator.clear()
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        base = torch.cuda.memory_allocated(device)
+        memory.reset_peak()
+        base = memory.allocated()
         extend_lens = [len(ids) for ids in new_ids]
         out_cache_loc = assign_kv_slots(runner.allocator, runner.req_to_token_pool, batch_rows, prefix_lens,
                                         extend_lens)
         batch = make_forward_batch(mode, batch_rows, prefix_lens, new_ids, out_cache_loc, runner.req_to_token_pool,
                                    runner.token_to_kv_pool)
         logits = runner.forward(batch, use_cuda_graph=False)
-        torch.cuda.synchronize(device)
-        forward_peaks.append(torch.cuda.max_memory_allocated(device) - base)
+        forward_peaks.append(memory.peak() - base)
         info = SamplingBatchInfo.build([WIDEST_SAMPLING] * len(batch_rows), [[]] * len(batch_rows), vocab, device)
         sampler.sample(logits, info, return_logprob=True, top_logprobs_num=TOP_LOGPROBS)
         del logits, batch, out_cache_loc, info
-        torch.cuda.synchronize(device)
-        peaks.append(torch.cuda.max_memory_allocated(device) - base)
+        peaks.append(memory.peak() - base)
 
     runner.model.set_attention_backend(None)
     del runner.attn_backend, runner.req_to_token_pool, runner.allocator, runner.token_to_kv_pool
-    torch.cuda.empty_cache()
+    memory.release_cached()
     return StepMemory(prefill=peaks[0], decode=peaks[1], decode_forward=forward_peaks[1], workspace=workspace,
                       prefill_tokens=prefill_tokens, decode_batch=max_running)

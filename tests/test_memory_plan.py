@@ -1,6 +1,7 @@
 """The GPU memory plan: the KV pool takes what the profiled steps leave (model_runner/memory_plan.py).
 
-On the CPU (CI): the largest prefill the plan profiles follows the chunk, the prefill budget and mixed chunks;
+On the CPU (CI): the profiled steps run through a real runner (CPU and torch-native attention, paged KV); the
+largest prefill the plan profiles follows the chunk, the prefill budget and mixed chunks;
 the graphs' share scales with their batch and counts the logits buffer and page tables; the plan's log line
 names every part.
 
@@ -53,6 +54,22 @@ def test_the_plan_line_names_every_part():
     for part in ("weights 15.00 GiB", "KV pool 50.00 GiB (400000 tokens)", "step activations 2.00 GiB",
                  "CUDA graphs 1.00 GiB", "margin 2.40 GiB", "profiled"):
         assert part in line, line
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch_native"])
+def test_the_profiled_steps_run_on_a_real_runner(tiny_model_dir, backend):
+    """The profile's prefill and decode (with the widest sampling) run through a real runner and backend; the
+    runner is left without pools or backend, as the plan expects. (A CPU keeps no allocator counters: bytes are 0.)"""
+    from radixserve.model_runner.memory_plan import profile_step_memory
+    from radixserve.model_runner.model_runner import ModelRunner
+
+    runner = ModelRunner(ServerArgs(model_path=tiny_model_dir("llama"), device="cpu", chunked_prefill_size=96,
+                                    max_running_requests=16, page_size=4, attention_backend=backend))
+    step = profile_step_memory(runner, 16, runner._create_attention_backend)
+    assert (step.prefill_tokens, step.decode_batch) == (96, 16)
+    assert runner.max_running_requests == 16
+    for name in ("attn_backend", "req_to_token_pool", "allocator", "token_to_kv_pool"):
+        assert not hasattr(runner, name), name
 
 
 # ---- on a GPU ------------------------------------------------------------------------------------------------
