@@ -96,7 +96,7 @@ def server_info(scheduler: SchedulerState) -> dict[str, Any]:
         "fair_share": {"enabled": scheduler.fair_share.enabled, "tenants": scheduler.fair_share.summary()},
         # Batches whose attention read a prefix shared by several requests once (cascade attention).
         "cascade_batches": getattr(getattr(scheduler.runner, "attn_backend", None), "num_cascade_batches", 0),
-        **(scheduler.speculator.info() if scheduler.speculator is not None else {}),
+        **scheduler.speculator.info(),
         "dp_rank": getattr(scheduler.runner, "dp_rank", 0),
     }
 

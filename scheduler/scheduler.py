@@ -172,8 +172,7 @@ class Scheduler:
             return
         req = Req.from_message(msg, next(self._arrivals))
         req.stream_interval = self.args.stream_interval
-        if self.speculator is not None:
-            req.spec = self.speculator.new_state()
+        req.spec = self.speculator.new_state()
         self.reqs[req.rid] = req
         self.fair_share.on_arrival(req)
         error = check_request(req, self.runner, self.tokenizer) or self.fair_share.check(req) or self.lora.check(req)
@@ -212,8 +211,7 @@ class Scheduler:
             return False, "cannot flush the cache while requests are running or queued"
         self._resolve_inflight()
         self.cache.reset()
-        if self.speculator is not None:
-            self.speculator.flush()
+        self.speculator.flush()
         self.check_invariants()
         return True, ""
 
@@ -365,7 +363,7 @@ class Scheduler:
 
     def _schedule_verify(self, reqs: list[Req]) -> Optional[ScheduleBatch]:
         """Speculative decoding's decode step (scheduler/speculative/), or None for a plain one."""
-        if self.speculator is None or not reqs:
+        if not reqs:
             return None
         batch = self.speculator.plan(reqs)
         if batch is not None:
@@ -473,8 +471,7 @@ class Scheduler:
         for req in list(self.reqs.values()):
             self._maybe_release(req)
         self.cache.reset()
-        if self.speculator is not None:
-            self.speculator.flush()
+        self.speculator.flush()
 
     def _process_output(self, req: Req, result: Any, i: int) -> None:
         """Take entry i's sampled token into `req` and finish it if it stops here."""
@@ -564,8 +561,7 @@ class Scheduler:
                 token_ids += [PLACEHOLDER_TOKEN_ID] * (req.kv_len - len(token_ids))
             self.cache.cache_finished_req(req, token_ids)
             self.req_to_token_pool.free(req.req_pool_idx)
-        if self.speculator is not None:
-            self.speculator.release(req)
+        self.speculator.release(req)
         req.reset_kv_state()
 
     # ---- checks, outputs, logs ----------------------------------------------------------------------
@@ -586,8 +582,7 @@ class Scheduler:
             assert self.cache.protected_size() == 0, "idle scheduler with locked cache nodes"
             total, free = self.allocator.size, self.allocator.available_size()
             assert free + self.cache.evictable_size() == total, "idle scheduler leaked KV slots"
-            if self.speculator is not None:
-                self.speculator.check_idle()
+            self.speculator.check_idle()
 
     def _on_idle(self) -> None:
         self.new_token_ratio.reset()

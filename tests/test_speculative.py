@@ -113,7 +113,7 @@ def test_logprobs_match_plain_decoding(tiny_llama, prompts):
         for i, prompt in enumerate(prompts):
             driver.submit(f"r{i}", prompt, return_logprob=True, top_logprobs_num=3, max_new_tokens=16)
         driver.run_until_idle()
-        accepted = driver.scheduler.speculator.num_accepted if driver.scheduler.speculator else 0
+        accepted = driver.scheduler.speculator.num_accepted
         driver.close()
         return list(driver.results.values()), accepted
 
