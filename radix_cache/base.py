@@ -101,6 +101,11 @@ class PrefixCache(ABC):
         """Bring a match's lower-tier part onto the device (see hiradix.py); a one-tier cache returns `match`."""
         return match
 
+    def tree_root(self) -> Optional[Any]:
+        """The root node of the cache's tree (nodes with `children` and `parent`), for policies that walk it; None
+        for a cache without one."""
+        return None
+
     def lower_tiers(self) -> Optional[Any]:
         """Host and disk tier figures (`hiradix.LowerTierInfo`); None when the cache has no lower tier."""
         return None

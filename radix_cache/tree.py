@@ -99,6 +99,9 @@ class RadixCache(PrefixCache):
     def total_size(self) -> int:
         return self._evictable + self._protected
 
+    def tree_root(self) -> TreeNode:
+        return self.root
+
     def stats(self) -> dict:
         """Per-namespace and overall counters (see `stats.CacheStats.as_dict`)."""
         return self._stats.as_dict()

@@ -87,7 +87,7 @@ class SchedulePolicy:
 
     def _dfs_weight(self, waiting: list[Req]) -> list[Req]:
         """Depth-first over the tree nodes where the requests' cached prefixes end, heaviest child first."""
-        root = getattr(self.cache, "root", None)
+        root = self.cache.tree_root()
         if root is None:
             return list(waiting)
         reqs_at: dict[Any, list[Req]] = defaultdict(list)

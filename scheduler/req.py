@@ -92,13 +92,11 @@ class Req:
         self.last_node: Any = None
         self.num_inflight = 0  # launched batches holding this request whose results are not processed
         self.kv_unwritten = False  # a batch of it failed (out of device memory): its own slots hold no valid KV
-        self.kv_released = True  # no row and no KV yet
 
         # Admission bookkeeping
         self.num_cached_tokens: Optional[int] = None  # prefix matched at first admission
         self.queued_at = time.monotonic()  # when the scheduler received the request
         self.queue_time: Optional[float] = None  # seconds from arrival to first admission
-        self.match_len_hint = 0  # prefix length last seen by the policy (ordering only)
         self.num_retractions = 0
 
     @classmethod
@@ -161,7 +159,6 @@ class Req:
         self.kv_len = 0
         self.prefix_indices = _EMPTY_SLOTS
         self.last_node = None
-        self.kv_released = True
         self.kv_unwritten = False
 
     def append_token(self, token_id: int, logprob: Optional[float], top_logprobs: Optional[list]) -> None:

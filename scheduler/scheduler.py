@@ -301,7 +301,7 @@ class Scheduler:
         self.cache.inc_lock_ref(match.last_node)
         row = self.req_to_token_pool.alloc()
         req.req_pool_idx, req.prefix_indices, req.last_node = row, match.indices, match.last_node
-        req.kv_len, req.kv_released = match.length, False
+        req.kv_len = match.length
         if match.length:
             table = self.req_to_token_pool.req_to_token
             table[row, : match.length] = match.indices.to(table.device, table.dtype)
