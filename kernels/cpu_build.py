@@ -5,7 +5,7 @@ The source is compiled by torch's C++ extension builder (g++ with `-O3 -march=na
 keyed by the source, the torch version and this CPU's instruction set, so a build made on one CPU is never loaded
 on another; later processes only load the library (about a second). `make setup` builds it, so a fresh server
 does not wait; where it was not built, `start_background_build` builds it in a thread and the callers use the
-torch path until `ready()` turns true. `RADIXSERVE_CPU_KERNELS=0` turns the kernels off;
+torch path until `ready()` turns true. `--cpu-kernels torch` turns the kernels off (`set_enabled`);
 `RADIXSERVE_CPU_AMX=0` keeps the attention's bfloat16 scores off AMX tiles (AVX-512 instead).
 
     python -m radixserve.kernels.cpu_build      # build now, print where and how long
@@ -43,10 +43,18 @@ _lock = threading.Lock()
 _loaded = False
 _error: Optional[str] = None
 _thread: Optional[threading.Thread] = None
+_enabled = True
+
+
+def set_enabled(on: bool) -> None:
+    """`--cpu-kernels`: `auto` (on, the default) or `torch` (every CPU op on torch's own path, even where the kernels
+    are loaded). Process-wide, as the kernels are: the ModelRunner sets it from its server arguments."""
+    global _enabled
+    _enabled = on
 
 
 def enabled() -> bool:
-    return os.environ.get("RADIXSERVE_CPU_KERNELS", "1") != "0"
+    return _enabled
 
 
 @functools.lru_cache(maxsize=None)
@@ -183,8 +191,8 @@ def load_library(path: str) -> None:
 
 
 def ready() -> bool:
-    """Whether the kernels are loaded (never blocks)."""
-    return _loaded
+    """Whether the kernels are loaded and enabled (never blocks)."""
+    return _loaded and _enabled
 
 
 def start_background_build() -> None:

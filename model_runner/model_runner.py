@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
+from radixserve.kernels import cpu_build
 from radixserve.model_runner.attention import AttentionBackend, create_attention_backend
 from radixserve.model_runner.cpu_packed import pack_cpu_linears
 from radixserve.model_runner.cpu_small_batch import pack_small_batch_linears, small_batch_packing_pays
@@ -68,6 +69,7 @@ class ModelRunner:
         `dp_rank`: the data-parallel replica, which takes this host's devices (or cores) after the replicas
         before it."""
         self.server_args = server_args
+        cpu_build.set_enabled(server_args.cpu_kernels == "auto")  # before any weight is packed for the kernels
         self.tp_rank = tp_rank
         self.dp_rank = dp_rank
         tp_context = join_tp_group(server_args.tp_size, tp_rank, server_args.dist_init_addr or "",

@@ -54,6 +54,7 @@ class ServerArgs:
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
     kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES; auto: the model's dtype
     device: str = "auto"  # auto: cuda when available, else cpu
+    cpu_kernels: str = "auto"  # auto: radixserve's C++ CPU kernels where this CPU runs them; torch: torch's ops only
     random_seed: int = 0
 
     # Memory
@@ -222,6 +223,7 @@ class ServerArgs:
         check(self.sampling_backend is None or self.sampling_backend in SAMPLING_BACKENDS,
               f"sampling_backend {self.sampling_backend!r} is not available: radixserve samples with PyTorch only "
               f"(use one of {SAMPLING_BACKENDS} or leave it unset)")
+        check(self.cpu_kernels in ("auto", "torch"), f"cpu_kernels must be auto or torch, got {self.cpu_kernels!r}")
         check(self.watchdog_timeout > 0, f"watchdog_timeout must be positive, got {self.watchdog_timeout}")
         check(self.tp_size >= 1, f"tp_size must be >= 1, got {self.tp_size}")
         check(self.nnodes >= 1 and 0 <= self.node_rank < self.nnodes,
