@@ -45,7 +45,6 @@ CPU_DEFAULT_MAX_RUNNING_REQUESTS = 128
 SPARE_REQUEST_ROWS = 8
 
 
-
 def default_max_running(kv_tokens: int) -> int:
     """The request limit on a GPU when none is given: a row per 512 KV tokens, between 32 and 1024."""
     return min(1024, max(32, kv_tokens // 512))

@@ -442,9 +442,8 @@ class Scheduler:
         launched after it may have read their never-written KV. So the results of those later batches are
         dropped, every other request holding KV is retracted (it recomputes and completes with the same
         output), and the tree is emptied: no slot of unwritten KV can be matched again."""
-        logger.error("out of device memory running a batch of %d requests (%d new tokens); they fail, %d running "
-                     "requests are retracted: %s", len(batch.reqs), batch.num_new_tokens,
-                     len(self.running) - len(batch.reqs), str(error).splitlines()[0] if str(error) else error)
+        logger.error("out of device memory running a batch of %d requests (%d new tokens); they fail: %s",
+                     len(batch.reqs), batch.num_new_tokens, str(error).splitlines()[0] if str(error) else error)
         self.stats.num_failed_batches += 1
         for req in batch.reqs:
             req.num_inflight -= 1
@@ -466,6 +465,8 @@ class Scheduler:
         if self.chunked_req is not None and not self.chunked_req.finished:
             self.running.append(self.chunked_req)  # retracted below with the running ones
         self.chunked_req = None
+        if self.running:
+            logger.warning("%d running requests are retracted and recompute after the failed batch", len(self.running))
         for req in list(self.running):
             self._retract(req)
         for req in list(self.reqs.values()):
@@ -547,10 +548,12 @@ class Scheduler:
     def _release_kv(self, req: Req) -> None:
         """The one place a request's KV and row are handed back: KV to the cache, row to the pool."""
         if req.req_pool_idx is not None and req.kv_unwritten:
-            # A failed batch never wrote its KV: only the tree's prefix goes back, the request's own slots are freed.
+            # After a failed batch (`_fail_batch`, which empties the tree next): nothing new goes into the tree; the
+            # request unlocks its prefix there and frees its own slots.
             kept = len(req.prefix_indices)
             self.cache.cache_finished_req(req, req.all_ids[:kept])
-            self.allocator.free(self.req_to_token_pool.req_to_token[req.req_pool_idx, kept:req.kv_len].to(torch.int64))
+            own_slots = self.req_to_token_pool.req_to_token[req.req_pool_idx, kept:req.kv_len]
+            self.allocator.free(own_slots.to(torch.int64))
             self.req_to_token_pool.free(req.req_pool_idx)
         elif req.req_pool_idx is not None:
             token_ids = req.all_ids[: req.kv_len]
