@@ -18,6 +18,8 @@
 #            and lpm with --enable-mixed-chunk; each after a smaller burst (16 x 16 prompts) that compiles the
 #            cascade kernels, with the server's Prefill/Decode batch lines in $OUT/gsp_policy_*_scheduler.log;
 #            GSP_POLICIES picks the servers (default "fcfs lpm lpm-mixed"; a name given twice runs twice).
+# HF_BASELINE=0 leaves the Hugging Face baseline out of the offline step; SERVER_LOG_LEVEL=info keeps the servers'
+# start-up lines (the memory plan) in their logs.
 # STEPS selects (default: all, in that order; a call is limited to ~10 minutes, so split them), e.g.
 #   STEPS="tests overlap" bash benchmarks/gpu_e2e.sh
 # Needs .whl/ (see ../shared/gpu/README.md) and .gpu-assets/llama-3.1-8b-dummy/ (config.json + a tokenizer) carried.
@@ -68,8 +70,9 @@ fi
 OFFLINE=("$PY" benchmarks/offline_throughput.py --model "$MODEL" --load-format dummy --dtype bfloat16 --dataset random
          --num-prompts 1000 --random-input-len 256 --random-output-len 256 --cache on)
 if want offline; then
-    run_step offline_overlap 200 "${OFFLINE[@]}" --hf-device cuda --hf-batch-size 64 --hf-num-prompts 128 \
-        --output-json "$OUT/offline.jsonl"
+    HF=(--hf-device cuda --hf-batch-size 64 --hf-num-prompts 128)
+    [[ ${HF_BASELINE:-1} == 0 ]] && HF=(--skip-hf)
+    run_step offline_overlap 200 "${OFFLINE[@]}" "${HF[@]}" --output-json "$OUT/offline.jsonl"
 fi
 if want offline-off; then
     run_step offline_no_overlap 120 "${OFFLINE[@]}" --skip-hf --engine-arg disable_overlap_schedule=true \
@@ -93,7 +96,7 @@ serve() {  # start a server with extra flags; wait for /health (the seconds it t
     # radixserve/ would shadow the installed package.
     SERVER_LOG="$OUT/server-$RANDOM.log"
     (cd /tmp && exec "$PY" -m radixserve serve \
-        --model-path "$MODEL" --load-format dummy --dtype bfloat16 --port 30000 --log-level warning "$@" \
+        --model-path "$MODEL" --load-format dummy --dtype bfloat16 --port 30000 --log-level "${SERVER_LOG_LEVEL:-warning}" "$@" \
         > "$SERVER_LOG" 2>&1) &
     SERVER=$!
     local started=$SECONDS

@@ -120,6 +120,8 @@ def run_engine(args, workload: Workload, radix_cache: bool) -> RunResult:
         seconds = time.perf_counter() - start
         info = engine.get_server_info()
     cached = sum(r["meta_info"]["cached_tokens"] for r in results)
+    # With ignore_eos every request runs to its length; a shorter one ended on an error (a failed batch).
+    failed = sum(len(r["output_ids"]) < workload.output_len for r in results)
     return RunResult(
         system=f"radixserve (radix cache {'on' if radix_cache else 'off'})",
         seconds=seconds,
@@ -127,8 +129,10 @@ def run_engine(args, workload: Workload, radix_cache: bool) -> RunResult:
         output_tokens=sum(len(r["output_ids"]) for r in results),
         outputs=[r["output_ids"] for r in results],
         cache_hit_rate=cached / workload.input_tokens,
-        extra={k: info.get(k) for k in ("num_retractions", "decode_steps", "prefill_tokens_computed",
-                                        "max_total_num_tokens", "chunked_prefill_size", "overlap_schedule")},
+        extra={"failed_requests": failed,
+               **{k: info.get(k) for k in ("num_retractions", "num_failed_batches", "decode_steps",
+                                           "prefill_tokens_computed", "max_total_num_tokens", "max_running_requests",
+                                           "chunked_prefill_size", "overlap_schedule")}},
     )
 
 
@@ -263,7 +267,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     results = []
     for mode in args.cache.split(","):
         results.append(run_engine(args, workload, radix_cache=mode.strip() == "on"))
-        print(f"{results[-1].system}: {results[-1].seconds:.2f} s", flush=True)
+        print(f"{results[-1].system}: {results[-1].seconds:.2f} s, {results[-1].extra['failed_requests']} failed "
+              f"requests", flush=True)
     if args.vllm_python:
         results.append(run_vllm(args, workload, model_dir))
         print(f"{results[-1].system}: {results[-1].seconds:.2f} s", flush=True)

@@ -12,6 +12,7 @@ CUDA graphs; `--mem-fraction-static` still sets the pool instead.
 
 from __future__ import annotations
 
+import gc
 import logging
 from types import SimpleNamespace
 
@@ -73,6 +74,15 @@ def test_the_profiled_steps_run_on_a_real_runner(tiny_model_dir, backend):
 
 
 # ---- on a GPU ------------------------------------------------------------------------------------------------
+@pytest.fixture(autouse=True)
+def _device_memory_back():
+    """Each GPU test sizes its pool by the free device memory: the runner of the test before must be gone."""
+    yield
+    if torch.cuda.is_available():
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
 GPU_MODEL = dict(hidden_size=256, intermediate_size=512, num_attention_heads=8, num_key_value_heads=2,
                  head_dim=128, max_position_embeddings=2048, vocab_size=32000)
 
@@ -95,18 +105,26 @@ def test_the_default_plan_holds_the_largest_steps(tiny_model_dir, caplog):
     assert plan.source == "profiled" and any("memory plan (profiled)" in r.message for r in caplog.records)
     assert plan.weights + plan.kv + plan.reserve <= plan.total
     assert plan.kv_tokens == runner.max_total_num_tokens and plan.activations > 0 and plan.cuda_graphs > 0
-    # The largest steps the scheduler can form run in what the plan left.
-    free_before = torch.cuda.mem_get_info()[0]
+    # The largest steps the scheduler can form run in what the plan left: the tensors they allocate in what the
+    # plan reserved for them, and everything the device gives out besides (kernel modules loaded on first use,
+    # library workspaces, the allocator's rounding) within the margin on top.
+    torch.cuda.synchronize()
+    free_before, allocated_before = torch.cuda.mem_get_info()[0], torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
     rows = [runner.req_to_token_pool.alloc() for _ in range(512)]
     lengths = [8] * 512
     loc = assign_kv_slots(runner.allocator, runner.req_to_token_pool, rows, [0] * 512, lengths)
     batch = make_forward_batch(ForwardMode.EXTEND, rows, [0] * 512, [[3] * 8] * 512, loc,
                                runner.req_to_token_pool, runner.token_to_kv_pool)
-    logits = runner.forward(batch)
-    info = SamplingBatchInfo.build([WIDEST_SAMPLING] * 512, [[]] * 512, runner.vocab_size, runner.device)
-    Sampler().sample(logits, info, return_logprob=True, top_logprobs_num=20)
+    with torch.inference_mode():  # as the scheduler's executor runs a step
+        logits = runner.forward(batch)
+        info = SamplingBatchInfo.build([WIDEST_SAMPLING] * 512, [[]] * 512, runner.vocab_size, runner.device)
+        Sampler().sample(logits, info, return_logprob=True, top_logprobs_num=20)
     torch.cuda.synchronize()
-    assert free_before - torch.cuda.mem_get_info()[0] < plan.reserve - plan.margin
+    step_tensors = torch.cuda.max_memory_allocated() - allocated_before
+    step_device = free_before - torch.cuda.mem_get_info()[0]
+    assert step_tensors < plan.reserve - plan.margin, (step_tensors, plan.describe())
+    assert step_device < plan.reserve, (step_device, plan.describe())
 
 
 @needs_gpu
