@@ -46,9 +46,9 @@ test: $(STAMP) browser lint-imports
 
 # The core of every feature (cache, scheduler, sampling, requests, detokenizer, Engine, OpenAI server, DSL, tool
 # parsers, memory failures, the import path), for the loop between edits; `make test` before a commit.
-FAST_TESTS := tests/test_radix_cache.py tests/test_scheduler.py tests/test_sampling.py tests/test_request_validation.py \
-	tests/test_detokenizer.py tests/test_import_path.py tests/test_device_memory_failures.py tests/test_memory_plan.py \
-	tests/test_frontend_units.py tests/test_tool_parsers.py tests/test_http_openai.py tests/test_engine.py
+FAST_TESTS := tests/cache/test_radix_cache.py tests/scheduler/test_scheduler.py tests/model_runner/test_sampling.py tests/engine/test_request_validation.py \
+	tests/engine/test_detokenizer.py tests/engine/test_import_path.py tests/scheduler/test_device_memory_failures.py tests/model_runner/test_memory_plan.py \
+	tests/frontend/test_frontend_units.py tests/structured/test_tool_parsers.py tests/http/test_http_openai.py tests/engine/test_engine.py
 test-fast: $(STAMP) lint-imports
 	$(VENV)/bin/pytest -q -m "not slow and not gpu" $(FAST_TESTS)
 

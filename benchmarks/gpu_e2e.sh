@@ -59,8 +59,8 @@ mkdir -p "$FLASHINFER_WORKSPACE_BASE"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 
 if want tests; then
-    run_step gpu_pytest 200 "$PY" -P -m pytest -p _srcpath -p no:cacheprovider -q -x tests/test_scheduler_gpu.py \
-        tests/test_flashinfer_attention.py tests/test_cuda_graph.py
+    run_step gpu_pytest 200 "$PY" -P -m pytest -p _srcpath -p no:cacheprovider -q -x tests/scheduler/test_scheduler_gpu.py \
+        tests/ops/test_flashinfer_attention.py tests/model_runner/test_cuda_graph.py
 fi
 if want overlap; then
     run_step overlap_idle 200 "$PY" benchmarks/overlap_idle.py --model "$MODEL" --load-format dummy --dtype bfloat16 \

@@ -15,7 +15,7 @@ if [[ ${PLAN:-1} == 1 ]]; then
 fi
 if [[ ${TESTS:-1} == 1 ]]; then
     timeout -k 10 200 python3 -P -m pytest -p _srcpath -p no:cacheprovider -q --tb=short -m gpu \
-        tests/test_memory_plan.py tests/test_cuda_graph.py > $OUT/pytest.log 2>&1
+        tests/model_runner/test_memory_plan.py tests/model_runner/test_cuda_graph.py > $OUT/pytest.log 2>&1
     grep -v Warning $OUT/pytest.log | grep -E "^E |Error|passed|failed" | tail -20
 fi
 OUT=$OUT/e2e STEPS="offline gsp" HF_BASELINE=0 SERVER_LOG_LEVEL=info SUITE_SECONDS=${E2E_SECONDS:-300} \

@@ -78,8 +78,8 @@ EOF
 # -p _srcpath maps radixserve.<folder> onto the checkout before conftest imports it (not pip-installed here).
 run_step pytest 250 230 "$PY" -P -m pytest -p _srcpath -p no:cacheprovider -q -rs \
     --junitxml "$OUT/pytest.xml" \
-    tests/test_flashinfer_attention.py tests/test_triton_attention.py tests/test_cuda_graph.py \
-    tests/test_fused_kernels.py tests/test_sampling.py
+    tests/ops/test_flashinfer_attention.py tests/ops/test_triton_attention.py tests/model_runner/test_cuda_graph.py \
+    tests/ops/test_fused_kernels.py tests/model_runner/test_sampling.py
 
 run_step one_batch 200 60 "$PY" benchmarks/one_batch.py \
     --config benchmarks/configs/llama-3.1-8b.json --load-format dummy --dtype bfloat16 \

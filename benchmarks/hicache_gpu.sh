@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The hierarchical cache on the GPU host: multi-turn conversations whose working set is 4x the device KV pool,
 # served with the host tier off and on (Llama-3.1-8B shape, dummy bf16 weights, FlashInfer, CUDA graphs), after
-# the CUDA correctness test of the tier (tests/test_hicache_gpu.py). One server per configuration:
+# the CUDA correctness test of the tier (tests/cache/test_hicache_gpu.py). One server per configuration:
 #
 #   OUT=... bash benchmarks/hicache_gpu.sh
 #
@@ -33,7 +33,7 @@ mkdir -p "$FLASHINFER_WORKSPACE_BASE"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 
 if [ -z "${SKIP_TESTS:-}" ]; then
-    timeout 240 "$PY" -P -m pytest -p _srcpath -p no:cacheprovider -q -x tests/test_hicache_gpu.py 2>&1 \
+    timeout 240 "$PY" -P -m pytest -p _srcpath -p no:cacheprovider -q -x tests/cache/test_hicache_gpu.py 2>&1 \
         | tee "$OUT/hicache_gpu_pytest.log" | tail -5
 fi
 

@@ -6,7 +6,7 @@ negative slot gives a zero row: a base-model token). LoRA runs it twice, shrink 
 `b [S, out, r]` (the scale folded into b). One program computes BLOCK_N outputs of one token, accumulating in
 float32 over K in blocks of BLOCK_K; a base-model token's program only writes zeros.
 
-The torch path (`model_runner/lora/layers.py:segmented_lora`) is the reference (tests/test_lora_kernel.py runs
+The torch path (`model_runner/lora/layers.py:segmented_lora`) is the reference (tests/ops/test_lora_kernel.py runs
 this kernel under the Triton interpreter on machines without a GPU). Launch shape depends only on tensor
 shapes.
 """

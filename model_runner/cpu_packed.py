@@ -4,7 +4,7 @@
 every call; for the small batches of decode that reorder is a large part of the cost. `PackedLinear` does it
 once, at load time (`torch.ops.mkldnn._reorder_linear_weight`), and multiplies with
 `torch.ops.mkldnn._linear_pointwise`. Same kernels, same rounding: the outputs equal `F.linear`'s bit for bit
-(`tests/test_model_forward.py`).
+(`tests/model_runner/test_model_forward.py`).
 Measured on a 2-core AVX-512-BF16 machine, the four projections of a SmolLM2-135M layer: 36% less time at 8
 tokens, 14% at 64, 10% at 512; on a 2-core AMX machine, the 49k-row LM head at 64 tokens 4.8 -> 2.4 ms.
 

@@ -25,9 +25,17 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 
 import pytest
 import torch
+
+# The tests live in folders by subject; a test module may import another's helpers by its name
+# (`from test_scheduler import make_prompts`), so every subject folder is on the path.
+_TESTS = os.path.dirname(os.path.abspath(__file__))
+for _entry in sorted(os.scandir(_TESTS), key=lambda entry: entry.name):
+    if _entry.is_dir() and _entry.name[0] not in "._" and _entry.path not in sys.path:
+        sys.path.append(_entry.path)
 
 # Triton decides between compiling and interpreting when it is first imported. Without a GPU the Triton kernels
 # are tested under its interpreter, so the switch must be set here, before any test module imports triton.
@@ -37,7 +45,7 @@ if not torch.cuda.is_available():
 # The suite keeps many runners of the embedded model alive in one process (and starts servers beside it); the
 # column-panel copy of the CPU linears (model_runner/cpu_panel_linear.py) would add a third copy of every float32
 # weight to each, more than a 24 GiB machine holds. The tests that cover it turn it on
-# (tests/test_cpu_panel_linear.py, the embedded model against Hugging Face in tests/test_model_forward.py).
+# (tests/ops/test_cpu_panel_linear.py, the embedded model against Hugging Face in tests/model_runner/test_model_forward.py).
 os.environ.setdefault("RADIXSERVE_CPU_PANEL_LINEAR", "0")
 
 from radixserve.runtime.model_files import default_cache_dir, resolve_model  # noqa: E402

@@ -55,7 +55,7 @@ class CpuAttentionPlan:
 
 
 class CpuAttentionBackend(AttentionBackend):
-    """The CPU's fast attention; torch_native's results up to float rounding (tests/test_cpu_attention.py)."""
+    """The CPU's fast attention; torch_native's results up to float rounding (tests/ops/test_cpu_attention.py)."""
 
     def __init__(self, min_shared_prefix: int = 32, max_group_tokens: int = 64,
                  max_extend_len: Optional[int] = MAX_KERNEL_EXTEND_LEN) -> None:

@@ -4,7 +4,7 @@ On the CPU (CI): a verify batch (chains of several lengths on top of cached pref
 per chain token gives the logits of the eager extend form, and writes the same K/V; without graphs every
 verify step runs eagerly.
 
-On a GPU (skipped without one; `pytest -m gpu tests/test_verify_forward.py`): verify batches replayed in the
+On a GPU (skipped without one; `pytest -m gpu tests/speculative/test_verify_forward.py`): verify batches replayed in the
 decode graphs give the eager logits (exact and padded row counts, and a batch too large for every graph runs
 eagerly), and a Scheduler with n-gram speculation gives the same greedy tokens with graphs as without them,
 with overlap on and off, with verify steps really replayed.
@@ -123,7 +123,7 @@ def test_verify_in_graph_matches_eager(tiny_model_dir, backend, dtype, tolerance
 @pytest.mark.gpu
 @pytest.mark.parametrize("overlap", [False, True], ids=["no-overlap", "overlap"])
 def test_speculative_greedy_same_with_and_without_graphs(tiny_model_dir, overlap):
-    # The CPU speculative tests' model and prompts (tests/test_speculative.py), on which drafts are accepted; the
+    # The CPU speculative tests' model and prompts (tests/speculative/test_speculative.py), on which drafts are accepted; the
     # triton backend takes its small heads.
     model_dir = tiny_model_dir("llama")
     prompts = repetitive_prompts(7, 10)

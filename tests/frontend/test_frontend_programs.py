@@ -197,7 +197,7 @@ def test_select_picks_paris_with_hugging_face_scores(engine, hf_model):
 # ---- acceptance: run_batch over a shared 400-token few-shot prefix ----------------------------------
 
 # The same few-shot prompt as benchmarks/dsl_run_batch.py (about 400 tokens).
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks"))
 from dsl_run_batch import FEW_SHOT  # noqa: E402
 
 REVIEWS = [f"Review number {i}: the {adjective} film {verdict}."
@@ -330,7 +330,7 @@ def load_example(name: str):
     import importlib.util
     import os
 
-    path = os.path.join(os.path.dirname(__file__), os.pardir, "examples", f"{name}.py")
+    path = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "examples", f"{name}.py")
     spec = importlib.util.spec_from_file_location(f"example_{name}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

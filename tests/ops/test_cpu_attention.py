@@ -244,7 +244,7 @@ except RuntimeError:
     print("refused")
 """
     cache = tmp_path / "cache"
-    done = subprocess.run([sys.executable, "-c", script, str(library), str(Path(__file__).parent)],
+    done = subprocess.run([sys.executable, "-c", script, str(library), str(Path(__file__).parents[1])],
                           capture_output=True, text=True, timeout=300,
                           env={**os.environ, "RADIXSERVE_CACHE_DIR": str(cache)})
     assert done.returncode == 0, done.stderr[-2000:]

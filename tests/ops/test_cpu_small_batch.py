@@ -64,7 +64,7 @@ def test_small_batch_linear_matches_linear(kernels, bias, packed):
 @pytest.mark.skipif(not packing_supported(), reason="needs oneDNN bfloat16 support on this CPU")
 def test_bfloat16_packed_linear_runs_the_kernel_at_few_rows(kernels):
     linear = torch.nn.Linear(96, 80, bias=True).to(torch.bfloat16).requires_grad_(False)
-    # amx=False: the AMX kernel (tests/test_cpu_amx_linear.py) takes these rows first where the CPU has tiles
+    # amx=False: the AMX kernel (tests/ops/test_cpu_amx_linear.py) takes these rows first where the CPU has tiles
     module, head = PackedLinear(linear, amx=False), PackedLinear(linear, head=True, amx=False)
     low, high = module.kernel_rows
     assert low == 1 and high >= 1 and head.kernel_rows[1] <= high

@@ -24,7 +24,7 @@ from radixserve.runtime.wire.ipc import IpcPaths, make_pull, make_push
 from radixserve.runtime.wire.messages import ProcessFailed, ProcessReady, encode
 from radixserve.runtime.wire.server_args import ServerArgs
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_every_mapped_folder_is_a_folder_of_the_checkout():

@@ -3,7 +3,7 @@ float64 products of the same numbers, its packing, and where the CPU linears rou
 (model_runner/cpu_panel_linear.py, cpu_small_batch.py, cpu_packed.py).
 
 Row counts cover every block size of the micro-kernel (1-12 rows) and balanced splits of more rows; weights of one
-and of many panels, inner sizes odd and even, with and without bias. Bounds as in tests/test_cpu_linear.py: float32
+and of many panels, inner sizes odd and even, with and without bias. Bounds as in tests/ops/test_cpu_linear.py: float32
 within 1e-5 of the sum of |x_k w_k|; bfloat16 the float32 sum rounded once (half a bfloat16 step more).
 """
 

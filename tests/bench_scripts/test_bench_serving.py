@@ -19,7 +19,7 @@ import pytest
 
 from http_fixtures import KEY_A, shared_server
 
-BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks")
 sys.path.insert(0, BENCHMARKS)
 
 from serving_client import Target, run_sessions  # noqa: E402

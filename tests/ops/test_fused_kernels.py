@@ -196,7 +196,7 @@ def test_store_kv_matches_indexed_writes(kv_dtype, buffer_dtype, loc_dtype):
 # ---- dispatch ------------------------------------------------------------------------------------
 
 def test_cpu_tensors_take_the_torch_reference_or_the_cpu_kernels():
-    """The CPU takes the reference path until the C++ kernels are loaded (tests/test_cpu_elementwise.py), and
+    """The CPU takes the reference path until the C++ kernels are loaded (tests/ops/test_cpu_elementwise.py), and
     always for dtypes those do not cover."""
     from radixserve.kernels import cpu_build
     from radixserve.model_runner.layers import cpu_kernel_ops

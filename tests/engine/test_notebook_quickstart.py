@@ -13,7 +13,7 @@ import sys
 import nbformat
 from nbclient import NotebookClient
 
-NOTEBOOK = os.path.join(os.path.dirname(__file__), os.pardir, "examples", "engine_quickstart.ipynb")
+NOTEBOOK = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "examples", "engine_quickstart.ipynb")
 
 
 def cell_text(cell) -> str:

@@ -21,7 +21,7 @@ from radixserve.runtime.ray_serve.routing import (  # noqa: E402
     ROUTE_KWARG, PrefixRoute, ReplicaGoneError, ReplicaTarget, lookup,
 )
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 DEPLOYMENT = DeploymentID(name="EngineReplica", app_name="router-test")
 GROUP_A = tuple(range(100, 200))
 GROUP_B = tuple(range(300, 400))
