@@ -1,40 +1,23 @@
-"""bfloat16 linear layers on AMX tiles (kernels/cpu_amx_linear.cpp), for the CPU's packed linears: decode batches of
-2 to 128 rows and prefill steps of 256 rows and more.
+"""bfloat16 linear layers on AMX tiles (kernels/cpu_amx_linear.cpp), for the CPU's packed linears (packed.py).
 
-Decode batches feed a few dozen rows through each projection, and on a 2-core machine reading the weight is what a
-step costs; the decode loop (`amx_linear`) reads each weight tile once per 32 rows. Measured on a 2-core AMX machine,
-2 threads (`python benchmarks/cpu_linear.py --threads 2 --rows 1 4 8 32 64 128 256 --dtypes bfloat16`: the 120
-projections of SmolLM2-135M, 30 layers' weights in turn so they stream from memory, in ms; record
-docs/results/cpu_vs_vllm_amx/cpu_linear_amx.json): against oneDNN's packed weights 8 rows 16.9 -> 15.7, 32 rows
-20.4 -> 13.8, 64 rows 24.5 -> 19.4, 128 rows 32.6 -> 32.6; against the small-row kernel (kernels/cpu_linear.cpp)
-4 rows 16.3 -> 13.2, one row 14.8 -> 14.2 but the LM head 1.63 -> 1.79, so one row stays on that kernel.
+Two loops over a copy of the weight packed into the tiles' pair layout: `amx_linear` for decode batches, which reads
+each weight tile once per 32 rows (a decode step costs the weights' reading), and `amx_gemm` for prefill steps,
+which keeps a slice of 32 input rows in L1 while the weight's column panels stream past (a prefill step costs the
+tile products). The row counts of each are the dispatch table's (dispatch.py).
 
-Prefill steps (a chunk of up to 512 tokens) are bound by the tile products instead; the prefill loop (`amx_gemm`)
-keeps a slice of 32 input rows in L1 while the weight's column panels stream past, and measured faster than both
-oneDNN paths (the packed inner product, and `F.linear` for o and down) from `GEMM_MIN_ROWS` on (`python
-benchmarks/cpu_linear.py --threads 2 --rows 256 512 1024 --dtypes bfloat16 --paths packed F.linear amx gemm`;
-figures in docs/benchmarks/history/cpu.md, "bfloat16 prefill linears on AMX tiles"). From 129 to 255 rows the packed oneDNN
-weight stays (the decode loop falls behind it there, the prefill loop ties it).
-
-`AmxWeight` holds the weight packed into the tiles' pair layout, made at the first call that can use it (the kernel
-library loads in the background) and only where the CPU and the OS grant the tiles (`RADIXSERVE_CPU_AMX=0` keeps
-oneDNN; `RADIXSERVE_CPU_AMX_GEMM=0` keeps only the prefill row counts on oneDNN). The copy adds the weights' size
-once more; `extra_copy_fits` (model_runner/cpu_small_batch.py) is the same memory rule as for the float32 packed
-copies.
+`AmxWeight` packs at the first call in its rows that finds the kernel library loaded and the tiles granted by the
+OS. The copy adds the weights' size once more: the caller makes one only under the memory rule of the other packed
+copies (`extra_copy_fits`, small_batch.py).
 """
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 
 from radixserve.kernels import cpu_build
-
-MIN_ROWS = 2
-MAX_ROWS = 128
-GEMM_MIN_ROWS = 256
+from radixserve.model_runner.cpu.dispatch import NO_ROWS, LinearRoute
 
 
 def pack_for_tiles(weight: torch.Tensor) -> torch.Tensor:
@@ -49,28 +32,24 @@ def shape_supported(weight: torch.Tensor) -> bool:
     return weight.dim() == 2 and weight.shape[0] % 32 == 0 and weight.shape[1] % 32 == 0
 
 
-def gemm_enabled() -> bool:
-    """Whether prefill row counts run the prefill loop (`RADIXSERVE_CPU_AMX_GEMM=0`: oneDNN as before it)."""
-    return os.environ.get("RADIXSERVE_CPU_AMX_GEMM", "1") != "0"
-
-
 class AmxWeight:
     """A linear's weight for the AMX kernel: packed at the first call that finds the kernel usable; `linear`
-    returns None (the caller's other path) outside `[MIN_ROWS, MAX_ROWS]` and below `GEMM_MIN_ROWS`, or where the
-    kernel cannot run."""
+    returns None (the caller's other path) outside the route's `amx` rows and below its `amx_prefill_from`, or where
+    the kernel cannot run. `copy_fits`: whether the packed copy may be made at all."""
 
-    def __init__(self, weight: torch.Tensor, enabled: bool = True) -> None:
+    def __init__(self, weight: torch.Tensor, route: LinearRoute, copy_fits: bool = True) -> None:
         self.weight = weight
-        self.usable: Optional[bool] = None if enabled and shape_supported(weight) else False
+        self.rows, self.prefill_from = route.amx, route.amx_prefill_from
+        wanted = self.rows != NO_ROWS or self.prefill_from is not None
+        self.usable: Optional[bool] = None if wanted and copy_fits and shape_supported(weight) else False
         self.packed: Optional[torch.Tensor] = None
-        self.gemm_min_rows = GEMM_MIN_ROWS if gemm_enabled() else None
 
     def linear(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         if self.usable is False:
             return None
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        prefill = self.gemm_min_rows is not None and rows >= self.gemm_min_rows
-        if not prefill and not MIN_ROWS <= rows <= MAX_ROWS:
+        prefill = self.prefill_from is not None and rows >= self.prefill_from
+        if not prefill and not self.rows[0] <= rows <= self.rows[1]:
             return None
         if self.usable is None:
             if not cpu_build.ready():
