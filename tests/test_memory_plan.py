@@ -19,14 +19,16 @@ import pytest
 import torch
 
 from radixserve.model_runner.memory_plan import GiB, MemoryPlan, StepMemory, graph_bytes, profile_prefill_shape
+from radixserve.model_runner.runner_config import RunnerConfig
+from radixserve.runtime.wire.model_files import ModelFiles
 from radixserve.runtime.wire.server_args import ServerArgs
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
 def _runner(**args) -> SimpleNamespace:
-    return SimpleNamespace(server_args=ServerArgs(device="cuda", **args), context_len=4096, page_size=16,
-                           vocab_size=1000)
+    config = RunnerConfig.from_server_args(ServerArgs(device="cuda", **args), ModelFiles("-", "dummy", "-"))
+    return SimpleNamespace(config=config, context_len=4096, page_size=16, vocab_size=1000)
 
 
 def test_the_profiled_prefill_is_the_largest_the_scheduler_forms():
