@@ -13,13 +13,13 @@ milliseconds of `--repeats` forwards after a warm-up, per path:
 
 - `F.linear`: torch's op on the plain weight (float32: MKL/oneDNN; bfloat16: oneDNN, reordering the weight on
   every call);
-- `packed`: `torch.ops.mkldnn._linear_pointwise` on a weight packed once (model_runner/cpu_small_batch.py for
-  float32, model_runner/cpu_packed.py for bfloat16);
+- `packed`: `torch.ops.mkldnn._linear_pointwise` on a weight packed once (model_runner/cpu/small_batch.py for
+  float32, model_runner/cpu/packed.py for bfloat16);
 - `kernel`: `torch.ops.radixserve_cpu.small_linear` on the plain weight;
 - `panel` (float32 on AVX-512, bfloat16 on AVX512_BF16): `torch.ops.radixserve_cpu.panel_linear` on the weight
-  packed in column panels (model_runner/cpu_panel_linear.py);
+  packed in column panels (model_runner/cpu/panel_linear.py);
 - `amx` (bfloat16, where the CPU and the OS grant AMX tiles): `torch.ops.radixserve_cpu.amx_linear` on the weight
-  packed for the tiles (model_runner/cpu_amx_linear.py), the loop for decode batches;
+  packed for the tiles (model_runner/cpu/amx_linear.py), the loop for decode batches;
 - `gemm` (same condition): `torch.ops.radixserve_cpu.amx_gemm` on the same packed weight, the loop for prefill.
 
 `--paths` keeps only the named paths (the small-row kernel takes seconds at prefill row counts). A forward at
@@ -48,8 +48,8 @@ import torch
 import torch.nn.functional as F
 
 from radixserve.kernels import cpu_build
-from radixserve.model_runner.cpu_amx_linear import pack_for_tiles
-from radixserve.model_runner.cpu_panel_linear import pack_panels
+from radixserve.model_runner.cpu.amx_linear import pack_for_tiles
+from radixserve.model_runner.cpu.panel_linear import pack_panels
 
 LAYERS = 30
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out_features, in_features)

@@ -21,6 +21,7 @@ import torch  # noqa: E402
 
 from radixserve.model_runner.memory_plan import GiB  # noqa: E402
 from radixserve.model_runner.model_runner import ModelRunner  # noqa: E402
+from radixserve.model_runner.runner_config import RunnerConfig  # noqa: E402
 from radixserve.runtime.wire.server_args import ServerArgs  # noqa: E402
 
 
@@ -36,8 +37,8 @@ def main() -> None:
     for item in args.engine_arg:
         key, value = item.split("=", 1)
         extra[key] = json.loads(value) if value[:1] in "0123456789-[{tf" else value
-    runner = ModelRunner(ServerArgs(model_path=args.model, load_format=args.load_format, dtype=args.dtype,
-                                    **extra))
+    runner = ModelRunner(RunnerConfig.from_server_args(ServerArgs(model_path=args.model, load_format=args.load_format,
+        dtype=args.dtype, **extra)))
     torch.cuda.synchronize()
     plan = runner.memory_plan
     free, total = torch.cuda.mem_get_info()

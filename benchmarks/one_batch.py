@@ -52,6 +52,7 @@ import torch  # noqa: E402
 import roofline  # noqa: E402
 from radixserve.model_runner.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
 from radixserve.model_runner.model_runner import ModelRunner  # noqa: E402
+from radixserve.model_runner.runner_config import RunnerConfig  # noqa: E402
 from radixserve.model_runner.static_generate import assign_kv_slots, make_forward_batch  # noqa: E402
 from radixserve.radix_cache.pool import FLOAT8_DTYPES, TokenToKVPool  # noqa: E402
 from radixserve.runtime.wire.server_args import ServerArgs  # noqa: E402
@@ -113,13 +114,11 @@ def build_runner(args: argparse.Namespace, model_path: Optional[str], load_forma
 
     tokens = max([bs * pages_of(args.input_len) for bs in args.prefill_batch_sizes]
                  + [bs * pages_of(args.context_len) for bs in args.decode_batch_sizes])
-    return ModelRunner(ServerArgs(
-        model_path=model_path, load_format=load_format, device=args.device, dtype=args.dtype,
-        attention_backend=args.attention_backend, page_size=page, random_seed=args.seed,
-        context_length=max(args.input_len, args.context_len), max_total_tokens=tokens,
+    return ModelRunner(RunnerConfig.from_server_args(ServerArgs(model_path=model_path, load_format=load_format,
+        device=args.device, dtype=args.dtype, attention_backend=args.attention_backend, page_size=page,
+        random_seed=args.seed, context_length=max(args.input_len, args.context_len), max_total_tokens=tokens,
         max_running_requests=max(all_sizes), cuda_graph_max_bs=max(args.decode_batch_sizes or [1]),
-        disable_cuda_graph=disable_cuda_graph, kv_cache_dtype=args.kv_cache_dtype,
-    ))
+        disable_cuda_graph=disable_cuda_graph, kv_cache_dtype=args.kv_cache_dtype, )))
 
 
 def randomize_kv(pool: TokenToKVPool, seed: int) -> None:

@@ -32,6 +32,7 @@ import _srcpath  # noqa: E402,F401
 import torch  # noqa: E402
 
 from radixserve.model_runner.model_runner import ModelRunner  # noqa: E402
+from radixserve.model_runner.runner_config import RunnerConfig  # noqa: E402
 from radixserve.runtime.wire.messages import SamplingParams, TokenizedGenerateReq  # noqa: E402
 from radixserve.runtime.wire.server_args import ServerArgs  # noqa: E402
 from radixserve.scheduler.scheduler import Scheduler  # noqa: E402
@@ -126,7 +127,7 @@ def main(argv=None) -> None:
     if args.warmup_steps + args.steps + 2 > args.output_len:
         parser.error("--output-len must exceed --warmup-steps + --steps (the batch must stay whole)")
 
-    runner = ModelRunner(ServerArgs(**runner_args(args)))
+    runner = ModelRunner(RunnerConfig.from_server_args(ServerArgs(**runner_args(args))))
     results = [run(args, runner, overlap) for overlap in (True, False)]
     on, off = results
     print(f"\ndecode-heavy load: batch {args.batch_size}, input {args.input_len}, output {args.output_len}, "

@@ -200,9 +200,9 @@ def wait_for_kernel_builds(descendants, timeout: float = 600.0) -> None:
 
 def verify_cost(model: Optional[str], context_len: int, chain_lens: list[int], repeats: int) -> list[dict]:
     """CPU time of one verify forward by chain length (1 = a plain decode step), on one torch thread, with three
-    choices of float32 linears (model_runner/cpu_small_batch.py): `F.linear` for every row count; the packed
-    weights from `MIN_PACKED_ROWS` rows without the small-row kernel (what speculative decoding ran before the
-    kernel); and the linears as the runner installs them (the kernel in its rows, the packed weights past them):
+    choices of float32 linears (model_runner/cpu/small_batch.py): `F.linear` for every row count; the packed
+    weights from the dispatch table's `packed_from` rows without the small-row kernel (what speculative decoding ran
+    before the kernel); and the linears as the runner installs them (the kernel in its rows, the packed weights past them):
     what a chain of drafts costs next to the decode step it replaces. The CPU kernels (attention, norms) are loaded
     first, as a serving engine has them; chain lengths are timed in turn, round after round, so load from other
     work weighs on all alike."""
@@ -211,16 +211,18 @@ def verify_cost(model: Optional[str], context_len: int, chain_lens: list[int], r
     import torch
 
     from radixserve.kernels import cpu_build
-    from radixserve.model_runner import cpu_small_batch
+    from radixserve.model_runner.cpu.dispatch import NO_ROWS
+    from radixserve.model_runner.cpu.small_batch import SmallBatchLinear
     from radixserve.model_runner.forward_batch import ForwardMode
     from radixserve.model_runner.model_runner import ModelRunner
+    from radixserve.model_runner.runner_config import RunnerConfig
     from radixserve.model_runner.static_generate import assign_kv_slots, make_forward_batch
     from radixserve.runtime.wire.server_args import ServerArgs
 
     torch.set_num_threads(1)
     args = ServerArgs(log_level="warning", device="cpu", speculative_algorithm="NGRAM",
                       **({"model_path": model} if model else {}))
-    runner = ModelRunner(args)
+    runner = ModelRunner(RunnerConfig.from_server_args(args))
     kernels = cpu_build.load()
     row = runner.req_to_token_pool.alloc()
     prompt = [(7 * i) % runner.vocab_size for i in range(context_len)]
@@ -229,10 +231,10 @@ def verify_cost(model: Optional[str], context_len: int, chain_lens: list[int], r
                                       runner.token_to_kv_pool))
     chain_slots = assign_kv_slots(runner.allocator, runner.req_to_token_pool, [row], [context_len],
                                   [max(chain_lens)])
-    packed_from = cpu_small_batch.MIN_PACKED_ROWS
-    linears = [m for m in runner.model.modules() if isinstance(m, cpu_small_batch.SmallBatchLinear)]
-    installed = {id(m): m.kernel_rows for m in linears}
-    low, high = cpu_small_batch.kernel_rows(torch.float32, head=False)
+    route = runner.cpu_kernels.linear(torch.float32)
+    packed_from, (low, high) = route.packed_from, route.small
+    linears = [m for m in runner.model.modules() if isinstance(m, SmallBatchLinear)]
+    installed = {id(m): (m.kernel_rows, m.packed_from) for m in linears}
     # name -> (first packed row count, whether the small-row kernel runs)
     variants = {"F.linear": (sys.maxsize, False),
                 f"packed from {packed_from} rows": (packed_from, False),
@@ -241,9 +243,9 @@ def verify_cost(model: Optional[str], context_len: int, chain_lens: list[int], r
     try:
         for _ in range(repeats + 1):
             for name, (min_rows, kernel) in variants.items():
-                cpu_small_batch.MIN_PACKED_ROWS = min_rows  # read by SmallBatchLinear at every call
-                for module in linears:
-                    module.kernel_rows = installed[id(module)] if kernel else cpu_small_batch.NO_ROWS
+                for module in linears:  # read by SmallBatchLinear at every call
+                    module.packed_from = min_rows
+                    module.kernel_rows = installed[id(module)][0] if kernel else NO_ROWS
                 for length in chain_lens:
                     mode = ForwardMode.DECODE if length == 1 else ForwardMode.EXTEND
                     batch = make_forward_batch(mode, [row], [context_len], [prompt[:length]],
@@ -253,9 +255,8 @@ def verify_cost(model: Optional[str], context_len: int, chain_lens: list[int], r
                     runner.forward(batch)
                     times[(name, length)].append(time.process_time() - began)
     finally:
-        cpu_small_batch.MIN_PACKED_ROWS = packed_from
         for module in linears:
-            module.kernel_rows = installed[id(module)]
+            module.kernel_rows, module.packed_from = installed[id(module)]
     return [{"linears": name, "chain_len": length, "context_len": context_len, "cpu_kernels": kernels,
              "cpu_ms": 1000 * statistics.median(samples[1:])} for (name, length), samples in times.items()]
 

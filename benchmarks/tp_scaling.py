@@ -33,6 +33,7 @@ def _rank_main(rank: int, tp_size: int, addr: str, args: argparse.Namespace, res
     import torch
 
     from radixserve.model_runner.model_runner import ModelRunner
+    from radixserve.model_runner.runner_config import RunnerConfig
     from radixserve.model_runner.parallel import TPGroup
     from radixserve.model_runner.static_generate import greedy_generate
     from radixserve.runtime.wire.server_args import ServerArgs
@@ -41,7 +42,7 @@ def _rank_main(rank: int, tp_size: int, addr: str, args: argparse.Namespace, res
                              max_total_tokens=args.batch_size * (args.input_len + args.decode_steps + 8),
                              max_running_requests=args.batch_size, tp_size=tp_size, dist_init_addr=addr,
                              disable_cuda_graph=True)
-    runner = ModelRunner(server_args, tp_rank=rank)
+    runner = ModelRunner(RunnerConfig.from_server_args(server_args), tp_rank=rank)
     timer = _TimedGroup(runner.tp, runner.device)
     for module in runner.model.modules():  # route every collective of the model through the timer
         if isinstance(getattr(module, "tp", None), TPGroup):

@@ -1,5 +1,5 @@
 // bfloat16 linear layers on AMX tiles: y[M, N] = x[M, K] @ W[N, K]^T (+ bias), the weight packed once
-// (model_runner/cpu_amx_linear.py) into the tiles' pair layout, float32 accumulation. Two loops over the same
+// (model_runner/cpu/amx_linear.py) into the tiles' pair layout, float32 accumulation. Two loops over the same
 // packed weight, chosen by the caller by row count:
 //
 // `amx_linear`, decode (a few dozen rows): a batch reads every weight once per step, and on a 2-core machine that
@@ -182,7 +182,7 @@ inline void prefill_columns(const uint16_t* a, const uint16_t* packed, const flo
   }
 }
 
-bool amx_usable() { return radixserve_cpu::amx_ready() && radixserve_cpu::amx_enabled(); }
+bool amx_usable() { return radixserve_cpu::amx_ready(); }
 
 #else
 

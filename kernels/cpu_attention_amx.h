@@ -11,7 +11,6 @@
 #include "cpu_vec.h"
 
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
@@ -158,11 +157,5 @@ struct AmxTiles {
 };
 
 #endif
-
-// RADIXSERVE_CPU_AMX=0 keeps the AVX-512 BF16 dot products (read at every call, so tests compare both paths).
-inline bool amx_enabled() {
-  const char* value = std::getenv("RADIXSERVE_CPU_AMX");
-  return value == nullptr || std::strcmp(value, "0") != 0;
-}
 
 }  // namespace radixserve_cpu

@@ -5,8 +5,8 @@ The source is compiled by torch's C++ extension builder (g++ with `-O3 -march=na
 keyed by the source, the torch version and this CPU's instruction set, so a build made on one CPU is never loaded
 on another; later processes only load the library (about a second). `make setup` builds it, so a fresh server
 does not wait; where it was not built, `start_background_build` builds it in a thread and the callers use the
-torch path until `ready()` turns true. `--cpu-kernels torch` turns the kernels off (`set_enabled`);
-`RADIXSERVE_CPU_AMX=0` keeps the attention's bfloat16 scores off AMX tiles (AVX-512 instead).
+torch path until `ready()` turns true. `--cpu-kernels torch` turns the kernels off (`set_enabled`); which kernel
+runs for which call is the runner's dispatch table (model_runner/cpu/dispatch.py).
 
     python -m radixserve.kernels.cpu_build      # build now, print where and how long
 """
@@ -17,13 +17,18 @@ import contextlib
 import fcntl
 import functools
 import hashlib
+import json
 import logging
 import os
 import platform
+import shutil
+import subprocess
+import sys
+import sysconfig
 import threading
 import time
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Iterator, Optional
 
 import torch
 
@@ -38,6 +43,8 @@ HEADERS = [Path(__file__).with_name(name) for name in (
 # soname), so there is one thread pool.
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]
 LIBRARY_NAME = "radixserve_cpu"  # the TORCH_LIBRARY namespace: torch.ops.radixserve_cpu.*
+LIBRARY_FILE = "radixserve_cpu_kernels.so"
+BUILT_STAMP = "built"  # written once the library is whole: a folder without it is built (again) before loading
 
 _lock = threading.Lock()
 _loaded = False
@@ -120,14 +127,12 @@ def load() -> bool:
             return _loaded
         started = time.perf_counter()
         try:
-            load_extension = _import_builder()
             directory = build_directory()
             directory.mkdir(parents=True, exist_ok=True)
             with _build_lock(directory):
-                load_extension(name="radixserve_cpu_kernels", sources=[str(s) for s in SOURCES],
-                               extra_cflags=CFLAGS, extra_include_paths=[str(SOURCES[0].parent)],
-                               extra_ldflags=["-fopenmp"], build_directory=str(directory), is_python_module=False,
-                               verbose=False)
+                if not (directory / BUILT_STAMP).is_file():
+                    _build(directory)
+                torch.ops.load_library(str(directory / LIBRARY_FILE))
             _loaded = True
             logger.info("CPU kernels ready in %.1f s (%s)", time.perf_counter() - started, directory)
         except Exception as exc:  # noqa: BLE001 - any build failure means the torch path
@@ -136,14 +141,39 @@ def load() -> bool:
         return _loaded
 
 
+def _build(directory: Path) -> None:
+    """Compile the library into `directory` in a child process, and mark it built.
+
+    torch's extension builder runs `ninja` by name; the `ninja` package installs its binary in the environment's
+    scripts folder, which is not on PATH when the environment's Python runs without being activated. The child is
+    given a PATH that holds the binary found here, so this process's own environment stays as it was. Building in
+    a child also keeps the builder's import of setuptools (which swaps `distutils` modules in `sys.modules`) away
+    from imports running in this process's other threads."""
+    ninja = shutil.which("ninja") or shutil.which("ninja", path=sysconfig.get_path("scripts"))
+    if ninja is None:
+        raise RuntimeError("no ninja binary on PATH or in this environment (pip install ninja)")
+    options = {"name": LIBRARY_FILE.removesuffix(".so"), "sources": [str(s) for s in SOURCES],
+               "extra_cflags": CFLAGS, "extra_include_paths": [str(SOURCES[0].parent)],
+               "extra_ldflags": ["-fopenmp"], "build_directory": str(directory), "is_python_module": False,
+               "verbose": False}
+    script = "import json, sys; from torch.utils.cpp_extension import load; load(**json.loads(sys.argv[1]))"
+    env = {**os.environ, "PATH": os.pathsep.join([os.path.dirname(ninja), os.environ.get("PATH", "")]),
+           "PYTHONSAFEPATH": "1"}
+    done = subprocess.run([sys.executable, "-c", script, json.dumps(options)], env=env, capture_output=True,
+                          text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"the build failed:\n{(done.stdout + done.stderr)[-4000:]}")
+    (directory / BUILT_STAMP).write_text(f"{LIBRARY_FILE} built\n", encoding="utf-8")
+
+
 @contextlib.contextmanager
 def _build_lock(directory: Path) -> Iterator[None]:
     """One process at a time builds or loads from `directory`, under an OS file lock that dies with its holder.
 
     torch's builder marks a build in progress with a `lock` file and makes every other process wait for it to go; a
-    build killed half-way (Ctrl-C during `make setup`) leaves that file behind, and every later server would wait on
-    it forever, serving on the torch path. Whoever holds this lock knows no build is running, so a `lock` file it
-    finds is stale and is removed."""
+    build killed half-way (Ctrl-C during `make setup`) leaves that file behind, and every later build would wait on
+    it forever. Whoever holds this lock knows no build is running, so a `lock` file it finds is stale and is
+    removed."""
     with open(directory / "build.flock", "w", encoding="utf-8") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         try:
@@ -154,29 +184,6 @@ def _build_lock(directory: Path) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
-
-
-def _import_builder() -> Any:
-    """torch's extension loader, with `ninja` on PATH. Called in the thread that starts a background build, before
-    the thread starts: the loader imports setuptools, whose import swaps `distutils` modules in and out of
-    `sys.modules`, and an import running at the same time in another thread (the scheduler loading its tokenizer)
-    can then fail with ModuleNotFoundError."""
-    from torch.utils.cpp_extension import load as load_extension
-
-    _put_ninja_on_path()
-    return load_extension
-
-
-def _put_ninja_on_path() -> None:
-    """torch runs `ninja` from PATH; the `ninja` package's binary sits in the environment's bin folder, which is
-    not on PATH when the environment's Python is run without activating it."""
-    try:
-        import ninja
-    except ImportError:
-        return
-    directory = getattr(ninja, "BIN_DIR", None)
-    if directory and directory not in os.environ.get("PATH", "").split(os.pathsep):
-        os.environ["PATH"] = directory + os.pathsep + os.environ.get("PATH", "")
 
 
 def load_library(path: str) -> None:
@@ -200,7 +207,6 @@ def start_background_build() -> None:
     global _thread
     if _loaded or _error is not None or not enabled() or (_thread is not None and _thread.is_alive()):
         return
-    _import_builder()
     _thread = threading.Thread(target=load, name="cpu-kernel-build", daemon=True)
     _thread.start()
 

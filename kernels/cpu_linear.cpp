@@ -9,7 +9,7 @@
 // input row) pair keeps its own vector of partial sums over K; a shuffle tree turns a tile's vectors into one vector
 // of sums at the end. bfloat16 weights are widened to float32 in registers. The tiles are split over the threads
 // (ATen's parallel_for, OpenMP). Measured against F.linear and oneDNN's packed weights in benchmarks/cpu_linear.py
-// (figures in docs/benchmarks.md); model_runner/cpu_small_batch.py picks the row counts it runs.
+// (figures in docs/benchmarks.md); model_runner/cpu/dispatch.py picks the row counts it runs.
 //
 // The sum order differs from torch's (per-lane partial sums, then a pairwise reduction): float32 results agree to
 // about 1e-6 relative; bfloat16 outputs are the float32 sums (+ bias) rounded once, as oneDNN rounds them.

@@ -1,5 +1,5 @@
 // Linear layers of a decode batch on the CPU (a few to a few dozen rows) on AVX-512: y[M, N] = x[M, K] @ W[N, K]^T
-// (+ bias), with the weight packed once into column panels (model_runner/cpu_panel_linear.py):
+// (+ bias), with the weight packed once into column panels (model_runner/cpu/panel_linear.py):
 //   float32:  packed[p][k][c]    = W[32 p + c][k]              ([N / 32, K, 32])
 //   bfloat16: packed[p][j][c][e] = W[32 p + c][2 j + e]        ([N / 32, K / 2, 32, 2], VDPBF16PS's pairs)
 //
@@ -202,7 +202,7 @@ at::Tensor panel_linear(const at::Tensor& x_in, const at::Tensor& packed, const 
   TORCH_CHECK(x_in.scalar_type() == dtype, "panel_linear: x is ", x_in.scalar_type(), ", the weight ", dtype);
   TORCH_CHECK(packed.is_contiguous() && packed.size(-1) == (dtype == at::kFloat ? kPanel : 2) &&
                   packed.dim() == (dtype == at::kFloat ? 3 : 4),
-              "panel_linear: the weight must be packed by model_runner/cpu_panel_linear.py");
+              "panel_linear: the weight must be packed by model_runner/cpu/panel_linear.py");
   const int64_t N = packed.size(0) * kPanel;
   const int64_t K = dtype == at::kFloat ? packed.size(1) : 2 * packed.size(1);
   TORCH_CHECK(x_in.dim() >= 1 && x_in.size(-1) == K, "panel_linear: x's last dimension must be ", K);

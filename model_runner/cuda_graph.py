@@ -237,7 +237,7 @@ class CudaGraphRunner:
 
 def graph_max_batch_size(runner: "RunnerParts") -> int:
     """The largest decode batch to capture for `runner` (see `choose_graph_max_batch_size`)."""
-    return choose_graph_max_batch_size(runner.server_args.cuda_graph_max_bs,
+    return choose_graph_max_batch_size(runner.config.cuda_graph_max_bs,
                                        torch.cuda.get_device_properties(runner.device).total_memory,
                                        runner.max_running_requests)
 

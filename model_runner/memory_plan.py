@@ -98,8 +98,8 @@ def margin_bytes(total: int) -> int:
 
 def profile_prefill_shape(runner: "RunnerParts", max_running: int) -> tuple[int, int]:
     """(new tokens, requests) of the largest prefill batch the scheduler can form."""
-    args = runner.server_args
-    chunk = args.resolved_chunked_prefill_size()
+    args = runner.config
+    chunk = args.chunked_prefill_size
     tokens = min(chunk, args.max_prefill_tokens) if chunk is not None else args.max_prefill_tokens
     if args.enable_mixed_chunk:
         tokens += max_running

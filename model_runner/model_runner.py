@@ -14,21 +14,22 @@ import torch
 
 from radixserve.kernels import cpu_build
 from radixserve.model_runner.attention import AttentionBackend, create_attention_backend
-from radixserve.model_runner.cpu_packed import pack_cpu_linears
-from radixserve.model_runner.cpu_small_batch import pack_small_batch_linears, small_batch_packing_pays
+from radixserve.model_runner.cpu import dispatch
+from radixserve.model_runner.cpu.packed import pack_cpu_linears
+from radixserve.model_runner.cpu.small_batch import pack_small_batch_linears, small_batch_packing_pays
 from radixserve.model_runner.forward_batch import ForwardBatch
 from radixserve.model_runner.loader import dummy_weights, iter_weights
 from radixserve.model_runner.memory_plan import MemoryPlan, graph_bytes, margin_bytes, profile_step_memory
 from radixserve.model_runner.lora.setup import create_lora_manager
-from radixserve.runtime.model_files import resolve_model
 from radixserve.model_runner.model_config import ModelConfig
 from radixserve.model_runner.models import get_model_class
 from radixserve.model_runner.parallel import HeadLayout, ReplicaPlacement, join_tp_group, min_over_ranks
+from radixserve.model_runner.runner_config import RunnerConfig
 from radixserve.radix_cache.pool import KV_CACHE_DTYPES, KVAllocator, ReqToTokenPool, TokenToKVPool
-from radixserve.runtime.wire.server_args import ServerArgs
 
 if TYPE_CHECKING:
     from radixserve.model_runner.cuda_graph import CudaGraphRunner
+    from radixserve.runtime.wire.model_files import ModelFiles
 
 logger = logging.getLogger(__name__)
 
@@ -62,51 +63,51 @@ class ModelRunner:
     CUDA graphs).
     """
 
-    def __init__(self, server_args: ServerArgs, tp_rank: int = 0, dp_rank: int = 0) -> None:
-        """With `server_args.tp_size > 1`, joins the tensor-parallel group at `server_args.dist_init_addr` as
-        rank `tp_rank` (every rank constructs its runner at the same time) and holds that rank's shard.
-        `dp_rank`: the data-parallel replica, which takes this host's devices (or cores) after the replicas
-        before it."""
-        self.server_args = server_args
-        cpu_build.set_enabled(server_args.cpu_kernels == "auto")  # before any weight is packed for the kernels
+    def __init__(self, config: RunnerConfig, tp_rank: int = 0, dp_rank: int = 0) -> None:
+        """With `config.tp_size > 1`, joins the tensor-parallel group at `config.dist_init_addr` as rank `tp_rank`
+        (every rank constructs its runner at the same time) and holds that rank's shard. `dp_rank`: the
+        data-parallel replica, which takes this host's devices (or cores) after the replicas before it."""
+        self.config = config
+        self.cpu_kernels = dispatch.choose(config.cpu_kernels)
+        cpu_build.set_enabled(self.cpu_kernels.enabled)  # before any weight is packed for the kernels
         self.tp_rank = tp_rank
         self.dp_rank = dp_rank
-        tp_context = join_tp_group(server_args.tp_size, tp_rank, server_args.dist_init_addr or "",
-                                   server_args.resolved_device(), server_args.dist_timeout,
-                                   server_args.tp_size // server_args.nnodes,
-                                   ReplicaPlacement(dp_rank, server_args.dp_size))
+        tp_context = join_tp_group(config.tp_size, tp_rank, config.dist_init_addr or "", config.device,
+                                   config.dist_timeout, config.tp_size // config.nnodes,
+                                   ReplicaPlacement(dp_rank, config.dp_size))
         self.device, self.tp, self.tp_cpu_group = tp_context.device, tp_context.tp, tp_context.cpu_group
-        self.dtype = _DTYPES[server_args.resolved_dtype()]
+        if self.device.type == "cpu":
+            dispatch.log_once(self.cpu_kernels)
+        self.dtype = _DTYPES[config.dtype]
         self.kv_cache_dtype = self._resolve_kv_cache_dtype()
-        self.page_size = server_args.page_size
+        self.page_size = config.page_size
 
-        resolved = resolve_model(server_args.model_path, server_args.load_format, server_args.model_cache_dir)
-        self.model_dir = resolved.model_dir
-        self.model_config = ModelConfig.from_path(resolved.model_dir)
+        self.model_dir = config.model.model_dir
+        self.model_config = ModelConfig.from_path(self.model_dir)
         self.vocab_size = self.model_config.vocab_size
         self.context_len = self._resolve_context_len()
         self.head_layout = HeadLayout.of(self.model_config.num_attention_heads,
                                          self.model_config.num_key_value_heads, self.tp)
-        self.model = self._load_model(resolved.load_format)
+        self.model = self._load_model(config.model)
 
         self.max_total_num_tokens, self.max_running_requests = self._size_memory()
         self.req_to_token_pool = ReqToTokenPool(
             self.max_running_requests + SPARE_REQUEST_ROWS, self.context_len, self.device
         )
         self.allocator = KVAllocator(self.max_total_num_tokens, self.page_size, self.device)
-        config = self.model_config
+        shape = self.model_config
         self.token_to_kv_pool = TokenToKVPool(
-            self.max_total_num_tokens, self.page_size, config.num_hidden_layers, self.head_layout.num_kv_heads,
-            config.head_dim, self.kv_cache_dtype, self.device,
+            self.max_total_num_tokens, self.page_size, shape.num_hidden_layers, self.head_layout.num_kv_heads,
+            shape.head_dim, self.kv_cache_dtype, self.device,
         )
         self.attn_backend = self._create_attention_backend()
         self.attn_backend.warm_up(self.kv_cache_dtype)
         self.model.set_attention_backend(self.attn_backend)
-        self.lora_manager = create_lora_manager(self) if server_args.lora_enabled() else None
+        self.lora_manager = create_lora_manager(self) if config.enable_lora else None
         self.cuda_graph_runner = self._create_cuda_graph_runner()
         logger.info(
             "model %s loaded on %s (%s); KV pool %d tokens, %d running requests, context %d",
-            config.architecture, self.device, self.dtype, self.max_total_num_tokens,
+            shape.architecture, self.device, self.dtype, self.max_total_num_tokens,
             self.max_running_requests, self.context_len,
         )
 
@@ -138,12 +139,12 @@ class ModelRunner:
         """The requested backend; when none was requested and the device default (flashinfer on CUDA)
         cannot run here, fall back to triton, then torch_native, with a warning (not with a
         --prefill-attention-backend, which only the flashinfer backend honours)."""
-        name = self.server_args.resolved_attention_backend()
-        prefill = self.server_args.prefill_attention_backend
+        name = self.config.attention_backend
+        prefill = self.config.prefill_attention_backend
         if prefill is not None and name != "flashinfer":
             raise ValueError(f"--prefill-attention-backend {prefill} picks the flashinfer backend's extend kernels, "
                              f"and this {self.device.type} runs the {name} attention backend")
-        if self.server_args.attention_backend is not None or prefill is not None:
+        if not self.config.attention_backend_fallback:
             return create_attention_backend(name, self)
         candidates = [name] + [n for n in ("triton", "torch_native") if n != name]
         for i, candidate in enumerate(candidates):
@@ -159,20 +160,20 @@ class ModelRunner:
         """Capture decode CUDA graphs on CUDA unless `disable_cuda_graph`; None on the CPU, when disabled, or
         when the attention backend cannot be captured (decode then runs eagerly)."""
         # LoRA batches vary per step in which adapters they use; decode runs eagerly then.
-        if self.device.type != "cuda" or self.server_args.disable_cuda_graph or self.lora_manager is not None:
+        if self.device.type != "cuda" or self.config.disable_cuda_graph or self.lora_manager is not None:
             return None
         from radixserve.model_runner.cuda_graph import create_cuda_graph_runner
 
         return create_cuda_graph_runner(self)
 
     def _resolve_kv_cache_dtype(self) -> torch.dtype:
-        name = self.server_args.kv_cache_dtype
+        name = self.config.kv_cache_dtype
         return self.dtype if name == "auto" else KV_CACHE_DTYPES[name]
 
     def _resolve_context_len(self) -> int:
         config = self.model_config
-        context_len = self.server_args.context_length or config.max_position_embeddings
-        if self.server_args.context_length and context_len > config.max_position_embeddings:
+        context_len = self.config.context_length or config.max_position_embeddings
+        if self.config.context_length and context_len > config.max_position_embeddings:
             logger.warning("context_length %d exceeds the model's max_position_embeddings %d",
                            context_len, config.max_position_embeddings)
         if config.sliding_window is not None and config.sliding_window < context_len:
@@ -182,29 +183,29 @@ class ModelRunner:
             context_len = config.sliding_window
         return context_len
 
-    def _load_model(self, load_format: str) -> torch.nn.Module:
+    def _load_model(self, files: ModelFiles) -> torch.nn.Module:
         model_class = get_model_class(self.model_config.architecture)
         # Build on the meta device (no memory, no random init), then allocate on the target device once.
         with torch.device("meta"):
             model = model_class(self.model_config, max_positions=self.context_len, tp=self.tp)
         model = model.to(self.dtype).to_empty(device=self.device)
-        if load_format == "dummy":
-            weights = dummy_weights(self.model_config, self.server_args.random_seed, self.dtype, self.device)
+        if files.load_format == "dummy":
+            weights = dummy_weights(self.model_config, self.config.random_seed, self.dtype, self.device)
         else:
-            weights = iter_weights(self.model_dir, lazy=self.tp.size > 1)
+            weights = iter_weights(files.model_dir, lazy=self.tp.size > 1)
         with torch.no_grad():
             model.load_weights(weights)
         model.eval().requires_grad_(False)
         if self.device.type == "cpu" and self.dtype == torch.bfloat16:
-            pack_cpu_linears(model)  # the weights are final now; see model_runner/cpu_packed.py
+            pack_cpu_linears(model, self.cpu_kernels)  # the weights are final now; see model_runner/cpu/packed.py
         elif self.device.type == "cpu" and self.dtype == torch.float32:
-            packed = small_batch_packing_pays(model, self.server_args.speculative_algorithm)
-            pack_small_batch_linears(model, packed=packed)  # few-row forwards; see model_runner/cpu_small_batch.py
+            packed = small_batch_packing_pays(model, self.config.speculative)
+            pack_small_batch_linears(model, self.cpu_kernels, packed=packed)  # see model_runner/cpu/small_batch.py
         return model
 
     def _size_memory(self) -> tuple[int, int]:
         """(usable KV token slots rounded down to whole pages, max running requests); logs the memory plan."""
-        args, config = self.server_args, self.model_config
+        args, config = self.config, self.model_config
         bytes_per_token = TokenToKVPool.bytes_per_token(
             config.num_hidden_layers, self.head_layout.num_kv_heads, config.head_dim, self.kv_cache_dtype
         )
@@ -262,7 +263,7 @@ class ModelRunner:
     def _profiled_plan(self, bytes_per_token: int, row_bytes: int) -> MemoryPlan:
         """The KV pool from what the profiled steps leave (model_runner/memory_plan.py); sets
         `_profiled_max_running`, the request limit the steps were profiled with."""
-        args = self.server_args
+        args = self.config
         torch.cuda.synchronize(self.device)
         free, total = torch.cuda.mem_get_info(self.device)
         weights = torch.cuda.memory_allocated(self.device)
@@ -272,7 +273,7 @@ class ModelRunner:
         self._profiled_max_running = max_running
         step = profile_step_memory(self, max_running, self._create_attention_backend)
         graph_bs = 0
-        if not args.disable_cuda_graph and not args.lora_enabled():
+        if not args.disable_cuda_graph and not args.enable_lora:
             from radixserve.model_runner.cuda_graph import choose_graph_max_batch_size
 
             graph_bs = choose_graph_max_batch_size(args.cuda_graph_max_bs, total, max_running)
@@ -296,7 +297,7 @@ class ModelRunner:
         """Bytes the KV pool may take: on CUDA what `--mem-fraction-static` leaves after the loaded weights (the
         default is the profiled plan instead, see `_profiled_plan`); on CPU a share of the available RAM, capped
         (a CPU serves few tokens per second, so a bigger pool only costs memory)."""
-        fraction = self.server_args.mem_fraction_static if fraction is None else fraction
+        fraction = self.config.mem_fraction_static if fraction is None else fraction
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             free, total = torch.cuda.mem_get_info(self.device)

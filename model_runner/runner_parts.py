@@ -16,11 +16,13 @@ if TYPE_CHECKING:
     from radixserve.model_runner.model_config import ModelConfig
     from radixserve.model_runner.parallel import HeadLayout
     from radixserve.radix_cache.pool import KVAllocator, ReqToTokenPool, TokenToKVPool
-    from radixserve.runtime.wire.server_args import ServerArgs
+    from radixserve.model_runner.cpu.dispatch import CpuKernels
+    from radixserve.model_runner.runner_config import RunnerConfig
 
 
 class RunnerParts(Protocol):
-    server_args: "ServerArgs"
+    config: "RunnerConfig"
+    cpu_kernels: "CpuKernels"
     device: torch.device
     dtype: torch.dtype
     kv_cache_dtype: torch.dtype

@@ -93,7 +93,8 @@ def _use_thread_lock_for_tqdm() -> None:
 
 
 def resolve_for_launch(server_args: ServerArgs) -> ServerArgs:
-    """Resolve (and for a GGUF, convert once) the model in the parent, before any child starts.
+    """Resolve (and for a GGUF, convert once) the model, and a speculative draft model, in the parent, before any
+    child starts.
 
     Returns the arguments the children get: tokenizer_path filled in with the resolved Hugging Face directory
     when it was None, so the detokenizer loads the tokenizer without resolving again.
@@ -101,6 +102,8 @@ def resolve_for_launch(server_args: ServerArgs) -> ServerArgs:
     from radixserve.runtime.model_files import resolve_model
 
     resolved = resolve_model(server_args.model_path, server_args.load_format, server_args.model_cache_dir)
+    if server_args.speculative_draft_model_path is not None:  # the draft's runner only locates its files
+        resolve_model(server_args.speculative_draft_model_path, "auto", server_args.model_cache_dir)
     if server_args.tp_size > 1 and server_args.dist_init_addr is None:
         server_args = dataclasses.replace(server_args, dist_init_addr=f"127.0.0.1:{_free_port()}")
     if server_args.tokenizer_path is not None:

@@ -60,14 +60,11 @@ def run_scheduler_process(server_args: ServerArgs, ipc: IpcPaths, parent_pid: in
         from radixserve.scheduler.scheduler import Scheduler
 
         runner = None
-        if server_args.tp_size > 1:
+        if server_args.tp_size > 1 or dp_rank is not None:
             from radixserve.model_runner.model_runner import ModelRunner
+            from radixserve.model_runner.runner_config import RunnerConfig
 
-            runner = ModelRunner(server_args, tp_rank, dp_rank or 0)
-        elif dp_rank is not None:
-            from radixserve.model_runner.model_runner import ModelRunner
-
-            runner = ModelRunner(server_args, 0, dp_rank)
+            runner = ModelRunner(RunnerConfig.from_server_args(server_args), tp_rank, dp_rank or 0)
         scheduler = Scheduler(server_args, model_runner=runner)
     except BaseException:
         logger.exception("scheduler failed to start")

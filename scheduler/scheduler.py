@@ -80,8 +80,9 @@ class Scheduler:
     def __init__(self, server_args: ServerArgs, model_runner: Any = None, tokenizer: Any = None) -> None:
         if model_runner is None:
             from radixserve.model_runner.model_runner import ModelRunner
+            from radixserve.model_runner.runner_config import RunnerConfig
 
-            model_runner = ModelRunner(server_args)
+            model_runner = ModelRunner(RunnerConfig.from_server_args(server_args))
         self.args = server_args
         self.runner = model_runner
         self.req_to_token_pool = model_runner.req_to_token_pool
@@ -89,7 +90,7 @@ class Scheduler:
         self.page_size = self.allocator.page_size
         self.max_running = model_runner.max_running_requests
         self.cache = make_cache(server_args, self.req_to_token_pool, self.allocator, model_runner.token_to_kv_pool)
-        self.tokenizer = tokenizer if tokenizer is not None else try_load_tokenizer(model_runner)
+        self.tokenizer = tokenizer if tokenizer is not None else try_load_tokenizer(server_args, model_runner.model_dir)
         self.stop_checker = StopChecker(model_runner.model_config.eos_token_ids, self.tokenizer)
         self.sampling_reuse = SamplingInfoReuse()  # steady decode batches keep their sampling tensors
         self.grammars = GrammarManager(self.tokenizer, model_runner.vocab_size, self.stop_checker.eos_token_ids)

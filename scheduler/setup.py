@@ -41,16 +41,13 @@ def make_cache(server_args: ServerArgs, req_to_token_pool: Any, allocator: Any, 
     return RadixCache(req_to_token_pool, allocator, allocator.page_size, server_args.radix_eviction_policy)
 
 
-def try_load_tokenizer(runner: Any) -> Optional[Any]:
+def try_load_tokenizer(server_args: ServerArgs, model_dir: str) -> Optional[Any]:
     """The model's tokenizer (needed for stop strings), or None when the model directory has none."""
     from radixserve.runtime.wire.tokenizer_files import server_tokenizer
 
-    path = runner.server_args.tokenizer_path or runner.model_dir
+    path = server_args.tokenizer_path or model_dir
     try:
-        try:
-            return server_tokenizer(path, runner.server_args)
-        except ImportError:  # an import racing one in another thread (the CPU kernel loader's) can fail once
-            return server_tokenizer(path, runner.server_args)
+        return server_tokenizer(path, server_args)
     except Exception as exc:  # a model without tokenizer files still serves token-id requests
         logger.warning("no tokenizer in %s (%s: %s); requests with stop strings or grammars will be rejected",
                        path, type(exc).__name__, exc)

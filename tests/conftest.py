@@ -42,12 +42,6 @@ for _entry in sorted(os.scandir(_TESTS), key=lambda entry: entry.name):
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# The suite keeps many runners of the embedded model alive in one process (and starts servers beside it); the
-# column-panel copy of the CPU linears (model_runner/cpu_panel_linear.py) would add a third copy of every float32
-# weight to each, more than a 24 GiB machine holds. The tests that cover it turn it on
-# (tests/ops/test_cpu_panel_linear.py, the embedded model against Hugging Face in tests/model_runner/test_model_forward.py).
-os.environ.setdefault("RADIXSERVE_CPU_PANEL_LINEAR", "0")
-
 from radixserve.runtime.model_files import default_cache_dir, resolve_model  # noqa: E402
 
 TINY_ARCHITECTURES = {

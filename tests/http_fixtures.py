@@ -27,6 +27,12 @@ STARTUP_TIMEOUT_S = 300.0
 PR_SET_PDEATHSIG = 1
 
 
+# The suite's servers keep the column-panel linear off, as the scheduler tests' runners do (tests/scheduler_driver.py):
+# a request's float32 sums then do not depend on how many rows its batch has (the small-row kernel's up to 16 rows
+# each sum alone), which tests comparing one request's output across batchings (streamed or not, n > 1) rely on.
+SUITE_CPU_KERNELS = "auto,-panel"
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -47,6 +53,8 @@ class ServerProcess:
         self.api_key = api_key
         self.admin_key = admin_key
         self.log = tempfile.NamedTemporaryFile(prefix="radixserve-http-test-", suffix=".log", delete=False)
+        if command[-1] == "serve" and "--cpu-kernels" not in flags:
+            flags = (*flags, "--cpu-kernels", SUITE_CPU_KERNELS)
         self.process = subprocess.Popen([sys.executable, *command, "--port", str(self.port), *flags], stdout=self.log, stderr=subprocess.STDOUT,
                                         preexec_fn=_die_with_parent)
         if wait:

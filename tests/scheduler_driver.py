@@ -4,9 +4,14 @@
 BatchTokenOut messages into per-request results while asserting the output contract: a request's tokens
 arrive in order, and its finish reason arrives exactly once, in its last message.
 
-Model runners are shared between drivers (`shared_runner`) because loading is the slow part; a driver flushes
-its scheduler's cache on `close()`, handing every KV slot back, so the next scheduler starts clean. Only one
-open driver may use a runner at a time.
+Model runners are shared between drivers (`shared_runner`) because loading is the slow part: drivers whose server
+arguments give equal `RunnerConfig`s share one. A driver flushes its scheduler's cache on `close()`, handing every KV
+slot back, so the next scheduler starts clean. Only one open driver may use a runner at a time.
+
+The suite keeps these runners alive for the whole session, so they are built without the column-panel copy of the
+float32 CPU linears (`--cpu-kernels auto,-panel`), which would add a third copy of every weight to each: more than
+a 24 GiB machine holds. The tests of the panel kernel turn it on (tests/ops/test_cpu_panel_linear.py, the embedded
+model against Hugging Face in tests/model_runner/test_model_forward.py).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from radixserve.model_runner.model_runner import ModelRunner
+from radixserve.model_runner.runner_config import RunnerConfig
 from radixserve.runtime.wire.messages import (
     AbortReq, BatchTokenOut, FlushCacheReq, FlushCacheReqOutput, GetServerInfoReq, GetServerInfoReqOutput,
     SamplingParams, TokenizedGenerateReq,
@@ -22,25 +28,22 @@ from radixserve.runtime.wire.messages import (
 from radixserve.runtime.wire.server_args import ServerArgs
 from radixserve.scheduler.scheduler import Scheduler
 
-_RUNNERS: dict[tuple, ModelRunner] = {}
-# Server arguments that shape the runner (memory, pages); everything else only affects the scheduler.
-RUNNER_ARGS = ("page_size", "max_total_tokens", "max_running_requests", "context_length", "device", "dtype",
-               "attention_backend", "lora_paths", "max_loras_per_batch", "max_lora_rank", "enable_lora",
-               "speculative_algorithm", "disable_cuda_graph", "cuda_graph_max_bs",  # speculation packs float32 weights
-               "kv_cache_dtype")
+_RUNNERS: dict[Any, ModelRunner] = {}
+SUITE_CPU_KERNELS = "auto,-panel"  # see the module docstring
 
 
-def shared_runner(model_dir: str, **runner_args: Any) -> ModelRunner:
-    """A runner whose pools are all free; a new one if the cached one was left dirty (by a failed test)."""
-    key = (model_dir, repr(sorted(runner_args.items())))
-    if runner_args.get("lora_paths") or runner_args.get("enable_lora"):
-        key = (key, len(_RUNNERS))  # its adapters change with load/unload: never shared
+def shared_runner(args: ServerArgs) -> ModelRunner:
+    """A runner for `args` whose pools are all free; a new one if the cached one was left dirty (by a failed
+    test)."""
+    config = RunnerConfig.from_server_args(args)
+    key: Any = config
+    if config.enable_lora:
+        key = (config, len(_RUNNERS))  # its adapters change with load/unload: never shared
     runner = _RUNNERS.get(key)
     clean = runner is not None and runner.allocator.available_size() == runner.allocator.size and (
         runner.req_to_token_pool.available_size() == runner.req_to_token_pool.size)
     if not clean:
-        runner_args.setdefault("device", "cpu")
-        runner = _RUNNERS[key] = ModelRunner(ServerArgs(model_path=model_dir, **runner_args))
+        runner = _RUNNERS[key] = ModelRunner(config)
     return runner
 
 
@@ -58,12 +61,10 @@ class Result:
 
 class SchedulerDriver:
     def __init__(self, model_dir: str, check_every_step: bool = True, tokenizer: Any = None, **server_args: Any):
-        runner_args = {k: server_args[k] for k in RUNNER_ARGS if k in server_args}
-        if runner_args.get("speculative_algorithm"):
-            runner_args["speculative_algorithm"] = "NGRAM"  # the runner reads only whether speculation is on
-        self.runner = shared_runner(model_dir, **runner_args)
         server_args.setdefault("device", "cpu")
+        server_args.setdefault("cpu_kernels", SUITE_CPU_KERNELS)
         self.args = ServerArgs(model_path=model_dir, **server_args)
+        self.runner = shared_runner(self.args)
         self.scheduler = Scheduler(self.args, self.runner, tokenizer=tokenizer)
         self.check_every_step = check_every_step
         self.results: dict[str, Result] = {}

@@ -37,7 +37,7 @@ def create_attention_backend(name: str, runner: "RunnerParts | None" = None) -> 
             raise ValueError("the cpu attention backend runs on the CPU; use flashinfer, triton or torch_native")
         from radixserve.model_runner.attention.cpu_backend import CpuAttentionBackend
 
-        return CpuAttentionBackend()
+        return CpuAttentionBackend(amx=runner.cpu_kernels.amx_attention)
     if name == "triton":
         try:
             from radixserve.model_runner.attention.triton_backend import TritonAttentionBackend
@@ -56,10 +56,10 @@ def create_attention_backend(name: str, runner: "RunnerParts | None" = None) -> 
         # (the largest uncaptured batches plan within it too).
         graph_bs = graph_max_batch_size(runner)
         workspace = DEFAULT_WORKSPACE_BYTES * max(1, graph_bs // 128)
-        prefill = {None: "auto", "flashinfer": "fa2", "fa3": "fa3"}[runner.server_args.prefill_attention_backend]
+        prefill = {None: "auto", "flashinfer": "fa2", "fa3": "fa3"}[runner.config.prefill_attention_backend]
         return FlashInferAttentionBackend(*shape, runner.dtype, runner.device, page_size=runner.page_size,
                                           workspace_bytes=workspace, prefill_backend=prefill,
-                                          cascade=not runner.server_args.disable_cascade_attn)
+                                          cascade=not runner.config.disable_cascade_attn)
     except ImportError as exc:
         raise ValueError(f"the flashinfer attention backend is not available: {exc}") from exc
 

@@ -55,10 +55,13 @@ class CpuAttentionPlan:
 
 
 class CpuAttentionBackend(AttentionBackend):
-    """The CPU's fast attention; torch_native's results up to float rounding (tests/ops/test_cpu_attention.py)."""
+    """The CPU's fast attention; torch_native's results up to float rounding (tests/ops/test_cpu_attention.py). `amx`:
+    bfloat16 scores on AMX tiles where the CPU has them (the runner's dispatch table, model_runner/cpu/dispatch.py;
+    False: AVX-512 dot products)."""
 
     def __init__(self, min_shared_prefix: int = 32, max_group_tokens: int = 64,
-                 max_extend_len: Optional[int] = MAX_KERNEL_EXTEND_LEN) -> None:
+                 max_extend_len: Optional[int] = MAX_KERNEL_EXTEND_LEN, amx: bool = True) -> None:
+        self.amx = amx
         self.min_shared_prefix = min_shared_prefix
         self.max_group_tokens = max_group_tokens
         self.max_extend_len = max_extend_len
@@ -92,7 +95,7 @@ class CpuAttentionBackend(AttentionBackend):
         return torch.ops.radixserve_cpu.paged_attention(
             q, k_buffer, v_buffer, k.to(k_buffer.dtype), v.to(v_buffer.dtype), meta.out_cache_loc, meta.items,
             meta.group_member_indptr, meta.group_kv_indptr, meta.member_q_start, meta.member_q_len,
-            meta.member_q_pos0, meta.member_kv_indptr, meta.member_kv_pos0, meta.kv_slots, scaling, _EMPTY,
+            meta.member_q_pos0, meta.member_kv_indptr, meta.member_kv_pos0, meta.kv_slots, scaling, _EMPTY, self.amx,
         )
 
 

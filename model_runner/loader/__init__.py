@@ -1,9 +1,9 @@
-"""Model loading: stream a resolved model's weights (resolving the model argument and loading the tokenizer
-live in the light `radixserve.runtime.model_files`, which every process can import).
+"""Model loading: stream a located model's weights (where the files are is the light
+`radixserve.runtime.wire.model_files`, which every process can import; the launch converts a GGUF once).
 
-    resolved = resolve_model(None)                  # runtime.model_files: the embedded GGUF, converted once
-    config = ModelConfig.from_path(resolved.model_dir)
-    weights = iter_weights(resolved.model_dir) if resolved.load_format == "safetensors" else dummy_weights(config)
+    files = resolve_model(None)                     # runtime.model_files: the embedded GGUF, converted once
+    config = ModelConfig.from_path(files.model_dir)
+    weights = iter_weights(files.model_dir) if files.load_format == "safetensors" else dummy_weights(config)
 """
 
 from radixserve.model_runner.loader.gguf_convert import GGUFConversionError, converted_gguf_dir

@@ -13,7 +13,6 @@ those rows are permuted back here. Qwen2/Qwen3 files are stored unpermuted.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -25,11 +24,9 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-logger = logging.getLogger(__name__)
+from radixserve.runtime.wire.model_files import CONVERTER_VERSION, gguf_cache_entry, is_converted
 
-# Bump when the output layout or contents change, so old cache entries are not reused.
-# 2: generation_config.json carries the model card's recommended sampling values (MODEL_CARD_SAMPLING).
-CONVERTER_VERSION = 2
+logger = logging.getLogger(__name__)
 
 # Sampling values a model card recommends, for GGUF files named after that model (GGUF metadata carries none):
 # (words the file name holds, lower case) -> generation_config.json entries. SmolLM2-Instruct's card recommends
@@ -100,19 +97,6 @@ def unpermute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     head_dim = rows // num_heads
     rest = weight.shape[1:]
     return weight.reshape(num_heads, head_dim // 2, 2, *rest).transpose(1, 2).reshape(rows, *rest)
-
-
-def cache_entry_name(gguf_path: str) -> str:
-    """Cache folder name for a GGUF file: its stem plus a hash of its identity (path, size, mtime).
-
-    A changed file (new mtime or size) or a new converter version maps to a new folder.
-    """
-    real = os.path.realpath(gguf_path)
-    stat = os.stat(real)
-    identity = f"{real}|{stat.st_size}|{stat.st_mtime_ns}|v{CONVERTER_VERSION}"
-    digest = hashlib.sha256(identity.encode()).hexdigest()[:16]
-    stem = os.path.splitext(os.path.basename(real))[0]
-    return f"{stem}-{digest}"
 
 
 def _field(reader, key: str, default: Any = None) -> Any:
@@ -244,8 +228,8 @@ def converted_gguf_dir(gguf_path: str, cache_dir: str) -> str:
     (the loser discards its copy).
     """
     os.makedirs(cache_dir, exist_ok=True)
-    final_dir = os.path.join(cache_dir, cache_entry_name(gguf_path))
-    if os.path.isfile(os.path.join(final_dir, "model.safetensors")):
+    final_dir = gguf_cache_entry(gguf_path, cache_dir)  # named with CONVERTER_VERSION: bump it with the layout
+    if is_converted(final_dir):
         return final_dir
     logger.info("Converting %s to a Hugging Face directory in %s (once)", gguf_path, final_dir)
     tmp_dir = tempfile.mkdtemp(prefix=f".{os.path.basename(final_dir)}.tmp-", dir=cache_dir)
@@ -254,7 +238,7 @@ def converted_gguf_dir(gguf_path: str, cache_dir: str) -> str:
         try:
             os.rename(tmp_dir, final_dir)
         except OSError:
-            if not os.path.isfile(os.path.join(final_dir, "model.safetensors")):
+            if not is_converted(final_dir):
                 raise
             shutil.rmtree(tmp_dir, ignore_errors=True)  # another process finished first
     except BaseException:

@@ -11,7 +11,7 @@ from typing import Any, Iterator, Optional
 import torch
 
 from radixserve.model_runner.model_config import ModelConfig
-from radixserve.runtime.model_files import safetensors_files
+from radixserve.runtime.wire.model_files import safetensors_files
 
 # Random weights: normal(0, std) for matrices, ones for norm scales, zeros for biases (like transformers' init).
 DUMMY_WEIGHT_STD = 0.02

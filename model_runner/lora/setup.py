@@ -1,4 +1,4 @@
-"""Building the runner's LoRAManager from the server arguments, with the adapters of `--lora-paths` loaded."""
+"""Building the runner's LoRAManager from its config, with the adapters of `--lora-paths` loaded."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from radixserve.model_runner.lora.manager import LoRAManager
 DEFAULT_MAX_LORA_RANK = 16
 
 
-def startup_adapters(lora_paths: list[str]) -> list[tuple[str, str]]:
+def startup_adapters(lora_paths: "list[str] | tuple[str, ...]") -> list[tuple[str, str]]:
     """(name, path) of each "name=path" entry (ServerArgs has normalised every accepted form to that)."""
     return [(item.partition("=")[0], item.partition("=")[2]) for item in lora_paths or []]
 
@@ -32,7 +32,7 @@ def resolved_max_rank(max_lora_rank: Any, adapters: list[tuple[str, str]]) -> in
 
 
 def create_lora_manager(runner: Any) -> LoRAManager:
-    args = runner.server_args
+    args = runner.config
     adapters = startup_adapters(args.lora_paths)
     manager = LoRAManager(runner.model, runner.model_config, args.max_loras_per_batch,
                           resolved_max_rank(args.max_lora_rank, adapters), runner.dtype, runner.device)

@@ -173,8 +173,8 @@ class LlamaForCausalLM(nn.Module):
         else:  # this rank's (padded) vocabulary rows, as the embedding's
             rows = vocab_shard(config.vocab_size, self.tp)[2]
             self.lm_head = nn.Linear(config.hidden_size, rows, bias=False)
-        # A pre-packed LM head on the CPU when the runner installs one (bfloat16: model_runner/cpu_packed.py;
-        # float32 few-row inputs: model_runner/cpu_small_batch.py); None: `lm_logits` on the plain weight.
+        # A pre-packed LM head on the CPU when the runner installs one (bfloat16: model_runner/cpu/packed.py;
+        # float32 few-row inputs: model_runner/cpu/small_batch.py); None: `lm_logits` on the plain weight.
         self.logits_head: Optional[nn.Module] = None
         self.attn_backend: Optional["AttentionBackend"] = None
 

@@ -9,10 +9,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
 from radixserve.runtime.wire import sglang_flags
+from radixserve.runtime.wire.cpu_kernels import CPU_KERNEL_NAMES, parse_cpu_kernels
 from radixserve.runtime.wire.speculative_args import check_speculative_args, resolved_num_draft_tokens  # noqa: F401
 
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
@@ -33,6 +34,8 @@ SAMPLING_DEFAULTS = ("model", "openai")
 # How the data-parallel controller picks a replica (runtime/data_parallel/policy.py); minimum_tokens is SGLang's
 # name for the least outstanding tokens.
 LOAD_BALANCE_METHODS = ("cache_aware", "round_robin", "shortest_queue", "minimum_tokens")
+CPU_KERNELS_HELP = (f"auto: radixserve's C++ CPU kernels where this CPU runs them; torch: torch's ops only; "
+                    f"auto,-NAME,... : auto without the named ones ({', '.join(CPU_KERNEL_NAMES)})")
 
 
 @dataclass
@@ -54,7 +57,7 @@ class ServerArgs:
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
     kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES; auto: the model's dtype
     device: str = "auto"  # auto: cuda when available, else cpu
-    cpu_kernels: str = "auto"  # auto: radixserve's C++ CPU kernels where this CPU runs them; torch: torch's ops only
+    cpu_kernels: str = field(default="auto", metadata={"help": CPU_KERNELS_HELP})
     random_seed: int = 0
 
     # Memory
@@ -223,7 +226,7 @@ class ServerArgs:
         check(self.sampling_backend is None or self.sampling_backend in SAMPLING_BACKENDS,
               f"sampling_backend {self.sampling_backend!r} is not available: radixserve samples with PyTorch only "
               f"(use one of {SAMPLING_BACKENDS} or leave it unset)")
-        check(self.cpu_kernels in ("auto", "torch"), f"cpu_kernels must be auto or torch, got {self.cpu_kernels!r}")
+        parse_cpu_kernels(self.cpu_kernels)  # raises ValueError, naming what is accepted
         check(self.watchdog_timeout > 0, f"watchdog_timeout must be positive, got {self.watchdog_timeout}")
         check(self.tp_size >= 1, f"tp_size must be >= 1, got {self.tp_size}")
         check(self.nnodes >= 1 and 0 <= self.node_rank < self.nnodes,
@@ -322,13 +325,14 @@ class ServerArgs:
             flags = [sglang_flags.flag_of(f.name), *sglang_flags.ALIASES.get(f.name, ())]
             default = f.default if f.default is not dataclasses.MISSING else None
             kind = _field_type(f)
+            help_text = " ".join(filter(None, (f.metadata.get("help"), f"(default: {default})")))
             if kind is bool:  # --flag sets it, --no-flag clears it (so flags that default to on can be turned off)
                 parser.add_argument(*flags, action=argparse.BooleanOptionalAction, default=default,
-                                    help=f"(default: {default})")
+                                    help=help_text)
             elif kind is list:  # --flag A B C
-                parser.add_argument(*flags, nargs="*", default=default, help=f"(default: {default})")
+                parser.add_argument(*flags, nargs="*", default=default, help=help_text)
             else:
-                parser.add_argument(*flags, type=kind, default=default, help=f"(default: {default})")
+                parser.add_argument(*flags, type=kind, default=default, help=help_text)
         parser.add_argument("--model", dest="model_path", help="alias of --model-path")
         taken = {option for action in parser._actions for option in action.option_strings}
         sglang_flags.add_cli_args(parser, taken)

@@ -37,6 +37,7 @@ from radixserve.scheduler.req import Req
 class DraftModelProposer:
     def __init__(self, args: ServerArgs, target_runner) -> None:
         from radixserve.model_runner.model_runner import ModelRunner
+        from radixserve.model_runner.runner_config import RunnerConfig
 
         draft_args = dataclasses.replace(
             args, model_path=args.speculative_draft_model_path, speculative_algorithm=None,
@@ -44,7 +45,7 @@ class DraftModelProposer:
             speculative_eagle_topk=None, load_format="auto", page_size=1, context_length=target_runner.context_len,
             max_running_requests=target_runner.max_running_requests,
         )
-        self.runner = ModelRunner(draft_args)
+        self.runner = ModelRunner(RunnerConfig.from_server_args(draft_args))
         if self.runner.vocab_size != target_runner.vocab_size:
             raise ValueError(f"the draft model's vocabulary ({self.runner.vocab_size} tokens) differs from the "
                              f"target's ({target_runner.vocab_size}): a STANDALONE draft must share the tokenizer")

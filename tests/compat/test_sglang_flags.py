@@ -13,6 +13,7 @@ import pytest
 from http_fixtures import ServerProcess
 from radixserve.__main__ import _parser
 from radixserve.model_runner.model_runner import ModelRunner
+from radixserve.model_runner.runner_config import RunnerConfig
 from radixserve.runtime.model_files import server_tokenizer
 from radixserve.runtime.wire import sglang_flags
 from radixserve.runtime.wire.server_args import ServerArgs, make_server_args
@@ -123,4 +124,5 @@ def test_prefill_attention_backend_is_refused_where_flashinfer_does_not_run(tiny
     assert _parse("--prefill-attention-backend", "flashinfer").prefill_attention_backend == "flashinfer"
     refusal = "--prefill-attention-backend fa3 picks the flashinfer backend's extend kernels, and this cpu runs the cpu"
     with pytest.raises(ValueError, match=refusal):
-        ModelRunner(ServerArgs(model_path=tiny_model_dir("llama"), device="cpu", prefill_attention_backend="fa3"))
+        ModelRunner(RunnerConfig.from_server_args(ServerArgs(model_path=tiny_model_dir("llama"), device="cpu",
+            prefill_attention_backend="fa3")))

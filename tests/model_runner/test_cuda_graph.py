@@ -27,6 +27,7 @@ from radixserve.model_runner.cuda_graph import (
 )
 from radixserve.model_runner.forward_batch import ForwardBatch, ForwardMode
 from radixserve.model_runner.model_runner import ModelRunner
+from radixserve.model_runner.runner_config import RunnerConfig
 from radixserve.model_runner.static_generate import assign_kv_slots, greedy_generate, make_forward_batch
 from radixserve.runtime.wire.server_args import ServerArgs
 
@@ -164,8 +165,8 @@ def test_load_fills_real_rows_and_padding():
 
 def test_padded_static_batch_matches_unpadded_on_cpu(tiny_model_dir):
     """The padding request changes neither the real requests' logits nor any KV slot but the dummy one."""
-    runner = ModelRunner(ServerArgs(model_path=tiny_model_dir("llama"), device="cpu", dtype="float32",
-                                    max_total_tokens=2048, max_running_requests=8))
+    runner = ModelRunner(RunnerConfig.from_server_args(ServerArgs(model_path=tiny_model_dir("llama"), device="cpu",
+        dtype="float32", max_total_tokens=2048, max_running_requests=8)))
     assert runner.cuda_graph_runner is None and not supports_cuda_graph(runner.attn_backend)
     requests = Requests(runner, random_prompts(runner.vocab_size, [5, 9, 3, 7]))
     members = [0, 1, 2]
@@ -195,8 +196,8 @@ def gpu_runner(model_dir: str, backend: str, dtype: str, **kwargs) -> ModelRunne
     if backend == "flashinfer":
         pytest.importorskip("flashinfer")
     kwargs.setdefault("cuda_graph_max_bs", 8)
-    return ModelRunner(ServerArgs(model_path=model_dir, device="cuda", dtype=dtype, attention_backend=backend,
-                                  max_total_tokens=8192, max_running_requests=16, **kwargs))
+    return ModelRunner(RunnerConfig.from_server_args(ServerArgs(model_path=model_dir, device="cuda", dtype=dtype,
+        attention_backend=backend, max_total_tokens=8192, max_running_requests=16, **kwargs)))
 
 
 def _assert_logits_close(graph: torch.Tensor, eager: torch.Tensor, tolerance: float, same_argmax: bool) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -14,8 +16,9 @@ import transformers
 from radixserve.model_runner.loader import dummy_weights, iter_weights
 from radixserve.runtime.model_files import ModelNotFoundError, default_model_path, load_tokenizer, resolve_model
 from radixserve.model_runner.loader import gguf_convert
-from radixserve.runtime import model_files
-from radixserve.model_runner.loader.gguf_convert import cache_entry_name, unpermute_rotary_rows
+from radixserve.model_runner.loader.gguf_convert import unpermute_rotary_rows
+from radixserve.runtime.wire import model_files
+from radixserve.runtime.wire.model_files import gguf_cache_entry, locate_model
 from radixserve.model_runner.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
 
 PROMPTS = [
@@ -138,10 +141,25 @@ def test_failed_conversion_leaves_no_cache_entry(tmp_path, monkeypatch):
 def test_cache_key_follows_file_identity(tmp_path):
     path = tmp_path / "m.gguf"
     path.write_bytes(b"GGUF")
-    first = cache_entry_name(str(path))
-    assert first.startswith("m-") and cache_entry_name(str(path)) == first
+    first = gguf_cache_entry(str(path), str(tmp_path))
+    assert os.path.basename(first).startswith("m-") and gguf_cache_entry(str(path), str(tmp_path)) == first
     os.utime(path, ns=(1_000_000_000, 1_000_000_000))
-    assert cache_entry_name(str(path)) != first
+    assert gguf_cache_entry(str(path), str(tmp_path)) != first
+
+
+def test_the_runner_locates_a_gguf_the_launch_converted_and_never_converts(default_model_dir, cache_dir, tmp_path):
+    """`locate_model` (what a runner's config reads, runtime/wire/model_files.py) finds the launch's conversion, and
+    for a GGUF not converted yet says where the conversion happens instead of converting (no torch for it)."""
+    located = locate_model(None, cache_dir=cache_dir)
+    assert located == resolve_model(None, cache_dir=cache_dir) and located.model_dir == default_model_dir
+    assert located.config_path == os.path.join(default_model_dir, "config.json")
+    assert located.weight_files() == [os.path.join(default_model_dir, "model.safetensors")]
+    with pytest.raises(ModelNotFoundError, match="not converted yet.*resolve_model"):
+        locate_model(None, cache_dir=str(tmp_path))
+    assert os.listdir(tmp_path) == []
+    script = ("import sys; import radixserve.runtime.wire.model_files, radixserve.runtime.model_files; "
+              "sys.exit('torch' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", script], timeout=120).returncode == 0
 
 
 def test_unpermute_inverts_llama_cpp_rotary_permutation():

@@ -20,14 +20,16 @@ import pytest
 import torch
 
 from radixserve.model_runner.memory_plan import GiB, MemoryPlan, StepMemory, graph_bytes, profile_prefill_shape
+from radixserve.model_runner.runner_config import RunnerConfig
+from radixserve.runtime.wire.model_files import ModelFiles
 from radixserve.runtime.wire.server_args import ServerArgs
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
 def _runner(**args) -> SimpleNamespace:
-    return SimpleNamespace(server_args=ServerArgs(device="cuda", **args), context_len=4096, page_size=16,
-                           vocab_size=1000)
+    config = RunnerConfig.from_server_args(ServerArgs(device="cuda", **args), ModelFiles("-", "dummy", "-"))
+    return SimpleNamespace(config=config, context_len=4096, page_size=16, vocab_size=1000)
 
 
 def test_the_profiled_prefill_is_the_largest_the_scheduler_forms():
@@ -63,9 +65,10 @@ def test_the_profiled_steps_run_on_a_real_runner(tiny_model_dir, backend):
     runner is left without pools or backend, as the plan expects. (A CPU keeps no allocator counters: bytes are 0.)"""
     from radixserve.model_runner.memory_plan import profile_step_memory
     from radixserve.model_runner.model_runner import ModelRunner
+    from radixserve.model_runner.runner_config import RunnerConfig
 
-    runner = ModelRunner(ServerArgs(model_path=tiny_model_dir("llama"), device="cpu", chunked_prefill_size=96,
-                                    max_running_requests=16, page_size=4, attention_backend=backend))
+    runner = ModelRunner(RunnerConfig.from_server_args(ServerArgs(model_path=tiny_model_dir("llama"), device="cpu",
+        chunked_prefill_size=96, max_running_requests=16, page_size=4, attention_backend=backend)))
     step = profile_step_memory(runner, 16, runner._create_attention_backend)
     assert (step.prefill_tokens, step.decode_batch) == (96, 16)
     assert runner.max_running_requests == 16
@@ -91,6 +94,7 @@ GPU_MODEL = dict(hidden_size=256, intermediate_size=512, num_attention_heads=8, 
 @pytest.mark.gpu
 def test_the_default_plan_holds_the_largest_steps(tiny_model_dir, caplog):
     from radixserve.model_runner.model_runner import ModelRunner
+    from radixserve.model_runner.runner_config import RunnerConfig
     from radixserve.model_runner.sampling import Sampler
     from radixserve.model_runner.sampling_info import SamplingBatchInfo
     from radixserve.model_runner.memory_plan import WIDEST_SAMPLING
@@ -99,8 +103,8 @@ def test_the_default_plan_holds_the_largest_steps(tiny_model_dir, caplog):
 
     model_dir = tiny_model_dir("llama", **GPU_MODEL)
     with caplog.at_level(logging.INFO, logger="radixserve.model_runner.model_runner"):
-        runner = ModelRunner(ServerArgs(model_path=model_dir, device="cuda", dtype="bfloat16",
-                                        chunked_prefill_size=4096, max_running_requests=512))
+        runner = ModelRunner(RunnerConfig.from_server_args(ServerArgs(model_path=model_dir, device="cuda",
+            dtype="bfloat16", chunked_prefill_size=4096, max_running_requests=512)))
     plan = runner.memory_plan
     assert plan.source == "profiled" and any("memory plan (profiled)" in r.message for r in caplog.records)
     assert plan.weights + plan.kv + plan.reserve <= plan.total
@@ -131,10 +135,11 @@ def test_the_default_plan_holds_the_largest_steps(tiny_model_dir, caplog):
 @pytest.mark.gpu
 def test_mem_fraction_static_still_sets_the_pool(tiny_model_dir):
     from radixserve.model_runner.model_runner import ModelRunner
+    from radixserve.model_runner.runner_config import RunnerConfig
 
     model_dir = tiny_model_dir("llama", **GPU_MODEL)
-    runner = ModelRunner(ServerArgs(model_path=model_dir, device="cuda", dtype="bfloat16", mem_fraction_static=0.3,
-                                    disable_cuda_graph=True))
+    runner = ModelRunner(RunnerConfig.from_server_args(ServerArgs(model_path=model_dir, device="cuda",
+        dtype="bfloat16", mem_fraction_static=0.3, disable_cuda_graph=True)))
     plan = runner.memory_plan
     assert plan.source == "mem_fraction_static=0.3"
     assert plan.weights + plan.kv <= 0.3 * plan.total

@@ -13,12 +13,14 @@ import pytest
 import torch
 
 from radixserve.kernels import cpu_build
-from radixserve.model_runner.cpu_packed import PLAIN_MIN_ROWS, PackedLinear, packing_supported
+from radixserve.model_runner.cpu.dispatch import NARROW_PLAIN_FROM
+from radixserve.model_runner.cpu.packed import PackedLinear, packing_supported
 from radixserve.model_runner.forward_batch import ForwardMode
 from radixserve.model_runner.layers import rope_inverse_frequencies
 from radixserve.runtime.model_files import load_tokenizer
 from radixserve.model_runner.model_config import ModelConfig
 from radixserve.model_runner.model_runner import ModelRunner
+from radixserve.model_runner.runner_config import RunnerConfig
 from radixserve.model_runner.models import get_model_class
 from radixserve.model_runner.static_generate import assign_kv_slots, greedy_generate, make_forward_batch
 from radixserve.runtime.wire.server_args import ServerArgs
@@ -39,7 +41,7 @@ def make_runner(model_dir: str, **kwargs) -> ModelRunner:
     kwargs.setdefault("max_total_tokens", 4096)
     kwargs.setdefault("max_running_requests", 16)
     kwargs.setdefault("dtype", "float32")
-    return ModelRunner(ServerArgs(model_path=model_dir, device="cpu", **kwargs))
+    return ModelRunner(RunnerConfig.from_server_args(ServerArgs(model_path=model_dir, device="cpu", **kwargs)))
 
 
 def hf_model(model_dir: str):
@@ -101,10 +103,9 @@ CHAT_PROMPTS = [
 
 
 @pytest.fixture
-def panel_linears(monkeypatch):
-    """The CPU linears' column-panel kernel on, loaded before the runner is made (off elsewhere in the suite:
-    tests/conftest.py)."""
-    monkeypatch.setenv("RADIXSERVE_CPU_PANEL_LINEAR", "1")
+def panel_linears():
+    """The CPU kernels loaded before the runner is made, so its linears take the column-panel kernel from the first
+    call (the runners the scheduler tests share keep it off: tests/scheduler_driver.py); whether this CPU runs it."""
     assert cpu_build.load(), "the CPU kernels failed to build (see the log)"
     return any(torch.ops.radixserve_cpu.panel_linear_supported(d) for d in (torch.float32, torch.bfloat16))
 
@@ -129,7 +130,7 @@ def test_default_model_matches_transformers(default_model_dir, panel_linears):
 
 def test_default_model_one_request_at_a_time_matches_transformers(default_model_dir):
     """Decode batches of one row: every float32 linear on the small-row kernel where its range starts at one row
-    (CPUs whose BLAS streams one row slowly, model_runner/cpu_small_batch.py), on `F.linear` elsewhere."""
+    (CPUs whose BLAS streams one row slowly, model_runner/cpu/dispatch.py), on `F.linear` elsewhere."""
     tokenizer = load_tokenizer(default_model_dir)
     for text in PLAIN_PROMPTS[:2]:
         assert_same_greedy_tokens(default_model_dir, [tokenizer.encode(text)])
@@ -171,7 +172,8 @@ def test_packed_linear_equals_linear(bias):
     generator = torch.Generator().manual_seed(0)
     linear = torch.nn.Linear(96, 80, bias=bias).to(torch.bfloat16).requires_grad_(False)
     packed = PackedLinear(linear)
-    for shape in [(7, 96), (64, 96), (2, 5, 96), (PLAIN_MIN_ROWS, 96)]:  # past the small-row kernel's rows
+    plain_from = NARROW_PLAIN_FROM[torch.bfloat16]
+    for shape in [(7, 96), (64, 96), (2, 5, 96), (plain_from, 96)]:  # past the small-row kernel's rows
         x = torch.randn(shape, generator=generator).to(torch.bfloat16)
         assert torch.equal(packed(x), linear(x))
 
@@ -257,7 +259,8 @@ def test_runner_sizes_pools(tiny_model_dir):
     assert runner.vocab_size == config.vocab_size and runner.dtype == torch.float32
 
     # Without max_total_tokens the CPU pool is sized from RAM, capped, and still page-aligned.
-    sized = ModelRunner(ServerArgs(model_path=tiny_model_dir("llama"), device="cpu", page_size=4))
+    sized = ModelRunner(RunnerConfig.from_server_args(ServerArgs(model_path=tiny_model_dir("llama"), device="cpu",
+        page_size=4)))
     assert 0 < sized.max_total_num_tokens <= 64 * sized.context_len and sized.max_total_num_tokens % 4 == 0
     assert sized.max_running_requests == 128
 

@@ -1,6 +1,7 @@
 """The bfloat16 AMX linear kernel (kernels/cpu_amx_linear.cpp), its decode and prefill loops, against float64, and
-where the packed CPU linears (model_runner/cpu_packed.py) run it: 2 to 128 rows and from 256 rows, weights whose
-shape it takes, only where the tiles are granted."""
+where the packed CPU linears (model_runner/cpu/packed.py) run it: the dispatch table's decode rows and prefill rows
+(model_runner/cpu/dispatch.py), weights whose shape it takes, only where the tiles are granted, and not where
+`--cpu-kernels` turns it off."""
 
 from __future__ import annotations
 
@@ -8,9 +9,9 @@ import pytest
 import torch
 
 from radixserve.kernels import cpu_build
-from radixserve.model_runner import cpu_amx_linear
-from radixserve.model_runner.cpu_amx_linear import AmxWeight, pack_for_tiles
-from radixserve.model_runner.cpu_packed import PackedLinear, packing_supported
+from radixserve.model_runner.cpu.amx_linear import AmxWeight, pack_for_tiles
+from radixserve.model_runner.cpu.dispatch import choose, this_cpu
+from radixserve.model_runner.cpu.packed import PackedLinear, packing_supported
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +87,8 @@ def test_refuses_shapes_it_does_not_take(amx):
     packed = pack_for_tiles(torch.randn(64, 64).to(torch.bfloat16))
     with pytest.raises(RuntimeError, match="last dimension of 64"):
         torch.ops.radixserve_cpu.amx_gemm(torch.randn(300, 96).to(torch.bfloat16), packed, None)
-    assert AmxWeight(torch.randn(80, 96).to(torch.bfloat16)).linear(torch.randn(8, 96).to(torch.bfloat16), None) is None
+    odd = AmxWeight(torch.randn(80, 96).to(torch.bfloat16), this_cpu().linear(torch.bfloat16))
+    assert odd.linear(torch.randn(8, 96).to(torch.bfloat16), None) is None
 
 
 @pytest.mark.skipif(not packing_supported(), reason="needs oneDNN bfloat16 support on this CPU")
@@ -94,36 +96,40 @@ def test_packed_linear_runs_it_at_decode_and_prefill_rows(amx):
     gen = torch.Generator().manual_seed(3)
     linear = torch.nn.Linear(96, 64, bias=True).to(torch.bfloat16).requires_grad_(False)
     module = PackedLinear(linear)
+    route = this_cpu().linear(torch.bfloat16)
+    (low, high), prefill_from = route.amx, route.amx_prefill_from
     for rows, expected in [(1, "radixserve_cpu::small_linear"),
-                           (cpu_amx_linear.MIN_ROWS, "radixserve_cpu::amx_linear"),
-                           (cpu_amx_linear.MAX_ROWS, "radixserve_cpu::amx_linear"),
-                           (cpu_amx_linear.MAX_ROWS + 1, "mkldnn::_linear_pointwise"),
-                           (cpu_amx_linear.GEMM_MIN_ROWS - 1, "mkldnn::_linear_pointwise"),
-                           (cpu_amx_linear.GEMM_MIN_ROWS, "radixserve_cpu::amx_gemm"),
-                           (cpu_amx_linear.GEMM_MIN_ROWS + 300, "radixserve_cpu::amx_gemm")]:
+                           (low, "radixserve_cpu::amx_linear"),
+                           (high, "radixserve_cpu::amx_linear"),
+                           (high + 1, "mkldnn::_linear_pointwise"),
+                           (prefill_from - 1, "mkldnn::_linear_pointwise"),
+                           (prefill_from, "radixserve_cpu::amx_gemm"),
+                           (prefill_from + 300, "radixserve_cpu::amx_gemm")]:
         x = torch.randn(rows, 96, generator=gen).to(torch.bfloat16)
         ran = ops_run(module, x)
         assert expected in ran, (rows, ran)
         torch.testing.assert_close(module(x).double(), exact(x, linear.weight, linear.bias), rtol=2 ** -8, atol=1e-3)
-    off = PackedLinear(linear, amx=False)  # no copy (the memory rule said no): oneDNN's packed weight
+    off = PackedLinear(linear, copies=False)  # no copy (the memory rule said no): oneDNN's packed weight
     x = torch.randn(8, 96, generator=gen).to(torch.bfloat16)
     assert "radixserve_cpu::amx_linear" not in ops_run(off, x) and off.amx.packed is None
 
 
 @pytest.mark.skipif(not packing_supported(), reason="needs oneDNN bfloat16 support on this CPU")
-def test_prefill_loop_switched_off_by_the_environment(amx, monkeypatch):
-    monkeypatch.setenv("RADIXSERVE_CPU_AMX_GEMM", "0")
-    module = PackedLinear(torch.nn.Linear(96, 64, bias=False).to(torch.bfloat16).requires_grad_(False))
-    ran = ops_run(module, torch.randn(cpu_amx_linear.GEMM_MIN_ROWS, 96).to(torch.bfloat16))
+def test_prefill_loop_turned_off_by_cpu_kernels(amx):
+    kernels = choose("auto,-amx-prefill")
+    module = PackedLinear(torch.nn.Linear(96, 64, bias=False).to(torch.bfloat16).requires_grad_(False),
+                          kernels=kernels)
+    ran = ops_run(module, torch.randn(this_cpu().linear(torch.bfloat16).amx_prefill_from, 96).to(torch.bfloat16))
     assert "radixserve_cpu::amx_gemm" not in ran and "mkldnn::_linear_pointwise" in ran
     assert "radixserve_cpu::amx_linear" in ops_run(module, torch.randn(8, 96).to(torch.bfloat16))
 
 
 @pytest.mark.skipif(not packing_supported(), reason="needs oneDNN bfloat16 support on this CPU")
-def test_switched_off_by_the_environment(amx, monkeypatch):
-    monkeypatch.setenv("RADIXSERVE_CPU_AMX", "0")
-    assert not torch.ops.radixserve_cpu.amx_linear_ready()
-    module = PackedLinear(torch.nn.Linear(96, 64, bias=False).to(torch.bfloat16).requires_grad_(False))
+def test_turned_off_by_cpu_kernels(amx):
+    kernels = choose("auto,-amx")
+    assert not kernels.amx_attention and this_cpu().amx_attention
+    module = PackedLinear(torch.nn.Linear(96, 64, bias=False).to(torch.bfloat16).requires_grad_(False),
+                          kernels=kernels)
     x = torch.randn(8, 96).to(torch.bfloat16)
     assert "radixserve_cpu::amx_linear" not in ops_run(module, x) and module.amx.usable is False
 
@@ -143,7 +149,7 @@ def test_default_model_prefill_on_the_prefill_loop(amx, default_model_dir):
         tiles = run_extend(runner, [prompt], [0]).float()
     assert "radixserve_cpu::amx_gemm" in {event.name for event in profile.events()}
     for module in packed:  # the same runner, prefill back on oneDNN
-        module.amx.gemm_min_rows = None
+        module.amx.prefill_from = None
     onednn = run_extend(runner, [prompt], [0]).float()
     assert torch.equal(tiles.argmax(-1), exact.argmax(-1)) and torch.equal(onednn.argmax(-1), exact.argmax(-1))
     tiles_error, onednn_error = (tiles - exact).abs().max(), (onednn - exact).abs().max()

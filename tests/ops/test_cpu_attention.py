@@ -126,13 +126,13 @@ def test_shared_prefix_groups_match_float64_reference(mode, prefix_lens, extend_
 
 @pytest.mark.parametrize("mode,prefix_lens,extend_lens,group_size,shared_len", SHARED_CASES)
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (4, 2, 16), (2, 2, 128)])
-@pytest.mark.parametrize("amx", ["1", "0"])
+@pytest.mark.parametrize("amx", [True, False])
 def test_shared_prefix_groups_bfloat16_are_as_close_as_torch_native(mode, prefix_lens, extend_lens, group_size,
                                                                     shared_len, num_heads, num_kv_heads, head_dim,
-                                                                    amx, threads, monkeypatch):
-    # On a CPU with AMX-BF16 the scores run on tiles unless RADIXSERVE_CPU_AMX=0 (then, as on a CPU without,
-    # AVX-512 BF16 dot products or float32 ones); head_dim 16 is not a multiple of the tiles' 32.
-    monkeypatch.setenv("RADIXSERVE_CPU_AMX", amx)
+                                                                    amx, threads):
+    # On a CPU with AMX-BF16 the scores run on tiles unless the backend is told not to (`--cpu-kernels auto,-amx`:
+    # then, as on a CPU without, AVX-512 BF16 dot products or float32 ones); head_dim 16 is not a multiple of the
+    # tiles' 32.
 
     def shared_case():
         case = make_case(mode, prefix_lens, extend_lens, num_heads=num_heads, num_kv_heads=num_kv_heads,
@@ -141,7 +141,7 @@ def test_shared_prefix_groups_bfloat16_are_as_close_as_torch_native(mode, prefix
 
     case = shared_case()
     expected = reference_attention(case)
-    out = run_backend(CpuAttentionBackend(max_extend_len=None), case)
+    out = run_backend(CpuAttentionBackend(max_extend_len=None, amx=amx), case)
     assert out.dtype == torch.bfloat16 and case.batch.attn_metadata.num_groups_shared >= 1
     native = run_backend(TorchNativeAttention(min_shared_prefix=1), shared_case())
     error = (out.double() - expected).abs().max()

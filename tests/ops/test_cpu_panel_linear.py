@@ -1,6 +1,6 @@
 """The column-panel linear kernel (kernels/cpu_panel_linear.cpp, `torch.ops.radixserve_cpu.panel_linear`) against
 float64 products of the same numbers, its packing, and where the CPU linears route to it
-(model_runner/cpu_panel_linear.py, cpu_small_batch.py, cpu_packed.py).
+(model_runner/cpu/panel_linear.py, small_batch.py, packed.py) by the dispatch table's rows (cpu/dispatch.py).
 
 Row counts cover every block size of the micro-kernel (1-12 rows) and balanced splits of more rows; weights of one
 and of many panels, inner sizes odd and even, with and without bias. Bounds as in tests/ops/test_cpu_linear.py: float32
@@ -16,10 +16,10 @@ import torch
 import torch.nn.functional as F
 
 from radixserve.kernels import cpu_build
-from radixserve.model_runner import cpu_panel_linear
-from radixserve.model_runner.cpu_packed import PackedLinear, packing_supported
-from radixserve.model_runner.cpu_panel_linear import ROWS, PanelWeight, pack_panels
-from radixserve.model_runner.cpu_small_batch import SmallBatchLinear, small_batch_packing_supported
+from radixserve.model_runner.cpu.dispatch import LINEAR_ROWS, choose, this_cpu
+from radixserve.model_runner.cpu.packed import PackedLinear, packing_supported
+from radixserve.model_runner.cpu.panel_linear import PanelWeight, pack_panels
+from radixserve.model_runner.cpu.small_batch import SmallBatchLinear, small_batch_packing_supported
 from test_cpu_linear import check, make  # the float64 reference and its bounds
 
 
@@ -28,11 +28,6 @@ def kernels():
     if shutil.which("c++") is None and shutil.which("g++") is None:
         pytest.skip("no C++ compiler on this machine: the CPU kernels cannot be built")
     assert cpu_build.load(), "the CPU kernels failed to build (see the log)"
-
-
-@pytest.fixture(autouse=True)
-def panel_on(monkeypatch):
-    monkeypatch.setenv("RADIXSERVE_CPU_PANEL_LINEAR", "1")  # the suite's default is off (tests/conftest.py)
 
 
 def supported(dtype: torch.dtype) -> bool:
@@ -95,25 +90,24 @@ def panel_ran(module, x) -> bool:
 
 
 @pytest.mark.skipif(not small_batch_packing_supported(), reason="needs oneDNN float32 linears")
-def test_float32_linears_run_it_for_their_rows(monkeypatch):
+def test_float32_linears_run_it_for_their_rows():
     needs(torch.float32)
     generator = torch.Generator().manual_seed(2)
     weight, bias = torch.randn(96, 40, generator=generator), torch.randn(96, generator=generator)
     module, head = SmallBatchLinear(weight, bias), SmallBatchLinear(weight, None, head=True)
-    low, high = ROWS[torch.float32][0]
+    (low, high), (head_low, head_high) = LINEAR_ROWS["panel"][torch.float32]
+    assert this_cpu().linear(torch.float32).panel == (low, high)
     for rows in (1, low, 8, 33, high, high + 1, 300):
         x = torch.randn(rows, 40, generator=generator)
         assert panel_ran(module, x) == (low <= rows <= high)
-        assert panel_ran(head, x) == (ROWS[torch.float32][1][0] <= rows <= ROWS[torch.float32][1][1])
+        assert panel_ran(head, x) == (head_low <= rows <= head_high)
         torch.testing.assert_close(module(x), F.linear(x.double(), weight.double(), bias.double()).float(),
                                    rtol=1e-5, atol=1e-5)
     x = torch.randn(8, 40, generator=generator)
     assert not panel_ran(SmallBatchLinear(weight, bias, panel=False), x)  # no copy under the memory rule
     assert not panel_ran(SmallBatchLinear(torch.randn(100, 40), None), x)  # 100 columns: not whole panels
-    monkeypatch.setenv("RADIXSERVE_CPU_PANEL_LINEAR", "0")
-    assert not panel_ran(SmallBatchLinear(weight, bias), x)
-    monkeypatch.delenv("RADIXSERVE_CPU_PANEL_LINEAR")  # unset: on
-    assert PanelWeight(weight).linear(x, None) is not None and cpu_panel_linear.enabled()
+    assert not panel_ran(SmallBatchLinear(weight, bias, kernels=choose("auto,-panel")), x)
+    assert PanelWeight(weight, this_cpu().linear(torch.float32)).linear(x, None) is not None
 
 
 @pytest.mark.skipif(not packing_supported(), reason="needs oneDNN bfloat16 support on this CPU")
@@ -122,10 +116,11 @@ def test_bfloat16_packed_linears_run_it_without_amx():
     linear = torch.nn.Linear(64, 96, bias=True).to(torch.bfloat16).requires_grad_(False)
     module = PackedLinear(linear)
     generator = torch.Generator().manual_seed(3)
-    low, high = ROWS[torch.bfloat16][0]
+    low, high = LINEAR_ROWS["panel"][torch.bfloat16][0]
     amx_cpu = cpu_build.has_cpu_flag("amx_bf16")  # there the AMX kernel has these rows: no panel copy
     for rows in (1, low, 24, high, high + 1):
         x = torch.randn(rows, 64, generator=generator).to(torch.bfloat16)
         assert panel_ran(module, x) == (not amx_cpu and low <= rows <= high)
         check(x, linear.weight, linear.bias, module(x))
-    assert not panel_ran(PackedLinear(linear, amx=False), torch.randn(8, 64).to(torch.bfloat16))
+    assert not panel_ran(PackedLinear(linear, copies=False), torch.randn(8, 64).to(torch.bfloat16))
+    assert not panel_ran(PackedLinear(linear, kernels=choose("auto,-panel")), torch.randn(8, 64).to(torch.bfloat16))

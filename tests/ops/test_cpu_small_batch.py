@@ -1,8 +1,8 @@
-"""float32 few-row linears (model_runner/cpu_small_batch.py): the small-row C++ kernel, pre-packed oneDNN weights or
+"""float32 few-row linears (model_runner/cpu/small_batch.py): the small-row C++ kernel, pre-packed oneDNN weights or
 `F.linear` by row count, the same products as `F.linear` (exactly `F.linear` outside the kernel's and the packed
 row ranges), installed by the runner on float32 CPU models (with a packed copy when speculative decoding is on or the
-copy is small next to the machine's memory); and the bfloat16 packed linears' kernel rows
-(model_runner/cpu_packed.py)."""
+copy is small next to the machine's memory); the bfloat16 packed linears' kernel rows (model_runner/cpu/packed.py);
+and the dispatch table's rows of the kernel (model_runner/cpu/dispatch.py)."""
 
 from __future__ import annotations
 
@@ -11,13 +11,13 @@ import torch
 import torch.nn.functional as F
 
 from radixserve.kernels import cpu_build
-from radixserve.model_runner import cpu_small_batch
-from radixserve.model_runner.cpu_packed import PackedLinear, packing_supported
-from radixserve.model_runner.cpu_small_batch import (
-    MIN_PACKED_ROWS, SmallBatchLinear, kernel_rows, small_batch_packing_supported,
-)
+from radixserve.model_runner.cpu import small_batch
+from radixserve.model_runner.cpu.dispatch import NO_ROWS, choose, this_cpu
+from radixserve.model_runner.cpu.packed import PackedLinear, packing_supported
+from radixserve.model_runner.cpu.small_batch import SmallBatchLinear, small_batch_packing_supported
 from radixserve.model_runner.forward_batch import ForwardMode
 from radixserve.model_runner.model_runner import ModelRunner
+from radixserve.model_runner.runner_config import RunnerConfig
 from radixserve.model_runner.static_generate import assign_kv_slots, make_forward_batch
 from radixserve.runtime.wire.server_args import ServerArgs
 
@@ -43,9 +43,10 @@ def test_small_batch_linear_matches_linear(kernels, bias, packed):
     weight = torch.randn(200, 96, generator=generator)
     bias_t = torch.randn(200, generator=generator) if bias else None
     module = SmallBatchLinear(weight, bias_t, packed=packed)
-    low, high = kernel_rows(torch.float32, head=False)
+    route = this_cpu().linear(torch.float32)
+    (low, high), packed_from = route.small, route.packed_from
     assert (low, high) == module.kernel_rows and low <= 2 and high >= 8
-    for rows in sorted({1, 2, 3, MIN_PACKED_ROWS, 6, high, high + 1, 64, 65, 300, 600}):
+    for rows in sorted({1, 2, 3, packed_from, 6, high, high + 1, 64, 65, 300, 600}):
         x = torch.randn(rows, 96, generator=generator)
         want = F.linear(x.double(), weight.double(), None if bias_t is None else bias_t.double()).float()
         got = module(x)
@@ -53,7 +54,7 @@ def test_small_batch_linear_matches_linear(kernels, bias, packed):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         in_kernel = low <= rows <= high
         assert kernel_ran(module, x) == in_kernel
-        on_packed = packed and not in_kernel and rows >= MIN_PACKED_ROWS
+        on_packed = packed and not in_kernel and rows >= packed_from
         assert kernel_ran(module, x, "mkldnn::_linear_pointwise") == on_packed
         if not in_kernel and not on_packed:
             assert torch.equal(got, F.linear(x, weight, bias_t))  # F.linear itself
@@ -64,8 +65,8 @@ def test_small_batch_linear_matches_linear(kernels, bias, packed):
 @pytest.mark.skipif(not packing_supported(), reason="needs oneDNN bfloat16 support on this CPU")
 def test_bfloat16_packed_linear_runs_the_kernel_at_few_rows(kernels):
     linear = torch.nn.Linear(96, 80, bias=True).to(torch.bfloat16).requires_grad_(False)
-    # amx=False: the AMX kernel (tests/ops/test_cpu_amx_linear.py) takes these rows first where the CPU has tiles
-    module, head = PackedLinear(linear, amx=False), PackedLinear(linear, head=True, amx=False)
+    # copies=False: the AMX kernel (tests/ops/test_cpu_amx_linear.py) takes these rows first where the CPU has tiles
+    module, head = PackedLinear(linear, copies=False), PackedLinear(linear, head=True, copies=False)
     low, high = module.kernel_rows
     assert low == 1 and high >= 1 and head.kernel_rows[1] <= high
     generator = torch.Generator().manual_seed(1)
@@ -79,17 +80,19 @@ def test_bfloat16_packed_linear_runs_the_kernel_at_few_rows(kernels):
 
 def test_runner_installs_them_and_verify_chain_logits_agree(kernels, tiny_model_dir, monkeypatch):
     model_dir = tiny_model_dir("llama")
-    small = ModelRunner(ServerArgs(model_path=model_dir, device="cpu"))  # a few MB: packed by default
+    # a few MB: packed by default
+    small = ModelRunner(RunnerConfig.from_server_args(ServerArgs(model_path=model_dir, device="cpu")))
     assert small.model.model.layers[0].mlp.down_proj._packed is not None
-    monkeypatch.setattr(cpu_small_batch, "MAX_EXTRA_MEMORY_FRACTION", 0.0)  # as for a model too large to copy
-    plain = ModelRunner(ServerArgs(model_path=model_dir, device="cpu"))
-    spec = ModelRunner(ServerArgs(model_path=model_dir, device="cpu", speculative_algorithm="NGRAM"))
+    monkeypatch.setattr(small_batch, "MAX_EXTRA_MEMORY_FRACTION", 0.0)  # as for a model too large to copy
+    plain = ModelRunner(RunnerConfig.from_server_args(ServerArgs(model_path=model_dir, device="cpu")))
+    spec = ModelRunner(RunnerConfig.from_server_args(ServerArgs(model_path=model_dir, device="cpu",
+        speculative_algorithm="NGRAM")))
     for runner, packed in ((plain, False), (spec, True)):  # the kernel needs no copy; the packed path does
         layer = runner.model.model.layers[0]
         assert isinstance(layer.mlp.down_proj, SmallBatchLinear)
         assert isinstance(runner.model.logits_head, SmallBatchLinear)
         assert (layer.mlp.down_proj._packed is not None) == packed
-        assert runner.model.logits_head.kernel_rows == kernel_rows(torch.float32, head=True)
+        assert runner.model.logits_head.kernel_rows == runner.cpu_kernels.linear(torch.float32, head=True).small
     tokens = list(range(3, 40))
 
     def chain_logits(runner: ModelRunner, chain_len: int) -> torch.Tensor:
@@ -118,22 +121,23 @@ def test_runner_installs_them_and_verify_chain_logits_agree(kernels, tiny_model_
             assert torch.equal(logits.argmax(-1), want.argmax(-1))
 
 
-def test_switch_keeps_linears_off_the_kernel(kernels, monkeypatch):
+def test_cpu_kernels_without_small_keep_linears_off_the_kernel(kernels):
     weight = torch.randn(64, 32)
     x = torch.randn(6, 32)
     assert kernel_ran(SmallBatchLinear(weight, None, packed=False, panel=False), x)  # panel: its own test file
-    monkeypatch.setenv("RADIXSERVE_CPU_SMALL_LINEAR", "0")
-    assert kernel_rows(torch.float32, head=False) == cpu_small_batch.NO_ROWS
-    module = SmallBatchLinear(weight, None, packed=False, panel=False)
+    off = choose("auto,-small")
+    assert off.linear(torch.float32).small == NO_ROWS and off.linear(torch.bfloat16, head=True).small == NO_ROWS
+    module = SmallBatchLinear(weight, None, packed=False, panel=False, kernels=off)
     assert not kernel_ran(module, x) and torch.equal(module(x), F.linear(x, weight))
 
 
-def test_one_row_float32_projections_take_the_kernel_where_blas_streams_one_row_slowly(monkeypatch):
+def test_one_row_float32_projections_take_the_kernel_where_blas_streams_one_row_slowly():
+    def small(vendor: str, dtype: torch.dtype, head: bool) -> tuple[int, int]:
+        return choose("auto", flags={"avx2", "avx512f"}, vendor=vendor).linear(dtype, head=head).small
+
     for vendor in ("GenuineIntel", ""):  # MKL's one-row F.linear is fast on Intel; elsewhere nothing was measured
-        monkeypatch.setattr(cpu_build, "cpu_vendor", lambda vendor=vendor: vendor)
-        assert kernel_rows(torch.float32, head=False) == (2, 16) and kernel_rows(torch.float32, head=True) == (1, 16)
-    monkeypatch.setattr(cpu_build, "cpu_vendor", lambda: "AuthenticAMD")
-    assert kernel_rows(torch.float32, head=False) == (1, 16) and kernel_rows(torch.float32, head=True) == (1, 16)
-    assert kernel_rows(torch.bfloat16, head=False) == (1, 4)
-    monkeypatch.setenv("RADIXSERVE_CPU_SMALL_LINEAR", "0")
-    assert kernel_rows(torch.float32, head=False) == (1, 0)
+        assert small(vendor, torch.float32, False) == (2, 16) and small(vendor, torch.float32, True) == (1, 16)
+    assert small("AuthenticAMD", torch.float32, False) == (1, 16)
+    assert small("AuthenticAMD", torch.float32, True) == (1, 16)
+    assert small("AuthenticAMD", torch.bfloat16, False) == (1, 4)
+    assert choose("torch", vendor="AuthenticAMD").linear(torch.float32).small == NO_ROWS

@@ -43,6 +43,7 @@ def _rank_main(rank: int, tp_size: int, addrs: list[str], model_dirs: list[str],
     import torch.distributed as dist
 
     from radixserve.model_runner.model_runner import ModelRunner
+    from radixserve.model_runner.runner_config import RunnerConfig
     from radixserve.model_runner.static_generate import greedy_generate
     from radixserve.runtime.wire.server_args import ServerArgs
 
@@ -51,7 +52,7 @@ def _rank_main(rank: int, tp_size: int, addrs: list[str], model_dirs: list[str],
         for addr, model_dir in zip(addrs, model_dirs):
             args = ServerArgs(model_path=model_dir, device=device, dtype="float32", max_total_tokens=1024,
                               max_running_requests=8, tp_size=tp_size, dist_init_addr=addr)
-            runner = ModelRunner(args, tp_rank=rank)
+            runner = ModelRunner(RunnerConfig.from_server_args(args), tp_rank=rank)
             outputs.append(greedy_generate(runner, _prompts(runner.vocab_size), MAX_NEW_TOKENS))
             dist.destroy_process_group()  # a fresh group (at the next address) for the next model
         results.put((rank, outputs))
@@ -139,13 +140,14 @@ def _desync_rank(rank: int, addr: str, model_dir: str, results) -> None:
     """Two real schedulers in a TP group: equal digests pass; then rank 1 takes a KV slot rank 0 did not, and
     the check must fail on both ranks."""
     from radixserve.model_runner.model_runner import ModelRunner
+    from radixserve.model_runner.runner_config import RunnerConfig
     from radixserve.runtime.wire.server_args import ServerArgs
     from radixserve.scheduler.scheduler import Scheduler
     from radixserve.scheduler.tp import TPDesyncError, TPRelay
 
     args = ServerArgs(model_path=model_dir, device="cpu", dtype="float32", max_total_tokens=256,
                       max_running_requests=4, tp_size=2, dist_init_addr=addr)
-    scheduler = Scheduler(args, model_runner=ModelRunner(args, tp_rank=rank))
+    scheduler = Scheduler(args, model_runner=ModelRunner(RunnerConfig.from_server_args(args), tp_rank=rank))
     relay = TPRelay(rank, scheduler.runner.tp_cpu_group)
     relay.check_digests(scheduler)
     if rank == 1:

@@ -17,6 +17,7 @@ import torch
 
 from radixserve.model_runner.forward_batch import ForwardBatch, ForwardMode
 from radixserve.model_runner.model_runner import ModelRunner
+from radixserve.model_runner.runner_config import RunnerConfig
 from radixserve.model_runner.static_generate import assign_kv_slots, make_forward_batch
 from radixserve.model_runner.verify_forward import VerifyForward, as_decode_rows
 from radixserve.runtime.wire.server_args import ServerArgs
@@ -66,7 +67,7 @@ def kv_at(runner: ModelRunner, loc: torch.Tensor) -> list[torch.Tensor]:
 
 
 def test_decode_rows_give_the_extend_logits_on_cpu(tiny_model_dir):
-    runner = ModelRunner(ServerArgs(model_path=tiny_model_dir("llama"), device="cpu"))
+    runner = ModelRunner(RunnerConfig.from_server_args(ServerArgs(model_path=tiny_model_dir("llama"), device="cpu")))
     chains = Chains(runner, [20, 33, 7])
     batch = chains.verify_batch([0, 1, 2], [3, 5, 1])
     rows = as_decode_rows(batch)
