@@ -36,13 +36,8 @@ from radixserve.runtime.tenancy import Caller
 from radixserve.runtime.openai.errors import APIError, bad_request, from_value_error
 from radixserve.runtime.openai.protocol import StrictModel, parse_request
 from radixserve.runtime.wire.compat import UnsupportedFieldError
-from radixserve.runtime.wire.request import (
-    GenerateRequest,
-    NormalizedRequest,
-    RequestFieldError,
-    decode_json,
-    normalize,
-)
+from radixserve.runtime.wire.request import GenerateRequest, NormalizedRequest, RequestFieldError, normalize
+from radixserve.runtime.wire.request_body import decode_json
 
 HEALTH_GENERATE_TIMEOUT_SECONDS = 30.0
 Rid = Annotated[str, Field(min_length=1, max_length=256)]

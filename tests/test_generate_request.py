@@ -22,8 +22,9 @@ from radixserve.runtime.wire.messages import (
     ModelInfo, RequestOptions, TokenizedGenerateReq, decode, encode, options_of,
 )
 from radixserve.runtime.wire.request import (
-    SERVER_FIELDS, GenerateRequest, NormalizedRequest, RequestFieldError, decode_json, make_namespace, normalize,
+    SERVER_FIELDS, GenerateRequest, NormalizedRequest, RequestFieldError, make_namespace, normalize,
 )
+from radixserve.runtime.wire.request_body import decode_json
 from radixserve.runtime.wire.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
 
 VOCAB = 1000

@@ -4,9 +4,9 @@ from it.
     request = GenerateRequest(text=["Hi", "Bye"], sampling_params={"n": 2, "seed": 7}, cache_salt="s")
     normalized = normalize(request, model_info)   # or ValueError, with `field` naming the field at fault
 
-Native `/generate` decodes its JSON body with `decode_json`; each OpenAI route translates its body with one
-function (runtime/openai_requests.py); `Engine.generate(prompt, sampling_params, **fields)` passes its keywords as
-the fields. `normalize` is then the only place for:
+Native `/generate` decodes its JSON body with `request_body.decode_json`; each OpenAI route translates its body
+with one function (runtime/openai/translate.py); `Engine.generate(prompt, sampling_params, **fields)` passes its
+keywords as the fields. `normalize` is then the only place for:
 
 - the batch shape: `text` or `input_ids`, one prompt or a list; per-prompt fields given once or one per prompt;
 - `n` expansion: each prompt's samples, rid `{rid}-{i}` and seed `seed + i` (wrapped into 64 bits) when n > 1;
@@ -30,7 +30,6 @@ from typing import Annotated, Any, Optional, Union
 import msgspec
 from msgspec import Meta
 
-from radixserve.runtime.wire.compat import NATIVE_LABELS, NATIVE_UNSUPPORTED, absorb, asks_for_nothing
 from radixserve.runtime.wire.lora import namespace_part
 from radixserve.runtime.wire.messages import ModelInfo, RequestOptions
 from radixserve.runtime.wire.sampling_params import INT64_MAX, INT64_MIN, InvalidSamplingParams, SamplingParams
@@ -52,7 +51,7 @@ class GenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     One prompt (`text` a string, or `input_ids` a flat list of ids) or a batch (a list of them). The per-prompt
     fields (PER_PROMPT_FIELDS) take one value for every prompt or a list with one per prompt. The annotations
-    bound what a JSON body may hold; in-process callers are checked by `normalize`."""
+    bound what a JSON body may hold (request_body.py); in-process callers are checked by `normalize`."""
 
     text: Union[str, Annotated[list[str], Meta(min_length=1, max_length=MAX_BATCH)], None] = None
     input_ids: Optional[Annotated[list[Union[TokenId, Annotated[list[TokenId], Meta(min_length=1)]]],
@@ -72,8 +71,8 @@ class GenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # SGLang's two names for the data-parallel replica to run on (None: the controller decides).
     data_parallel_rank: Optional[DpRank] = None
     routed_dp_rank: Optional[DpRank] = None
-    # Set by the server, never by a client (`decode_json` refuses them): the tenant of the API key and its
-    # fair-share weight; True streams new output only, whatever --incremental-streaming-output says (the OpenAI
+    # Set by the server, never by a client (`request_body.decode_json` refuses them): the tenant of the API key and
+    # its fair-share weight; True streams new output only, whatever --incremental-streaming-output says (the OpenAI
     # routes build deltas), None follows that setting.
     tenant: Optional[str] = None
     tenant_weight: float = 1.0
@@ -91,7 +90,6 @@ class GenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 PER_PROMPT_FIELDS = ("sampling_params", "rid", "return_logprob", "logprob_start_len", "top_logprobs_num",
                      "cache_salt", "priority", "lora_path")
 SERVER_FIELDS = ("tenant", "tenant_weight", "incremental_stream")
-_NULL_IS_DEFAULT = ("return_logprob", "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs", "stream")
 
 
 class RequestFieldError(ValueError):
@@ -362,66 +360,3 @@ def located(error: ValueError, index: int, from_ids: bool, single: bool) -> Valu
         out.args = (f"prompt {index} of the batch: {error}",)
     out.field = field  # type: ignore[attr-defined]
     return out
-
-
-# ---- native /generate's JSON body ----------------------------------------------------------------------------
-
-
-def decode_json(raw: bytes) -> GenerateRequest:
-    """Native `/generate`'s body as a GenerateRequest; RequestFieldError (or compat's UnsupportedFieldError, both
-    naming the field) for a body that is not one.
-
-    SGLang's fields without a feature here pass when they ask for nothing (compat.py); null means the default for
-    the fields that have one; a field that neither this struct nor the tables know is refused, as are the fields
-    only the server sets."""
-    try:
-        body = msgspec.json.decode(raw)
-    except msgspec.DecodeError as error:
-        raise RequestFieldError(f"The request body is not valid JSON: {error}") from None
-    if not isinstance(body, dict):
-        raise RequestFieldError("The request body must be a JSON object.")
-    body = absorb(body, NATIVE_UNSUPPORTED, NATIVE_LABELS)
-    if asks_for_nothing(body.get("lora_path")):
-        body.pop("lora_path", None)  # SGLang's clients send null (or [null] per prompt) for the base model
-    body = {name: value for name, value in body.items() if value is not None or name not in _NULL_IS_DEFAULT}
-    for name in body:
-        if name in SERVER_FIELDS:
-            raise _unknown_field(name)
-    try:
-        request = msgspec.convert(body, GenerateRequest)
-    except msgspec.ValidationError as error:
-        raise _validation_error(str(error)) from None
-    _check_body_shape(request)
-    return request
-
-
-def _check_body_shape(request: GenerateRequest) -> None:
-    """What a JSON body must get right beyond its fields' types (the Engine's callers get more latitude)."""
-    if (request.text is None) == (request.input_ids is None):
-        raise RequestFieldError("give exactly one of text and input_ids")
-    size = None if request.is_single else len(request.text if request.text is not None else request.input_ids)
-    if size is not None and size > MAX_BATCH:
-        raise RequestFieldError(f"a batch holds at most {MAX_BATCH} prompts, got {size}",
-                                "text" if request.text is not None else "input_ids")
-    for name in PER_PROMPT_FIELDS:
-        value = getattr(request, name)
-        if isinstance(value, list):
-            if size is None:
-                raise RequestFieldError(f"{name} is a list but the request is not a batch", name)
-            if len(value) != size:
-                raise RequestFieldError(f"{name} has {len(value)} entries for a batch of {size}", name)
-        elif name == "rid" and value is not None and size is not None:
-            raise RequestFieldError("a batch needs a list of rids", name)
-
-
-def _unknown_field(name: str) -> RequestFieldError:
-    return RequestFieldError(f"Unrecognized request argument supplied: {name}", name)
-
-
-def _validation_error(message: str) -> RequestFieldError:
-    """msgspec's "Expected `int` >= 0 - at `$.input_ids[0]`" as "input_ids[0]: Expected `int` >= 0"."""
-    text, _, path = message.partition(" - at `")
-    if text.startswith("Object contains unknown field `") and not path:
-        return _unknown_field(text.split("`")[1])
-    field = path.rstrip("`").removeprefix("$").removeprefix(".") or None
-    return RequestFieldError(f"{field}: {text}" if field else text, field)
