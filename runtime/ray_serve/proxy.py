@@ -3,7 +3,8 @@ the EngineReplica deployment through its handle.
 
 - Generation: the prompt is tokenized here (the replicas' own tokenizer, sent by `describe`) to route on token
   ids, in the cache namespace `normalize` decided (runtime/wire/request.py); the request goes to the replica the
-  router picks, as a Ray streaming call, with its route as a keyword. A batch (several prompts in one request) goes to one replica, chosen by its first prompt.
+  router picks, as a Ray streaming call, with its route as a keyword. A batch (several prompts in one request)
+  goes to one replica, chosen by its first prompt.
 - Tokenization for the OpenAI routes (`async_encode`, `async_encode_chat`) runs here, as the Engine runs it.
 - Control requests (flush, server info, cache tree, abort) go to every replica the router knows, one call each,
   addressed with ReplicaTarget; their replies are merged as the `--dp-size` replicas' are
