@@ -18,7 +18,8 @@ __version__ = "0.1.0"
 _LAZY = {
     "Engine": ("radixserve.runtime.engine", "Engine"),
     "ServerArgs": ("radixserve.runtime.wire.server_args", "ServerArgs"),
-    "GenerateReqInput": ("radixserve.tokenizer_manager.io", "GenerateReqInput"),
+    "GenerateRequest": ("radixserve.runtime.wire.request", "GenerateRequest"),
+    "GenerateReqInput": ("radixserve.runtime.wire.request", "GenerateRequest"),  # SGLang's name of it
     "EngineDeadError": ("radixserve.runtime.wire.errors", "EngineDeadError"),
     "ContextLengthExceededError": ("radixserve.runtime.wire.errors", "ContextLengthExceededError"),
     "EngineStartupError": ("radixserve.runtime.launch", "EngineStartupError"),

@@ -25,7 +25,7 @@ def __getattr__(name: str) -> Any:
 
         return EngineDeadError
     if name == "GenerateReqInput":
-        from radixserve.tokenizer_manager.io import GenerateReqInput
+        from radixserve.runtime.wire.request import GenerateRequest
 
-        return GenerateReqInput
+        return GenerateRequest
     raise AttributeError(f"module 'radixserve.runtime' has no attribute {name!r}")

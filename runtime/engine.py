@@ -37,7 +37,7 @@ from radixserve.runtime.wire.messages import ModelInfo
 from radixserve.runtime.wire.lora import LoRAAdapterReqOutput
 from radixserve.runtime.wire.server_args import ServerArgs, make_server_args
 from radixserve.runtime.wire.errors import EngineDeadError
-from radixserve.tokenizer_manager.io import GenerateReqInput
+from radixserve.runtime.wire.request import SERVER_FIELDS, GenerateRequest, NormalizedRequest
 from radixserve.tokenizer_manager.manager import TokenizerManager
 from radixserve.tokenizer_manager.tokenize import TokenizerWorker, load_chat_template
 
@@ -152,86 +152,49 @@ class Engine:
 
     # ---- generation ------------------------------------------------------------------------------
 
-    @staticmethod
-    def _request(prompt: Prompt, sampling_params: Params, input_ids: Any, return_logprob: Any,
-                 logprob_start_len: Any, top_logprobs_num: Any, stream: bool, cache_salt: Any,
-                 return_text_in_logprobs: bool = False, priority: Any = None,
-                 lora_path: Any = None, data_parallel_rank: Optional[int] = None) -> GenerateReqInput:
-        return GenerateReqInput(
-            text=prompt,
-            input_ids=input_ids,
-            sampling_params=sampling_params,
-            return_logprob=return_logprob,
-            logprob_start_len=-1 if logprob_start_len is None else logprob_start_len,
-            top_logprobs_num=0 if top_logprobs_num is None else top_logprobs_num,
-            return_text_in_logprobs=return_text_in_logprobs,
-            stream=stream,
-            cache_salt=cache_salt,
-            priority=priority,
-            lora_path=lora_path,
-            data_parallel_rank=data_parallel_rank,
-        )
-
-    def generate(self, prompt: Prompt = None, sampling_params: Params = None, input_ids: Any = None,
-                 return_logprob: Union[bool, list[bool]] = False, logprob_start_len: Any = None,
-                 top_logprobs_num: Any = None, stream: bool = False,
-                 cache_salt: Union[str, list[str], None] = None,
-                 return_text_in_logprobs: bool = False,
-                 priority: Union[int, list[Optional[int]], None] = None,
-                 lora_path: Union[str, list[Optional[str]], None] = None,
-                 data_parallel_rank: Optional[int] = None,
+    def generate(self, prompt: Prompt = None, sampling_params: Params = None, **fields: Any,
                  ) -> Union[dict, list[dict], Iterator[dict]]:
-        """Generate for one prompt (a str or token-id list) or a batch (a list of them).
+        """Generate for one prompt (a str, or token ids as `input_ids=`) or a batch (a list of them).
 
-        `priority` orders requests with --enable-priority-scheduling (docs/fair-share.md); `lora_path` names the
-        LoRA adapter to run under, one for all prompts or one per prompt (None: the base model; docs/lora.md).
-        Returns the result (a dict, or a list for a batch or n > 1), or with stream=True an iterator of
-        chunks. `data_parallel_rank` runs it on that replica (with dp_size > 1; None: the controller decides).
-        Raises ValueError for bad arguments before anything is queued, EngineDeadError when a child process died.
+        `fields` are GenerateRequest's (runtime/wire/request.py), in SGLang's names: `input_ids`, `rid`,
+        `return_logprob`, `logprob_start_len`, `top_logprobs_num`, `return_text_in_logprobs`, `stream`,
+        `cache_salt`, `priority` (orders requests with --enable-priority-scheduling, docs/fair-share.md),
+        `lora_path` (the LoRA adapter to run under, one for all prompts or one per prompt; None: the base model,
+        docs/lora.md) and `data_parallel_rank` (the replica to run on with dp_size > 1; None: the controller
+        decides). Returns the result (a dict, or a list for a batch or n > 1), or with stream=True an iterator
+        of chunks. Raises ValueError for bad arguments before anything is queued, EngineDeadError when a child
+        process died.
         """
         self._check_open()
-        obj = self._request(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
-                            top_logprobs_num, stream, cache_salt, return_text_in_logprobs, priority, lora_path,
-                            data_parallel_rank)
-        if stream:
-            return self._loop.stream(lambda: self._tm.submit(obj), lambda group: self._tm.iterate(group, obj))
-        return self._loop.call(self._collect(obj))
+        request = _request(prompt, sampling_params, fields)
+        if request.stream:
+            return self._loop.stream(lambda: self._tm.submit(request), self._tm.iterate)
+        return self._loop.call(self._collect(request))
 
-    async def async_generate(self, prompt: Prompt = None, sampling_params: Params = None, input_ids: Any = None,
-                             return_logprob: Union[bool, list[bool]] = False, logprob_start_len: Any = None,
-                             top_logprobs_num: Any = None, stream: bool = False,
-                             cache_salt: Union[str, list[str], None] = None,
-                             return_text_in_logprobs: bool = False,
-                             priority: Union[int, list[Optional[int]], None] = None,
-                             lora_path: Union[str, list[Optional[str]], None] = None,
-                             data_parallel_rank: Optional[int] = None,
+    async def async_generate(self, prompt: Prompt = None, sampling_params: Params = None, **fields: Any,
                              ) -> Union[dict, list[dict], AsyncIterator[dict]]:
         """`generate` for async callers: await it for the result, or (stream=True) for an async iterator."""
         self._check_open()
-        obj = self._request(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
-                            top_logprobs_num, stream, cache_salt, return_text_in_logprobs, priority, lora_path,
-                            data_parallel_rank)
-        if stream:
-            return await self._loop.stream_async(lambda: self._tm.submit(obj),
-                                                 lambda group: self._tm.iterate(group, obj))
-        return await self._loop.call_async(self._collect(obj))
+        request = _request(prompt, sampling_params, fields)
+        if request.stream:
+            return await self._loop.stream_async(lambda: self._tm.submit(request), self._tm.iterate)
+        return await self._loop.call_async(self._collect(request))
 
-    async def generate_request(self, obj: GenerateReqInput) -> AsyncIterator[Any]:
+    async def generate_request(self, obj: Union[GenerateRequest, NormalizedRequest]) -> AsyncIterator[Any]:
         """Chunks (obj.stream) or the one final result of `obj`, from any event loop (the HTTP server's).
 
         Bad arguments raise ValueError at the first `__anext__`, before anything is queued. Closing or
         cancelling the iteration aborts the unfinished requests.
         """
         self._check_open()
-        stream = await self._loop.stream_async(lambda: self._tm.submit(obj),
-                                               lambda group: self._tm.iterate(group, obj))
+        stream = await self._loop.stream_async(lambda: self._tm.submit(obj), self._tm.iterate)
         try:
             async for item in stream:
                 yield item
         finally:
             await stream.aclose()
 
-    async def _collect(self, obj: GenerateReqInput) -> Any:
+    async def _collect(self, obj: GenerateRequest) -> Any:
         async with contextlib.aclosing(self._tm.generate_request(obj)) as results:
             async for result in results:
                 return result
@@ -360,6 +323,18 @@ class Engine:
         self.shutdown()
 
 
+def _request(prompt: Prompt, sampling_params: Params, fields: dict[str, Any]) -> GenerateRequest:
+    """The GenerateRequest of `Engine.generate`'s arguments (the prompt is its `text`). The fields the server sets
+    from an API key are not the caller's: they are unknown keywords here, as any other."""
+    for name in fields:
+        if name in SERVER_FIELDS or name == "text":
+            raise TypeError(f"generate() got an unexpected keyword argument {name!r}")
+    try:
+        return GenerateRequest(text=prompt, sampling_params=sampling_params, **fields)
+    except TypeError as error:  # msgspec's "Unexpected keyword argument 'x'"
+        raise TypeError(f"generate() got an unexpected keyword argument: {error}") from None
+
+
 def _configure_logging(level: str) -> None:
     """Give radixserve's loggers a handler and level unless the application configured its own."""
     package_logger = logging.getLogger("radixserve")
@@ -370,4 +345,4 @@ def _configure_logging(level: str) -> None:
         package_logger.addHandler(handler)
 
 
-__all__ = ["Engine", "EngineDeadError", "GenerateReqInput"]
+__all__ = ["Engine", "EngineDeadError", "GenerateRequest"]

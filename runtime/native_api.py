@@ -3,8 +3,9 @@
 `POST /generate` is the Engine's generate over HTTP: `text` or `input_ids`, single or batch, SGLang
 `sampling_params`, SSE when `stream` is true (`data: {chunk}` events, then `data: [DONE]`). The result
 and chunk shapes are the Engine's (a chunk holds the whole output so far unless the server runs with
---incremental-streaming-output). SGLang's other request fields are accepted at their default
-(extension_fields.py). Client-chosen `rid`s must be unique among requests in flight; the caller
+--incremental-streaming-output). The body decodes into the wire's GenerateRequest, which `normalize` checks
+(runtime/wire/request.py); SGLang's other request fields pass when they ask for nothing (wire/compat.py).
+Client-chosen `rid`s must be unique among requests in flight; the caller
 may abort its own requests with `POST /abort_request {"rid": ...}` (another tenant's rid is "not found").
 """
 
@@ -12,10 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from typing import Annotated, Any, AsyncIterator, Optional, Union
+from typing import Annotated, Any, AsyncIterator, Optional
 
+import msgspec
 from fastapi import APIRouter, Depends
-from pydantic import Field, model_validator
+from pydantic import Field
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -29,143 +31,38 @@ from radixserve.runtime.http_generation import (
     start_stream,
 )
 from radixserve.runtime.http_state import ServerState, caller, caller_tenant, require_admin
-from radixserve.runtime.extension_fields import NATIVE_LABELS, NATIVE_UNSUPPORTED, absorb, is_default
+from radixserve.runtime.extension_fields import unsupported_field
 from radixserve.runtime.tenancy import Caller
-from radixserve.runtime.openai.errors import APIError, bad_request
-from radixserve.runtime.openai.protocol import MAX_TOP_LOGPROBS, StrictModel, TokenId, parse_request
-from radixserve.runtime.wire.sampling_params import InvalidSamplingParams, SamplingParams
-from radixserve.tokenizer_manager.io import GenerateReqInput
+from radixserve.runtime.openai.errors import APIError, bad_request, from_value_error
+from radixserve.runtime.openai.protocol import StrictModel, parse_request
+from radixserve.runtime.wire.compat import UnsupportedFieldError
+from radixserve.runtime.wire.request import GenerateRequest, NormalizedRequest, RequestFieldError, normalize
+from radixserve.runtime.wire.request_body import decode_json
 
 HEALTH_GENERATE_TIMEOUT_SECONDS = 30.0
-MAX_BATCH = 1024
 Rid = Annotated[str, Field(min_length=1, max_length=256)]
-TopLogprobs = Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]
-LogprobStart = Annotated[int, Field(ge=-1, le=2**31)]
-DpRank = Annotated[int, Field(ge=0, le=1 << 16)]
 
 
-_NULL_IS_DEFAULT = ("return_logprob", "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs", "stream")
-
-
-Priority = Annotated[int, Field(ge=-(2**63 - 1), le=2**63 - 1)]
-
-
-class NativeGenerateRequest(StrictModel):
-    text: Union[str, Annotated[list[str], Field(min_length=1, max_length=MAX_BATCH)], None] = None
-    input_ids: Union[
-        Annotated[list[TokenId], Field(min_length=1)],
-        Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=MAX_BATCH)],
-        None,
-    ] = None
-    # Checked by SamplingParams.from_request (the one validator), not here.
-    sampling_params: Union[dict[str, Any], list[Optional[dict[str, Any]]], None] = None
-    rid: Union[Rid, list[Rid], None] = None
-    return_logprob: Union[bool, list[bool]] = False
-    logprob_start_len: Union[LogprobStart, list[LogprobStart]] = -1
-    top_logprobs_num: Union[TopLogprobs, list[TopLogprobs]] = 0
-    return_text_in_logprobs: bool = False
-    stream: bool = False
-    cache_salt: Union[Annotated[str, Field(max_length=256)], list[Annotated[str, Field(max_length=256)]], None] = None
-    priority: Union[Priority, list[Optional[Priority]], None] = None  # --enable-priority-scheduling
-    lora_path: Union[str, list[Optional[str]], None] = None  # a LoRA adapter's name, per prompt or for all
-    # SGLang's two names for the data-parallel replica to run on (sglang-router --dp-aware sends one).
-    data_parallel_rank: Optional[DpRank] = None
-    routed_dp_rank: Optional[DpRank] = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _sglang_fields(cls, data: Any) -> Any:
-        """SGLang's fields without a feature here pass at their default (extension_fields.py); SGLang's null
-        for a field with a default means that default."""
-        data = absorb(data, NATIVE_UNSUPPORTED, NATIVE_LABELS)
-        if isinstance(data, dict) and is_default(data.get("lora_path")):
-            data.pop("lora_path", None)  # SGLang's clients send null (or [null] per prompt) for the base model
-        if isinstance(data, dict):
-            data = {name: value for name, value in data.items() if value is not None or name not in _NULL_IS_DEFAULT}
-        return data
-
-    @model_validator(mode="after")
-    def _check(self) -> "NativeGenerateRequest":
-        if (self.text is None) == (self.input_ids is None):
-            raise ValueError("give exactly one of text and input_ids")
-        size = self.batch_size
-        for name in ("sampling_params", "rid", "return_logprob", "logprob_start_len", "top_logprobs_num",
-                     "cache_salt", "priority", "lora_path"):
-            value = getattr(self, name)
-            if isinstance(value, list):
-                if size is None:
-                    raise ValueError(f"{name} is a list but the request is not a batch")
-                if len(value) != size:
-                    raise ValueError(f"{name} has {len(value)} entries for a batch of {size}")
-            elif name == "rid" and value is not None and size is not None:
-                raise ValueError("a batch needs a list of rids")
-        if self.input_ids is not None and size is None:
-            # One prompt's ids live as long as its stream: as a tuple of ints the cyclic garbage collector stops
-            # tracking them, where a list would be walked by every full collection (see split_requests).
-            self.input_ids = tuple(self.input_ids)  # type: ignore[assignment]
-        return self
-
-    @property
-    def batch_size(self) -> Optional[int]:
-        """None for a single request, else the number of prompts."""
-        if isinstance(self.text, list):
-            return len(self.text)
-        if self.input_ids and isinstance(self.input_ids[0], list):
-            return len(self.input_ids)
-        return None
-
-    def item(self, name: str, i: int) -> Any:
-        value = getattr(self, name)
-        return value[i] if isinstance(value, list) else value
-
-
-def _sampling(state: ServerState, body: NativeGenerateRequest, i: int) -> SamplingParams:
+def _decode(state: ServerState, raw: bytes, tenant: Optional[str]) -> NormalizedRequest:
+    """The body as the normalized request of `tenant` (the API key's, never the body's); a 400 naming the field
+    at fault (a sampling parameter of a batch's prompt as `sampling_params[i].name`)."""
     try:
-        return SamplingParams.from_request(body.item("sampling_params", i), state.vocab_size,
-                                           state.model_info.sampling_defaults)
-    except InvalidSamplingParams as error:
-        where = "sampling_params" if body.batch_size is None else f"sampling_params[{i}]"
-        param = where if error.field is None else f"{where}.{error.field}"
-        raise bad_request(f"{param}: {error}", param=param) from None
-
-
-def _engine_rids(rid: str, params: SamplingParams) -> list[str]:
-    """The rids the engine creates for one prompt: the rid itself, or `{rid}-{i}` per sample when n > 1."""
-    return [f"{rid}-{i}" for i in range(params.n)] if params.n > 1 else [rid]
-
-
-def _build(state: ServerState, body: NativeGenerateRequest, tenant: Optional[str]) -> tuple[Any, dict[str, list[str]]]:
-    size = body.batch_size
-    count = 1 if size is None else size
-    if isinstance(body.rid, list):
-        rids = list(body.rid)
-    elif size is None:
-        rids = [body.rid or uuid.uuid4().hex]
-    else:
-        rids = [uuid.uuid4().hex for _ in range(count)]
-    params = [_sampling(state, body, i) for i in range(count)]
-    handles = {rids[i]: _engine_rids(rids[i], params[i]) for i in range(count)}
-    if len(handles) != count:
-        raise bad_request("rids in a batch must be distinct", param="rid")
-    sampling: Any = params[0] if size is None else params
-    request = GenerateReqInput(
-        text=body.text,
-        input_ids=body.input_ids,
-        sampling_params=sampling,
-        rid=rids[0] if size is None else rids,
-        return_logprob=body.return_logprob,
-        logprob_start_len=body.logprob_start_len,
-        top_logprobs_num=body.top_logprobs_num,
-        return_text_in_logprobs=body.return_text_in_logprobs,
-        stream=body.stream,
-        cache_salt=body.cache_salt,
-        priority=body.priority,
-        lora_path=body.lora_path,
-        data_parallel_rank=body.data_parallel_rank if body.routed_dp_rank is None else body.routed_dp_rank,
-        tenant=tenant,
-        tenant_weight=state.tenants.weight_of(tenant),
-    )
-    return request, handles
+        body = decode_json(raw)
+    except UnsupportedFieldError as error:
+        raise unsupported_field(error) from None
+    except RequestFieldError as error:
+        raise bad_request(str(error), param=error.field) from None
+    body = msgspec.structs.replace(body, tenant=tenant, tenant_weight=state.tenants.weight_of(tenant))
+    try:
+        return normalize(body, state.model_info)
+    except ValueError as error:
+        field = getattr(error, "field", None)
+        if field is not None and field.startswith("sampling_params"):
+            prompt = getattr(error, "prompt", None)
+            param = ("sampling_params" if prompt is None else f"sampling_params[{prompt}]") + field[len(
+                "sampling_params"):]
+            raise bad_request(f"{param}: {getattr(error, 'reason', error)}", param=param) from None
+        raise from_value_error(error, param=field) from None
 
 
 class _RidBody(StrictModel):
@@ -182,10 +79,9 @@ router = APIRouter()
 @router.post("/generate")
 async def generate(request: Request, tenant: Optional[str] = Depends(caller_tenant)) -> Response:
     state = _state(request)
-    body: NativeGenerateRequest = parse_request(NativeGenerateRequest, await request.body())
-    engine_request, handles = _build(state, body, tenant)
-    run = GenerationRun(state, handles, [engine_request], tenant, request)
-    if body.stream:
+    normalized = _decode(state, await request.body(), tenant)
+    run = GenerationRun(state, normalized.sample_rids(), [normalized], tenant, request)
+    if normalized.stream:
         try:
             events = await start_stream(run)
         except BaseException:
@@ -319,8 +215,7 @@ async def health_generate(request: Request, tenant: Optional[str] = Depends(call
     """Healthy only if the engine really produces a token within the timeout."""
     state = _state(request)
     rid = f"health-{uuid.uuid4().hex}"
-    probe = GenerateReqInput(text="ping",
-                             sampling_params={"max_new_tokens": 1, "temperature": 0.0}, rid=rid)
+    probe = GenerateRequest(text="ping", sampling_params={"max_new_tokens": 1, "temperature": 0.0}, rid=rid)
 
     async def one_token() -> Any:
         result = None

@@ -12,20 +12,21 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+import msgspec
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
 from radixserve.runtime.lora_api import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
-from radixserve.runtime.native_api import NativeGenerateRequest
 from radixserve.runtime.native_api import _RidBody as AbortRequest
 from radixserve.runtime.openai.protocol import ChatCompletionRequest, CompletionRequest
+from radixserve.runtime.wire.request import SERVER_FIELDS, GenerateRequest
 
-# POST path -> (schema name, the model its handler validates the body with).
-REQUEST_BODIES: dict[str, tuple[str, type[BaseModel]]] = {
+# POST path -> (schema name, the model its handler validates the body with: pydantic, or the wire's msgspec struct).
+REQUEST_BODIES: dict[str, tuple[str, type[Any]]] = {
     "/v1/chat/completions": ("ChatCompletionRequest", ChatCompletionRequest),
     "/v1/completions": ("CompletionRequest", CompletionRequest),
-    "/generate": ("GenerateRequest", NativeGenerateRequest),
+    "/generate": ("GenerateRequest", GenerateRequest),
     "/abort_request": ("AbortRequest", AbortRequest),
     "/load_lora_adapter": ("LoadLoRAAdapterRequest", LoadLoRAAdapterRequest),
     "/unload_lora_adapter": ("UnloadLoRAAdapterRequest", UnloadLoRAAdapterRequest),
@@ -45,7 +46,7 @@ _ERROR = {
 }
 
 
-def install_openapi(app: FastAPI, request_bodies: dict[str, tuple[str, type[BaseModel]]] = REQUEST_BODIES) -> None:
+def install_openapi(app: FastAPI, request_bodies: dict[str, tuple[str, type[Any]]] = REQUEST_BODIES) -> None:
     """Make `app.openapi()` (what /openapi.json serves) document `request_bodies` as well as the routes."""
 
     def openapi() -> dict[str, Any]:
@@ -56,7 +57,7 @@ def install_openapi(app: FastAPI, request_bodies: dict[str, tuple[str, type[Base
     app.openapi = openapi  # type: ignore[method-assign]
 
 
-def _build(app: FastAPI, request_bodies: dict[str, tuple[str, type[BaseModel]]]) -> dict[str, Any]:
+def _build(app: FastAPI, request_bodies: dict[str, tuple[str, type[Any]]]) -> dict[str, Any]:
     schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
     components = schema.setdefault("components", {})
     schemas = components.setdefault("schemas", {})
@@ -65,7 +66,7 @@ def _build(app: FastAPI, request_bodies: dict[str, tuple[str, type[BaseModel]]])
     schemas["ErrorResponse"] = _ERROR
     components["securitySchemes"] = {"apiKey": {"type": "http", "scheme": "bearer"}}
     for path, (name, model) in request_bodies.items():
-        model_schema = model.model_json_schema(ref_template=_REF)
+        model_schema = _model_schema(model)
         schemas.update(model_schema.pop("$defs", {}))
         schemas[name] = model_schema
         operation = schema["paths"][path]["post"]
@@ -75,6 +76,18 @@ def _build(app: FastAPI, request_bodies: dict[str, tuple[str, type[BaseModel]]])
         for operation in operations.values():
             _document_errors(operation, None if path in OPEN_PATHS else [{"apiKey": []}])
     return schema
+
+
+def _model_schema(model: type[Any]) -> dict[str, Any]:
+    """A body model's JSON schema, its definitions under "$defs"; a msgspec struct's without the fields only the
+    server sets."""
+    if issubclass(model, BaseModel):
+        return model.model_json_schema(ref_template=_REF)
+    (_, ), components = msgspec.json.schema_components((model,), ref_template=_REF.replace("{model}", "{name}"))
+    schema = components.pop(model.__name__)
+    for name in SERVER_FIELDS:
+        schema["properties"].pop(name, None)
+    return {**schema, "$defs": components}
 
 
 def _document_errors(operation: dict[str, Any], security: Optional[list[dict[str, list]]]) -> None:

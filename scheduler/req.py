@@ -23,7 +23,7 @@ from typing import Any, Optional
 
 import torch
 
-from radixserve.runtime.wire.messages import FinishReason, SamplingParams, TokenizedGenerateReq
+from radixserve.runtime.wire.messages import FinishReason, SamplingParams, TokenizedGenerateReq, options_of
 
 _EMPTY_SLOTS = torch.empty(0, dtype=torch.int64)
 
@@ -44,15 +44,18 @@ class Req:
         origin_input_ids: list[int],
         sampling_params: SamplingParams,
         namespace: tuple[str, ...] = (),
+        *,
         return_logprob: bool = False,
+        logprob_start_len: int = -1,
         top_logprobs_num: int = 0,
         stream: bool = False,
-        arrival_seq: int = 0,
-        logprob_start_len: int = -1,
         priority: Optional[int] = None,
         tenant_weight: float = 1.0,
         lora_name: Optional[str] = None,
+        arrival_seq: int = 0,
     ) -> None:
+        """The keywords before `arrival_seq` are RequestOptions' fields (runtime/wire/messages.py), which
+        `from_message` passes on by name."""
         self.rid = rid
         # A tuple of ints is untracked by the cyclic collector after its first pass, so the prompts of a full batch
         # (millions of ids) are not walked again by every full collection while the requests run.
@@ -101,11 +104,7 @@ class Req:
 
     @classmethod
     def from_message(cls, msg: TokenizedGenerateReq, arrival_seq: int) -> "Req":
-        return cls(
-            msg.rid, msg.input_ids, msg.sampling_params, msg.namespace, msg.return_logprob,
-            msg.top_logprobs_num, msg.stream, arrival_seq, msg.logprob_start_len, msg.priority, msg.tenant_weight,
-            msg.lora_name,
-        )
+        return cls(msg.rid, msg.input_ids, msg.sampling_params, arrival_seq=arrival_seq, **options_of(msg))
 
     # ---- derived quantities ----------------------------------------------------------------------
     @property

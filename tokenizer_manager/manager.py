@@ -1,7 +1,7 @@
 """The TokenizerManager: the main process's side of the pipeline, on one asyncio event loop.
 
-    generate_request(obj)  -> tokenize (on the TokenizerWorker's thread) + validate the whole batch
-                              (ValueError: nothing was sent),
+    generate_request(obj)  -> normalize (runtime/wire/request.py) unless the caller did, tokenize (on the
+                              TokenizerWorker's thread) + check the whole batch (ValueError: nothing was sent),
                               send one TokenizedGenerateReq per prompt and sample, then yield chunks
                               (stream=True) or the final result(s)
     _recv_loop             -> BatchTextOut from the detokenizer, routed to each request's ReqState
@@ -14,13 +14,11 @@ Abandoning a request's async generator (cancellation, aclose, break) aborts its 
 from __future__ import annotations
 
 import asyncio
-import copy
 import logging
 import time
 import uuid
-from typing import Any, AsyncIterator, Callable, Optional
+from typing import Any, AsyncIterator, Callable, Optional, Union
 
-import msgspec
 import zmq
 import zmq.asyncio
 
@@ -39,12 +37,13 @@ from radixserve.runtime.wire.messages import (
     TokenizedGenerateReq,
     decode,
     encode,
+    options_of,
 )
 from radixserve.runtime.wire.errors import EngineDeadError, request_failed
 from radixserve.runtime.wire.lora import LoadLoRAAdapterReq, LoRAAdapterReqOutput, UnloadLoRAAdapterReq
-from radixserve.runtime.wire.sampling_params import InvalidSamplingParams, LengthLimits, SamplingParams
+from radixserve.runtime.wire.request import GenerateRequest, NormalizedRequest, located, normalize
+from radixserve.runtime.wire.sampling_params import LengthLimits, SamplingParams
 from radixserve.tokenizer_manager.replicas import merge_replies
-from radixserve.tokenizer_manager.io import GenerateReqInput, SingleReq, split_requests
 from radixserve.tokenizer_manager.state import ReqGroup, ReqState
 from radixserve.tokenizer_manager.tokenize import TokenizerWorker
 
@@ -93,32 +92,36 @@ class TokenizerManager:
 
     # ---- requests --------------------------------------------------------------------------------
 
-    async def generate_request(self, obj: GenerateReqInput) -> AsyncIterator[Any]:
+    async def generate_request(self, obj: Union[GenerateRequest, NormalizedRequest]) -> AsyncIterator[Any]:
         """Yield streaming chunks, or once the final result (a dict, or a list for a batch or n > 1).
 
         Raises ValueError (nothing sent) for bad arguments, EngineDeadError if the engine is or goes down.
         """
         group = await self.submit(obj)
-        async for item in self.iterate(group, obj):
+        async for item in self.iterate(group):
             yield item
 
-    async def submit(self, obj: GenerateReqInput) -> ReqGroup:
-        """Tokenize, validate and send every request of `obj`; the caller must then `iterate` (or `release`).
+    async def submit(self, obj: Union[GenerateRequest, NormalizedRequest]) -> ReqGroup:
+        """Normalize (unless the caller did), tokenize, check and send every request of `obj`; the caller must then
+        `iterate` (or `release`) the group.
 
         Raises ValueError before anything is sent, EngineDeadError when the engine is down.
         """
         self._check_alive()
         arrived = time.monotonic()  # the request's latencies (ttft, e2e) count its wait for the tokenizer too
-        checked = await self._tokenize_and_check(obj)
+        request = obj if isinstance(obj, NormalizedRequest) else normalize(obj, self.model_info)
+        tokenized = await self._tokenize_and_check(request)
         self._check_alive()
-        return self._submit(checked, obj, arrived)
+        return self._submit(request, tokenized, arrived)
 
-    async def iterate(self, group: ReqGroup, obj: GenerateReqInput) -> AsyncIterator[Any]:
+    async def iterate(self, group: ReqGroup) -> AsyncIterator[Any]:
         """The chunks (stream) or final result(s) of a submitted group; releases it when done or abandoned."""
-        token_text = self._token_text_fn(obj)
-        incremental = self.incremental_streaming_output if obj.incremental_stream is None else obj.incremental_stream
+        request = group.request
+        token_text = self._token_text_fn(request)
+        incremental = (self.incremental_streaming_output if request.incremental_stream is None
+                       else request.incremental_stream)
         try:
-            if obj.stream:
+            if request.stream:
                 while True:
                     for state in await group.wait():
                         _raise_if_failed(state)
@@ -130,88 +133,54 @@ class TokenizerManager:
                     for state in await group.wait():
                         _raise_if_failed(state)
                 results = [state.result(token_text) for state in group.states]
-                yield results[0] if obj.is_single and len(results) == 1 else results
+                yield results[0] if request.single and len(results) == 1 else results
         finally:
             self.release(group)
 
-    async def _tokenize_and_check(self, obj: GenerateReqInput) -> list[tuple[SingleReq, list[int], SamplingParams]]:
-        """Tokenize and validate every prompt of the batch: (request, input ids, sampling params) each.
-
-        Sampling parameters given as a SamplingParams were checked by whoever built it and are trusted; a dict
-        is checked here. Either way the length rule (`fit_context`) is applied once the prompt is known."""
+    async def _tokenize_and_check(self, request: NormalizedRequest) -> list[tuple[tuple[int, ...], SamplingParams]]:
+        """Each prompt's token ids and its sampling parameters under the length rule (`fit_context`), once its
+        length is known; and what the tokens or the engine's present state decide (logprob_start_len, the
+        adapter)."""
         checked = []
-        for request in split_requests(obj):
+        for prompt in request.prompts:
             try:
-                sampling = request.sampling_params
-                if not isinstance(sampling, SamplingParams):
-                    sampling = SamplingParams.from_request(sampling, self.vocab_size,
-                                                           self.model_info.sampling_defaults)
-                if request.input_ids is not None:
-                    input_ids = request.input_ids
-                    bad = [t for t in input_ids if not 0 <= t < self.vocab_size]
-                    if bad:
-                        raise ValueError(
-                            f"input_ids hold token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}"
-                        )
-                else:
-                    input_ids = tuple(await self.encode(request.text))  # a tuple, as split_requests makes them
-                sampling = sampling.fit_context(len(input_ids), self.limits)
-                if request.lora_name is not None and request.lora_name not in self.lora_adapters:
-                    raise ValueError(_unknown_adapter(request.lora_name, self.model_info.lora_enabled))
-                if request.top_logprobs_num < 0:
-                    raise ValueError(f"top_logprobs_num must be >= 0, got {request.top_logprobs_num}")
-                if not -1 <= request.logprob_start_len <= len(input_ids):
-                    raise ValueError(f"logprob_start_len must be -1 or in [0, {len(input_ids)}], "
-                                     f"got {request.logprob_start_len}")
+                input_ids = prompt.input_ids
+                if input_ids is None:
+                    input_ids = tuple(await self.encode(prompt.text))  # a tuple, as split_prompts makes them
+                sampling = prompt.sampling_params.fit_context(len(input_ids), self.limits)
+                lora_name = prompt.options.lora_name
+                if lora_name is not None and lora_name not in self.lora_adapters:
+                    raise ValueError(_unknown_adapter(lora_name, self.model_info.lora_enabled))
+                start_len = prompt.options.logprob_start_len
+                if not -1 <= start_len <= len(input_ids):
+                    raise ValueError(f"logprob_start_len must be -1 or in [0, {len(input_ids)}], got {start_len}")
             except ValueError as exc:
-                raise _located(exc, request, obj.is_single) from None
-            checked.append((request, input_ids, sampling))
+                raise located(exc, prompt.index, prompt.input_ids is not None, request.single) from None
+            checked.append((input_ids, sampling))
         return checked
 
-    def _submit(self, requests: list[tuple[SingleReq, list[int], SamplingParams]], obj: GenerateReqInput,
+    def _submit(self, request: NormalizedRequest, tokenized: list[tuple[tuple[int, ...], SamplingParams]],
                 arrived: float) -> ReqGroup:
-        """Expand n, register the states, then send: either all of the batch is queued or none of it."""
-        rank = obj.data_parallel_rank
-        if rank is not None and not 0 <= rank < self.num_replicas:
-            error = ValueError(f"data_parallel_rank must be in [0, {self.num_replicas}) (the server runs "
-                               f"{self.num_replicas} data-parallel replicas), got {rank}")
-            error.field = "data_parallel_rank"  # type: ignore[attr-defined]
-            raise error
-        expanded = []
-        for request, input_ids, sampling in requests:
-            n = sampling.n
-            for sample in range(n):
-                rid = request.rid if n == 1 else f"{request.rid}-{sample}"
-                seed = sampling.seed + sample if sampling.seed is not None and n > 1 else sampling.seed
-                expanded.append((request, rid, input_ids, msgspec.structs.replace(sampling, n=1, seed=seed)))
-        in_use = [rid for _, rid, _, _ in expanded if engine_rid(obj.tenant, rid) in self.rid_to_state]
+        """Register a state per sample, then send: either all of the batch is queued or none of it."""
+        expanded = [(prompt, sample, input_ids, prompt.sample_params(sampling, sample))
+                    for prompt, (input_ids, sampling) in zip(request.prompts, tokenized) for sample in prompt.samples]
+        tenant = request.tenant
+        in_use = [sample.rid for _, sample, _, _ in expanded if engine_rid(tenant, sample.rid) in self.rid_to_state]
         if in_use:
             raise ValueError(f"request id(s) already in use: {', '.join(in_use[:5])}")
 
         states = [
-            ReqState(rid=engine_rid(obj.tenant, rid), display_rid=rid, user_rid=request.rid, tenant=obj.tenant,
-                     index=i, prompt_ids=input_ids, return_logprob=request.return_logprob,
-                     logprob_start_len=request.logprob_start_len, created=arrived)
-            for i, (request, rid, input_ids, _) in enumerate(expanded)
+            ReqState(rid=engine_rid(tenant, sample.rid), display_rid=sample.rid, user_rid=prompt.rid, tenant=tenant,
+                     index=i, prompt_ids=input_ids, return_logprob=prompt.options.return_logprob,
+                     logprob_start_len=prompt.options.logprob_start_len, created=arrived)
+            for i, (prompt, sample, input_ids, _) in enumerate(expanded)
         ]
-        group = ReqGroup(states)
+        group = ReqGroup(states, request)
         self.groups.add(group)
-        for state, (request, _, input_ids, sampling) in zip(states, expanded):
+        for state, (prompt, _, input_ids, sampling) in zip(states, expanded):
             self.rid_to_state[state.rid] = (state, group)
-            self._send(TokenizedGenerateReq(
-                rid=state.rid,
-                input_ids=input_ids,
-                sampling_params=sampling,
-                namespace=request.namespace(obj.tenant),
-                return_logprob=request.return_logprob,
-                logprob_start_len=request.logprob_start_len,
-                top_logprobs_num=request.top_logprobs_num,
-                stream=obj.stream,
-                priority=request.priority,
-                tenant_weight=obj.tenant_weight,
-                lora_name=request.lora_name,
-                routed_dp_rank=rank,
-            ))
+            self._send(TokenizedGenerateReq(rid=state.rid, input_ids=input_ids, sampling_params=sampling,
+                                            routed_dp_rank=request.routed_dp_rank, **options_of(prompt.options)))
         return group
 
     def release(self, group: ReqGroup) -> None:
@@ -224,8 +193,8 @@ class TokenizerManager:
             if not state.finished and self.dead is None:
                 self._send(AbortReq(rid=state.rid))
 
-    def _token_text_fn(self, obj: GenerateReqInput) -> Callable[[int], Optional[str]]:
-        if not obj.return_text_in_logprobs:
+    def _token_text_fn(self, request: NormalizedRequest) -> Callable[[int], Optional[str]]:
+        if not request.return_text_in_logprobs:
             return lambda token_id: None
         return lambda token_id: self.tokenizer.decode([token_id])
 
@@ -421,20 +390,6 @@ def _raise_if_failed(state: ReqState) -> None:
     """A request that finished with an error (not a plain abort) raises its typed exception to the caller."""
     if state.error_status is not None:
         raise request_failed(state.finish_reason.get("message") or "the request failed", state.error_status)
-
-
-def _located(error: ValueError, request: SingleReq, single: bool) -> ValueError:
-    """The same error (same type: ContextLengthExceededError stays one), with `field` naming the request field
-    at fault and, in a batch, the message naming the prompt."""
-    if isinstance(error, InvalidSamplingParams):
-        field = "sampling_params" + (f".{error.field}" if error.field else "")
-    else:
-        field = "input_ids" if request.input_ids is not None else "text"
-    located = copy.copy(error)
-    if not single:
-        located.args = (f"prompt {request.index} of the batch: {error}",)
-    located.field = field  # type: ignore[attr-defined]
-    return located
 
 
 def engine_rid(tenant: Optional[str], rid: str) -> str:

@@ -1,6 +1,6 @@
 """Per-request state in the TokenizerManager, and the result dicts built from it.
 
-A caller's GenerateReqInput becomes a `ReqGroup` of `ReqState`s (one per prompt and per sample of `n`). The
+A caller's normalized request becomes a `ReqGroup` of `ReqState`s (one per prompt and per sample of `n`). The
 receive loop appends each BatchTextOut entry to its ReqState and marks it dirty in its group; the caller's
 coroutine waits on the group's event, then takes streaming chunks (the whole output so far, or with incremental
 streaming what is new since the last chunk) or, once every state finished, the final results. All of it lives on the TokenizerManager's event loop thread.
@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from radixserve.runtime.wire.messages import FinishReason, SpecCounts
+from radixserve.runtime.wire.request import NormalizedRequest
 
 TokenText = Callable[[int], Optional[str]]  # token id -> its text, or None when texts were not asked for
 
@@ -141,10 +142,12 @@ class ReqState:
 
 
 class ReqGroup:
-    """The states of one caller's request, the event its coroutine waits on, and any engine failure."""
+    """The states of one caller's request, the request itself, the event its coroutine waits on, and any engine
+    failure."""
 
-    def __init__(self, states: list[ReqState]):
+    def __init__(self, states: list[ReqState], request: NormalizedRequest):
         self.states = states
+        self.request = request
         self.event = asyncio.Event()
         self.dirty: dict[int, None] = {}  # indices (into states) with news, in arrival order
         self.error: Optional[BaseException] = None

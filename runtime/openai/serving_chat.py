@@ -27,7 +27,6 @@ from radixserve.runtime.openai.protocol import ChatCompletionRequest, ChatMessag
 from radixserve.runtime.openai.serving_common import (
     ChoiceOutput,
     check_model,
-    choice_params,
     openai_finish_reason,
     sampling_params,
     usage,
@@ -39,7 +38,7 @@ from radixserve.runtime.openai.tool_calling import (
     plan_chat_output,
     split_output,
 )
-from radixserve.tokenizer_manager.io import GenerateReqInput
+from radixserve.runtime.openai.translate import chat_request, normalized
 
 
 async def encode_chat(state: ServerState, messages: list[ChatMessage],
@@ -64,25 +63,10 @@ async def create_chat_completion(
     params = sampling_params(state, body, body.max_new_tokens)
     input_ids = await encode_chat(state, body.messages, plan, **body.template_kwargs())
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
-    rids = [f"{response_id}-{i}" for i in range(body.n)]
-    requests = [
-        GenerateReqInput(
-            input_ids=input_ids,
-            sampling_params=choice_params(params, i),
-            rid=rids[i],
-            return_logprob=body.logprobs,
-            top_logprobs_num=body.top_logprobs or 0,
-            stream=body.stream,
-            cache_salt=body.cache_salt,
-            priority=body.priority,
-            lora_path=lora_name,
-            data_parallel_rank=body.dp_rank,
-            tenant=tenant,
-            tenant_weight=state.tenants.weight_of(tenant),
-            incremental_stream=True,
-        )
-        for i in range(body.n)
-    ]
+    request = normalized(chat_request(body, input_ids, params, response_id, lora_name, tenant,
+                                      state.tenants.weight_of(tenant)), state.model_info)
+    requests = request.per_sample()  # one engine request per choice
+    rids = request.sample_rids()[response_id]
     run = GenerationRun(state, {response_id: rids}, requests, tenant, http_request)
     header = {"id": response_id, "created": int(time.time()), "model": state.served_model_name}
     if body.stream:

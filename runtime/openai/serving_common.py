@@ -17,12 +17,11 @@ from radixserve.runtime.lora_api import adapter_of
 from radixserve.runtime.http_state import ServerState
 from radixserve.runtime.openai.errors import APIError, bad_request
 from radixserve.runtime.openai.protocol import (
-    INT64_MAX,
-    INT64_MIN,
     OpenAISamplingFields,
     parse_logit_bias,
     stop_list,
 )
+from radixserve.runtime.wire.request import sample_seed
 from radixserve.runtime.wire.sampling_params import InvalidSamplingParams, SamplingParams
 
 # The OpenAI field that maps onto each sampling parameter, for the `param` of a 400.
@@ -88,13 +87,10 @@ def constraint_params(body: OpenAISamplingFields) -> dict[str, Any]:
 
 
 def choice_params(params: SamplingParams, choice: int) -> SamplingParams:
-    """Choice i of n draws with seed + i, so n seeded choices differ yet are reproducible."""
+    """Choice i's parameters: its sample's seed as `normalize` draws it (seed + i, kept in 64 bits)."""
     if choice == 0 or params.seed is None:
         return params
-    seed = params.seed + choice
-    if seed > INT64_MAX:
-        seed = INT64_MIN + (seed - INT64_MAX - 1)
-    return msgspec.structs.replace(params, seed=seed)
+    return msgspec.structs.replace(params, seed=sample_seed(params.seed, choice))
 
 
 def _new_part(values: Optional[list], seen: int, num_new: int) -> list:

@@ -33,12 +33,11 @@ from radixserve.runtime.openai.serving_common import (
     ChoiceOutput,
     Delta,
     check_model,
-    choice_params,
     openai_finish_reason,
     sampling_params,
     usage,
 )
-from radixserve.tokenizer_manager.io import GenerateReqInput
+from radixserve.runtime.openai.translate import completion_request, normalized
 
 
 @dataclass
@@ -70,29 +69,11 @@ async def create_completion(
     raw_prompts = body.prompts()
     prompts = [await _tokenize(state, p, "prompt" if len(raw_prompts) == 1 else f"prompt[{i}]")
                for i, p in enumerate(raw_prompts)]
-    want_logprobs = body.logprobs is not None
     response_id = f"cmpl-{uuid.uuid4().hex}"
-    requests, rids = [], []
-    for p_index, prompt in enumerate(prompts):
-        for i in range(body.n):
-            rid = f"{response_id}-{p_index * body.n + i}"
-            rids.append(rid)
-            requests.append(GenerateReqInput(
-                input_ids=prompt.input_ids,
-                sampling_params=choice_params(params, i),
-                rid=rid,
-                return_logprob=want_logprobs,
-                logprob_start_len=0 if (want_logprobs and body.echo) else -1,
-                top_logprobs_num=body.logprobs or 0,
-                stream=body.stream,
-                cache_salt=body.cache_salt,
-                priority=body.priority,
-                lora_path=lora_name,
-                data_parallel_rank=body.dp_rank,
-                tenant=tenant,
-                tenant_weight=state.tenants.weight_of(tenant),
-                incremental_stream=True,
-            ))
+    request = normalized(completion_request(body, [prompt.input_ids for prompt in prompts], params, response_id,
+                                            lora_name, tenant, state.tenants.weight_of(tenant)), state.model_info)
+    requests = request.per_sample()  # one engine request per choice, prompt-major (index = prompt * n + choice)
+    rids = [rid for sample_rids in request.sample_rids().values() for rid in sample_rids]
     header = {"id": response_id, "created": int(time.time()), "model": state.served_model_name}
     run = GenerationRun(state, {response_id: rids}, requests, tenant, http_request)
     if body.stream:

@@ -2,8 +2,9 @@
 the EngineReplica deployment through its handle.
 
 - Generation: the prompt is tokenized here (the replicas' own tokenizer, sent by `describe`) to route on token
-  ids; the request goes to the replica the router picks, as a Ray streaming call, with its route as a keyword.
-  A batch (several prompts in one request) goes to one replica, chosen by its first prompt.
+  ids, in the cache namespace `normalize` decided (runtime/wire/request.py); the request goes to the replica the
+  router picks, as a Ray streaming call, with its route as a keyword. A batch (several prompts in one request)
+  goes to one replica, chosen by its first prompt.
 - Tokenization for the OpenAI routes (`async_encode`, `async_encode_chat`) runs here, as the Engine runs it.
 - Control requests (flush, server info, cache tree, abort) go to every replica the router knows, one call each,
   addressed with ReplicaTarget; their replies are merged as the `--dp-size` replicas' are
@@ -23,7 +24,7 @@ import dataclasses
 import logging
 import time
 import uuid
-from typing import Any, AsyncIterator, Callable, Optional, TypeVar
+from typing import Any, AsyncIterator, Callable, Optional, TypeVar, Union
 
 import msgspec
 import ray.exceptions
@@ -37,7 +38,7 @@ from radixserve.runtime.wire.errors import EngineDeadError
 from radixserve.runtime.wire.messages import UNBOUNDED_NEW_TOKENS
 from radixserve.runtime.wire.sampling_params import LengthLimits, SamplingParams
 from radixserve.runtime.wire.server_args import ServerArgs
-from radixserve.tokenizer_manager.io import GenerateReqInput, split_requests
+from radixserve.runtime.wire.request import GenerateRequest, NormalizedRequest, split_prompts
 from radixserve.tokenizer_manager.replicas import merge_cache_trees, merge_server_info
 from radixserve.tokenizer_manager.tokenize import TokenizerWorker, load_chat_template
 
@@ -75,7 +76,7 @@ class EngineProxy:
         return dict(self.model_info.lora_adapters)
 
     # ---- generation ------------------------------------------------------------------------------
-    async def generate_request(self, obj: GenerateReqInput) -> AsyncIterator[Any]:
+    async def generate_request(self, obj: Union[GenerateRequest, NormalizedRequest]) -> AsyncIterator[Any]:
         route = await self._route(obj)
         stream, first = await self._start(obj, route)
         arrivals: dict[int, list[float]] = {}
@@ -94,7 +95,7 @@ class EngineProxy:
             if not finished:
                 stream.cancel()  # the replica's iteration is closed, which aborts the request in its engine
 
-    async def _start(self, obj: GenerateReqInput, route: PrefixRoute) -> tuple[Any, Any]:
+    async def _start(self, obj: Union[GenerateRequest, NormalizedRequest], route: PrefixRoute) -> tuple[Any, Any]:
         """Send the request and wait for its first chunk; a replica whose engine is down refuses it before it
         starts, and it goes to another one."""
         for attempt in range(1, MAX_ATTEMPTS + 1):
@@ -129,18 +130,21 @@ class EngineProxy:
             if meta.get("finish_reason") is not None:
                 self.request_observer({**meta, "tenant": tenant}, arrivals.pop(index))
 
-    async def _route(self, obj: GenerateReqInput) -> PrefixRoute:
-        """The request's namespace and its (first) prompt's token ids."""
-        if obj.input_ids is not None:
-            ids = obj.input_ids if obj.is_single else obj.input_ids[0]
-        else:
-            text = obj.text if isinstance(obj.text, str) else (obj.text or [""])[0]
-            ids = await self.async_encode(text) if isinstance(text, str) else []
-        first = split_requests(obj)[0]
-        params = first.sampling_params
-        max_new = params.max_new_tokens if isinstance(params, SamplingParams) else (params or {}).get("max_new_tokens")
+    async def _route(self, obj: Union[GenerateRequest, NormalizedRequest]) -> PrefixRoute:
+        """The request's cache namespace, as `normalize` decided it, and its (first) prompt's token ids."""
+        if isinstance(obj, NormalizedRequest):
+            first = obj.prompts[0]
+            namespace, ids, max_new = first.options.namespace, first.input_ids, first.sampling_params.max_new_tokens
+            text = first.text
+        else:  # an in-process caller's request: its replica's engine normalizes it; the namespace is the same
+            first = split_prompts(obj)[0]
+            namespace, ids, text = first.namespace(obj.tenant), first.input_ids, first.text
+            params = first.sampling_params
+            max_new = params.max_new_tokens if isinstance(params, SamplingParams) else params.get("max_new_tokens")
+        if ids is None:
+            ids = await self.async_encode(text)
         tokens = len(ids) + (UNBOUNDED_NEW_TOKENS if max_new is None else int(max_new))
-        return PrefixRoute(first.namespace(obj.tenant), tuple(ids), tokens)
+        return PrefixRoute(namespace, tuple(ids), tokens)
 
     # ---- tokenization ----------------------------------------------------------------------------
     async def async_encode(self, text: str) -> list[int]:

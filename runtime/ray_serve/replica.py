@@ -11,7 +11,7 @@ new requests with ReplicaEngineDeadError, which the ingress sends to another rep
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Optional
+from typing import Any, AsyncIterator, Optional, Union
 
 from ray import serve
 
@@ -19,7 +19,7 @@ from radixserve.runtime.engine import Engine
 from radixserve.runtime.ray_serve.routing import ReplicaEngineDeadError
 from radixserve.runtime.wire.errors import EngineDeadError
 from radixserve.runtime.wire.messages import ModelInfo
-from radixserve.tokenizer_manager.io import GenerateReqInput
+from radixserve.runtime.wire.request import GenerateRequest, NormalizedRequest
 
 
 @dataclass
@@ -35,7 +35,7 @@ class EngineReplica:
     def __init__(self, engine_args: dict[str, Any]) -> None:
         self.engine = Engine(**engine_args)
 
-    async def generate(self, obj: GenerateReqInput, route: Any = None) -> AsyncIterator[Any]:
+    async def generate(self, obj: Union[GenerateRequest, NormalizedRequest], route: Any = None) -> AsyncIterator[Any]:
         if not self.engine.is_healthy():  # refused before it starts, so the ingress may retry it elsewhere
             raise ReplicaEngineDeadError(serve.get_replica_context().replica_id.unique_id,
                                          "the engine is not running")

@@ -1,5 +1,9 @@
 """The wire: what every process of radixserve shares, and nothing else.
 
+- `request`: `GenerateRequest`, the one request every surface decodes into, and `normalize`, which decides once
+  what follows from it (batch shape, n expansion, sampling parameters, the cache namespace);
+- `request_body`: native /generate's JSON body as a GenerateRequest;
+- `compat`: SGLang's and vLLM's request fields radixserve does not implement, and the one rule for accepting them;
 - `messages`: every message that crosses a process boundary (tagged msgspec Structs, one `Message` union);
 - `sampling_params`: `SamplingParams`, the one validator of a request's sampling parameters and its length rule;
 - `server_args`: `ServerArgs`, the one typed configuration object;

@@ -64,11 +64,12 @@ class FinishReason(msgspec.Struct, kw_only=True, omit_defaults=True):
         return out
 
 
-class TokenizedGenerateReq(msgspec.Struct, tag=True):
-    rid: str
-    input_ids: list[int]
-    sampling_params: SamplingParams
-    namespace: tuple[str, ...] = ()  # cache namespace: (tenant id, cache_salt, ...); () is the default
+class RequestOptions(msgspec.Struct, kw_only=True):
+    """What the scheduler reads of a request beside its prompt and sampling parameters, decided once by
+    `request.normalize` and carried unchanged: into the TokenizedGenerateReq (which is one), then into the
+    scheduler's `Req` (whose keyword arguments carry these names)."""
+
+    namespace: tuple[str, ...] = ()  # cache namespace (request.make_namespace); () is the default
     return_logprob: bool = False
     logprob_start_len: int = -1  # -1: no input-token logprobs
     top_logprobs_num: int = 0
@@ -76,6 +77,19 @@ class TokenizedGenerateReq(msgspec.Struct, tag=True):
     priority: Optional[int] = None  # SGLang's per-request priority (scheduler/fair_share.py)
     tenant_weight: float = 1.0  # the tenant's fair-share weight, from the tenants file
     lora_name: Optional[str] = None  # the LoRA adapter to run under (None: the base model)
+
+
+def options_of(message: RequestOptions) -> dict[str, Any]:
+    """The RequestOptions fields of `message` (a TokenizedGenerateReq), by name."""
+    return {name: getattr(message, name) for name in RequestOptions.__struct_fields__}
+
+
+class TokenizedGenerateReq(RequestOptions, tag=True):
+    """One sample of one prompt, tokenized, with its RequestOptions."""
+
+    rid: str
+    input_ids: list[int]
+    sampling_params: SamplingParams
     routed_dp_rank: Optional[int] = None  # the data-parallel replica the caller asked for (None: any)
 
 

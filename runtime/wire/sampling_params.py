@@ -18,6 +18,7 @@ from typing import Any, Mapping, Optional
 
 import msgspec
 
+from radixserve.runtime.wire.compat import SAMPLING_UNSUPPORTED, absorb_sampling
 from radixserve.runtime.wire.errors import ContextLengthExceededError
 from radixserve.runtime.wire.grammar_check import check_grammar
 
@@ -27,17 +28,6 @@ BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "spaces_between_special_toke
 GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf")
 # What a model's generation_config.json may set for requests that leave it unset (SGLang's --sampling-defaults model).
 MODEL_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-# SGLang's sampling parameters that this server does not implement -> (the value that asks for nothing, feature).
-UNSUPPORTED_FIELDS: dict[str, tuple[Any, str]] = {
-    "no_stop_trim": (False, "keeping the stop string in the output"),
-    "stop_regex": ([], "stop regexes"),
-    "structural_tag": ("", "structural tags"),
-    "custom_params": ({}, "custom logit processors"),
-    "stream_interval": (1, "a streaming interval other than every token"),
-    "top_n_sigma": (0, "top-n-sigma sampling"),
-}
-# SGLang's other name of a parameter here.
-ALIASES = {"sampling_seed": "seed"}
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 # Below this a temperature means greedy (SGLang's threshold); dividing logits by it would overflow them anyway.
 GREEDY_BELOW_TEMPERATURE = 1e-5
@@ -83,7 +73,7 @@ class SamplingParams(msgspec.Struct, kw_only=True):
         A parameter that is absent or null is unset: `defaults` (the model's generation_config.json values,
         MODEL_DEFAULT_FIELDS only) fill it, else the struct's own default. Out-of-vocabulary stop_token_ids are
         dropped (as SGLang does: they can never be sampled). SGLang's sampling parameters that this server does
-        not implement are accepted at their default and refused otherwise (UNSUPPORTED_FIELDS)."""
+        not implement are accepted when they ask for nothing and refused otherwise (compat.py)."""
         params = {name: value for name, value in (params or {}).items()
                   if value is not None or name == "max_new_tokens"}  # None there: up to the context window
         for name, value in (defaults or {}).items():
@@ -129,7 +119,7 @@ def _field_of(message: str, params: dict[str, Any]) -> Optional[str]:
         return message.split(": ", 1)[1].split(",")[0].split(";")[0].strip()
     if message.startswith("give at most one"):
         return message.rsplit(", ", 1)[-1].rstrip(")")
-    names = [name for name in (*SamplingParams.__struct_fields__, *UNSUPPORTED_FIELDS)
+    names = [name for name in (*SamplingParams.__struct_fields__, *SAMPLING_UNSUPPORTED)
              if message.startswith(name) or message.startswith(f"invalid {name}")]
     return max(names, key=len, default=None)
 
@@ -176,22 +166,8 @@ def _token_id(name: str, value: Any, vocab_size: int) -> int:
     return token
 
 
-def _absorb_foreign(params: dict[str, Any]) -> None:
-    """Drop SGLang's parameters that ask for nothing here; refuse those that ask for an unsupported feature."""
-    for alias, name in ALIASES.items():
-        if alias in params:
-            if name in params and params[name] != params[alias]:
-                raise ValueError(f"give one of {name} and {alias} (SGLang's name of {name}), not both")
-            params[name] = params.pop(alias)
-    for name, (default, feature) in UNSUPPORTED_FIELDS.items():
-        if name in params:
-            value = params.pop(name)
-            if value != default and value not in ("", [], {}, False):
-                raise ValueError(f"{name}: this server does not support {feature}; leave {name} out or null")
-
-
 def _build(params: dict[str, Any], vocab_size: int) -> SamplingParams:
-    _absorb_foreign(params)
+    absorb_sampling(params)
     unknown = sorted(set(params) - set(SamplingParams.__struct_fields__))
     if unknown:
         raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}; "
