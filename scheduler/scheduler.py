@@ -232,7 +232,7 @@ class Scheduler:
         self.grammars.discard(req)
         if req is requests.chunked_req:
             requests.chunked_req = None
-        self.requests.finish(req, FinishReason.abort("aborted by request"))
+        requests.finish(req, FinishReason.abort("aborted by request"))
 
     def flush_cache(self) -> tuple[bool, str]:
         if self.waiting or self.running or self.chunked_req is not None:
