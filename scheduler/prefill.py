@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 
@@ -28,17 +28,15 @@ from radixserve.radix_cache.keys import common_prefix_length
 from radixserve.radix_cache.pool import KVAllocator, ReqToTokenPool
 from radixserve.scheduler.batch import ScheduleBatch, allocate_slots
 from radixserve.scheduler.batch_builder import BatchBuilder
+from radixserve.scheduler.decode import DecodePlanner
 from radixserve.scheduler.fair_share import FairShare
 from radixserve.scheduler.input_logprobs import prefix_limit
 from radixserve.scheduler.lifecycle import RequestLifecycle
 from radixserve.scheduler.lora import LoRAScheduling
 from radixserve.scheduler.policy import CLIP_MAX_NEW_TOKENS, NewTokenRatio, PrefillAdder, SchedulePolicy
 from radixserve.scheduler.req import Req
+from radixserve.scheduler.results import ResultProcessor
 from radixserve.scheduler.stats import SchedulerStats, prefill_log_line, used_kv_tokens
-
-if TYPE_CHECKING:
-    from radixserve.scheduler.decode import DecodePlanner
-    from radixserve.scheduler.results import ResultProcessor
 
 logger = logging.getLogger(__name__)
 

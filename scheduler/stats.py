@@ -1,4 +1,4 @@
-"""Scheduler counters and the periodic decode log line.
+"""Scheduler counters, the prefill and periodic decode log lines, and the KV tokens in use that they report.
 
 Counters are cumulative over the scheduler's life. `cached_tokens` / `queried_tokens` count each request's
 prefix match at its first admission, so the hit rate is "share of prompt tokens served from the cache".
