@@ -33,13 +33,19 @@ class SchedulerState(Protocol):
     page_size: int
     chunk_size: Optional[int]
     overlap: bool
-    running: list
-    waiting: list
-    chunked_req: Any
     grammars: Any
     new_token_ratio: Any
     fair_share: Any
     speculator: Any
+
+    @property
+    def running(self) -> list: ...
+
+    @property
+    def waiting(self) -> list: ...
+
+    @property
+    def chunked_req(self) -> Any: ...
 
 
 def ready_info(scheduler: SchedulerState) -> ModelInfo:

@@ -89,7 +89,7 @@ class LaunchedBatch:
 
     def result(self) -> BatchResult:
         """The batch's samples; raises `torch.OutOfMemoryError` when the device could not hold the batch (the
-        scheduler fails the batch's requests and serves on, see `Scheduler._fail_batch`)."""
+        scheduler fails the batch's requests and serves on, see `ResultProcessor.fail_batch` in results.py)."""
         return self._future.result().wait()
 
 

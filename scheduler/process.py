@@ -1,4 +1,4 @@
-"""The scheduler process: ZMQ in, Scheduler steps, ZMQ out.
+"""The scheduler process: ZMQ in, Scheduler steps, ZMQ out (the loop is loop.py's `serve`, on every rank).
 
     recv (block only when idle) -> handle messages -> step -> send outputs
 
@@ -20,25 +20,20 @@ import sys
 import threading
 import time
 import traceback
-
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import zmq
 
 from radixserve.runtime.wire.heap import settle_heap
 from radixserve.runtime.wire.ipc import IpcPaths, make_pull, make_push
-from radixserve.runtime.wire.messages import ProcessFailed, ProcessReady, decode, encode
+from radixserve.runtime.wire.messages import ProcessFailed, ProcessReady, encode
 from radixserve.runtime.wire.server_args import ServerArgs
+from radixserve.scheduler.loop import InputSource, SocketInput, serve
 from radixserve.scheduler.watchdog import StepWatchdog, describe_scheduler
-
-if TYPE_CHECKING:
-    from radixserve.scheduler.replica_report import ReplicaReporter
 
 logger = logging.getLogger(__name__)
 
 PARENT_POLL_S = 0.5
-IDLE_POLL_MS = 1000  # an idle scheduler wakes up this often even without messages
-BUSY_POLL_MS = 1  # a scheduler with nothing runnable (e.g. waiting for memory) naps this long
 
 
 def run_scheduler_process(server_args: ServerArgs, ipc: IpcPaths, parent_pid: int, tp_rank: int = 0,
@@ -83,14 +78,9 @@ def run_scheduler_process(server_args: ServerArgs, ipc: IpcPaths, parent_pid: in
 
         reporter = ReplicaReporter(dp_rank, make_push(ctx, ipc.replica_reports), scheduler)
     try:
-        watchdog.start()
-        if server_args.tp_size > 1:
-            from radixserve.scheduler.tp import TPRelay, serve_tp
-
-            relay = TPRelay(tp_rank, scheduler.runner.tp_cpu_group)
-            serve_tp(scheduler, relay, receiver, sender if tp_rank == 0 else None, watchdog, reporter)
-        else:
-            serve(scheduler, receiver, sender, watchdog, reporter)
+        watchdog.start()  # on every rank: a rank stuck in a step ends its process, and with it the group
+        serve(scheduler, _input_source(scheduler, receiver, tp_rank), sender if tp_rank == 0 else None, watchdog,
+              reporter)
     except BaseException:
         logger.exception("%s crashed", name)
         sender.send(encode(ProcessFailed(process=name, error=traceback.format_exc())))
@@ -104,35 +94,15 @@ def scheduler_process_name(tp_rank: int = 0, dp_rank: Optional[int] = None) -> s
     return name if tp_rank == 0 else f"{name}-tp{tp_rank}"
 
 
-def serve(scheduler, receiver: zmq.Socket, sender: zmq.Socket, watchdog: StepWatchdog,
-          reporter: Optional[ReplicaReporter] = None) -> None:
-    """The loop: never spins when idle (blocks on the socket), never blocks while there is work. Each round
-    after the wait is watched by `watchdog`; a data-parallel replica's `reporter` hears of each request and
-    reports after each round."""
-    poller = zmq.Poller()
-    poller.register(receiver, zmq.POLLIN)
-    worked = True
-    while True:
-        if scheduler.is_idle():
-            timeout = IDLE_POLL_MS
-        else:
-            timeout = 0 if worked else BUSY_POLL_MS
-        readable = poller.poll(timeout)
-        with watchdog.busy():
-            while readable:
-                try:
-                    data = receiver.recv(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                message = decode(data)
-                if reporter is not None:
-                    reporter.received_request(message)
-                scheduler.handle_message(message)
-            worked = scheduler.step()
-            for message in scheduler.take_outputs():
-                sender.send(encode(message))
-            if reporter is not None:
-                reporter.after_round()
+def _input_source(scheduler, receiver: Optional[zmq.Socket], tp_rank: int) -> InputSource:
+    """The socket (only rank 0 has one), relayed to every rank of a tensor-parallel group."""
+    socket = SocketInput(receiver) if receiver is not None else None
+    if scheduler.args.tp_size == 1:
+        assert socket is not None
+        return socket
+    from radixserve.scheduler.tp import TPInput, TPRelay
+
+    return TPInput(TPRelay(tp_rank, scheduler.runner.tp_cpu_group), socket)
 
 
 def _watch_parent(parent_pid: int) -> None:

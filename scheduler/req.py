@@ -12,8 +12,9 @@ Token bookkeeping of a request with prompt length `L` (`origin_input_ids`) and `
   the tree owns, and the locked tree node that ends them. Slots after `len(prefix_indices)` up to `kv_len` are
   the request's own ("held") until it is released into the cache.
 
-Ownership: a request's row and KV are released exactly once, through `release_kv` in the scheduler, and only
-when no launched batch that includes the request is still unprocessed (`num_inflight == 0`).
+Ownership: a request's row and KV are released exactly once, through `RequestLifecycle.release_kv`
+(scheduler/lifecycle.py), and only when no launched batch that includes the request is still unprocessed
+(`num_inflight == 0`).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Scheduler counters and the periodic decode log line.
+"""Scheduler counters, the prefill and periodic decode log lines, and the KV tokens in use that they report.
 
 Counters are cumulative over the scheduler's life. `cached_tokens` / `queried_tokens` count each request's
 prefix match at its first admission, so the hit rate is "share of prompt tokens served from the cache".
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -103,3 +104,8 @@ def decode_log_line(
         f"Decode batch. #running-req: {num_running}, #queue-req: {num_queued}, #token: {used_tokens}, "
         f"token usage: {usage:.2f}, cache hit rate: {hit_rate:.2%}, gen throughput (token/s): {throughput:.2f}"
     )
+
+
+def used_kv_tokens(allocator: Any, cache: Any) -> int:
+    """KV slots in use by requests: neither free nor held by the cache for reuse only (evictable)."""
+    return allocator.size - allocator.available_size() - cache.evictable_size()

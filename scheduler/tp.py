@@ -1,11 +1,12 @@
-"""The scheduler loop of a tensor-parallel group: rank 0 relays its messages, every rank steps in lockstep.
+"""The input of a tensor-parallel group's scheduler loop (scheduler/loop.py): rank 0 relays its messages, every
+rank steps in lockstep.
 
 Every rank runs its own Scheduler over its own shard of the model. They stay identical because they see the
 same inputs in the same order: once per loop iteration, rank 0 broadcasts the raw bytes of the messages it
 received from the TokenizerManager (possibly none) over the gloo CPU group, then every rank handles them and
-runs one `step()`. Scheduling is deterministic given those inputs (sampled ids are broadcast from rank 0 by the
-ModelRunner), so every rank builds the same batches, and the forward pass's collectives always pair up. Only
-rank 0 sends outputs; the others drop theirs.
+runs one `step()` (`TPInput` is each rank's input source). Scheduling is deterministic given those inputs
+(sampled ids are broadcast from rank 0 by the ModelRunner), so every rank builds the same batches, and the
+forward pass's collectives always pair up. Only rank 0 sends outputs; the others drop theirs.
 
 A desync would otherwise be silent (or a hang), so it is checked: when rank 0 goes idle after work, it asks
 every rank for a digest of its scheduler state (free and evictable KV slots, tree size, request rows); a
@@ -18,20 +19,12 @@ the step under TP, so every rank admits a structured-output request at the same 
 from __future__ import annotations
 
 import hashlib
-import logging
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch.distributed as dist
-import zmq
 
-from radixserve.runtime.wire.messages import decode, encode
-from radixserve.scheduler.watchdog import StepWatchdog
-
-logger = logging.getLogger(__name__)
-
-IDLE_POLL_MS = 1000
-BUSY_POLL_MS = 1
+from radixserve.scheduler.loop import InputSource
 
 
 class TPDesyncError(RuntimeError):
@@ -83,59 +76,35 @@ class TPRelay:
             raise TPDesyncError(f"tensor-parallel ranks diverged: state digests by rank {digests}")
 
 
-def serve_tp(scheduler: Any, relay: TPRelay, receiver: Optional[zmq.Socket], sender: Optional[zmq.Socket],
-             watchdog: StepWatchdog, reporter: Any = None) -> None:
-    """The loop of every rank (rank 0 with its sockets and, in a data-parallel replica, its reporter; the
-    others with None): never returns. `watchdog` watches each rank's round of work after the exchange; waiting
-    in the exchange for rank 0 is not work, so an idle group never trips it, and a rank stuck in a step (or in
-    a collective whose peer is stuck) ends its process, which takes the group down."""
-    poller = zmq.Poller()
-    if receiver is not None:
-        poller.register(receiver, zmq.POLLIN)
-    worked = True
-    checked = True
-    while True:
+class TPInput:
+    """The input of every rank of a tensor-parallel group (scheduler/loop.py): rank 0 receives from its socket
+    and broadcasts the round's messages; the others take them from the broadcast. Waiting in the exchange for rank
+    0 is not work, so an idle group never trips the watchdog; a rank stuck in a step (or in a collective whose
+    peer is stuck) ends its process, which takes the group down."""
+
+    def __init__(self, relay: TPRelay, socket: Optional[InputSource]) -> None:
+        """`socket`: rank 0's input (None on the other ranks)."""
+        self.relay = relay
+        self.socket = socket
+        self._checked = True  # rank 0: the digests were compared since the group last worked
+        self._check_digest = False  # this round compares them
+
+    def receive(self, timeout_ms: int, idle: bool) -> list[bytes]:
         step_input = None
-        if relay.rank == 0:
-            idle = scheduler.is_idle()
-            timeout = IDLE_POLL_MS if idle else (0 if worked else BUSY_POLL_MS)
-            step_input = TPStepInput(_drain(receiver, poller, timeout), check_digest=idle and not checked)
-            checked = idle
-        step_input = relay.exchange(step_input)
-        with watchdog.busy():
-            worked = _round(scheduler, relay, step_input, sender, reporter)
+        if self.relay.rank == 0:
+            assert self.socket is not None, "rank 0 of a tensor-parallel group receives the messages"
+            step_input = TPStepInput(self.socket.receive(timeout_ms, idle), check_digest=idle and not self._checked)
+            self._checked = idle
+        step_input = self.relay.exchange(step_input)
+        self._check_digest = step_input.check_digest
+        return step_input.messages
 
+    def start_round(self, scheduler: Any) -> None:
+        if self._check_digest:
+            self.relay.check_digests(scheduler)
 
-def _round(scheduler: Any, relay: TPRelay, step_input: TPStepInput, sender: Optional[zmq.Socket],
-           reporter: Any) -> bool:
-    """One round of work on every rank: the messages of this round, one step, the outputs (rank 0 sends)."""
-    if step_input.check_digest:
-        relay.check_digests(scheduler)
-    for data in step_input.messages:
-        message = decode(data)
-        if reporter is not None:
-            reporter.received_request(message)
-        scheduler.handle_message(message)
-    if scheduler.grammars.num_queued:
-        # Grammars compile on a thread whose finishing time differs by rank: wait, so that every rank
-        # admits a grammar request at the same step.
-        scheduler.grammars.wait_for_queue()
-    worked = scheduler.step()
-    outputs = scheduler.take_outputs()
-    if sender is not None:
-        for message in outputs:
-            sender.send(encode(message))
-    if reporter is not None:
-        reporter.after_round()
-    return worked
-
-
-def _drain(receiver: zmq.Socket, poller: zmq.Poller, timeout_ms: int) -> list[bytes]:
-    messages: list[bytes] = []
-    if poller.poll(timeout_ms):
-        while True:
-            try:
-                messages.append(receiver.recv(zmq.NOBLOCK))
-            except zmq.Again:
-                break
-    return messages
+    def before_step(self, scheduler: Any) -> None:
+        if scheduler.grammars.num_queued:
+            # Grammars compile on a thread whose finishing time differs by rank: wait, so that every rank
+            # admits a grammar request at the same step.
+            scheduler.grammars.wait_for_queue()

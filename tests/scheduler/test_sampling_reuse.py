@@ -47,7 +47,7 @@ def test_the_last_batch_is_handed_out_again_only_for_the_same_requests():
 def _run(model_dir, reuse: bool):
     driver = SchedulerDriver(model_dir, max_total_tokens=4096)
     if not reuse:
-        driver.scheduler.sampling_reuse = None
+        driver.scheduler.batch_builder.sampling_reuse = None
     # The seeded, penalised and min_new_tokens requests stop after 6 tokens; the other two go on to 16 alone.
     specs = [dict(temperature=0.0, max_new_tokens=16), dict(temperature=0.8, seed=7, max_new_tokens=6),
              dict(temperature=0.0, frequency_penalty=0.4, max_new_tokens=6),
@@ -56,7 +56,7 @@ def _run(model_dir, reuse: bool):
         driver.submit(f"r{i}", [100 + 37 * i + j for j in range(12)], ignore_eos=True, **params)
     driver.run_until_idle()
     outputs = driver.outputs()
-    reused = driver.scheduler.sampling_reuse.num_reused if reuse else 0
+    reused = driver.scheduler.batch_builder.sampling_reuse.num_reused if reuse else 0
     driver.close()
     return outputs, reused
 

@@ -321,7 +321,7 @@ def test_decode_log_line_every_interval(tiny_llama, caplog):
     driver = driver_for(tiny_llama, True, decode_log_interval=4)
     for i, prompt in enumerate(make_prompts(14, 3, 512, 5, 10)):
         driver.submit(f"r{i}", prompt, max_new_tokens=13)
-    with caplog.at_level("INFO", logger="radixserve.scheduler.scheduler"):
+    with caplog.at_level("INFO", logger="radixserve.scheduler"):
         driver.run_until_idle()
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Decode batch.")]
     assert len(lines) == driver.scheduler.stats.decode_steps // 4 == 3
@@ -336,7 +336,7 @@ def test_prefill_log_line_every_prefill_batch(tiny_llama, caplog):
     prompts = make_prompts(15, 4, 512, 20, 21)
     for i, prompt in enumerate(prompts):
         driver.submit(f"r{i}", prompt, max_new_tokens=2)
-    with caplog.at_level("INFO", logger="radixserve.scheduler.scheduler"):
+    with caplog.at_level("INFO", logger="radixserve.scheduler"):
         driver.run_until_idle()
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Prefill batch.")]
     stats = driver.scheduler.stats
