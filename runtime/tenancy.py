@@ -26,7 +26,7 @@ import json
 from dataclasses import dataclass
 from typing import Optional
 
-from radixserve.runtime.openai.errors import APIError
+from radixserve.runtime.http.errors import APIError
 
 
 def _digest(key: str) -> bytes:

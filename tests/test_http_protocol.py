@@ -8,11 +8,11 @@ import json
 
 import pytest
 
-from radixserve.runtime.http_state import InflightRequests, ServerState
-from radixserve.runtime.openai.errors import APIError
-from radixserve.runtime.openai.logprobs import TokenTexts, chat_logprobs, completion_logprobs
-from radixserve.runtime.openai.protocol import ChatCompletionRequest, CompletionRequest, parse_request
-from radixserve.runtime.openai.serving_common import (
+from radixserve.runtime.http.state import InflightRequests, ServerState
+from radixserve.runtime.http.errors import APIError
+from radixserve.runtime.http.openai.logprobs import TokenTexts, chat_logprobs, completion_logprobs
+from radixserve.runtime.http.openai.protocol import ChatCompletionRequest, CompletionRequest, parse_request
+from radixserve.runtime.http.openai.serving_common import (
     ChoiceOutput,
     choice_params,
     openai_finish_reason,

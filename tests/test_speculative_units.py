@@ -163,7 +163,7 @@ def test_tree_continuation_follows_the_most_recent_branch(page_size):
 
 
 def test_metrics_report_the_acceptance():
-    from radixserve.runtime.metrics import ServerMetrics
+    from radixserve.runtime.http.metrics import ServerMetrics
 
     metrics = ServerMetrics("m")
     text, _ = metrics.render({"avg_spec_accept_length": 2.5, "spec_accept_rate": 0.4, "memory": {}}, 0)

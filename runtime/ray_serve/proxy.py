@@ -1,4 +1,4 @@
-"""The Engine the ingress's HTTP app serves: what runtime/http_server.create_app uses of an Engine, forwarded to
+"""The Engine the ingress's HTTP app serves: what runtime/http/server.create_app uses of an Engine, forwarded to
 the EngineReplica deployment through its handle.
 
 - Generation: the prompt is tokenized here (the replicas' own tokenizer, sent by `describe`) to route on token

@@ -26,7 +26,7 @@ EVICTION_POLICIES = ("lru", "lfu")
 DEFAULT_MAX_QUEUED_REQUESTS = 1024
 HICACHE_WRITE_POLICIES = ("write_through", "write_back")
 SAMPLING_BACKENDS = ("pytorch",)  # SGLang also has "flashinfer"; radixserve has no FlashInfer sampling path
-# SGLang's names; runtime/openai/tool_parsers and runtime/openai/reasoning.py implement each one.
+# SGLang's names; runtime/http/openai/tool_parsers and runtime/http/openai/reasoning.py implement each one.
 TOOL_CALL_PARSERS = ("hermes", "qwen25", "llama3", "mistral", "pythonic")
 REASONING_PARSERS = ("qwen3", "deepseek-r1")
 SAMPLING_DEFAULTS = ("model", "openai")

@@ -18,10 +18,10 @@ from fastapi import APIRouter, Depends
 from starlette.requests import Request
 from starlette.responses import Response
 
-from radixserve.runtime.http_generation import json_response
-from radixserve.runtime.http_state import ServerState, caller, require_admin
-from radixserve.runtime.openai.errors import APIError
-from radixserve.runtime.openai.protocol import StrictModel, parse_request
+from radixserve.runtime.http.generation import json_response
+from radixserve.runtime.http.state import ServerState, caller, require_admin
+from radixserve.runtime.http.errors import APIError
+from radixserve.runtime.http.openai.protocol import StrictModel, parse_request
 from radixserve.runtime.tenancy import Caller
 
 router = APIRouter()

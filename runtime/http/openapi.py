@@ -16,10 +16,10 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
-from radixserve.runtime.lora_api import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
-from radixserve.runtime.native_api import NativeGenerateRequest
-from radixserve.runtime.native_api import _RidBody as AbortRequest
-from radixserve.runtime.openai.protocol import ChatCompletionRequest, CompletionRequest
+from radixserve.runtime.http.lora_api import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
+from radixserve.runtime.http.native_api import NativeGenerateRequest
+from radixserve.runtime.http.native_api import _RidBody as AbortRequest
+from radixserve.runtime.http.openai.protocol import ChatCompletionRequest, CompletionRequest
 
 # POST path -> (schema name, the model its handler validates the body with).
 REQUEST_BODIES: dict[str, tuple[str, type[BaseModel]]] = {

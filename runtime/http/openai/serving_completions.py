@@ -15,7 +15,7 @@ from typing import Any, AsyncIterator, Optional, Union
 from starlette.requests import Request
 from starlette.responses import Response
 
-from radixserve.runtime.http_generation import (
+from radixserve.runtime.http.generation import (
     SSE_DONE,
     ClientDisconnected,
     GenerationRun,
@@ -25,11 +25,11 @@ from radixserve.runtime.http_generation import (
     sse_event,
     start_stream,
 )
-from radixserve.runtime.http_state import ServerState
-from radixserve.runtime.openai.errors import APIError
-from radixserve.runtime.openai.logprobs import completion_logprobs
-from radixserve.runtime.openai.protocol import CompletionRequest
-from radixserve.runtime.openai.serving_common import (
+from radixserve.runtime.http.state import ServerState
+from radixserve.runtime.http.errors import APIError
+from radixserve.runtime.http.openai.logprobs import completion_logprobs
+from radixserve.runtime.http.openai.protocol import CompletionRequest
+from radixserve.runtime.http.openai.serving_common import (
     ChoiceOutput,
     Delta,
     check_model,

@@ -19,7 +19,7 @@ from pydantic import Field, model_validator
 from starlette.requests import Request
 from starlette.responses import Response
 
-from radixserve.runtime.http_generation import (
+from radixserve.runtime.http.generation import (
     SSE_DONE,
     ClientDisconnected,
     GenerationRun,
@@ -28,11 +28,11 @@ from radixserve.runtime.http_generation import (
     sse_event,
     start_stream,
 )
-from radixserve.runtime.http_state import ServerState, caller, caller_tenant, require_admin
-from radixserve.runtime.extension_fields import NATIVE_LABELS, NATIVE_UNSUPPORTED, absorb, is_default
+from radixserve.runtime.http.state import ServerState, caller, caller_tenant, require_admin
+from radixserve.runtime.http.extension_fields import NATIVE_LABELS, NATIVE_UNSUPPORTED, absorb, is_default
 from radixserve.runtime.tenancy import Caller
-from radixserve.runtime.openai.errors import APIError, bad_request
-from radixserve.runtime.openai.protocol import MAX_TOP_LOGPROBS, StrictModel, TokenId, parse_request
+from radixserve.runtime.http.errors import APIError, bad_request
+from radixserve.runtime.http.openai.protocol import MAX_TOP_LOGPROBS, StrictModel, TokenId, parse_request
 from radixserve.runtime.wire.sampling_params import InvalidSamplingParams, SamplingParams
 from radixserve.tokenizer_manager.io import GenerateReqInput
 

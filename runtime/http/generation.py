@@ -33,8 +33,8 @@ from fastapi import FastAPI
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 
-from radixserve.runtime.http_state import ServerState
-from radixserve.runtime.openai.errors import APIError, engine_unavailable, from_value_error
+from radixserve.runtime.http.state import ServerState
+from radixserve.runtime.http.errors import APIError, engine_unavailable, from_value_error
 from radixserve.runtime.wire.errors import EngineDeadError, RequestFailedError
 
 logger = logging.getLogger(__name__)

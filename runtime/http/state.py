@@ -17,10 +17,10 @@ from typing import Any, Optional
 
 from starlette.requests import Request
 
-from radixserve.runtime.openai.errors import APIError
+from radixserve.runtime.http.errors import APIError
 from radixserve.runtime.wire.server_args import ServerArgs
 from radixserve.runtime.tenancy import Caller, TenantResolver
-from radixserve.runtime.tenant_usage import TenantUsage
+from radixserve.runtime.http.tenant_usage import TenantUsage
 from radixserve.runtime.wire.messages import ModelInfo
 
 RETRY_AFTER_SECONDS = 1
@@ -105,9 +105,9 @@ class ServerState:
     context_len: int
     vocab_size: int
     max_total_tokens: Optional[int]
-    token_texts: Any = None  # radixserve.runtime.openai.logprobs.TokenTexts of the tokenizer
-    metrics: Any = None  # radixserve.runtime.metrics.ServerMetrics, when enabled
-    tenant_usage: Optional[TenantUsage] = None  # per-tenant totals (runtime/tenant_usage.py)
+    token_texts: Any = None  # radixserve.runtime.http.openai.logprobs.TokenTexts of the tokenizer
+    metrics: Any = None  # radixserve.runtime.http.metrics.ServerMetrics, when enabled
+    tenant_usage: Optional[TenantUsage] = None  # per-tenant totals (runtime/http/tenant_usage.py)
     created: int = field(default_factory=lambda: int(time.time()))
 
     def observe_request(self, meta_info: dict[str, Any], token_times: list[float]) -> None:

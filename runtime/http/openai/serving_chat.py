@@ -9,7 +9,7 @@ from typing import Any, AsyncIterator, Optional
 from starlette.requests import Request
 from starlette.responses import Response
 
-from radixserve.runtime.http_generation import (
+from radixserve.runtime.http.generation import (
     SSE_DONE,
     ClientDisconnected,
     GenerationRun,
@@ -19,12 +19,12 @@ from radixserve.runtime.http_generation import (
     sse_event,
     start_stream,
 )
-from radixserve.runtime.http_state import ServerState
-from radixserve.runtime.openai.chat_stream import ChoiceStream
-from radixserve.runtime.openai.errors import APIError
-from radixserve.runtime.openai.logprobs import chat_logprobs
-from radixserve.runtime.openai.protocol import ChatCompletionRequest, ChatMessage
-from radixserve.runtime.openai.serving_common import (
+from radixserve.runtime.http.state import ServerState
+from radixserve.runtime.http.openai.chat_stream import ChoiceStream
+from radixserve.runtime.http.errors import APIError
+from radixserve.runtime.http.openai.logprobs import chat_logprobs
+from radixserve.runtime.http.openai.protocol import ChatCompletionRequest, ChatMessage
+from radixserve.runtime.http.openai.serving_common import (
     ChoiceOutput,
     check_model,
     choice_params,
@@ -32,7 +32,7 @@ from radixserve.runtime.openai.serving_common import (
     sampling_params,
     usage,
 )
-from radixserve.runtime.openai.tool_calling import (
+from radixserve.runtime.http.openai.tool_calling import (
     ChatOutputPlan,
     assistant_message,
     conversation_of,

@@ -13,10 +13,10 @@ from typing import Any, Optional, Sequence
 
 import msgspec
 
-from radixserve.runtime.lora_api import adapter_of
-from radixserve.runtime.http_state import ServerState
-from radixserve.runtime.openai.errors import APIError, bad_request
-from radixserve.runtime.openai.protocol import (
+from radixserve.runtime.http.lora_api import adapter_of
+from radixserve.runtime.http.state import ServerState
+from radixserve.runtime.http.errors import APIError, bad_request
+from radixserve.runtime.http.openai.protocol import (
     INT64_MAX,
     INT64_MIN,
     OpenAISamplingFields,
@@ -31,7 +31,7 @@ _OPENAI_PARAM = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens",
 
 def check_model(state: ServerState, model: Optional[str], lora_path: Optional[str] = None) -> Optional[str]:
     """A request may omit `model`; naming another model than the one served or a loaded LoRA adapter is a 404.
-    Returns the LoRA adapter the request runs under (runtime/lora_api.py), None for the base model."""
+    Returns the LoRA adapter the request runs under (runtime/http/lora_api.py), None for the base model."""
     return adapter_of(state, model, lora_path)
 
 

@@ -8,7 +8,7 @@ Per-request counters and latency histograms are fed by the Engine's `request_obs
 per finished request with its meta_info and the arrival times of its output chunks; so they cover every
 request the engine serves. Load gauges (running and queued requests, KV token usage, cache hit rate,
 throughput) are read from the scheduler's server info at scrape time. Per-tenant series (`radixserve:tenant_*`,
-labelled by tenant id) come from runtime/tenant_usage.py. Each server has its own registry, so
+labelled by tenant id) come from runtime/http/tenant_usage.py. Each server has its own registry, so
 several servers (or tests) in one process never share counters.
 """
 
@@ -19,7 +19,7 @@ from typing import Any, Optional
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from radixserve.runtime.tenant_usage import TenantUsage, TenantUsageCollector
+from radixserve.runtime.http.tenant_usage import TenantUsage, TenantUsageCollector
 
 PREFIX = "radixserve:"
 LABELS = ("model_name",)
@@ -31,7 +31,7 @@ E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300
 class ServerMetrics:
     def __init__(self, model_name: str, tenant_usage: Optional[TenantUsage] = None) -> None:
         self.registry = CollectorRegistry()
-        if tenant_usage is not None:  # the per-tenant series (runtime/tenant_usage.py), read at scrape time
+        if tenant_usage is not None:  # the per-tenant series (runtime/http/tenant_usage.py), read at scrape time
             self.registry.register(TenantUsageCollector(tenant_usage, model_name, PREFIX))
 
         def metric(kind: type, name: str, documentation: str, **kwargs: Any) -> Any:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from radixserve.runtime.openai.errors import APIError, bad_request
+from radixserve.runtime.http.errors import APIError, bad_request
 
 _MULTIMODAL = "multimodal input (this server runs text-only models)"
 _DISAGGREGATION = "prefill-decode disaggregation"
