@@ -19,15 +19,7 @@ from pydantic import Field, model_validator
 from starlette.requests import Request
 from starlette.responses import Response
 
-from radixserve.runtime.http.generation import (
-    SSE_DONE,
-    ClientDisconnected,
-    GenerationRun,
-    RunStreamingResponse,
-    json_response,
-    sse_event,
-    start_stream,
-)
+from radixserve.runtime.http.generation import GenerationRun, json_response, respond
 from radixserve.runtime.http.state import ServerState, caller, caller_tenant, require_admin
 from radixserve.runtime.http.extension_fields import NATIVE_LABELS, NATIVE_UNSUPPORTED, absorb, is_default
 from radixserve.runtime.tenancy import Caller
@@ -185,33 +177,16 @@ async def generate(request: Request, tenant: Optional[str] = Depends(caller_tena
     body: NativeGenerateRequest = parse_request(NativeGenerateRequest, await request.body())
     engine_request, handles = _build(state, body, tenant)
     run = GenerationRun(state, handles, [engine_request], tenant, request)
-    if body.stream:
-        try:
-            events = await start_stream(run)
-        except BaseException:
-            run.close()
-            raise
-        return RunStreamingResponse(_stream(run, events), run)
-    try:
-        results = await run.collect()
-    except ClientDisconnected:
-        return Response(status_code=499)
-    finally:
-        run.close()
-    return json_response(results[0][-1] if results[0] else None)
+    return await respond(run, body.stream, _final_result, _chunks)
 
 
-async def _stream(run: GenerationRun, events: AsyncIterator[tuple[int, Any]]) -> AsyncIterator[bytes]:
-    try:
-        async for _, chunk in events:
-            yield sse_event(chunk)
-    except APIError as error:
-        yield sse_event(error.body())
-    except ClientDisconnected:
-        return
-    finally:
-        run.close()
-    yield SSE_DONE
+def _final_result(results: list[list[Any]]) -> Any:
+    return results[0][-1] if results[0] else None
+
+
+async def _chunks(events: AsyncIterator[tuple[int, Any]]) -> AsyncIterator[Any]:
+    async for _, chunk in events:
+        yield chunk
 
 
 @router.post("/abort_request")
