@@ -47,6 +47,8 @@ from radixserve.runtime.http.openai.serving_completions import create_completion
 from radixserve.runtime.http.openapi import install_openapi
 from radixserve.runtime.wire.heap import settle_heap
 from radixserve.runtime.wire.server_args import ServerArgs
+from radixserve.runtime.wire.server_info import ServerInfo
+from radixserve.runtime.serving_engine import ServingEngine
 from radixserve.runtime.tenancy import TenantResolver
 from radixserve.tokenizer_manager.tokenize import load_chat_template
 from radixserve.tokenizer_manager.io import GenerateReqInput
@@ -73,8 +75,11 @@ def served_model_name(server_args: ServerArgs) -> str:
     return DEFAULT_MODEL_FILE.split(".", 1)[0]
 
 
-def create_app(engine: Any, server_args: ServerArgs) -> FastAPI:
-    """The ASGI app serving `engine` (a started radixserve Engine, owned by the caller)."""
+def create_app(engine: ServingEngine, server_args: ServerArgs) -> FastAPI:
+    """The ASGI app serving `engine` (a started Engine or the Ray ingress's proxy, owned by the caller)."""
+    if not isinstance(engine, ServingEngine):
+        raise TypeError(f"create_app serves a ServingEngine (runtime/serving_engine.py); a {type(engine).__name__} "
+                        "lacks some of its members")
     model_info = engine.model_info
     capacity = model_info.max_running_requests * model_info.dp_size + server_args.resolved_max_queued_requests()
     state = ServerState(
@@ -187,7 +192,7 @@ async def _metrics(request: Request) -> Response:
     if state.metrics is None:
         raise APIError("metrics are disabled", status_code=404, code="not_found")
     try:
-        info: Optional[dict[str, Any]] = await asyncio.wait_for(state.engine.async_get_server_info(), 5.0)
+        info: Optional[ServerInfo] = await asyncio.wait_for(state.engine.async_server_info(), 5.0)
     except Exception:  # a scrape must still answer when the scheduler is busy or down
         info = None
     body, content_type = state.metrics.render(info, state.inflight.num_engine_requests)

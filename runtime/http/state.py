@@ -18,8 +18,9 @@ from typing import Any, Optional
 from starlette.requests import Request
 
 from radixserve.runtime.http.errors import APIError
+from radixserve.runtime.serving_engine import ServingEngine
 from radixserve.runtime.wire.server_args import ServerArgs
-from radixserve.runtime.tenancy import Caller, TenantResolver
+from radixserve.runtime.tenancy import AuthenticationError, Caller, TenantResolver
 from radixserve.runtime.http.tenant_usage import TenantUsage
 from radixserve.runtime.wire.messages import ModelInfo
 
@@ -95,7 +96,7 @@ class InflightRequests:
 class ServerState:
     """Everything a route needs, built once by `create_app`."""
 
-    engine: Any  # radixserve.runtime.engine.Engine
+    engine: ServingEngine
     server_args: ServerArgs
     tenants: TenantResolver
     inflight: InflightRequests
@@ -121,13 +122,19 @@ class ServerState:
 def caller_tenant(request: Request) -> Optional[str]:
     """FastAPI dependency of the protected routes: the caller's tenant id, or a 401."""
     state: ServerState = request.app.state.server
-    return state.tenants.tenant_for(request.headers.get("authorization"))
+    try:
+        return state.tenants.tenant_for(request.headers.get("authorization"))
+    except AuthenticationError as error:
+        raise APIError(str(error), status_code=401, code=error.code) from None
 
 
 def caller(request: Request) -> Caller:
     """FastAPI dependency: the caller (tenant and whether it may administer), or a 401."""
     state: ServerState = request.app.state.server
-    return state.tenants.caller(request.headers.get("authorization"))
+    try:
+        return state.tenants.caller(request.headers.get("authorization"))
+    except AuthenticationError as error:
+        raise APIError(str(error), status_code=401, code=error.code) from None
 
 
 def require_admin(who: Caller, what: str) -> None:
