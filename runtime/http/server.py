@@ -1,7 +1,8 @@
-"""The HTTP server: a FastAPI app over one Engine, served by uvicorn (uvloop), with graceful shutdown.
+"""The HTTP server: a FastAPI app over one engine, served by uvicorn (uvloop), with graceful shutdown.
 
     launch_server(ServerArgs(...))        # blocks; what `radixserve serve` runs
-    app = create_app(engine, server_args) # the ASGI app alone, over an Engine the caller owns
+    app = create_app(engine, server_args) # the ASGI app alone, over a ServingEngine the caller owns (an Engine,
+                                          # or the Ray ingress's proxy; runtime/serving_engine.py)
 
 Routes: OpenAI `/v1/chat/completions`, `/v1/completions`, `/v1/models`, `/v1/models/{id}`; native
 `/generate`, `/abort_request`, `/flush_cache`, `/get_model_info`, `/get_server_info`, `/health_generate`
