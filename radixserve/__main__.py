@@ -52,7 +52,7 @@ def _parser() -> argparse.ArgumentParser:
     add_check_env_cli_args(check_env)
 
     report = commands.add_parser("cache-report", help="write a running server's cache page to one HTML file")
-    from radixserve.runtime.cache_report import add_cli_args
+    from radixserve.runtime.http.cache_report import add_cli_args
 
     add_cli_args(report)
     return parser
@@ -80,7 +80,7 @@ def _serve(server_args: ServerArgs) -> int:
         logging.basicConfig(level=server_args.log_level.upper(),
                             format="%(asctime)s [tp-node] %(levelname)s %(name)s: %(message)s")
         return run_worker_node(server_args)
-    from radixserve.runtime.http_server import launch_server
+    from radixserve.runtime.http.server import launch_server
 
     launch_server(server_args)
     return 0
@@ -115,7 +115,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         return check_env(args)
     if args.command == "cache-report":
-        from radixserve.runtime.cache_report import run
+        from radixserve.runtime.http.cache_report import run
 
         return run(args)
     try:

@@ -30,12 +30,15 @@ from typing import Any, AsyncIterator, Callable, Iterator, Optional, Union
 import msgspec
 import zmq
 
+from radixserve.runtime.wire.cache_tree import CacheTreeSummary
 from radixserve.runtime.wire.ipc import IpcPaths, make_pull, make_push
 from radixserve.runtime.launch import ChildProcesses, primary_model_info, resolve_for_launch
 from radixserve.runtime.loop_thread import LoopThread
+from radixserve.runtime.serving_engine import RequestObserver
 from radixserve.runtime.wire.messages import ModelInfo
 from radixserve.runtime.wire.lora import LoRAAdapterReqOutput
 from radixserve.runtime.wire.server_args import ServerArgs, make_server_args
+from radixserve.runtime.wire.server_info import ServerInfo
 from radixserve.runtime.wire.errors import EngineDeadError
 from radixserve.runtime.wire.request import SERVER_FIELDS, GenerateRequest, NormalizedRequest
 from radixserve.tokenizer_manager.manager import TokenizerManager
@@ -256,11 +259,16 @@ class Engine:
         return dict(self._tm.lora_adapters)
 
     def get_server_info(self) -> dict[str, Any]:
-        """The scheduler's statistics: memory, cache hit rate, queue sizes, throughput, plus model_info."""
+        """The scheduler's statistics: memory, cache hit rate, queue sizes, throughput, plus model_info (the JSON
+        of /get_server_info)."""
         self._check_open()
-        return self._loop.call(self._tm.get_server_info())
+        return self._loop.call(self._tm.get_server_info()).to_dict()
 
     async def async_get_server_info(self) -> dict[str, Any]:
+        return (await self.async_server_info()).to_dict()
+
+    async def async_server_info(self) -> ServerInfo:
+        """`get_server_info` as the typed report (runtime/wire/server_info.py), from a running event loop."""
         self._check_open()
         return await self._loop.call_async(self._tm.get_server_info())
 
@@ -287,7 +295,7 @@ class Engine:
         return self._loop.call(self._tm.get_cache_tree(namespace=namespace, max_depth=max_depth,
                                                        max_nodes=max_nodes, with_token_ids=with_token_ids, rid=rid))
 
-    async def async_get_cache_tree(self, **fields: Any) -> Any:
+    async def async_get_cache_tree(self, **fields: Any) -> CacheTreeSummary:
         """`get_cache_tree` from a running event loop; `fields` are CacheTreeReq's (namespace_prefix too)."""
         self._check_open()
         return await self._loop.call_async(self._tm.get_cache_tree(**fields))
@@ -297,12 +305,12 @@ class Engine:
         return self._finalizer.alive and self._tm.dead is None and self._resources.children.all_alive()
 
     @property
-    def request_observer(self) -> Any:
+    def request_observer(self) -> Optional[RequestObserver]:
         """Called as observer(meta_info, token_times) once per finished request, on the engine's loop thread."""
         return self._tm.request_observer
 
     @request_observer.setter
-    def request_observer(self, observer: Any) -> None:
+    def request_observer(self, observer: Optional[RequestObserver]) -> None:
         self._tm.request_observer = observer
 
     def shutdown(self) -> None:

@@ -15,7 +15,8 @@ Administration (`/flush_cache`, `/metrics`, the whole of `/get_server_info`) act
   single `--api-key` (its holder is the operator). With a tenants file and no admin key, nobody may.
 
 The caller is derived here, from the key, and never read from the request body. Keys are compared through
-their SHA-256 digests so the comparison's timing reveals nothing about a valid key.
+their SHA-256 digests so the comparison's timing reveals nothing about a valid key. A missing or wrong key raises
+AuthenticationError, which the HTTP server answers with a 401 (runtime/http/state.py).
 """
 
 from __future__ import annotations
@@ -26,7 +27,13 @@ import json
 from dataclasses import dataclass
 from typing import Optional
 
-from radixserve.runtime.openai.errors import APIError
+
+class AuthenticationError(Exception):
+    """A key is required and missing (`code` "missing_api_key") or matches no tenant ("invalid_api_key")."""
+
+    def __init__(self, message: str, code: str) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 def _digest(key: str) -> bytes:
@@ -120,7 +127,7 @@ class TenantResolver:
         return bool(self._tenant_by_digest)
 
     def caller(self, authorization: Optional[str]) -> Caller:
-        """Who is calling; raises a 401 APIError when a key is required and missing or wrong."""
+        """Who is calling; raises AuthenticationError when a key is required and missing or wrong."""
         if self._is_admin_key(authorization):
             return Caller(None, is_admin=True)
         tenant = self.tenant_for(authorization)
@@ -132,21 +139,19 @@ class TenantResolver:
                                                                                           self._admin_digest)
 
     def tenant_for(self, authorization: Optional[str]) -> Optional[str]:
-        """The caller's tenant id; raises a 401 APIError when a key is required and missing or wrong."""
+        """The caller's tenant id; raises AuthenticationError when a key is required and missing or wrong."""
         if not self.auth_required or self._is_admin_key(authorization):
             return None
         key = _bearer_token(authorization)
         if key is None:
-            raise APIError(
+            raise AuthenticationError(
                 "You didn't provide an API key. Send it in the Authorization header as 'Bearer <key>'.",
-                status_code=401,
-                code="missing_api_key",
-            )
+                code="missing_api_key")
         presented = _digest(key)
         for digest, tenant in self._tenant_by_digest.items():
             if hmac.compare_digest(digest, presented):
                 return tenant
-        raise APIError("Incorrect API key provided.", status_code=401, code="invalid_api_key")
+        raise AuthenticationError("Incorrect API key provided.", code="invalid_api_key")
 
 
 def _bearer_token(authorization: Optional[str]) -> Optional[str]:

@@ -17,8 +17,12 @@ from dataclasses import asdict
 from typing import Any, Optional, Protocol
 
 from radixserve.runtime.wire.cache_tree import namespace_name
-from radixserve.runtime.wire.messages import ModelInfo
 from radixserve.runtime.wire.server_args import ServerArgs
+from radixserve.runtime.wire.server_info import (
+    CacheInfo, FairShareInfo, HiCacheInfo, LowerTierMemory, MemoryInfo, ModelInfo, NamespaceCounters, SchedulerCounters,
+    ServerInfo, SpecInfo, TenantShare, TensorParallelLayout, TreeCounters,
+)
+from radixserve.scheduler.speculative import NoSpeculation
 
 
 class SchedulerState(Protocol):
@@ -73,50 +77,70 @@ def ready_info(scheduler: SchedulerState) -> ModelInfo:
     )
 
 
-def server_info(scheduler: SchedulerState) -> dict[str, Any]:
+def server_info(scheduler: SchedulerState) -> ServerInfo:
     allocator, cache, stats = scheduler.allocator, scheduler.cache, scheduler.stats
-    total = allocator.size
-    free = allocator.available_size()
-    evictable = cache.evictable_size()
-    tree_stats = cache.stats()
-    namespaces = {namespace_name(ns): counters for ns, counters in tree_stats.pop("namespaces", {}).items()}
-    memory = {"total_tokens": total, "free_tokens": free, "evictable_tokens": evictable,
-              "protected_tokens": cache.protected_size()}
-    cache_info = {"hit_rate": stats.cache_hit_rate, "matched_tokens": stats.cached_tokens,
-                  "queried_tokens": stats.queried_tokens, "tree": tree_stats, "namespaces": namespaces}
     tiers = cache.lower_tiers()
-    if tiers is not None:
-        tier_figures = asdict(tiers)
-        cache_info["hicache"] = {"write_policy": tier_figures.pop("write_policy"), **tier_figures.pop("counters")}
-        memory.update(tier_figures)
-    return {
-        **ready_info(scheduler).to_dict(),
-        **stats.as_dict(),
-        "memory": memory,
-        "cache": cache_info,
-        "num_running_reqs": len(scheduler.running),
-        "num_queued_reqs": len(scheduler.waiting) + (scheduler.chunked_req is not None) + scheduler.grammars.num_queued,
-        "token_usage": (total - free - evictable) / total,
-        "new_token_ratio": scheduler.new_token_ratio.value,
-        "tensor_parallel": tp_layout(scheduler.runner),
-        "fair_share": {"enabled": scheduler.fair_share.enabled, "tenants": scheduler.fair_share.summary()},
+    counters = stats.as_dict()
+    gen_throughput = counters.pop("gen_throughput")
+    return ServerInfo(
+        model=ready_info(scheduler),
+        counters=SchedulerCounters(**counters),
+        gen_throughput=gen_throughput,
+        memory=MemoryInfo(total_tokens=allocator.size, free_tokens=allocator.available_size(),
+                          evictable_tokens=cache.evictable_size(), protected_tokens=cache.protected_size(),
+                          lower_tiers=None if tiers is None else _lower_tier_memory(tiers)),
+        cache=_cache_info(cache, stats, tiers),
+        num_running_reqs=len(scheduler.running),
+        num_queued_reqs=len(scheduler.waiting) + (scheduler.chunked_req is not None) + scheduler.grammars.num_queued,
+        new_token_ratio=scheduler.new_token_ratio.value,
+        tensor_parallel=tp_layout(scheduler.runner),
+        fair_share=FairShareInfo(enabled=scheduler.fair_share.enabled,
+                                 tenants={name: TenantShare(**share)
+                                          for name, share in scheduler.fair_share.summary().items()}),
         # Batches whose attention read a prefix shared by several requests once (cascade attention).
-        "cascade_batches": getattr(getattr(scheduler.runner, "attn_backend", None), "num_cascade_batches", 0),
-        **scheduler.speculator.info(),
-        "dp_rank": getattr(scheduler.runner, "dp_rank", 0),
-    }
+        cascade_batches=getattr(getattr(scheduler.runner, "attn_backend", None), "num_cascade_batches", 0),
+        speculative=_spec_info(scheduler.speculator),
+        dp_rank=getattr(scheduler.runner, "dp_rank", 0),
+    )
 
 
-def tp_layout(runner: Any) -> dict[str, Any]:
+def _cache_info(cache: Any, stats: Any, tiers: Any) -> CacheInfo:
+    tree_stats = cache.stats()
+    namespaces = {namespace_name(ns): _counters(NamespaceCounters, counters)
+                  for ns, counters in tree_stats.pop("namespaces", {}).items()}
+    hicache = None if tiers is None else HiCacheInfo(write_policy=tiers.write_policy, **asdict(tiers.counters))
+    return CacheInfo(matched_tokens=stats.cached_tokens, queried_tokens=stats.queried_tokens,
+                     tree=_counters(TreeCounters, tree_stats), namespaces=namespaces, hicache=hicache)
+
+
+def _counters(cls: type, counters: dict[str, Any]) -> Any:
+    """The cache's counters (radix_cache/stats.py) as `cls`; their hit rate is derived, not carried."""
+    return cls(**{name: value for name, value in counters.items() if name != "hit_rate"})
+
+
+def _lower_tier_memory(tiers: Any) -> LowerTierMemory:
+    """The host and disk tiers' sizes (`hiradix.LowerTierInfo` less its write policy and counters)."""
+    figures = asdict(tiers)
+    del figures["write_policy"], figures["counters"]
+    return LowerTierMemory(**figures)
+
+
+def _spec_info(speculator: Any) -> Optional[SpecInfo]:
+    if isinstance(speculator, NoSpeculation):
+        return None
+    return SpecInfo(verify_steps=speculator.verify_steps, num_proposed_drafts=speculator.num_proposed,
+                    num_accepted_drafts=speculator.num_accepted, num_verified_entries=speculator.num_verified_entries)
+
+
+def tp_layout(runner: Any) -> TensorParallelLayout:
     """The tensor-parallel layout: ranks, heads per rank, and whether KV heads are replicated across ranks."""
     config = runner.model_config
     layout = getattr(runner, "head_layout", None)
     tp_size = runner.tp.size if hasattr(runner, "tp") else 1
     heads = layout.num_heads if layout else config.num_attention_heads
     kv_heads = layout.num_kv_heads if layout else config.num_key_value_heads
-    return {"tp_size": tp_size, "num_attention_heads": config.num_attention_heads,
-            "num_key_value_heads": config.num_key_value_heads, "attention_heads_per_rank": heads,
-            "kv_heads_per_rank": kv_heads, "kv_heads_replicated": tp_size > config.num_key_value_heads,
-            "backend": "nccl" if tp_size > 1 and str(runner.device).startswith("cuda") else
-                       ("gloo" if tp_size > 1 else None)}
-
+    return TensorParallelLayout(
+        tp_size=tp_size, num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads, attention_heads_per_rank=heads, kv_heads_per_rank=kv_heads,
+        kv_heads_replicated=tp_size > config.num_key_value_heads,
+        backend="nccl" if tp_size > 1 and str(runner.device).startswith("cuda") else ("gloo" if tp_size > 1 else None))

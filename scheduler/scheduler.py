@@ -48,6 +48,7 @@ from radixserve.runtime.wire.messages import (
 )
 from radixserve.runtime.wire.lora import LoadLoRAAdapterReq, UnloadLoRAAdapterReq
 from radixserve.runtime.wire.server_args import ServerArgs
+from radixserve.runtime.wire.server_info import ServerInfo
 from radixserve.scheduler.batch import ScheduleBatch
 from radixserve.scheduler.batch_builder import BatchBuilder
 from radixserve.scheduler.cache_view import RecentRequests, cache_tree_summary
@@ -244,7 +245,7 @@ class Scheduler:
         self.check_invariants()
         return True, ""
 
-    def server_info(self) -> dict[str, Any]:
+    def server_info(self) -> ServerInfo:
         return server_info(self)
 
     def ready_info(self) -> ModelInfo:

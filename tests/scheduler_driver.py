@@ -23,9 +23,10 @@ from radixserve.model_runner.model_runner import ModelRunner
 from radixserve.model_runner.runner_config import RunnerConfig
 from radixserve.runtime.wire.messages import (
     AbortReq, BatchTokenOut, FlushCacheReq, FlushCacheReqOutput, GetServerInfoReq, GetServerInfoReqOutput,
-    SamplingParams, TokenizedGenerateReq,
+    SamplingParams, TokenizedGenerateReq, decode, encode,
 )
 from radixserve.runtime.wire.server_args import ServerArgs
+from radixserve.runtime.wire.server_info import ServerInfo
 from radixserve.scheduler.scheduler import Scheduler
 
 _RUNNERS: dict[Any, ModelRunner] = {}
@@ -93,12 +94,17 @@ class SchedulerDriver:
         self._collect()
         return self.replies.pop()
 
-    def server_info(self) -> dict:
+    def server_report(self) -> ServerInfo:
+        """The scheduler's GetServerInfoReq reply, through the wire's codec."""
         self.scheduler.handle_message(GetServerInfoReq(rpc_id="info"))
         self._collect()
-        reply = self.replies.pop()
+        reply = decode(encode(self.replies.pop()))
         assert isinstance(reply, GetServerInfoReqOutput)
         return reply.info
+
+    def server_info(self) -> dict:
+        """The report as `/get_server_info` shows it."""
+        return self.server_report().to_dict()
 
     # ---- stepping ----------------------------------------------------------------------------------
     def step(self) -> None:

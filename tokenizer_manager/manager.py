@@ -19,6 +19,7 @@ import time
 import uuid
 from typing import Any, AsyncIterator, Callable, Optional, Union
 
+import msgspec
 import zmq
 import zmq.asyncio
 
@@ -43,6 +44,7 @@ from radixserve.runtime.wire.errors import EngineDeadError, request_failed
 from radixserve.runtime.wire.lora import LoadLoRAAdapterReq, LoRAAdapterReqOutput, UnloadLoRAAdapterReq
 from radixserve.runtime.wire.request import GenerateRequest, NormalizedRequest, located, normalize
 from radixserve.runtime.wire.sampling_params import LengthLimits, SamplingParams
+from radixserve.runtime.wire.server_info import ServerInfo
 from radixserve.tokenizer_manager.replicas import merge_replies
 from radixserve.tokenizer_manager.state import ReqGroup, ReqState
 from radixserve.tokenizer_manager.tokenize import TokenizerWorker
@@ -231,11 +233,10 @@ class TokenizerManager:
             logger.warning("flush_cache refused: %s", reply.message)
         return reply.success
 
-    async def get_server_info(self) -> dict[str, Any]:
+    async def get_server_info(self) -> ServerInfo:
         reply = await self._rpc(GetServerInfoReq)
-        info = dict(reply.info)
-        info["num_pending_requests_in_tokenizer_manager"] = self.num_pending_requests()
-        return info
+        return msgspec.structs.replace(reply.info,
+                                       num_pending_requests_in_tokenizer_manager=self.num_pending_requests())
 
     async def get_cache_tree(self, **fields: Any) -> Any:
         """The scheduler's CacheTreeSummary; `fields` are CacheTreeReq's (namespace_prefix, max_nodes, ...)."""

@@ -16,7 +16,7 @@ import ray
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
-from radixserve.runtime.http_server import create_app
+from radixserve.runtime.http.server import create_app
 from radixserve.runtime.ray_serve.proxy import EngineProxy
 from radixserve.runtime.ray_serve.replica import EngineReplica
 from radixserve.runtime.ray_serve.router import ROUTERS

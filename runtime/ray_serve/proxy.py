@@ -1,5 +1,5 @@
-"""The Engine the ingress's HTTP app serves: what runtime/http_server.create_app uses of an Engine, forwarded to
-the EngineReplica deployment through its handle.
+"""The engine the ingress's HTTP app serves: a ServingEngine (runtime/serving_engine.py) whose calls go to the
+EngineReplica deployment through its handle.
 
 - Generation: the prompt is tokenized here (the replicas' own tokenizer, sent by `describe`) to route on token
   ids, in the cache namespace `normalize` decided (runtime/wire/request.py); the request goes to the replica the
@@ -9,6 +9,8 @@ the EngineReplica deployment through its handle.
 - Control requests (flush, server info, cache tree, abort) go to every replica the router knows, one call each,
   addressed with ReplicaTarget; their replies are merged as the `--dp-size` replicas' are
   (tokenizer_manager/replicas.py).
+- LoRA adapters: the replicas serve those they loaded at start-up (`--lora-paths`); loading or unloading one
+  through the ingress is refused (501), since a replica Ray starts later would not have it.
 - Errors: what a replica raised reaches the HTTP layer as itself (a ValueError stays a 400); a replica that died
   under a request, or a control call that cannot reach a replica in time, is an EngineDeadError (503). A replica
   whose engine is down refuses new requests before they start; they are sent again, and the router passes that
@@ -34,12 +36,16 @@ from radixserve.runtime.ray_serve.replica import ReplicaDescription
 from radixserve.runtime.ray_serve.routing import (
     ROUTE_KWARG, PrefixRoute, ReplicaDirectory, ReplicaEngineDeadError, ReplicaTarget, lookup,
 )
+from radixserve.runtime.serving_engine import RequestObserver
+from radixserve.runtime.wire.cache_tree import CacheTreeSummary
 from radixserve.runtime.wire.errors import EngineDeadError
+from radixserve.runtime.wire.lora import LoRAAdapterReqOutput
 from radixserve.runtime.wire.messages import UNBOUNDED_NEW_TOKENS
 from radixserve.runtime.wire.sampling_params import LengthLimits, SamplingParams
 from radixserve.runtime.wire.server_args import ServerArgs
 from radixserve.runtime.wire.request import GenerateRequest, NormalizedRequest, split_prompts
-from radixserve.tokenizer_manager.replicas import merge_cache_trees, merge_server_info
+from radixserve.runtime.wire.server_info import ServerInfo
+from radixserve.tokenizer_manager.replicas import merge_cache_trees
 from radixserve.tokenizer_manager.tokenize import TokenizerWorker, load_chat_template
 
 logger = logging.getLogger(__name__)
@@ -51,7 +57,7 @@ T = TypeVar("T")
 
 
 class EngineProxy:
-    """The duck-typed Engine of the ingress's HTTP app; see the module docstring. Lives on the ingress's loop."""
+    """The ServingEngine of the ingress's HTTP app; see the module docstring. Lives on the ingress's loop."""
 
     def __init__(self, handle: Any, description: ReplicaDescription, server_args: ServerArgs,
                  max_replicas: int) -> None:
@@ -64,16 +70,28 @@ class EngineProxy:
         self.model_info = msgspec.structs.replace(info, max_running_requests=info.max_running_requests * max_replicas)
         self.tokenizer = description.tokenizer
         self.server_args = server_args
-        self.request_observer: Optional[Callable[[dict[str, Any], list[float]], None]] = None
+        self.request_observer: Optional[RequestObserver] = None
         self._worker = TokenizerWorker(copy.deepcopy(self.tokenizer), load_chat_template(server_args.chat_template))
         self._limits = LengthLimits(info.context_len, info.max_total_num_tokens, info.page_size)
         self._aborts: set[asyncio.Task] = set()
 
     @property
     def lora_adapters(self) -> dict[str, str]:
-        """The LoRA adapters every replica loaded at start-up (`--lora-paths`; run-time loading goes through each
-        replica's own server, not this ingress)."""
+        """The LoRA adapters every replica loaded at start-up (`--lora-paths`)."""
         return dict(self.model_info.lora_adapters)
+
+    async def async_load_lora_adapter(self, lora_name: str, lora_path: str,
+                                      pinned: bool = False) -> LoRAAdapterReqOutput:
+        return self._lora_refused()
+
+    async def async_unload_lora_adapter(self, lora_name: str) -> LoRAAdapterReqOutput:
+        return self._lora_refused()
+
+    def _lora_refused(self) -> LoRAAdapterReqOutput:
+        return LoRAAdapterReqOutput(
+            "", success=False, loaded_adapters=self.lora_adapters, status_code=501,
+            error_message="LoRA adapters cannot be loaded or unloaded through the Ray ingress (a replica started "
+                          "later would not have them): give them to every replica with --lora-paths")
 
     # ---- generation ------------------------------------------------------------------------------
     async def generate_request(self, obj: Union[GenerateRequest, NormalizedRequest]) -> AsyncIterator[Any]:
@@ -155,15 +173,13 @@ class EngineProxy:
                                                       **template_kwargs)
 
     # ---- control ---------------------------------------------------------------------------------
-    async def async_get_server_info(self) -> dict[str, Any]:
+    async def async_server_info(self) -> ServerInfo:
+        """The replicas' reports merged as the `--dp-size` replicas' are, each replica's view naming its Ray id."""
         replies = await self._each_replica(lambda target: self._handle.server_info.remote(**target))
-        infos = []
-        for index, (replica_id, info) in enumerate(replies):
-            infos.append({**info, "dp_rank": index, "replica_id": replica_id})
-        merged = merge_server_info(infos)
-        for view, info in zip(merged["replicas"], infos):
-            view["replica_id"] = info["replica_id"]
-        merged.pop("replica_id", None)
+        merged = ServerInfo.merge([msgspec.structs.replace(info, dp_rank=index)
+                                   for index, (_, info) in enumerate(replies)])
+        merged.replicas = [msgspec.structs.replace(view, replica_id=replica_id)
+                           for view, (replica_id, _) in zip(merged.replicas or [], replies)]
         return merged
 
     async def async_flush_cache(self) -> bool:
@@ -174,7 +190,7 @@ class EngineProxy:
                 directory.flushed(replica_id)
         return all(flushed for _, flushed in replies)
 
-    async def async_get_cache_tree(self, **fields: Any) -> Any:
+    async def async_get_cache_tree(self, **fields: Any) -> CacheTreeSummary:
         replies = await self._each_replica(lambda target: self._handle.cache_tree.remote(fields, **target))
         return merge_cache_trees([summary for _, summary in replies])
 

@@ -20,6 +20,7 @@ from radixserve.runtime.ray_serve.routing import ReplicaEngineDeadError
 from radixserve.runtime.wire.errors import EngineDeadError
 from radixserve.runtime.wire.messages import ModelInfo
 from radixserve.runtime.wire.request import GenerateRequest, NormalizedRequest
+from radixserve.runtime.wire.server_info import ServerInfo
 
 
 @dataclass
@@ -45,8 +46,8 @@ class EngineReplica:
     def describe(self, route: Any = None) -> ReplicaDescription:
         return ReplicaDescription(self.engine.model_info, self.engine.tokenizer)
 
-    async def server_info(self, route: Any = None) -> dict[str, Any]:
-        return await self.engine.async_get_server_info()
+    async def server_info(self, route: Any = None) -> ServerInfo:
+        return await self.engine.async_server_info()
 
     async def flush_cache(self, route: Any = None) -> bool:
         return await self.engine.async_flush_cache()

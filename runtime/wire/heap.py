@@ -57,3 +57,17 @@ class LongCollectionWarning:
             logger.warning("long garbage collection: generation %d took %.3f s (over %.3f s), %d objects collected; "
                            "%d objects frozen at start-up", info["generation"], elapsed, self.limit_secs,
                            info["collected"], gc.get_freeze_count())
+
+
+def parse_gc_threshold(value: Any) -> list[int]:
+    """1 to 3 thresholds (generations 0, 1, 2), each an int >= 0 (given as ints or, from the command line, strings)."""
+    try:
+        if isinstance(value, (str, bytes)) or any(isinstance(item, bool) or not isinstance(item, (int, str))
+                                                  for item in value):
+            raise TypeError
+        thresholds = [int(item) for item in value]
+    except (TypeError, ValueError):
+        raise ValueError(f"gc_threshold must be 1 to 3 integers, got {value!r}") from None
+    if not 1 <= len(thresholds) <= 3 or min(thresholds) < 0:
+        raise ValueError(f"gc_threshold must be 1 to 3 integers >= 0, got {value!r}")
+    return thresholds

@@ -9,8 +9,9 @@ Children -> parent at start-up:     ProcessReady (the scheduler's carries ModelI
                                     same socket as their outputs)
 
 Sockets carry `encode(msg)` bytes and are read with `decode(data)`; no pickle. `SamplingParams` (the struct
-every TokenizedGenerateReq carries) lives in `sampling_params.py` with its validation. This module imports
-nothing from the components, so every process can use it.
+every TokenizedGenerateReq carries) lives in `sampling_params.py` with its validation, `ModelInfo` and
+`ServerInfo` (what a scheduler reports) in `server_info.py`. This module imports nothing from the components, so
+every process can use it.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import msgspec
 from radixserve.runtime.wire.cache_tree import CacheTreeReq, CacheTreeReqOutput
 from radixserve.runtime.wire.lora import LoadLoRAAdapterReq, LoRAAdapterReqOutput, UnloadLoRAAdapterReq
 from radixserve.runtime.wire.sampling_params import SamplingParams
+from radixserve.runtime.wire.server_info import ModelInfo, ServerInfo
 
 
 class FinishReason(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -113,7 +115,7 @@ class GetServerInfoReq(msgspec.Struct, tag=True):
 
 class GetServerInfoReqOutput(msgspec.Struct, tag=True):
     rpc_id: str
-    info: dict[str, Any]
+    info: ServerInfo
 
 
 class SpecCounts(msgspec.Struct, array_like=True):
@@ -195,38 +197,6 @@ def request_tokens(message: TokenizedGenerateReq) -> int:
     """What a request adds to its data-parallel replica's load: its prompt and the most it may generate."""
     max_new = message.sampling_params.max_new_tokens
     return len(message.input_ids) + (UNBOUNDED_NEW_TOKENS if max_new is None else max_new) * message.sampling_params.n
-
-
-class ModelInfo(msgspec.Struct, kw_only=True):
-    """What the scheduler tells the other processes once its model is loaded (in its ProcessReady)."""
-
-    context_len: int
-    vocab_size: int
-    max_total_num_tokens: int  # KV slots in the pool
-    max_running_requests: int
-    page_size: int
-    eos_token_ids: list[int]
-    model_path: Optional[str]
-    device: str
-    dtype: str
-    attention_backend: str
-    chunked_prefill_size: Optional[int]
-    schedule_policy: str
-    overlap_schedule: bool
-    radix_cache: bool
-    hierarchical_cache: bool = False
-    sampling_backend: str = "pytorch"
-    tokenizer_path: Optional[str] = None  # filled in by the parent, which resolved it
-    # Values for unset temperature/top_p/top_k/min_p/repetition_penalty (the model's generation_config.json
-    # under --sampling-defaults model; empty under openai).
-    sampling_defaults: dict[str, float] = {}
-    lora_adapters: dict[str, str] = {}  # LoRA adapters loaded at start-up: name -> path
-    lora_enabled: bool = False
-    # Data-parallel replicas behind the controller; the fields above (the KV pool included) describe one of them.
-    dp_size: int = 1
-
-    def to_dict(self) -> dict[str, Any]:
-        return msgspec.structs.asdict(self)
 
 
 class ProcessReady(msgspec.Struct, tag=True):

@@ -5,7 +5,7 @@ from it.
     normalized = normalize(request, model_info)   # or ValueError, with `field` naming the field at fault
 
 Native `/generate` decodes its JSON body with `request_body.decode_json`; each OpenAI route translates its body
-with one function (runtime/openai/translate.py); `Engine.generate(prompt, sampling_params, **fields)` passes its
+with one function (runtime/http/openai/translate.py); `Engine.generate(prompt, sampling_params, **fields)` passes its
 keywords as the fields. `normalize` is then the only place for:
 
 - the batch shape: `text` or `input_ids`, one prompt or a list; per-prompt fields given once or one per prompt;

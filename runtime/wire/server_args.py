@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
 from radixserve.runtime.wire import sglang_flags
 from radixserve.runtime.wire.cpu_kernels import CPU_KERNEL_NAMES, parse_cpu_kernels
+from radixserve.runtime.wire.heap import parse_gc_threshold
+from radixserve.runtime.wire.lora import parse_lora_paths
 from radixserve.runtime.wire.speculative_args import check_speculative_args, resolved_num_draft_tokens  # noqa: F401
 
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
@@ -27,7 +28,7 @@ EVICTION_POLICIES = ("lru", "lfu")
 DEFAULT_MAX_QUEUED_REQUESTS = 1024
 HICACHE_WRITE_POLICIES = ("write_through", "write_back")
 SAMPLING_BACKENDS = ("pytorch",)  # SGLang also has "flashinfer"; radixserve has no FlashInfer sampling path
-# SGLang's names; runtime/openai/tool_parsers and runtime/openai/reasoning.py implement each one.
+# SGLang's names; runtime/http/openai/tool_parsers and runtime/http/openai/reasoning.py implement each one.
 TOOL_CALL_PARSERS = ("hermes", "qwen25", "llama3", "mistral", "pythonic")
 REASONING_PARSERS = ("qwen3", "deepseek-r1")
 SAMPLING_DEFAULTS = ("model", "openai")
@@ -355,48 +356,6 @@ def _field_type(f: dataclasses.Field) -> type:
         if annotation == name or annotation == f"Optional[{name}]":
             return kind
     return str
-
-
-def parse_gc_threshold(value: Any) -> list[int]:
-    """1 to 3 thresholds (generations 0, 1, 2), each an int >= 0 (given as ints or, from the command line, strings)."""
-    try:
-        if isinstance(value, (str, bytes)) or any(isinstance(item, bool) or not isinstance(item, (int, str))
-                                                  for item in value):
-            raise TypeError
-        thresholds = [int(item) for item in value]
-    except (TypeError, ValueError):
-        raise ValueError(f"gc_threshold must be 1 to 3 integers, got {value!r}") from None
-    if not 1 <= len(thresholds) <= 3 or min(thresholds) < 0:
-        raise ValueError(f"gc_threshold must be 1 to 3 integers >= 0, got {value!r}")
-    return thresholds
-
-
-def parse_lora_paths(value: Any) -> list[str]:
-    """SGLang's forms of lora_paths as a list of "name=path": a list of "name=path", "path" or JSON objects
-    {"lora_name", "lora_path"[, "pinned"]}, or a dict name -> path. Raises ValueError for anything else."""
-    if isinstance(value, dict):
-        value = [f"{name}={path}" for name, path in value.items()]
-    if isinstance(value, str):
-        value = [value]
-    out: list[str] = []
-    for item in value:
-        if isinstance(item, str) and item.lstrip().startswith("{"):
-            item = json.loads(item)
-        if isinstance(item, dict):
-            unknown = set(item) - {"lora_name", "lora_path", "pinned"}
-            if unknown or not isinstance(item.get("lora_name"), str) or not isinstance(item.get("lora_path"), str):
-                raise ValueError(f"lora_paths: an adapter object needs lora_name and lora_path, got {item!r}")
-            item = f"{item['lora_name']}={item['lora_path']}"
-        if not isinstance(item, str) or not item:
-            raise ValueError(f"lora_paths: expected 'name=path' or a path, got {item!r}")
-        name, sep, path = item.partition("=")
-        out.append(item if sep else f"{item}={item}")
-        if sep and (not name or not path):
-            raise ValueError(f"lora_paths: expected 'name=path', got {item!r}")
-    names = [item.partition("=")[0] for item in out]
-    if len(set(names)) != len(names):
-        raise ValueError(f"lora_paths: adapter names must be distinct, got {names}")
-    return out
 
 
 def make_server_args(model_path: Optional[str] = None, **kwargs: Any) -> ServerArgs:

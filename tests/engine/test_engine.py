@@ -13,6 +13,7 @@ import psutil
 import pytest
 
 from radixserve import ContextLengthExceededError, Engine, EngineDeadError, GenerateReqInput
+from radixserve.runtime.serving_engine import ServingEngine
 
 GREEDY = {"temperature": 0.0}
 PROMPTS = [
@@ -247,6 +248,10 @@ def test_from_several_threads(engine):
         thread.join(timeout=120)
     expected = engine.generate(PROMPTS[:4], {"max_new_tokens": 4, **GREEDY})
     assert [results[i]["output_ids"] for i in range(4)] == [r["output_ids"] for r in expected]
+
+
+def test_engine_is_a_serving_engine(engine):
+    assert isinstance(engine, ServingEngine)  # what create_app serves (tests/engine/test_serving_engine.py)
 
 
 def test_flush_cache_and_server_info(engine):

@@ -124,8 +124,8 @@ def test_an_http_run_waits_for_its_clients_disconnect_without_polling(engine, en
     stops the run at once and aborts its request."""
     from starlette.requests import Request
 
-    from radixserve.runtime.http_generation import ClientDisconnected, GenerationRun
-    from radixserve.runtime.http_state import InflightRequests, ServerState
+    from radixserve.runtime.http.generation import ClientDisconnected, GenerationRun
+    from radixserve.runtime.http.state import InflightRequests, ServerState
     from radixserve.tokenizer_manager.io import GenerateReqInput
 
     state = ServerState(engine=engine, server_args=None, tenants=None, inflight=InflightRequests(None),

@@ -21,8 +21,8 @@ import pytest
 from cache_page_workload import GROUPS, PER_GROUP, SYSTEM_LEN, Workload, shared_prefix_workload
 from http_fixtures import KEY_A, KEY_B, shared_server
 from radixserve.runtime.wire.cache_tree import namespace_name
-from radixserve.runtime.cache_report import SCRIPT_TAG, STYLESHEET_TAG, render_report
-from radixserve.runtime.static_files import static_text
+from radixserve.runtime.http.cache_report import SCRIPT_TAG, STYLESHEET_TAG, render_report
+from radixserve.runtime.http.static_files import static_text
 
 pytestmark = pytest.mark.timeout(600)
 

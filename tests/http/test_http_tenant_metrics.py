@@ -15,7 +15,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from http_fixtures import ADMIN_KEY, KEY_A, KEY_B, shared_server
-from radixserve.runtime.tenant_usage import DEFAULT_LABEL, OTHER_LABEL, TenantUsage
+from radixserve.runtime.http.tenant_usage import DEFAULT_LABEL, OTHER_LABEL, TenantUsage
 
 pytestmark = pytest.mark.timeout(300)
 COUNTERS = ("tenant_num_requests", "tenant_prompt_tokens", "tenant_generation_tokens", "tenant_cached_tokens")

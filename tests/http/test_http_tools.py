@@ -19,7 +19,7 @@ from tool_cases import (  # noqa: F401  (client, model: fixtures)
     check_required_and_named_calls, client, model, tool,
 )
 
-from radixserve.runtime.openai.tool_grammar import MAX_PARALLEL_CALLS
+from radixserve.runtime.http.openai.tool_grammar import MAX_PARALLEL_CALLS
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 

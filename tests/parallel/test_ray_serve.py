@@ -116,6 +116,17 @@ def test_openai_client_through_the_ingress(affinity):
     assert finished and float(finished.group(1)) >= 2, metrics[:2000]
 
 
+def test_lora_loading_is_refused_through_the_ingress(affinity):
+    """Replicas serve the adapters they started with; one loaded through the ingress would be missing from a replica
+    Ray starts later, so the ingress refuses it with a clear error instead of failing."""
+    response = httpx.post(affinity + "/load_lora_adapter", json={"lora_name": "a", "lora_path": "/nowhere"},
+                          timeout=60)
+    assert response.status_code == 501
+    assert response.json()["success"] is False and "--lora-paths" in response.json()["error"]["message"]
+    response = httpx.post(affinity + "/unload_lora_adapter", json={"lora_name": "a"}, timeout=60)
+    assert response.status_code == 501
+
+
 def _workload() -> list[list[str]]:
     rng = random.Random(3)
     groups = []

@@ -162,16 +162,6 @@ def test_tree_continuation_follows_the_most_recent_branch(page_size):
     cache.check_invariants(held_slots=0)
 
 
-def test_metrics_report_the_acceptance():
-    from radixserve.runtime.metrics import ServerMetrics
-
-    metrics = ServerMetrics("m")
-    text, _ = metrics.render({"avg_spec_accept_length": 2.5, "spec_accept_rate": 0.4, "memory": {}}, 0)
-    lines = text.decode().splitlines()
-    assert 'radixserve:spec_accept_length{model_name="m"} 2.5' in lines
-    assert 'radixserve:spec_accept_rate{model_name="m"} 0.4' in lines
-
-
 def test_meta_info_carries_sglang_spec_keys():
     from radixserve.runtime.wire.messages import SpecCounts
     from radixserve.tokenizer_manager.state import spec_meta_info

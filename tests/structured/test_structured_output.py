@@ -243,7 +243,7 @@ def test_grammar_queue_and_compile_cache(default_model_dir, tokenizer):
     for i in range(4):
         driver.submit(f"r{i}", prompt, max_new_tokens=20, json_schema=schema)
     assert sched.grammars.num_queued == 4 and not sched.waiting and not sched.is_idle()
-    assert sched.server_info()["num_queued_reqs"] == 4
+    assert sched.server_info().num_queued_reqs == 4
     results = run_all(driver)
     cache = sched.grammars.cache
     assert cache.num_compiled == 1 and cache.num_hits == 3

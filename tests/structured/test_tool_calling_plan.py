@@ -9,11 +9,11 @@ import json
 import pytest
 from xgrammar.testing import _is_grammar_accept_string as grammar_accepts
 
-from radixserve.runtime.http_state import InflightRequests, ServerState
+from radixserve.runtime.http.state import InflightRequests, ServerState
 from radixserve.runtime.model_files import default_model_path, load_tokenizer
-from radixserve.runtime.openai.errors import APIError
-from radixserve.runtime.openai.protocol import ChatCompletionRequest, parse_request
-from radixserve.runtime.openai.tool_calling import plan_chat_output, split_output
+from radixserve.runtime.http.errors import APIError
+from radixserve.runtime.http.openai.protocol import ChatCompletionRequest, parse_request
+from radixserve.runtime.http.openai.tool_calling import plan_chat_output, split_output
 from radixserve.runtime.tenancy import TenantResolver
 from radixserve.runtime.wire.server_args import ServerArgs
 

@@ -13,16 +13,16 @@ import pytest
 import xgrammar
 from xgrammar.testing import _is_grammar_accept_string as grammar_accepts
 
-from radixserve.runtime.openai.protocol_tools import Tool
-from radixserve.runtime.openai.python_call_grammar import python_calls_grammar
-from radixserve.runtime.openai.reasoning import get_reasoning_parser
-from radixserve.runtime.openai.tool_grammar import (
+from radixserve.runtime.http.openai.protocol_tools import Tool
+from radixserve.runtime.http.openai.python_call_grammar import python_calls_grammar
+from radixserve.runtime.http.openai.reasoning import get_reasoning_parser
+from radixserve.runtime.http.openai.tool_grammar import (
     MAX_PARALLEL_CALLS,
     ToolSchemaError,
     check_tool_schemas,
     tool_call_grammar,
 )
-from radixserve.runtime.openai.tool_parsers import get_tool_parser
+from radixserve.runtime.http.openai.tool_parsers import get_tool_parser
 
 
 def _tool(name: str, parameters: dict | None = None) -> Tool:

@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from radixserve.runtime.openai.chat_stream import ChoiceStream
-from radixserve.runtime.openai.reasoning import get_reasoning_parser
-from radixserve.runtime.openai.tool_calling import ChatOutputPlan, split_output
-from radixserve.runtime.openai.tool_parsers import PARSERS, get_tool_parser
+from radixserve.runtime.http.openai.chat_stream import ChoiceStream
+from radixserve.runtime.http.openai.reasoning import get_reasoning_parser
+from radixserve.runtime.http.openai.tool_calling import ChatOutputPlan, split_output
+from radixserve.runtime.http.openai.tool_parsers import PARSERS, get_tool_parser
 from radixserve.runtime.wire.server_args import REASONING_PARSERS, TOOL_CALL_PARSERS, ServerArgs
 
 

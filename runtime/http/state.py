@@ -17,10 +17,11 @@ from typing import Any, Optional
 
 from starlette.requests import Request
 
-from radixserve.runtime.openai.errors import APIError
+from radixserve.runtime.http.errors import APIError
+from radixserve.runtime.serving_engine import ServingEngine
 from radixserve.runtime.wire.server_args import ServerArgs
-from radixserve.runtime.tenancy import Caller, TenantResolver
-from radixserve.runtime.tenant_usage import TenantUsage
+from radixserve.runtime.tenancy import AuthenticationError, Caller, TenantResolver
+from radixserve.runtime.http.tenant_usage import TenantUsage
 from radixserve.runtime.wire.messages import ModelInfo
 
 RETRY_AFTER_SECONDS = 1
@@ -95,7 +96,7 @@ class InflightRequests:
 class ServerState:
     """Everything a route needs, built once by `create_app`."""
 
-    engine: Any  # radixserve.runtime.engine.Engine
+    engine: ServingEngine
     server_args: ServerArgs
     tenants: TenantResolver
     inflight: InflightRequests
@@ -105,9 +106,9 @@ class ServerState:
     context_len: int
     vocab_size: int
     max_total_tokens: Optional[int]
-    token_texts: Any = None  # radixserve.runtime.openai.logprobs.TokenTexts of the tokenizer
-    metrics: Any = None  # radixserve.runtime.metrics.ServerMetrics, when enabled
-    tenant_usage: Optional[TenantUsage] = None  # per-tenant totals (runtime/tenant_usage.py)
+    token_texts: Any = None  # radixserve.runtime.http.openai.logprobs.TokenTexts of the tokenizer
+    metrics: Any = None  # radixserve.runtime.http.metrics.ServerMetrics, when enabled
+    tenant_usage: Optional[TenantUsage] = None  # per-tenant totals (runtime/http/tenant_usage.py)
     created: int = field(default_factory=lambda: int(time.time()))
 
     def observe_request(self, meta_info: dict[str, Any], token_times: list[float]) -> None:
@@ -121,13 +122,19 @@ class ServerState:
 def caller_tenant(request: Request) -> Optional[str]:
     """FastAPI dependency of the protected routes: the caller's tenant id, or a 401."""
     state: ServerState = request.app.state.server
-    return state.tenants.tenant_for(request.headers.get("authorization"))
+    try:
+        return state.tenants.tenant_for(request.headers.get("authorization"))
+    except AuthenticationError as error:
+        raise APIError(str(error), status_code=401, code=error.code) from None
 
 
 def caller(request: Request) -> Caller:
     """FastAPI dependency: the caller (tenant and whether it may administer), or a 401."""
     state: ServerState = request.app.state.server
-    return state.tenants.caller(request.headers.get("authorization"))
+    try:
+        return state.tenants.caller(request.headers.get("authorization"))
+    except AuthenticationError as error:
+        raise APIError(str(error), status_code=401, code=error.code) from None
 
 
 def require_admin(who: Caller, what: str) -> None:

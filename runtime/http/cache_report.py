@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 import httpx
 
-from radixserve.runtime.static_files import static_text
+from radixserve.runtime.http.static_files import static_text
 
 STYLESHEET_TAG = '<link rel="stylesheet" href="/cache/cache.css">'
 SCRIPT_TAG = '<script src="/cache/cache.js"></script>'

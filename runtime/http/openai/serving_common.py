@@ -13,10 +13,9 @@ from typing import Any, Optional, Sequence
 
 import msgspec
 
-from radixserve.runtime.lora_api import adapter_of
-from radixserve.runtime.http_state import ServerState
-from radixserve.runtime.openai.errors import APIError, bad_request
-from radixserve.runtime.openai.protocol import (
+from radixserve.runtime.http.state import ServerState
+from radixserve.runtime.http.errors import APIError, bad_request
+from radixserve.runtime.http.openai.protocol import (
     OpenAISamplingFields,
     parse_logit_bias,
     stop_list,
@@ -29,9 +28,25 @@ _OPENAI_PARAM = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens",
 
 
 def check_model(state: ServerState, model: Optional[str], lora_path: Optional[str] = None) -> Optional[str]:
-    """A request may omit `model`; naming another model than the one served or a loaded LoRA adapter is a 404.
-    Returns the LoRA adapter the request runs under (runtime/lora_api.py), None for the base model."""
-    return adapter_of(state, model, lora_path)
+    """The LoRA adapter a request runs under (runtime/http/lora_api.py), None for the base model. A request may
+    omit `model`; naming another model than the one served or a loaded adapter is a 404, naming an adapter in
+    `model` and another in `lora_path` a 400."""
+    adapters = state.engine.lora_adapters
+    by_model: Optional[str] = None
+    if model is not None and model != state.served_model_name:
+        base, _, suffix = model.partition(":")
+        if model in adapters:
+            by_model = model
+        elif base == state.served_model_name and suffix in adapters:
+            by_model = suffix
+        else:
+            raise APIError(f"The model '{model}' does not exist.", status_code=404, param="model",
+                           code="model_not_found")
+    if lora_path:
+        if by_model is not None and by_model != lora_path:
+            raise APIError(f"model names adapter {by_model!r} but lora_path names {lora_path!r}", param="lora_path")
+        return lora_path  # an unknown name is the TokenizerManager's 400
+    return by_model
 
 
 def sampling_params(state: ServerState, body: OpenAISamplingFields, max_new_tokens: Optional[int]) -> SamplingParams:

@@ -1,27 +1,27 @@
-"""LoRA adapters over HTTP: SGLang's `/load_lora_adapter` and `/unload_lora_adapter`, the adapters as models of
-the OpenAI routes, and which adapter an OpenAI request names.
+"""LoRA adapters over HTTP: SGLang's `/load_lora_adapter` and `/unload_lora_adapter`, and the adapters as models of
+the OpenAI routes.
 
 Loading and unloading change the server for every tenant, so they need the administrator (runtime/tenancy.py).
 Both answer SGLang's body `{"success", "error_message", "loaded_adapters"}`; a failure is a 400 that also carries
 the OpenAI error envelope.
 
 On the OpenAI routes a request picks an adapter by `model`: the adapter's name, or `<served model>:<adapter>`
-(SGLang's form); `lora_path` (SGLang's extension field) names one too. `/v1/models` lists each adapter as a model
-whose `parent` is the served model.
+(SGLang's form); `lora_path` (SGLang's extension field) names one too (openai/serving_common.py::check_model).
+`/v1/models` lists each adapter as a model whose `parent` is the served model.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 from fastapi import APIRouter, Depends
 from starlette.requests import Request
 from starlette.responses import Response
 
-from radixserve.runtime.http_generation import json_response
-from radixserve.runtime.http_state import ServerState, caller, require_admin
-from radixserve.runtime.openai.errors import APIError
-from radixserve.runtime.openai.protocol import StrictModel, parse_request
+from radixserve.runtime.http.generation import json_response
+from radixserve.runtime.http.state import ServerState, caller, require_admin
+from radixserve.runtime.http.errors import APIError
+from radixserve.runtime.http.openai.protocol import StrictModel, parse_request
 from radixserve.runtime.tenancy import Caller
 
 router = APIRouter()
@@ -70,24 +70,3 @@ def adapter_cards(state: ServerState) -> list[dict[str, Any]]:
     return [{"id": name, "object": "model", "created": state.created, "owned_by": "radixserve",
              "root": path, "parent": state.served_model_name, "max_model_len": state.context_len}
             for name, path in state.engine.lora_adapters.items()]
-
-
-def adapter_of(state: ServerState, model: Optional[str], lora_path: Optional[str]) -> Optional[str]:
-    """The adapter an OpenAI request names (None: the base model); a 404 for a model that is neither the served
-    one nor a loaded adapter, a 400 when `model` and `lora_path` name different adapters."""
-    adapters = state.engine.lora_adapters
-    by_model: Optional[str] = None
-    if model is not None and model != state.served_model_name:
-        base, _, suffix = model.partition(":")
-        if model in adapters:
-            by_model = model
-        elif base == state.served_model_name and suffix in adapters:
-            by_model = suffix
-        else:
-            raise APIError(f"The model '{model}' does not exist.", status_code=404, param="model",
-                           code="model_not_found")
-    if lora_path:
-        if by_model is not None and by_model != lora_path:
-            raise APIError(f"model names adapter {by_model!r} but lora_path names {lora_path!r}", param="lora_path")
-        return lora_path  # an unknown name is the TokenizerManager's 400
-    return by_model

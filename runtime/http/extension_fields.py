@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from radixserve.runtime.openai.errors import APIError, bad_request
+from radixserve.runtime.http.errors import APIError, bad_request
 from radixserve.runtime.wire.compat import (  # noqa: F401 - the routes' names for the tables
     NATIVE_LABELS,
     NATIVE_UNSUPPORTED,

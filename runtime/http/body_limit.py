@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Awaitable, Callable
 
-from radixserve.runtime.openai.errors import APIError
+from radixserve.runtime.http.errors import APIError
 
 Scope = dict[str, Any]
 Message = dict[str, Any]

@@ -1,5 +1,5 @@
 """See the cache: `GET /cache/tree` (a JSON summary of the caller's part of the radix tree) and `GET /cache`
-(a page that draws it, shipped in runtime/static/ as package data: no build step, nothing from a CDN).
+(a page that draws it, shipped in runtime/http/static/ as package data: no build step, nothing from a CDN).
 
     GET /cache/tree?namespace=NAME&depth=D&max_nodes=N&detail=summary|text&rid=RID
 
@@ -24,10 +24,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from radixserve.runtime.wire.cache_tree import MAX_SUMMARY_DEPTH, MAX_SUMMARY_NODES, CacheTreeSummary
-from radixserve.runtime.http_generation import json_response
-from radixserve.runtime.http_state import ServerState, caller_tenant
-from radixserve.runtime.openai.errors import APIError, bad_request
-from radixserve.runtime.static_files import static_text
+from radixserve.runtime.http.generation import json_response
+from radixserve.runtime.http.state import ServerState, caller_tenant
+from radixserve.runtime.http.errors import APIError, bad_request
+from radixserve.runtime.http.static_files import static_text
 from radixserve.tokenizer_manager.io import make_namespace
 from radixserve.tokenizer_manager.manager import engine_rid
 

@@ -22,9 +22,9 @@ from typing import Annotated, Any, Literal, Optional, TypeVar, Union
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from radixserve.runtime.extension_fields import OPENAI_LABELS, OPENAI_UNSUPPORTED, absorb
-from radixserve.runtime.openai.errors import validation_error
-from radixserve.runtime.openai.protocol_tools import Tool, ToolCallIn, ToolChoice, Tools
+from radixserve.runtime.http.extension_fields import OPENAI_LABELS, OPENAI_UNSUPPORTED, absorb
+from radixserve.runtime.http.errors import validation_error
+from radixserve.runtime.http.openai.protocol_tools import Tool, ToolCallIn, ToolChoice, Tools
 
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1

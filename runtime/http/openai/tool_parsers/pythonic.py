@@ -8,7 +8,7 @@ import ast
 import json
 from typing import Any
 
-from radixserve.runtime.openai.tool_parsers.base import CallFrame, ParsedOutput, ToolCall, ToolParser
+from radixserve.runtime.http.openai.tool_parsers.base import CallFrame, ParsedOutput, ToolCall, ToolParser
 
 WRAP_OPEN, WRAP_CLOSE = "<|python_start|>", "<|python_end|>"
 _JSON_NAMES = {"true": True, "false": False, "null": None}

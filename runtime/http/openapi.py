@@ -17,9 +17,9 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
-from radixserve.runtime.lora_api import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
-from radixserve.runtime.native_api import _RidBody as AbortRequest
-from radixserve.runtime.openai.protocol import ChatCompletionRequest, CompletionRequest
+from radixserve.runtime.http.lora_api import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
+from radixserve.runtime.http.native_api import _RidBody as AbortRequest
+from radixserve.runtime.http.openai.protocol import ChatCompletionRequest, CompletionRequest
 from radixserve.runtime.wire.request import SERVER_FIELDS, GenerateRequest
 
 # POST path -> (schema name, the model its handler validates the body with: pydantic, or the wire's msgspec struct).

@@ -26,15 +26,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, AsyncIterator, Optional
+from typing import Any, AsyncIterator, Callable, Optional
 
 import orjson
 from fastapi import FastAPI
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 
-from radixserve.runtime.http_state import ServerState
-from radixserve.runtime.openai.errors import APIError, engine_unavailable, from_value_error
+from radixserve.runtime.http.state import ServerState
+from radixserve.runtime.http.errors import APIError, engine_unavailable, from_value_error
 from radixserve.runtime.wire.errors import EngineDeadError, RequestFailedError
 
 logger = logging.getLogger(__name__)
@@ -220,6 +220,47 @@ async def start_stream(run: GenerationRun) -> AsyncIterator[tuple[int, Any]]:
             yield event
 
     return chained()
+
+
+async def respond(
+    run: GenerationRun,
+    stream: bool,
+    render_result: Callable[[list[list[Any]]], Any],
+    render_events: Callable[[AsyncIterator[tuple[int, Any]]], AsyncIterator[Any]],
+) -> Response:
+    """The answer of a generation route, and the end of its run however the answer ends.
+
+    Not streaming: every request's chunks (`GenerationRun.collect`) go to `render_result`, whose value is the JSON
+    body (499 when the client left first). Streaming: each value `render_events` yields from the run's events is
+    one SSE `data:` event, then `data: [DONE]`; an error after the stream started becomes an error event (the
+    status line is sent by then), a client that left ends the stream. The run is closed in every case."""
+    if stream:
+        try:
+            events = await start_stream(run)
+        except BaseException:
+            run.close()
+            raise
+        return RunStreamingResponse(_sse(run, render_events(events)), run)
+    try:
+        results = await run.collect()
+    except ClientDisconnected:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    finally:
+        run.close()
+    return json_response(render_result(results))
+
+
+async def _sse(run: GenerationRun, payloads: AsyncIterator[Any]) -> AsyncIterator[bytes]:
+    try:
+        async for payload in payloads:
+            yield sse_event(payload)
+    except APIError as error:
+        yield sse_event(error.body())
+    except ClientDisconnected:
+        return
+    finally:
+        run.close()
+    yield SSE_DONE
 
 
 class RunStreamingResponse(StreamingResponse):

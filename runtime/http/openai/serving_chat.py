@@ -9,36 +9,26 @@ from typing import Any, AsyncIterator, Optional
 from starlette.requests import Request
 from starlette.responses import Response
 
-from radixserve.runtime.http_generation import (
-    SSE_DONE,
-    ClientDisconnected,
-    GenerationRun,
-    RunStreamingResponse,
-    engine_error,
-    json_response,
-    sse_event,
-    start_stream,
-)
-from radixserve.runtime.http_state import ServerState
-from radixserve.runtime.openai.chat_stream import ChoiceStream
-from radixserve.runtime.openai.errors import APIError
-from radixserve.runtime.openai.logprobs import chat_logprobs
-from radixserve.runtime.openai.protocol import ChatCompletionRequest, ChatMessage
-from radixserve.runtime.openai.serving_common import (
+from radixserve.runtime.http.generation import GenerationRun, engine_error, respond
+from radixserve.runtime.http.state import ServerState
+from radixserve.runtime.http.openai.chat_stream import ChoiceStream
+from radixserve.runtime.http.openai.logprobs import chat_logprobs
+from radixserve.runtime.http.openai.protocol import ChatCompletionRequest, ChatMessage
+from radixserve.runtime.http.openai.serving_common import (
     ChoiceOutput,
     check_model,
     openai_finish_reason,
     sampling_params,
     usage,
 )
-from radixserve.runtime.openai.tool_calling import (
+from radixserve.runtime.http.openai.tool_calling import (
     ChatOutputPlan,
     assistant_message,
     conversation_of,
     plan_chat_output,
     split_output,
 )
-from radixserve.runtime.openai.translate import chat_request, normalized
+from radixserve.runtime.http.openai.translate import chat_request, normalized
 
 
 async def encode_chat(state: ServerState, messages: list[ChatMessage],
@@ -69,30 +59,23 @@ async def create_chat_completion(
     rids = request.sample_rids()[response_id]
     run = GenerationRun(state, {response_id: rids}, requests, tenant, http_request)
     header = {"id": response_id, "created": int(time.time()), "model": state.served_model_name}
-    if body.stream:
-        try:
-            events = await start_stream(run)
-        except BaseException:
-            run.close()
-            raise
-        return RunStreamingResponse(_stream(state, plan, header, run, events), run)
-    try:
-        results = await run.collect()
-    except ClientDisconnected:
-        return Response(status_code=499)
-    finally:
-        run.close()
-    outputs = [ChoiceOutput() for _ in range(body.n)]
+    return await respond(run, body.stream, lambda results: _response(state, plan, header, results),
+                         lambda events: _events(state, plan, header, events))
+
+
+def _response(state: ServerState, plan: ChatOutputPlan, header: dict[str, Any],
+              results: list[list[Any]]) -> dict[str, Any]:
+    outputs = [ChoiceOutput() for _ in results]
     for output, chunks in zip(outputs, results):
         for chunk in chunks:
             output.add(chunk)
-    return json_response({
+    return {
         **header,
         "object": "chat.completion",
         "choices": [_choice(state, plan, i, out) for i, out in enumerate(outputs)],
         "usage": usage([outputs]),
         "system_fingerprint": None,
-    })
+    }
 
 
 def _finish_reason(finish: Optional[dict[str, Any]], made_calls: bool) -> tuple[Optional[str], Any]:
@@ -116,13 +99,12 @@ def _choice(state: ServerState, plan: ChatOutputPlan, index: int, out: ChoiceOut
     }
 
 
-async def _stream(
+async def _events(
     state: ServerState,
     plan: ChatOutputPlan,
     header: dict[str, Any],
-    run: GenerationRun,
     events: AsyncIterator[tuple[int, Any]],
-) -> AsyncIterator[bytes]:
+) -> AsyncIterator[dict[str, Any]]:
     body = plan.body
     outputs = [ChoiceOutput() for _ in range(body.n)]
     streams = [ChoiceStream(plan) for _ in range(body.n)]
@@ -130,38 +112,30 @@ async def _stream(
     include_usage = body.include_usage
 
     def chunk(index: int, delta: dict[str, Any], logprobs: Any = None, finish: Optional[str] = None,
-              matched: Any = None) -> bytes:
+              matched: Any = None) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         if finish is not None:
             choice["matched_stop"] = matched
         event = {**header, "object": "chat.completion.chunk", "choices": [choice]}
         if include_usage:
             event["usage"] = usage([outputs]) if body.continuous_usage else None
-        return sse_event(event)
+        return event
 
-    try:
-        async for index, engine_chunk in events:
-            delta = outputs[index].add(engine_chunk)
-            if not started[index]:
-                started[index] = True
-                yield chunk(index, {"role": "assistant", "content": ""})
-            deltas = streams[index].feed(delta.text, finished=bool(delta.finish_reason))
-            logprobs = None
-            if body.logprobs and delta.token_logprobs:
-                logprobs = chat_logprobs(state.token_texts, delta.token_logprobs, delta.top_logprobs,
-                                         body.top_logprobs or 0)
-                deltas = deltas or [{"content": ""}]
-            for number, message_delta in enumerate(deltas):
-                yield chunk(index, message_delta, logprobs if number == 0 else None)
-            if delta.finish_reason:
-                reason, matched = _finish_reason(delta.finish_reason, bool(streams[index].calls))
-                yield chunk(index, {}, finish=reason, matched=matched)
-        if include_usage:
-            yield sse_event({**header, "object": "chat.completion.chunk", "choices": [], "usage": usage([outputs])})
-    except APIError as error:
-        yield sse_event(error.body())
-    except ClientDisconnected:
-        return
-    finally:
-        run.close()
-    yield SSE_DONE
+    async for index, engine_chunk in events:
+        delta = outputs[index].add(engine_chunk)
+        if not started[index]:
+            started[index] = True
+            yield chunk(index, {"role": "assistant", "content": ""})
+        deltas = streams[index].feed(delta.text, finished=bool(delta.finish_reason))
+        logprobs = None
+        if body.logprobs and delta.token_logprobs:
+            logprobs = chat_logprobs(state.token_texts, delta.token_logprobs, delta.top_logprobs,
+                                     body.top_logprobs or 0)
+            deltas = deltas or [{"content": ""}]
+        for number, message_delta in enumerate(deltas):
+            yield chunk(index, message_delta, logprobs if number == 0 else None)
+        if delta.finish_reason:
+            reason, matched = _finish_reason(delta.finish_reason, bool(streams[index].calls))
+            yield chunk(index, {}, finish=reason, matched=matched)
+    if include_usage:
+        yield {**header, "object": "chat.completion.chunk", "choices": [], "usage": usage([outputs])}

@@ -12,8 +12,8 @@ from typing import Any, Optional
 
 import msgspec
 
-from radixserve.runtime.openai.errors import from_value_error
-from radixserve.runtime.openai.protocol import ChatCompletionRequest, CompletionRequest
+from radixserve.runtime.http.errors import from_value_error
+from radixserve.runtime.http.openai.protocol import ChatCompletionRequest, CompletionRequest
 from radixserve.runtime.wire.messages import ModelInfo
 from radixserve.runtime.wire.request import GenerateRequest, NormalizedRequest, normalize
 from radixserve.runtime.wire.sampling_params import SamplingParams

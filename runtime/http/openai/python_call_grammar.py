@@ -19,7 +19,7 @@ import keyword
 import re
 from typing import Any, Callable, Optional
 
-from radixserve.runtime.openai.protocol_tools import ToolSchemaError
+from radixserve.runtime.http.openai.protocol_tools import ToolSchemaError
 
 UNSUPPORTED = ("allOf", "not", "if", "then", "else", "patternProperties", "prefixItems", "contains", "uniqueItems",
                "propertyNames", "dependentRequired", "dependentSchemas", "unevaluatedProperties", "minProperties",

@@ -24,10 +24,10 @@ import json
 import re
 from typing import Any, Optional
 
-from radixserve.runtime.openai.protocol_tools import Tool, ToolSchemaError
-from radixserve.runtime.openai.python_call_grammar import ebnf_string, embed_grammar, python_calls_grammar
-from radixserve.runtime.openai.reasoning import THINK_CLOSE, THINK_OPEN, ReasoningParser
-from radixserve.runtime.openai.tool_parsers import ToolParser
+from radixserve.runtime.http.openai.protocol_tools import Tool, ToolSchemaError
+from radixserve.runtime.http.openai.python_call_grammar import ebnf_string, embed_grammar, python_calls_grammar
+from radixserve.runtime.http.openai.reasoning import THINK_CLOSE, THINK_OPEN, ReasoningParser
+from radixserve.runtime.http.openai.tool_parsers import ToolParser
 from radixserve.runtime.wire.grammar_check import check_grammar, grammar_error_message
 
 # A bound on the calls of one output: a small model asked for parallel calls tends to repeat its call until

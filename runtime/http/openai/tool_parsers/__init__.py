@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from radixserve.runtime.openai.tool_parsers.base import ParsedOutput, ToolCall, ToolParser
-from radixserve.runtime.openai.tool_parsers.hermes import HermesParser, Qwen25Parser
-from radixserve.runtime.openai.tool_parsers.llama3 import Llama3Parser
-from radixserve.runtime.openai.tool_parsers.mistral import MistralParser
-from radixserve.runtime.openai.tool_parsers.pythonic import PythonicParser
+from radixserve.runtime.http.openai.tool_parsers.base import ParsedOutput, ToolCall, ToolParser
+from radixserve.runtime.http.openai.tool_parsers.hermes import HermesParser, Qwen25Parser
+from radixserve.runtime.http.openai.tool_parsers.llama3 import Llama3Parser
+from radixserve.runtime.http.openai.tool_parsers.mistral import MistralParser
+from radixserve.runtime.http.openai.tool_parsers.pythonic import PythonicParser
 
 PARSERS: dict[str, type[ToolParser]] = {
     parser.name: parser for parser in (HermesParser, Qwen25Parser, Llama3Parser, MistralParser, PythonicParser)

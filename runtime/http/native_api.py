@@ -21,23 +21,16 @@ from pydantic import Field
 from starlette.requests import Request
 from starlette.responses import Response
 
-from radixserve.runtime.http_generation import (
-    SSE_DONE,
-    ClientDisconnected,
-    GenerationRun,
-    RunStreamingResponse,
-    json_response,
-    sse_event,
-    start_stream,
-)
-from radixserve.runtime.http_state import ServerState, caller, caller_tenant, require_admin
-from radixserve.runtime.extension_fields import unsupported_field
+from radixserve.runtime.http.errors import APIError, bad_request, from_value_error
+from radixserve.runtime.http.extension_fields import unsupported_field
+from radixserve.runtime.http.generation import GenerationRun, json_response, respond
+from radixserve.runtime.http.openai.protocol import StrictModel, parse_request
+from radixserve.runtime.http.state import ServerState, caller, caller_tenant, require_admin
 from radixserve.runtime.tenancy import Caller
-from radixserve.runtime.openai.errors import APIError, bad_request, from_value_error
-from radixserve.runtime.openai.protocol import StrictModel, parse_request
 from radixserve.runtime.wire.compat import UnsupportedFieldError
 from radixserve.runtime.wire.request import GenerateRequest, NormalizedRequest, RequestFieldError, normalize
 from radixserve.runtime.wire.request_body import decode_json
+from radixserve.runtime.wire.server_info import NamespaceCounters, ReplicaView
 
 HEALTH_GENERATE_TIMEOUT_SECONDS = 30.0
 Rid = Annotated[str, Field(min_length=1, max_length=256)]
@@ -81,33 +74,16 @@ async def generate(request: Request, tenant: Optional[str] = Depends(caller_tena
     state = _state(request)
     normalized = _decode(state, await request.body(), tenant)
     run = GenerationRun(state, normalized.sample_rids(), [normalized], tenant, request)
-    if normalized.stream:
-        try:
-            events = await start_stream(run)
-        except BaseException:
-            run.close()
-            raise
-        return RunStreamingResponse(_stream(run, events), run)
-    try:
-        results = await run.collect()
-    except ClientDisconnected:
-        return Response(status_code=499)
-    finally:
-        run.close()
-    return json_response(results[0][-1] if results[0] else None)
+    return await respond(run, normalized.stream, _final_result, _chunks)
 
 
-async def _stream(run: GenerationRun, events: AsyncIterator[tuple[int, Any]]) -> AsyncIterator[bytes]:
-    try:
-        async for _, chunk in events:
-            yield sse_event(chunk)
-    except APIError as error:
-        yield sse_event(error.body())
-    except ClientDisconnected:
-        return
-    finally:
-        run.close()
-    yield SSE_DONE
+def _final_result(results: list[list[Any]]) -> Any:
+    return results[0][-1] if results[0] else None
+
+
+async def _chunks(events: AsyncIterator[tuple[int, Any]]) -> AsyncIterator[Any]:
+    async for _, chunk in events:
+        yield chunk
 
 
 @router.post("/abort_request")
@@ -156,58 +132,57 @@ async def get_server_info(request: Request, who: Caller = Depends(caller)) -> Re
     top-level `incremental_streaming_output` (how /generate streams) and `internal_states` (one entry per
     scheduler, which SGLang's bench_serving reads at the end of a run; empty of traffic figures for a tenant)."""
     state = _state(request)
-    info = dict(await state.engine.async_get_server_info())
-    if not who.is_admin:
-        info = {**state.model_info.to_dict(), "cache": _own_cache(_own_namespaces(info.get("cache"), who.tenant))}
-    info["incremental_streaming_output"] = _streams_incrementally(state)
-    info["internal_states"] = [_internal_state(replica) if who.is_admin else {}
-                               for replica in info.get("replicas") or [info]]
+    info = await state.engine.async_server_info()
+    if who.is_admin:
+        body = info.to_dict()
+    else:
+        body = {**state.model_info.to_dict(), "cache": _own_cache(_own_namespaces(info.cache.namespaces, who.tenant))}
+    body["incremental_streaming_output"] = _streams_incrementally(state)
+    body["internal_states"] = [_internal_state(view) if who.is_admin else {}
+                               for view in info.replicas or [info.replica_view()]]
     if state.tenant_usage is not None:  # a tenant sees its own usage, the administrator every tenant's
-        info["tenant_usage"] = (state.tenant_usage.all_totals() if who.is_admin
+        body["tenant_usage"] = (state.tenant_usage.all_totals() if who.is_admin
                                 else state.tenant_usage.totals_of(who.tenant))
-    info["http"] = {"served_model_name": state.served_model_name,
+    body["http"] = {"served_model_name": state.served_model_name,
                     "inflight_engine_requests": state.inflight.num_engine_requests_of(who.tenant)}
     if who.is_admin:
-        info["http"].update(inflight_requests=len(state.inflight), capacity=state.inflight.capacity,
+        body["http"].update(inflight_requests=len(state.inflight), capacity=state.inflight.capacity,
                             inflight_engine_requests=state.inflight.num_engine_requests)
-    return json_response(info)
+    return json_response(body)
 
 
-def _own_cache(namespaces: dict[str, Any]) -> dict[str, Any]:
+def _own_cache(namespaces: dict[str, NamespaceCounters]) -> dict[str, Any]:
     """A tenant's cache statistics: its namespaces, and the totals over them (its own hit rate, evictions)."""
-    queried = sum(stats.get("queried_tokens", 0) for stats in namespaces.values())
-    matched = sum(stats.get("matched_tokens", 0) for stats in namespaces.values())
-    evicted = sum(stats.get("evicted_tokens", 0) for stats in namespaces.values())
+    queried = sum(counters.queried_tokens for counters in namespaces.values())
+    matched = sum(counters.matched_tokens for counters in namespaces.values())
+    evicted = sum(counters.evicted_tokens for counters in namespaces.values())
     return {"hit_rate": matched / queried if queried else 0.0, "matched_tokens": matched, "queried_tokens": queried,
-            "tree": {"evicted_tokens": evicted}, "namespaces": namespaces}
+            "tree": {"evicted_tokens": evicted},
+            "namespaces": {name: counters.to_dict() for name, counters in namespaces.items()}}
 
 
 def _streams_incrementally(state: ServerState) -> bool:
-    """The streaming mode of the engine behind the server (its own ServerArgs when it has them)."""
-    args = getattr(state.engine, "server_args", None) or state.server_args
-    return bool(args.incremental_streaming_output)
+    """The streaming mode of the engine behind the server (its own ServerArgs, which may differ from the app's)."""
+    return state.engine.server_args.incremental_streaming_output
 
 
-def _internal_state(info: dict[str, Any]) -> dict[str, Any]:
-    """The scheduler's state under SGLang's names (avg_spec_accept_length only with speculative decoding)."""
-    state = {"last_gen_throughput": info.get("gen_throughput"), "token_usage": info.get("token_usage"),
-             "dp_rank": info.get("dp_rank", 0),
-             "num_running_reqs": info.get("num_running_reqs"), "num_queued_reqs": info.get("num_queued_reqs")}
-    if "avg_spec_accept_length" in info:
-        state["avg_spec_accept_length"] = info["avg_spec_accept_length"]
+def _internal_state(replica: ReplicaView) -> dict[str, Any]:
+    """A scheduler's state under SGLang's names (avg_spec_accept_length only with speculative decoding)."""
+    state = {"last_gen_throughput": replica.gen_throughput, "token_usage": replica.token_usage,
+             "dp_rank": replica.dp_rank, "num_running_reqs": replica.num_running_reqs,
+             "num_queued_reqs": replica.num_queued_reqs}
+    if replica.avg_spec_accept_length is not None:
+        state["avg_spec_accept_length"] = replica.avg_spec_accept_length
     return state
 
 
-def _own_namespaces(cache: Any, tenant: Optional[str]) -> dict[str, Any]:
+def _own_namespaces(namespaces: dict[str, NamespaceCounters], tenant: Optional[str]) -> dict[str, NamespaceCounters]:
     """The per-namespace cache statistics of the caller's own namespaces (the names of the others would reveal
     other tenants and their salts; salts are listed only as digests anyway)."""
-    namespaces = cache.get("namespaces") if isinstance(cache, dict) else None
-    if not isinstance(namespaces, dict):
-        return {}
     if tenant is None:
-        return {name: stats for name, stats in namespaces.items() if not name.startswith("tenant:")}
+        return {name: counters for name, counters in namespaces.items() if not name.startswith("tenant:")}
     own = f"tenant:{tenant}"
-    return {name: stats for name, stats in namespaces.items() if name == own or name.startswith(own + "/")}
+    return {name: counters for name, counters in namespaces.items() if name == own or name.startswith(own + "/")}
 
 
 @router.get("/health_generate")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from radixserve.runtime.openai.tool_parsers.base import (
+from radixserve.runtime.http.openai.tool_parsers.base import (
     CallFrame,
     ParsedOutput,
     ToolParser,

@@ -15,21 +15,11 @@ from typing import Any, AsyncIterator, Optional, Union
 from starlette.requests import Request
 from starlette.responses import Response
 
-from radixserve.runtime.http_generation import (
-    SSE_DONE,
-    ClientDisconnected,
-    GenerationRun,
-    RunStreamingResponse,
-    engine_error,
-    json_response,
-    sse_event,
-    start_stream,
-)
-from radixserve.runtime.http_state import ServerState
-from radixserve.runtime.openai.errors import APIError
-from radixserve.runtime.openai.logprobs import completion_logprobs
-from radixserve.runtime.openai.protocol import CompletionRequest
-from radixserve.runtime.openai.serving_common import (
+from radixserve.runtime.http.generation import GenerationRun, engine_error, respond
+from radixserve.runtime.http.state import ServerState
+from radixserve.runtime.http.openai.logprobs import completion_logprobs
+from radixserve.runtime.http.openai.protocol import CompletionRequest
+from radixserve.runtime.http.openai.serving_common import (
     ChoiceOutput,
     Delta,
     check_model,
@@ -37,7 +27,7 @@ from radixserve.runtime.openai.serving_common import (
     sampling_params,
     usage,
 )
-from radixserve.runtime.openai.translate import completion_request, normalized
+from radixserve.runtime.http.openai.translate import completion_request, normalized
 
 
 @dataclass
@@ -76,20 +66,13 @@ async def create_completion(
     rids = [rid for sample_rids in request.sample_rids().values() for rid in sample_rids]
     header = {"id": response_id, "created": int(time.time()), "model": state.served_model_name}
     run = GenerationRun(state, {response_id: rids}, requests, tenant, http_request)
-    if body.stream:
-        try:
-            events = await start_stream(run)
-        except BaseException:
-            run.close()
-            raise
-        return RunStreamingResponse(_stream(state, body, header, prompts, run, events), run)
-    try:
-        results = await run.collect()
-    except ClientDisconnected:
-        return Response(status_code=499)
-    finally:
-        run.close()
-    outputs = [ChoiceOutput() for _ in requests]
+    return await respond(run, body.stream, lambda results: _response(state, body, header, prompts, results),
+                         lambda events: _events(state, body, header, prompts, events))
+
+
+def _response(state: ServerState, body: CompletionRequest, header: dict[str, Any], prompts: list[_Prompt],
+              results: list[list[Any]]) -> dict[str, Any]:
+    outputs = [ChoiceOutput() for _ in results]
     for output, chunks in zip(outputs, results):
         for chunk in chunks:
             output.add(chunk)
@@ -102,8 +85,8 @@ async def create_completion(
         choices.append({"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason,
                         "matched_stop": matched})
     groups = [outputs[i:i + body.n] for i in range(0, len(outputs), body.n)]
-    return json_response({**header, "object": "text_completion", "choices": choices, "usage": usage(groups),
-                          "system_fingerprint": None})
+    return {**header, "object": "text_completion", "choices": choices, "usage": usage(groups),
+            "system_fingerprint": None}
 
 
 def _choice_text(
@@ -142,20 +125,19 @@ def _prompt_logprobs(prompt: _Prompt, out: ChoiceOutput) -> tuple[list[Any], lis
     return entries, tops
 
 
-async def _stream(
+async def _events(
     state: ServerState,
     body: CompletionRequest,
     header: dict[str, Any],
     prompts: list[_Prompt],
-    run: GenerationRun,
     events: AsyncIterator[tuple[int, Any]],
-) -> AsyncIterator[bytes]:
+) -> AsyncIterator[dict[str, Any]]:
     num_choices = len(prompts) * body.n
     outputs = [ChoiceOutput() for _ in range(num_choices)]
     started = [False] * num_choices
     offsets = [0] * num_choices
 
-    def chunk(index: int, text: str, logprobs: Any, finish: Optional[str], matched: Any) -> bytes:
+    def chunk(index: int, text: str, logprobs: Any, finish: Optional[str], matched: Any) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
         if finish is not None:
             choice["matched_stop"] = matched
@@ -163,26 +145,18 @@ async def _stream(
         if body.include_usage:
             event["usage"] = (usage([outputs[i:i + body.n] for i in range(0, num_choices, body.n)])
                               if body.continuous_usage else None)
-        return sse_event(event)
+        return event
 
-    try:
-        async for index, engine_chunk in events:
-            out = outputs[index]
-            delta = out.add(engine_chunk)
-            first = not started[index]
-            started[index] = True
-            text, logprobs, offsets[index] = _choice_text(
-                state, body, prompts[index // body.n], out, delta, first, offsets[index])
-            reason, matched = openai_finish_reason(delta.finish_reason)
-            if text or logprobs and logprobs["tokens"] or reason is not None:
-                yield chunk(index, text, logprobs, reason, matched)
-        if body.include_usage:
-            groups = [outputs[i:i + body.n] for i in range(0, num_choices, body.n)]
-            yield sse_event({**header, "object": "text_completion", "choices": [], "usage": usage(groups)})
-    except APIError as error:
-        yield sse_event(error.body())
-    except ClientDisconnected:
-        return
-    finally:
-        run.close()
-    yield SSE_DONE
+    async for index, engine_chunk in events:
+        out = outputs[index]
+        delta = out.add(engine_chunk)
+        first = not started[index]
+        started[index] = True
+        text, logprobs, offsets[index] = _choice_text(
+            state, body, prompts[index // body.n], out, delta, first, offsets[index])
+        reason, matched = openai_finish_reason(delta.finish_reason)
+        if text or logprobs and logprobs["tokens"] or reason is not None:
+            yield chunk(index, text, logprobs, reason, matched)
+    if body.include_usage:
+        groups = [outputs[i:i + body.n] for i in range(0, num_choices, body.n)]
+        yield {**header, "object": "text_completion", "choices": [], "usage": usage(groups)}

@@ -15,12 +15,12 @@ import json
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from radixserve.runtime.http_state import ServerState
-from radixserve.runtime.openai.errors import bad_request
-from radixserve.runtime.openai.protocol import ChatCompletionRequest, ChatMessage
-from radixserve.runtime.openai.reasoning import ReasoningParser, get_reasoning_parser
-from radixserve.runtime.openai.tool_grammar import ToolSchemaError, check_tool_schemas, tool_call_grammar
-from radixserve.runtime.openai.tool_parsers import ToolCall, ToolParser, get_tool_parser
+from radixserve.runtime.http.state import ServerState
+from radixserve.runtime.http.errors import bad_request
+from radixserve.runtime.http.openai.protocol import ChatCompletionRequest, ChatMessage
+from radixserve.runtime.http.openai.reasoning import ReasoningParser, get_reasoning_parser
+from radixserve.runtime.http.openai.tool_grammar import ToolSchemaError, check_tool_schemas, tool_call_grammar
+from radixserve.runtime.http.openai.tool_parsers import ToolCall, ToolParser, get_tool_parser
 from radixserve.tokenizer_manager.tokenize import load_chat_template
 
 

@@ -1,13 +1,14 @@
-"""The HTTP server: a FastAPI app over one Engine, served by uvicorn (uvloop), with graceful shutdown.
+"""The HTTP server: a FastAPI app over one engine, served by uvicorn (uvloop), with graceful shutdown.
 
     launch_server(ServerArgs(...))        # blocks; what `radixserve serve` runs
-    app = create_app(engine, server_args) # the ASGI app alone, over an Engine the caller owns
+    app = create_app(engine, server_args) # the ASGI app alone, over a ServingEngine the caller owns (an Engine,
+                                          # or the Ray ingress's proxy; runtime/serving_engine.py)
 
 Routes: OpenAI `/v1/chat/completions`, `/v1/completions`, `/v1/models`, `/v1/models/{id}`; native
 `/generate`, `/abort_request`, `/flush_cache`, `/get_model_info`, `/get_server_info`, `/health_generate`
 (see native_api.py); `/health` is open, every other route needs the API key when one is configured, and
 the routes that act on or show every tenant (`/flush_cache`, `/metrics`, the whole of `/get_server_info`) need
-the caller to be the administrator (runtime/tenancy.py). Every error uses the OpenAI envelope (openai/errors.py).
+the caller to be the administrator (runtime/tenancy.py). Every error uses the OpenAI envelope (errors.py).
 
 SIGTERM (or Ctrl-C): stop accepting connections, let in-flight requests finish for up to
 `--graceful-shutdown-timeout` seconds, abort what is left (those responses end with finish_reason "abort"),
@@ -29,24 +30,26 @@ from fastapi import APIRouter, Depends, FastAPI
 from starlette.requests import Request
 from starlette.responses import Response
 
-from radixserve.runtime.body_limit import BodyLimitMiddleware
-from radixserve.runtime.cache_page import router as cache_page_router
-from radixserve.runtime.http_generation import install_disconnect_handlers, json_response
-from radixserve.runtime.http_state import InflightRequests, ServerState, caller, caller_tenant, require_admin
-from radixserve.runtime.lora_api import adapter_cards
-from radixserve.runtime.lora_api import router as lora_router
-from radixserve.runtime.metrics import ServerMetrics
-from radixserve.runtime.tenant_usage import TenantUsage
-from radixserve.runtime.native_api import health_route
-from radixserve.runtime.native_api import router as native_router
-from radixserve.runtime.openai.errors import APIError, install_error_handlers
-from radixserve.runtime.openai.logprobs import TokenTexts
-from radixserve.runtime.openai.protocol import ChatCompletionRequest, CompletionRequest, parse_request
-from radixserve.runtime.openai.serving_chat import create_chat_completion, encode_chat
-from radixserve.runtime.openai.serving_completions import create_completion
-from radixserve.runtime.openapi import install_openapi
+from radixserve.runtime.http.body_limit import BodyLimitMiddleware
+from radixserve.runtime.http.cache_page import router as cache_page_router
+from radixserve.runtime.http.generation import install_disconnect_handlers, json_response
+from radixserve.runtime.http.state import InflightRequests, ServerState, caller, caller_tenant, require_admin
+from radixserve.runtime.http.lora_api import adapter_cards
+from radixserve.runtime.http.lora_api import router as lora_router
+from radixserve.runtime.http.metrics import ServerMetrics
+from radixserve.runtime.http.tenant_usage import TenantUsage
+from radixserve.runtime.http.native_api import health_route
+from radixserve.runtime.http.native_api import router as native_router
+from radixserve.runtime.http.errors import APIError, install_error_handlers
+from radixserve.runtime.http.openai.logprobs import TokenTexts
+from radixserve.runtime.http.openai.protocol import ChatCompletionRequest, CompletionRequest, parse_request
+from radixserve.runtime.http.openai.serving_chat import create_chat_completion, encode_chat
+from radixserve.runtime.http.openai.serving_completions import create_completion
+from radixserve.runtime.http.openapi import install_openapi
 from radixserve.runtime.wire.heap import settle_heap
 from radixserve.runtime.wire.server_args import ServerArgs
+from radixserve.runtime.wire.server_info import ServerInfo
+from radixserve.runtime.serving_engine import ServingEngine
 from radixserve.runtime.tenancy import TenantResolver
 from radixserve.tokenizer_manager.tokenize import load_chat_template
 from radixserve.tokenizer_manager.io import GenerateReqInput
@@ -73,8 +76,11 @@ def served_model_name(server_args: ServerArgs) -> str:
     return DEFAULT_MODEL_FILE.split(".", 1)[0]
 
 
-def create_app(engine: Any, server_args: ServerArgs) -> FastAPI:
-    """The ASGI app serving `engine` (a started radixserve Engine, owned by the caller)."""
+def create_app(engine: ServingEngine, server_args: ServerArgs) -> FastAPI:
+    """The ASGI app serving `engine` (a started Engine or the Ray ingress's proxy, owned by the caller)."""
+    if not isinstance(engine, ServingEngine):
+        raise TypeError(f"create_app serves a ServingEngine (runtime/serving_engine.py); a {type(engine).__name__} "
+                        "lacks some of its members")
     model_info = engine.model_info
     capacity = model_info.max_running_requests * model_info.dp_size + server_args.resolved_max_queued_requests()
     state = ServerState(
@@ -99,7 +105,7 @@ def create_app(engine: Any, server_args: ServerArgs) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         if server_args.chat_template is not None:  # fail at start-up, not on the first chat request
-            from radixserve.runtime.openai.protocol import ChatMessage
+            from radixserve.runtime.http.openai.protocol import ChatMessage
 
             await encode_chat(state, [ChatMessage(role="user", content="hello")])
         if not server_args.skip_server_warmup:
@@ -122,8 +128,8 @@ def create_app(engine: Any, server_args: ServerArgs) -> FastAPI:
     protected.add_api_route("/v1/completions", _completions, methods=["POST"])
     app.include_router(protected)
     app.include_router(native_router)
-    app.include_router(lora_router)  # /load_lora_adapter, /unload_lora_adapter (runtime/lora_api.py)
-    app.include_router(cache_page_router)  # /cache (the page) and /cache/tree (runtime/cache_page.py)
+    app.include_router(lora_router)  # /load_lora_adapter, /unload_lora_adapter (runtime/http/lora_api.py)
+    app.include_router(cache_page_router)  # /cache (the page) and /cache/tree (runtime/http/cache_page.py)
     install_openapi(app)
     return app
 
@@ -187,7 +193,7 @@ async def _metrics(request: Request) -> Response:
     if state.metrics is None:
         raise APIError("metrics are disabled", status_code=404, code="not_found")
     try:
-        info: Optional[dict[str, Any]] = await asyncio.wait_for(state.engine.async_get_server_info(), 5.0)
+        info: Optional[ServerInfo] = await asyncio.wait_for(state.engine.async_server_info(), 5.0)
     except Exception:  # a scrape must still answer when the scheduler is busy or down
         info = None
     body, content_type = state.metrics.render(info, state.inflight.num_engine_requests)

@@ -8,7 +8,7 @@ Per-request counters and latency histograms are fed by the Engine's `request_obs
 per finished request with its meta_info and the arrival times of its output chunks; so they cover every
 request the engine serves. Load gauges (running and queued requests, KV token usage, cache hit rate,
 throughput) are read from the scheduler's server info at scrape time. Per-tenant series (`radixserve:tenant_*`,
-labelled by tenant id) come from runtime/tenant_usage.py. Each server has its own registry, so
+labelled by tenant id) come from runtime/http/tenant_usage.py. Each server has its own registry, so
 several servers (or tests) in one process never share counters.
 """
 
@@ -19,7 +19,8 @@ from typing import Any, Optional
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from radixserve.runtime.tenant_usage import TenantUsage, TenantUsageCollector
+from radixserve.runtime.http.tenant_usage import TenantUsage, TenantUsageCollector
+from radixserve.runtime.wire.server_info import ServerInfo
 
 PREFIX = "radixserve:"
 LABELS = ("model_name",)
@@ -31,7 +32,7 @@ E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300
 class ServerMetrics:
     def __init__(self, model_name: str, tenant_usage: Optional[TenantUsage] = None) -> None:
         self.registry = CollectorRegistry()
-        if tenant_usage is not None:  # the per-tenant series (runtime/tenant_usage.py), read at scrape time
+        if tenant_usage is not None:  # the per-tenant series (runtime/http/tenant_usage.py), read at scrape time
             self.registry.register(TenantUsageCollector(tenant_usage, model_name, PREFIX))
 
         def metric(kind: type, name: str, documentation: str, **kwargs: Any) -> Any:
@@ -82,20 +83,18 @@ class ServerMetrics:
         if meta_info.get("e2e_latency") is not None:
             self.e2e.observe(float(meta_info["e2e_latency"]))
 
-    def render(self, server_info: Optional[dict[str, Any]], http_inflight: int) -> tuple[bytes, str]:
+    def render(self, server_info: Optional[ServerInfo], http_inflight: int) -> tuple[bytes, str]:
         """The exposition text, with the load gauges refreshed from `server_info` (skipped when None)."""
         if server_info is not None:
-            memory = server_info.get("memory") or {}
-            total = int(memory.get("total_tokens") or 0)
-            unused = int(memory.get("free_tokens") or 0) + int(memory.get("evictable_tokens") or 0)
-            self.num_running_reqs.set(float(server_info.get("num_running_reqs") or 0))
-            self.num_queue_reqs.set(float(server_info.get("num_queued_reqs") or 0))
-            self.num_used_tokens.set(float(max(0, total - unused)))
-            self.max_total_num_tokens.set(float(server_info.get("max_total_num_tokens") or total))
-            self.token_usage.set(float(server_info.get("token_usage") or 0.0))
-            self.cache_hit_rate.set(float((server_info.get("cache") or {}).get("hit_rate") or 0.0))
-            self.gen_throughput.set(float(server_info.get("gen_throughput") or 0.0))
-            self.spec_accept_length.set(float(server_info.get("avg_spec_accept_length") or 0.0))
-            self.spec_accept_rate.set(float(server_info.get("spec_accept_rate") or 0.0))
+            memory, spec = server_info.memory, server_info.speculative
+            self.num_running_reqs.set(float(server_info.num_running_reqs))
+            self.num_queue_reqs.set(float(server_info.num_queued_reqs))
+            self.num_used_tokens.set(float(max(0, memory.total_tokens - memory.free_tokens - memory.evictable_tokens)))
+            self.max_total_num_tokens.set(float(server_info.model.max_total_num_tokens))
+            self.token_usage.set(server_info.token_usage)
+            self.cache_hit_rate.set(server_info.cache.hit_rate)
+            self.gen_throughput.set(float(server_info.gen_throughput))
+            self.spec_accept_length.set(0.0 if spec is None else spec.avg_accept_length)
+            self.spec_accept_rate.set(0.0 if spec is None else spec.accept_rate)
         self.http_inflight.set(http_inflight)
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from radixserve.runtime.openai.tool_calling import ChatOutputPlan
-from radixserve.runtime.openai.tool_parsers import ToolCall
+from radixserve.runtime.http.openai.tool_calling import ChatOutputPlan
+from radixserve.runtime.http.openai.tool_parsers import ToolCall
 
 
 class ChoiceStream:

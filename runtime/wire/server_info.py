@@ -1,0 +1,392 @@
+"""What a scheduler reports about itself: its start-up facts (`ModelInfo`, in its ProcessReady) and its live state
+(`ServerInfo`, the GetServerInfoReq reply, built by scheduler/info.py), and one report from several replicas'.
+
+`ServerInfo.to_dict()` is the JSON of `/get_server_info` and `Engine.get_server_info()`: SGLang's flat shape (the
+model's facts and the scheduler's counters at the top level), whose keys clients read.
+
+`ServerInfo.merge` makes one report from the data-parallel replicas' (the `--dp-size` schedulers, or the Ray
+ingress's replicas). Each field is merged by what it means:
+- summed: counters (requests, tokens, batches, cache queries and hits), KV slots (`memory`, the pool sizes), queue
+  sizes, and throughput (each replica's is its own tokens per second over the same window);
+- recomputed from the summed parts: hit rates (matched / queried), token usage ((total - free - evictable) /
+  total), the speculative acceptance rate and length; the admission estimate `new_token_ratio` is averaged;
+- kept once: the configuration every replica shares (model, context length, TP layout, write policy, a tenant's
+  weight). A replica that disagrees (one from an older deployment, during a rolling update) is logged and the
+  lowest rank's value kept;
+- per replica: each one's load under `replicas`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional, Sequence, TypeVar
+
+import msgspec
+
+logger = logging.getLogger(__name__)
+
+S = TypeVar("S", bound=msgspec.Struct)
+
+
+class ModelInfo(msgspec.Struct, kw_only=True):
+    """What the scheduler tells the other processes once its model is loaded (in its ProcessReady)."""
+
+    context_len: int
+    vocab_size: int
+    max_total_num_tokens: int  # KV slots in the pool
+    max_running_requests: int
+    page_size: int
+    eos_token_ids: list[int]
+    model_path: Optional[str]
+    device: str
+    dtype: str
+    attention_backend: str
+    chunked_prefill_size: Optional[int]
+    schedule_policy: str
+    overlap_schedule: bool
+    radix_cache: bool
+    hierarchical_cache: bool = False
+    sampling_backend: str = "pytorch"
+    tokenizer_path: Optional[str] = None  # filled in by the parent, which resolved it
+    # Values for unset temperature/top_p/top_k/min_p/repetition_penalty (the model's generation_config.json
+    # under --sampling-defaults model; empty under openai).
+    sampling_defaults: dict[str, float] = {}
+    lora_adapters: dict[str, str] = {}  # LoRA adapters loaded at start-up: name -> path
+    lora_enabled: bool = False
+    # Data-parallel replicas behind the controller; the fields above (the KV pool included) describe one of them.
+    dp_size: int = 1
+
+    def to_dict(self) -> dict[str, Any]:
+        return msgspec.structs.asdict(self)
+
+    @classmethod
+    def merge(cls, parts: Sequence["ModelInfo"]) -> "ModelInfo":
+        """The pool sizes summed, `dp_size` the number of replicas, every other fact kept once."""
+        summed = ("max_total_num_tokens", "max_running_requests")
+        kept = _kept_once(parts, exclude=(*summed, "dp_size"))
+        return msgspec.structs.replace(kept, **{name: sum(getattr(p, name) for p in parts) for name in summed},
+                                       dp_size=len(parts))
+
+
+class SchedulerCounters(msgspec.Struct, kw_only=True):
+    """The scheduler's cumulative counters (scheduler/stats.py); every field is a count, summed across replicas."""
+
+    num_requests: int
+    num_finished: int
+    num_aborted: int
+    num_retractions: int
+    prefill_tokens_computed: int
+    decode_steps: int
+    extend_batches: int
+    mixed_batches: int
+    partial_chunks: int
+    forced_syncs: int
+    generated_tokens: int
+
+
+class LowerTierMemory(msgspec.Struct, kw_only=True):
+    """The hierarchical cache's host and disk tiers, in tokens (`host_total == host_free + host_used`)."""
+
+    host_total_tokens: int
+    host_used_tokens: int
+    host_free_tokens: int
+    host_bytes_per_token: int  # kept once
+    disk_used_tokens: int  # 0 without a disk tier
+    disk_capacity_tokens: Optional[int]  # None: unbounded, or no disk tier
+
+    @classmethod
+    def merge(cls, parts: Sequence["LowerTierMemory"]) -> "LowerTierMemory":
+        capacities = [p.disk_capacity_tokens for p in parts]
+        return cls(host_total_tokens=_sum(parts, "host_total_tokens"), host_used_tokens=_sum(parts, "host_used_tokens"),
+                   host_free_tokens=_sum(parts, "host_free_tokens"),
+                   host_bytes_per_token=_kept_once([p.host_bytes_per_token for p in parts], "host_bytes_per_token"),
+                   disk_used_tokens=_sum(parts, "disk_used_tokens"),
+                   disk_capacity_tokens=None if None in capacities else sum(capacities))
+
+
+class MemoryInfo(msgspec.Struct, kw_only=True):
+    """KV token slots: `free + evictable + protected + held by running requests == total`."""
+
+    total_tokens: int
+    free_tokens: int
+    evictable_tokens: int
+    protected_tokens: int
+    lower_tiers: Optional[LowerTierMemory] = None  # with the hierarchical cache
+
+    @property
+    def token_usage(self) -> float:
+        """The share of slots that neither are free nor could be freed by eviction."""
+        used = self.total_tokens - self.free_tokens - self.evictable_tokens
+        return used / self.total_tokens if self.total_tokens else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """The slot counts, the lower tiers' figures beside them."""
+        out = msgspec.structs.asdict(self)
+        tiers = out.pop("lower_tiers")
+        return out if tiers is None else {**out, **msgspec.structs.asdict(tiers)}
+
+    @classmethod
+    def merge(cls, parts: Sequence["MemoryInfo"]) -> "MemoryInfo":
+        tiers = [p.lower_tiers for p in parts if p.lower_tiers is not None]
+        return cls(total_tokens=_sum(parts, "total_tokens"), free_tokens=_sum(parts, "free_tokens"),
+                   evictable_tokens=_sum(parts, "evictable_tokens"), protected_tokens=_sum(parts, "protected_tokens"),
+                   lower_tiers=LowerTierMemory.merge(tiers) if tiers else None)
+
+
+class NamespaceCounters(msgspec.Struct, kw_only=True):
+    """One namespace's prefix-cache counters (radix_cache/stats.py); every field is a count."""
+
+    queried_tokens: int = 0  # tokens looked up in the tree
+    matched_tokens: int = 0  # of those, found (the hits)
+    inserted_tokens: int = 0
+    evicted_tokens: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.matched_tokens / self.queried_tokens if self.queried_tokens else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**msgspec.structs.asdict(self), "hit_rate": self.hit_rate}
+
+
+class TreeCounters(NamespaceCounters, kw_only=True):
+    """The tree's counters over every namespace, those dropped from the per-namespace table included."""
+
+    dropped_namespaces: int = 0
+
+
+class HiCacheInfo(msgspec.Struct, kw_only=True):
+    """The hierarchical cache's moves between tiers, in tokens (cumulative), and its write policy (kept once)."""
+
+    write_policy: str
+    backed_up_tokens: int
+    loaded_from_host_tokens: int
+    written_to_disk_tokens: int
+    loaded_from_disk_tokens: int
+    dropped_tokens: int
+
+    @classmethod
+    def merge(cls, parts: Sequence["HiCacheInfo"]) -> "HiCacheInfo":
+        policy = _kept_once([p.write_policy for p in parts], "write_policy")
+        return _summed(cls, parts, write_policy=policy)
+
+
+class CacheInfo(msgspec.Struct, kw_only=True):
+    """`matched_tokens` / `queried_tokens`: prompt tokens at each request's first admission and those served from
+    the cache (the server's hit rate); `tree`: every match query; `namespaces`: the same per namespace (named by
+    `cache_tree.namespace_name`, the most recently used ones)."""
+
+    matched_tokens: int
+    queried_tokens: int
+    tree: TreeCounters
+    namespaces: dict[str, NamespaceCounters]
+    hicache: Optional[HiCacheInfo] = None
+
+    @property
+    def hit_rate(self) -> float:
+        return self.matched_tokens / self.queried_tokens if self.queried_tokens else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"hit_rate": self.hit_rate, "matched_tokens": self.matched_tokens,
+                               "queried_tokens": self.queried_tokens, "tree": self.tree.to_dict(),
+                               "namespaces": {name: c.to_dict() for name, c in self.namespaces.items()}}
+        if self.hicache is not None:
+            out["hicache"] = msgspec.structs.asdict(self.hicache)
+        return out
+
+    @classmethod
+    def merge(cls, parts: Sequence["CacheInfo"]) -> "CacheInfo":
+        names = dict.fromkeys(name for p in parts for name in p.namespaces)
+        namespaces = {name: _summed(NamespaceCounters, [p.namespaces[name] for p in parts if name in p.namespaces])
+                      for name in names}
+        hicache = [p.hicache for p in parts if p.hicache is not None]
+        return cls(matched_tokens=_sum(parts, "matched_tokens"), queried_tokens=_sum(parts, "queried_tokens"),
+                   tree=_summed(TreeCounters, [p.tree for p in parts]), namespaces=namespaces,
+                   hicache=HiCacheInfo.merge(hicache) if hicache else None)
+
+
+class TensorParallelLayout(msgspec.Struct, kw_only=True):
+    """The tensor-parallel layout: ranks, heads per rank, and whether KV heads are replicated across ranks."""
+
+    tp_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    attention_heads_per_rank: int
+    kv_heads_per_rank: int
+    kv_heads_replicated: bool
+    backend: Optional[str]  # "nccl" or "gloo" with tp_size > 1
+
+
+class TenantShare(msgspec.Struct, kw_only=True):
+    weight: float  # the tenant's fair-share weight (kept once)
+    tokens_computed: int
+    live_requests: int  # queued or running
+
+
+class FairShareInfo(msgspec.Struct, kw_only=True):
+    enabled: bool
+    tenants: dict[str, TenantShare]  # "default" for requests without a tenant
+
+    @classmethod
+    def merge(cls, parts: Sequence["FairShareInfo"]) -> "FairShareInfo":
+        names = sorted({name for p in parts for name in p.tenants})
+        tenants = {}
+        for name in names:
+            shares = [p.tenants[name] for p in parts if name in p.tenants]
+            tenants[name] = TenantShare(weight=_kept_once([s.weight for s in shares], f"tenant {name}'s weight"),
+                                        tokens_computed=_sum(shares, "tokens_computed"),
+                                        live_requests=_sum(shares, "live_requests"))
+        return cls(enabled=_kept_once([p.enabled for p in parts], "fair_share.enabled"), tenants=tenants)
+
+
+class SpecInfo(msgspec.Struct, kw_only=True):
+    """Speculative decoding's counters; the rate and the mean length derive from them."""
+
+    verify_steps: int
+    num_proposed_drafts: int
+    num_accepted_drafts: int
+    num_verified_entries: int  # (request, verify step) pairs
+
+    @property
+    def accept_rate(self) -> float:
+        return self.num_accepted_drafts / self.num_proposed_drafts if self.num_proposed_drafts else 0.0
+
+    @property
+    def avg_accept_length(self) -> float:
+        """Tokens a request gained per verify step (the accepted drafts and the verifier's own token)."""
+        return 1 + self.num_accepted_drafts / self.num_verified_entries if self.num_verified_entries else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"spec_verify_steps": self.verify_steps, "spec_num_proposed_drafts": self.num_proposed_drafts,
+                "spec_num_accepted_drafts": self.num_accepted_drafts, "spec_accept_rate": self.accept_rate,
+                "avg_spec_accept_length": self.avg_accept_length}
+
+
+class ReplicaView(msgspec.Struct, kw_only=True):
+    """One replica's load, as a merged report lists it under `replicas`."""
+
+    dp_rank: int
+    num_running_reqs: int
+    num_queued_reqs: int
+    token_usage: float
+    gen_throughput: float
+    memory: MemoryInfo
+    cache_hit_rate: float
+    matched_tokens: int
+    queried_tokens: int
+    avg_spec_accept_length: Optional[float] = None  # with speculative decoding
+    replica_id: Optional[str] = None  # the Ray Serve replica's id, behind the Ray ingress
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {**msgspec.structs.asdict(self), "memory": self.memory.to_dict()}
+        return {key: value for key, value in out.items()
+                if value is not None or key not in ("avg_spec_accept_length", "replica_id")}
+
+
+class ServerInfo(msgspec.Struct, kw_only=True):
+    """One scheduler's report (`dp_rank` set), or the merge of several (`replicas` set); see the module docstring."""
+
+    model: ModelInfo
+    counters: SchedulerCounters
+    gen_throughput: float  # generated tokens per second, over the last few seconds
+    memory: MemoryInfo
+    cache: CacheInfo
+    num_running_reqs: int
+    num_queued_reqs: int  # waiting, chunked, or compiling a grammar
+    new_token_ratio: float  # the admission's estimate of the new tokens running requests still need
+    tensor_parallel: TensorParallelLayout
+    fair_share: FairShareInfo
+    cascade_batches: int  # batches whose attention read a prefix shared by several requests once
+    speculative: Optional[SpecInfo] = None
+    dp_rank: Optional[int] = 0
+    replicas: Optional[list[ReplicaView]] = None
+    num_pending_requests_in_tokenizer_manager: Optional[int] = None  # filled in by the TokenizerManager
+
+    @property
+    def token_usage(self) -> float:
+        return self.memory.token_usage
+
+    def replica_view(self) -> ReplicaView:
+        return ReplicaView(
+            dp_rank=self.dp_rank or 0, num_running_reqs=self.num_running_reqs, num_queued_reqs=self.num_queued_reqs,
+            token_usage=self.token_usage, gen_throughput=self.gen_throughput, memory=self.memory,
+            cache_hit_rate=self.cache.hit_rate, matched_tokens=self.cache.matched_tokens,
+            queried_tokens=self.cache.queried_tokens,
+            avg_spec_accept_length=None if self.speculative is None else self.speculative.avg_accept_length)
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            **self.model.to_dict(),
+            **msgspec.structs.asdict(self.counters),
+            "gen_throughput": self.gen_throughput,
+            "memory": self.memory.to_dict(),
+            "cache": self.cache.to_dict(),
+            "num_running_reqs": self.num_running_reqs,
+            "num_queued_reqs": self.num_queued_reqs,
+            "token_usage": self.token_usage,
+            "new_token_ratio": self.new_token_ratio,
+            "tensor_parallel": msgspec.structs.asdict(self.tensor_parallel),
+            "fair_share": {"enabled": self.fair_share.enabled,
+                           "tenants": {name: msgspec.structs.asdict(share)
+                                       for name, share in self.fair_share.tenants.items()}},
+            "cascade_batches": self.cascade_batches,
+        }
+        if self.speculative is not None:
+            out.update(self.speculative.to_dict())
+        if self.dp_rank is not None:
+            out["dp_rank"] = self.dp_rank
+        if self.replicas is not None:
+            out["replicas"] = [view.to_dict() for view in self.replicas]
+        if self.num_pending_requests_in_tokenizer_manager is not None:
+            out["num_pending_requests_in_tokenizer_manager"] = self.num_pending_requests_in_tokenizer_manager
+        return out
+
+    @classmethod
+    def merge(cls, parts: Sequence["ServerInfo"]) -> "ServerInfo":
+        """One report from the replicas' (in `dp_rank` order); see the module docstring for each field's rule."""
+        parts = sorted(parts, key=lambda info: info.dp_rank or 0)
+        specs = [p.speculative for p in parts if p.speculative is not None]
+        pending = [p.num_pending_requests_in_tokenizer_manager for p in parts]
+        return cls(
+            model=ModelInfo.merge([p.model for p in parts]),
+            counters=_summed(SchedulerCounters, [p.counters for p in parts]),
+            gen_throughput=_sum(parts, "gen_throughput"),
+            memory=MemoryInfo.merge([p.memory for p in parts]),
+            cache=CacheInfo.merge([p.cache for p in parts]),
+            num_running_reqs=_sum(parts, "num_running_reqs"),
+            num_queued_reqs=_sum(parts, "num_queued_reqs"),
+            new_token_ratio=_sum(parts, "new_token_ratio") / len(parts),
+            tensor_parallel=_kept_once([p.tensor_parallel for p in parts], "tensor_parallel"),
+            fair_share=FairShareInfo.merge([p.fair_share for p in parts]),
+            cascade_batches=_sum(parts, "cascade_batches"),
+            speculative=_summed(SpecInfo, specs) if specs else None,
+            dp_rank=None,
+            replicas=[p.replica_view() for p in parts],
+            num_pending_requests_in_tokenizer_manager=None if None in pending else sum(pending),
+        )
+
+
+def _sum(parts: Sequence[Any], name: str) -> Any:
+    return sum(getattr(part, name) for part in parts)
+
+
+def _summed(cls: type[S], parts: Sequence[S], **kept: Any) -> S:
+    """A `cls` whose fields are the sums of the parts' (except those given in `kept`)."""
+    return cls(**{name: _sum(parts, name) for name in cls.__struct_fields__ if name not in kept}, **kept)
+
+
+def _kept_once(values: Sequence[Any], what: str = "", exclude: Sequence[str] = ()) -> Any:
+    """The first value, after checking that the others equal it (structs: field by field, but those in
+    `exclude`). A disagreement is logged, not raised: a report must still be given while replicas of two
+    deployments serve side by side."""
+    first = values[0]
+    if isinstance(first, msgspec.Struct) and exclude:
+        for name in first.__struct_fields__:
+            if name not in exclude:
+                _kept_once([getattr(value, name) for value in values], name)
+        return first
+    differing = [value for value in values[1:] if value != first]
+    if differing:
+        logger.warning("replicas report different %s (%r and %r); showing the first replica's", what or "values",
+                       first, differing[0])
+    return first
