@@ -36,6 +36,10 @@ class FusedMoE(nn.Module):
 
     def forward(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """`hidden [T, H]`, `topk_weights [T, k]` float32, `topk_ids [T, k]` -> `[T, H]` in hidden's dtype."""
+        if hidden.is_cuda:
+            from radixserve.kernels.fused_moe_triton import fused_moe  # CPU-only processes never import triton
+
+            return fused_moe(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
         return grouped_experts(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
 
     def extra_repr(self) -> str:
