@@ -149,3 +149,10 @@ def test_two_tensor_parallel_ranks_equal_one(model_dirs, references):
         assert tp2 == greedy_generate(runner, _prompts(runner.vocab_size), len(tp2[0]))
         reference = hf_model(model_dir)
         assert tp2 == [hf_greedy(reference, p, len(tp2[0]), []) for p in _prompts(runner.vocab_size)]
+
+
+def test_lora_adapters_are_refused_on_a_mixture_of_experts_model(model_dirs):
+    from test_model_forward import make_runner
+
+    with pytest.raises(ValueError, match="mixture-of-experts"):
+        make_runner(model_dirs["qwen3_moe"], enable_lora=True, max_lora_rank=8)

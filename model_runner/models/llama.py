@@ -1,7 +1,8 @@
 """The Llama family (Llama 2/3.x, SmolLM2, Mistral), written for the paged-KV runtime.
 
 The decoder here is also the base of the Qwen2 and Qwen3 files: they differ only in projection biases and a
-per-head q/k norm. Tokens of all requests of a batch are concatenated (`[num_tokens, hidden]`, no batch
+per-head q/k norm. The mixture-of-experts families (models/moe_base.py) swap the feed-forward (`make_mlp`) and
+extend the loader (`_expected_shards`, `_load_tensor`) for the experts. Tokens of all requests of a batch are concatenated (`[num_tokens, hidden]`, no batch
 dimension); attention reads and writes the KV pool through the attention backend the runner installs.
 
 Weights: `load_weights` takes Hugging Face tensor names. q/k/v are stacked into one `qkv_proj` and gate/up

@@ -43,6 +43,8 @@ def grouped_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
     `topk_weights [T, k]` (float32) and `topk_ids [T, k]`.
     """
     num_tokens, top_k = topk_ids.shape
+    if num_tokens == 0:
+        return torch.empty_like(hidden)
     order, ends = sort_by_expert(topk_ids, w13.shape[0])
     token_of_row = torch.div(order, top_k, rounding_mode="floor")
     rows = hidden.index_select(0, token_of_row)
