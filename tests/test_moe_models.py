@@ -11,8 +11,8 @@ Tiny random-weight models of each family, built from the family's own config cla
 - tensor parallelism over two gloo ranks (each holding half of every expert) gives the ids of one rank.
 
 Qwen3-MoE renormalizes its top-k (`norm_topk_prob`, as the released checkpoints do); Qwen2-MoE has 3 layers with the
-middle one dense (`mlp_only_layers`) and a shared expert; Mixtral routes top-k then softmax. The fast path runs one
-family through each surface; the full matrix is marked slow.
+middle one dense (`mlp_only_layers`) and a shared expert; Mixtral routes top-k then softmax. The whole file takes
+about 20 s on 2 cores; the Engine serves the family with every feature (Qwen2-MoE).
 """
 
 from __future__ import annotations
@@ -29,12 +29,8 @@ FAMILIES = {
     "qwen2_moe": {"num_hidden_layers": 3, "mlp_only_layers": [1]},
     "mixtral": {},
 }
-FAST_FAMILY = "qwen2_moe"  # the one with every feature: shared expert, dense and sparse layers
+ENGINE_FAMILY = "qwen2_moe"  # the one with every feature: shared expert, dense and sparse layers
 PROMPT_LENGTHS = [3, 17, 8, 1, 25, 12, 5, 30]
-
-
-def family_param(family: str):
-    return pytest.param(family, marks=() if family == FAST_FAMILY else pytest.mark.slow)
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +70,7 @@ def test_each_family_config_is_read(model_dirs):
     assert dense.moe is None
 
 
-@pytest.mark.parametrize("family", [family_param(f) for f in FAMILIES])
+@pytest.mark.parametrize("family", list(FAMILIES))
 def test_greedy_ids_equal_transformers(family, model_dirs, references):
     prompts, expected = references(family)
 
@@ -96,7 +92,7 @@ SCHEDULER_CONFIGS = {
 
 
 @pytest.mark.parametrize("config", list(SCHEDULER_CONFIGS))
-@pytest.mark.parametrize("family", [family_param(f) for f in FAMILIES])
+@pytest.mark.parametrize("family", list(FAMILIES))
 def test_scheduler_batches_and_radix_hits_keep_the_ids(family, config, model_dirs, references):
     prompts, expected = references(family)
     driver = SchedulerDriver(model_dirs[family], max_total_tokens=4096, **SCHEDULER_CONFIGS[config])
@@ -120,8 +116,8 @@ def test_scheduler_batches_and_radix_hits_keep_the_ids(family, config, model_dir
 def test_engine_serves_a_mixture_of_experts_model(tiny_model_dir, references):
     from radixserve import Engine
 
-    model_dir = tiny_model_dir(FAST_FAMILY, **FAMILIES[FAST_FAMILY])  # the same folder as `model_dirs`
-    prompts, expected = references(FAST_FAMILY)
+    model_dir = tiny_model_dir(ENGINE_FAMILY, **FAMILIES[ENGINE_FAMILY])  # the same folder as `model_dirs`
+    prompts, expected = references(ENGINE_FAMILY)
     with Engine(model_path=model_dir, device="cpu", dtype="float32", chunked_prefill_size=16,
                 enable_mixed_chunk=True, log_level="warning") as engine:
         results = engine.generate(input_ids=prompts, sampling_params={"temperature": 0.0,
@@ -134,7 +130,6 @@ def test_engine_serves_a_mixture_of_experts_model(tiny_model_dir, references):
         assert [r["meta_info"]["cached_tokens"] for r in again] == [len(p) - 1 for p in prompts]
 
 
-@pytest.mark.slow
 def test_two_tensor_parallel_ranks_equal_one(model_dirs, references):
     """Each rank holds half of every expert's intermediate dimension (and of the shared expert's and the dense MLP's)."""
     from test_tensor_parallel import _run_group, _prompts
