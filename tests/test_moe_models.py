@@ -18,6 +18,7 @@ about 20 s on 2 cores; the Engine serves the family with every feature (Qwen2-Mo
 from __future__ import annotations
 
 import pytest
+import torch
 
 from scheduler_driver import SchedulerDriver
 from test_model_forward import MAX_NEW_TOKENS, assert_same_greedy_tokens, hf_greedy, hf_model, random_prompts
@@ -151,3 +152,27 @@ def test_lora_adapters_are_refused_on_a_mixture_of_experts_model(model_dirs):
 
     with pytest.raises(ValueError, match="mixture-of-experts"):
         make_runner(model_dirs["qwen3_moe"], enable_lora=True, max_lora_rank=8)
+
+
+def test_qwen3_30b_a3b_benchmark_config_builds_and_takes_its_dummy_weights():
+    """The published config the GPU benchmark runs (benchmarks/configs/qwen3-30b-a3b.json): read as Qwen3-MoE, and its
+    dummy weights (checkpoint names and shapes) fill every parameter of the model, checked on the meta device."""
+    import json
+    from pathlib import Path
+
+    from radixserve.model_runner.loader.weights import dummy_weight_shapes
+    from radixserve.model_runner.models import get_model_class
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "configs" / "qwen3-30b-a3b.json"
+    config = ModelConfig.from_dict(json.loads(path.read_text()))
+    moe = config.moe
+    assert (moe.num_experts, moe.top_k, moe.intermediate_size, moe.renormalize) == (128, 8, 768, True)
+    assert moe.sparse_layers == set(range(48)) and config.qk_norm and config.head_dim == 128
+    with torch.device("meta"):
+        model = get_model_class(config.architecture)(config, max_positions=64)
+        shapes = dummy_weight_shapes(config)
+        model.load_weights((name, torch.empty(shape)) for name, shape in shapes.items())
+    total = sum(p.numel() for p in model.parameters())
+    assert 30.0e9 < total < 31.0e9  # "30B"
+    active = total - 48 * (128 - 8) * 3 * 768 * 2048
+    assert 3.2e9 < active < 3.5e9  # "A3B": attention, router, 8 of 128 experts, embeddings and head
