@@ -2,8 +2,9 @@
 # Mixture-of-experts on the GPU host in one call (about 9 minutes), Qwen3-30B-A3B shape with dummy bf16 weights:
 #   tests:   the fused MoE Triton kernels against the float64 reference (bf16 at the Qwen3-30B-A3B layer shape, a CUDA
 #            graph replay), tests/test_fused_moe_kernel.py;
-#   decode:  benchmarks/one_batch.py, batch-1 (and 8, 64) decode steps at a 1024-token context in CUDA graphs, with
-#            the device-to-device bandwidth it measures (its floor counts every expert's bytes, not the 8 active ones);
+#   decode:  benchmarks/one_batch.py, batch-1 (and 8, 64) decode steps at a 1024-token context in CUDA graphs, next to
+#            the floor: bytes of attention, router and the experts the batch visits (8 of 128 per layer at batch 1),
+#            plus KV, over the device-to-device bandwidth it measures;
 #   offline: offline throughput, 1000 requests of 256 in / 256 out, Qwen3-30B-A3B and then Llama-3.1-8B (the dense
 #            baseline of about 2.4x the active parameters) in the same call, by output tokens/s.
 # STEPS selects (default: all), e.g. STEPS="tests decode" bash benchmarks/gpu_moe.sh. Needs .whl/ (see
