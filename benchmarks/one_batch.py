@@ -16,7 +16,8 @@ one DECODE forward plus the greedy pick that feeds the next step's tokens, and e
 last position so all steps have the same shape. It is timed from an idle device to the end of the step
 (host work included), median over `--steps` after `--warmup`; "back-to-back" is the time per step when
 steps are issued without waiting, i.e. what the device alone needs once the host runs ahead. The floor is
-(weight bytes read + KV bytes read) / bandwidth, the bandwidth that of a device-to-device copy measured at
+(weight bytes read + KV bytes read) / bandwidth (of a mixture of experts, only the experts a batch of that size
+visits when routing spreads evenly, benchmarks/roofline.py), the bandwidth that of a device-to-device copy measured at
 the start (bytes read + written / time). On a GPU, decode runs in CUDA graphs unless disabled;
 `--eager-batch-sizes` repeats those sizes without graphs; `--profile-batch-size` lists the top kernels of a
 few graph steps, `--profile-prefill-batch-size` those of a few prefill forwards of `--input-len` tokens each.
@@ -371,7 +372,8 @@ def run(args: argparse.Namespace) -> dict:
     plan += [(bs, False) for bs in args.eager_batch_sizes if graphs_on]
     for bs, use_graph in plan:
         try:
-            row = bench_decode(runner, args, bs, use_graph, bandwidth, weight_bytes)
+            row = bench_decode(runner, args, bs, use_graph, bandwidth,
+                               roofline.weight_bytes_read_per_decode_step(runner.model, bs))
         except Exception as exc:
             row = dict(batch=bs, cuda_graph=use_graph)
             record_error(f"decode batch {bs} ({'graph' if use_graph else 'eager'})", exc, row)

@@ -80,19 +80,31 @@ def _bytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def weight_bytes_read_per_decode_step(model: nn.Module) -> int:
-    """Bytes of every parameter a decode step reads: all of them except an untied input embedding table,
-    of which a step gathers only the batch's rows (a tied table is read whole as the LM head)."""
-    total = sum(_bytes(p) for p in model.parameters())
+def expert_share(config, tokens: int) -> float:
+    """The share of a mixture-of-experts layer's experts that `tokens` routed tokens read, the routing spread evenly
+    (as random weights spread it): `1 - (1 - k/E)^tokens`; 1 for a dense model."""
+    moe = getattr(config, "moe", None)
+    return 1.0 if moe is None else 1.0 - (1.0 - moe.top_k / moe.num_experts) ** tokens
+
+
+def weight_bytes_read_per_decode_step(model: nn.Module, batch_size: int = 1) -> int:
+    """Bytes of every parameter a decode step of `batch_size` requests reads: all of them except an untied input
+    embedding table, of which a step gathers only the batch's rows (a tied table is read whole as the LM head), and
+    of a mixture of experts only the experts the batch visits (`expert_share`)."""
+    share = expert_share(model.config, batch_size)
+    total = sum(_bytes(p) * (share if ".experts." in name else 1.0) for name, p in model.named_parameters())
     tied = getattr(model, "lm_head", None) is None
-    return total if tied else total - _bytes(model.model.embed_tokens.weight)
+    return int(total if tied else total - _bytes(model.model.embed_tokens.weight))
 
 
 def prefill_flops(model: nn.Module, batch_size: int, input_len: int) -> int:
     """Matmul FLOPs of prefilling `batch_size` requests of `input_len` new tokens each (no cached
     prefix), logits at each request's last token: projections, causal attention and the LM head."""
     config = model.config
-    layer_params = sum(p.numel() for p in model.model.layers.parameters())
+    moe = getattr(config, "moe", None)
+    visited = 1.0 if moe is None else moe.top_k / moe.num_experts  # each token runs k of a layer's E experts
+    layer_params = int(sum(p.numel() * (visited if ".experts." in name else 1.0)
+                           for name, p in model.model.layers.named_parameters()))
     tokens = batch_size * input_len
     projections = 2 * layer_params * tokens
     # Q.K^T and P.V over the causal triangle: 2 matmuls x 2 FLOPs per multiply-add.

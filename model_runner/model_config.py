@@ -8,7 +8,11 @@
   `rope_scaling` is None for plain RoPE and otherwise always has a "rope_type" key.
 - EOS: `eos_token_ids` is the union (config first, order kept) of `eos_token_id` in config.json and in
   generation_config.json, each of which may be an int or a list.
-- Per-architecture facts: Qwen2 always has q/k/v biases; Qwen3 always has per-head q/k RMSNorm.
+- Per-architecture facts: Qwen2 always has q/k/v biases (Qwen2-MoE unless `qkv_bias` says otherwise); Qwen3 and
+  Qwen3-MoE always have per-head q/k RMSNorm.
+- Mixtures of experts: `moe` (a `MoEConfig`) holds the expert count, the routing rule and which layers are sparse,
+  read from the family's own keys (`num_experts` or `num_local_experts`, `moe_intermediate_size` or Mixtral's
+  `intermediate_size`); None for dense models.
 """
 
 from __future__ import annotations
@@ -24,13 +28,19 @@ ARCHITECTURE_MODEL_TYPES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
 }
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURE_MODEL_TYPES)
 _MODEL_TYPE_ARCHITECTURES = {v: k for k, v in ARCHITECTURE_MODEL_TYPES.items()}
 
 # transformers' own defaults for keys a config.json may omit (they differ by family).
-_DEFAULT_MAX_POSITIONS = {"llama": 2048, "mistral": 32768, "qwen2": 32768, "qwen3": 32768}
-_DEFAULT_RMS_EPS = {"llama": 1e-6, "mistral": 1e-6, "qwen2": 1e-6, "qwen3": 1e-6}
+_DEFAULT_MAX_POSITIONS = {"llama": 2048, "mistral": 32768, "qwen2": 32768, "qwen3": 32768, "qwen2_moe": 32768,
+                          "qwen3_moe": 32768, "mixtral": 131072}
+_DEFAULT_RMS_EPS = {"llama": 1e-6, "mistral": 1e-6, "qwen2": 1e-6, "qwen3": 1e-6, "qwen2_moe": 1e-6, "qwen3_moe": 1e-6,
+                    "mixtral": 1e-5}
+MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral")
 _DEFAULT_ROPE_THETA = 10000.0
 
 
@@ -62,13 +72,57 @@ def _normalise_rope(d: dict) -> tuple[float, Optional[dict]]:
     return float(theta), scaling
 
 
+@dataclass(frozen=True)
+class MoEConfig:
+    """The sparse feed-forward of a mixture-of-experts model.
+
+    Routing (`routing`): "softmax_topk" takes the softmax over all experts, then the top `top_k` probabilities,
+    divided by their sum when `renormalize` (Qwen's `norm_topk_prob`); "topk_softmax" takes the top `top_k` router
+    logits and a softmax over those (Mixtral; renormalized by construction). `shared_expert_intermediate_size` > 0
+    adds a dense expert that every token passes through, scaled by a sigmoid gate (Qwen2-MoE). Layers not in
+    `sparse_layers` keep a dense MLP of the model's `intermediate_size`.
+    """
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    routing: str
+    renormalize: bool
+    sparse_layers: frozenset[int]
+    shared_expert_intermediate_size: int = 0
+
+    def __post_init__(self) -> None:
+        if self.routing not in ("softmax_topk", "topk_softmax"):
+            raise ValueError(f"unknown MoE routing {self.routing!r}")
+        if not 0 < self.top_k <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok ({self.top_k}) must be in [1, num_experts ({self.num_experts})]")
+        if self.intermediate_size <= 0:
+            raise ValueError(f"the experts' intermediate size must be positive, got {self.intermediate_size}")
+
+    @classmethod
+    def from_dict(cls, d: dict, model_type: str) -> "MoEConfig":
+        num_layers = int(d["num_hidden_layers"])
+        num_experts = int(d.get("num_experts") or d.get("num_local_experts") or 0)
+        if num_experts <= 0:
+            raise ValueError(f"a {model_type} config needs num_experts > 0")
+        if model_type == "mixtral":
+            return cls(num_experts, int(d["num_experts_per_tok"]), int(d["intermediate_size"]), "topk_softmax",
+                       True, frozenset(range(num_layers)))
+        step = int(d.get("decoder_sparse_step") or 1)
+        dense = set(d.get("mlp_only_layers") or [])
+        sparse = frozenset(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
+        return cls(num_experts, int(d["num_experts_per_tok"]), int(d["moe_intermediate_size"]), "softmax_topk",
+                   bool(d.get("norm_topk_prob", False)), sparse, int(d.get("shared_expert_intermediate_size") or 0))
+
+
 @dataclass
 class ModelConfig:
     """Architecture hyper-parameters of a decoder-only model, normalised across config formats.
 
     `head_dim` is always set (explicit in the config, else hidden_size // num_attention_heads).
     `sliding_window` is the attention window when the config enables one (Mistral v0.1, Qwen2 with
-    `use_sliding_window`), else None. `hf_config` keeps the raw config.json dict for anything else.
+    `use_sliding_window`), else None. `moe` describes the experts of a mixture-of-experts model (None when dense).
+    `hf_config` keeps the raw config.json dict for anything else.
     """
 
     architecture: str
@@ -90,6 +144,7 @@ class ModelConfig:
     bos_token_id: Optional[int]
     torch_dtype: Optional[str]
     sliding_window: Optional[int] = None
+    moe: Optional[MoEConfig] = None
     hf_config: dict = field(default_factory=dict, repr=False)
     # generation_config.json's sampling values (SGLang's --sampling-defaults model fills unset ones with them).
     sampling_defaults: dict = field(default_factory=dict)
@@ -144,7 +199,8 @@ class ModelConfig:
             bos = bos[0] if bos else None
 
         sliding_window = None
-        if model_type == "mistral" or (model_type in ("qwen2", "qwen3") and d.get("use_sliding_window")):
+        if model_type in ("mistral", "mixtral") or (
+                model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and d.get("use_sliding_window")):
             sliding_window = d.get("sliding_window")
 
         return cls(
@@ -161,13 +217,13 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=int(d.get("max_position_embeddings") or _DEFAULT_MAX_POSITIONS[model_type]),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            # Qwen2's attention always has q/k/v biases, whatever the config says.
-            attention_bias=True if model_type == "qwen2" else bool(d.get("attention_bias", False)),
-            qk_norm=model_type == "qwen3",
+            attention_bias=_attention_bias(d, model_type),
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             eos_token_ids=eos_ids,
             bos_token_id=None if bos is None else int(bos),
             torch_dtype=d.get("dtype") or d.get("torch_dtype"),
             sliding_window=None if sliding_window is None else int(sliding_window),
+            moe=MoEConfig.from_dict(d, model_type) if model_type in MOE_MODEL_TYPES else None,
             hf_config=dict(d),
             sampling_defaults=_sampling_defaults(generation_config or {}),
         )
@@ -187,6 +243,16 @@ class ModelConfig:
             with open(generation_path, encoding="utf-8") as f:
                 generation_config = json.load(f)
         return cls.from_dict(config, generation_config)
+
+
+def _attention_bias(d: dict, model_type: str) -> bool:
+    """Whether q/k/v carry biases: always for Qwen2 (whatever the config says), `qkv_bias` (default true) for
+    Qwen2-MoE, `attention_bias` for the others."""
+    if model_type == "qwen2":
+        return True
+    if model_type == "qwen2_moe":
+        return bool(d.get("qkv_bias", True))
+    return bool(d.get("attention_bias", False))
 
 
 SAMPLING_DEFAULT_KEYS = {"temperature": float, "top_p": float, "top_k": int, "min_p": float,

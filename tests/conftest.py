@@ -7,7 +7,9 @@
 `tiny_model_dir` (session): a factory `tiny_model_dir(arch, *, seed=0, with_tokenizer=False, **config_overrides)
     -> str` that saves a small random-weight Hugging Face model (config.json + model.safetensors, float32) with
     transformers' own classes and returns its directory. Same arguments -> same directory (built once per
-    session). `arch` is "llama", "mistral", "qwen2" or "qwen3" (or the architecture class name).
+    session). `arch` is "llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe" or "mixtral" (or the
+    architecture class name). The mixture-of-experts families get 8 experts, top-2, experts of width 32 (Mixtral's:
+    `intermediate_size`), and Qwen2-MoE a shared expert of width 48.
     Defaults: hidden 64, 2 layers, 4 query heads, 2 KV heads, head_dim 16, intermediate 128, vocab 512,
     rope_theta 50000 (not a library default, so a loader reading the wrong key fails), no EOS token (so
     generation runs to max_new_tokens); Qwen2 ties its embeddings, the others do not. Weights are drawn
@@ -49,12 +51,25 @@ TINY_ARCHITECTURES = {
     "mistral": "MistralConfig",
     "qwen2": "Qwen2Config",
     "qwen3": "Qwen3Config",
+    "qwen2_moe": "Qwen2MoeConfig",
+    "qwen3_moe": "Qwen3MoeConfig",
+    "mixtral": "MixtralConfig",
 }
 _CLASS_NAME_TO_ARCH = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
+}
+# The mixture-of-experts families: 8 experts of width 32, top-2 (Mixtral's experts take `intermediate_size`).
+_TINY_MOE = {
+    "qwen2_moe": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                  "shared_expert_intermediate_size": 48},
+    "qwen3_moe": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
+    "mixtral": {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32},
 }
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 
@@ -75,6 +90,7 @@ def _tiny_config_kwargs(arch: str) -> dict:
         "bos_token_id": None,
         "eos_token_id": None,
         "pad_token_id": None,
+        **_TINY_MOE.get(arch, {}),
     }
 
 

@@ -65,12 +65,35 @@ def dummy_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[f"{prefix}.self_attn.q_norm.weight"] = (head_dim,)
             shapes[f"{prefix}.self_attn.k_norm.weight"] = (head_dim,)
         shapes[f"{prefix}.post_attention_layernorm.weight"] = (hidden,)
-        shapes[f"{prefix}.mlp.gate_proj.weight"] = (config.intermediate_size, hidden)
-        shapes[f"{prefix}.mlp.up_proj.weight"] = (config.intermediate_size, hidden)
-        shapes[f"{prefix}.mlp.down_proj.weight"] = (hidden, config.intermediate_size)
+        if config.moe is not None and layer in config.moe.sparse_layers:
+            shapes.update(_sparse_mlp_shapes(config, prefix))
+        else:
+            shapes.update(_mlp_shapes(f"{prefix}.mlp", hidden, config.intermediate_size))
     shapes["model.norm.weight"] = (hidden,)
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (config.vocab_size, hidden)
+    return shapes
+
+
+def _mlp_shapes(prefix: str, hidden: int, intermediate: int, names=("gate_proj", "up_proj", "down_proj")) -> dict:
+    gate, up, down = names
+    return {f"{prefix}.{gate}.weight": (intermediate, hidden), f"{prefix}.{up}.weight": (intermediate, hidden),
+            f"{prefix}.{down}.weight": (hidden, intermediate)}
+
+
+def _sparse_mlp_shapes(config: ModelConfig, layer_prefix: str) -> dict[str, tuple[int, ...]]:
+    """A mixture-of-experts layer's tensors as its family's checkpoints name them (Mixtral: `block_sparse_moe`,
+    experts' `w1`/`w3`/`w2`)."""
+    moe, hidden = config.moe, config.hidden_size
+    mixtral = config.model_type == "mixtral"
+    prefix = f"{layer_prefix}.block_sparse_moe" if mixtral else f"{layer_prefix}.mlp"
+    names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    shapes = {f"{prefix}.gate.weight": (moe.num_experts, hidden)}
+    for expert in range(moe.num_experts):
+        shapes.update(_mlp_shapes(f"{prefix}.experts.{expert}", hidden, moe.intermediate_size, names))
+    if moe.shared_expert_intermediate_size:
+        shapes.update(_mlp_shapes(f"{prefix}.shared_expert", hidden, moe.shared_expert_intermediate_size))
+        shapes[f"{prefix}.shared_expert_gate.weight"] = (1, hidden)
     return shapes
 
 

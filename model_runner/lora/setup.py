@@ -33,6 +33,9 @@ def resolved_max_rank(max_lora_rank: Any, adapters: list[tuple[str, str]]) -> in
 
 def create_lora_manager(runner: Any) -> LoRAManager:
     args = runner.config
+    if runner.model_config.moe is not None:  # the adapters' MLP targets have no counterpart in the stacked experts
+        raise ValueError(f"LoRA adapters are not supported on mixture-of-experts models "
+                         f"({runner.model_config.architecture})")
     adapters = startup_adapters(args.lora_paths)
     manager = LoRAManager(runner.model, runner.model_config, args.max_loras_per_batch,
                           resolved_max_rank(args.max_lora_rank, adapters), runner.dtype, runner.device)

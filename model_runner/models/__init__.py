@@ -5,14 +5,20 @@ from __future__ import annotations
 from torch import nn
 
 from radixserve.model_runner.models.llama import LlamaForCausalLM
+from radixserve.model_runner.models.mixtral import MixtralForCausalLM
 from radixserve.model_runner.models.qwen2 import Qwen2ForCausalLM
+from radixserve.model_runner.models.qwen2_moe import Qwen2MoeForCausalLM
 from radixserve.model_runner.models.qwen3 import Qwen3ForCausalLM
+from radixserve.model_runner.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
 }
 
 
@@ -26,4 +32,5 @@ def get_model_class(architecture: str) -> type[nn.Module]:
         ) from None
 
 
-__all__ = ["MODEL_REGISTRY", "get_model_class", "LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
+__all__ = ["MODEL_REGISTRY", "get_model_class", "LlamaForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM",
+           "Qwen2MoeForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"]

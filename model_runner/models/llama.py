@@ -1,7 +1,8 @@
 """The Llama family (Llama 2/3.x, SmolLM2, Mistral), written for the paged-KV runtime.
 
 The decoder here is also the base of the Qwen2 and Qwen3 files: they differ only in projection biases and a
-per-head q/k norm. Tokens of all requests of a batch are concatenated (`[num_tokens, hidden]`, no batch
+per-head q/k norm. The mixture-of-experts families (models/moe_base.py) swap the feed-forward (`make_mlp`) and
+extend the loader (`_expected_shards`, `_load_tensor`) for the experts. Tokens of all requests of a batch are concatenated (`[num_tokens, hidden]`, no batch
 dimension); attention reads and writes the KV pool through the attention backend the runner installs.
 
 Weights: `load_weights` takes Hugging Face tensor names. q/k/v are stacked into one `qkv_proj` and gate/up
@@ -91,9 +92,13 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: "ModelConfig", layer_id: int, rotary: RotaryEmbedding, tp: TPGroup) -> None:
         super().__init__()
         self.self_attn = self.attention_class(config, layer_id, rotary, tp)
-        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, tp)
+        self.mlp = self.make_mlp(config, layer_id, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def make_mlp(self, config: "ModelConfig", layer_id: int, tp: TPGroup) -> nn.Module:
+        """The feed-forward of layer `layer_id`: the dense gated MLP (the mixture-of-experts families override)."""
+        return LlamaMLP(config.hidden_size, config.intermediate_size, tp)
 
     def forward(
         self,
@@ -200,14 +205,13 @@ class LlamaForCausalLM(nn.Module):
         return lm_logits(selected, self.lm_head_weight, self.config.vocab_size, self.tp)
 
     # ---- weights -------------------------------------------------------------------------------
-    def _fused_rows(self, fused: str, shard: int) -> tuple[int, int]:
-        """Row range of shard `shard` (q/k/v or gate/up) inside the fused projection `fused`."""
-        attn = self.model.layers[0].self_attn
+    def _fused_rows(self, fused: str, shard: int, param: torch.Tensor) -> tuple[int, int]:
+        """Row range of shard `shard` (q/k/v or gate/up) inside the fused projection `param` named `fused`."""
         if fused == "qkv_proj":
+            attn = self.model.layers[0].self_attn
             sizes = (attn.q_size, attn.kv_size, attn.kv_size)
-        else:
-            intermediate = self.config.intermediate_size // self.tp.size
-            sizes = (intermediate, intermediate)
+        else:  # gate/up of whichever MLP this is (dense layers and shared experts differ in width)
+            sizes = (param.shape[0] // 2,) * 2
         start = sum(sizes[:shard])
         return start, start + sizes[shard]
 
@@ -218,7 +222,22 @@ class LlamaForCausalLM(nn.Module):
         ValueError. `lm_head.weight` is ignored when embeddings are tied.
         """
         params = dict(self.named_parameters())
+        expected = self._expected_shards(params)
         loaded: set[tuple[str, int]] = set()
+        for hf_name, tensor in weights:
+            if "rotary_emb.inv_freq" in hf_name:
+                continue
+            if hf_name == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            loaded.add(self._load_tensor(hf_name, tensor, params))
+
+        missing = sorted(f"{name}" + (f"[shard {s}]" if s >= 0 else "") for name, s in expected - loaded)
+        if missing:
+            raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:10])}"
+                             + (f" (and {len(missing) - 10} more)" if len(missing) > 10 else ""))
+
+    def _expected_shards(self, params: dict[str, nn.Parameter]) -> set[tuple[str, int]]:
+        """Every (parameter, shard) a complete checkpoint loads; shard -1 for a parameter loaded whole."""
         expected: set[tuple[str, int]] = set()
         for name in params:
             fused = next((f for f, _, _ in _STACKED_PROJECTIONS if f"{f}." in name), None)
@@ -227,39 +246,35 @@ class LlamaForCausalLM(nn.Module):
             else:
                 shards = 3 if fused == "qkv_proj" else 2
                 expected.update((name, s) for s in range(shards))
+        return expected
 
-        for hf_name, tensor in weights:
-            if "rotary_emb.inv_freq" in hf_name:
-                continue
-            if hf_name == "lm_head.weight" and self.tie_word_embeddings:
-                continue
-            target, shard, rows = hf_name, -1, None
-            for fused, part, index in _STACKED_PROJECTIONS:
-                if f".{part}." in hf_name:
-                    target = hf_name.replace(f".{part}.", f".{fused}.")
-                    shard, rows = index, self._fused_rows(fused, index)
-                    break
-            if target not in params:
-                raise ValueError(f"checkpoint tensor {hf_name!r} has no matching parameter in {type(self).__name__}")
-            param = params[target]
-            destination = param.data if rows is None else param.data[rows[0]:rows[1]]
-            expected_shape = self._full_shape(hf_name, tuple(destination.shape))
-            if expected_shape != full_shape(tensor):
-                raise ValueError(
-                    f"shape mismatch for {hf_name!r}: checkpoint {full_shape(tensor)}, "
-                    f"model expects {expected_shape}"
-                )
-            self._copy_shard(hf_name, tensor, destination)
-            loaded.add((target, shard))
-
-        missing = sorted(f"{name}" + (f"[shard {s}]" if s >= 0 else "") for name, s in expected - loaded)
-        if missing:
-            raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:10])}"
-                             + (f" (and {len(missing) - 10} more)" if len(missing) > 10 else ""))
+    def _load_tensor(self, hf_name: str, tensor, params: dict[str, nn.Parameter]) -> tuple[str, int]:
+        """Copy one checkpoint tensor (this rank's part of it) into its parameter; returns the (parameter, shard)
+        it filled."""
+        target, shard, rows = hf_name, -1, None
+        for fused, part, index in _STACKED_PROJECTIONS:
+            if f".{part}." in hf_name:
+                target = hf_name.replace(f".{part}.", f".{fused}.")
+                if target in params:
+                    shard, rows = index, self._fused_rows(fused, index, params[target])
+                break
+        if target not in params:
+            raise ValueError(f"checkpoint tensor {hf_name!r} has no matching parameter in {type(self).__name__}")
+        param = params[target]
+        destination = param.data if rows is None else param.data[rows[0]:rows[1]]
+        expected_shape = self._full_shape(hf_name, tuple(destination.shape))
+        if expected_shape != full_shape(tensor):
+            raise ValueError(
+                f"shape mismatch for {hf_name!r}: checkpoint {full_shape(tensor)}, "
+                f"model expects {expected_shape}"
+            )
+        self._copy_shard(hf_name, tensor, destination)
+        return target, shard
 
     # ---- tensor-parallel slicing of checkpoint tensors ---------------------------------------------
-    def _shard_of(self, hf_name: str) -> Optional[tuple[int, int, int]]:
-        """(dim, start, length) of this rank's part of checkpoint tensor `hf_name`; None when replicated."""
+    def _shard_of(self, hf_name: str, local_shape: tuple[int, ...]) -> Optional[tuple[int, int, int]]:
+        """(dim, start, length) of this rank's part of checkpoint tensor `hf_name`, whose part here has
+        `local_shape`; None when replicated."""
         if self.tp.size == 1:
             return None
         heads = self.model.layers[0].self_attn.heads
@@ -273,11 +288,10 @@ class LlamaForCausalLM(nn.Module):
             return 0, heads.kv_start * head_dim, heads.num_kv_heads * head_dim
         if ".o_proj.weight" in hf_name:
             return 1, heads.q_start * head_dim, heads.num_heads * head_dim
-        local = self.config.intermediate_size // self.tp.size
         if ".gate_proj." in hf_name or ".up_proj." in hf_name:
-            return 0, self.tp.rank * local, local
+            return 0, self.tp.rank * local_shape[0], local_shape[0]
         if ".down_proj." in hf_name:
-            return 1, self.tp.rank * local, local
+            return 1, self.tp.rank * local_shape[1], local_shape[1]
         return None
 
     def _full_shape(self, hf_name: str, local_shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -286,7 +300,7 @@ class LlamaForCausalLM(nn.Module):
             return local_shape
         if "embed_tokens" in hf_name or hf_name.startswith("lm_head"):
             return (self.config.vocab_size,) + local_shape[1:]
-        shard = self._shard_of(hf_name)
+        shard = self._shard_of(hf_name, local_shape)
         if shard is None:
             return local_shape
         dim = shard[0]
@@ -295,8 +309,8 @@ class LlamaForCausalLM(nn.Module):
             whole = config.num_key_value_heads * config.head_dim
         elif ".q_proj." in hf_name or ".o_proj." in hf_name:
             whole = heads.num_heads * self.tp.size * config.head_dim
-        else:
-            whole = config.intermediate_size
+        else:  # an MLP's intermediate dimension, split evenly
+            whole = local_shape[dim] * self.tp.size
         shape = list(local_shape)
         shape[dim] = whole
         return tuple(shape)
@@ -304,7 +318,7 @@ class LlamaForCausalLM(nn.Module):
     def _copy_shard(self, hf_name: str, tensor, destination: torch.Tensor) -> None:
         """Copy this rank's part of `tensor` (a tensor or a lazy safetensors slice) into `destination`; the
         padding rows of the last vocabulary shard are zeroed."""
-        shard = self._shard_of(hf_name)
+        shard = self._shard_of(hf_name, tuple(destination.shape))
         if shard is None:
             destination.copy_(tensor if isinstance(tensor, torch.Tensor) else tensor[:])
             return

@@ -88,3 +88,20 @@ def test_run_on_cpu_with_a_dummy_config(tmp_path, kv_cache_dtype, kv_element_byt
         expected_floor = (r["weight_gb"] + r["kv_gb"]) * 1e9 / bandwidth * 1e3
         assert r["floor_ms"] == pytest.approx(expected_floor)
         assert r["floor_fraction"] == pytest.approx(r["floor_ms"] / r["step_ms"])
+
+
+def test_a_mixture_of_experts_decode_step_reads_only_the_visited_experts():
+    """Qwen3-30B-A3B's published config on the meta device: a batch-1 step reads attention, routers, 8 of each layer's
+    128 experts and the LM head (about 3.0B parameters of 30.5B); a large batch visits nearly every expert, and a
+    prefill token runs k of E experts' FLOPs."""
+    config = ModelConfig.from_dict(json.loads((ROOT / "benchmarks" / "configs" / "qwen3-30b-a3b.json").read_text()))
+    with torch.device("meta"):
+        model = get_model_class(config.architecture)(config, max_positions=64).to(torch.bfloat16)
+    experts = 48 * 128 * 3 * 768 * 2048
+    others = sum(p.numel() for p in model.parameters()) - experts - config.vocab_size * config.hidden_size  # no embed
+    assert roofline.weight_bytes_read_per_decode_step(model, 1) == pytest.approx(2 * (others + experts * 8 / 128))
+    assert 5.9 < roofline.weight_bytes_read_per_decode_step(model, 1) / 1e9 < 6.2  # about 3.0B bf16 parameters
+    assert roofline.weight_bytes_read_per_decode_step(model, 512) == pytest.approx(2 * (others + experts), rel=1e-6)
+    layer_params = sum(p.numel() for p in model.model.layers.parameters()) - experts * (1 - 8 / 128)
+    assert roofline.prefill_flops(model, 1, 1) == pytest.approx(2 * layer_params + 4 * 48 * 32 * 128
+                                                                + 2 * 2048 * config.vocab_size)

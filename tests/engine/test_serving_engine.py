@@ -1,7 +1,7 @@
 """The engine an HTTP app serves (runtime/serving_engine.py): the in-process Engine and the Ray ingress's EngineProxy
 both implement the ServingEngine protocol. Checked statically (mypy, on a function typed with the protocol called
 with both), member by member against the protocol's signatures (so a method added to one and not the other fails
-here), and by create_app at run time. The Engine's own isinstance check is in tests/test_engine.py."""
+here), and by create_app at run time. The Engine's own isinstance check is in tests/engine/test_engine.py."""
 
 from __future__ import annotations
 

@@ -217,9 +217,11 @@ def test_dummy_format_needs_only_config(tmp_path):
 # ---------------------------------------------------------------- weights
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
-def test_dummy_weights_have_the_checkpoint_layout(tiny_model_dir, arch):
-    model_dir = tiny_model_dir(arch)
+@pytest.mark.parametrize("arch,overrides", [("llama", {}), ("mistral", {}), ("qwen2", {}), ("qwen3", {}),
+                                            ("qwen2_moe", {"num_hidden_layers": 3, "mlp_only_layers": [1]}),
+                                            ("qwen3_moe", {}), ("mixtral", {})])
+def test_dummy_weights_have_the_checkpoint_layout(tiny_model_dir, arch, overrides):
+    model_dir = tiny_model_dir(arch, **overrides)
     config = ModelConfig.from_path(model_dir)
     real = {name: tensor.shape for name, tensor in iter_weights(model_dir)}
     dummy = dict(dummy_weights(config, seed=3))

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Mixture-of-experts on the GPU host in one call (about 9 minutes), Qwen3-30B-A3B shape with dummy bf16 weights:
+#   tests:   the fused MoE Triton kernels against the float64 reference (bf16 at the Qwen3-30B-A3B layer shape, a CUDA
+#            graph replay), tests/ops/test_fused_moe_kernel.py;
+#   decode:  benchmarks/one_batch.py, batch-1 (and 8, 64) decode steps at a 1024-token context in CUDA graphs, next to
+#            the floor: bytes of attention, router and the experts the batch visits (8 of 128 per layer at batch 1),
+#            plus KV, over the device-to-device bandwidth it measures;
+#   offline: offline throughput, 1000 requests of 256 in / 256 out, Qwen3-30B-A3B and then Llama-3.1-8B (the dense
+#            baseline of about 2.4x the active parameters) in the same call, by output tokens/s.
+# STEPS selects (default: all), e.g. STEPS="tests decode" bash benchmarks/gpu_moe.sh. Needs .whl/ (see
+# ../shared/gpu/README.md) and .gpu-assets/llama-3.1-8b-dummy/ (config.json + a tokenizer) carried; the Qwen3-30B-A3B
+# folder is made beside it from benchmarks/configs/qwen3-30b-a3b.json and the same tokenizer files (random weights emit
+# ids past that tokenizer's vocabulary, which decode to nothing: the figures count tokens, not text).
+# The weights take about 61 GB: an H100 80GB leaves little room for the KV pool, an H200 plenty.
+set -u
+cd "$(dirname "$0")/.." || exit 1
+ROOT=$PWD
+OUT=${OUT:-$ROOT/benchmarks/results}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+STEPS=${STEPS:-tests decode offline}
+want() { [[ " $STEPS " == *" $1 "* ]]; }
+
+python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl || exit 1
+# Installed (not mapped from the source tree), so that the Engine's spawned processes import it too.
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . \
+    || echo "WARNING: installing radixserve failed"
+export PYTHONPATH=/tmp/site:$ROOT/benchmarks
+export FLASHINFER_WORKSPACE_BASE=$ROOT/.gpu-cache
+mkdir -p "$FLASHINFER_WORKSPACE_BASE"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+
+DENSE=$ROOT/.gpu-assets/llama-3.1-8b-dummy
+MOE=$ROOT/.gpu-assets/qwen3-30b-a3b-dummy
+mkdir -p "$MOE"
+cp benchmarks/configs/qwen3-30b-a3b.json "$MOE/config.json"
+for f in tokenizer.json tokenizer_config.json chat_template.jinja; do
+    [ -f "$DENSE/$f" ] && cp "$DENSE/$f" "$MOE/"
+done
+
+if want tests; then
+    timeout 240 "$PY" -P -m pytest -p _srcpath -p no:cacheprovider -q tests/ops/test_fused_moe_kernel.py 2>&1 | tail -8
+fi
+if want decode; then
+    timeout 300 "$PY" benchmarks/one_batch.py --model-path "$MOE" --load-format dummy --dtype bfloat16 \
+        --prefill-batch-sizes 1 --input-len 1024 --decode-batch-sizes 1,8,64 --context-len 1024 \
+        --eager-batch-sizes 1 --out "$OUT" --tag one_batch_qwen3_30b_a3b 2>&1 | grep -v Warning | tail -25
+fi
+OFFLINE=(--load-format dummy --dtype bfloat16 --dataset random --num-prompts 1000 --random-input-len 256
+         --random-output-len 256 --cache on --skip-hf --output-json "$OUT/offline_moe.jsonl")
+if want offline; then
+    timeout 300 "$PY" benchmarks/offline_throughput.py --model "$MOE" "${OFFLINE[@]}" 2>&1 | grep -v Warning | tail -8
+    timeout 200 "$PY" benchmarks/offline_throughput.py --model "$DENSE" "${OFFLINE[@]}" 2>&1 | grep -v Warning | tail -8
+fi

@@ -1,0 +1,37 @@
+"""Block sizes of the fused MoE kernels (kernels/fused_moe_triton.py), per layer shape and token count.
+
+`TUNED` maps a layer shape, `(experts, intermediate per rank, hidden, dtype)`, to rows `(max_tokens, config)` in
+increasing `max_tokens`: a call with T tokens takes the first row with `T <= max_tokens` (the last row beyond). Shapes
+without an entry take `DEFAULTS`, chosen the same way. A config names the kernels' tile (`BLOCK_M` rows of (token,
+expert) pairs, which is also the alignment of each expert's run; `BLOCK_N` output columns; `BLOCK_K` of the reduced
+dimension), `num_warps` and `num_stages`.
+
+The defaults follow the shape of the problem: at decode sizes an expert sees a handful of pairs, so a short `BLOCK_M`
+wastes little on padding and a wide `BLOCK_K` streams the weight; at prefill sizes each expert's run fills taller tiles.
+Rows for a shape are measured on the GPU they name; none is recorded yet.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+BlockConfig = dict[str, int]
+
+DEFAULTS: list[tuple[int, BlockConfig]] = [
+    (32, {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}),
+    (512, {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3}),
+    (1 << 62, {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}),
+]
+
+# (experts, intermediate per rank, hidden, dtype name) -> [(max_tokens, config), ...]
+TUNED: dict[tuple[int, int, int, str], list[tuple[int, BlockConfig]]] = {}
+
+
+def block_config(num_tokens: int, num_experts: int, intermediate: int, hidden: int, dtype_name: str,
+                 table: Optional[dict] = None) -> BlockConfig:
+    """The config for a call on `num_tokens` tokens of this layer shape (a copy: callers may adjust it)."""
+    rows = (TUNED if table is None else table).get((num_experts, intermediate, hidden, dtype_name), DEFAULTS)
+    for max_tokens, config in rows:
+        if num_tokens <= max_tokens:
+            return dict(config)
+    return dict(rows[-1][1])

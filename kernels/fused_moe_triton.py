@@ -1,0 +1,174 @@
+"""The routed experts of a mixture-of-experts layer on the GPU: two Triton grouped GEMMs over tokens sorted by expert.
+
+Every (token, slot) pair of the routing, `p = t * top_k + j`, is one row. `align_by_expert` sorts the pairs by expert
+and pads each expert's run to a multiple of `BLOCK_M`, so that every block of `BLOCK_M` sorted rows belongs to one
+expert (`block_expert`; -1 for the blocks past the last run). Then:
+
+1. `_gate_up_kernel`: per block of rows and `BLOCK_N` intermediate columns, the rows' tokens times the expert's gate
+   and up rows (two accumulators over the hidden dimension), `silu(gate) * up` in float32, stored as the pair's row of
+   the intermediate activations `[T * top_k, I]`;
+2. `_down_kernel`: per block of rows and `BLOCK_N` hidden columns, those activations times the expert's down
+   projection, scaled by the pair's routing weight, stored as the pair's row of `[T * top_k, H]`;
+3. the sum over each token's `top_k` rows (one torch reduction, in float32).
+
+Padding rows carry the sentinel pair `T * top_k`: they load zeros and store nothing. Every shape the launch uses
+depends only on `(T, top_k, E, BLOCK_M)`, with no host synchronization, so the whole call can be captured in a CUDA
+graph. Block sizes come from the per-shape table in kernels/fused_moe_configs.py. float32 inputs multiply in IEEE
+float32 (no TF32), so a float32 model on the GPU keeps its precision. Without CUDA the kernels run only under the
+Triton interpreter (`TRITON_INTERPRET=1` set before `triton` is imported).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from radixserve.kernels.fused_moe_configs import BlockConfig, block_config
+
+
+class ExpertAlignment(NamedTuple):
+    """Pairs sorted by expert in runs padded to `block_m` rows (see the module docstring)."""
+
+    sorted_pairs: torch.Tensor  # [num_blocks * block_m] int32: pair index, or num_pairs for padding
+    block_expert: torch.Tensor  # [num_blocks] int32: the expert of each block, -1 past the last run
+    block_m: int
+
+
+def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertAlignment:
+    """Sort the pairs of `topk_ids [T, k]` by expert, each expert's run padded to a multiple of `block_m`.
+
+    The buffers take the most blocks any routing can need, `ceil((T*k + E*(block_m - 1)) / block_m)`, so their
+    shapes do not depend on the routing.
+    """
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    num_pairs = flat.numel()
+    device = flat.device
+    num_blocks = triton.cdiv(num_pairs + num_experts * (block_m - 1), block_m)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = torch.div(counts + block_m - 1, block_m, rounding_mode="floor") * block_m
+    padded_end = padded.cumsum(0)
+    order = torch.argsort(flat, stable=True)
+    experts_in_order = flat.index_select(0, order)
+    rank_in_run = torch.arange(num_pairs, device=device) - (counts.cumsum(0) - counts).index_select(0, experts_in_order)
+    destination = (padded_end - padded).index_select(0, experts_in_order) + rank_in_run
+    sorted_pairs = torch.full((num_blocks * block_m,), num_pairs, dtype=torch.int32, device=device)
+    sorted_pairs.scatter_(0, destination, order.to(torch.int32))
+    block_starts = torch.arange(num_blocks, device=device) * block_m
+    block_expert = torch.searchsorted(padded_end, block_starts, right=True)
+    block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
+    return ExpertAlignment(sorted_pairs, block_expert, block_m)
+
+
+@triton.jit
+def _gate_up_kernel(
+    X, W13, Inter, SortedPairs, BlockExpert,
+    num_pairs, top_k, hidden, intermediate,
+    stride_x, stride_we, stride_wn, stride_wk, stride_inter,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Program (block of sorted rows, block of intermediate columns)."""
+    block = tl.program_id(0)
+    expert = tl.load(BlockExpert + block).to(tl.int64)
+    if expert < 0:
+        return
+    pairs = tl.load(SortedPairs + block * BLOCK_M + tl.arange(0, BLOCK_M))
+    real = pairs < num_pairs
+    tokens = (pairs // top_k).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < intermediate
+    ks = tl.arange(0, BLOCK_K)
+    x_ptrs = X + tokens[:, None] * stride_x + ks[None, :]
+    gate_ptrs = W13 + expert * stride_we + cols[None, :] * stride_wn + ks[:, None] * stride_wk
+    up_ptrs = gate_ptrs + intermediate * stride_wn
+    gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        k_ok = k0 + ks < hidden
+        x = tl.load(x_ptrs, mask=real[:, None] & k_ok[None, :], other=0.0)
+        w_mask = k_ok[:, None] & col_ok[None, :]
+        gate = tl.dot(x, tl.load(gate_ptrs, mask=w_mask, other=0.0), gate, input_precision=PRECISION)
+        up = tl.dot(x, tl.load(up_ptrs, mask=w_mask, other=0.0), up, input_precision=PRECISION)
+        x_ptrs += BLOCK_K
+        gate_ptrs += BLOCK_K * stride_wk
+        up_ptrs += BLOCK_K * stride_wk
+    activated = gate / (1.0 + tl.exp(-gate)) * up
+    out_ptrs = Inter + pairs[:, None].to(tl.int64) * stride_inter + cols[None, :]
+    tl.store(out_ptrs, activated.to(Inter.dtype.element_ty), mask=real[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _down_kernel(
+    Inter, W2, Out, PairWeights, SortedPairs, BlockExpert,
+    num_pairs, hidden, intermediate,
+    stride_inter, stride_we, stride_wn, stride_wk, stride_out,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Program (block of sorted rows, block of hidden columns)."""
+    block = tl.program_id(0)
+    expert = tl.load(BlockExpert + block).to(tl.int64)
+    if expert < 0:
+        return
+    pairs = tl.load(SortedPairs + block * BLOCK_M + tl.arange(0, BLOCK_M))
+    real = pairs < num_pairs
+    rows = pairs.to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < hidden
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = Inter + rows[:, None] * stride_inter + ks[None, :]
+    w_ptrs = W2 + expert * stride_we + cols[None, :] * stride_wn + ks[:, None] * stride_wk
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, intermediate, BLOCK_K):
+        k_ok = k0 + ks < intermediate
+        a = tl.load(a_ptrs, mask=real[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        acc = tl.dot(a, w, acc, input_precision=PRECISION)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K * stride_wk
+    weight = tl.load(PairWeights + rows, mask=real, other=0.0)
+    acc = acc * weight[:, None]
+    tl.store(Out + rows[:, None] * stride_out + cols[None, :], acc.to(Out.dtype.element_ty),
+             mask=real[:, None] & col_ok[None, :])
+
+
+def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor, config: Optional[BlockConfig] = None) -> torch.Tensor:
+    """`sum_j topk_weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t))` over each token's experts `e = topk_ids[t,
+    j]`, as a new tensor `[T, H]` of hidden's dtype.
+
+    `hidden [T, H]`; `w13 [E, 2I, H]` (each expert's gate rows, then its up rows); `w2 [E, H, I]`; `topk_weights
+    [T, k]` (float32) and `topk_ids [T, k]`. `config`: block sizes (default: kernels/fused_moe_configs.py's table).
+    """
+    num_tokens, hidden_size = hidden.shape
+    num_experts, _, intermediate = w2.shape
+    top_k = topk_ids.shape[1]
+    assert w13.shape == (num_experts, 2 * intermediate, hidden_size), (w13.shape, w2.shape, hidden.shape)
+    out = torch.empty_like(hidden)
+    if num_tokens == 0:
+        return out
+    config = config or block_config(num_tokens, num_experts, intermediate, hidden_size,
+                                    str(hidden.dtype).removeprefix("torch."))
+    launch = {"num_warps": config["num_warps"], "num_stages": config["num_stages"]}
+    block_m, block_n, block_k = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
+    precision = "ieee" if hidden.dtype == torch.float32 else "tf32"
+    hidden = hidden.contiguous()
+    alignment = align_by_expert(topk_ids, num_experts, block_m)
+    num_blocks = alignment.block_expert.numel()
+    num_pairs = num_tokens * top_k
+    inter = torch.empty(num_pairs, intermediate, dtype=hidden.dtype, device=hidden.device)
+    _gate_up_kernel[(num_blocks, triton.cdiv(intermediate, block_n))](
+        hidden, w13, inter, alignment.sorted_pairs, alignment.block_expert,
+        num_pairs, top_k, hidden_size, intermediate,
+        hidden.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), inter.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, **launch,
+    )
+    pair_out = torch.empty(num_pairs, hidden_size, dtype=hidden.dtype, device=hidden.device)
+    _down_kernel[(num_blocks, triton.cdiv(hidden_size, block_n))](
+        inter, w2, pair_out, topk_weights.reshape(-1).float().contiguous(), alignment.sorted_pairs,
+        alignment.block_expert, num_pairs, hidden_size, intermediate,
+        inter.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), pair_out.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, **launch,
+    )
+    return out.copy_(pair_out.view(num_tokens, top_k, hidden_size).sum(dim=1, dtype=torch.float32))

@@ -1,0 +1,82 @@
+"""What the mixture-of-experts families share on top of the Llama decoder: the per-layer choice between the sparse
+block and a dense MLP, and loading each expert's checkpoint tensors into the stacked `[E, ...]` parameters.
+
+Checkpoints store one tensor per expert and projection (`mlp.experts.<e>.gate_proj.weight`, ...); `FusedMoE` holds
+`w13_weight [E, 2I, H]` (gate rows, then up rows) and `w2_weight [E, H, I]`. Under tensor parallelism each rank
+copies only its slice of every expert's intermediate dimension (read lazily from the safetensors file).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING
+
+from torch import nn
+
+from radixserve.model_runner.models.llama import LlamaForCausalLM, LlamaMLP
+from radixserve.model_runner.moe import FusedMoE, SparseMoeBlock
+from radixserve.model_runner.parallel import TPGroup, full_shape, narrow_source
+
+if TYPE_CHECKING:
+    from radixserve.model_runner.model_config import ModelConfig
+
+_EXPERT_TENSOR = re.compile(r"^(.+\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def sparse_or_dense_mlp(config: "ModelConfig", layer_id: int, tp: TPGroup) -> nn.Module:
+    """The sparse block on the config's sparse layers, a dense MLP of `intermediate_size` on the others
+    (Qwen's `mlp_only_layers` and `decoder_sparse_step`)."""
+    if config.moe is not None and layer_id in config.moe.sparse_layers:
+        return SparseMoeBlock(config.hidden_size, config.moe, tp)
+    return LlamaMLP(config.hidden_size, config.intermediate_size, tp)
+
+
+class MoEForCausalLM(LlamaForCausalLM):
+    """A Llama-style causal LM whose layers may hold `SparseMoeBlock`s; loads per-expert checkpoint tensors.
+
+    Shard ids of the stacked parameters (for the loader's completeness check): `w13_weight` shard `2e` is expert e's
+    gate, `2e + 1` its up; `w2_weight` shard `e` is expert e's down.
+    """
+
+    def _expected_shards(self, params: dict[str, nn.Parameter]) -> set[tuple[str, int]]:
+        expected = super()._expected_shards(params)
+        for name, module in self.named_modules():
+            if isinstance(module, FusedMoE):
+                expected -= {(f"{name}.w13_weight", -1), (f"{name}.w2_weight", -1)}
+                expected.update((f"{name}.w13_weight", s) for s in range(2 * module.num_experts))
+                expected.update((f"{name}.w2_weight", e) for e in range(module.num_experts))
+        return expected
+
+    def _load_tensor(self, hf_name: str, tensor, params: dict[str, nn.Parameter]) -> tuple[str, int]:
+        match = _EXPERT_TENSOR.match(hf_name)
+        if match is None:
+            return super()._load_tensor(hf_name, tensor, params)
+        prefix, expert, projection = match.group(1), int(match.group(2)), match.group(3)
+        if f"{prefix}.w13_weight" not in params:
+            raise ValueError(f"checkpoint tensor {hf_name!r} has no matching parameter in {type(self).__name__}")
+        experts: FusedMoE = self.get_submodule(prefix)
+        if expert >= experts.num_experts:
+            raise ValueError(f"checkpoint tensor {hf_name!r} names expert {expert} of {experts.num_experts}")
+        local = experts.w2_weight.shape[2]
+        if projection == "down_proj":
+            target, shard, dim = f"{prefix}.w2_weight", expert, 1
+            destination = experts.w2_weight.data[expert]
+        else:
+            part = 0 if projection == "gate_proj" else 1
+            target, shard, dim = f"{prefix}.w13_weight", 2 * expert + part, 0
+            destination = experts.w13_weight.data[expert, part * local:(part + 1) * local]
+        whole = list(destination.shape)
+        whole[dim] = local * self.tp.size
+        if tuple(whole) != full_shape(tensor):
+            raise ValueError(f"shape mismatch for {hf_name!r}: checkpoint {full_shape(tensor)}, "
+                             f"model expects {tuple(whole)}")
+        destination.copy_(narrow_source(tensor, dim, self.tp.rank * local, local))
+        return target, shard
+
+
+def rename_tensors(weights, renames: tuple[tuple[str, str], ...]):
+    """The checkpoint's `(name, tensor)` pairs with each `old` substring of a name replaced by `new`."""
+    for name, tensor in weights:
+        for old, new in renames:
+            name = name.replace(old, new)
+        yield name, tensor

@@ -1,0 +1,91 @@
+"""The sparse feed-forward of a mixture-of-experts layer: router, routed experts, and an optional shared expert.
+
+`FusedMoE` holds the routed experts stacked at load time, `w13_weight [E, 2I, H]` (each expert's gate rows, then its
+up rows) and `w2_weight [E, H, I]`, and runs them all at once: the fused Triton kernel on CUDA
+(`kernels/fused_moe_triton.py`), the grouped GEMMs on the CPU (`model_runner/moe/grouped.py`).
+
+Tensor parallelism splits every expert's intermediate dimension over the ranks as the dense MLP's is split: rank r
+holds rows `[r*I/tp, (r+1)*I/tp)` of each expert's gate and up and the same columns of its down, so each rank's
+experts give a partial sum over their slice of I, and one all-reduce per layer (after the shared expert's partial
+sum is added) completes it. The router and the shared expert's gate are replicated.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from radixserve.model_runner.layers import silu_and_mul
+from radixserve.model_runner.model_config import MoEConfig
+from radixserve.model_runner.moe.grouped import grouped_experts
+from radixserve.model_runner.moe.routing import select_experts
+from radixserve.model_runner.parallel import TPGroup, split_size
+
+
+class FusedMoE(nn.Module):
+    """The routed experts of one layer (this rank's slice of each); `forward` gives this rank's partial output."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, tp: TPGroup) -> None:
+        super().__init__()
+        local = split_size(intermediate_size, tp, "experts' intermediate size")
+        self.num_experts = num_experts
+        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * local, hidden_size))
+        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, local))
+
+    def forward(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """`hidden [T, H]`, `topk_weights [T, k]` float32, `topk_ids [T, k]` -> `[T, H]` in hidden's dtype."""
+        if hidden.is_cuda:
+            from radixserve.kernels.fused_moe_triton import fused_moe  # CPU-only processes never import triton
+
+            return fused_moe(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+        return grouped_experts(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+
+    def extra_repr(self) -> str:
+        experts, gate_up, hidden = self.w13_weight.shape
+        return f"experts={experts}, hidden={hidden}, intermediate_per_rank={gate_up // 2}"
+
+
+class SharedExpert(nn.Module):
+    """Qwen2-MoE's dense expert that every token passes through; `forward` gives this rank's partial output (the
+    down projection is row-split and not reduced here: the MoE block reduces once for both)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, tp: TPGroup) -> None:
+        super().__init__()
+        local = split_size(intermediate_size, tp, "shared expert's intermediate size")
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * local, bias=False)
+        self.down_proj = nn.Linear(local, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class SparseMoeBlock(nn.Module):
+    """Route each token to its top-k experts (the family's rule, `MoEConfig.routing`), sum their outputs by the
+    routing weights, add the sigmoid-gated shared expert where the family has one, and all-reduce over TP ranks.
+
+    Parameter names follow the Hugging Face checkpoints (`gate`, `experts`, `shared_expert`, `shared_expert_gate`);
+    the model's loader stacks each expert's tensors into `experts.w13_weight` / `experts.w2_weight`.
+    """
+
+    def __init__(self, hidden_size: int, moe: MoEConfig, tp: TPGroup) -> None:
+        super().__init__()
+        self.tp = tp
+        self.top_k = moe.top_k
+        self.routing = moe.routing
+        self.renormalize = moe.renormalize
+        self.gate = nn.Linear(hidden_size, moe.num_experts, bias=False)
+        self.experts = FusedMoE(moe.num_experts, hidden_size, moe.intermediate_size, tp)
+        self.shared_expert: Optional[SharedExpert] = None
+        self.shared_expert_gate: Optional[nn.Linear] = None
+        if moe.shared_expert_intermediate_size:
+            self.shared_expert = SharedExpert(hidden_size, moe.shared_expert_intermediate_size, tp)
+            self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        topk_weights, topk_ids = select_experts(self.gate(hidden), self.top_k, self.routing, self.renormalize)
+        out = self.experts(hidden, topk_weights, topk_ids)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(hidden)) * self.shared_expert(hidden)
+        return self.tp.all_reduce(out)

@@ -1,0 +1,33 @@
+"""Top-k routing: which experts each token visits, and with what weight.
+
+Two rules cover the supported families (`MoEConfig.routing`):
+
+- "softmax_topk" (Qwen2-MoE, Qwen3-MoE): the softmax over every expert's router logit, in float32, then the `top_k`
+  largest probabilities; divided by their sum when `renormalize` (`norm_topk_prob`), else used as they are (they then
+  sum to less than one).
+- "topk_softmax" (Mixtral): the `top_k` largest logits, then a softmax over those alone. It equals the first rule
+  with renormalization up to rounding; it is the order the Mixtral paper writes.
+
+The weights come back in float32 whatever the logits' dtype: the expert kernels multiply in float32 before they sum
+the top-k outputs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def select_experts(router_logits: torch.Tensor, top_k: int, routing: str,
+                   renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(weights [T, top_k] float32, expert ids [T, top_k] int64)` for router logits `[T, num_experts]`; each row of
+    ids is ordered by decreasing weight."""
+    if routing == "topk_softmax":
+        top_logits, ids = torch.topk(router_logits.float(), top_k, dim=-1)
+        return torch.softmax(top_logits, dim=-1), ids
+    if routing != "softmax_topk":
+        raise ValueError(f"unknown MoE routing {routing!r}")
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids

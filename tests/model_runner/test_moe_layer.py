@@ -1,0 +1,150 @@
+"""The mixture-of-experts layer on the CPU: routing rules and the grouped experts against float64 references.
+
+- Routing: each family's rule (softmax then top-k, renormalized or not; Mixtral's top-k then softmax) gives the
+  experts and weights a float64 computation of the rule gives.
+- The grouped experts (tokens sorted by expert, two grouped GEMMs) equal a float64 per-token sum over each token's
+  experts, in float32 and bfloat16, with experts that no token visits and experts that every token visits.
+- The sparse block (router, experts, sigmoid-gated shared expert) equals Hugging Face's Qwen2-MoE and Mixtral blocks
+  on the same weights.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from radixserve.model_runner.model_config import MoEConfig
+from radixserve.model_runner.moe import SparseMoeBlock, select_experts
+from radixserve.model_runner.moe.grouped import grouped_experts, sort_by_expert
+from radixserve.model_runner.parallel import TPGroup
+
+
+def reference_experts(hidden, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
+    """float64, one token and one expert at a time."""
+    hidden, w13, w2, topk_weights = (t.double() for t in (hidden, w13, w2, topk_weights))
+    intermediate = w2.shape[2]
+    out = torch.zeros(hidden.shape, dtype=torch.float64)
+    for t in range(hidden.shape[0]):
+        for j, e in enumerate(topk_ids[t].tolist()):
+            gate, up = w13[e, :intermediate] @ hidden[t], w13[e, intermediate:] @ hidden[t]
+            out[t] += topk_weights[t, j] * (w2[e] @ (F.silu(gate) * up))
+    return out
+
+
+# ---- routing -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_softmax_then_topk(renormalize):
+    logits = torch.randn(37, 16, generator=torch.Generator().manual_seed(0))
+    weights, ids = select_experts(logits, 4, "softmax_topk", renormalize)
+    probs = torch.softmax(logits.double(), dim=-1)
+    expected_ids = probs.argsort(dim=-1, descending=True)[:, :4]
+    assert torch.equal(ids, expected_ids)
+    expected = probs.gather(1, expected_ids)
+    if renormalize:
+        expected = expected / expected.sum(-1, keepdim=True)
+    assert weights.dtype == torch.float32
+    torch.testing.assert_close(weights.double(), expected, rtol=1e-6, atol=1e-7)
+    assert (weights.sum(-1) < 1 - 1e-3).all() != renormalize
+
+
+def test_topk_then_softmax_equals_renormalized_softmax_topk():
+    logits = torch.randn(37, 8, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    weights, ids = select_experts(logits, 2, "topk_softmax", renormalize=True)
+    top = logits.double().topk(2, dim=-1)
+    assert torch.equal(ids, top.indices)
+    torch.testing.assert_close(weights.double(), torch.softmax(top.values, dim=-1), rtol=1e-6, atol=1e-7)
+    other_weights, other_ids = select_experts(logits, 2, "softmax_topk", renormalize=True)
+    assert torch.equal(ids, other_ids)
+    torch.testing.assert_close(weights, other_weights, rtol=1e-6, atol=1e-6)
+
+
+def test_unknown_routing_is_refused():
+    with pytest.raises(ValueError, match="sigmoid"):
+        select_experts(torch.zeros(2, 4), 2, "sigmoid", False)
+    with pytest.raises(ValueError, match="num_experts_per_tok"):
+        MoEConfig(num_experts=4, top_k=5, intermediate_size=8, routing="softmax_topk", renormalize=False,
+                  sparse_layers=frozenset())
+
+
+# ---- grouped experts ----------------------------------------------------------------------------------
+
+def random_experts(num_experts, hidden, intermediate, dtype, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    w13 = (torch.randn(num_experts, 2 * intermediate, hidden, generator=generator) / hidden**0.5).to(dtype)
+    w2 = (torch.randn(num_experts, hidden, intermediate, generator=generator) / intermediate**0.5).to(dtype)
+    return w13, w2
+
+
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 2e-5), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("num_tokens,num_experts,top_k", [(1, 8, 2), (5, 8, 2), (64, 16, 4), (3, 64, 8)])
+def test_grouped_experts_equal_float64(dtype, tolerance, num_tokens, num_experts, top_k):
+    hidden_size, intermediate = 64, 48
+    w13, w2 = random_experts(num_experts, hidden_size, intermediate, dtype)
+    generator = torch.Generator().manual_seed(num_tokens)
+    hidden = torch.randn(num_tokens, hidden_size, generator=generator).to(dtype)
+    weights, ids = select_experts(torch.randn(num_tokens, num_experts, generator=generator), top_k, "softmax_topk",
+                                  True)
+    out = grouped_experts(hidden, w13, w2, weights, ids)
+    assert out.dtype == dtype and out.shape == hidden.shape
+    expected = reference_experts(hidden, w13, w2, weights, ids)
+    error = ((out.double() - expected).abs().max() / expected.abs().max()).item()
+    assert error < tolerance, error
+
+
+def test_grouped_experts_with_one_expert_for_every_token_and_idle_experts():
+    w13, w2 = random_experts(8, 32, 16, torch.float32, seed=3)
+    hidden = torch.randn(9, 32, generator=torch.Generator().manual_seed(4))
+    ids = torch.tensor([[5, 2]] * 9)  # experts 0, 1, 3, 4, 6, 7 see no token
+    weights = torch.rand(9, 2, generator=torch.Generator().manual_seed(5))
+    torch.testing.assert_close(grouped_experts(hidden, w13, w2, weights, ids).double(),
+                               reference_experts(hidden, w13, w2, weights, ids), rtol=1e-5, atol=1e-5)
+
+
+def test_sort_by_expert_groups_pairs_in_token_order():
+    ids = torch.tensor([[3, 0], [0, 1], [3, 2]])
+    order, ends = sort_by_expert(ids, 5)
+    assert order.tolist() == [1, 2, 3, 5, 0, 4]  # expert 0: pairs 1, 2; expert 1: 3; 2: 5; 3: 0, 4
+    assert ends.tolist() == [2, 3, 4, 6, 6] and ends.dtype == torch.int32
+
+
+# ---- the block against Hugging Face's ------------------------------------------------------------------
+
+def _hf_block(family: str):
+    import transformers
+
+    common = dict(hidden_size=64, num_experts_per_tok=2, num_hidden_layers=1, num_attention_heads=4)
+    if family == "qwen2_moe":
+        from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
+
+        config = transformers.Qwen2MoeConfig(num_experts=8, moe_intermediate_size=32,
+                                             shared_expert_intermediate_size=48, **common)
+        return config, Qwen2MoeSparseMoeBlock(config)
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+
+    config = transformers.MixtralConfig(num_local_experts=8, intermediate_size=32, **common)
+    return config, MixtralSparseMoeBlock(config)
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "mixtral"])
+def test_sparse_block_equals_hugging_face(family):
+    hf_config, hf_block = _hf_block(family)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for param in hf_block.parameters():
+            param.normal_(0.0, 0.2)
+    moe = MoEConfig.from_dict(hf_config.to_dict(), family)
+    block = SparseMoeBlock(64, moe, TPGroup.single())
+    # HF keeps the experts fused in memory ([E, 2I, H] gate|up and [E, H, I]): the same layout as ours.
+    own = {name.replace("experts.gate_up_proj", "experts.w13_weight").replace("experts.down_proj", "experts.w2_weight"):
+           tensor for name, tensor in hf_block.state_dict().items()}
+    if "shared_expert.gate_proj.weight" in own:
+        own["shared_expert.gate_up_proj.weight"] = torch.cat(
+            [own.pop("shared_expert.gate_proj.weight"), own.pop("shared_expert.up_proj.weight")])
+    block.load_state_dict(own, strict=True)
+    hidden = torch.randn(1, 23, 64)
+    with torch.no_grad():
+        expected = hf_block(hidden)[0]
+        got = block(hidden[0])
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,178 @@
+"""The mixture-of-experts families (Qwen3-MoE, Qwen2-MoE, Mixtral) served on the CPU against Hugging Face.
+
+Tiny random-weight models of each family, built from the family's own config class and saved with `save_pretrained`
+(tests/conftest.py: 8 experts, top-2), so the loader reads the real checkpoint layout (one tensor per expert):
+
+- the config: experts, routing rule and sparse layers read from each family's keys;
+- greedy ids equal `transformers` generate over 32 tokens for 8 prompts of different lengths, in one batched runner;
+- through a real scheduler: chunked prefill of 16, mixed prefill/decode batches, the overlap loop, and radix-cache
+  hits (the same prompts again compute only their last token) give the same ids;
+- the Engine (real scheduler and detokenizer processes) serves one family end to end;
+- tensor parallelism over two gloo ranks (each holding half of every expert) gives the ids of one rank.
+
+Qwen3-MoE renormalizes its top-k (`norm_topk_prob`, as the released checkpoints do); Qwen2-MoE has 3 layers with the
+middle one dense (`mlp_only_layers`) and a shared expert; Mixtral routes top-k then softmax. The whole file takes
+about 20 s on 2 cores; the Engine serves the family with every feature (Qwen2-MoE).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from scheduler_driver import SchedulerDriver
+from test_model_forward import MAX_NEW_TOKENS, assert_same_greedy_tokens, hf_greedy, hf_model, random_prompts
+
+from radixserve.model_runner.model_config import ModelConfig
+
+FAMILIES = {
+    "qwen3_moe": {"norm_topk_prob": True},
+    "qwen2_moe": {"num_hidden_layers": 3, "mlp_only_layers": [1]},
+    "mixtral": {},
+}
+ENGINE_FAMILY = "qwen2_moe"  # the one with every feature: shared expert, dense and sparse layers
+PROMPT_LENGTHS = [3, 17, 8, 1, 25, 12, 5, 30]
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tiny_model_dir):
+    return {family: tiny_model_dir(family, **overrides) for family, overrides in FAMILIES.items()}
+
+
+@pytest.fixture(scope="module")
+def references(model_dirs):
+    """Each family's prompts (a shared 20-token head on some, so the tree shares prefixes) and HF's greedy ids."""
+    built = {}
+
+    def get(family: str) -> tuple[list[list[int]], list[list[int]]]:
+        if family not in built:
+            head = random_prompts(512, [20], seed=11)[0]
+            prompts = [head + p if i % 3 == 0 else p
+                       for i, p in enumerate(random_prompts(512, PROMPT_LENGTHS, seed=5))]
+            reference = hf_model(model_dirs[family])
+            built[family] = prompts, [hf_greedy(reference, p, MAX_NEW_TOKENS, []) for p in prompts]
+        return built[family]
+
+    return get
+
+
+def test_each_family_config_is_read(model_dirs):
+    qwen3 = ModelConfig.from_path(model_dirs["qwen3_moe"]).moe
+    qwen2 = ModelConfig.from_path(model_dirs["qwen2_moe"]).moe
+    mixtral = ModelConfig.from_path(model_dirs["mixtral"]).moe
+    assert (qwen3.num_experts, qwen3.top_k, qwen3.intermediate_size) == (8, 2, 32)
+    assert (qwen3.routing, qwen3.renormalize, qwen3.sparse_layers) == ("softmax_topk", True, {0, 1})
+    assert (qwen2.renormalize, qwen2.sparse_layers, qwen2.shared_expert_intermediate_size) == (False, {0, 2}, 48)
+    assert (mixtral.routing, mixtral.intermediate_size, mixtral.sparse_layers) == ("topk_softmax", 32, {0, 1})
+    assert ModelConfig.from_path(model_dirs["qwen2_moe"]).attention_bias  # Qwen2-MoE's qkv_bias
+    assert ModelConfig.from_path(model_dirs["qwen3_moe"]).qk_norm
+    dense = ModelConfig.from_dict({"architectures": ["Qwen3ForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
+                                   "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 100})
+    assert dense.moe is None
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_greedy_ids_equal_transformers(family, model_dirs, references):
+    prompts, expected = references(family)
+
+    def stacked(runner):  # the experts really are stacked [E, ...] parameters, and every layer kind is there
+        layers = runner.model.model.layers
+        sparse = [type(layer.mlp).__name__ == "SparseMoeBlock" for layer in layers]
+        assert sparse == [i in runner.model_config.moe.sparse_layers for i in range(len(layers))]
+        assert layers[0].mlp.experts.w13_weight.shape == (8, 64, 64)
+
+    outputs = assert_same_greedy_tokens(model_dirs[family], prompts, on_runner=stacked)
+    assert outputs == expected
+    assert len({tuple(o) for o in outputs}) == len(outputs)  # not a degenerate comparison
+
+
+SCHEDULER_CONFIGS = {
+    "chunk-16": dict(chunked_prefill_size=16, disable_overlap_schedule=True),
+    "mixed-chunk-overlap": dict(chunked_prefill_size=16, enable_mixed_chunk=True, disable_overlap_schedule=False),
+}
+
+
+@pytest.mark.parametrize("config", list(SCHEDULER_CONFIGS))
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_scheduler_batches_and_radix_hits_keep_the_ids(family, config, model_dirs, references):
+    prompts, expected = references(family)
+    driver = SchedulerDriver(model_dirs[family], max_total_tokens=4096, **SCHEDULER_CONFIGS[config])
+    for i, prompt in enumerate(prompts):
+        driver.submit(f"r{i}", prompt, max_new_tokens=MAX_NEW_TOKENS)
+    driver.run_until_idle()
+    assert driver.outputs() == expected
+    stats = driver.scheduler.stats
+    assert stats.partial_chunks > 0 and stats.cached_tokens > 0  # chunks ran, shared heads came from the tree
+    assert (stats.mixed_batches > 0) == ("mixed" in config)
+    # The same prompts again: all but the last token of each is a radix-cache hit.
+    for i, prompt in enumerate(prompts):
+        driver.submit(f"again{i}", prompt, max_new_tokens=MAX_NEW_TOKENS)
+    driver.run_until_idle()
+    again = [driver.results[f"again{i}"] for i in range(len(prompts))]
+    assert [r.output_ids for r in again] == expected
+    assert [r.cached_tokens for r in again] == [len(p) - 1 for p in prompts]
+    driver.close()
+
+
+def test_engine_serves_a_mixture_of_experts_model(tiny_model_dir, references):
+    from radixserve import Engine
+
+    model_dir = tiny_model_dir(ENGINE_FAMILY, **FAMILIES[ENGINE_FAMILY])  # the same folder as `model_dirs`
+    prompts, expected = references(ENGINE_FAMILY)
+    with Engine(model_path=model_dir, device="cpu", dtype="float32", chunked_prefill_size=16,
+                enable_mixed_chunk=True, log_level="warning") as engine:
+        results = engine.generate(input_ids=prompts, sampling_params={"temperature": 0.0,
+                                                                      "max_new_tokens": MAX_NEW_TOKENS})
+        assert [r["output_ids"] for r in results] == expected
+        # The same prompts again: all but their last tokens come from the radix cache.
+        again = engine.generate(input_ids=prompts, sampling_params={"temperature": 0.0,
+                                                                    "max_new_tokens": MAX_NEW_TOKENS})
+        assert [r["output_ids"] for r in again] == expected
+        assert [r["meta_info"]["cached_tokens"] for r in again] == [len(p) - 1 for p in prompts]
+
+
+def test_two_tensor_parallel_ranks_equal_one(model_dirs, references):
+    """Each rank holds half of every expert's intermediate dimension (and of the shared expert's and the dense MLP's)."""
+    from test_tensor_parallel import _run_group, _prompts
+
+    from radixserve.model_runner.static_generate import greedy_generate
+    from test_model_forward import make_runner
+
+    dirs = [model_dirs["qwen2_moe"], model_dirs["qwen3_moe"]]
+    sharded = _run_group(2, dirs)
+    for model_dir, tp2 in zip(dirs, sharded):
+        runner = make_runner(model_dir)
+        assert tp2 == greedy_generate(runner, _prompts(runner.vocab_size), len(tp2[0]))
+        reference = hf_model(model_dir)
+        assert tp2 == [hf_greedy(reference, p, len(tp2[0]), []) for p in _prompts(runner.vocab_size)]
+
+
+def test_lora_adapters_are_refused_on_a_mixture_of_experts_model(model_dirs):
+    from test_model_forward import make_runner
+
+    with pytest.raises(ValueError, match="mixture-of-experts"):
+        make_runner(model_dirs["qwen3_moe"], enable_lora=True, max_lora_rank=8)
+
+
+def test_qwen3_30b_a3b_benchmark_config_builds_and_takes_its_dummy_weights():
+    """The published config the GPU benchmark runs (benchmarks/configs/qwen3-30b-a3b.json): read as Qwen3-MoE, and its
+    dummy weights (checkpoint names and shapes) fill every parameter of the model, checked on the meta device."""
+    import json
+    from pathlib import Path
+
+    from radixserve.model_runner.loader.weights import dummy_weight_shapes
+    from radixserve.model_runner.models import get_model_class
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "configs" / "qwen3-30b-a3b.json"
+    config = ModelConfig.from_dict(json.loads(path.read_text()))
+    moe = config.moe
+    assert (moe.num_experts, moe.top_k, moe.intermediate_size, moe.renormalize) == (128, 8, 768, True)
+    assert moe.sparse_layers == set(range(48)) and config.qk_norm and config.head_dim == 128
+    with torch.device("meta"):
+        model = get_model_class(config.architecture)(config, max_positions=64)
+        shapes = dummy_weight_shapes(config)
+        model.load_weights((name, torch.empty(shape)) for name, shape in shapes.items())
+    total = sum(p.numel() for p in model.parameters())
+    assert 30.0e9 < total < 31.0e9  # "30B"
+    active = total - 48 * (128 - 8) * 3 * 768 * 2048
+    assert 3.2e9 < active < 3.5e9  # "A3B": attention, router, 8 of 128 experts, embeddings and head

@@ -1,0 +1,111 @@
+"""The fused MoE Triton kernels (kernels/fused_moe_triton.py) against a float64 reference.
+
+Without a GPU they run under the Triton interpreter (tests/conftest.py sets `TRITON_INTERPRET=1` before anything
+imports triton) at tiny shapes; on a GPU they are compiled and also checked in bfloat16 at Qwen3-30B-A3B's layer shape,
+and inside a CUDA graph. The alignment of pairs to expert blocks is checked on its own.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+ON_GPU = torch.cuda.is_available()
+if not ON_GPU and "triton" not in sys.modules:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from radixserve.kernels import fused_moe_configs, fused_moe_triton  # noqa: E402
+from radixserve.kernels.fused_moe_triton import align_by_expert, fused_moe  # noqa: E402
+from radixserve.model_runner.moe.routing import select_experts  # noqa: E402
+from test_moe_layer import random_experts, reference_experts  # noqa: E402
+
+DEVICE = "cuda" if ON_GPU else "cpu"
+if not ON_GPU:
+    from triton.runtime.interpreter import InterpretedFunction
+
+    assert isinstance(tl.zeros, InterpretedFunction) or isinstance(fused_moe_triton._down_kernel,
+                                                                    InterpretedFunction), \
+        "triton was imported before TRITON_INTERPRET=1 was set: the kernels would not run"
+
+
+def routed(num_tokens: int, num_experts: int, top_k: int, hidden: int, dtype: torch.dtype, seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_tokens, hidden, generator=generator).to(dtype)
+    weights, ids = select_experts(torch.randn(num_tokens, num_experts, generator=generator), top_k, "softmax_topk",
+                                  True)
+    return x, weights, ids
+
+
+def test_alignment_pads_each_experts_run_to_whole_blocks():
+    ids = torch.tensor([[3, 0], [0, 1], [3, 2], [3, 0]])
+    alignment = align_by_expert(ids, 5, block_m=4)
+    pairs, experts = alignment.sorted_pairs.tolist(), alignment.block_expert.tolist()
+    assert len(pairs) == 4 * len(experts) and len(experts) == -(-(8 + 5 * 3) // 4)
+    sentinel = 8
+    # Expert 0: pairs 1, 2, 7; expert 1: 3; expert 2: 5; expert 3: 0, 4, 6; expert 4: none.
+    assert pairs[:16] == [1, 2, 7, sentinel, 3, sentinel, sentinel, sentinel, 5, sentinel, sentinel, sentinel,
+                          0, 4, 6, sentinel]
+    assert experts[:4] == [0, 1, 2, 3] and set(experts[4:]) == {-1}
+    assert set(pairs[16:]) == {sentinel}
+
+
+CASES = [(1, 8, 2), (7, 8, 2), (33, 16, 4), (5, 64, 8)]
+
+
+@pytest.mark.parametrize("num_tokens,num_experts,top_k", CASES)
+def test_fused_moe_equals_float64(num_tokens, num_experts, top_k):
+    hidden, intermediate = 64, 48  # neither a multiple of every block size: the masks are exercised
+    w13, w2 = random_experts(num_experts, hidden, intermediate, torch.float32)
+    x, weights, ids = routed(num_tokens, num_experts, top_k, hidden, torch.float32, seed=num_tokens)
+    config = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "num_warps": 4, "num_stages": 2}
+    out = fused_moe(x.to(DEVICE), w13.to(DEVICE), w2.to(DEVICE), weights.to(DEVICE), ids.to(DEVICE), config)
+    expected = reference_experts(x, w13, w2, weights, ids)
+    error = ((out.cpu().double() - expected).abs().max() / expected.abs().max()).item()
+    assert out.dtype == torch.float32 and error < 1e-5, error
+
+
+def test_default_block_sizes_run_and_the_table_is_consulted():
+    x, weights, ids = routed(3, 8, 2, 64, torch.float32)
+    w13, w2 = random_experts(8, 64, 32, torch.float32)
+    out = fused_moe(x.to(DEVICE), w13.to(DEVICE), w2.to(DEVICE), weights.to(DEVICE), ids.to(DEVICE))
+    expected = reference_experts(x, w13, w2, weights, ids)
+    assert ((out.cpu().double() - expected).abs().max() / expected.abs().max()).item() < 1e-5
+    table = {(8, 32, 64, "float32"): [(2, {"BLOCK_M": 32}), (16, {"BLOCK_M": 64})]}
+    assert fused_moe_configs.block_config(3, 8, 32, 64, "float32", table) == {"BLOCK_M": 64}
+    assert fused_moe_configs.block_config(99, 8, 32, 64, "float32", table) == {"BLOCK_M": 64}
+    assert fused_moe_configs.block_config(1, 8, 32, 64, "bfloat16", table)["BLOCK_M"] == 16  # the defaults
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device")
+@pytest.mark.parametrize("num_tokens", [1, 8, 64, 512])
+def test_bfloat16_at_qwen3_30b_a3b_shape(num_tokens):
+    """Experts of Qwen3-30B-A3B (128 x 768 x 2048, top-8), default block sizes, bfloat16 tolerances."""
+    w13, w2 = random_experts(128, 2048, 768, torch.bfloat16)
+    x, weights, ids = routed(num_tokens, 128, 8, 2048, torch.bfloat16)
+    out = fused_moe(x.cuda(), w13.cuda(), w2.cuda(), weights.cuda(), ids.cuda())
+    expected = reference_experts(x, w13, w2, weights, ids)
+    error = ((out.cpu().double() - expected).abs().max() / expected.abs().max()).item()
+    assert out.dtype == torch.bfloat16 and error < 2e-2, error
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device")
+def test_replays_in_a_cuda_graph_with_new_routing():
+    w13, w2 = random_experts(16, 256, 128, torch.bfloat16)
+    w13, w2 = w13.cuda(), w2.cuda()
+    x, weights, ids = (t.cuda() for t in routed(4, 16, 2, 256, torch.bfloat16))
+    fused_moe(x, w13, w2, weights, ids)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_moe(x, w13, w2, weights, ids)
+    new_x, new_weights, new_ids = routed(4, 16, 2, 256, torch.bfloat16, seed=9)
+    x.copy_(new_x.cuda()), weights.copy_(new_weights.cuda()), ids.copy_(new_ids.cuda())
+    graph.replay()
+    expected = reference_experts(new_x, w13.cpu(), w2.cpu(), new_weights, new_ids)
+    assert ((out.cpu().double() - expected).abs().max() / expected.abs().max()).item() < 2e-2
