@@ -12,7 +12,7 @@ from radixserve.runtime.data_parallel.policy import LoadBalancer, LoadEstimate
 from radixserve.runtime.data_parallel.prefix_tree import ApproxPrefixTree
 from radixserve.runtime.wire.messages import FlushCacheReqOutput
 from radixserve.scheduler.replica_report import evicted_prefix
-from radixserve.tokenizer_manager.replicas import merge_replies, merge_server_info
+from radixserve.tokenizer_manager.replicas import merge_replies
 
 NS = ("tenant-a",)
 
@@ -110,19 +110,4 @@ def test_replies_merge_into_one_answer():
     refused = merge_replies([FlushCacheReqOutput("x", True), FlushCacheReqOutput("x", False, "busy")])
     assert refused.success is False and refused.message == "busy"
     assert merge_replies([FlushCacheReqOutput("x", True), FlushCacheReqOutput("x", True)]).success
-    info = merge_server_info([
-        {"dp_rank": 1, "context_len": 2048, "num_running_reqs": 2, "new_token_ratio": 0.5,
-         "memory": {"total_tokens": 100, "free_tokens": 50, "evictable_tokens": 10},
-         "cache": {"matched_tokens": 30, "queried_tokens": 40, "hit_rate": 0.75,
-                   "namespaces": {"default": {"matched_tokens": 30, "queried_tokens": 40, "hit_rate": 0.75}}}},
-        {"dp_rank": 0, "context_len": 2048, "num_running_reqs": 1, "new_token_ratio": 0.7,
-         "memory": {"total_tokens": 100, "free_tokens": 90, "evictable_tokens": 10},
-         "cache": {"matched_tokens": 0, "queried_tokens": 60, "hit_rate": 0.0,
-                   "namespaces": {"default": {"matched_tokens": 0, "queried_tokens": 60, "hit_rate": 0.0}}}},
-    ])
-    assert info["context_len"] == 2048 and info["num_running_reqs"] == 3 and info["dp_size"] == 2
-    assert info["memory"] == {"total_tokens": 200, "free_tokens": 140, "evictable_tokens": 20}
-    assert info["token_usage"] == 40 / 200
-    assert info["cache"]["hit_rate"] == 0.3 and info["cache"]["namespaces"]["default"]["hit_rate"] == 0.3
-    assert [replica["dp_rank"] for replica in info["replicas"]] == [0, 1]
-    assert abs(info["new_token_ratio"] - 0.6) < 1e-9
+    # The server-info merge (sums, recomputed rates, the replicas by rank): tests/engine/test_server_info.py.
