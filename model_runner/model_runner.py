@@ -23,7 +23,8 @@ from radixserve.model_runner.memory_plan import MemoryPlan, graph_bytes, margin_
 from radixserve.model_runner.lora.setup import create_lora_manager
 from radixserve.model_runner.model_config import ModelConfig
 from radixserve.model_runner.models import get_model_class
-from radixserve.model_runner.parallel import HeadLayout, ReplicaPlacement, join_tp_group, min_over_ranks
+from radixserve.model_runner.parallel import (HeadLayout, ReplicaPlacement, check_ep_divides, join_tp_group,
+                                              min_over_ranks)
 from radixserve.model_runner.runner_config import RunnerConfig
 from radixserve.radix_cache.pool import KV_CACHE_DTYPES, KVAllocator, ReqToTokenPool, TokenToKVPool
 
@@ -72,9 +73,14 @@ class ModelRunner:
         cpu_build.set_enabled(self.cpu_kernels.enabled)  # before any weight is packed for the kernels
         self.tp_rank = tp_rank
         self.dp_rank = dp_rank
+        self.model_dir = config.model.model_dir
+        self.model_config = ModelConfig.from_path(self.model_dir)
+        # Before joining, so that a layout that cannot work fails on every rank without waiting for the others.
+        check_ep_divides(self.model_config.moe.num_experts if self.model_config.moe else None, config.tp_size,
+                         config.ep_size)
         tp_context = join_tp_group(config.tp_size, tp_rank, config.dist_init_addr or "", config.device,
                                    config.dist_timeout, config.tp_size // config.nnodes,
-                                   ReplicaPlacement(dp_rank, config.dp_size))
+                                   ReplicaPlacement(dp_rank, config.dp_size), config.ep_size)
         self.device, self.tp, self.tp_cpu_group = tp_context.device, tp_context.tp, tp_context.cpu_group
         if self.device.type == "cpu":
             dispatch.log_once(self.cpu_kernels)
@@ -82,8 +88,6 @@ class ModelRunner:
         self.kv_cache_dtype = self._resolve_kv_cache_dtype()
         self.page_size = config.page_size
 
-        self.model_dir = config.model.model_dir
-        self.model_config = ModelConfig.from_path(self.model_dir)
         self.vocab_size = self.model_config.vocab_size
         self.context_len = self._resolve_context_len()
         self.head_layout = HeadLayout.of(self.model_config.num_attention_heads,

@@ -13,6 +13,9 @@ Megatron's split, one all-reduce per sub-layer:
 
 `TPGroup` carries the rank, the size and the process group; `TPGroup.single()` (size 1) turns every
 collective into a no-op, so a model built without TP runs unchanged.
+
+Expert parallelism (`ep_size`, SGLang's `--ep-size`) shards a mixture of experts' routed experts inside the TP
+group: `ExpertShard` says which whole experts a rank holds and which slice of their intermediate dimension.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ class TPGroup:
     rank: int = 0
     size: int = 1
     group: Optional[Any] = None
+    ep_size: int = 1  # expert-parallel ranks inside the group (a divisor of `size`); see ExpertShard
 
     @classmethod
     def single(cls) -> "TPGroup":
@@ -98,6 +102,57 @@ def split_size(total: int, tp: TPGroup, what: str) -> int:
     if total % tp.size != 0:
         raise ValueError(f"tp_size {tp.size} does not divide the model's {what} ({total})")
     return total // tp.size
+
+
+def check_ep_divides(num_experts: Optional[int], tp_size: int, ep_size: int) -> None:
+    """ValueError naming the numbers unless `ep_size` divides both `tp_size` and the model's routed experts
+    (`num_experts` None: a dense model, which has no experts to shard)."""
+    if ep_size < 1 or tp_size % ep_size != 0:
+        raise ValueError(f"ep_size {ep_size} does not divide tp_size {tp_size}: the expert-parallel ranks are "
+                         "ranks of the tensor-parallel group")
+    if ep_size == 1:
+        return
+    if num_experts is None:
+        raise ValueError(f"ep_size {ep_size} shards a mixture-of-experts model's experts, and this model is dense: "
+                         "leave ep_size at 1")
+    if num_experts % ep_size != 0:
+        raise ValueError(f"ep_size {ep_size} does not divide the model's {num_experts} experts")
+
+
+@dataclass(frozen=True)
+class ExpertShard:
+    """The routed experts one rank holds: experts `[first_expert, first_expert + num_local_experts)` whole in
+    their hidden dimension, rows `[intermediate_start, intermediate_start + intermediate_size)` of each one's
+    intermediate dimension (of `intermediate_size * num_slices`).
+
+    SGLang's layout: the `tp` ranks form `ep` groups of `tp / ep` consecutive ranks; group g holds experts
+    `[g*E/ep, (g+1)*E/ep)`, split over its ranks by intermediate features as tensor parallelism splits a dense
+    MLP. `ep == 1` is plain tensor parallelism (every rank a slice of every expert); `ep == tp` gives every rank
+    E/tp whole experts. Either way each rank's experts give a partial sum of the layer's output and the TP
+    all-reduce completes it.
+    """
+
+    num_experts: int  # of the model: the router's ids run over these
+    first_expert: int
+    num_local_experts: int
+    intermediate_start: int
+    intermediate_size: int  # this rank's rows of each local expert
+    num_slices: int  # ranks sharing each expert (tp / ep)
+
+    @classmethod
+    def of(cls, num_experts: int, intermediate_size: int, tp: TPGroup) -> "ExpertShard":
+        check_ep_divides(num_experts, tp.size, tp.ep_size)
+        num_slices = tp.size // tp.ep_size
+        ep_rank, slice_rank = divmod(tp.rank, num_slices)
+        if intermediate_size % num_slices != 0:
+            raise ValueError(f"tp_size {tp.size} / ep_size {tp.ep_size} = {num_slices} does not divide the model's "
+                             f"experts' intermediate size ({intermediate_size})")
+        per_rank = num_experts // tp.ep_size
+        local = intermediate_size // num_slices
+        return cls(num_experts, ep_rank * per_rank, per_rank, slice_rank * local, local, num_slices)
+
+    def holds(self, expert: int) -> bool:
+        return self.first_expert <= expert < self.first_expert + self.num_local_experts
 
 
 def vocab_shard(vocab_size: int, tp: TPGroup) -> tuple[int, int, int]:
@@ -186,11 +241,11 @@ class ReplicaPlacement:
 
 def join_tp_group(
     tp_size: int, rank: int, init_addr: str, device_type: str, timeout_s: float, ranks_per_node: int,
-    replica: ReplicaPlacement = ReplicaPlacement(),
+    replica: ReplicaPlacement = ReplicaPlacement(), ep_size: int = 1,
 ) -> TPContext:
     """Join (create, for rank 0) the process group of `tp_size` ranks at `init_addr` ("host:port"); this host
     runs `ranks_per_node` of them (of each replica), each on its own CUDA device (local index
-    `replica.dp_rank * ranks_per_node + rank % ranks_per_node`)."""
+    `replica.dp_rank * ranks_per_node + rank % ranks_per_node`). `ep_size` of them shard the experts."""
     import datetime
     import os
 
@@ -216,7 +271,7 @@ def join_tp_group(
     # NCCL creates its communicator on the first collective; have that happen now, not inside a CUDA graph
     # capture (where it cannot).
     dist.all_reduce(torch.zeros(1, device=device))
-    return TPContext(device, TPGroup(rank, tp_size, None), cpu_group)
+    return TPContext(device, TPGroup(rank, tp_size, None, ep_size), cpu_group)
 
 
 def min_over_ranks(value: int, cpu_group: Optional[Any]) -> int:

@@ -45,6 +45,7 @@ class RunnerConfig:
 
     # Parallelism
     tp_size: int
+    ep_size: int  # a divisor of tp_size (model_runner/parallel.py: ExpertShard)
     nnodes: int
     dp_size: int
     dist_init_addr: Optional[str]
@@ -75,7 +76,7 @@ class RunnerConfig:
             attention_backend_fallback=args.attention_backend is None and args.prefill_attention_backend is None,
             prefill_attention_backend=args.prefill_attention_backend, disable_cascade_attn=args.disable_cascade_attn,
             disable_cuda_graph=args.disable_cuda_graph, cuda_graph_max_bs=args.cuda_graph_max_bs,
-            tp_size=args.tp_size, nnodes=args.nnodes, dp_size=args.dp_size, dist_init_addr=args.dist_init_addr,
+            tp_size=args.tp_size, ep_size=args.ep_size, nnodes=args.nnodes, dp_size=args.dp_size, dist_init_addr=args.dist_init_addr,
             dist_timeout=args.dist_timeout,
             enable_lora=args.lora_enabled(), lora_paths=tuple(args.lora_paths or ()), max_lora_rank=args.max_lora_rank,
             max_loras_per_batch=args.max_loras_per_batch, speculative=args.speculative_algorithm is not None,

@@ -3,7 +3,8 @@ block and a dense MLP, and loading each expert's checkpoint tensors into the sta
 
 Checkpoints store one tensor per expert and projection (`mlp.experts.<e>.gate_proj.weight`, ...); `FusedMoE` holds
 `w13_weight [E, 2I, H]` (gate rows, then up rows) and `w2_weight [E, H, I]`. Under tensor parallelism each rank
-copies only its slice of every expert's intermediate dimension (read lazily from the safetensors file).
+copies only its slice of every expert's intermediate dimension (read lazily from the safetensors file); under expert
+parallelism only its own experts (`FusedMoE.shard`): another rank's expert tensors are passed over unread.
 """
 
 from __future__ import annotations
@@ -34,17 +35,19 @@ def sparse_or_dense_mlp(config: "ModelConfig", layer_id: int, tp: TPGroup) -> nn
 class MoEForCausalLM(LlamaForCausalLM):
     """A Llama-style causal LM whose layers may hold `SparseMoeBlock`s; loads per-expert checkpoint tensors.
 
-    Shard ids of the stacked parameters (for the loader's completeness check): `w13_weight` shard `2e` is expert e's
-    gate, `2e + 1` its up; `w2_weight` shard `e` is expert e's down.
+    Shard ids of the stacked parameters (for the loader's completeness check), by the model's expert ids: `w13_weight`
+    shard `2e` is expert e's gate, `2e + 1` its up; `w2_weight` shard `e` is expert e's down. A rank expects the
+    shards of the experts it holds.
     """
 
     def _expected_shards(self, params: dict[str, nn.Parameter]) -> set[tuple[str, int]]:
         expected = super()._expected_shards(params)
         for name, module in self.named_modules():
             if isinstance(module, FusedMoE):
+                experts = range(module.shard.first_expert, module.shard.first_expert + module.shard.num_local_experts)
                 expected -= {(f"{name}.w13_weight", -1), (f"{name}.w2_weight", -1)}
-                expected.update((f"{name}.w13_weight", s) for s in range(2 * module.num_experts))
-                expected.update((f"{name}.w2_weight", e) for e in range(module.num_experts))
+                expected.update((f"{name}.w13_weight", 2 * e + part) for e in experts for part in (0, 1))
+                expected.update((f"{name}.w2_weight", e) for e in experts)
         return expected
 
     def _load_tensor(self, hf_name: str, tensor, params: dict[str, nn.Parameter]) -> tuple[str, int]:
@@ -57,20 +60,26 @@ class MoEForCausalLM(LlamaForCausalLM):
         experts: FusedMoE = self.get_submodule(prefix)
         if expert >= experts.num_experts:
             raise ValueError(f"checkpoint tensor {hf_name!r} names expert {expert} of {experts.num_experts}")
-        local = experts.w2_weight.shape[2]
+        layout = experts.shard
+        local = layout.intermediate_size
         if projection == "down_proj":
             target, shard, dim = f"{prefix}.w2_weight", expert, 1
-            destination = experts.w2_weight.data[expert]
         else:
             part = 0 if projection == "gate_proj" else 1
             target, shard, dim = f"{prefix}.w13_weight", 2 * expert + part, 0
-            destination = experts.w13_weight.data[expert, part * local:(part + 1) * local]
+        if not layout.holds(expert):
+            return target, shard  # another expert-parallel rank's: its lazy slice is never indexed, so never read
+        index = expert - layout.first_expert
+        if projection == "down_proj":
+            destination = experts.w2_weight.data[index]
+        else:
+            destination = experts.w13_weight.data[index, part * local:(part + 1) * local]
         whole = list(destination.shape)
-        whole[dim] = local * self.tp.size
+        whole[dim] = local * layout.num_slices
         if tuple(whole) != full_shape(tensor):
             raise ValueError(f"shape mismatch for {hf_name!r}: checkpoint {full_shape(tensor)}, "
                              f"model expects {tuple(whole)}")
-        destination.copy_(narrow_source(tensor, dim, self.tp.rank * local, local))
+        destination.copy_(narrow_source(tensor, dim, layout.intermediate_start, local))
         return target, shard
 
 

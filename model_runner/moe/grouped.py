@@ -40,12 +40,17 @@ def grouped_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
     topk_ids[t, j]`, in hidden's dtype.
 
     `hidden [T, H]`; `w13 [E, 2I, H]` (each expert's gate rows, then its up rows); `w2 [E, H, I]`;
-    `topk_weights [T, k]` (float32) and `topk_ids [T, k]`.
+    `topk_weights [T, k]` (float32) and `topk_ids [T, k]`, in `[0, E]`: id E marks a pair whose expert another
+    expert-parallel rank holds, which is skipped (it contributes nothing here).
     """
     num_tokens, top_k = topk_ids.shape
     if num_tokens == 0:
         return torch.empty_like(hidden)
-    order, ends = sort_by_expert(topk_ids, w13.shape[0])
+    num_experts = w13.shape[0]
+    order, ends = sort_by_expert(topk_ids, num_experts + 1)  # the last run: the pairs held elsewhere
+    if ends[num_experts] > ends[num_experts - 1]:
+        order = order[:int(ends[num_experts - 1])]
+    ends = ends[:num_experts]
     token_of_row = torch.div(order, top_k, rounding_mode="floor")
     rows = hidden.index_select(0, token_of_row)
     gate_up = F.grouped_mm(rows, w13.transpose(1, 2), offs=ends)

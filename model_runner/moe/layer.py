@@ -8,6 +8,16 @@ Tensor parallelism splits every expert's intermediate dimension over the ranks a
 holds rows `[r*I/tp, (r+1)*I/tp)` of each expert's gate and up and the same columns of its down, so each rank's
 experts give a partial sum over their slice of I, and one all-reduce per layer (after the shared expert's partial
 sum is added) completes it. The router and the shared expert's gate are replicated.
+
+Expert parallelism (`tp.ep_size > 1`, `parallel.ExpertShard`) gives each rank E/ep experts instead, whole when
+`ep == tp`. The scheme is the simplest correct one: the hidden states are already replicated on every rank (the
+attention's all-reduce made them so), each rank runs all tokens through its own experts (pairs routed to another
+rank's experts are skipped) and the same one all-reduce per layer sums the ranks' partial outputs. Its traffic is
+an all-reduce of `[T, H]` per layer, as under plain tensor parallelism; what it saves is weight memory and weight
+reads (each rank reads E/ep experts, whole, instead of a slice of all E). The all-to-all variant (DeepEP's
+dispatch and combine) would have each rank send each token only to the ranks of its top-k experts and receive
+only its own rows back, about `k/ep` of the tokens per rank instead of all of them, which pays once attention is
+data-parallel and the hidden states are no longer replicated.
 """
 
 from __future__ import annotations
@@ -21,30 +31,49 @@ from radixserve.model_runner.layers import silu_and_mul
 from radixserve.model_runner.model_config import MoEConfig
 from radixserve.model_runner.moe.grouped import grouped_experts
 from radixserve.model_runner.moe.routing import select_experts
-from radixserve.model_runner.parallel import TPGroup, split_size
+from radixserve.model_runner.parallel import ExpertShard, TPGroup, split_size
 
 
 class FusedMoE(nn.Module):
-    """The routed experts of one layer (this rank's slice of each); `forward` gives this rank's partial output."""
+    """The routed experts of one layer that this rank holds (`shard`: which experts, which slice of each);
+    `forward` gives this rank's partial output. `w13_weight [E_local, 2I_local, H]`, `w2_weight [E_local, H,
+    I_local]`, local expert i being the model's expert `shard.first_expert + i`."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, tp: TPGroup) -> None:
         super().__init__()
-        local = split_size(intermediate_size, tp, "experts' intermediate size")
+        if tp.ep_size == 1:  # the same message as the dense MLP's when the intermediate size does not divide
+            split_size(intermediate_size, tp, "experts' intermediate size")
+        self.shard = ExpertShard.of(num_experts, intermediate_size, tp)
         self.num_experts = num_experts
-        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * local, hidden_size))
-        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, local))
+        local_experts, local = self.shard.num_local_experts, self.shard.intermediate_size
+        self.w13_weight = nn.Parameter(torch.empty(local_experts, 2 * local, hidden_size))
+        self.w2_weight = nn.Parameter(torch.empty(local_experts, hidden_size, local))
 
     def forward(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        """`hidden [T, H]`, `topk_weights [T, k]` float32, `topk_ids [T, k]` -> `[T, H]` in hidden's dtype."""
+        """`hidden [T, H]`, `topk_weights [T, k]` float32, `topk_ids [T, k]` (the model's expert ids) -> `[T, H]` in
+        hidden's dtype: the sum over the pairs whose expert this rank holds."""
+        local_ids = topk_ids
+        if self.shard.num_local_experts < self.num_experts:
+            local_ids = topk_ids - self.shard.first_expert
+            elsewhere = (local_ids < 0) | (local_ids >= self.shard.num_local_experts)
+            local_ids = local_ids.masked_fill(elsewhere, self.shard.num_local_experts)
         if hidden.is_cuda:
             from radixserve.kernels.fused_moe_triton import fused_moe  # CPU-only processes never import triton
 
-            return fused_moe(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
-        return grouped_experts(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+            if local_ids is not topk_ids:
+                # The fused kernel takes ids in [0, E_local): another rank's pairs run through local expert 0 with
+                # weight 0. Correct, at the cost of computing them; skipping them needs the kernel's alignment to
+                # drop an extra bucket, as the CPU path does.
+                topk_weights = topk_weights.masked_fill(elsewhere, 0.0)
+                local_ids = local_ids.masked_fill(elsewhere, 0)
+            return fused_moe(hidden, self.w13_weight, self.w2_weight, topk_weights, local_ids)
+        return grouped_experts(hidden, self.w13_weight, self.w2_weight, topk_weights, local_ids)
 
     def extra_repr(self) -> str:
         experts, gate_up, hidden = self.w13_weight.shape
-        return f"experts={experts}, hidden={hidden}, intermediate_per_rank={gate_up // 2}"
+        first = self.shard.first_expert
+        return (f"experts={first}..{first + experts - 1} of {self.num_experts}, hidden={hidden}, "
+                f"intermediate_per_rank={gate_up // 2}")
 
 
 class SharedExpert(nn.Module):

@@ -115,6 +115,9 @@ class ServerArgs:
     disable_cascade_attn: bool = False
     cuda_graph_max_bs: Optional[int] = None  # None: 1024 on a GPU of >= 64 GiB, else 256 (model_runner/cuda_graph.py)
     tp_size: int = 1  # tensor-parallel ranks, one scheduler process each (docs/parallelism.md)
+    # expert-parallel ranks of a mixture of experts inside the TP group (a divisor of tp_size): each holds E/ep_size
+    # of the routed experts, split over tp_size/ep_size ranks by intermediate features
+    ep_size: int = 1
     dist_init_addr: Optional[str] = None  # "host:port" of the TP group's rendezvous; None: a free local port
     dist_timeout: float = 600.0  # seconds a collective may wait for a peer before the group fails
     nnodes: int = 1  # hosts the TP group spans; node k > 0 runs only its ranks (runtime/tp_node.py)
@@ -230,6 +233,9 @@ class ServerArgs:
         parse_cpu_kernels(self.cpu_kernels)  # raises ValueError, naming what is accepted
         check(self.watchdog_timeout > 0, f"watchdog_timeout must be positive, got {self.watchdog_timeout}")
         check(self.tp_size >= 1, f"tp_size must be >= 1, got {self.tp_size}")
+        check(self.ep_size >= 1 and self.tp_size % self.ep_size == 0,
+              f"ep_size {self.ep_size} does not divide tp_size {self.tp_size}: the expert-parallel ranks are ranks "
+              "of the tensor-parallel group")
         check(self.nnodes >= 1 and 0 <= self.node_rank < self.nnodes,
               f"node_rank must be in 0..nnodes-1, got node_rank {self.node_rank} with nnodes {self.nnodes}")
         check(self.tp_size % self.nnodes == 0,

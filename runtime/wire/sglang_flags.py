@@ -6,10 +6,10 @@ which flag radixserve cannot honour. Each of SGLang's flags falls into one of th
 - radixserve's own flag of the same name (most of the common ones), or one of SGLang's other spellings of it
   (`ALIASES`);
 - flags that ask for what radixserve always does (`ALWAYS`). They are accepted and logged with what they mean here;
-- everything else (`sglang_flags.txt`, taken from SGLang 0.5.23's parser: hardware-specific kernels, expert and
-  pipeline parallelism, disaggregation, quantization, multimodal inputs, ...). These are recognized, and their use
-  is refused with the flag's name and, where one is known, the reason (`REASONS`), never with argparse's
-  "unrecognized arguments".
+- everything else (`sglang_flags.txt`, taken from SGLang 0.5.23's parser: hardware-specific kernels, all-to-all
+  expert dispatch, pipeline parallelism, disaggregation, quantization, multimodal inputs, ...). These are
+  recognized, and their use is refused with the flag's name and, where one is known, the reason (`REASONS`), never
+  with argparse's "unrecognized arguments".
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "dist_init_addr": ("--nccl-init-addr",),
     "tp_size": ("--tensor-parallel-size",),
     "dp_size": ("--data-parallel-size",),
+    "ep_size": ("--expert-parallel-size",),
     "speculative_draft_model_path": ("--speculative-draft-model",),
     "enable_hierarchical_cache": ("--enable-hicache",),
 }

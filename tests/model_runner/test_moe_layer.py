@@ -148,3 +148,50 @@ def test_sparse_block_equals_hugging_face(family):
         expected = hf_block(hidden)[0]
         got = block(hidden[0])
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+# ---- expert parallelism --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("tp_size,ep_size", [(2, 2), (4, 2), (4, 4)])
+def test_expert_parallel_shards_sum_to_the_whole_layer(tp_size, ep_size):
+    """Each rank's `FusedMoE` holds E/ep experts and a (tp/ep)-th of their intermediate rows; its output covers only
+    the pairs routed to them, and the ranks' outputs (what the all-reduce sums) equal the float64 whole."""
+    from radixserve.model_runner.moe import FusedMoE
+
+    generator = torch.Generator().manual_seed(3)
+    num_experts, hidden_size, intermediate = 8, 32, 48
+    w13 = torch.randn(num_experts, 2 * intermediate, hidden_size, generator=generator) * 0.1
+    w2 = torch.randn(num_experts, hidden_size, intermediate, generator=generator) * 0.1
+    hidden = torch.randn(19, hidden_size, generator=generator)
+    topk_weights, topk_ids = select_experts(torch.randn(19, num_experts, generator=generator), 2, "softmax_topk", True)
+    topk_ids[0] = torch.tensor([0, num_experts - 1])  # a token whose two experts live on the first and last groups
+
+    total = torch.zeros(hidden.shape, dtype=torch.float64)
+    held = []
+    for rank in range(tp_size):
+        experts = FusedMoE(num_experts, hidden_size, intermediate, TPGroup(rank, tp_size, None, ep_size))
+        shard = experts.shard
+        assert experts.w13_weight.shape == (num_experts // ep_size, 2 * intermediate * ep_size // tp_size, hidden_size)
+        local = slice(shard.first_expert, shard.first_expert + shard.num_local_experts)
+        rows = slice(shard.intermediate_start, shard.intermediate_start + shard.intermediate_size)
+        with torch.no_grad():
+            experts.w13_weight.copy_(torch.cat([w13[local, :intermediate][:, rows], w13[local, intermediate:][:, rows]],
+                                               dim=1))
+            experts.w2_weight.copy_(w2[local][:, :, rows])
+        total += experts(hidden, topk_weights, topk_ids).double()
+        held.append((shard.first_expert, shard.num_local_experts, shard.intermediate_start))
+    assert len(set(held)) == tp_size  # every rank holds a different part
+    expected = reference_experts(hidden, w13, w2, topk_weights, topk_ids)
+    torch.testing.assert_close(total, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_rank_whose_experts_no_token_visits_contributes_zeros():
+    from radixserve.model_runner.moe import FusedMoE
+
+    experts = FusedMoE(8, 16, 32, TPGroup(1, 2, None, 2))  # experts 4..7
+    with torch.no_grad():
+        experts.w13_weight.normal_()
+        experts.w2_weight.normal_()
+    ids = torch.tensor([[0, 3], [1, 2]])
+    out = experts(torch.randn(2, 16), torch.full((2, 2), 0.5), ids)
+    assert torch.equal(out, torch.zeros(2, 16))

@@ -176,3 +176,100 @@ def test_qwen3_30b_a3b_benchmark_config_builds_and_takes_its_dummy_weights():
     assert 30.0e9 < total < 31.0e9  # "30B"
     active = total - 48 * (128 - 8) * 3 * 768 * 2048
     assert 3.2e9 < active < 3.5e9  # "A3B": attention, router, 8 of 128 experts, embeddings and head
+
+
+# ---- expert parallelism --------------------------------------------------------------------------
+
+EP_FAMILIES = ["qwen3_moe", "mixtral"]
+
+
+def test_expert_parallel_ranks_equal_one(model_dirs, references):
+    """`--tp-size 2 --ep-size 2`: each gloo rank holds 4 of the 8 experts, whole, runs every token through them and
+    the all-reduce sums the ranks; the greedy ids equal one rank's and Hugging Face's (8 prompts x 32 tokens)."""
+    from test_tensor_parallel import _run_group
+
+    from radixserve.model_runner.static_generate import greedy_generate
+    from test_model_forward import make_runner
+
+    for family in EP_FAMILIES:
+        prompts, expected = references(family)
+        [ep2] = _run_group(2, [model_dirs[family]], prompts=prompts, max_new_tokens=MAX_NEW_TOKENS, ep_size=2)
+        assert ep2 == expected, family
+        assert ep2 == greedy_generate(make_runner(model_dirs[family]), prompts, MAX_NEW_TOKENS), family
+
+
+class _RecordedSlice:
+    """A lazy safetensors slice that notes its name in `read` when indexed (when its data is read)."""
+
+    def __init__(self, name: str, tensor_slice, read: set[str]) -> None:
+        self.name, self.slice, self.read = name, tensor_slice, read
+
+    def get_shape(self):
+        return self.slice.get_shape()
+
+    def __getitem__(self, index):
+        self.read.add(self.name)
+        return self.slice[index]
+
+
+@pytest.mark.parametrize("family", EP_FAMILIES)
+def test_each_expert_parallel_rank_loads_only_its_experts(family, model_dirs):
+    """Under tp 2 / ep 2, rank r's stacked experts are experts [4r, 4r+4), whole ([4, 2I, H] and [4, H, I]) and equal
+    to the checkpoint's; the other rank's expert tensors are never read from the file."""
+    import re
+
+    from safetensors import safe_open
+
+    from radixserve.model_runner.loader.weights import iter_weights
+    from radixserve.model_runner.models import get_model_class
+    from radixserve.model_runner.parallel import TPGroup
+    from radixserve.runtime.wire.model_files import safetensors_files
+
+    model_dir = model_dirs[family]
+    config = ModelConfig.from_path(model_dir)
+    expert_tensor = re.compile(r"\.experts\.(\d+)\.")
+    [path] = safetensors_files(model_dir)
+    for rank in range(2):
+        with torch.device("meta"):
+            model = get_model_class(config.architecture)(config, max_positions=64, tp=TPGroup(rank, 2, None, 2))
+        model = model.to_empty(device="cpu")
+        read: set[str] = set()
+        with torch.no_grad():
+            model.load_weights((name, _RecordedSlice(name, s, read)) for name, s in iter_weights(model_dir, lazy=True))
+        experts = model.model.layers[0].mlp.experts
+        assert experts.w13_weight.shape == (4, 64, 64) and experts.w2_weight.shape == (4, 64, 32)
+        read_experts = {int(m.group(1)) for m in map(expert_tensor.search, read) if m}
+        assert read_experts == set(range(4 * rank, 4 * rank + 4))
+        prefix = "block_sparse_moe" if family == "mixtral" else "mlp"
+        down = "w2" if family == "mixtral" else "down_proj"
+        with safe_open(path, framework="pt") as f:
+            checkpoint = f.get_tensor(f"model.layers.0.{prefix}.experts.{4 * rank + 1}.{down}.weight")
+        assert torch.equal(experts.w2_weight[1], checkpoint)
+
+
+def test_expert_parallelism_is_refused_where_it_cannot_shard(model_dirs, tiny_model_dir):
+    from test_model_forward import make_runner
+
+    from radixserve.runtime.wire.server_args import ServerArgs
+
+    with pytest.raises(ValueError, match="ep_size 2 shards a mixture-of-experts model's experts, and this model is "
+                                         "dense"):
+        make_runner(tiny_model_dir("qwen3"), tp_size=2, ep_size=2)
+    with pytest.raises(ValueError, match="ep_size 3 does not divide the model's 8 experts"):
+        make_runner(model_dirs["qwen3_moe"], tp_size=3, ep_size=3)
+    with pytest.raises(ValueError, match="ep_size 4 does not divide tp_size 2"):
+        ServerArgs(model_path=model_dirs["qwen3_moe"], tp_size=2, ep_size=4)
+    with pytest.raises(ValueError, match="ep_size 2 does not divide tp_size 3"):
+        ServerArgs(model_path=model_dirs["qwen3_moe"], tp_size=3, ep_size=2)
+
+
+def test_ep_size_flag_and_its_sglang_alias():
+    import argparse
+
+    from radixserve.runtime.wire.server_args import ServerArgs
+
+    for flag in ("--ep-size", "--expert-parallel-size"):
+        parser = argparse.ArgumentParser()
+        ServerArgs.add_cli_args(parser)
+        args = ServerArgs.from_cli_args(parser.parse_args(["--model-path", "x", "--tp-size", "2", flag, "2"]))
+        assert (args.tp_size, args.ep_size) == (2, 2)

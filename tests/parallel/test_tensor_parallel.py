@@ -10,6 +10,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import socket
+from typing import Optional
 
 import pytest
 import torch
@@ -38,8 +39,11 @@ def _prompts(vocab_size: int) -> list[list[int]]:
     return [torch.randint(0, vocab_size, (n,), generator=generator).tolist() for n in (5, 11, 3, 17)]
 
 
-def _rank_main(rank: int, tp_size: int, addrs: list[str], model_dirs: list[str], results, device: str) -> None:
-    """One rank: build the sharded runner of each model and run the same batched greedy generation."""
+def _rank_main(rank: int, tp_size: int, addrs: list[str], model_dirs: list[str], results, device: str,
+               prompts: Optional[list[list[int]]] = None, max_new_tokens: int = MAX_NEW_TOKENS,
+               server_args: Optional[dict] = None) -> None:
+    """One rank: build the sharded runner of each model and run the same batched greedy generation (of `prompts`,
+    default `_prompts`; `server_args`: more ServerArgs fields)."""
     import torch.distributed as dist
 
     from radixserve.model_runner.model_runner import ModelRunner
@@ -51,9 +55,9 @@ def _rank_main(rank: int, tp_size: int, addrs: list[str], model_dirs: list[str],
         outputs = []
         for addr, model_dir in zip(addrs, model_dirs):
             args = ServerArgs(model_path=model_dir, device=device, dtype="float32", max_total_tokens=1024,
-                              max_running_requests=8, tp_size=tp_size, dist_init_addr=addr)
+                              max_running_requests=8, tp_size=tp_size, dist_init_addr=addr, **(server_args or {}))
             runner = ModelRunner(RunnerConfig.from_server_args(args), tp_rank=rank)
-            outputs.append(greedy_generate(runner, _prompts(runner.vocab_size), MAX_NEW_TOKENS))
+            outputs.append(greedy_generate(runner, prompts or _prompts(runner.vocab_size), max_new_tokens))
             dist.destroy_process_group()  # a fresh group (at the next address) for the next model
         results.put((rank, outputs))
     except BaseException as exc:  # report, so the test fails with the reason rather than a timeout
@@ -63,12 +67,14 @@ def _rank_main(rank: int, tp_size: int, addrs: list[str], model_dirs: list[str],
         raise SystemExit(1) from exc
 
 
-def _run_group(tp_size: int, model_dirs: list[str], timeout_s: float = 300.0,
-               device: str = "cpu") -> list[list[list[int]]]:
+def _run_group(tp_size: int, model_dirs: list[str], timeout_s: float = 300.0, device: str = "cpu",
+               prompts: Optional[list[list[int]]] = None, max_new_tokens: int = MAX_NEW_TOKENS,
+               **server_args) -> list[list[list[int]]]:
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
     addrs = [f"127.0.0.1:{_free_port()}" for _ in model_dirs]
-    procs = [ctx.Process(target=_rank_main, args=(r, tp_size, addrs, model_dirs, results, device))
+    procs = [ctx.Process(target=_rank_main, args=(r, tp_size, addrs, model_dirs, results, device, prompts,
+                                                  max_new_tokens, server_args))
              for r in range(tp_size)]
     for p in procs:
         p.start()
