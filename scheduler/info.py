@@ -143,4 +143,5 @@ def tp_layout(runner: Any) -> TensorParallelLayout:
         tp_size=tp_size, num_attention_heads=config.num_attention_heads,
         num_key_value_heads=config.num_key_value_heads, attention_heads_per_rank=heads, kv_heads_per_rank=kv_heads,
         kv_heads_replicated=tp_size > config.num_key_value_heads,
-        backend="nccl" if tp_size > 1 and str(runner.device).startswith("cuda") else ("gloo" if tp_size > 1 else None))
+        backend="nccl" if tp_size > 1 and str(runner.device).startswith("cuda") else ("gloo" if tp_size > 1 else None),
+        ep_size=runner.tp.ep_size if hasattr(runner, "tp") else 1)

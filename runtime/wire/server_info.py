@@ -206,7 +206,8 @@ class CacheInfo(msgspec.Struct, kw_only=True):
 
 
 class TensorParallelLayout(msgspec.Struct, kw_only=True):
-    """The tensor-parallel layout: ranks, heads per rank, and whether KV heads are replicated across ranks."""
+    """The tensor-parallel layout: ranks, heads per rank, whether KV heads are replicated across ranks, and how many
+    of the ranks shard a mixture of experts' experts."""
 
     tp_size: int
     num_attention_heads: int
@@ -215,6 +216,7 @@ class TensorParallelLayout(msgspec.Struct, kw_only=True):
     kv_heads_per_rank: int
     kv_heads_replicated: bool
     backend: Optional[str]  # "nccl" or "gloo" with tp_size > 1
+    ep_size: int = 1  # expert-parallel ranks inside the group: each holds 1/ep_size of the routed experts
 
 
 class TenantShare(msgspec.Struct, kw_only=True):

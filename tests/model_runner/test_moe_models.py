@@ -198,6 +198,20 @@ def test_expert_parallel_ranks_equal_one(model_dirs, references):
         assert ep2 == greedy_generate(make_runner(model_dirs[family]), prompts, MAX_NEW_TOKENS), family
 
 
+def test_engine_serves_with_expert_parallelism_and_reports_it(model_dirs, references):
+    """Two scheduler processes (one per rank) serving Qwen3-MoE with `ep_size=2`: Hugging Face's ids, and
+    `get_server_info` reports the expert-parallel size beside the tensor-parallel one."""
+    from radixserve import Engine
+
+    prompts, expected = references("qwen3_moe")
+    with Engine(model_path=model_dirs["qwen3_moe"], device="cpu", dtype="float32", tp_size=2, ep_size=2,
+                log_level="warning") as engine:
+        results = engine.generate(input_ids=prompts, sampling_params={"temperature": 0.0, "max_new_tokens": 8})
+        assert [r["output_ids"] for r in results] == [ids[:8] for ids in expected]
+        layout = engine.get_server_info()["tensor_parallel"]
+        assert (layout["tp_size"], layout["ep_size"], layout["backend"]) == (2, 2, "gloo")
+
+
 class _RecordedSlice:
     """A lazy safetensors slice that notes its name in `read` when indexed (when its data is read)."""
 
