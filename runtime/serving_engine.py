@@ -15,13 +15,13 @@ Contract, for both implementations:
 
 from __future__ import annotations
 
-from typing import Any, AsyncIterator, Callable, Optional, Protocol, runtime_checkable
+from typing import Any, AsyncIterator, Callable, Optional, Protocol, Union, runtime_checkable
 
 from radixserve.runtime.wire.cache_tree import CacheTreeSummary
 from radixserve.runtime.wire.lora import LoRAAdapterReqOutput
+from radixserve.runtime.wire.request import GenerateRequest, NormalizedRequest
 from radixserve.runtime.wire.server_args import ServerArgs
 from radixserve.runtime.wire.server_info import ModelInfo, ServerInfo
-from radixserve.tokenizer_manager.io import GenerateReqInput
 
 # Called once per finished request with its meta_info and the arrival times of its output chunks.
 RequestObserver = Callable[[dict[str, Any], list[float]], None]
@@ -38,7 +38,7 @@ class ServingEngine(Protocol):
     def lora_adapters(self) -> dict[str, str]:
         """The loaded LoRA adapters, name -> path."""
 
-    def generate_request(self, obj: GenerateReqInput) -> AsyncIterator[Any]: ...
+    def generate_request(self, obj: Union[GenerateRequest, NormalizedRequest]) -> AsyncIterator[Any]: ...
 
     async def async_encode(self, text: str) -> list[int]:
         """Token ids of `text` (ValueError past the context length)."""

@@ -30,6 +30,8 @@ def decode_json(raw: bytes) -> GenerateRequest:
         body = msgspec.json.decode(raw)
     except msgspec.DecodeError as error:
         raise RequestFieldError(f"The request body is not valid JSON: {error}") from None
+    except RecursionError:  # msgspec's decoder refuses nesting deeper than it recurses
+        raise RequestFieldError("The request body is not valid JSON: nested too deeply.") from None
     if not isinstance(body, dict):
         raise RequestFieldError("The request body must be a JSON object.")
     body = absorb(body, NATIVE_UNSUPPORTED, NATIVE_LABELS)

@@ -131,6 +131,7 @@ def test_decode_json_reads_the_native_body():
 
 @pytest.mark.parametrize("body, field, message", [
     (b"{", None, "not valid JSON"),
+    (b'{"a":' * 2000 + b"1" + b"}" * 2000, None, "nested too deeply"),
     (b"[1]", None, "must be a JSON object"),
     (b'{"text": "a", "no_such_field": 1}', "no_such_field", "Unrecognized request argument supplied"),
     (b'{"text": "a", "top_logprobs_num": "2"}', "top_logprobs_num", "got `str`"),
