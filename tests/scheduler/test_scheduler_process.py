@@ -83,8 +83,8 @@ def test_requests_and_rpcs_over_zmq(tiny_model_dir):
         peer.send(GetServerInfoReq(rpc_id="info-1"))
         info = peer.recv(30)
         assert isinstance(info, GetServerInfoReqOutput) and info.rpc_id == "info-1"
-        memory = info.info["memory"]
-        assert memory["free_tokens"] + memory["evictable_tokens"] == memory["total_tokens"]
+        memory = info.info.memory  # the typed report (runtime/wire/server_info.py) crosses the socket
+        assert memory.free_tokens + memory.evictable_tokens == memory.total_tokens
         peer.send(FlushCacheReq(rpc_id="flush-1"))
         flushed = peer.recv(30)
         assert isinstance(flushed, FlushCacheReqOutput) and flushed.rpc_id == "flush-1" and flushed.success
