@@ -44,7 +44,7 @@ OUT_OF_MEMORY_MESSAGE = ("the server ran out of device memory while running this
 class ResultProcessor:
     def __init__(self, *, requests: RequestLifecycle, cache: PrefixCache, allocator: KVAllocator,
                  grammars: GrammarManager, stop_checker: StopChecker, speculator: Any, stats: SchedulerStats,
-                 device: torch.device, decode_log_interval: int, pooling_method: Optional[str] = None) -> None:
+                 device: torch.device, decode_log_interval: int, pooling_method: Optional[str]) -> None:
         self.requests = requests
         self.cache = cache
         self.allocator = allocator

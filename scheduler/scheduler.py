@@ -110,7 +110,7 @@ class Scheduler:
         self.results = ResultProcessor(
             requests=self.requests, cache=cache, allocator=allocator, grammars=self.grammars,
             stop_checker=self.stop_checker, speculator=self.speculator, stats=self.stats, device=model_runner.device,
-            decode_log_interval=args.decode_log_interval)
+            decode_log_interval=args.decode_log_interval, pooling_method=model_runner.pooling.method)
         self.inflight = self.results.inflight  # launched batches whose results are not processed, oldest first
         self.batch_builder = BatchBuilder(
             runner=model_runner, device=self.executor.device, stop_checker=self.stop_checker, grammars=self.grammars,
