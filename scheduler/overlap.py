@@ -67,12 +67,13 @@ class PendingResult:
     input_logprobs: Optional[InputLogprobs]
     no_token: Optional[torch.Tensor] = None
     copied: Optional[torch.cuda.Event] = None
-    pooled: Optional[dict[int, torch.Tensor]] = None
+    pooled: Optional[PoolingShares] = None
 
     def wait(self) -> BatchResult:
         if self.copied is not None:
             self.copied.synchronize()  # releases the GIL while the device finishes the batch
-        result = BatchResult(self.next_token_ids.tolist(), input_logprobs=self.input_logprobs, pooled=self.pooled)
+        result = BatchResult(self.next_token_ids.tolist(), input_logprobs=self.input_logprobs,
+                             pooled=None if self.pooled is None else self.pooled.by_entry())
         if self.logprobs is not None:
             result.logprobs = self.logprobs.tolist()
         if self.top_logprobs is not None:
@@ -187,7 +188,8 @@ class BatchExecutor:
 
         top = None if out.top_logprobs is None else tuple(_to_host(t) for t in out.top_logprobs)
         pending = PendingResult(_to_host(out.next_token_ids), _to_host(out.logprobs), top, input_logprobs,
-                                _to_host(out.no_token), torch.cuda.Event(), pooled=_shares_to_host(shares))
+                                _to_host(out.no_token), torch.cuda.Event(),
+                                pooled=None if shares is None else shares.to_host())
         pending.copied.record()
         return pending
 
@@ -197,7 +199,7 @@ class BatchExecutor:
         no_tokens = torch.zeros(batch.batch_size, dtype=torch.int64)
         if self.device.type != "cuda":
             return PendingResult(no_tokens, None, None, None, pooled=shares)
-        pending = PendingResult(no_tokens, None, None, None, copied=torch.cuda.Event(), pooled=_shares_to_host(shares))
+        pending = PendingResult(no_tokens, None, None, None, copied=torch.cuda.Event(), pooled=shares.to_host())
         pending.copied.record()
         return pending
 
@@ -206,25 +208,45 @@ class BatchExecutor:
             self._worker.shutdown(wait=True)
 
 
+@dataclass
+class PoolingShares:
+    """The pooling entries' shares of their vectors (scheduler/pooling.py), concatenated into one float32 tensor, so a
+    batch copies them to the host at once: entry `entries[i]`'s share is the next `sizes[i]` values."""
+
+    entries: list[int]
+    sizes: list[int]
+    values: torch.Tensor
+
+    def to_host(self) -> "PoolingShares":
+        return PoolingShares(self.entries, self.sizes, self.values.to("cpu", non_blocking=True))
+
+    def by_entry(self) -> dict[int, torch.Tensor]:
+        return dict(zip(self.entries, self.values.split(self.sizes)))
+
+
 def pooling_shares(pooling: Optional[PoolingBatch], logits: Optional[torch.Tensor],
-                   pooled: Optional[torch.Tensor]) -> Optional[dict[int, torch.Tensor]]:
-    """Each pooling entry's share of its vector by batch index: its row of `pooled` (embed, classify), or the
-    log-probabilities of its label tokens under its row of `logits` (score); None when no entry pools."""
+                   pooled: Optional[torch.Tensor]) -> Optional[PoolingShares]:
+    """Each pooling entry's share of its vector: its row of `pooled` (embed, classify), or the log-probabilities of its
+    label tokens under its row of `logits` (score); None when no entry pools."""
     if pooling is None:
         return None
-    shares = {} if pooled is None else dict(zip(pooling.hidden_entries, pooled))
+    entries, sizes, parts = [], [], []
+    if pooled is not None:
+        entries += pooling.hidden_entries
+        sizes += [pooled.shape[1]] * pooled.shape[0]
+        parts.append(pooled.reshape(-1))
     if pooling.score_entries:
         assert logits is not None, "score entries need logits"
         logprobs = torch.log_softmax(logits[pooling.score_entries].float(), dim=-1)
-        for row, (entry, labels) in enumerate(zip(pooling.score_entries, pooling.score_labels)):
-            shares[entry] = logprobs[row, list(labels)]
-    return shares
+        rows = [row for row, labels in enumerate(pooling.score_labels) for _ in labels]
+        columns = [label for labels in pooling.score_labels for label in labels]
+        device = logprobs.device
+        entries += pooling.score_entries
+        sizes += [len(labels) for labels in pooling.score_labels]
+        parts.append(logprobs[torch.tensor(rows, device=device), torch.tensor(columns, device=device)])
+    return PoolingShares(entries, sizes, torch.cat(parts) if len(parts) > 1 else parts[0])
 
 
 def _to_host(tensor: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """Into pinned memory, complete once the batch's `copied` event fires."""
     return None if tensor is None else tensor.to("cpu", non_blocking=True)
-
-
-def _shares_to_host(shares: Optional[dict[int, torch.Tensor]]) -> Optional[dict[int, torch.Tensor]]:
-    return None if shares is None else {entry: _to_host(share) for entry, share in shares.items()}
