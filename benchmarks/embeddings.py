@@ -5,8 +5,9 @@ Both pool the last token and L2-normalize (the Qwen3-Embedding recipe). Inputs a
 [input_len / 2, input_len]) given to both as ids, so the figure compares the model paths, not tokenizers:
 radixserve gets every input in one `encode` call (its scheduler batches them); sentence-transformers runs its own
 `forward` (Transformer, Pooling(lasttoken), Normalize) over length-sorted, right-padded batches of `--batch-size`, as its
-`encode` does after tokenizing. Each side is warmed up, then timed `--repeats` times; the median counts. The run also
-checks that the two agree (the largest cosine distance between their embeddings of the same input).
+`encode` does after tokenizing. Both are loaded side by side and warmed up, then timed in alternation `--repeats` times
+(so a change in the machine's load reaches both); the median counts. The run also checks that the two agree (the
+largest cosine distance between their embeddings of the same input).
 
     pip install sentence-transformers   # the baseline; not a dependency of radixserve
     # CPU, the embedded model (SmolLM2-135M) served as an embedding model:
@@ -71,55 +72,62 @@ def build_shape(name: str, out_dir: str, dtype: str) -> str:
     return out_dir
 
 
-def time_radixserve(model_dir: str, inputs: list[list[int]], args) -> tuple[list[float], list[list[float]]]:
-    from radixserve import Engine
-
-    extra = {} if args.device == "cpu" else {"mem_fraction_static": 0.6}
-    with Engine(model_path=model_dir, is_embedding=True, pooling_method="last", device=args.device, dtype=args.dtype,
-                log_level="warning", **extra) as engine:
-        engine.encode(inputs[: min(len(inputs), 32)])
-        seconds = []
-        for _ in range(args.repeats):
-            start = time.perf_counter()
-            results = engine.encode(inputs)
-            seconds.append(time.perf_counter() - start)
-    return seconds, [r["embedding"] for r in results]
-
-
-def time_sentence_transformers(model_dir: str, inputs: list[list[int]], args) -> tuple[list[float], list[list[float]]]:
+def load_sentence_transformers(model_dir: str, args):
     import torch
     from sentence_transformers import SentenceTransformer, models
 
     transformer = models.Transformer(model_dir, model_args={"dtype": getattr(torch, args.dtype)})
     pooling = models.Pooling(transformer.get_word_embedding_dimension(), pooling_mode="lasttoken")
-    model = SentenceTransformer(modules=[transformer, pooling, models.Normalize()], device=args.device).eval()
+    return SentenceTransformer(modules=[transformer, pooling, models.Normalize()], device=args.device).eval()
+
+
+def encode_sentence_transformers(model, inputs: list[list[int]], args) -> list[list[float]]:
+    """sentence-transformers' forward over length-sorted, right-padded batches, as its `encode` runs them."""
+    import torch
+
     order = sorted(range(len(inputs)), key=lambda i: -len(inputs[i]))
+    out: dict[int, list[float]] = {}
+    with torch.inference_mode():
+        for start in range(0, len(order), args.batch_size):
+            batch = order[start:start + args.batch_size]
+            width = max(len(inputs[i]) for i in batch)
+            ids = torch.zeros(len(batch), width, dtype=torch.long)
+            mask = torch.zeros(len(batch), width, dtype=torch.long)
+            for row, i in enumerate(batch):
+                ids[row, :len(inputs[i])] = torch.tensor(inputs[i])
+                mask[row, :len(inputs[i])] = 1
+            features = {"input_ids": ids.to(args.device), "attention_mask": mask.to(args.device)}
+            embeddings = model(features)["sentence_embedding"].float().cpu()
+            out.update(zip(batch, embeddings.tolist()))
+    return [out[i] for i in range(len(inputs))]
 
-    def run(subset: list[int]) -> dict[int, list[float]]:
-        out = {}
-        with torch.inference_mode():
-            for start in range(0, len(subset), args.batch_size):
-                batch = subset[start:start + args.batch_size]
-                width = max(len(inputs[i]) for i in batch)
-                ids = torch.zeros(len(batch), width, dtype=torch.long)
-                mask = torch.zeros(len(batch), width, dtype=torch.long)
-                for row, i in enumerate(batch):
-                    ids[row, :len(inputs[i])] = torch.tensor(inputs[i])
-                    mask[row, :len(inputs[i])] = 1
-                features = {"input_ids": ids.to(args.device), "attention_mask": mask.to(args.device)}
-                embeddings = model(features)["sentence_embedding"].float().cpu()
-                out.update(zip(batch, embeddings.tolist()))
-        if args.device == "cuda":
-            torch.cuda.synchronize()
-        return out
 
-    run(order[: min(len(order), 32)])
-    seconds = []
-    for _ in range(args.repeats):
-        start = time.perf_counter()
-        out = run(order)
-        seconds.append(time.perf_counter() - start)
-    return seconds, [out[i] for i in range(len(inputs))]
+def time_both(model_dir: str, inputs: list[list[int]], args) -> dict[str, Any]:
+    """Both systems loaded side by side, warmed up, then timed in alternation (radixserve, then sentence-transformers,
+    `repeats` times), so a change in the machine's load reaches both."""
+    from radixserve import Engine
+
+    extra = {} if args.device == "cpu" else {"mem_fraction_static": 0.6}
+    seconds: dict[str, list[float]] = {"radixserve Engine.encode": [], "sentence-transformers": []}
+    with Engine(model_path=model_dir, is_embedding=True, pooling_method="last", device=args.device, dtype=args.dtype,
+                log_level="warning", **extra) as engine:
+        baseline = load_sentence_transformers(model_dir, args)
+        warm = inputs[: min(len(inputs), 32)]
+        engine.encode(warm)
+        encode_sentence_transformers(baseline, warm, args)
+        runs = {"radixserve Engine.encode": lambda: [r["embedding"] for r in engine.encode(inputs)],
+                "sentence-transformers": lambda: encode_sentence_transformers(baseline, inputs, args)}
+        vectors = {}
+        for _ in range(args.repeats):
+            for name, run in runs.items():
+                if args.device == "cuda":
+                    import torch
+
+                    torch.cuda.synchronize()
+                start = time.perf_counter()
+                vectors[name] = run()
+                seconds[name].append(time.perf_counter() - start)
+    return {"seconds": seconds, "vectors": vectors}
 
 
 def max_cosine_distance(a: list[list[float]], b: list[list[float]]) -> float:
@@ -156,16 +164,15 @@ def main() -> None:
                 vocab = json.load(f)["vocab_size"]
         inputs = make_inputs(args.num_inputs, args.input_len, vocab, args.seed)
         tokens = sum(len(x) for x in inputs)
-        ours, ours_vectors = time_radixserve(model_dir, inputs, args)
-        theirs, their_vectors = time_sentence_transformers(model_dir, inputs, args)
+        timed = time_both(model_dir, inputs, args)
 
     rows = []
-    for name, seconds in (("radixserve Engine.encode", ours), ("sentence-transformers", theirs)):
+    for name, seconds in timed["seconds"].items():
         median = statistics.median(seconds)
         rows.append({"system": name, "seconds": median, "embeddings_per_s": len(inputs) / median,
                      "tokens_per_s": tokens / median, "all_seconds": seconds})
     speedup = rows[0]["embeddings_per_s"] / rows[1]["embeddings_per_s"]
-    distance = max_cosine_distance(ours_vectors, their_vectors)
+    distance = max_cosine_distance(*timed["vectors"].values())
     isa = cpu_build.cpu_isa() if args.device == "cpu" else None
     device_name = args.device
     if args.device == "cuda":

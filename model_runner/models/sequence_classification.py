@@ -25,12 +25,14 @@ class SequenceClassifierMixin:
     """Turns a `LlamaForCausalLM`-shaped decoder into a classifier: no LM head, a `score` head (replicated on every
     tensor-parallel rank: the hidden states it reads are whole)."""
 
+    lm_head_weight = None  # no LM head, tied or not: the CPU packers make no copy for one (model_runner/cpu/)
+
     def __init__(self, config: "ModelConfig", max_positions: Optional[int] = None,
                  tp: Optional["TPGroup"] = None) -> None:
         super().__init__(config, max_positions, tp)  # type: ignore[call-arg]
         self.lm_head = None
         self.tie_word_embeddings = True  # nothing to load for an LM head
-        del self.logits_head  # the CPU packers give no LM head a copy (model_runner/cpu/)
+        del self.logits_head  # nor a packed copy of one (model_runner/cpu/)
         num_labels = len(classification_labels(config.hf_config))
         self.score = nn.Linear(config.hidden_size, num_labels, bias=False)
 
