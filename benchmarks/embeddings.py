@@ -76,8 +76,9 @@ def load_sentence_transformers(model_dir: str, args):
     import torch
     from sentence_transformers import SentenceTransformer, models
 
-    transformer = models.Transformer(model_dir, model_args={"dtype": getattr(torch, args.dtype)})
-    pooling = models.Pooling(transformer.get_word_embedding_dimension(), pooling_mode="lasttoken")
+    transformer = models.Transformer(model_dir, model_kwargs={"dtype": getattr(torch, args.dtype)})
+    dimension = getattr(transformer, "get_embedding_dimension", None) or transformer.get_word_embedding_dimension
+    pooling = models.Pooling(dimension(), pooling_mode="lasttoken")
     return SentenceTransformer(modules=[transformer, pooling, models.Normalize()], device=args.device).eval()
 
 
