@@ -109,7 +109,7 @@ def relevance_scores(model: ModelInfo, vectors: list[list[float]]) -> list[float
     scores = []
     for logits in vectors:
         if len(logits) == 1:
-            scores.append(1.0 / (1.0 + math.exp(-logits[0])))
+            scores.append(_sigmoid(logits[0]))
         else:
             scores.append(_softmax(logits)[-1])
     return scores
@@ -168,6 +168,13 @@ def classify_results(model: ModelInfo, vectors: list[list[float]]) -> list[dict[
 def usage(results: list[dict[str, Any]]) -> dict[str, int]:
     tokens = sum(r["meta_info"]["prompt_tokens"] for r in results)
     return {"prompt_tokens": tokens, "total_tokens": tokens}
+
+
+def _sigmoid(x: float) -> float:
+    if x >= 0:
+        return 1.0 / (1.0 + math.exp(-x))
+    z = math.exp(x)  # no overflow for very negative logits
+    return z / (1.0 + z)
 
 
 def _softmax(values: Sequence[float]) -> list[float]:
