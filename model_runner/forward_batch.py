@@ -68,6 +68,8 @@ class ForwardBatch:
     # DECODE batches: requests sharing a cached prefix, for backends that read it once per group (cascade
     # attention); None when not computed. Attention results are the same with or without it.
     prefix_groups: Optional[PrefixGroups] = None
+    # False for an encoder's batch (set by the runner from its model): every token attends to its whole sequence.
+    causal: bool = True
 
     @property
     def batch_size(self) -> int:

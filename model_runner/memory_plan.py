@@ -196,6 +196,12 @@ def profile_step_memory(runner: "RunnerParts", max_running: int,
                                         extend_lens)
         batch = make_forward_batch(mode, batch_rows, prefix_lens, new_ids, out_cache_loc, runner.req_to_token_pool,
                                    runner.token_to_kv_pool)
+        if not runner.pooling.is_generation:  # a model that only pools: its vectors, nothing to sample
+            runner.forward_pooled(batch, torch.arange(len(batch_rows), device=device))
+            forward_peaks.append(memory.peak() - base)
+            peaks.append(forward_peaks[-1])
+            del batch, out_cache_loc
+            continue
         logits = runner.forward(batch, use_cuda_graph=False)
         forward_peaks.append(memory.peak() - base)
         info = SamplingBatchInfo.build([WIDEST_SAMPLING] * len(batch_rows), [[]] * len(batch_rows), vocab, device)

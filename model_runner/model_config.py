@@ -31,14 +31,21 @@ ARCHITECTURE_MODEL_TYPES = {
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
+    # Pooling only (model_runner/pooling.py): sequence classifiers and an encoder.
+    "LlamaForSequenceClassification": "llama",
+    "Qwen2ForSequenceClassification": "qwen2",
+    "Qwen3ForSequenceClassification": "qwen3",
+    "BertModel": "bert",
 }
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURE_MODEL_TYPES)
-_MODEL_TYPE_ARCHITECTURES = {v: k for k, v in ARCHITECTURE_MODEL_TYPES.items()}
+# A config.json without `architectures` names the family's causal LM.
+_MODEL_TYPE_ARCHITECTURES = {v: k for k, v in ARCHITECTURE_MODEL_TYPES.items()
+                             if k.endswith("ForCausalLM") or k == "BertModel"}
 
 # transformers' own defaults for keys a config.json may omit (they differ by family).
-_DEFAULT_MAX_POSITIONS = {"llama": 2048, "mistral": 32768, "qwen2": 32768, "qwen3": 32768, "qwen2_moe": 32768,
+_DEFAULT_MAX_POSITIONS = {"bert": 512, "llama": 2048, "mistral": 32768, "qwen2": 32768, "qwen3": 32768, "qwen2_moe": 32768,
                           "qwen3_moe": 32768, "mixtral": 131072}
-_DEFAULT_RMS_EPS = {"llama": 1e-6, "mistral": 1e-6, "qwen2": 1e-6, "qwen3": 1e-6, "qwen2_moe": 1e-6, "qwen3_moe": 1e-6,
+_DEFAULT_RMS_EPS = {"bert": 1e-12, "llama": 1e-6, "mistral": 1e-6, "qwen2": 1e-6, "qwen3": 1e-6, "qwen2_moe": 1e-6, "qwen3_moe": 1e-6,
                     "mixtral": 1e-5}
 MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral")
 _DEFAULT_ROPE_THETA = 10000.0
@@ -183,7 +190,7 @@ class ModelConfig:
                 f"unsupported architecture {architecture!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
         model_type = ARCHITECTURE_MODEL_TYPES[architecture]
-        if d.get("hidden_act", "silu") != "silu":
+        if model_type != "bert" and d.get("hidden_act", "silu") != "silu":  # BertModel checks its own
             raise ValueError(f"unsupported hidden_act {d['hidden_act']!r}; only 'silu' is supported")
         if d.get("mlp_bias", False):
             raise ValueError("mlp_bias=True is not supported")
@@ -212,7 +219,8 @@ class ModelConfig:
             num_key_value_heads=int(d.get("num_key_value_heads") or num_heads),
             head_dim=int(d.get("head_dim") or int(d["hidden_size"]) // num_heads),
             vocab_size=int(d["vocab_size"]),
-            rms_norm_eps=float(d.get("rms_norm_eps", _DEFAULT_RMS_EPS[model_type])),
+            rms_norm_eps=float(d.get("layer_norm_eps" if model_type == "bert" else "rms_norm_eps",
+                                     _DEFAULT_RMS_EPS[model_type])),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=int(d.get("max_position_embeddings") or _DEFAULT_MAX_POSITIONS[model_type]),
@@ -246,9 +254,9 @@ class ModelConfig:
 
 
 def _attention_bias(d: dict, model_type: str) -> bool:
-    """Whether q/k/v carry biases: always for Qwen2 (whatever the config says), `qkv_bias` (default true) for
+    """Whether q/k/v carry biases: always for Qwen2 and BERT (whatever the config says), `qkv_bias` (default true) for
     Qwen2-MoE, `attention_bias` for the others."""
-    if model_type == "qwen2":
+    if model_type in ("qwen2", "bert"):
         return True
     if model_type == "qwen2_moe":
         return bool(d.get("qkv_bias", True))

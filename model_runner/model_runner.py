@@ -23,6 +23,7 @@ from radixserve.model_runner.memory_plan import MemoryPlan, graph_bytes, margin_
 from radixserve.model_runner.lora.setup import create_lora_manager
 from radixserve.model_runner.model_config import ModelConfig
 from radixserve.model_runner.models import get_model_class
+from radixserve.model_runner.pooling import PoolingSpec, pool_hidden
 from radixserve.model_runner.parallel import (HeadLayout, ReplicaPlacement, check_ep_divides, join_tp_group,
                                               min_over_ranks)
 from radixserve.model_runner.runner_config import RunnerConfig
@@ -92,6 +93,11 @@ class ModelRunner:
         self.context_len = self._resolve_context_len()
         self.head_layout = HeadLayout.of(self.model_config.num_attention_heads,
                                          self.model_config.num_key_value_heads, self.tp)
+        model_class = get_model_class(self.model_config.architecture)
+        self.is_causal = getattr(model_class, "is_causal", True)
+        self.pooling = PoolingSpec.of(self.model_dir, self.model_config.hf_config, self.is_causal,
+                                      self.model_config.architecture.endswith("ForSequenceClassification"),
+                                      config.is_embedding, config.pooling_method)
         self.model = self._load_model(config.model)
 
         self.max_total_num_tokens, self.max_running_requests = self._size_memory()
@@ -128,11 +134,27 @@ class ModelRunner:
         if (use_cuda_graph and self.cuda_graph_runner is not None and self.cuda_graph_runner.can_run(batch)
                 and not self.attn_backend.prefers_eager(batch)):
             return self.cuda_graph_runner.replay(batch)
+        return self.model.compute_logits(self._hidden_states(batch), batch)
+
+    @torch.inference_mode()
+    def forward_pooled(self, batch: ForwardBatch, entries: torch.Tensor) -> tuple[Optional[torch.Tensor], torch.Tensor]:
+        """An EXTEND or MIXED batch some of whose entries pool (`entries`: their batch indices, int64 on the device):
+        the logits `forward` gives (None for a model that does not generate), and each pooling entry's share of its
+        vector `[len(entries), D]` float32 (model_runner/pooling.py), through the classification head of a
+        classifier (D = its labels; else the hidden size)."""
+        hidden = self._hidden_states(batch)
+        pooled = pool_hidden(hidden, batch, entries, self.pooling.method or "last")
+        if "classify" in self.pooling.kinds:
+            pooled = self.model.classify(pooled.to(hidden.dtype)).float()
+        logits = self.model.compute_logits(hidden, batch) if self.pooling.is_generation else None
+        return logits, pooled
+
+    def _hidden_states(self, batch: ForwardBatch) -> torch.Tensor:
+        batch.causal = self.is_causal
         self.attn_backend.plan(batch)
         if self.lora_manager is not None:
             self.lora_manager.prepare(batch)
-        hidden = self.model(batch.input_ids, batch.positions, batch)
-        return self.model.compute_logits(hidden, batch)
+        return self.model(batch.input_ids, batch.positions, batch)
 
     def sync_sampled(self, next_token_ids: torch.Tensor) -> torch.Tensor:
         """Rank 0's sampled ids on every rank (in place), so random sampling cannot make ranks diverge."""
@@ -145,6 +167,12 @@ class ModelRunner:
         --prefill-attention-backend, which only the flashinfer backend honours)."""
         name = self.config.attention_backend
         prefill = self.config.prefill_attention_backend
+        if not self.is_causal:
+            # Only the reference backend attends both ways (an encoder's prompt is one extend, never a prefix).
+            if name != "torch_native" and not self.config.attention_backend_fallback:
+                raise ValueError(f"{self.model_config.architecture} attends both ways, which only the torch_native "
+                                 f"attention backend runs; drop --attention-backend {name}")
+            return create_attention_backend("torch_native", self)
         if prefill is not None and name != "flashinfer":
             raise ValueError(f"--prefill-attention-backend {prefill} picks the flashinfer backend's extend kernels, "
                              f"and this {self.device.type} runs the {name} attention backend")
@@ -164,7 +192,9 @@ class ModelRunner:
         """Capture decode CUDA graphs on CUDA unless `disable_cuda_graph`; None on the CPU, when disabled, or
         when the attention backend cannot be captured (decode then runs eagerly)."""
         # LoRA batches vary per step in which adapters they use; decode runs eagerly then.
-        if self.device.type != "cuda" or self.config.disable_cuda_graph or self.lora_manager is not None:
+        # A model that only pools never decodes.
+        if (self.device.type != "cuda" or self.config.disable_cuda_graph or self.lora_manager is not None
+                or not self.pooling.is_generation):
             return None
         from radixserve.model_runner.cuda_graph import create_cuda_graph_runner
 

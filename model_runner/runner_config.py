@@ -58,6 +58,10 @@ class RunnerConfig:
     max_loras_per_batch: int
     speculative: bool  # verify steps of many rows: the float32 CPU linears keep a packed copy
 
+    # Pooling (model_runner/pooling.py)
+    is_embedding: bool = False
+    pooling_method: Optional[str] = None
+
     @classmethod
     def from_server_args(cls, args: ServerArgs, model: Optional[ModelFiles] = None) -> "RunnerConfig":
         """The runner's part of `args`; `model`: the model's files when the caller has them, else located from
@@ -80,4 +84,5 @@ class RunnerConfig:
             dist_timeout=args.dist_timeout,
             enable_lora=args.lora_enabled(), lora_paths=tuple(args.lora_paths or ()), max_lora_rank=args.max_lora_rank,
             max_loras_per_batch=args.max_loras_per_batch, speculative=args.speculative_algorithm is not None,
+            is_embedding=args.is_embedding, pooling_method=args.pooling_method,
         )

@@ -32,6 +32,7 @@ import zmq
 
 from radixserve.runtime.wire.cache_tree import CacheTreeSummary
 from radixserve.runtime.wire.ipc import IpcPaths, make_pull, make_push
+from radixserve.runtime import pooling
 from radixserve.runtime.launch import ChildProcesses, primary_model_info, resolve_for_launch
 from radixserve.runtime.loop_thread import LoopThread
 from radixserve.runtime.serving_engine import RequestObserver
@@ -202,6 +203,53 @@ class Engine:
             async for result in results:
                 return result
         raise RuntimeError("no result")  # pragma: no cover - generate_request always yields once
+
+    # ---- pooling (runtime/pooling.py, docs/embeddings.md) -------------------------------------------
+
+    def encode(self, prompt: Union[str, list[str], list[int], list[list[int]]], dimensions: Optional[int] = None,
+               **fields: Any) -> Union[dict, list[dict]]:
+        """Embeddings of one prompt (a str, or token ids) or a batch: `{"embedding", "meta_info"}` per prompt (a dict
+        for one prompt, else a list), L2-normalized; `dimensions` truncates them (Matryoshka) and normalizes again.
+        A sequence classifier returns its logits as the embedding. `fields`: GenerateRequest's `rid`, `cache_salt`,
+        `priority`, `lora_path`. Raises ValueError when the model serves no embeddings or for bad input."""
+        self._check_open()
+        single = isinstance(prompt, str) or (isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], int))
+        results = self._loop.call(self._pool(pooling.embed_request(self._tm.model_info,
+                                                                   pooling.as_prompts(prompt, "prompt"), **fields)))
+        for result in results:
+            result["embedding"] = pooling.truncate_embedding(result["embedding"], dimensions)
+        return results[0] if single else results
+
+    def rerank(self, query: Union[str, list[int]], documents: list[Union[str, list[int]]], top_n: Optional[int] = None,
+               return_documents: bool = False) -> list[dict]:
+        """The documents by relevance to `query`, best first: `{"index", "relevance_score"}` (and `document` with
+        `return_documents`), the first `top_n` of them. Needs an embedding model or a sequence classifier."""
+        self._check_open()
+        model = self._tm.model_info
+
+        async def run() -> list[dict]:
+            request = await pooling.rerank_request(model, query, documents, self._tm.encode)
+            return await self._pool(request)
+
+        vectors = [result["embedding"] for result in self._loop.call(run())]
+        return pooling.rank_documents(pooling.relevance_scores(model, vectors), documents, top_n, return_documents)
+
+    def score(self, query: Union[str, list[int]], items: list[Union[str, list[int]]], label_token_ids: list[int],
+              apply_softmax: bool = False, item_first: bool = False) -> list[list[float]]:
+        """SGLang's score: per item, the probabilities of `label_token_ids` as the next token after query + item
+        (item + query with `item_first`), renormalized over the labels with `apply_softmax`. Needs a generative
+        model."""
+        self._check_open()
+
+        async def run() -> list[dict]:
+            request = await pooling.score_request(query, items, label_token_ids, item_first, self._tm.encode)
+            return await self._pool(request)
+
+        return [pooling.label_probabilities(result["embedding"], apply_softmax) for result in self._loop.call(run())]
+
+    async def _pool(self, request: GenerateRequest) -> list[dict]:
+        results = await self._collect(request)
+        return results if isinstance(results, list) else [results]
 
     # ---- tokenization ----------------------------------------------------------------------------
 

@@ -19,6 +19,7 @@ import torch
 from radixserve.model_runner.forward_batch import ForwardBatch, ForwardMode, PrefixGroups
 from radixserve.model_runner.sampling_info import SamplingBatchInfo
 from radixserve.radix_cache.pool import KVAllocator, ReqToTokenPool, TokenToKVPool
+from radixserve.scheduler.pooling import PoolingBatch
 from radixserve.scheduler.req import Req
 from radixserve.scheduler.stop import StopChecker
 from radixserve.scheduler.sampling_reuse import SamplingInfoReuse
@@ -50,6 +51,7 @@ class ScheduleBatch:
     # A speculative verify batch (scheduler/speculative/): its chains' drafts and per-row sampling; None otherwise.
     verify: Optional[Any] = None  # a scheduler.speculative.verify.VerifyPlan (speculative/ builds on this module)
     prefix_groups: Optional[PrefixGroups] = None  # DECODE batches, for cascade attention (scheduler/prefix_groups.py)
+    pooling: Optional[PoolingBatch] = None  # the entries that pool (scheduler/pooling.py); None when none does
 
     @property
     def batch_size(self) -> int:

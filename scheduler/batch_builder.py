@@ -15,6 +15,7 @@ from radixserve.scheduler.batch import ScheduleBatch, assemble_batch
 from radixserve.scheduler.fair_share import FairShare
 from radixserve.scheduler.grammar import GrammarManager
 from radixserve.scheduler.input_logprobs import plan_input_logprobs
+from radixserve.scheduler.pooling import PoolingBatch
 from radixserve.scheduler.prefix_groups import prefix_groups_for
 from radixserve.scheduler.req import Req
 from radixserve.scheduler.sampling_reuse import SamplingInfoReuse
@@ -42,6 +43,7 @@ class BatchBuilder:
         batch.input_logprobs = plan_input_logprobs(batch)
         batch.grammar_mask = self.grammars.mask_for(batch)
         batch.prefix_groups = prefix_groups_for(mode, decodes, self.runner.attn_backend)
+        batch.pooling = PoolingBatch.of(batch.reqs)
         self.fair_share.charge_batch(extends, decodes)
         self.stats.on_batch(batch)
         return batch

@@ -68,12 +68,16 @@ def ready_info(scheduler: SchedulerState) -> ModelInfo:
         chunked_prefill_size=scheduler.chunk_size,
         schedule_policy=args.schedule_policy,
         overlap_schedule=scheduler.overlap,
-        radix_cache=not args.disable_radix_cache,
+        radix_cache=not args.disable_radix_cache and runner.is_causal,
         hierarchical_cache=args.enable_hierarchical_cache,
         sampling_backend=args.sampling_backend or "pytorch",
         sampling_defaults=dict(runner.model_config.sampling_defaults) if args.sampling_defaults == "model" else {},
         lora_enabled=getattr(runner, "lora_manager", None) is not None,
         lora_adapters=runner.lora_manager.loaded() if getattr(runner, "lora_manager", None) is not None else {},
+        pooling_kinds=list(runner.pooling.kinds),
+        pooling_method=runner.pooling.method,
+        labels=list(runner.pooling.labels),
+        is_generation=runner.pooling.is_generation,
     )
 
 

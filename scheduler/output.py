@@ -32,6 +32,7 @@ def build_batch_token_out(reqs: Iterable[Req]) -> Optional[BatchTokenOut]:
         return None
     with_logprobs = any(req.return_logprob for req in ready)
     with_spec = any(req.spec is not None for req in ready)
+    with_embeddings = any(req.embedding is not None for req in ready)
     out = BatchTokenOut(
         rids=[], new_token_ids=[], finish_reasons=[], prompt_tokens=[], completion_tokens=[], cached_tokens=[],
         skip_special_tokens=[], spaces_between_special_tokens=[], stop=[],
@@ -61,6 +62,8 @@ def build_batch_token_out(reqs: Iterable[Req]) -> Optional[BatchTokenOut]:
         if with_spec:
             spec = req.spec
             out.spec.append(None if spec is None else SpecCounts(spec.verify_ct, spec.num_accepted, spec.num_proposed))
+        if with_embeddings:
+            out.embeddings.append(req.embedding)
         req.num_sent_tokens = len(req.output_ids)
         if req.finished:
             req.finish_sent = True

@@ -35,6 +35,7 @@ from radixserve.model_runner.logprobs import InputLogprobs, compute_input_logpro
 from radixserve.model_runner.sampling import Sampler
 from radixserve.model_runner.verify_forward import VerifyForward
 from radixserve.scheduler.batch import ScheduleBatch
+from radixserve.scheduler.pooling import PoolingBatch
 from radixserve.scheduler.speculative.verify import enqueue_verify
 
 logger = logging.getLogger(__name__)
@@ -51,6 +52,8 @@ class BatchResult:
     input_logprobs: Optional[InputLogprobs] = None  # prompt-token logprobs, when the batch planned any
     # Entries where no token could be sampled (see SampleOutput.no_token); None when there are none.
     no_token: Optional[list[bool]] = None
+    # Pooling entries' shares of their vectors by batch index (scheduler/pooling.py); None when none pools.
+    pooled: Optional[dict[int, torch.Tensor]] = None
 
 
 @dataclass
@@ -64,11 +67,13 @@ class PendingResult:
     input_logprobs: Optional[InputLogprobs]
     no_token: Optional[torch.Tensor] = None
     copied: Optional[torch.cuda.Event] = None
+    pooled: Optional[PoolingShares] = None
 
     def wait(self) -> BatchResult:
         if self.copied is not None:
             self.copied.synchronize()  # releases the GIL while the device finishes the batch
-        result = BatchResult(self.next_token_ids.tolist(), input_logprobs=self.input_logprobs)
+        result = BatchResult(self.next_token_ids.tolist(), input_logprobs=self.input_logprobs,
+                             pooled=None if self.pooled is None else self.pooled.by_entry())
         if self.logprobs is not None:
             result.logprobs = self.logprobs.tolist()
         if self.top_logprobs is not None:
@@ -159,28 +164,89 @@ class BatchExecutor:
         plan = batch.input_logprobs
         if plan is not None:
             forward_batch.logits_indices = plan.logits_indices(forward_batch.last_token_indices())
-        logits = runner.forward(forward_batch)
+        pooling = batch.pooling
+        if pooling is not None and pooling.hidden_entries:
+            entries = torch.tensor(pooling.hidden_entries, dtype=torch.int64).to(self.device, non_blocking=True)
+            logits, pooled = runner.forward_pooled(forward_batch, entries)
+        else:
+            logits, pooled = runner.forward(forward_batch), None
+        if logits is None:  # a model that only pools: every entry pools, nothing is sampled
+            return self._pooled_result(batch, pooled)
         input_logprobs = None
         if plan is not None:
             input_logprobs = compute_input_logprobs(logits[batch.batch_size:], plan)
             logits = logits[: batch.batch_size]
+        shares = pooling_shares(pooling, logits, pooled)
         if batch.grammar_mask is not None:
             batch.grammar_mask.apply(logits)  # waits for the previous batch's tokens under overlap
         out = self.sampler.sample(logits, batch.sampling_info, batch.return_logprob, batch.top_logprobs_num)
         runner.sync_sampled(out.next_token_ids)
         self.token_table[forward_batch.req_pool_indices] = out.next_token_ids
         if self.device.type != "cuda":
-            return PendingResult(out.next_token_ids, out.logprobs, out.top_logprobs, input_logprobs, out.no_token)
+            return PendingResult(out.next_token_ids, out.logprobs, out.top_logprobs, input_logprobs, out.no_token,
+                                 pooled=shares)
 
-        def to_host(tensor):  # into pinned memory, complete once `copied` fires
-            return None if tensor is None else tensor.to("cpu", non_blocking=True)
+        top = None if out.top_logprobs is None else tuple(_to_host(t) for t in out.top_logprobs)
+        pending = PendingResult(_to_host(out.next_token_ids), _to_host(out.logprobs), top, input_logprobs,
+                                _to_host(out.no_token), torch.cuda.Event(),
+                                pooled=None if shares is None else shares.to_host())
+        pending.copied.record()
+        return pending
 
-        top = None if out.top_logprobs is None else tuple(to_host(t) for t in out.top_logprobs)
-        pending = PendingResult(to_host(out.next_token_ids), to_host(out.logprobs), top, input_logprobs,
-                                to_host(out.no_token), torch.cuda.Event())
+    def _pooled_result(self, batch: ScheduleBatch, pooled: torch.Tensor) -> PendingResult:
+        """The result of a batch of a model that only pools (its entries all take a share; no token)."""
+        shares = pooling_shares(batch.pooling, None, pooled)
+        no_tokens = torch.zeros(batch.batch_size, dtype=torch.int64)
+        if self.device.type != "cuda":
+            return PendingResult(no_tokens, None, None, None, pooled=shares)
+        pending = PendingResult(no_tokens, None, None, None, copied=torch.cuda.Event(), pooled=shares.to_host())
         pending.copied.record()
         return pending
 
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown(wait=True)
+
+
+@dataclass
+class PoolingShares:
+    """The pooling entries' shares of their vectors (scheduler/pooling.py), concatenated into one float32 tensor, so a
+    batch copies them to the host at once: entry `entries[i]`'s share is the next `sizes[i]` values."""
+
+    entries: list[int]
+    sizes: list[int]
+    values: torch.Tensor
+
+    def to_host(self) -> "PoolingShares":
+        return PoolingShares(self.entries, self.sizes, self.values.to("cpu", non_blocking=True))
+
+    def by_entry(self) -> dict[int, torch.Tensor]:
+        return dict(zip(self.entries, self.values.split(self.sizes)))
+
+
+def pooling_shares(pooling: Optional[PoolingBatch], logits: Optional[torch.Tensor],
+                   pooled: Optional[torch.Tensor]) -> Optional[PoolingShares]:
+    """Each pooling entry's share of its vector: its row of `pooled` (embed, classify), or the log-probabilities of its
+    label tokens under its row of `logits` (score); None when no entry pools."""
+    if pooling is None:
+        return None
+    entries, sizes, parts = [], [], []
+    if pooled is not None:
+        entries += pooling.hidden_entries
+        sizes += [pooled.shape[1]] * pooled.shape[0]
+        parts.append(pooled.reshape(-1))
+    if pooling.score_entries:
+        assert logits is not None, "score entries need logits"
+        logprobs = torch.log_softmax(logits[pooling.score_entries].float(), dim=-1)
+        rows = [row for row, labels in enumerate(pooling.score_labels) for _ in labels]
+        columns = [label for labels in pooling.score_labels for label in labels]
+        device = logprobs.device
+        entries += pooling.score_entries
+        sizes += [len(labels) for labels in pooling.score_labels]
+        parts.append(logprobs[torch.tensor(rows, device=device), torch.tensor(columns, device=device)])
+    return PoolingShares(entries, sizes, torch.cat(parts) if len(parts) > 1 else parts[0])
+
+
+def _to_host(tensor: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """Into pinned memory, complete once the batch's `copied` event fires."""
+    return None if tensor is None else tensor.to("cpu", non_blocking=True)

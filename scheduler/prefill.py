@@ -33,6 +33,7 @@ from radixserve.scheduler.fair_share import FairShare
 from radixserve.scheduler.input_logprobs import prefix_limit
 from radixserve.scheduler.lifecycle import RequestLifecycle
 from radixserve.scheduler.lora import LoRAScheduling
+from radixserve.scheduler.pooling import reusable_prefix
 from radixserve.scheduler.policy import CLIP_MAX_NEW_TOKENS, NewTokenRatio, PrefillAdder, SchedulePolicy
 from radixserve.scheduler.req import Req
 from radixserve.scheduler.results import ResultProcessor
@@ -52,8 +53,9 @@ class PrefillPlanner:
                  req_to_token_pool: ReqToTokenPool, policy: SchedulePolicy, fair_share: FairShare,
                  lora: LoRAScheduling, new_token_ratio: NewTokenRatio, stats: SchedulerStats, builder: BatchBuilder,
                  decode: DecodePlanner, results: ResultProcessor, max_running: int, max_prefill_tokens: int,
-                 chunk_size: Optional[int], mixed_chunk: bool) -> None:
-        """`decode` gives a mixed batch its decoding requests; `results` is waited for before a preemption."""
+                 chunk_size: Optional[int], mixed_chunk: bool, pooling_reuses_prefix: bool = True) -> None:
+        """`decode` gives a mixed batch its decoding requests; `results` is waited for before a preemption;
+        `pooling_reuses_prefix`: whether a pooling request may start from a cached prefix (scheduler/pooling.py)."""
         self.requests = requests
         self.cache = cache
         self.allocator = allocator
@@ -70,6 +72,7 @@ class PrefillPlanner:
         self.max_prefill_tokens = max_prefill_tokens
         self.chunk_size = chunk_size
         self.mixed_chunk = mixed_chunk
+        self.pooling_reuses_prefix = pooling_reuses_prefix
 
     def schedule(self) -> Optional[ScheduleBatch]:
         """The next extend (or mixed) batch, or None when no waiting request fits."""
@@ -145,7 +148,7 @@ class PrefillPlanner:
         """
         fill_len = req.fill_len()
         # Keep at least one token to compute, so the batch yields the logits of the next token.
-        key = req.all_ids[: prefix_limit(req, fill_len - 1)]
+        key = req.all_ids[: reusable_prefix(req, prefix_limit(req, fill_len - 1), self.pooling_reuses_prefix)]
         match = self.cache.match_prefix(key, req.namespace)
         match = self.cache.load_back(match)  # KV demoted to a lower tier returns to the device before the extend
         if _longest_in_batch_prefix(key, req.namespace, entries) >= match.length + IN_BATCH_PREFIX_MIN_GAIN:

@@ -25,6 +25,7 @@ from typing import Any, Optional
 import torch
 
 from radixserve.runtime.wire.messages import FinishReason, SamplingParams, TokenizedGenerateReq, options_of
+from radixserve.runtime.wire.pooling import PoolingParams
 
 _EMPTY_SLOTS = torch.empty(0, dtype=torch.int64)
 
@@ -53,6 +54,7 @@ class Req:
         priority: Optional[int] = None,
         tenant_weight: float = 1.0,
         lora_name: Optional[str] = None,
+        pooling: Optional[PoolingParams] = None,
         arrival_seq: int = 0,
     ) -> None:
         """The keywords before `arrival_seq` are RequestOptions' fields (runtime/wire/messages.py), which
@@ -73,6 +75,11 @@ class Req:
         self.tenant_weight = tenant_weight
         self.tenant = tenant_of(self.namespace)
         self.lora_name = lora_name
+        # A pooling request (runtime/wire/pooling.py) prefills only; scheduler/pooling.py gathers its vector in
+        # `pooled` over its chunks and sets `embedding` when it finishes.
+        self.pooling = pooling
+        self.pooled: Optional[torch.Tensor] = None
+        self.embedding: Optional[list[float]] = None
 
         # Outputs
         self.output_ids: list[int] = []

@@ -30,6 +30,7 @@ from radixserve.scheduler.input_logprobs import collect_input_logprobs
 from radixserve.scheduler.lifecycle import RequestLifecycle
 from radixserve.scheduler.output import has_news
 from radixserve.scheduler.overlap import LaunchedBatch
+from radixserve.scheduler.pooling import finish_vector, take_share
 from radixserve.scheduler.req import Req
 from radixserve.scheduler.stats import SchedulerStats, decode_log_line, used_kv_tokens
 from radixserve.scheduler.stop import StopChecker
@@ -43,7 +44,7 @@ OUT_OF_MEMORY_MESSAGE = ("the server ran out of device memory while running this
 class ResultProcessor:
     def __init__(self, *, requests: RequestLifecycle, cache: PrefixCache, allocator: KVAllocator,
                  grammars: GrammarManager, stop_checker: StopChecker, speculator: Any, stats: SchedulerStats,
-                 device: torch.device, decode_log_interval: int) -> None:
+                 device: torch.device, decode_log_interval: int, pooling_method: Optional[str]) -> None:
         self.requests = requests
         self.cache = cache
         self.allocator = allocator
@@ -53,6 +54,7 @@ class ResultProcessor:
         self.stats = stats
         self.device = device  # the runner's
         self.decode_log_interval = decode_log_interval
+        self.pooling_method = pooling_method  # how the runner pools embeddings (scheduler/pooling.py)
         self.inflight: deque[LaunchedBatch] = deque()
 
     def process(self, launched: LaunchedBatch) -> None:
@@ -72,6 +74,8 @@ class ResultProcessor:
             if req.finished:
                 self.requests.maybe_release(req)
                 continue
+            if result.pooled is not None and i in result.pooled:
+                take_share(req, result.pooled[i], batch.prefix_lens[i], self.pooling_method)
             if not batch.samples_output[i]:
                 continue  # an unfinished chunk: its sample is not an output
             try:
@@ -137,6 +141,8 @@ class ResultProcessor:
     def _process_output(self, req: Req, result: Any, i: int) -> None:
         """Take entry i's sampled token into `req` and finish it if it stops here."""
         if req.max_new_tokens == 0:
+            if req.pooling is not None:
+                req.embedding = finish_vector(req, self.pooling_method)
             self.requests.finish(req, FinishReason.max_length(0))
             return
         if result.no_token is not None and result.no_token[i]:

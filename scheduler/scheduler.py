@@ -85,7 +85,9 @@ class Scheduler:
         self.allocator = allocator = model_runner.allocator
         self.page_size = allocator.page_size
         self.max_running = model_runner.max_running_requests
-        self.cache = cache = make_cache(args, pool, allocator, model_runner.token_to_kv_pool)
+        # An encoder's KV depends on its whole prompt: it never shares (model_runner/models/bert.py).
+        self.cache = cache = make_cache(args, pool, allocator, model_runner.token_to_kv_pool,
+                                        shares_kv=model_runner.is_causal)
         self.tokenizer = tokenizer if tokenizer is not None else try_load_tokenizer(args, model_runner.model_dir)
         self.stop_checker = StopChecker(model_runner.model_config.eos_token_ids, self.tokenizer)
         self.grammars = GrammarManager(self.tokenizer, model_runner.vocab_size, self.stop_checker.eos_token_ids)
@@ -95,7 +97,7 @@ class Scheduler:
         self.overlap = args.resolved_overlap_schedule()
         self.executor = BatchExecutor(model_runner, self.overlap)
         self.speculator = make_speculator(args, model_runner, cache, self.stop_checker)
-        self.chunk_size = args.resolved_chunked_prefill_size()
+        self.chunk_size = args.resolved_chunked_prefill_size() if model_runner.is_causal else None
         self.stats = SchedulerStats()
         self.recent_requests = RecentRequests()  # paths of finished requests, for the cache page
         self.new_token_ratio = NewTokenRatio(args.schedule_conservativeness)
@@ -108,7 +110,7 @@ class Scheduler:
         self.results = ResultProcessor(
             requests=self.requests, cache=cache, allocator=allocator, grammars=self.grammars,
             stop_checker=self.stop_checker, speculator=self.speculator, stats=self.stats, device=model_runner.device,
-            decode_log_interval=args.decode_log_interval)
+            decode_log_interval=args.decode_log_interval, pooling_method=model_runner.pooling.method)
         self.inflight = self.results.inflight  # launched batches whose results are not processed, oldest first
         self.batch_builder = BatchBuilder(
             runner=model_runner, device=self.executor.device, stop_checker=self.stop_checker, grammars=self.grammars,
@@ -122,7 +124,7 @@ class Scheduler:
             fair_share=self.fair_share, lora=self.lora, new_token_ratio=self.new_token_ratio, stats=self.stats,
             builder=self.batch_builder, decode=self.decode, results=self.results, max_running=self.max_running,
             max_prefill_tokens=args.max_prefill_tokens, chunk_size=self.chunk_size,
-            mixed_chunk=args.enable_mixed_chunk)
+            mixed_chunk=args.enable_mixed_chunk, pooling_reuses_prefix=model_runner.pooling.reuses_prefix)
         self._outputs: list[Any] = []
         self._arrivals = itertools.count()
         self._checked_since_work = True

@@ -12,10 +12,12 @@ from radixserve.scheduler.req import Req
 logger = logging.getLogger(__name__)
 
 
-def make_cache(server_args: ServerArgs, req_to_token_pool: Any, allocator: Any, kv_pool: Any) -> PrefixCache:
-    """The radix cache, the never-sharing cache under `disable_radix_cache`, or the hierarchical cache (host tier
-    of `hicache_size` GB, else `hicache_ratio` times the device pool) under `enable_hierarchical_cache`."""
-    if server_args.disable_radix_cache:
+def make_cache(server_args: ServerArgs, req_to_token_pool: Any, allocator: Any, kv_pool: Any,
+               shares_kv: bool = True) -> PrefixCache:
+    """The radix cache, the never-sharing cache under `disable_radix_cache` or for a model whose KV cannot be shared
+    (`shares_kv` False), or the hierarchical cache (host tier of `hicache_size` GB, else `hicache_ratio` times the
+    device pool) under `enable_hierarchical_cache`."""
+    if server_args.disable_radix_cache or not shares_kv:
         from radixserve.radix_cache.no_share import NoShareCache
 
         return NoShareCache(req_to_token_pool, allocator, allocator.page_size)
@@ -65,4 +67,9 @@ def check_request(req: Req, runner: Any, tokenizer: Any) -> Optional[str]:
                 f"({runner.allocator.size})")
     if params.stop and tokenizer is None:
         return "stop strings need a tokenizer, and this model has none"
+    pooling = runner.pooling
+    if req.pooling is None and not pooling.is_generation:
+        return f"this model does not generate text; it serves {', '.join(pooling.kinds)} requests"
+    if req.pooling is not None and req.pooling.kind not in pooling.kinds:
+        return f"this model cannot serve {req.pooling.kind} requests (it serves: {', '.join(pooling.kinds)})"
     return None

@@ -62,6 +62,7 @@ class Result:
     num_messages: int = 0
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list] = field(default_factory=list)
+    embedding: Optional[list[float]] = None  # a pooling request's vector
 
 
 class SchedulerDriver:
@@ -79,13 +80,14 @@ class SchedulerDriver:
     # ---- input -------------------------------------------------------------------------------------
     def submit(self, rid: str, input_ids: list[int], namespace: tuple = (), return_logprob: bool = False,
                top_logprobs_num: int = 0, stream: bool = True, priority: Optional[int] = None,
-               tenant_weight: float = 1.0, lora_name: Optional[str] = None, **sampling: Any) -> None:
+               tenant_weight: float = 1.0, lora_name: Optional[str] = None, pooling: Any = None,
+               **sampling: Any) -> None:
         sampling.setdefault("temperature", 0.0)
         self.results[rid] = Result()
         self.scheduler.handle_message(TokenizedGenerateReq(
             rid=rid, input_ids=list(input_ids), sampling_params=SamplingParams(**sampling), namespace=namespace,
             return_logprob=return_logprob, top_logprobs_num=top_logprobs_num, stream=stream, priority=priority,
-            tenant_weight=tenant_weight, lora_name=lora_name,
+            tenant_weight=tenant_weight, lora_name=lora_name, pooling=pooling,
         ))
         self._collect()
 
@@ -156,6 +158,8 @@ class SchedulerDriver:
                 result.completion_tokens = message.completion_tokens[i]
                 result.cached_tokens = message.cached_tokens[i]
                 assert result.completion_tokens == len(result.output_ids)
+                if message.embeddings:
+                    result.embedding = message.embeddings[i]
                 if message.output_token_logprobs:
                     result.logprobs.extend(message.output_token_logprobs[i])
                     result.top_logprobs.extend(message.output_top_logprobs[i])

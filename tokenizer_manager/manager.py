@@ -329,6 +329,8 @@ class TokenizerManager:
                          out.queue_times[i] if out.queue_times else None)
             if out.spec:
                 state.spec = out.spec[i]
+            if out.embeddings:
+                state.embedding = out.embeddings[i]
             group.notify(state.index)
             if state.finished:
                 self._observe(state)

@@ -57,6 +57,7 @@ class ReqState:
     input_top_logprobs: Optional[list[Optional[list[tuple[int, float]]]]] = None
     token_times: list[float] = field(default_factory=list)  # arrival time of each chunk of new tokens
     finished_at: Optional[float] = None
+    embedding: Optional[list[float]] = None  # a pooling request's vector (runtime/wire/pooling.py)
     # How much of text / output_ids the streaming consumer has already taken.
     text_taken: int = 0
     ids_taken: int = 0
@@ -124,6 +125,8 @@ class ReqState:
                 for top in self.input_top_logprobs or []]
 
     def result(self, token_text: TokenText) -> dict[str, Any]:
+        if self.embedding is not None:  # SGLang's shape for an embedding
+            return {"embedding": self.embedding, "meta_info": self.meta_info(token_text)}
         return {"text": self.text, "output_ids": list(self.output_ids), "meta_info": self.meta_info(token_text)}
 
     def take_chunk(self, token_text: TokenText, incremental: bool) -> dict[str, Any]:

@@ -42,4 +42,5 @@ class AttentionBackend(ABC):
         batch: ForwardBatch,
     ) -> torch.Tensor:
         """Write the new tokens' K/V at `batch.out_cache_loc`, then return causal attention output
-        `[num_tokens, num_heads, head_dim]` over each request's prefix plus its new tokens."""
+        `[num_tokens, num_heads, head_dim]` over each request's prefix plus its new tokens (bidirectional when
+        `batch.causal` is False, which only torch_native runs)."""

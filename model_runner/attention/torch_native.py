@@ -25,7 +25,7 @@ are merged by their log-sum-exp. Softmax over a split key set is exact, so this 
 rounding. It pays off on the CPU, where the gathers dominate decode; on a GPU it is off by default.
 
 Causality: new token j of request i sits at position `prefix_lens[i] + j` and attends to key positions
-`<= prefix_lens[i] + j`. Padded key columns point at slot 0 (the pool's dummy page) and are masked out;
+`<= prefix_lens[i] + j`; in a batch with `causal=False` (an encoder's) it attends to every key of its sequence. Padded key columns point at slot 0 (the pool's dummy page) and are masked out;
 padded query rows see the whole sequence (so no row is empty) and their output is dropped.
 """
 
@@ -262,6 +262,8 @@ def _plan_chunk(batch: ForwardBatch, first: int, last: int, token_start: int, ke
     kv_indices = torch.where(in_seq, rows, torch.zeros_like(rows))
     query_pos = batch.prefix_lens[first:last, None] + torch.arange(max_ext, device=device)[None, :]
     causal = key_pos[:, None, :] <= query_pos[:, :, None]  # [n, max_ext, max_keys]
+    if not batch.causal:  # an encoder: every query sees its whole sequence
+        causal = torch.ones_like(causal)
     mask = (causal & in_seq[:, None, :])[:, None]
     query_slots = None
     if any(e != max_ext for e in extend_lens):

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 from torch import nn
 
+from radixserve.model_runner.models.bert import BertModel
 from radixserve.model_runner.models.llama import LlamaForCausalLM
 from radixserve.model_runner.models.mixtral import MixtralForCausalLM
 from radixserve.model_runner.models.qwen2 import Qwen2ForCausalLM
 from radixserve.model_runner.models.qwen2_moe import Qwen2MoeForCausalLM
 from radixserve.model_runner.models.qwen3 import Qwen3ForCausalLM
 from radixserve.model_runner.models.qwen3_moe import Qwen3MoeForCausalLM
+from radixserve.model_runner.models.sequence_classification import (LlamaForSequenceClassification,
+                                                                    Qwen2ForSequenceClassification,
+                                                                    Qwen3ForSequenceClassification)
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -19,6 +23,10 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
+    "LlamaForSequenceClassification": LlamaForSequenceClassification,
+    "Qwen2ForSequenceClassification": Qwen2ForSequenceClassification,
+    "Qwen3ForSequenceClassification": Qwen3ForSequenceClassification,
+    "BertModel": BertModel,
 }
 
 
@@ -32,5 +40,6 @@ def get_model_class(architecture: str) -> type[nn.Module]:
         ) from None
 
 
-__all__ = ["MODEL_REGISTRY", "get_model_class", "LlamaForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM",
+__all__ = ["MODEL_REGISTRY", "BertModel", "LlamaForSequenceClassification", "Qwen2ForSequenceClassification",
+           "Qwen3ForSequenceClassification", "get_model_class", "LlamaForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM",
            "Qwen2MoeForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"]

@@ -26,6 +26,7 @@ from radixserve.runtime.http.extension_fields import unsupported_field
 from radixserve.runtime.http.generation import GenerationRun, json_response, respond
 from radixserve.runtime.http.openai.protocol import StrictModel, parse_request
 from radixserve.runtime.http.state import ServerState, caller, caller_tenant, require_admin
+from radixserve.runtime.pooling import embed_request
 from radixserve.runtime.tenancy import Caller
 from radixserve.runtime.wire.compat import UnsupportedFieldError
 from radixserve.runtime.wire.request import GenerateRequest, NormalizedRequest, RequestFieldError, normalize
@@ -191,6 +192,8 @@ async def health_generate(request: Request, tenant: Optional[str] = Depends(call
     state = _state(request)
     rid = f"health-{uuid.uuid4().hex}"
     probe = GenerateRequest(text="ping", sampling_params={"max_new_tokens": 1, "temperature": 0.0}, rid=rid)
+    if not state.model_info.is_generation:  # a model that only pools is probed with what it serves
+        probe = embed_request(state.model_info, ["ping"], rid=rid)
 
     async def one_token() -> Any:
         result = None

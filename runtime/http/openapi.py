@@ -20,6 +20,7 @@ from pydantic import BaseModel
 from radixserve.runtime.http.lora_api import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from radixserve.runtime.http.native_api import _RidBody as AbortRequest
 from radixserve.runtime.http.openai.protocol import ChatCompletionRequest, CompletionRequest
+from radixserve.runtime.http.pooling_api import ClassifyRequest, EmbeddingRequest, RerankRequest, ScoreRequest
 from radixserve.runtime.wire.request import SERVER_FIELDS, GenerateRequest
 
 # POST path -> (schema name, the model its handler validates the body with: pydantic, or the wire's msgspec struct).
@@ -30,6 +31,12 @@ REQUEST_BODIES: dict[str, tuple[str, type[Any]]] = {
     "/abort_request": ("AbortRequest", AbortRequest),
     "/load_lora_adapter": ("LoadLoRAAdapterRequest", LoadLoRAAdapterRequest),
     "/unload_lora_adapter": ("UnloadLoRAAdapterRequest", UnloadLoRAAdapterRequest),
+    "/v1/embeddings": ("EmbeddingRequest", EmbeddingRequest),
+    "/v1/rerank": ("RerankRequest", RerankRequest),
+    "/rerank": ("RerankRequest", RerankRequest),
+    "/v1/score": ("ScoreRequest", ScoreRequest),
+    "/classify": ("ClassifyRequest", ClassifyRequest),
+    "/v1/classify": ("ClassifyRequest", ClassifyRequest),
 }
 OPEN_PATHS = ("/health", "/metrics", "/openapi.json")
 _REF = "#/components/schemas/{model}"

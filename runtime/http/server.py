@@ -36,6 +36,8 @@ from radixserve.runtime.http.generation import install_disconnect_handlers, json
 from radixserve.runtime.http.state import InflightRequests, ServerState, caller, caller_tenant, require_admin
 from radixserve.runtime.http.lora_api import adapter_cards
 from radixserve.runtime.http.lora_api import router as lora_router
+from radixserve.runtime.http.pooling_api import router as pooling_router
+from radixserve.runtime.pooling import embed_request
 from radixserve.runtime.http.metrics import ServerMetrics
 from radixserve.runtime.http.tenant_usage import TenantUsage
 from radixserve.runtime.http.native_api import health_route
@@ -130,6 +132,7 @@ def create_app(engine: ServingEngine, server_args: ServerArgs) -> FastAPI:
     app.include_router(native_router)
     app.include_router(lora_router)  # /load_lora_adapter, /unload_lora_adapter (runtime/http/lora_api.py)
     app.include_router(cache_page_router)  # /cache (the page) and /cache/tree (runtime/http/cache_page.py)
+    app.include_router(pooling_router)  # /v1/embeddings, /v1/rerank, /v1/score, /classify (runtime/http/pooling_api.py)
     install_openapi(app)
     return app
 
@@ -141,6 +144,8 @@ async def _warmup(state: ServerState) -> None:
     requests = [GenerateReqInput(text="Hello", sampling_params=one_token, rid=f"warmup-{uuid.uuid4().hex}"),
                 GenerateReqInput(text="Hello", rid=f"warmup-json-{uuid.uuid4().hex}",
                                  sampling_params={**one_token, "json_schema": '{"type": "object"}'})]
+    if not state.model_info.is_generation:  # a model that only pools warms up on what it serves
+        requests = [embed_request(state.model_info, ["Hello"], rid=f"warmup-{uuid.uuid4().hex}")]
 
     async def run(request: GenerateReqInput) -> Any:
         result = None
@@ -149,6 +154,7 @@ async def _warmup(state: ServerState) -> None:
         return result
 
     results = await asyncio.gather(*(run(r) for r in requests))
+    results = [r[0] if isinstance(r, list) else r for r in results]  # an embedding request answers a list
     logger.info("warm-up done: %s", [r["meta_info"]["finish_reason"] for r in results])
 
 

@@ -22,6 +22,7 @@ import msgspec
 
 from radixserve.runtime.wire.cache_tree import CacheTreeReq, CacheTreeReqOutput
 from radixserve.runtime.wire.lora import LoadLoRAAdapterReq, LoRAAdapterReqOutput, UnloadLoRAAdapterReq
+from radixserve.runtime.wire.pooling import PoolingParams
 from radixserve.runtime.wire.sampling_params import SamplingParams
 from radixserve.runtime.wire.server_info import ModelInfo, ServerInfo
 
@@ -79,6 +80,7 @@ class RequestOptions(msgspec.Struct, kw_only=True):
     priority: Optional[int] = None  # SGLang's per-request priority (scheduler/fair_share.py)
     tenant_weight: float = 1.0  # the tenant's fair-share weight, from the tenants file
     lora_name: Optional[str] = None  # the LoRA adapter to run under (None: the base model)
+    pooling: Optional[PoolingParams] = None  # a prefill-only request returning a vector (runtime/wire/pooling.py)
 
 
 def options_of(message: RequestOptions) -> dict[str, Any]:
@@ -148,6 +150,8 @@ class BatchTokenOut(msgspec.Struct, tag=True):
     spec: list[Optional[SpecCounts]] = []
     # Seconds each request waited in the scheduler's queue before its first admission (None: never admitted).
     queue_times: list[Optional[float]] = []
+    # Pooling requests' vectors, sent with their finish (None for generation requests; empty when none pools).
+    embeddings: list[Optional[list[float]]] = []
 
 
 class BatchTextOut(msgspec.Struct, tag=True):
@@ -166,6 +170,7 @@ class BatchTextOut(msgspec.Struct, tag=True):
     input_top_logprobs: list[Optional[list[Optional[list[tuple[int, float]]]]]] = []
     spec: list[Optional[SpecCounts]] = []
     queue_times: list[Optional[float]] = []
+    embeddings: list[Optional[list[float]]] = []
 
 
 class EvictedPrefix(msgspec.Struct):

@@ -32,6 +32,7 @@ from msgspec import Meta
 
 from radixserve.runtime.wire.lora import namespace_part
 from radixserve.runtime.wire.messages import ModelInfo, RequestOptions
+from radixserve.runtime.wire.pooling import PoolingParams
 from radixserve.runtime.wire.sampling_params import INT64_MAX, INT64_MIN, InvalidSamplingParams, SamplingParams
 
 MAX_BATCH = 1024  # prompts in one HTTP request
@@ -77,6 +78,9 @@ class GenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     tenant: Optional[str] = None
     tenant_weight: float = 1.0
     incremental_stream: Optional[bool] = None
+    # Set by the pooling surfaces (embeddings, rerank, score, classify; runtime/wire/pooling.py), never by a client of
+    # /generate: every prompt prefills only and returns a vector. Its sampling_params must be left unset.
+    pooling: Optional[PoolingParams] = None
 
     @property
     def is_single(self) -> bool:
@@ -89,7 +93,7 @@ class GenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 PER_PROMPT_FIELDS = ("sampling_params", "rid", "return_logprob", "logprob_start_len", "top_logprobs_num",
                      "cache_salt", "priority", "lora_path")
-SERVER_FIELDS = ("tenant", "tenant_weight", "incremental_stream")
+SERVER_FIELDS = ("tenant", "tenant_weight", "incremental_stream", "pooling")
 
 
 class RequestFieldError(ValueError):
@@ -300,6 +304,11 @@ def normalize(request: GenerateRequest, model: ModelInfo) -> NormalizedRequest:
     Raises ValueError before anything is sent: RequestFieldError for the shape and the request-wide fields, and for
     a prompt's fields the error `located` (its `field` names the field; in a batch its message names the prompt)."""
     prompts = split_prompts(request)
+    if request.pooling is not None:
+        _check_pooling(request, prompts, model)
+    elif not model.is_generation:
+        raise RequestFieldError(f"this model does not generate text; it serves {', '.join(model.pooling_kinds)} "
+                                "requests (/v1/embeddings, /v1/rerank, /classify)")
     rank = request.data_parallel_rank if request.routed_dp_rank is None else request.routed_dp_rank
     if rank is not None and not 0 <= rank < model.dp_size:
         raise RequestFieldError(f"data_parallel_rank must be in [0, {model.dp_size}) (the server runs "
@@ -313,6 +322,23 @@ def normalize(request: GenerateRequest, model: ModelInfo) -> NormalizedRequest:
         tenant=request.tenant,
         routed_dp_rank=rank,
     )
+
+
+def _check_pooling(request: GenerateRequest, prompts: list[PromptRequest], model: ModelInfo) -> None:
+    """A pooling request: the model serves its kind; it streams nothing, returns no logprobs and samples nothing
+    (each prompt gets `max_new_tokens = 0`)."""
+    try:
+        request.pooling.check(model.vocab_size, model.pooling_kinds)
+    except ValueError as error:
+        raise RequestFieldError(str(error)) from None
+    if request.stream:
+        raise RequestFieldError("a pooling request cannot stream", "stream")
+    for prompt in prompts:
+        if prompt.sampling_params:
+            raise RequestFieldError("a pooling request takes no sampling_params", "sampling_params")
+        if prompt.return_logprob:
+            raise RequestFieldError("a pooling request returns no logprobs", "return_logprob")
+        prompt.sampling_params = {"max_new_tokens": 0}
 
 
 def _normalize_prompt(prompt: PromptRequest, request: GenerateRequest, model: ModelInfo) -> NormalizedPrompt:
@@ -340,6 +366,7 @@ def _normalize_prompt(prompt: PromptRequest, request: GenerateRequest, model: Mo
         priority=prompt.priority,
         tenant_weight=request.tenant_weight,
         lora_name=prompt.lora_name,
+        pooling=request.pooling,
     )
     return NormalizedPrompt(index=prompt.index, rid=prompt.rid, text=prompt.text, input_ids=prompt.input_ids,
                             sampling_params=sampling, samples=samples, options=options)

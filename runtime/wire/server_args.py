@@ -15,6 +15,7 @@ from radixserve.runtime.wire import sglang_flags
 from radixserve.runtime.wire.cpu_kernels import CPU_KERNEL_NAMES, parse_cpu_kernels
 from radixserve.runtime.wire.heap import parse_gc_threshold
 from radixserve.runtime.wire.lora import parse_lora_paths
+from radixserve.runtime.wire.pooling import POOLING_METHODS
 from radixserve.runtime.wire.speculative_args import check_speculative_args, resolved_num_draft_tokens  # noqa: F401
 
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
@@ -171,6 +172,11 @@ class ServerArgs:
     speculative_ngram_max_bfs_breadth: int = 1  # must be 1 (chains)
     speculative_ngram_match_type: str = "BFS"
 
+    # Pooling models: embeddings, classification, rerank and score (runtime/wire/pooling.py, docs/embeddings.md)
+    is_embedding: bool = False  # serve a decoder as an embedding model (encoders and classifiers are detected)
+    # last, mean or cls; None: the model's sentence-transformers pooling config, else last (decoders) / cls (encoders)
+    pooling_method: Optional[str] = None
+
     def __post_init__(self) -> None:
         def check(ok: bool, message: str) -> None:
             if not ok:
@@ -281,6 +287,8 @@ class ServerArgs:
         check(self.gc_warning_threshold_secs >= 0,
               f"gc_warning_threshold_secs must be >= 0, got {self.gc_warning_threshold_secs}")
         check_speculative_args(self)
+        check(self.pooling_method is None or self.pooling_method in POOLING_METHODS,
+              f"pooling_method must be one of {POOLING_METHODS}, got {self.pooling_method!r}")
 
     # ---- resolved values -------------------------------------------------------------------------
     def lora_enabled(self) -> bool:

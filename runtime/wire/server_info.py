@@ -55,6 +55,13 @@ class ModelInfo(msgspec.Struct, kw_only=True):
     lora_enabled: bool = False
     # Data-parallel replicas behind the controller; the fields above (the KV pool included) describe one of them.
     dp_size: int = 1
+    # Pooling (runtime/wire/pooling.py): the kinds of pooling request the model serves, how it pools an embedding
+    # (None unless it serves embed), its classification labels (id2label order; empty unless it serves classify),
+    # and whether it generates text at all.
+    pooling_kinds: list[str] = msgspec.field(default_factory=lambda: ["score"])
+    pooling_method: Optional[str] = None
+    labels: list[str] = []
+    is_generation: bool = True
 
     def to_dict(self) -> dict[str, Any]:
         return msgspec.structs.asdict(self)

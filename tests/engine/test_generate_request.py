@@ -181,3 +181,35 @@ def test_the_engine_keywords_are_the_request_fields():
         with pytest.raises(TypeError, match=name):
             _request("hi", None, {name: 1})
     assert isinstance(normalize(request, model()), NormalizedRequest)
+
+
+def test_a_pooling_request_prefills_only_and_travels_to_the_scheduler():
+    from radixserve.runtime.wire.pooling import PoolingParams
+    from radixserve.scheduler.req import Req
+
+    score = PoolingParams(kind="score", label_token_ids=(3, 4))
+    normalized = normalize(GenerateRequest(input_ids=[[1, 2], [5]], pooling=score), model())
+    for prompt in normalized.prompts:
+        assert prompt.sampling_params.max_new_tokens == 0 and prompt.options.pooling == score
+    message = decode(encode(TokenizedGenerateReq(rid="r", input_ids=[1, 2], sampling_params=normalized.prompts[0]
+                                                 .sampling_params, **options_of(normalized.prompts[0].options))))
+    assert Req.from_message(message, 0).pooling == score
+
+
+@pytest.mark.parametrize("fields, served, message", [
+    ({"pooling": {"kind": "embed"}}, ["score"], "cannot serve embed"),
+    ({"pooling": {"kind": "score"}}, ["score"], "label_token_ids"),
+    ({"pooling": {"kind": "score", "label_token_ids": [VOCAB]}}, ["score"], "outside the vocabulary"),
+    ({"pooling": {"kind": "embed"}, "stream": True}, ["embed"], "cannot stream"),
+    ({"pooling": {"kind": "embed"}, "sampling_params": {"max_new_tokens": 3}}, ["embed"], "no sampling_params"),
+    ({"pooling": {"kind": "embed"}, "return_logprob": True}, ["embed"], "no logprobs"),
+    ({}, ["embed"], "does not generate"),
+])
+def test_pooling_requests_the_model_cannot_serve_are_refused(fields, served, message):
+    from radixserve.runtime.wire.pooling import PoolingParams
+
+    if "pooling" in fields:
+        fields = {**fields, "pooling": msgspec.convert(fields["pooling"], PoolingParams)}
+    info = msgspec.structs.replace(model(), pooling_kinds=served, is_generation="score" in served)
+    with pytest.raises(RequestFieldError, match=message):
+        normalize(GenerateRequest(input_ids=[1, 2], **fields), info)

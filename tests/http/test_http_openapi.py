@@ -27,11 +27,14 @@ MAX_WORK = 4
 GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions", "/generate", "/abort_request")
 POST_ROUTES = {"/v1/chat/completions": "ChatCompletionRequest", "/v1/completions": "CompletionRequest",
                "/generate": "GenerateRequest", "/abort_request": "AbortRequest",
-               "/load_lora_adapter": "LoadLoRAAdapterRequest", "/unload_lora_adapter": "UnloadLoRAAdapterRequest"}
+               "/load_lora_adapter": "LoadLoRAAdapterRequest", "/unload_lora_adapter": "UnloadLoRAAdapterRequest",
+               "/v1/embeddings": "EmbeddingRequest", "/v1/rerank": "RerankRequest", "/rerank": "RerankRequest",
+               "/v1/score": "ScoreRequest", "/classify": "ClassifyRequest", "/v1/classify": "ClassifyRequest"}
 ROUTES = {"/health", "/metrics", "/v1/models", "/v1/models/{model_id}", "/v1/chat/completions", "/v1/completions",
           "/generate", "/abort_request", "/flush_cache", "/get_model_info", "/get_server_info", "/health_generate",
           "/model_info", "/server_info",
-          "/cache", "/cache/tree", "/cache/{asset}", "/load_lora_adapter", "/unload_lora_adapter"}
+          "/cache", "/cache/tree", "/cache/{asset}", "/load_lora_adapter", "/unload_lora_adapter",
+          "/v1/embeddings", "/v1/rerank", "/rerank", "/v1/score", "/classify", "/v1/classify"}
 
 
 @pytest.fixture(scope="module")
