@@ -20,6 +20,7 @@ from pydantic import BaseModel
 from radixserve.runtime.http.lora_api import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from radixserve.runtime.http.native_api import _RidBody as AbortRequest
 from radixserve.runtime.http.openai.protocol import ChatCompletionRequest, CompletionRequest
+from radixserve.runtime.http.vllm_api import DetokenizeRequest, TokenizeRequest
 from radixserve.runtime.wire.request import SERVER_FIELDS, GenerateRequest
 
 # POST path -> (schema name, the model its handler validates the body with: pydantic, or the wire's msgspec struct).
@@ -30,8 +31,10 @@ REQUEST_BODIES: dict[str, tuple[str, type[Any]]] = {
     "/abort_request": ("AbortRequest", AbortRequest),
     "/load_lora_adapter": ("LoadLoRAAdapterRequest", LoadLoRAAdapterRequest),
     "/unload_lora_adapter": ("UnloadLoRAAdapterRequest", UnloadLoRAAdapterRequest),
+    "/tokenize": ("TokenizeRequest", TokenizeRequest),
+    "/detokenize": ("DetokenizeRequest", DetokenizeRequest),
 }
-OPEN_PATHS = ("/health", "/metrics", "/openapi.json")
+OPEN_PATHS = ("/health", "/metrics", "/openapi.json", "/ping", "/version")
 _REF = "#/components/schemas/{model}"
 _ERROR = {
     "title": "ErrorResponse",
