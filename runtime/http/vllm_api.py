@@ -4,8 +4,9 @@
 - `GET|POST /ping`: 200 while the server is up, as `/health` (SageMaker's probe; open like `/health`).
 - `POST /tokenize`: `{"prompt": ...}` (with `add_special_tokens`, default true: the ids /v1/completions feeds the
   model) or `{"messages": [...]}` (through the chat template, as /v1/chat/completions renders them; with
-  `add_generation_prompt`, `continue_final_message`, `chat_template_kwargs`, `tools`) -> `{"count", "max_model_len",
-  "tokens", "token_strs"}` (`token_strs` with `return_token_strs`).
+  `add_generation_prompt`, `continue_final_message`, `chat_template_kwargs`, `tools`; `add_special_tokens`, default
+  false, tokenizes the rendered text as a prompt) -> `{"count", "max_model_len", "tokens", "token_strs"}`
+  (`token_strs` with `return_token_strs`).
 - `POST /detokenize`: `{"tokens": [...]}` -> `{"prompt": text}`.
 
 `model` is checked as on the OpenAI routes (openai/serving_common.py::check_model).
@@ -28,7 +29,9 @@ from radixserve.runtime.http.openai.protocol import (RESERVED_TEMPLATE_KWARGS, C
                                                      parse_request)
 from radixserve.runtime.http.openai.serving_chat import encode_chat
 from radixserve.runtime.http.openai.serving_common import check_model
+from radixserve.runtime.http.openai.tool_calling import conversation_of
 from radixserve.runtime.http.state import ServerState, caller_tenant
+from radixserve.tokenizer_manager.tokenize import load_chat_template
 
 
 class TokenizePromptRequest(StrictModel):
@@ -50,9 +53,6 @@ class TokenizeChatRequest(StrictModel):
 
     @model_validator(mode="after")
     def _check(self) -> "TokenizeChatRequest":
-        if self.add_special_tokens:
-            raise ValueError("add_special_tokens is not supported with messages: the chat template writes the "
-                             "special tokens")
         if self.continue_final_message and self.add_generation_prompt:
             raise ValueError("continue_final_message continues the last message; set add_generation_prompt false")
         reserved = sorted(set(self.chat_template_kwargs or {}) & RESERVED_TEMPLATE_KWARGS)
@@ -106,7 +106,10 @@ async def tokenize(request: Request) -> Response:
                   "continue_final_message": body.continue_final_message}
         if body.tools is not None:
             kwargs["tools"] = body.tools
-        tokens = await encode_chat(state, body.messages, **kwargs)
+        if body.add_special_tokens:
+            tokens = _chat_with_special_tokens(state, conversation_of(body.messages), kwargs)
+        else:  # the ids /v1/chat/completions feeds the model
+            tokens = await encode_chat(state, body.messages, **kwargs)
     elif body.add_special_tokens:
         try:
             tokens = await state.engine.async_encode(body.prompt)
@@ -117,6 +120,19 @@ async def tokenize(request: Request) -> Response:
     token_strs = state.tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs else None
     return json_response({"count": len(tokens), "max_model_len": state.context_len, "tokens": tokens,
                           "token_strs": token_strs})
+
+
+def _chat_with_special_tokens(state: ServerState, conversation: list[dict[str, Any]],
+                              template_kwargs: dict[str, Any]) -> list[int]:
+    """vLLM's `add_special_tokens` with messages: the rendered conversation tokenized as a prompt is (a BOS token
+    added where the tokenizer adds one)."""
+    try:
+        text = state.tokenizer.apply_chat_template(
+            conversation, chat_template=load_chat_template(state.server_args.chat_template), tokenize=False,
+            **template_kwargs)
+    except Exception as error:  # the template itself refuses (e.g. roles must alternate)
+        raise bad_request(f"the chat template rejected the messages: {error}", param="messages") from None
+    return list(state.tokenizer.encode(text, add_special_tokens=True))
 
 
 @protected.post("/detokenize")
