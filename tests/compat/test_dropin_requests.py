@@ -3,12 +3,11 @@ exact request (or launch line) a user of those servers meets, through the offici
 
 Where a test ports one of those projects' own tests, its docstring names the test it follows. The server is
 launched as SGLang's OpenAI-server tests launch theirs (a tool-call parser), with SGLang's spellings `--dp 1`
-and `--chat-template chatml`.
+and `--chat-template chatml` (the other launch spellings: tests/compat/test_sglang_flags.py).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 
@@ -19,9 +18,7 @@ import pytest
 
 from http_fixtures import ServerProcess
 
-from radixserve.runtime.wire.server_args import ServerArgs
-
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # a server of its own; generations
 
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 # The tool of SGLang's test_function_calling_format: "int" is not a JSON Schema type.
@@ -90,7 +87,7 @@ def test_a_schema_the_grammar_cannot_compile_passes_where_nothing_compiles_it(cl
     "required" (the schema would be enforced as written) a 400 naming the tool."""
     messages = [{"role": "system", "content": "You can call functions; answer with a call when one fits."},
                 {"role": "user", "content": "Compute (3+5)"}]
-    request = dict(model="meta-llama/Llama-3.1-8B-Instruct", messages=messages, tools=[ADD_TOOL], max_tokens=48)
+    request = dict(model="meta-llama/Llama-3.1-8B-Instruct", messages=messages, tools=[ADD_TOOL], max_tokens=24)
     for choice in ({}, {"tool_choice": "none"}):
         response = client.chat.completions.create(temperature=0.8, top_p=0.8, seed=1, **request, **choice)
         assert response.choices[0].finish_reason in ("stop", "length", "tool_calls")
@@ -162,20 +159,6 @@ def test_vllm_chat_echo(client, model):
 
 
 # ---- 4. launch spellings ----------------------------------------------------------------------------------------
-
-def _server_args(*argv: str) -> ServerArgs:
-    parser = argparse.ArgumentParser()
-    ServerArgs.add_cli_args(parser)
-    return ServerArgs.from_cli_args(parser.parse_args(list(argv)))
-
-
-def test_sglang_launch_spellings():
-    args = _server_args("--dp", "1", "--dtype", "half", "--chat-template", "chatml")
-    assert (args.dp_size, args.dtype, args.chat_template) == (1, "float16", "chatml")
-    assert _server_args("--dtype", "float").dtype == "float32"
-    with pytest.raises(ValueError, match="dtype"):
-        _server_args("--dtype", "float64")
-
 
 def test_chatml_renders_chatml(server, default_model_dir):
     """`--chat-template chatml` (the launch line above): the conversation's ids are ChatML's, token for token."""

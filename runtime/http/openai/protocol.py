@@ -148,8 +148,8 @@ class OpenAISamplingFields(StrictModel):
     regex: Optional[str] = None
     ebnf: Optional[str] = None
     structured_outputs: Optional[StructuredOutputs] = None  # vLLM's
-    # vLLM's: it decides how a slow tokenizer joins special tokens in the text; fast tokenizers (the only kind here,
-    # and vLLM's default) join them as they are either way, so both values give vLLM's output.
+    # vLLM's (and SGLang's sampling parameter of that name): the detokenizer's, as on /generate. Fast tokenizers (the
+    # only kind here, and vLLM's default) join special tokens as they are either way.
     spaces_between_special_tokens: bool = True
 
     @property

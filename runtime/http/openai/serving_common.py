@@ -76,6 +76,7 @@ def sampling_params(state: ServerState, body: OpenAISamplingFields, max_new_toke
         "stop_token_ids": list(body.stop_token_ids),
         "ignore_eos": body.ignore_eos,
         "skip_special_tokens": body.skip_special_tokens,
+        "spaces_between_special_tokens": body.spaces_between_special_tokens,
         "logit_bias": parse_logit_bias(body.logit_bias),
         "seed": body.seed,
     }
