@@ -19,7 +19,8 @@ from radixserve.frontend.backends.default import get_default_backend, set_defaul
 class GlobalConfig:
     """Settings read by every program run:
 
-    - `default_backend`: the backend programs run on without `backend=` (set_default_backend sets it).
+    - `default_backend`: the backend programs run on without `backend=`, as set_default_backend was given it (a
+      Runtime stays a Runtime: programs run on its endpoint).
     - `verbosity`: 2 or more prints a program's text when `run` finishes (0 by default).
     - `enable_precache_with_tracing`: `run_batch` prefills the prefix its programs share before running them
       (see tracing.py); True by default.

@@ -106,6 +106,9 @@ class ReqState:
             meta["output_top_logprobs"] = [
                 [(lp, tid, token_text(tid)) for tid, lp in top] for top in self.output_top_logprobs[logprobs_from:]
             ]
+            # SGLang's: the output logprobs so far, whichever part of them this chunk carries (a client of an
+            # incremental stream places the chunk's entries at length - len(entries)).
+            meta["output_token_logprobs_length"] = len(self.output_token_logprobs)
             if logprobs_from == 0:
                 meta["input_token_logprobs"] = self._input_logprobs(token_text)
                 meta["input_top_logprobs"] = self._input_top_logprobs(token_text)

@@ -23,17 +23,22 @@ import threading
 from typing import Any, Optional
 
 from radixserve.runtime.wire.errors import ContextLengthExceededError, EngineDeadError
+from radixserve.tokenizer_manager.chat_templates import BUILTIN_CHAT_TEMPLATES
 
 
 def load_chat_template(value: Optional[str]) -> Optional[str]:
-    """`--chat-template`: a path to a Jinja file, or the Jinja template itself (None: the tokenizer's own)."""
+    """`--chat-template`: a path to a Jinja file, the Jinja template itself, or the name of a built-in template
+    (chat_templates.py; a file of that name wins). None: the tokenizer's own."""
     if value is None:
         return None
+    if value in BUILTIN_CHAT_TEMPLATES and not os.path.isfile(value):
+        return BUILTIN_CHAT_TEMPLATES[value]
     if os.path.isfile(value):
         with open(value, encoding="utf-8") as f:
             return f.read()
     if "{" not in value:
-        raise ValueError(f"--chat-template {value!r} is neither an existing file nor a Jinja template")
+        raise ValueError(f"--chat-template {value!r} is neither an existing file, a Jinja template nor a built-in "
+                         f"template ({', '.join(BUILTIN_CHAT_TEMPLATES)})")
     return value
 
 

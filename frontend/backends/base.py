@@ -84,6 +84,10 @@ class Backend(ABC):
         """The served model's path or name, for messages."""
         return "the served model"
 
+    def get_model_name(self) -> str:
+        """SGLang's name of `model_name` (its scripts call `backend.get_model_name()`)."""
+        return self.model_name
+
     def check_modality(self, kind: str) -> None:
         """Raise ModalityNotSupportedError: `kind` ("image", "video") input needs a multimodal model, and
         radixserve serves text-only models (Llama, Mistral, Qwen2, Qwen3 families)."""

@@ -8,7 +8,7 @@ from typing import Any, Optional
 from radixserve.frontend.backends.base import Backend
 
 _lock = threading.Lock()
-_default: Optional[Backend] = None
+_default: Any = None  # as given: a Backend, a Runtime or an Engine
 
 
 def as_backend(value: Any) -> Backend:
@@ -27,26 +27,29 @@ def as_backend(value: Any) -> Backend:
 
 
 def set_default_backend(backend: Any) -> Optional[Backend]:
-    """Make `backend` (a Backend, a Runtime or an Engine) the default for every program; returns the Backend.
-    None clears the default."""
+    """Make `backend` (a Backend, a Runtime or an Engine) the default for every program; returns the Backend it
+    runs programs on. None clears the default. The default is kept as given, as SGLang keeps it: after
+    `set_default_backend(runtime)`, `get_default_backend()` is that Runtime (scripts call
+    `.endpoint.get_model_name()` on it)."""
     global _default
-    resolved = None if backend is None else as_backend(backend)
+    resolved = None if backend is None else as_backend(backend)  # a TypeError now, not when a program runs
     with _lock:
-        _default = resolved
+        _default = backend
     return resolved
 
 
-def get_default_backend() -> Optional[Backend]:
+def get_default_backend() -> Any:
+    """The default backend as it was given to set_default_backend (None when there is none)."""
     with _lock:
         return _default
 
 
 def resolve_backend(backend: Any = None) -> Backend:
-    """`backend` if given, else the default; ValueError when there is neither."""
+    """`backend` if given, else the default, as a Backend; ValueError when there is neither."""
     if backend is not None:
         return as_backend(backend)
     default = get_default_backend()
     if default is None:
         raise ValueError("no backend: call set_default_backend(RuntimeEndpoint(url)) or set_default_backend(engine), "
                          "or pass backend= to run()")
-    return default
+    return as_backend(default)

@@ -6,6 +6,7 @@ FlashInfer.
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 from radixserve.model_runner.attention.base import AttentionBackend
@@ -20,7 +21,7 @@ def create_attention_backend(name: str, runner: "RunnerParts | None" = None) -> 
     """The backend called `name`, built for `runner` (model shapes, device, dtype, page size, pool sizes).
 
     `torch_native` needs no runner. Raises ValueError for an unknown name, or for a backend that cannot run
-    here (flashinfer without CUDA or without the flashinfer package), with the reason.
+    here (triton or flashinfer without CUDA, or without their package), with the reason.
     """
     if name == "torch_native":
         from radixserve.model_runner.attention.torch_native import TorchNativeAttention
@@ -39,6 +40,11 @@ def create_attention_backend(name: str, runner: "RunnerParts | None" = None) -> 
 
         return CpuAttentionBackend(amx=runner.cpu_kernels.amx_attention)
     if name == "triton":
+        # Triton compiles for a GPU; off one it runs only under its interpreter (far too slow to serve with),
+        # and without that it fails on the first batch for want of a driver.
+        if runner.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(f"the triton attention backend needs a CUDA device, and this server runs on the "
+                             f"{runner.device.type}; use the cpu or torch_native attention backend")
         try:
             from radixserve.model_runner.attention.triton_backend import TritonAttentionBackend
         except ImportError as exc:

@@ -21,6 +21,7 @@ from radixserve.runtime.http.lora_api import LoadLoRAAdapterRequest, UnloadLoRAA
 from radixserve.runtime.http.native_api import _RidBody as AbortRequest
 from radixserve.runtime.http.openai.protocol import ChatCompletionRequest, CompletionRequest
 from radixserve.runtime.http.pooling_api import ClassifyRequest, EmbeddingRequest, RerankRequest, ScoreRequest
+from radixserve.runtime.http.vllm_api import DetokenizeRequest, TokenizeRequest
 from radixserve.runtime.wire.request import SERVER_FIELDS, GenerateRequest
 
 # POST path -> (schema name, the model its handler validates the body with: pydantic, or the wire's msgspec struct).
@@ -37,8 +38,10 @@ REQUEST_BODIES: dict[str, tuple[str, type[Any]]] = {
     "/v1/score": ("ScoreRequest", ScoreRequest),
     "/classify": ("ClassifyRequest", ClassifyRequest),
     "/v1/classify": ("ClassifyRequest", ClassifyRequest),
+    "/tokenize": ("TokenizeRequest", TokenizeRequest),
+    "/detokenize": ("DetokenizeRequest", DetokenizeRequest),
 }
-OPEN_PATHS = ("/health", "/metrics", "/openapi.json")
+OPEN_PATHS = ("/health", "/metrics", "/openapi.json", "/ping", "/version")
 _REF = "#/components/schemas/{model}"
 _ERROR = {
     "title": "ErrorResponse",

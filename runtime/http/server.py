@@ -6,7 +6,8 @@
 
 Routes: OpenAI `/v1/chat/completions`, `/v1/completions`, `/v1/models`, `/v1/models/{id}`; native
 `/generate`, `/abort_request`, `/flush_cache`, `/get_model_info`, `/get_server_info`, `/health_generate`
-(see native_api.py); `/health` is open, every other route needs the API key when one is configured, and
+(see native_api.py); vLLM's `/version`, `/ping`, `/tokenize`, `/detokenize` (vllm_api.py); `/health` (and `/ping`,
+`/version`) is open, every other route needs the API key when one is configured, and
 the routes that act on or show every tenant (`/flush_cache`, `/metrics`, the whole of `/get_server_info`) need
 the caller to be the administrator (runtime/tenancy.py). Every error uses the OpenAI envelope (errors.py).
 
@@ -48,6 +49,7 @@ from radixserve.runtime.http.openai.protocol import ChatCompletionRequest, Compl
 from radixserve.runtime.http.openai.serving_chat import create_chat_completion, encode_chat
 from radixserve.runtime.http.openai.serving_completions import create_completion
 from radixserve.runtime.http.openapi import install_openapi
+from radixserve.runtime.http.vllm_api import router as vllm_router
 from radixserve.runtime.wire.heap import settle_heap
 from radixserve.runtime.wire.server_args import ServerArgs
 from radixserve.runtime.wire.server_info import ServerInfo
@@ -133,6 +135,7 @@ def create_app(engine: ServingEngine, server_args: ServerArgs) -> FastAPI:
     app.include_router(lora_router)  # /load_lora_adapter, /unload_lora_adapter (runtime/http/lora_api.py)
     app.include_router(cache_page_router)  # /cache (the page) and /cache/tree (runtime/http/cache_page.py)
     app.include_router(pooling_router)  # /v1/embeddings, /v1/rerank, /v1/score, /classify (runtime/http/pooling_api.py)
+    app.include_router(vllm_router)  # /version, /ping, /tokenize, /detokenize (runtime/http/vllm_api.py)
     install_openapi(app)
     return app
 

@@ -24,6 +24,7 @@ _DISAGGREGATION = "prefill-decode disaggregation"
 _DATA_PARALLEL = "data-parallel routing"
 _CUSTOM_LOGITS = "custom logit processors"
 _STOP_STRING_KEPT = "keeping the stop string in the output"
+_GUIDED = "vLLM's guided decoding (use structured_outputs, response_format, regex or ebnf)"
 
 # SGLang's GenerateReqInput fields that native /generate does not implement -> the feature they ask for.
 NATIVE_UNSUPPORTED: dict[str, str] = {
@@ -84,11 +85,11 @@ OPENAI_UNSUPPORTED: dict[str, str] = {
     "include_stop_str_in_output": _STOP_STRING_KEPT,
     "stop_regex": "stop regexes",
     "structural_tag": "structural tags",
-    "guided_json": "vLLM's guided decoding (use response_format, regex or ebnf)",
-    "guided_regex": "vLLM's guided decoding (use response_format, regex or ebnf)",
-    "guided_choice": "vLLM's guided decoding (use response_format, regex or ebnf)",
-    "guided_grammar": "vLLM's guided decoding (use response_format, regex or ebnf)",
-    "guided_decoding_backend": "vLLM's guided decoding (use response_format, regex or ebnf)",
+    "guided_json": _GUIDED,
+    "guided_regex": _GUIDED,
+    "guided_choice": _GUIDED,
+    "guided_grammar": _GUIDED,
+    "guided_decoding_backend": _GUIDED,
     "use_beam_search": "beam search", "length_penalty": "beam search",
     "prompt_logprobs": "prompt logprobs on the OpenAI routes (use echo with logprobs, or /generate)",
     "allowed_token_ids": "allowed-token lists (use logit_bias)",

@@ -23,6 +23,7 @@ ATTENTION_BACKENDS = ("torch_native", "cpu", "triton", "flashinfer")
 PREFILL_ATTENTION_BACKENDS = ("flashinfer", "fa3")  # SGLang's names; FlashInfer's FA2 and FA3 extend kernels
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # SGLang's (and vLLM's) other names
 # SGLang's names: fp8_e4m3 / fp8_e5m2 store K and V as float8 (scale 1), read back in the model's dtype.
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "bf16", "float16", "fp8_e4m3", "fp8_e5m2")
 EVICTION_POLICIES = ("lru", "lfu")
@@ -183,7 +184,9 @@ class ServerArgs:
                 raise ValueError(message)
 
         check(self.load_format in LOAD_FORMATS, f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
-        check(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
+        check(self.dtype in DTYPES,
+              f"dtype must be one of {DTYPES} (or {', '.join(DTYPE_ALIASES)}), got {self.dtype!r}")
         check(self.kv_cache_dtype in KV_CACHE_DTYPES,
               f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         check(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),

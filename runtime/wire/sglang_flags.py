@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 ALIASES: dict[str, tuple[str, ...]] = {
     "dist_init_addr": ("--nccl-init-addr",),
     "tp_size": ("--tensor-parallel-size",),
-    "dp_size": ("--data-parallel-size",),
+    "dp_size": ("--data-parallel-size", "--dp"),  # SGLang reads --dp as --dp-size (argparse abbreviation)
     "ep_size": ("--expert-parallel-size",),
     "speculative_draft_model_path": ("--speculative-draft-model",),
     "enable_hierarchical_cache": ("--enable-hicache",),

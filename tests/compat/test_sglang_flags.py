@@ -24,6 +24,22 @@ def _parse(*flags: str) -> ServerArgs:
     return ServerArgs.from_cli_args(_parser().parse_args(["serve", *flags]))
 
 
+def test_sglang_spellings_of_dp_dtype_and_chat_template():
+    """SGLang's parser reads `--dp` as `--dp-size` and takes `--dtype half` and the built-in `--chat-template
+    chatml`; here they are aliases (radixserve has other `--dp-*` flags, so argparse alone would call `--dp`
+    ambiguous)."""
+    args = _parse("--dp", "1", "--dtype", "half", "--chat-template", "chatml")
+    assert (args.dp_size, args.dtype, args.chat_template) == (1, "float16", "chatml")
+    assert _parse("--dtype", "float").dtype == "float32"
+    with pytest.raises(ValueError, match="dtype"):
+        _parse("--dtype", "float64")
+    from radixserve.tokenizer_manager.tokenize import load_chat_template
+
+    assert load_chat_template("chatml").startswith("{%- for message in messages")
+    with pytest.raises(ValueError, match="chatml"):  # an unknown name lists the built-in ones
+        load_chat_template("no-such-template")
+
+
 def test_an_sglang_launch_line_parses():
     args = _parse("--model-path", "m", "--trust-remote-code", "--tensor-parallel-size", "1", "--data-parallel-size",
                   "1", "--mem-fraction-static", "0.8", "--enable-cache-report", "--disable-custom-all-reduce",

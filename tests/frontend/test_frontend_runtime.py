@@ -33,7 +33,9 @@ def test_runtime_serves_programs_and_stops():
         assert runtime.url == f"http://127.0.0.1:{runtime.server_args.port}"
         assert httpx.get(runtime.url + "/health").status_code == 200
         sgl.set_default_backend(runtime)
-        assert sgl.global_config.default_backend is runtime.endpoint
+        # SGLang keeps the Runtime itself as the default (its test_gen_min_new_tokens reads the model name so).
+        assert sgl.global_config.default_backend is runtime
+        assert sgl.global_config.default_backend.endpoint.get_model_name() == runtime.endpoint.model_name
 
         state = skeleton.run(topic="sleep", temperature=0)
         assert isinstance(state["tip"], list) and len(state["tip"]) == 2

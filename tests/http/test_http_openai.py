@@ -297,7 +297,7 @@ def test_client_errors_raise_the_matching_exceptions(server, client, model):
         client.completions.create(model=model, prompt=[[1] * 20000], max_tokens=1)
     assert info.value.code == "context_length_exceeded"
     with pytest.raises(openai.NotFoundError) as info:
-        client.chat.completions.create(model="gpt-4o", messages=MESSAGES, max_tokens=4)
+        client.chat.completions.create(model=f"{model}:no-such-adapter", messages=MESSAGES, max_tokens=4)
     assert info.value.code == "model_not_found" and info.value.param == "model"
     for key in ("wrong-key", ""):
         other = openai.OpenAI(base_url=server.url + "/v1", api_key=key or "x", max_retries=0)

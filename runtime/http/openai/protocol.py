@@ -6,10 +6,12 @@ ignores, because they cannot change the generated text: `user`, `store`, `metada
 other field either works or is a 400. Tool calling (`tools`, `tool_choice`, `parallel_tool_calls`, assistant
 `tool_calls`, `tool` messages) is described in protocol_tools.py and docs/tools.md.
 
-Extras (SGLang's names): `top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `min_tokens`, `stop_token_ids`,
+Extras (SGLang's names): `top_k` (0, as vLLM has it, is no limit, like -1), `min_p`, `repetition_penalty`, `ignore_eos`, `min_tokens`, `stop_token_ids`,
 `skip_special_tokens`, `cache_salt`, `separate_reasoning`, chat's `continue_final_message` / `add_generation_prompt` /
 `chat_template_kwargs`, `stream_options.continuous_usage_stats`, and the structured-output constraints `regex` and `ebnf` (besides OpenAI's
-`response_format`, which both routes take; at most one of the three). The native `/generate` route takes
+`response_format`, which both routes take; at most one of the three). vLLM's: `structured_outputs` (the same
+constraints under vLLM's names), `spaces_between_special_tokens`, chat `echo`, and roles of the template's own
+besides OpenAI's. The native `/generate` route takes
 SGLang's `sampling_params` dict as it is: `SamplingParams.from_request` checks it. SGLang's and vLLM's other
 extensions are accepted at their default and refused with a 400 naming the feature otherwise
 (extension_fields.py).
@@ -78,6 +80,38 @@ class StreamOptions(StrictModel):
     continuous_usage_stats: bool = False  # vLLM's and SGLang's: usage so far in every chunk too
 
 
+class StructuredOutputs(StrictModel):
+    """vLLM's `structured_outputs`: one constraint, the same as one of radixserve's own (`json`: a JSON schema as
+    response_format's json_schema; `json_object`: any JSON object; `regex`; `choice`: exactly one of the strings;
+    `grammar`: an EBNF grammar as `ebnf`). vLLM's tuning knobs are accepted at their default and refused by name
+    otherwise: xgrammar, the one backend here, always runs without them."""
+
+    json_schema: Union[dict[str, Any], str, None] = Field(None, alias="json")
+    json_object: Optional[bool] = None
+    regex: Optional[str] = None
+    choice: Optional[Annotated[list[str], Field(min_length=1)]] = None
+    grammar: Optional[str] = None
+    disable_fallback: bool = False
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: Optional[str] = None
+    structural_tag: Optional[str] = None
+
+    @model_validator(mode="after")
+    def _one_constraint(self) -> "StructuredOutputs":
+        for knob in ("disable_fallback", "disable_any_whitespace", "disable_additional_properties",
+                     "whitespace_pattern", "structural_tag"):
+            if getattr(self, knob):
+                raise ValueError(f"structured_outputs.{knob} is not supported (xgrammar, the only grammar backend "
+                                 f"here, runs with its defaults); leave it out")
+        given = [name for name in ("json", "json_object", "regex", "choice", "grammar")
+                 if getattr(self, "json_schema" if name == "json" else name)]
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs takes exactly one of json, json_object, regex, choice and grammar; "
+                             f"got {', '.join(given) or 'none'}")
+        return self
+
+
 class OpenAISamplingFields(StrictModel):
     """Fields shared by chat and completions requests."""
 
@@ -113,6 +147,10 @@ class OpenAISamplingFields(StrictModel):
     routed_dp_rank: Optional[Annotated[int, Field(ge=0, le=1 << 16)]] = None
     regex: Optional[str] = None
     ebnf: Optional[str] = None
+    structured_outputs: Optional[StructuredOutputs] = None  # vLLM's
+    # vLLM's (and SGLang's sampling parameter of that name): the detokenizer's, as on /generate. Fast tokenizers (the
+    # only kind here, and vLLM's default) join special tokens as they are either way.
+    spaces_between_special_tokens: bool = True
 
     @property
     def dp_rank(self) -> Optional[int]:
@@ -155,7 +193,8 @@ class ChatMessage(StrictModel):
     # Keys SGLang's and vLLM's clients add to messages (reasoning_content, ...) are ignored, as those servers do.
     model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # OpenAI's roles, or any other the chat template knows (vLLM passes such roles to the template as they are).
+    role: Annotated[str, Field(min_length=1)]
     content: Union[str, Annotated[list[TextContentPart], Field(min_length=1)], None] = None
     name: Optional[str] = None
     # Sent back by clients that replay a previous assistant message; harmless only when empty.
@@ -220,6 +259,9 @@ class ChatCompletionRequest(OpenAISamplingFields):
     continue_final_message: bool = False
     add_generation_prompt: Optional[bool] = None  # None: true, or false with continue_final_message
     chat_template_kwargs: Optional[dict[str, Any]] = None
+    # vLLM's: the reply's content starts with the last message's when that message is the assistant's (the one
+    # the model continues, with continue_final_message or add_generation_prompt false).
+    echo: bool = False
 
     @model_validator(mode="after")
     def _check_chat(self) -> "ChatCompletionRequest":

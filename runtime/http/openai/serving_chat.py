@@ -78,6 +78,12 @@ def _response(state: ServerState, plan: ChatOutputPlan, header: dict[str, Any],
     }
 
 
+def _echoed(body: ChatCompletionRequest) -> str:
+    """vLLM's chat `echo`: the last message's text when it is the assistant's, the turn the reply continues."""
+    last = body.messages[-1]
+    return last.text() if body.echo and last.role == "assistant" else ""
+
+
 def _finish_reason(finish: Optional[dict[str, Any]], made_calls: bool) -> tuple[Optional[str], Any]:
     reason, matched = openai_finish_reason(finish)
     return ("tool_calls", None) if made_calls and reason == "stop" else (reason, matched)
@@ -90,9 +96,12 @@ def _choice(state: ServerState, plan: ChatOutputPlan, index: int, out: ChoiceOut
     logprobs = None
     if body.logprobs:
         logprobs = chat_logprobs(state.token_texts, out.token_logprobs, out.top_logprobs, body.top_logprobs or 0)
+    message = assistant_message(output, plan)
+    if _echoed(body):
+        message["content"] = _echoed(body) + (message["content"] or "")
     return {
         "index": index,
-        "message": assistant_message(output, plan),
+        "message": message,
         "logprobs": logprobs,
         "finish_reason": reason,
         "matched_stop": matched,
@@ -126,6 +135,8 @@ async def _events(
         if not started[index]:
             started[index] = True
             yield chunk(index, {"role": "assistant", "content": ""})
+            if _echoed(body):
+                yield chunk(index, {"content": _echoed(body)})
         deltas = streams[index].feed(delta.text, finished=bool(delta.finish_reason))
         logprobs = None
         if body.logprobs and delta.token_logprobs:

@@ -17,9 +17,11 @@ from radixserve.runtime.http.state import ServerState
 from radixserve.runtime.http.errors import APIError, bad_request
 from radixserve.runtime.http.openai.protocol import (
     OpenAISamplingFields,
+    StructuredOutputs,
     parse_logit_bias,
     stop_list,
 )
+from radixserve.runtime.http.openai.python_call_grammar import ebnf_string
 from radixserve.runtime.wire.request import sample_seed
 from radixserve.runtime.wire.sampling_params import InvalidSamplingParams, SamplingParams
 
@@ -28,9 +30,12 @@ _OPENAI_PARAM = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens",
 
 
 def check_model(state: ServerState, model: Optional[str], lora_path: Optional[str] = None) -> Optional[str]:
-    """The LoRA adapter a request runs under (runtime/http/lora_api.py), None for the base model. A request may
-    omit `model`; naming another model than the one served or a loaded adapter is a 404, naming an adapter in
-    `model` and another in `lora_path` a 400."""
+    """The LoRA adapter a request runs under (runtime/http/lora_api.py), None for the base model.
+
+    `model` picks an adapter by its name or as `<served model>:<adapter>`; any other name runs the one base model
+    served, as SGLang serves it (clients send placeholders such as "default" or the name of the model they were
+    written for). A name that would pick an adapter not loaded (`<served model>:<other>`) is a 404; naming an
+    adapter in `model` and another in `lora_path` a 400."""
     adapters = state.engine.lora_adapters
     by_model: Optional[str] = None
     if model is not None and model != state.served_model_name:
@@ -39,9 +44,9 @@ def check_model(state: ServerState, model: Optional[str], lora_path: Optional[st
             by_model = model
         elif base == state.served_model_name and suffix in adapters:
             by_model = suffix
-        else:
-            raise APIError(f"The model '{model}' does not exist.", status_code=404, param="model",
-                           code="model_not_found")
+        elif base == state.served_model_name:
+            raise APIError(f"The model '{model}' does not exist: {state.served_model_name} has no adapter "
+                           f"{suffix!r} loaded.", status_code=404, param="model", code="model_not_found")
     if lora_path:
         if by_model is not None and by_model != lora_path:
             raise APIError(f"model names adapter {by_model!r} but lora_path names {lora_path!r}", param="lora_path")
@@ -62,7 +67,7 @@ def sampling_params(state: ServerState, body: OpenAISamplingFields, max_new_toke
         "min_new_tokens": body.min_tokens,
         "temperature": temperature,
         "top_p": top_p,
-        "top_k": body.top_k,
+        "top_k": -1 if body.top_k == 0 else body.top_k,  # vLLM's 0 is SGLang's -1: no limit
         "min_p": body.min_p,
         "frequency_penalty": body.frequency_penalty,
         "presence_penalty": body.presence_penalty,
@@ -71,6 +76,7 @@ def sampling_params(state: ServerState, body: OpenAISamplingFields, max_new_toke
         "stop_token_ids": list(body.stop_token_ids),
         "ignore_eos": body.ignore_eos,
         "skip_special_tokens": body.skip_special_tokens,
+        "spaces_between_special_tokens": body.spaces_between_special_tokens,
         "logit_bias": parse_logit_bias(body.logit_bias),
         "seed": body.seed,
     }
@@ -95,10 +101,27 @@ def constraint_params(body: OpenAISamplingFields) -> dict[str, Any]:
         given.append(("regex", "regex", body.regex))
     if body.ebnf is not None:
         given.append(("ebnf", "ebnf", body.ebnf))
+    if body.structured_outputs is not None:
+        given.append(("structured_outputs", *_structured_outputs_param(body.structured_outputs)))
     if len(given) > 1:
-        raise bad_request(f"give at most one of response_format (json), regex and ebnf; got "
+        raise bad_request(f"give at most one of response_format (json), regex, ebnf and structured_outputs; got "
                           f"{', '.join(param for param, _, _ in given)}", param=given[1][0])
     return {name: text for _, name, text in given}
+
+
+def _structured_outputs_param(outputs: StructuredOutputs) -> tuple[str, str]:
+    """vLLM's structured_outputs as (sampling parameter, grammar text); `choice` is a grammar of its strings."""
+    if outputs.json_schema is not None:
+        schema = outputs.json_schema
+        return "json_schema", schema if isinstance(schema, str) else json.dumps(schema)
+    if outputs.json_object:
+        return "json_schema", json.dumps({"type": "object"})
+    if outputs.regex is not None:
+        return "regex", outputs.regex
+    if outputs.choice is not None:
+        return "ebnf", "root ::= " + " | ".join(ebnf_string(choice) for choice in outputs.choice)
+    assert outputs.grammar is not None
+    return "ebnf", outputs.grammar
 
 
 def choice_params(params: SamplingParams, choice: int) -> SamplingParams:

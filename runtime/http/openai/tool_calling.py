@@ -5,7 +5,9 @@ The template gets `tools` as Hugging Face's convention has it. A template that d
 render them, so the tools and the call format of `--tool-call-parser` are described in a system message instead,
 and earlier assistant calls are written back in that format: the model sees its own format either way. With
 every `tool_choice` but "none" the output is constrained by the grammar of tool_grammar.py (calls only for
-"required" or a named function; free text or calls for "auto").
+"required" or a named function; free text or calls for "auto"). The parameter schemas are checked only where the
+grammar must enforce them as written ("required", named); "auto" calls of a tool whose schema xgrammar cannot
+compile take any JSON object, and with "none" the tools reach the template unchecked, as SGLang and vLLM pass them.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from radixserve.runtime.http.state import ServerState
 from radixserve.runtime.http.errors import bad_request
 from radixserve.runtime.http.openai.protocol import ChatCompletionRequest, ChatMessage
 from radixserve.runtime.http.openai.reasoning import ReasoningParser, get_reasoning_parser
-from radixserve.runtime.http.openai.tool_grammar import ToolSchemaError, check_tool_schemas, tool_call_grammar
+from radixserve.runtime.http.openai.tool_grammar import (ToolSchemaError, check_tool_schemas, tool_call_grammar,
+                                                         with_loose_schemas)
 from radixserve.runtime.http.openai.tool_parsers import ToolCall, ToolParser, get_tool_parser
 from radixserve.tokenizer_manager.tokenize import load_chat_template
 
@@ -97,10 +100,15 @@ def _call_grammar(body: ChatCompletionRequest, parser: ToolParser, reasoning: Op
     if mode == "named":
         indexed = [(i, tool) for i, tool in indexed
                    if tool.function.name == body.tool_choice.function.name]  # type: ignore[union-attr]
+    tools = [tool for _, tool in indexed]
+    where = [f"tools[{i}].function.parameters" for i, _ in indexed]
     try:
-        return tool_call_grammar(parser, [tool for _, tool in indexed], auto=mode == "auto", reasoning=reasoning,
-                                 parallel=body.parallel_tool_calls and mode != "named",
-                                 where=[f"tools[{i}].function.parameters" for i, _ in indexed])
+        if mode == "auto":
+            tools = with_loose_schemas(tools)
+        else:  # the calls are the whole output: each schema must hold as written
+            check_tool_schemas(tools, where)
+        return tool_call_grammar(parser, tools, auto=mode == "auto", reasoning=reasoning,
+                                 parallel=body.parallel_tool_calls and mode != "named", where=where)
     except ToolSchemaError as error:
         raise bad_request(str(error), param="tools") from None
 
@@ -118,10 +126,6 @@ def plan_chat_output(state: ServerState, body: ChatCompletionRequest) -> ChatOut
                           param="chat_template_kwargs")
     if not body.tools:
         return ChatOutputPlan(None, reasoning, template_kwargs, conversation_of(body.messages), body)
-    try:
-        check_tool_schemas(body.tools)
-    except ToolSchemaError as error:
-        raise bad_request(str(error), param="tools") from None
     parser = get_tool_parser(args.tool_call_parser) if args.tool_call_parser else None
     renders_tools = template_renders_tools(state)
     if parser is None and (mode != "none" or not renders_tools):
@@ -143,7 +147,7 @@ def plan_chat_output(state: ServerState, body: ChatCompletionRequest) -> ChatOut
     if parser.needs_special_tokens:
         updates["skip_special_tokens"] = False
     constrains = body.response_format is not None and body.response_format.type != "text"
-    own_grammar = constrains or body.regex is not None or body.ebnf is not None
+    own_grammar = constrains or body.regex is not None or body.ebnf is not None or body.structured_outputs is not None
     if mode in ("required", "named") and own_grammar:
         raise bad_request("a required or named tool_choice constrains the output itself; drop "
                           "response_format, regex and ebnf", param="tool_choice")

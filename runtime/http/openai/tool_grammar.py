@@ -35,7 +35,8 @@ from radixserve.runtime.wire.grammar_check import check_grammar, grammar_error_m
 MAX_PARALLEL_CALLS = 8
 _BLANKS = r"[ \t\r\n]*"
 
-__all__ = ["MAX_PARALLEL_CALLS", "ToolSchemaError", "call_schema", "check_tool_schemas", "tool_call_grammar"]
+__all__ = ["MAX_PARALLEL_CALLS", "ToolSchemaError", "call_schema", "check_tool_schemas", "schema_problem",
+           "tool_call_grammar", "with_loose_schemas"]
 
 
 def call_schema(tools: list[Tool], arguments_key: str) -> dict[str, Any]:
@@ -49,17 +50,35 @@ def call_schema(tools: list[Tool], arguments_key: str) -> dict[str, Any]:
     return options[0] if len(options) == 1 else {"anyOf": options}
 
 
-def check_tool_schemas(tools: list[Tool]) -> None:
+def schema_problem(tool: Tool) -> Optional[str]:
+    """Why xgrammar cannot compile `tool`'s parameters into a grammar, or None when it can."""
+    schema = tool.function.parameters_schema()
+    if schema.get("type", "object") != "object":
+        return f"must describe an object, got type {schema.get('type')!r}"
+    try:
+        check_grammar("json_schema", json.dumps(schema))
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def check_tool_schemas(tools: list[Tool], where: Optional[list[str]] = None) -> None:
     """Raise ToolSchemaError naming the first tool whose parameters xgrammar cannot compile."""
-    for index, tool in enumerate(tools):
-        schema = tool.function.parameters_schema()
-        if schema.get("type", "object") != "object":
-            raise ToolSchemaError(f"tools[{index}].function.parameters must describe an object, got type "
-                                  f"{schema.get('type')!r}")
-        try:
-            check_grammar("json_schema", json.dumps(schema))
-        except ValueError as error:
-            raise ToolSchemaError(f"tools[{index}].function.parameters: {error}") from None
+    where = where or [f"tools[{i}].function.parameters" for i in range(len(tools))]
+    for tool, name in zip(tools, where):
+        problem = schema_problem(tool)
+        if problem is not None:
+            raise ToolSchemaError(f"{name} {problem}" if problem.startswith("must ") else f"{name}: {problem}")
+
+
+def with_loose_schemas(tools: list[Tool]) -> list[Tool]:
+    """`tools`, each whose parameters cannot be compiled taking any JSON object as its arguments instead. For
+    "auto", where the schemas only shape the calls a model may make: SGLang and vLLM pass such a schema (say
+    `{"type": "int"}`, not JSON Schema's "integer") to the template without checking it."""
+    loose = {"type": "object"}
+    return [tool if schema_problem(tool) is None else
+            tool.model_copy(update={"function": tool.function.model_copy(update={"parameters": loose})})
+            for tool in tools]
 
 
 def _one_call_grammar(parser: ToolParser, tools: list[Tool], where: list[str]) -> str:

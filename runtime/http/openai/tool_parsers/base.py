@@ -15,6 +15,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Optional
 
+from radixserve.runtime.http.openai.tool_parsers.partial import PartialCall, partial_calls
+
 
 def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
@@ -111,6 +113,14 @@ class ToolParser(ABC):
         """The calls of an unfinished output that no continuation can take back (streamed before the end);
         by default none: in most formats text after a call can still make the whole output prose."""
         return []
+
+    def partial_calls(self, text: str) -> list[PartialCall]:
+        """The calls of an unfinished output whose name is out, with their arguments text so far (partial.py);
+        [] for a format that is not JSON."""
+        start = self.call_start(text)
+        if self.arguments_key is None or start >= len(text):
+            return []
+        return partial_calls(text, start)
 
     def call_start(self, text: str) -> int:
         """Where the tool-call part of `text` starts (len(text) if nowhere yet)."""
