@@ -30,6 +30,7 @@ from fastapi import APIRouter, Depends, FastAPI
 from starlette.requests import Request
 from starlette.responses import Response
 
+from radixserve.runtime.http.anthropic.messages import router as anthropic_router
 from radixserve.runtime.http.body_limit import BodyLimitMiddleware
 from radixserve.runtime.http.cache_page import router as cache_page_router
 from radixserve.runtime.http.generation import install_disconnect_handlers, json_response
@@ -130,6 +131,7 @@ def create_app(engine: ServingEngine, server_args: ServerArgs) -> FastAPI:
     app.include_router(native_router)
     app.include_router(lora_router)  # /load_lora_adapter, /unload_lora_adapter (runtime/http/lora_api.py)
     app.include_router(cache_page_router)  # /cache (the page) and /cache/tree (runtime/http/cache_page.py)
+    app.include_router(anthropic_router)  # /v1/messages, /v1/messages/count_tokens (runtime/http/anthropic/)
     install_openapi(app)
     return app
 
