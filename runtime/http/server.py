@@ -46,6 +46,8 @@ from radixserve.runtime.http.openai.logprobs import TokenTexts
 from radixserve.runtime.http.openai.protocol import ChatCompletionRequest, CompletionRequest, parse_request
 from radixserve.runtime.http.openai.serving_chat import create_chat_completion, encode_chat
 from radixserve.runtime.http.openai.serving_completions import create_completion
+from radixserve.runtime.http.openai.response_store import ResponseStore
+from radixserve.runtime.http.openai.responses import router as responses_router
 from radixserve.runtime.http.openapi import install_openapi
 from radixserve.runtime.wire.heap import settle_heap
 from radixserve.runtime.wire.server_args import ServerArgs
@@ -132,6 +134,8 @@ def create_app(engine: ServingEngine, server_args: ServerArgs) -> FastAPI:
     app.include_router(lora_router)  # /load_lora_adapter, /unload_lora_adapter (runtime/http/lora_api.py)
     app.include_router(cache_page_router)  # /cache (the page) and /cache/tree (runtime/http/cache_page.py)
     app.include_router(anthropic_router)  # /v1/messages, /v1/messages/count_tokens (runtime/http/anthropic/)
+    app.state.responses = ResponseStore()
+    app.include_router(responses_router)  # /v1/responses (runtime/http/openai/responses.py)
     install_openapi(app)
     return app
 
