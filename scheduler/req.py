@@ -24,7 +24,13 @@ from typing import Any, Optional
 
 import torch
 
-from radixserve.runtime.wire.messages import FinishReason, SamplingParams, TokenizedGenerateReq, options_of
+from radixserve.runtime.wire.messages import (
+    FinishReason,
+    SamplingParams,
+    SessionRetention,
+    TokenizedGenerateReq,
+    options_of,
+)
 
 _EMPTY_SLOTS = torch.empty(0, dtype=torch.int64)
 
@@ -53,6 +59,7 @@ class Req:
         priority: Optional[int] = None,
         tenant_weight: float = 1.0,
         lora_name: Optional[str] = None,
+        retention: Optional[SessionRetention] = None,
         arrival_seq: int = 0,
     ) -> None:
         """The keywords before `arrival_seq` are RequestOptions' fields (runtime/wire/messages.py), which
@@ -73,6 +80,7 @@ class Req:
         self.tenant_weight = tenant_weight
         self.tenant = tenant_of(self.namespace)
         self.lora_name = lora_name
+        self.retention = retention  # kept cached after it finishes (radix_cache/retention.py)
 
         # Outputs
         self.output_ids: list[int] = []

@@ -171,6 +171,10 @@ class ServerArgs:
     speculative_ngram_max_bfs_breadth: int = 1  # must be 1 (chains)
     speculative_ngram_match_type: str = "BFS"
 
+    # Retained sessions (prompt_cache_key + prompt_cache_retention; radix_cache/retention.py): tokens each tenant
+    # may retain (None: a quarter of the KV pool); all tenants together retain at most half of the pool.
+    retention_quota_tokens: Optional[int] = None
+
     def __post_init__(self) -> None:
         def check(ok: bool, message: str) -> None:
             if not ok:
@@ -281,6 +285,9 @@ class ServerArgs:
         check(self.gc_warning_threshold_secs >= 0,
               f"gc_warning_threshold_secs must be >= 0, got {self.gc_warning_threshold_secs}")
         check_speculative_args(self)
+        # Retained sessions
+        check(self.retention_quota_tokens is None or self.retention_quota_tokens >= 0,
+              f"retention_quota_tokens must be >= 0, got {self.retention_quota_tokens}")
 
     # ---- resolved values -------------------------------------------------------------------------
     def lora_enabled(self) -> bool:

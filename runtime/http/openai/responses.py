@@ -23,6 +23,7 @@ import time
 import uuid
 from typing import Any, AsyncIterator, Optional
 
+import msgspec
 import orjson
 import pydantic
 from fastapi import APIRouter, Depends
@@ -53,6 +54,7 @@ from radixserve.runtime.http.openai.translate import chat_request, normalized
 from radixserve.runtime.http.state import ServerState, caller_tenant
 
 router = APIRouter(dependencies=[Depends(caller_tenant)])
+RETENTION_SECONDS = {"in_memory": 600.0, "24h": 24 * 3600.0}
 
 
 def _state(request: Request) -> ServerState:
@@ -207,8 +209,11 @@ async def create_response(request: Request, tenant: Optional[str] = Depends(call
     params = sampling_params(state, chat, chat.max_new_tokens)
     input_ids = await encode_chat(state, chat.messages, plan, **chat.template_kwargs())
     response_id = f"resp_{uuid.uuid4().hex}"
-    engine_request = normalized(chat_request(chat, input_ids, params, response_id, lora_name, tenant,
-                                             state.tenants.weight_of(tenant)), state.model_info)
+    generate = chat_request(chat, input_ids, params, response_id, lora_name, tenant, state.tenants.weight_of(tenant))
+    if body.prompt_cache_retention is not None:
+        generate = msgspec.structs.replace(generate, prompt_cache_key=body.prompt_cache_key,
+                                           prompt_cache_retention=RETENTION_SECONDS[body.prompt_cache_retention])
+    engine_request = normalized(generate, state.model_info)
     run = GenerationRun(state, {response_id: engine_request.sample_rids()[response_id]},
                         engine_request.per_sample(), tenant, request)
     header = {"id": response_id, "object": "response", "created_at": int(time.time()),

@@ -6,8 +6,9 @@ calls, replayed) and `function_call_output` items (their results); `reasoning` i
 and left out of the prompt, as the chat templates drop earlier reasoning. `tools` are function tools only (the
 hosted tools, web or file search and the like, are a 400). `text.format` is text, json_object or json_schema.
 Fields that cannot change the output (`metadata`, `user`, `safety_identifier`, `service_tier`, `include` of
-nothing, `reasoning`'s effort and summary, `prompt_cache_key`: every prefix is cached anyway) are accepted and
-ignored; what this server cannot do (background runs, `truncation: "auto"`, stored prompts, conversations) is a
+nothing, `reasoning`'s effort and summary) are accepted and ignored. `prompt_cache_key` with
+`prompt_cache_retention` retains the conversation's prefix in the radix cache (in_memory: 10 minutes, 24h: a day)
+after each turn; the key alone asks for nothing more, since every prefix is cached anyway; what this server cannot do (background runs, `truncation: "auto"`, stored prompts, conversations) is a
 400.
 """
 
@@ -138,8 +139,9 @@ class ResponsesRequest(StrictModel):
     user: Optional[str] = None
     safety_identifier: Optional[str] = None
     service_tier: Optional[str] = None
-    prompt_cache_key: Optional[str] = None
-    prompt_cache_retention: Optional[Literal["in_memory"]] = None  # the radix cache's own; "24h" is not kept
+    # A session whose prefix is retained (radix_cache/retention.py) when a retention is given; alone, a hint only.
+    prompt_cache_key: Optional[Annotated[str, Field(min_length=1, max_length=256)]] = None
+    prompt_cache_retention: Optional[Literal["in_memory", "24h"]] = None
 
     @model_validator(mode="after")
     def _check(self) -> "ResponsesRequest":
@@ -151,6 +153,8 @@ class ResponsesRequest(StrictModel):
             raise ValueError("tool_choice other than none needs tools")
         if isinstance(choice, NamedFunction) and choice.name not in names:
             raise ValueError(f"tool_choice names {choice.name!r}, which is not among the tools")
+        if self.prompt_cache_retention is not None and self.prompt_cache_key is None:
+            raise ValueError("prompt_cache_retention keeps a session's prefix: give its prompt_cache_key too")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
         return self
