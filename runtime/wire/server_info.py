@@ -285,6 +285,22 @@ class ReplicaView(msgspec.Struct, kw_only=True):
                 if value is not None or key not in ("avg_spec_accept_length", "replica_id")}
 
 
+class RetentionInfo(msgspec.Struct, kw_only=True):
+    """Retained sessions (radix_cache/retention.py): what is kept from eviction now, per tenant ("" for none), the
+    quotas, and since start the sessions released at expiry, refused (longer than the quota alone) and displaced
+    (released early for another within a quota)."""
+
+    sessions: int
+    retained_tokens: int
+    tokens_by_tenant: dict[str, int]
+    tenant_quota_tokens: int
+    total_quota_tokens: int
+    expired_sessions: int
+    refused_sessions: int
+    displaced_sessions: int
+    next_expiry_in: Optional[float]  # seconds until the soonest expiry; None with no session
+
+
 class ServerInfo(msgspec.Struct, kw_only=True):
     """One scheduler's report (`dp_rank` set), or the merge of several (`replicas` set); see the module docstring."""
 
@@ -303,6 +319,7 @@ class ServerInfo(msgspec.Struct, kw_only=True):
     dp_rank: Optional[int] = 0
     replicas: Optional[list[ReplicaView]] = None
     num_pending_requests_in_tokenizer_manager: Optional[int] = None  # filled in by the TokenizerManager
+    retention: Optional[RetentionInfo] = None  # one scheduler's retained sessions
 
     @property
     def token_usage(self) -> float:
