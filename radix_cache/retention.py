@@ -10,9 +10,10 @@ longer prefix and renews the expiry; `expire` unlocks what has run out. Retained
 protected; an idle scheduler has `protected == retained_size()`.
 
 Quotas. A tenant retains at most `tenant_quota` tokens, and all tenants together at most `total_quota` (so requests
-always have room to run). A retention that would exceed either first releases the sessions of the same tenant (for
-the total quota, of any tenant) that expire soonest; a session longer than the quota alone is not retained. A
-session's size is its whole prefix, so sessions sharing a prefix count it once each (quotas err on the safe side).
+always have room to run). A retention that would exceed either first releases the same tenant's sessions that
+expire soonest; when that cannot make room (the session alone is longer than the quota, or the other tenants' fill
+the total), it is not retained: one tenant never releases another's session. A session's size is its whole prefix,
+so sessions sharing a prefix count it once each (quotas err on the safe side).
 """
 
 from __future__ import annotations
@@ -72,31 +73,34 @@ class RetainedSessions:
         if locked is None:
             return 0
         node, num_tokens = locked
-        if num_tokens > min(self.tenant_quota, self.total_quota):
+        if not self._make_room(num_tokens, tenant):
             self.cache.dec_lock_ref(node)
             self._refused += 1
             return 0
-        self._make_room(num_tokens, tenant)
         self._sessions[key] = Retained(node, num_tokens, self.clock() + seconds, tenant)
         return num_tokens
 
-    def _make_room(self, num_tokens: int, tenant: Optional[str]) -> None:
-        """Release the soonest-expiring sessions until `num_tokens` more fit both quotas."""
-        by_expiry = sorted(self._sessions.items(), key=lambda item: item[1].expires_at)
-        tenant_used = sum(r.num_tokens for r in self._sessions.values() if r.tenant == tenant)
+    def _make_room(self, num_tokens: int, tenant: Optional[str]) -> bool:
+        """Release `tenant`'s soonest-expiring sessions until `num_tokens` more fit both quotas; False when they
+        cannot (another tenant's sessions are never released for it)."""
         total_used = sum(r.num_tokens for r in self._sessions.values())
-        for key, retained in by_expiry:
-            over_tenant = tenant_used + num_tokens > self.tenant_quota
-            over_total = total_used + num_tokens > self.total_quota
-            if not over_tenant and not over_total:
-                return
-            if over_tenant and retained.tenant != tenant:
-                continue
+        own = sorted(((key, r) for key, r in self._sessions.items() if r.tenant == tenant),
+                     key=lambda item: item[1].expires_at)
+        tenant_used = sum(r.num_tokens for _, r in own)
+
+        def fits() -> bool:
+            return tenant_used + num_tokens <= self.tenant_quota and total_used + num_tokens <= self.total_quota
+
+        if num_tokens > self.tenant_quota or total_used - tenant_used + num_tokens > self.total_quota:
+            return False  # releasing all of the tenant's own would not make room
+        for key, retained in own:
+            if fits():
+                break
             self.release(key)
             self._displaced += 1
             total_used -= retained.num_tokens
-            if retained.tenant == tenant:
-                tenant_used -= retained.num_tokens
+            tenant_used -= retained.num_tokens
+        return fits()
 
     def release(self, key: SessionKey) -> bool:
         retained = self._sessions.pop(key, None)

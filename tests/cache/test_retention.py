@@ -111,6 +111,17 @@ def test_quota_displaces_the_same_tenants_soonest_expiring_session_only():
     check(cache, sessions)
 
 
+def test_the_total_quota_never_releases_another_tenants_session():
+    cache, sessions, _ = setup(size=96, tenant_quota=20, total_quota=24)
+    a, b = list(range(100, 116)), list(range(200, 216))
+    cached(cache, a, A)
+    cached(cache, b, B)
+    assert sessions.retain(A, "a", a, seconds=1.0) == 16
+    assert sessions.retain(B, "b", b, seconds=100.0) == 0  # 32 > 24: refused, A's session stays
+    assert sessions.stats().tokens_by_tenant == {"alpha": 16} and sessions.stats().refused_sessions == 1
+    check(cache, sessions)
+
+
 def test_random_sessions_keep_the_accounting():
     cache, sessions, clock = setup(size=400, tenant_quota=60, total_quota=100)
     rng = random.Random(0)
