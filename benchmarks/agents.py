@@ -202,7 +202,7 @@ def main() -> None:
 
     pool = max(256, int(working_set(args) * args.pool_fraction))
     flags = ["--max-total-tokens", str(pool), "--retention-quota-tokens", str(int(pool * args.quota_fraction)),
-             "--log-level", "warning", *args.server_flag]
+             "--skip-server-warmup", "--log-level", "warning", *args.server_flag]
     if args.model_path:
         flags += ["--model-path", args.model_path]
     if args.device:
