@@ -13,10 +13,13 @@ answer token, whose KV is never computed), the hit rate over all prompt tokens, 
 and output throughput over the run. A table, and a JSON record (`--out`).
 
     OMP_NUM_THREADS=1 python benchmarks/agents.py --out docs/results/agents_cpu.json           # CPU, embedded model
-    python benchmarks/agents.py --model-path <8B dir> --device cuda --sessions 64 --turns 10 \\
-        --system-tokens 4000 --user-tokens 400 --tool-tokens 2000 --output-tokens 64 --out agents_gpu.json
+On the GPU host (after the set-up of benchmarks/gpu_e2e.sh: the wheels and the project installed into /tmp/site,
+PYTHONPATH=/tmp/site:$PWD/benchmarks, and its 8B dummy model folder), the 8B shape:
 
-On the GPU host, `--load-format dummy` with an 8B config gives the 8B shape without weights (benchmarks/configs).
+    python3 benchmarks/agents.py --model-path .gpu-assets/llama-3.1-8b-dummy --server-flag=--load-format \\
+        --server-flag=dummy --server-flag=--dtype --server-flag=bfloat16 --sessions 64 --turns 10 --think 5 \\
+        --system-tokens 4000 --user-tokens 400 --tool-tokens 2000 --output-tokens 64 --vocab 120000 \\
+        --out $OUT/agents_h200.json
 """
 
 from __future__ import annotations
@@ -51,12 +54,15 @@ def free_port() -> int:
 
 
 class Server:
+    """`radixserve serve` started from the temporary folder: `python -m` puts the working directory first on
+    sys.path, where a checkout's thin radixserve/ would shadow the installed package (the GPU host installs it)."""
+
     def __init__(self, flags: list[str]) -> None:
         self.url = f"http://127.0.0.1:{free_port()}"
         self.log = tempfile.NamedTemporaryFile(prefix="radixserve-agents-", suffix=".log", delete=False)
         self.process = subprocess.Popen([sys.executable, "-m", "radixserve", "serve", "--port",
                                          self.url.rsplit(":", 1)[1], *flags], stdout=self.log,
-                                        stderr=subprocess.STDOUT)
+                                        stderr=subprocess.STDOUT, cwd=tempfile.gettempdir())
         deadline = time.monotonic() + 900
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
