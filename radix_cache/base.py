@@ -84,6 +84,12 @@ class PrefixCache(ABC):
         drafts); read-only. A cache that shares nothing knows none."""
         return []
 
+    def lock_prefix(self, token_ids: list[int], namespace: tuple = ()) -> Optional[tuple[Any, int]]:
+        """Lock the cached prefix of `token_ids` for a holder other than a request (a retained session); returns
+        (the node to `dec_lock_ref` later, its length) or None when nothing is cached. A cache that shares
+        nothing has nothing to keep."""
+        return None
+
     @abstractmethod
     def stats(self) -> dict:
         """Counters, overall and per namespace (radix_cache/stats.py)."""

@@ -257,6 +257,19 @@ class RadixCache(PrefixCache):
         self._protected -= delta
         return delta
 
+    def lock_prefix(self, token_ids: list[int], namespace: tuple = ()) -> Optional[tuple[TreeNode, int]]:
+        """Lock the cached prefix of `token_ids` in `namespace` as a running request's prefix is locked, without
+        counting a query or a use; returns (its last node, its length), or None when none of it is cached. The
+        holder unlocks it with `dec_lock_ref(node)` (retained sessions, retention.py)."""
+        ns_root = self._namespace_root(namespace, create=False)
+        if ns_root is None:
+            return None
+        match = self._match(ns_root, token_ids, len(token_ids), touch=False)
+        if match.length == 0:
+            return None
+        self.inc_lock_ref(match.last_node)
+        return match.last_node, match.length
+
     # ---- eviction and flush --------------------------------------------------------------------------
     def evict(self, num_tokens: int) -> int:
         """Free at least `num_tokens` tokens from unlocked leaves, lowest priority first (LRU or LFU).

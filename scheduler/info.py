@@ -20,7 +20,7 @@ from radixserve.runtime.wire.cache_tree import namespace_name
 from radixserve.runtime.wire.server_args import ServerArgs
 from radixserve.runtime.wire.server_info import (
     CacheInfo, FairShareInfo, HiCacheInfo, LowerTierMemory, MemoryInfo, ModelInfo, NamespaceCounters, SchedulerCounters,
-    ServerInfo, SpecInfo, TenantShare, TensorParallelLayout, TreeCounters,
+    RetentionInfo, ServerInfo, SpecInfo, TenantShare, TensorParallelLayout, TreeCounters,
 )
 from radixserve.scheduler.speculative import NoSpeculation
 
@@ -41,6 +41,7 @@ class SchedulerState(Protocol):
     new_token_ratio: Any
     fair_share: Any
     speculator: Any
+    retention: Any  # radix_cache.retention.RetainedSessions
 
     @property
     def running(self) -> list: ...
@@ -81,6 +82,15 @@ def ready_info(scheduler: SchedulerState) -> ModelInfo:
     )
 
 
+def _retention_info(retention: Any) -> RetentionInfo:
+    stats = retention.stats()
+    return RetentionInfo(sessions=stats.retained_sessions, retained_tokens=stats.retained_tokens,
+                         tokens_by_tenant=stats.tokens_by_tenant, tenant_quota_tokens=retention.tenant_quota,
+                         total_quota_tokens=retention.total_quota, expired_sessions=stats.expired_sessions,
+                         refused_sessions=stats.refused_sessions, displaced_sessions=stats.displaced_sessions,
+                         next_expiry_in=stats.next_expiry_in)
+
+
 def server_info(scheduler: SchedulerState) -> ServerInfo:
     allocator, cache, stats = scheduler.allocator, scheduler.cache, scheduler.stats
     tiers = cache.lower_tiers()
@@ -94,6 +104,7 @@ def server_info(scheduler: SchedulerState) -> ServerInfo:
                           evictable_tokens=cache.evictable_size(), protected_tokens=cache.protected_size(),
                           lower_tiers=None if tiers is None else _lower_tier_memory(tiers)),
         cache=_cache_info(cache, stats, tiers),
+        retention=_retention_info(scheduler.retention),
         num_running_reqs=len(scheduler.running),
         num_queued_reqs=len(scheduler.waiting) + (scheduler.chunked_req is not None) + scheduler.grammars.num_queued,
         new_token_ratio=scheduler.new_token_ratio.value,

@@ -23,6 +23,7 @@ import torch
 from radixserve.model_runner.sampling import PLACEHOLDER_TOKEN_ID
 from radixserve.radix_cache.base import PrefixCache
 from radixserve.radix_cache.pool import KVAllocator, ReqToTokenPool
+from radixserve.radix_cache.retention import RetainedSessions
 from radixserve.runtime.wire.messages import FinishReason
 from radixserve.scheduler.cache_view import RecentRequests
 from radixserve.scheduler.fair_share import FairShare
@@ -36,8 +37,9 @@ logger = logging.getLogger(__name__)
 class RequestLifecycle:
     def __init__(self, *, cache: PrefixCache, allocator: KVAllocator, req_to_token_pool: ReqToTokenPool,
                  speculator: Any, fair_share: FairShare, recent_requests: RecentRequests, stats: SchedulerStats,
-                 new_token_ratio: NewTokenRatio) -> None:
+                 new_token_ratio: NewTokenRatio, retention: RetainedSessions) -> None:
         self.cache = cache
+        self.retention = retention
         self.allocator = allocator
         self.req_to_token_pool = req_to_token_pool
         self.speculator = speculator
@@ -97,6 +99,8 @@ class RequestLifecycle:
                 assert req.ended_without_sample, f"{req!r} has KV for tokens it does not know"
                 token_ids += [PLACEHOLDER_TOKEN_ID] * (req.kv_len - len(token_ids))
             self.cache.cache_finished_req(req, token_ids)
+            if req.retention is not None and req.finished:
+                self.retention.retain(req.namespace, req.retention.key, token_ids, req.retention.seconds)
             self.req_to_token_pool.free(req.req_pool_idx)
         self.speculator.release(req)
         req.reset_kv_state()

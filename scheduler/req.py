@@ -24,7 +24,13 @@ from typing import Any, Optional
 
 import torch
 
-from radixserve.runtime.wire.messages import FinishReason, SamplingParams, TokenizedGenerateReq, options_of
+from radixserve.runtime.wire.messages import (
+    FinishReason,
+    SamplingParams,
+    SessionRetention,
+    TokenizedGenerateReq,
+    options_of,
+)
 from radixserve.runtime.wire.pooling import PoolingParams
 
 _EMPTY_SLOTS = torch.empty(0, dtype=torch.int64)
@@ -55,6 +61,7 @@ class Req:
         tenant_weight: float = 1.0,
         lora_name: Optional[str] = None,
         pooling: Optional[PoolingParams] = None,
+        retention: Optional[SessionRetention] = None,
         arrival_seq: int = 0,
     ) -> None:
         """The keywords before `arrival_seq` are RequestOptions' fields (runtime/wire/messages.py), which
@@ -80,6 +87,7 @@ class Req:
         self.pooling = pooling
         self.pooled: Optional[torch.Tensor] = None
         self.embedding: Optional[list[float]] = None
+        self.retention = retention  # kept cached after it finishes (radix_cache/retention.py)
 
         # Outputs
         self.output_ids: list[int] = []

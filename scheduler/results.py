@@ -135,6 +135,7 @@ class ResultProcessor:
             requests.retract(req)
         for req in list(requests.reqs.values()):
             requests.maybe_release(req)
+        requests.retention.release_all()
         self.cache.reset()
         self.speculator.flush()
 

@@ -41,6 +41,7 @@ import itertools
 import logging
 from typing import Any, Optional
 
+from radixserve.radix_cache.retention import RetainedSessions
 from radixserve.runtime.wire.cache_tree import CacheTreeReq, CacheTreeReqOutput
 from radixserve.runtime.wire.messages import (
     AbortReq, FinishReason, FlushCacheReq, FlushCacheReqOutput, GetServerInfoReq, GetServerInfoReqOutput, ModelInfo,
@@ -101,12 +102,15 @@ class Scheduler:
         self.stats = SchedulerStats()
         self.recent_requests = RecentRequests()  # paths of finished requests, for the cache page
         self.new_token_ratio = NewTokenRatio(args.schedule_conservativeness)
+        pool_tokens = allocator.size
+        tenant_quota = pool_tokens // 4 if args.retention_quota_tokens is None else args.retention_quota_tokens
+        self.retention = RetainedSessions(cache, tenant_quota, pool_tokens // 2)
 
         # The parts of a step (see the module docstring), each given the components it works on.
         self.requests = RequestLifecycle(
             cache=cache, allocator=allocator, req_to_token_pool=pool, speculator=self.speculator,
             fair_share=self.fair_share, recent_requests=self.recent_requests, stats=self.stats,
-            new_token_ratio=self.new_token_ratio)
+            new_token_ratio=self.new_token_ratio, retention=self.retention)
         self.results = ResultProcessor(
             requests=self.requests, cache=cache, allocator=allocator, grammars=self.grammars,
             stop_checker=self.stop_checker, speculator=self.speculator, stats=self.stats, device=model_runner.device,
@@ -170,6 +174,7 @@ class Scheduler:
 
     def get_next_batch(self) -> Optional[ScheduleBatch]:
         self._admit_grammar_ready()
+        self.retention.expire()  # what ran out is evictable again before admission counts the room
         return self.prefill.schedule() or self.decode.schedule()
 
     def take_outputs(self) -> list[Any]:
@@ -242,6 +247,7 @@ class Scheduler:
         if self.waiting or self.running or self.chunked_req is not None:
             return False, "cannot flush the cache while requests are running or queued"
         self.results.resolve_inflight()
+        self.retention.release_all()
         self.cache.reset()
         self.speculator.flush()
         self.check_invariants()
@@ -264,9 +270,10 @@ class Scheduler:
             f"request rows: {pool.size - pool.available_size()} taken, {rows_in_use} held by requests")
         if self.is_idle():
             assert not self.reqs, f"idle scheduler still tracks requests {list(self.reqs)}"
-            assert self.cache.protected_size() == 0, "idle scheduler with locked cache nodes"
+            retained = self.retention.retained_size()  # the only locks left are retained sessions'
+            assert self.cache.protected_size() == retained, "idle scheduler with locked cache nodes"
             total, free = self.allocator.size, self.allocator.available_size()
-            assert free + self.cache.evictable_size() == total, "idle scheduler leaked KV slots"
+            assert free + self.cache.evictable_size() + retained == total, "idle scheduler leaked KV slots"
             self.speculator.check_idle()
 
     def _on_idle(self) -> None:

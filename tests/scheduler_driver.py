@@ -24,7 +24,7 @@ from radixserve.model_runner.model_runner import ModelRunner
 from radixserve.model_runner.runner_config import RunnerConfig
 from radixserve.runtime.wire.messages import (
     AbortReq, BatchTokenOut, FlushCacheReq, FlushCacheReqOutput, GetServerInfoReq, GetServerInfoReqOutput,
-    SamplingParams, TokenizedGenerateReq, decode, encode,
+    SamplingParams, SessionRetention, TokenizedGenerateReq, decode, encode,
 )
 from radixserve.runtime.wire.server_args import ServerArgs
 from radixserve.runtime.wire.server_info import ServerInfo
@@ -81,13 +81,13 @@ class SchedulerDriver:
     def submit(self, rid: str, input_ids: list[int], namespace: tuple = (), return_logprob: bool = False,
                top_logprobs_num: int = 0, stream: bool = True, priority: Optional[int] = None,
                tenant_weight: float = 1.0, lora_name: Optional[str] = None, pooling: Any = None,
-               **sampling: Any) -> None:
+               retention: Optional[SessionRetention] = None, **sampling: Any) -> None:
         sampling.setdefault("temperature", 0.0)
         self.results[rid] = Result()
         self.scheduler.handle_message(TokenizedGenerateReq(
             rid=rid, input_ids=list(input_ids), sampling_params=SamplingParams(**sampling), namespace=namespace,
             return_logprob=return_logprob, top_logprobs_num=top_logprobs_num, stream=stream, priority=priority,
-            tenant_weight=tenant_weight, lora_name=lora_name, pooling=pooling,
+            tenant_weight=tenant_weight, lora_name=lora_name, pooling=pooling, retention=retention,
         ))
         self._collect()
 

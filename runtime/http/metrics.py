@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from radixserve.runtime.http.tenant_usage import TenantUsage, TenantUsageCollector
-from radixserve.runtime.wire.server_info import ServerInfo
+from radixserve.runtime.wire.server_info import RetentionInfo, ServerInfo
 
 PREFIX = "radixserve:"
 LABELS = ("model_name",)
@@ -64,6 +64,16 @@ class ServerMetrics:
         self.spec_accept_length = metric(Gauge, "spec_accept_length",
                                          "The average speculative accept length (tokens per verify step).")
         self.spec_accept_rate = metric(Gauge, "spec_accept_rate", "The share of speculative draft tokens accepted.")
+        # radixserve's own: retained sessions (radix_cache/retention.py), per tenant ("" for none) and in all.
+        self.retained_sessions = metric(Gauge, "retained_sessions", "Sessions whose prefix is retained.")
+        self.retention_expired = metric(Gauge, "retention_expired_sessions",
+                                        "Retained sessions released at their expiry since start.")
+        self.retention_displaced = metric(Gauge, "retention_displaced_sessions",
+                                          "Retained sessions released early to make room within a quota.")
+        self.retention_quota = metric(Gauge, "retention_tenant_quota_tokens", "Tokens each tenant may retain.")
+        self.retained_tokens = Gauge(PREFIX + "retained_tokens", "Tokens retained by sessions, per tenant.",
+                                     (*LABELS, "tenant"), registry=self.registry)
+        self._model_name = model_name
         # radixserve's own: what the HTTP layer holds (admission control counts these).
         self.http_inflight = metric(Gauge, "http_inflight_requests", "Engine requests the HTTP server holds.")
 
@@ -96,5 +106,16 @@ class ServerMetrics:
             self.gen_throughput.set(float(server_info.gen_throughput))
             self.spec_accept_length.set(0.0 if spec is None else spec.avg_accept_length)
             self.spec_accept_rate.set(0.0 if spec is None else spec.accept_rate)
+            if server_info.retention is not None:
+                self._render_retention(server_info.retention)
         self.http_inflight.set(http_inflight)
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+    def _render_retention(self, retention: RetentionInfo) -> None:
+        self.retained_sessions.set(retention.sessions)
+        self.retention_expired.set(retention.expired_sessions)
+        self.retention_displaced.set(retention.displaced_sessions)
+        self.retention_quota.set(retention.tenant_quota_tokens)
+        self.retained_tokens.clear()  # a tenant whose sessions all expired drops out
+        for tenant, tokens in retention.tokens_by_tenant.items():
+            self.retained_tokens.labels(model_name=self._model_name, tenant=tenant).set(tokens)

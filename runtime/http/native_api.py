@@ -138,6 +138,9 @@ async def get_server_info(request: Request, who: Caller = Depends(caller)) -> Re
         body = info.to_dict()
     else:
         body = {**state.model_info.to_dict(), "cache": _own_cache(_own_namespaces(info.cache.namespaces, who.tenant))}
+        if info.retention is not None:  # its own retained sessions' use of its quota
+            body["retention"] = {"retained_tokens": info.retention.tokens_by_tenant.get(who.tenant or "", 0),
+                                 "tenant_quota_tokens": info.retention.tenant_quota_tokens}
     body["incremental_streaming_output"] = _streams_incrementally(state)
     body["internal_states"] = [_internal_state(view) if who.is_admin else {}
                                for view in info.replicas or [info.replica_view()]]

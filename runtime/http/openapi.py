@@ -17,11 +17,13 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
+from radixserve.runtime.http.anthropic.protocol import CountTokensRequest, MessagesRequest
 from radixserve.runtime.http.lora_api import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from radixserve.runtime.http.native_api import _RidBody as AbortRequest
 from radixserve.runtime.http.openai.protocol import ChatCompletionRequest, CompletionRequest
 from radixserve.runtime.http.pooling_api import ClassifyRequest, EmbeddingRequest, RerankRequest, ScoreRequest
 from radixserve.runtime.http.vllm_api import DetokenizeRequest, TokenizeRequest
+from radixserve.runtime.http.openai.responses_protocol import ResponsesRequest
 from radixserve.runtime.wire.request import SERVER_FIELDS, GenerateRequest
 
 # POST path -> (schema name, the model its handler validates the body with: pydantic, or the wire's msgspec struct).
@@ -40,6 +42,9 @@ REQUEST_BODIES: dict[str, tuple[str, type[Any]]] = {
     "/v1/classify": ("ClassifyRequest", ClassifyRequest),
     "/tokenize": ("TokenizeRequest", TokenizeRequest),
     "/detokenize": ("DetokenizeRequest", DetokenizeRequest),
+    "/v1/messages": ("MessagesRequest", MessagesRequest),
+    "/v1/messages/count_tokens": ("CountTokensRequest", CountTokensRequest),
+    "/v1/responses": ("ResponsesRequest", ResponsesRequest),
 }
 OPEN_PATHS = ("/health", "/metrics", "/openapi.json", "/ping", "/version")
 _REF = "#/components/schemas/{model}"

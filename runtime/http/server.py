@@ -31,6 +31,7 @@ from fastapi import APIRouter, Depends, FastAPI
 from starlette.requests import Request
 from starlette.responses import Response
 
+from radixserve.runtime.http.anthropic.messages import router as anthropic_router
 from radixserve.runtime.http.body_limit import BodyLimitMiddleware
 from radixserve.runtime.http.cache_page import router as cache_page_router
 from radixserve.runtime.http.generation import install_disconnect_handlers, json_response
@@ -48,6 +49,8 @@ from radixserve.runtime.http.openai.logprobs import TokenTexts
 from radixserve.runtime.http.openai.protocol import ChatCompletionRequest, CompletionRequest, parse_request
 from radixserve.runtime.http.openai.serving_chat import create_chat_completion, encode_chat
 from radixserve.runtime.http.openai.serving_completions import create_completion
+from radixserve.runtime.http.openai.response_store import ResponseStore
+from radixserve.runtime.http.openai.responses import router as responses_router
 from radixserve.runtime.http.openapi import install_openapi
 from radixserve.runtime.http.vllm_api import router as vllm_router
 from radixserve.runtime.wire.heap import settle_heap
@@ -136,6 +139,9 @@ def create_app(engine: ServingEngine, server_args: ServerArgs) -> FastAPI:
     app.include_router(cache_page_router)  # /cache (the page) and /cache/tree (runtime/http/cache_page.py)
     app.include_router(pooling_router)  # /v1/embeddings, /v1/rerank, /v1/score, /classify (runtime/http/pooling_api.py)
     app.include_router(vllm_router)  # /version, /ping, /tokenize, /detokenize (runtime/http/vllm_api.py)
+    app.include_router(anthropic_router)  # /v1/messages, /v1/messages/count_tokens (runtime/http/anthropic/)
+    app.state.responses = ResponseStore()
+    app.include_router(responses_router)  # /v1/responses (runtime/http/openai/responses.py)
     install_openapi(app)
     return app
 

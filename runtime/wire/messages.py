@@ -67,6 +67,14 @@ class FinishReason(msgspec.Struct, kw_only=True, omit_defaults=True):
         return out
 
 
+class SessionRetention(msgspec.Struct, frozen=True):
+    """Keep the request's prefix (prompt and output) cached for `seconds` after it finishes, as session `key` of its
+    namespace (radix_cache/retention.py)."""
+
+    key: str
+    seconds: float
+
+
 class RequestOptions(msgspec.Struct, kw_only=True):
     """What the scheduler reads of a request beside its prompt and sampling parameters, decided once by
     `request.normalize` and carried unchanged: into the TokenizedGenerateReq (which is one), then into the
@@ -81,6 +89,7 @@ class RequestOptions(msgspec.Struct, kw_only=True):
     tenant_weight: float = 1.0  # the tenant's fair-share weight, from the tenants file
     lora_name: Optional[str] = None  # the LoRA adapter to run under (None: the base model)
     pooling: Optional[PoolingParams] = None  # a prefill-only request returning a vector (runtime/wire/pooling.py)
+    retention: Optional[SessionRetention] = None  # prompt_cache_key with prompt_cache_retention
 
 
 def options_of(message: RequestOptions) -> dict[str, Any]:

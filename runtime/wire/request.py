@@ -31,12 +31,13 @@ import msgspec
 from msgspec import Meta
 
 from radixserve.runtime.wire.lora import namespace_part
-from radixserve.runtime.wire.messages import ModelInfo, RequestOptions
+from radixserve.runtime.wire.messages import ModelInfo, RequestOptions, SessionRetention
 from radixserve.runtime.wire.pooling import PoolingParams
 from radixserve.runtime.wire.sampling_params import INT64_MAX, INT64_MIN, InvalidSamplingParams, SamplingParams
 
 MAX_BATCH = 1024  # prompts in one HTTP request
 MAX_TOP_LOGPROBS = 20
+MAX_RETENTION_SECONDS = 24 * 3600.0
 
 TokenId = Annotated[int, Meta(ge=0, le=INT64_MAX)]
 Rid = Annotated[str, Meta(min_length=1, max_length=256)]
@@ -81,6 +82,10 @@ class GenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # Set by the pooling surfaces (embeddings, rerank, score, classify; runtime/wire/pooling.py), never by a client of
     # /generate: every prompt prefills only and returns a vector. Its sampling_params must be left unset.
     pooling: Optional[PoolingParams] = None
+    # A session whose prefix stays cached: `prompt_cache_retention` seconds after each request of the session
+    # finishes, its prompt and output are kept from eviction (radix_cache/retention.py); the key alone asks nothing.
+    prompt_cache_key: Optional[Annotated[str, Meta(min_length=1, max_length=256)]] = None
+    prompt_cache_retention: Optional[Annotated[float, Meta(gt=0, le=MAX_RETENTION_SECONDS)]] = None
 
     @property
     def is_single(self) -> bool:
@@ -309,6 +314,7 @@ def normalize(request: GenerateRequest, model: ModelInfo) -> NormalizedRequest:
     elif not model.is_generation:
         raise RequestFieldError(f"this model does not generate text; it serves {', '.join(model.pooling_kinds)} "
                                 "requests (/v1/embeddings, /v1/rerank, /classify)")
+    _retention(request)  # a bad retention is the request's error, before any prompt's
     rank = request.data_parallel_rank if request.routed_dp_rank is None else request.routed_dp_rank
     if rank is not None and not 0 <= rank < model.dp_size:
         raise RequestFieldError(f"data_parallel_rank must be in [0, {model.dp_size}) (the server runs "
@@ -341,6 +347,20 @@ def _check_pooling(request: GenerateRequest, prompts: list[PromptRequest], model
         prompt.sampling_params = {"max_new_tokens": 0}
 
 
+def _retention(request: GenerateRequest) -> Optional[SessionRetention]:
+    """The session retention the request asks for (prompt_cache_key with prompt_cache_retention), or None."""
+    seconds = request.prompt_cache_retention
+    if seconds is None:
+        return None
+    if request.prompt_cache_key is None:
+        raise RequestFieldError("prompt_cache_retention keeps a session's prefix: give the session's "
+                                "prompt_cache_key too", "prompt_cache_key")
+    if not 0 < seconds <= MAX_RETENTION_SECONDS:
+        raise RequestFieldError(f"prompt_cache_retention must be in (0, {MAX_RETENTION_SECONDS:.0f}] seconds, "
+                                f"got {seconds}", "prompt_cache_retention")
+    return SessionRetention(request.prompt_cache_key, float(seconds))
+
+
 def _normalize_prompt(prompt: PromptRequest, request: GenerateRequest, model: ModelInfo) -> NormalizedPrompt:
     try:
         sampling = prompt.sampling_params
@@ -367,6 +387,7 @@ def _normalize_prompt(prompt: PromptRequest, request: GenerateRequest, model: Mo
         tenant_weight=request.tenant_weight,
         lora_name=prompt.lora_name,
         pooling=request.pooling,
+        retention=_retention(request),
     )
     return NormalizedPrompt(index=prompt.index, rid=prompt.rid, text=prompt.text, input_ids=prompt.input_ids,
                             sampling_params=sampling, samples=samples, options=options)

@@ -177,6 +177,9 @@ class ServerArgs:
     is_embedding: bool = False  # serve a decoder as an embedding model (encoders and classifiers are detected)
     # last, mean or cls; None: the model's sentence-transformers pooling config, else last (decoders) / cls (encoders)
     pooling_method: Optional[str] = None
+    # Retained sessions (prompt_cache_key + prompt_cache_retention; radix_cache/retention.py): tokens each tenant
+    # may retain (None: a quarter of the KV pool); all tenants together retain at most half of the pool.
+    retention_quota_tokens: Optional[int] = None
 
     def __post_init__(self) -> None:
         def check(ok: bool, message: str) -> None:
@@ -292,6 +295,9 @@ class ServerArgs:
         check_speculative_args(self)
         check(self.pooling_method is None or self.pooling_method in POOLING_METHODS,
               f"pooling_method must be one of {POOLING_METHODS}, got {self.pooling_method!r}")
+        # Retained sessions
+        check(self.retention_quota_tokens is None or self.retention_quota_tokens >= 0,
+              f"retention_quota_tokens must be >= 0, got {self.retention_quota_tokens}")
 
     # ---- resolved values -------------------------------------------------------------------------
     def lora_enabled(self) -> bool:

@@ -292,6 +292,39 @@ class ReplicaView(msgspec.Struct, kw_only=True):
                 if value is not None or key not in ("avg_spec_accept_length", "replica_id")}
 
 
+class RetentionInfo(msgspec.Struct, kw_only=True):
+    """Retained sessions (radix_cache/retention.py): what is kept from eviction now, per tenant ("" for none), the
+    quotas, and since start the sessions released at expiry, refused (longer than the quota alone) and displaced
+    (released early for another within a quota)."""
+
+    sessions: int
+    retained_tokens: int
+    tokens_by_tenant: dict[str, int]
+    tenant_quota_tokens: int
+    total_quota_tokens: int
+    expired_sessions: int
+    refused_sessions: int
+    displaced_sessions: int
+    next_expiry_in: Optional[float]  # seconds until the soonest expiry; None with no session
+
+    @classmethod
+    def merge(cls, parts: Sequence["RetentionInfo"]) -> Optional["RetentionInfo"]:
+        """Replicas' sessions and tokens summed (a session lives on the replica that served it), quotas per replica."""
+        if not parts:
+            return None
+        by_tenant: dict[str, int] = {}
+        for part in parts:
+            for tenant, tokens in part.tokens_by_tenant.items():
+                by_tenant[tenant] = by_tenant.get(tenant, 0) + tokens
+        expiries = [p.next_expiry_in for p in parts if p.next_expiry_in is not None]
+        return cls(sessions=_sum(parts, "sessions"), retained_tokens=_sum(parts, "retained_tokens"),
+                   tokens_by_tenant=by_tenant, tenant_quota_tokens=parts[0].tenant_quota_tokens,
+                   total_quota_tokens=parts[0].total_quota_tokens, expired_sessions=_sum(parts, "expired_sessions"),
+                   refused_sessions=_sum(parts, "refused_sessions"),
+                   displaced_sessions=_sum(parts, "displaced_sessions"),
+                   next_expiry_in=min(expiries) if expiries else None)
+
+
 class ServerInfo(msgspec.Struct, kw_only=True):
     """One scheduler's report (`dp_rank` set), or the merge of several (`replicas` set); see the module docstring."""
 
@@ -310,6 +343,7 @@ class ServerInfo(msgspec.Struct, kw_only=True):
     dp_rank: Optional[int] = 0
     replicas: Optional[list[ReplicaView]] = None
     num_pending_requests_in_tokenizer_manager: Optional[int] = None  # filled in by the TokenizerManager
+    retention: Optional[RetentionInfo] = None  # one scheduler's retained sessions
 
     @property
     def token_usage(self) -> float:
@@ -348,6 +382,8 @@ class ServerInfo(msgspec.Struct, kw_only=True):
             out["replicas"] = [view.to_dict() for view in self.replicas]
         if self.num_pending_requests_in_tokenizer_manager is not None:
             out["num_pending_requests_in_tokenizer_manager"] = self.num_pending_requests_in_tokenizer_manager
+        if self.retention is not None:
+            out["retention"] = msgspec.structs.asdict(self.retention)
         return out
 
     @classmethod
@@ -372,6 +408,7 @@ class ServerInfo(msgspec.Struct, kw_only=True):
             dp_rank=None,
             replicas=[p.replica_view() for p in parts],
             num_pending_requests_in_tokenizer_manager=None if None in pending else sum(pending),
+            retention=RetentionInfo.merge([p.retention for p in parts if p.retention is not None]),
         )
 
 

@@ -18,25 +18,30 @@ from http_fixtures import ADMIN_KEY, KEY_A, MAIN_SERVER_FLAGS, ServerProcess, te
 
 pytestmark = pytest.mark.timeout(600)
 
-FUZZ_BUDGET_S = 45.0
+FUZZ_BUDGET_S = 55.0  # about 2.4 s per documented operation
 EXAMPLES_PER_OPERATION = 25
 # Request fields whose valid values set the amount of work: generated values are folded into a small range
 # so that a schema-valid example costs at most a few decode steps (the fuzz looks for crashes, not for load).
-WORK_FIELDS = {"max_tokens", "max_completion_tokens", "max_new_tokens", "min_tokens", "min_new_tokens"}
+WORK_FIELDS = {"max_tokens", "max_completion_tokens", "max_new_tokens", "min_tokens", "min_new_tokens",
+               "max_output_tokens"}
 MAX_WORK = 4
-GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions", "/generate", "/abort_request")
+GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions", "/generate", "/abort_request", "/v1/messages",
+                     "/v1/responses")
 POST_ROUTES = {"/v1/chat/completions": "ChatCompletionRequest", "/v1/completions": "CompletionRequest",
                "/generate": "GenerateRequest", "/abort_request": "AbortRequest",
                "/load_lora_adapter": "LoadLoRAAdapterRequest", "/unload_lora_adapter": "UnloadLoRAAdapterRequest",
                "/v1/embeddings": "EmbeddingRequest", "/v1/rerank": "RerankRequest", "/rerank": "RerankRequest",
                "/v1/score": "ScoreRequest", "/classify": "ClassifyRequest", "/v1/classify": "ClassifyRequest",
-               "/tokenize": "TokenizeRequest", "/detokenize": "DetokenizeRequest"}
+               "/tokenize": "TokenizeRequest", "/detokenize": "DetokenizeRequest",
+               "/v1/messages": "MessagesRequest", "/v1/messages/count_tokens": "CountTokensRequest",
+               "/v1/responses": "ResponsesRequest"}
 ROUTES = {"/health", "/metrics", "/v1/models", "/v1/models/{model_id}", "/v1/chat/completions", "/v1/completions",
           "/generate", "/abort_request", "/flush_cache", "/get_model_info", "/get_server_info", "/health_generate",
           "/model_info", "/server_info",
           "/cache", "/cache/tree", "/cache/{asset}", "/load_lora_adapter", "/unload_lora_adapter",
           "/v1/embeddings", "/v1/rerank", "/rerank", "/v1/score", "/classify", "/v1/classify",
-          "/version", "/ping", "/tokenize", "/detokenize"}
+          "/version", "/ping", "/tokenize", "/detokenize",
+          "/v1/messages", "/v1/messages/count_tokens", "/v1/responses", "/v1/responses/{response_id}"}
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +95,9 @@ def _bound_generation(path: str, body) -> None:
     if path in ("/v1/chat/completions", "/v1/completions"):
         if "max_tokens" not in body and "max_completion_tokens" not in body:
             body["max_tokens"] = MAX_WORK
+    elif path == "/v1/responses":
+        if body.get("max_output_tokens") is None:
+            body["max_output_tokens"] = MAX_WORK
     elif path == "/generate":
         params = body.setdefault("sampling_params", {})
         if isinstance(params, dict):
