@@ -69,4 +69,5 @@ class DetokenizerManager:
             input_top_logprobs=batch.input_top_logprobs,
             spec=batch.spec,
             queue_times=batch.queue_times,
+            weight_version=batch.weight_version,
         )

@@ -19,6 +19,7 @@ from radixserve.model_runner.cpu.packed import pack_cpu_linears
 from radixserve.model_runner.cpu.small_batch import pack_small_batch_linears, small_batch_packing_pays
 from radixserve.model_runner.forward_batch import ForwardBatch
 from radixserve.model_runner.loader import dummy_weights, iter_weights
+from radixserve.model_runner.memory_occupation import MemoryOccupation
 from radixserve.model_runner.memory_plan import MemoryPlan, graph_bytes, margin_bytes, profile_step_memory
 from radixserve.model_runner.lora.setup import create_lora_manager
 from radixserve.model_runner.model_config import ModelConfig
@@ -26,6 +27,7 @@ from radixserve.model_runner.models import get_model_class
 from radixserve.model_runner.parallel import (HeadLayout, ReplicaPlacement, check_ep_divides, join_tp_group,
                                               min_over_ranks)
 from radixserve.model_runner.runner_config import RunnerConfig
+from radixserve.model_runner.weight_update import WeightUpdater
 from radixserve.radix_cache.pool import KV_CACHE_DTYPES, KVAllocator, ReqToTokenPool, TokenToKVPool
 
 if TYPE_CHECKING:
@@ -61,7 +63,7 @@ class ModelRunner:
     Attributes the scheduler uses: `model_config`, `device`, `dtype`, `context_len`, `vocab_size`,
     `max_total_num_tokens` (usable KV slots), `max_running_requests`, `req_to_token_pool`, `allocator`,
     `token_to_kv_pool`, `attn_backend`, `page_size`, `cuda_graph_runner` (None unless decode runs in
-    CUDA graphs).
+    CUDA graphs), `weights` (updates while serving) and `memory` (release and resume).
     """
 
     def __init__(self, config: RunnerConfig, tp_rank: int = 0, dp_rank: int = 0) -> None:
@@ -109,6 +111,8 @@ class ModelRunner:
         self.model.set_attention_backend(self.attn_backend)
         self.lora_manager = create_lora_manager(self) if config.enable_lora else None
         self.cuda_graph_runner = self._create_cuda_graph_runner()
+        self.weights = WeightUpdater(self)  # weight updates while serving (model_runner/weight_update.py)
+        self.memory = MemoryOccupation(self)  # memory release and resume (model_runner/memory_occupation.py)
         logger.info(
             "model %s loaded on %s (%s); KV pool %d tokens, %d running requests, context %d",
             shape.architecture, self.device, self.dtype, self.max_total_num_tokens,

@@ -41,6 +41,7 @@ class SchedulerState(Protocol):
     new_token_ratio: Any
     fair_share: Any
     speculator: Any
+    post_training: Any  # PostTraining (scheduler/weights.py)
 
     @property
     def running(self) -> list: ...
@@ -74,6 +75,7 @@ def ready_info(scheduler: SchedulerState) -> ModelInfo:
         sampling_defaults=dict(runner.model_config.sampling_defaults) if args.sampling_defaults == "model" else {},
         lora_enabled=getattr(runner, "lora_manager", None) is not None,
         lora_adapters=runner.lora_manager.loaded() if getattr(runner, "lora_manager", None) is not None else {},
+        weight_version=scheduler.post_training.weight_version,
     )
 
 

@@ -1,6 +1,7 @@
 """Every message that crosses a process boundary, as tagged msgspec Structs.
 
-TokenizerManager -> Scheduler:      TokenizedGenerateReq, AbortReq, FlushCacheReq, GetServerInfoReq, CacheTreeReq
+TokenizerManager -> Scheduler:      TokenizedGenerateReq, AbortReq, FlushCacheReq, GetServerInfoReq, CacheTreeReq,
+                                    the weight, memory and pause requests of weights.py
 Scheduler -> DetokenizerManager:    BatchTokenOut (and control replies, forwarded untouched)
 DetokenizerManager -> Tokenizer:    BatchTextOut, FlushCacheReqOutput, GetServerInfoReqOutput, CacheTreeReqOutput
 Scheduler -> DP controller:         ReplicaLoad (with --dp-size > 1: load and evicted prefixes, see
@@ -24,6 +25,11 @@ from radixserve.runtime.wire.cache_tree import CacheTreeReq, CacheTreeReqOutput
 from radixserve.runtime.wire.lora import LoadLoRAAdapterReq, LoRAAdapterReqOutput, UnloadLoRAAdapterReq
 from radixserve.runtime.wire.sampling_params import SamplingParams
 from radixserve.runtime.wire.server_info import ModelInfo, ServerInfo
+from radixserve.runtime.wire.weights import (
+    DEFAULT_WEIGHT_VERSION, ContinueGenerationReq, ControlReqOutput, DestroyWeightsUpdateGroupReq, GetWeightsByNameReq,
+    GetWeightsByNameReqOutput, InitWeightsUpdateGroupReq, PauseGenerationReq, ReleaseMemoryOccupationReq,
+    ResumeMemoryOccupationReq, UpdateWeightsFromDiskReq, UpdateWeightsFromDistributedReq, UpdateWeightsFromTensorReq,
+)
 
 
 class FinishReason(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -148,6 +154,7 @@ class BatchTokenOut(msgspec.Struct, tag=True):
     spec: list[Optional[SpecCounts]] = []
     # Seconds each request waited in the scheduler's queue before its first admission (None: never admitted).
     queue_times: list[Optional[float]] = []
+    weight_version: str = DEFAULT_WEIGHT_VERSION  # the weights these tokens were computed with (runtime/wire/weights.py)
 
 
 class BatchTextOut(msgspec.Struct, tag=True):
@@ -166,6 +173,7 @@ class BatchTextOut(msgspec.Struct, tag=True):
     input_top_logprobs: list[Optional[list[Optional[list[tuple[int, float]]]]]] = []
     spec: list[Optional[SpecCounts]] = []
     queue_times: list[Optional[float]] = []
+    weight_version: str = DEFAULT_WEIGHT_VERSION
 
 
 class EvictedPrefix(msgspec.Struct):
@@ -221,6 +229,18 @@ Message = Union[
     LoadLoRAAdapterReq,
     UnloadLoRAAdapterReq,
     LoRAAdapterReqOutput,
+    UpdateWeightsFromDiskReq,
+    UpdateWeightsFromTensorReq,
+    InitWeightsUpdateGroupReq,
+    UpdateWeightsFromDistributedReq,
+    DestroyWeightsUpdateGroupReq,
+    GetWeightsByNameReq,
+    GetWeightsByNameReqOutput,
+    ReleaseMemoryOccupationReq,
+    ResumeMemoryOccupationReq,
+    PauseGenerationReq,
+    ContinueGenerationReq,
+    ControlReqOutput,
     BatchTokenOut,
     BatchTextOut,
     ReplicaLoad,

@@ -171,6 +171,9 @@ class ServerArgs:
     speculative_ngram_max_bfs_breadth: int = 1  # must be 1 (chains)
     speculative_ngram_match_type: str = "BFS"
 
+    # Post-training (docs/rl.md): the weight version reported until the first update (SGLang's --weight-version)
+    weight_version: str = "default"
+
     def __post_init__(self) -> None:
         def check(ok: bool, message: str) -> None:
             if not ok:
@@ -281,6 +284,8 @@ class ServerArgs:
         check(self.gc_warning_threshold_secs >= 0,
               f"gc_warning_threshold_secs must be >= 0, got {self.gc_warning_threshold_secs}")
         check_speculative_args(self)
+
+        check(bool(self.weight_version), "weight_version must not be empty")
 
     # ---- resolved values -------------------------------------------------------------------------
     def lora_enabled(self) -> bool:

@@ -55,6 +55,7 @@ class ModelInfo(msgspec.Struct, kw_only=True):
     lora_enabled: bool = False
     # Data-parallel replicas behind the controller; the fields above (the KV pool included) describe one of them.
     dp_size: int = 1
+    weight_version: str = "default"  # the weights served now (runtime/wire/weights.py)
 
     def to_dict(self) -> dict[str, Any]:
         return msgspec.structs.asdict(self)
