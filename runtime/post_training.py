@@ -22,7 +22,7 @@ from typing import Any, Optional, Sequence
 from radixserve.runtime.wire.weights import (
     ContinueGenerationReq, DestroyWeightsUpdateGroupReq, GetWeightsByNameReq, InitWeightsUpdateGroupReq,
     PauseGenerationReq, ReleaseMemoryOccupationReq, ResumeMemoryOccupationReq, UpdateWeightsFromDiskReq,
-    UpdateWeightsFromDistributedReq, UpdateWeightsFromTensorReq, payload_tensor, tensor_payload,
+    UpdateWeightsFromDistributedReq, UpdateWeightsFromTensorReq,
 )
 
 NamedTensors = Sequence[tuple[str, Any]]  # (Hugging Face name, torch.Tensor)
@@ -49,6 +49,8 @@ class PostTrainingCalls:
     def update_weights_from_tensor(self, named_tensors: NamedTensors, load_format: Optional[str] = None,
                                    flush_cache: bool = True, weight_version: Optional[str] = None) -> tuple[bool, str]:
         """Copy `named_tensors` (whole checkpoint tensors under Hugging Face names; any subset) into the model."""
+        from radixserve.runtime.tensor_payload import tensor_payload  # torch: only for the callers that hold tensors
+
         payloads = [tensor_payload(name, tensor) for name, tensor in named_tensors]
         return _outcome(self._post_training(UpdateWeightsFromTensorReq, named_tensors=payloads,
                                             load_format=load_format, flush_cache=flush_cache,
@@ -77,6 +79,8 @@ class PostTrainingCalls:
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
         """The first `truncate_size` rows of checkpoint tensor `name` as served (rank 0's part under TP), as a
         nested list. Raises ValueError for an unknown name."""
+        from radixserve.runtime.tensor_payload import payload_tensor
+
         reply = self._post_training(GetWeightsByNameReq, name=name, truncate_size=truncate_size)
         if not reply.success:
             raise ValueError(reply.message)

@@ -30,8 +30,9 @@ from radixserve.runtime.wire.weights import (
     PAUSE_MODES, ContinueGenerationReq, ControlReqOutput, DestroyWeightsUpdateGroupReq, GetWeightsByNameReq,
     GetWeightsByNameReqOutput, InitWeightsUpdateGroupReq, PauseGenerationReq, ReleaseMemoryOccupationReq,
     ResumeMemoryOccupationReq, UpdateWeightsFromDiskReq, UpdateWeightsFromDistributedReq, UpdateWeightsFromTensorReq,
-    check_tags, payload_tensor, tensor_payload,
+    check_tags,
 )
+from radixserve.runtime.tensor_payload import payload_tensor, tensor_payload
 
 logger = logging.getLogger(__name__)
 

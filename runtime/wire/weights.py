@@ -14,15 +14,14 @@ their arguments, docs/rl.md).
     ContinueGenerationReq            schedule again
 
 Every one is answered with a `ControlReqOutput` (a `GetWeightsByNameReqOutput` for the read). A tensor crosses the
-socket as a `TensorPayload`: its dtype's name, shape and raw bytes (no pickle).
+socket as a `TensorPayload`: its dtype's name, shape and raw bytes (no pickle; runtime/tensor_payload.py converts).
 
-Light module: msgspec only (torch is imported inside the two converters, which only the processes that hold
-tensors call).
+Light module: msgspec only.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional
 
 import msgspec
 
@@ -38,36 +37,6 @@ class TensorPayload(msgspec.Struct, array_like=True):
     dtype: str  # torch's name without the "torch." prefix: "float32", "bfloat16", ...
     shape: list[int]
     data: bytes
-
-
-def tensor_payload(name: str, tensor: Any) -> TensorPayload:
-    """A tensor as bytes that can cross a socket (copied to the CPU when it lives on a device)."""
-    import torch
-
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"weight {name!r}: expected a torch.Tensor, got {type(tensor).__name__}")
-    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
-    data = flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
-    return TensorPayload(name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), data)
-
-
-def payload_tensor(payload: TensorPayload) -> Any:
-    """The tensor of a payload, on the CPU (ValueError for an unknown dtype or bytes that do not fit the shape)."""
-    import torch
-
-    dtype = getattr(torch, payload.dtype, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"weight {payload.name!r}: unknown dtype {payload.dtype!r}")
-    count = 1
-    for size in payload.shape:
-        count *= size
-    if len(payload.data) != count * torch.empty((), dtype=dtype).element_size():
-        raise ValueError(f"weight {payload.name!r}: {len(payload.data)} bytes do not hold {payload.dtype} "
-                         f"{tuple(payload.shape)}")
-    if not count:
-        return torch.empty(payload.shape, dtype=dtype)
-    raw = torch.frombuffer(bytearray(payload.data), dtype=torch.uint8)
-    return raw.view(dtype).reshape(payload.shape)
 
 
 class UpdateWeightsFromDiskReq(msgspec.Struct, tag=True, kw_only=True):
