@@ -70,7 +70,8 @@ class MemoryOccupation:
                 self._weight_folder = tempfile.mkdtemp(prefix="radixserve-weights-")
                 os.chmod(self._weight_folder, 0o700)
                 for i, storage in enumerate(storages):
-                    _as_bytes(storage).numpy().tofile(os.path.join(self._weight_folder, f"{i}.bin"))
+                    # Through a copy: a numpy view would make the storage unresizable for good.
+                    _as_bytes(storage).clone().numpy().tofile(os.path.join(self._weight_folder, f"{i}.bin"))
             for storage in storages:
                 storage.resize_(0)
         if runner.device.type == "cuda":

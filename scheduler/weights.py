@@ -26,6 +26,8 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Optional
 
+import torch
+
 from radixserve.runtime.wire.weights import (
     PAUSE_MODES, ContinueGenerationReq, ControlReqOutput, DestroyWeightsUpdateGroupReq, GetWeightsByNameReq,
     GetWeightsByNameReqOutput, InitWeightsUpdateGroupReq, PauseGenerationReq, ReleaseMemoryOccupationReq,
@@ -61,6 +63,8 @@ class PostTraining:
             return self._reply(msg, str(error))
         except OSError as error:  # a checkpoint folder that cannot be read
             return self._reply(msg, f"cannot read the weights: {error}")
+        except torch.cuda.OutOfMemoryError as error:  # no memory to take back (resume): the server goes on
+            return self._reply(msg, f"{type(msg).__name__} failed: {error}")
 
     # ---- the requests --------------------------------------------------------------------------------
     def _dispatch(self, msg: Any) -> Optional[str]:

@@ -36,6 +36,7 @@ from radixserve.runtime.http.generation import install_disconnect_handlers, json
 from radixserve.runtime.http.state import InflightRequests, ServerState, caller, caller_tenant, require_admin
 from radixserve.runtime.http.lora_api import adapter_cards
 from radixserve.runtime.http.lora_api import router as lora_router
+from radixserve.runtime.http.weights_api import router as weights_router
 from radixserve.runtime.http.metrics import ServerMetrics
 from radixserve.runtime.http.tenant_usage import TenantUsage
 from radixserve.runtime.http.native_api import health_route
@@ -129,6 +130,7 @@ def create_app(engine: ServingEngine, server_args: ServerArgs) -> FastAPI:
     app.include_router(protected)
     app.include_router(native_router)
     app.include_router(lora_router)  # /load_lora_adapter, /unload_lora_adapter (runtime/http/lora_api.py)
+    app.include_router(weights_router)  # weight updates, memory, pause (runtime/http/weights_api.py)
     app.include_router(cache_page_router)  # /cache (the page) and /cache/tree (runtime/http/cache_page.py)
     install_openapi(app)
     return app
