@@ -89,7 +89,7 @@ class EngineProxy:
     async def async_unload_lora_adapter(self, lora_name: str) -> LoRAAdapterReqOutput:
         return self._lora_refused()
 
-    async def async_post_training(self, request_type: type, **fields: Any) -> ControlReqOutput:
+    async def async_post_training(self, request_type: type, **fields: Any) -> Any:
         return ControlReqOutput(
             rpc_id="", success=False, status_code=501,
             message="weight updates, memory release and pause are not offered through the Ray ingress (a replica "
