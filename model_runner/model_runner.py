@@ -49,6 +49,18 @@ CPU_DEFAULT_MAX_RUNNING_REQUESTS = 128
 SPARE_REQUEST_ROWS = 8
 
 
+def require_batch_invariant_kernels(device: str) -> None:
+    """Deterministic inference runs radixserve's CPU kernels from the first batch on (model_runner/cpu/dispatch.py):
+    wait for them to load; RuntimeError where they cannot, ValueError off the CPU."""
+    if not str(device).startswith("cpu"):
+        raise ValueError("--enable-deterministic-inference is implemented for the CPU (its batch-invariant kernels); "
+                         f"this engine runs on {device}")
+    cpu_build.start_background_build()
+    if not cpu_build.wait():
+        raise RuntimeError("--enable-deterministic-inference needs radixserve's CPU kernels, which did not load here "
+                           "(the log of radixserve.kernels.cpu_build says why)")
+
+
 def default_max_running(kv_tokens: int) -> int:
     """The request limit on a GPU when none is given: a row per 512 KV tokens, between 32 and 1024."""
     return min(1024, max(32, kv_tokens // 512))
@@ -71,8 +83,10 @@ class ModelRunner:
         (every rank constructs its runner at the same time) and holds that rank's shard. `dp_rank`: the
         data-parallel replica, which takes this host's devices (or cores) after the replicas before it."""
         self.config = config
-        self.cpu_kernels = dispatch.choose(config.cpu_kernels)
+        self.cpu_kernels = dispatch.choose(config.cpu_kernels, batch_invariant=config.deterministic)
         cpu_build.set_enabled(self.cpu_kernels.enabled)  # before any weight is packed for the kernels
+        if config.deterministic:
+            require_batch_invariant_kernels(config.device)
         self.tp_rank = tp_rank
         self.dp_rank = dp_rank
         self.model_dir = config.model.model_dir

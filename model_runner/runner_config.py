@@ -57,6 +57,7 @@ class RunnerConfig:
     max_lora_rank: Optional[int]
     max_loras_per_batch: int
     speculative: bool  # verify steps of many rows: the float32 CPU linears keep a packed copy
+    deterministic: bool = False  # batch-invariant kernels (--enable-deterministic-inference; model_runner/cpu/dispatch.py)
 
     @classmethod
     def from_server_args(cls, args: ServerArgs, model: Optional[ModelFiles] = None) -> "RunnerConfig":
@@ -80,4 +81,5 @@ class RunnerConfig:
             dist_timeout=args.dist_timeout,
             enable_lora=args.lora_enabled(), lora_paths=tuple(args.lora_paths or ()), max_lora_rank=args.max_lora_rank,
             max_loras_per_batch=args.max_loras_per_batch, speculative=args.speculative_algorithm is not None,
+            deterministic=args.enable_deterministic_inference,
         )

@@ -171,8 +171,10 @@ class ServerArgs:
     speculative_ngram_max_bfs_breadth: int = 1  # must be 1 (chains)
     speculative_ngram_match_type: str = "BFS"
 
-    # Post-training (docs/rl.md): the weight version reported until the first update (SGLang's --weight-version)
+    # Post-training (docs/rl.md): the weight version reported until the first update (SGLang's --weight-version), and
+    # batch-invariant kernels: one request gives the same bits alone, in any batch and after cache hits (CPU)
     weight_version: str = "default"
+    enable_deterministic_inference: bool = False
 
     def __post_init__(self) -> None:
         def check(ok: bool, message: str) -> None:
@@ -286,6 +288,13 @@ class ServerArgs:
         check_speculative_args(self)
 
         check(bool(self.weight_version), "weight_version must not be empty")
+        if self.enable_deterministic_inference:
+            check(self.cpu_kernels != "torch", "enable_deterministic_inference runs every linear through radixserve's "
+                                               "CPU kernel: drop --cpu-kernels torch")
+            check(self.tp_size == 1, "enable_deterministic_inference needs tp_size 1 (the sharded linears' sums "
+                                     "are not batch-invariant)")
+            check(self.attention_backend in (None, "cpu"),
+                  "enable_deterministic_inference runs the cpu attention backend (its fixed split)")
 
     # ---- resolved values -------------------------------------------------------------------------
     def lora_enabled(self) -> bool:
