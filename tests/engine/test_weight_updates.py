@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+pytestmark = [pytest.mark.slow]  # each starts an Engine (20-60 s on a loaded 2-core machine)
 MAX_NEW_TOKENS = 6
 GREEDY = {"temperature": 0.0, "max_new_tokens": MAX_NEW_TOKENS}
 

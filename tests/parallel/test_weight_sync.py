@@ -12,10 +12,12 @@ import datetime
 import multiprocessing
 import socket
 
+import pytest
 import torch
 
 from test_weight_updates import GREEDY, _prompts, hf_greedy, hf_model, perturbed_state
 
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 GROUP = "rl_weights"
 
 
