@@ -70,4 +70,5 @@ class DetokenizerManager:
             spec=batch.spec,
             queue_times=batch.queue_times,
             embeddings=batch.embeddings,
+            weight_version=batch.weight_version,
         )

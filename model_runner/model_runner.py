@@ -19,6 +19,7 @@ from radixserve.model_runner.cpu.packed import pack_cpu_linears
 from radixserve.model_runner.cpu.small_batch import pack_small_batch_linears, small_batch_packing_pays
 from radixserve.model_runner.forward_batch import ForwardBatch
 from radixserve.model_runner.loader import dummy_weights, iter_weights
+from radixserve.model_runner.memory_occupation import MemoryOccupation
 from radixserve.model_runner.memory_plan import MemoryPlan, graph_bytes, margin_bytes, profile_step_memory
 from radixserve.model_runner.lora.setup import create_lora_manager
 from radixserve.model_runner.model_config import ModelConfig
@@ -27,6 +28,7 @@ from radixserve.model_runner.pooling import PoolingSpec, pool_hidden
 from radixserve.model_runner.parallel import (HeadLayout, ReplicaPlacement, check_ep_divides, join_tp_group,
                                               min_over_ranks)
 from radixserve.model_runner.runner_config import RunnerConfig
+from radixserve.model_runner.weight_update import WeightUpdater
 from radixserve.radix_cache.pool import KV_CACHE_DTYPES, KVAllocator, ReqToTokenPool, TokenToKVPool
 
 if TYPE_CHECKING:
@@ -48,6 +50,18 @@ CPU_DEFAULT_MAX_RUNNING_REQUESTS = 128
 SPARE_REQUEST_ROWS = 8
 
 
+def require_batch_invariant_kernels(device: str) -> None:
+    """Deterministic inference runs radixserve's CPU kernels from the first batch on (model_runner/cpu/dispatch.py):
+    wait for them to load; RuntimeError where they cannot, ValueError off the CPU."""
+    if not str(device).startswith("cpu"):
+        raise ValueError("--enable-deterministic-inference is implemented for the CPU (its batch-invariant kernels); "
+                         f"this engine runs on {device}")
+    cpu_build.start_background_build()
+    if not cpu_build.wait():
+        raise RuntimeError("--enable-deterministic-inference needs radixserve's CPU kernels, which did not load here "
+                           "(the log of radixserve.kernels.cpu_build says why)")
+
+
 def default_max_running(kv_tokens: int) -> int:
     """The request limit on a GPU when none is given: a row per 512 KV tokens, between 32 and 1024."""
     return min(1024, max(32, kv_tokens // 512))
@@ -62,7 +76,7 @@ class ModelRunner:
     Attributes the scheduler uses: `model_config`, `device`, `dtype`, `context_len`, `vocab_size`,
     `max_total_num_tokens` (usable KV slots), `max_running_requests`, `req_to_token_pool`, `allocator`,
     `token_to_kv_pool`, `attn_backend`, `page_size`, `cuda_graph_runner` (None unless decode runs in
-    CUDA graphs).
+    CUDA graphs), `weights` (updates while serving) and `memory` (release and resume).
     """
 
     def __init__(self, config: RunnerConfig, tp_rank: int = 0, dp_rank: int = 0) -> None:
@@ -70,8 +84,10 @@ class ModelRunner:
         (every rank constructs its runner at the same time) and holds that rank's shard. `dp_rank`: the
         data-parallel replica, which takes this host's devices (or cores) after the replicas before it."""
         self.config = config
-        self.cpu_kernels = dispatch.choose(config.cpu_kernels)
+        self.cpu_kernels = dispatch.choose(config.cpu_kernels, batch_invariant=config.deterministic)
         cpu_build.set_enabled(self.cpu_kernels.enabled)  # before any weight is packed for the kernels
+        if config.deterministic:
+            require_batch_invariant_kernels(config.device)
         self.tp_rank = tp_rank
         self.dp_rank = dp_rank
         self.model_dir = config.model.model_dir
@@ -115,6 +131,8 @@ class ModelRunner:
         self.model.set_attention_backend(self.attn_backend)
         self.lora_manager = create_lora_manager(self) if config.enable_lora else None
         self.cuda_graph_runner = self._create_cuda_graph_runner()
+        self.weights = WeightUpdater(self)  # weight updates while serving (model_runner/weight_update.py)
+        self.memory = MemoryOccupation(self)  # memory release and resume (model_runner/memory_occupation.py)
         logger.info(
             "model %s loaded on %s (%s); KV pool %d tokens, %d running requests, context %d",
             shape.architecture, self.device, self.dtype, self.max_total_num_tokens,

@@ -57,6 +57,7 @@ class RunnerConfig:
     max_lora_rank: Optional[int]
     max_loras_per_batch: int
     speculative: bool  # verify steps of many rows: the float32 CPU linears keep a packed copy
+    deterministic: bool = False  # batch-invariant kernels (--enable-deterministic-inference; model_runner/cpu/dispatch.py)
 
     # Pooling (model_runner/pooling.py)
     is_embedding: bool = False
@@ -85,4 +86,5 @@ class RunnerConfig:
             enable_lora=args.lora_enabled(), lora_paths=tuple(args.lora_paths or ()), max_lora_rank=args.max_lora_rank,
             max_loras_per_batch=args.max_loras_per_batch, speculative=args.speculative_algorithm is not None,
             is_embedding=args.is_embedding, pooling_method=args.pooling_method,
+            deterministic=args.enable_deterministic_inference,
         )

@@ -213,7 +213,13 @@ def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
 
 
 class Sampler:
-    """Picks the next token of every request in a batch; see the module docstring for the semantics."""
+    """Picks the next token of every request in a batch; see the module docstring for the semantics.
+
+    `batch_invariant` (deterministic inference): logprobs row by row, since a reduction over one row may be split
+    across threads differently than over many (a request's logprobs would then depend on its batch's size)."""
+
+    def __init__(self, batch_invariant: bool = False) -> None:
+        self.batch_invariant = batch_invariant
 
     def __call__(
         self,
@@ -247,7 +253,10 @@ class Sampler:
 
         logprobs_all = None
         if return_logprob or top_logprobs_num > 0:
-            logprobs_all = torch.log_softmax(logits, dim=-1)
+            if self.batch_invariant:
+                logprobs_all = torch.cat([torch.log_softmax(row, dim=-1) for row in logits.split(1)])
+            else:
+                logprobs_all = torch.log_softmax(logits, dim=-1)
 
         if info.all_greedy:
             next_ids = greedy_ids(logits)

@@ -35,6 +35,7 @@ from radixserve.runtime.wire.ipc import IpcPaths, make_pull, make_push
 from radixserve.runtime import pooling
 from radixserve.runtime.launch import ChildProcesses, primary_model_info, resolve_for_launch
 from radixserve.runtime.loop_thread import LoopThread
+from radixserve.runtime.post_training import PostTrainingCalls
 from radixserve.runtime.serving_engine import RequestObserver
 from radixserve.runtime.wire.messages import ModelInfo
 from radixserve.runtime.wire.lora import LoRAAdapterReqOutput
@@ -90,8 +91,9 @@ class _Resources:
             self.ipc.remove()
 
 
-class Engine:
-    """An in-process LLM engine (see the module docstring). Keyword arguments are ServerArgs fields.
+class Engine(PostTrainingCalls):
+    """An in-process LLM engine (see the module docstring). Keyword arguments are ServerArgs fields. The
+    post-training calls (weight updates, memory release, pause) are runtime/post_training.py's.
 
     Raises ValueError for unknown or invalid server arguments, EngineStartupError (with the child's traceback)
     when a child process fails to start.
@@ -305,6 +307,16 @@ class Engine:
     def lora_adapters(self) -> dict[str, str]:
         """The loaded LoRA adapters, name -> path."""
         return dict(self._tm.lora_adapters)
+
+    # ---- post-training (runtime/post_training.py; docs/rl.md) -------------------------------------
+    def _post_training(self, request_type: type, **fields: Any) -> Any:
+        self._check_open()
+        return self._loop.call(self._tm.post_training(request_type, **fields))
+
+    async def async_post_training(self, request_type: type, **fields: Any) -> Any:
+        """The schedulers' merged reply to a request of runtime/wire/weights.py, from a running event loop."""
+        self._check_open()
+        return await self._loop.call_async(self._tm.post_training(request_type, **fields))
 
     def get_server_info(self) -> dict[str, Any]:
         """The scheduler's statistics: memory, cache hit rate, queue sizes, throughput, plus model_info (the JSON

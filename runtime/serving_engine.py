@@ -59,6 +59,9 @@ class ServingEngine(Protocol):
 
     async def async_unload_lora_adapter(self, lora_name: str) -> LoRAAdapterReqOutput: ...
 
+    async def async_post_training(self, request_type: type, **fields: Any) -> Any:
+        """The merged reply to a request of runtime/wire/weights.py (weights, memory, pause; docs/rl.md)."""
+
     def abort(self, rid: str, tenant: Optional[str] = None) -> None:
         """Abort request `rid` of `tenant` (all its samples), wherever it is; unknown rids are ignored."""
 

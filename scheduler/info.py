@@ -42,6 +42,7 @@ class SchedulerState(Protocol):
     fair_share: Any
     speculator: Any
     retention: Any  # radix_cache.retention.RetainedSessions
+    post_training: Any  # PostTraining (scheduler/weights.py)
 
     @property
     def running(self) -> list: ...
@@ -79,6 +80,7 @@ def ready_info(scheduler: SchedulerState) -> ModelInfo:
         pooling_method=runner.pooling.method,
         labels=list(runner.pooling.labels),
         is_generation=runner.pooling.is_generation,
+        weight_version=scheduler.post_training.weight_version,
     )
 
 

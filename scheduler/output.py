@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Iterable, Optional
 
 from radixserve.runtime.wire.messages import BatchTokenOut, SpecCounts
+from radixserve.runtime.wire.weights import DEFAULT_WEIGHT_VERSION
 from radixserve.scheduler.req import Req
 
 
@@ -25,8 +26,9 @@ def has_news(req: Req) -> bool:
     return req.stream and unsent > 0 and (unsent >= req.stream_interval or req.num_sent_tokens == 0)
 
 
-def build_batch_token_out(reqs: Iterable[Req]) -> Optional[BatchTokenOut]:
-    """The message for the requests among `reqs` that have news, marking what it sends as sent."""
+def build_batch_token_out(reqs: Iterable[Req], weight_version: str = DEFAULT_WEIGHT_VERSION) -> Optional[BatchTokenOut]:
+    """The message for the requests among `reqs` that have news (computed with weights `weight_version`), marking
+    what it sends as sent."""
     ready = [req for req in reqs if has_news(req)]
     if not ready:
         return None
@@ -35,7 +37,7 @@ def build_batch_token_out(reqs: Iterable[Req]) -> Optional[BatchTokenOut]:
     with_embeddings = any(req.embedding is not None for req in ready)
     out = BatchTokenOut(
         rids=[], new_token_ids=[], finish_reasons=[], prompt_tokens=[], completion_tokens=[], cached_tokens=[],
-        skip_special_tokens=[], spaces_between_special_tokens=[], stop=[],
+        skip_special_tokens=[], spaces_between_special_tokens=[], stop=[], weight_version=weight_version,
     )
     for req in ready:
         start = req.num_sent_tokens

@@ -104,7 +104,8 @@ class BatchExecutor:
     def __init__(self, runner, overlap: bool) -> None:
         self.runner = runner
         self.device = torch.device(runner.device)
-        self.sampler = Sampler()
+        # Deterministic inference: logprobs that do not depend on the batch (model_runner/sampling.py).
+        self.sampler = Sampler(batch_invariant=getattr(getattr(runner, "config", None), "deterministic", False))
         # token_table[row] = the latest token sampled for the request in that req_to_token row.
         self.token_table = torch.zeros(runner.req_to_token_pool.size, dtype=torch.int64, device=self.device)
         self.verify_forward = VerifyForward(runner)  # speculative verify steps, in CUDA graphs where they fit

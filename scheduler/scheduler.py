@@ -27,6 +27,8 @@ The step is written here; each decision lives in a part of its own, called from 
   speculator is `NoSpeculation`, which plans none); the result processor takes the accepted tokens and the
   speculator frees the rejected drafts' KV before a request may finish. Under overlap a request's verify step waits
   for its previous one (`needs_exact_history`); other batches (prefills) overlap it.
+- Post-training (`PostTraining`, weights.py): weight updates retract the running requests and drop the cache; while
+  generation is paused or memory is released, no batch runs.
 - Release (`RequestLifecycle`, lifecycle.py): a finished, aborted or retracted request hands its KV to the cache
   (`cache_finished_req`, so a retracted request's re-prefill reuses it) and frees its row, in `release_kv` and
   nowhere else.
@@ -48,6 +50,7 @@ from radixserve.runtime.wire.messages import (
     TokenizedGenerateReq,
 )
 from radixserve.runtime.wire.lora import LoadLoRAAdapterReq, UnloadLoRAAdapterReq
+from radixserve.runtime.wire.weights import CONTROL_REQUESTS
 from radixserve.runtime.wire.server_args import ServerArgs
 from radixserve.runtime.wire.server_info import ServerInfo
 from radixserve.scheduler.batch import ScheduleBatch
@@ -69,6 +72,7 @@ from radixserve.scheduler.setup import check_request, make_cache, try_load_token
 from radixserve.scheduler.speculative import make_speculator
 from radixserve.scheduler.stats import SchedulerStats
 from radixserve.scheduler.stop import StopChecker
+from radixserve.scheduler.weights import PostTraining
 
 logger = logging.getLogger(__name__)
 
@@ -129,6 +133,7 @@ class Scheduler:
             builder=self.batch_builder, decode=self.decode, results=self.results, max_running=self.max_running,
             max_prefill_tokens=args.max_prefill_tokens, chunk_size=self.chunk_size,
             mixed_chunk=args.enable_mixed_chunk, pooling_reuses_prefix=model_runner.pooling.reuses_prefix)
+        self.post_training = PostTraining(self, args.weight_version)  # weight updates, pause, memory (weights.py)
         self._outputs: list[Any] = []
         self._arrivals = itertools.count()
         self._checked_since_work = True
@@ -175,6 +180,8 @@ class Scheduler:
     def get_next_batch(self) -> Optional[ScheduleBatch]:
         self._admit_grammar_ready()
         self.retention.expire()  # what ran out is evictable again before admission counts the room
+        if self.post_training.holds_batches:  # paused, or memory released
+            return None
         return self.prefill.schedule() or self.decode.schedule()
 
     def take_outputs(self) -> list[Any]:
@@ -196,6 +203,8 @@ class Scheduler:
             self._reply(GetServerInfoReqOutput(msg.rpc_id, self.server_info()))
         elif isinstance(msg, (LoadLoRAAdapterReq, UnloadLoRAAdapterReq)):
             self._reply(self.lora.handle(msg, self.reqs, self.cache))
+        elif isinstance(msg, CONTROL_REQUESTS):
+            self._reply(self.post_training.handle(msg))
         elif isinstance(msg, CacheTreeReq):
             summary = cache_tree_summary(msg, self.cache, self.allocator, self.reqs, self.recent_requests)
             self._reply(CacheTreeReqOutput(msg.rpc_id, summary))
@@ -288,7 +297,7 @@ class Scheduler:
 
     def _flush_news(self) -> None:
         if self.requests.news:
-            out = build_batch_token_out(self.requests.news.values())
+            out = build_batch_token_out(self.requests.news.values(), self.post_training.weight_version)
             self.requests.news = {}
             if out is not None:
                 self._outputs.append(out)

@@ -5,7 +5,7 @@
                               send one TokenizedGenerateReq per prompt and sample, then yield chunks
                               (stream=True) or the final result(s)
     _recv_loop             -> BatchTextOut from the detokenizer, routed to each request's ReqState
-    abort / flush_cache / get_server_info / mark_dead
+    abort / flush_cache / get_server_info / post_training (weights, pause, memory) / mark_dead
 
 Every method runs on the loop that called `start()`; other threads reach it through the Engine's bridge.
 Abandoning a request's async generator (cancellation, aclose, break) aborts its unfinished requests.
@@ -45,6 +45,7 @@ from radixserve.runtime.wire.lora import LoadLoRAAdapterReq, LoRAAdapterReqOutpu
 from radixserve.runtime.wire.request import GenerateRequest, NormalizedRequest, located, normalize
 from radixserve.runtime.wire.sampling_params import LengthLimits, SamplingParams
 from radixserve.runtime.wire.server_info import ServerInfo
+from radixserve.runtime.wire.weights import CONTROL_REQUESTS, ControlReqOutput, GetWeightsByNameReqOutput
 from radixserve.tokenizer_manager.replicas import merge_replies
 from radixserve.tokenizer_manager.state import ReqGroup, ReqState
 from radixserve.tokenizer_manager.tokenize import TokenizerWorker
@@ -263,6 +264,13 @@ class TokenizerManager:
         self.lora_adapters = dict(reply.loaded_adapters)
         return reply
 
+    async def post_training(self, request_type: type, **fields: Any) -> Any:
+        """Send a request of runtime/wire/weights.py (`request_type`, with `fields`) to every scheduler; the reply
+        (the first failure when some replica failed)."""
+        if request_type not in CONTROL_REQUESTS:
+            raise TypeError(f"not a post-training request: {request_type.__name__}")
+        return await self._rpc(request_type, **fields)
+
     async def _rpc(self, request_type: type, **fields: Any) -> Any:
         self._check_alive()
         rpc_id = uuid.uuid4().hex
@@ -284,7 +292,7 @@ class TokenizerManager:
                 if isinstance(message, BatchTextOut):
                     self._handle_text_out(message)
                 elif isinstance(message, (FlushCacheReqOutput, GetServerInfoReqOutput, CacheTreeReqOutput,
-                                          LoRAAdapterReqOutput)):
+                                          LoRAAdapterReqOutput, ControlReqOutput, GetWeightsByNameReqOutput)):
                     self._rpc_reply(message)
                 elif isinstance(message, ProcessFailed):
                     logger.error("the %s process failed:\n%s", message.process, message.error)
@@ -331,6 +339,7 @@ class TokenizerManager:
                 state.spec = out.spec[i]
             if out.embeddings:
                 state.embedding = out.embeddings[i]
+            state.weight_version = out.weight_version
             group.notify(state.index)
             if state.finished:
                 self._observe(state)

@@ -16,6 +16,7 @@ from radixserve.runtime.wire.cache_tree import CacheTreeReqOutput
 from radixserve.runtime.wire.lora import LoRAAdapterReqOutput
 from radixserve.runtime.wire.messages import FlushCacheReqOutput, GetServerInfoReqOutput
 from radixserve.runtime.wire.server_info import ServerInfo
+from radixserve.runtime.wire.weights import ControlReqOutput, GetWeightsByNameReqOutput
 
 
 def merge_replies(replies: list[Any]) -> Any:
@@ -27,6 +28,9 @@ def merge_replies(replies: list[Any]) -> Any:
         return FlushCacheReqOutput(first.rpc_id, not refused, "; ".join(dict.fromkeys(refused)))
     if isinstance(first, GetServerInfoReqOutput):
         return GetServerInfoReqOutput(first.rpc_id, ServerInfo.merge([reply.info for reply in replies]))
+    if isinstance(first, (ControlReqOutput, GetWeightsByNameReqOutput)):  # every replica acts: all must succeed
+        failed = [reply for reply in replies if not reply.success]
+        return failed[0] if failed else first
     if isinstance(first, LoRAAdapterReqOutput):  # every replica loads (unloads) the adapter: all must succeed
         failed = [reply for reply in replies if not reply.success]
         return failed[0] if failed else first

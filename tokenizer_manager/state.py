@@ -15,6 +15,7 @@ from typing import Any, Callable, Optional
 
 from radixserve.runtime.wire.messages import FinishReason, SpecCounts
 from radixserve.runtime.wire.request import NormalizedRequest
+from radixserve.runtime.wire.weights import DEFAULT_WEIGHT_VERSION
 
 TokenText = Callable[[int], Optional[str]]  # token id -> its text, or None when texts were not asked for
 
@@ -51,6 +52,7 @@ class ReqState:
     cached_tokens: int = 0
     queue_time: Optional[float] = None  # seconds the scheduler held it before its first admission
     spec: Optional[SpecCounts] = None  # speculative decoding counts, when it runs
+    weight_version: str = DEFAULT_WEIGHT_VERSION  # the weights of its latest tokens (runtime/wire/weights.py)
     output_token_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     input_token_logprobs: Optional[list[Optional[float]]] = None
@@ -89,6 +91,7 @@ class ReqState:
             "completion_tokens": self.completion_tokens,
             "cached_tokens": self.cached_tokens,
             "finish_reason": self.finish_reason,
+            "weight_version": self.weight_version,
         }
         if self.queue_time is not None:
             meta["queue_time"] = self.queue_time

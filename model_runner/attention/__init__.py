@@ -15,6 +15,8 @@ if TYPE_CHECKING:
     from radixserve.model_runner.runner_parts import RunnerParts
 
 BACKEND_NAMES = ("torch_native", "cpu", "triton", "flashinfer")
+# Deterministic inference: a shared prefix this long never occurs, so every request is a group of its own.
+BATCH_INVARIANT_PREFIX = 1 << 62
 
 
 def create_attention_backend(name: str, runner: "RunnerParts | None" = None) -> AttentionBackend:
@@ -38,6 +40,8 @@ def create_attention_backend(name: str, runner: "RunnerParts | None" = None) -> 
             raise ValueError("the cpu attention backend runs on the CPU; use flashinfer, triton or torch_native")
         from radixserve.model_runner.attention.cpu_backend import CpuAttentionBackend
 
+        if runner.cpu_kernels.batch_invariant:  # every request alone: no shared-prefix group that depends on the batch
+            return CpuAttentionBackend(amx=runner.cpu_kernels.amx_attention, min_shared_prefix=BATCH_INVARIANT_PREFIX)
         return CpuAttentionBackend(amx=runner.cpu_kernels.amx_attention)
     if name == "triton":
         # Triton compiles for a GPU; off one it runs only under its interpreter (far too slow to serve with),

@@ -44,6 +44,11 @@ class AmxWeight:
         self.usable: Optional[bool] = None if wanted and copy_fits and shape_supported(weight) else False
         self.packed: Optional[torch.Tensor] = None
 
+    def refresh(self) -> None:
+        """Pack the weight's new values again (after a weight update); an unpacked copy is packed at first use."""
+        if self.packed is not None:
+            self.packed = pack_for_tiles(self.weight)
+
     def linear(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         if self.usable is False:
             return None

@@ -7,7 +7,7 @@ A linear call of `rows` input rows takes the first route whose rows hold it:
     amx     kernels/cpu_amx_linear.cpp, decode loop            bfloat16, where the CPU has AMX-BF16
     amx     the same kernel's prefill loop, from `amx_prefill_from` rows
     panel   kernels/cpu_panel_linear.cpp (a copy of the weight in column panels)
-    small   kernels/cpu_linear.cpp (reads the plain weight once)
+    small   kernels/cpu_linear.cpp (reads the plain weight once); every row count under deterministic inference
     plain   `F.linear`, from `plain_from` rows (bfloat16 projections that do not widen, on AMX CPUs)
     packed  oneDNN's weight packed once (model_runner/cpu/packed.py, small_batch.py), from `packed_from` rows
     torch   `F.linear` for the rest
@@ -56,6 +56,9 @@ LINEAR_ISA: dict[tuple[str, torch.dtype], tuple[str, Optional[str]]] = {
 VENDOR_ROWS: dict[tuple[str, str, torch.dtype, bool], Rows] = {
     ("AuthenticAMD", "small", torch.float32, False): (1, 16),
 }
+# Deterministic inference: the small-row kernel sums each (input row, output column) alone, over K in one fixed order
+# whatever the number of rows of the call (kernels/cpu_linear.cpp), so a row's result does not depend on its batch.
+ALL_ROWS: Rows = (1, 1 << 62)
 AMX_PREFILL_FROM = 256
 PACKED_FROM = {torch.float32: 4, torch.bfloat16: 1}
 NARROW_PLAIN_FROM = {torch.bfloat16: 384}  # where the CPU has AMX-BF16: oneDNN's plain matmul beats its packed one
@@ -82,6 +85,7 @@ class CpuKernels:
     flags: frozenset[str]
     vendor: str
     off: Optional[frozenset[str]]
+    batch_invariant: bool = False  # every row count on the small-row kernel (see `linear`)
 
     @property
     def enabled(self) -> bool:
@@ -109,6 +113,8 @@ class CpuKernels:
                 return NO_ROWS
             return VENDOR_ROWS.get((self.vendor, kernel, dtype, head), ranges[1 if head else 0])
 
+        if self.batch_invariant and self.runs("small"):
+            return LinearRoute(small=ALL_ROWS, packed_from=PACKED_FROM.get(dtype, 1))
         amx = rows("amx")
         prefill = AMX_PREFILL_FROM if amx != NO_ROWS and self.runs("amx-prefill") else None
         plain = NARROW_PLAIN_FROM.get(dtype) if narrow and "amx_bf16" in self.flags else None
@@ -138,10 +144,12 @@ class CpuKernels:
         return "; ".join(parts)
 
 
-def choose(spec: str = "auto", flags: Optional[frozenset[str]] = None, vendor: Optional[str] = None) -> CpuKernels:
-    """The table for `--cpu-kernels spec` on this CPU (or on one of `flags` and `vendor`, for tests)."""
+def choose(spec: str = "auto", flags: Optional[frozenset[str]] = None, vendor: Optional[str] = None,
+           batch_invariant: bool = False) -> CpuKernels:
+    """The table for `--cpu-kernels spec` on this CPU (or on one of `flags` and `vendor`, for tests); with
+    `batch_invariant` (deterministic inference), every linear call on the small-row kernel."""
     return CpuKernels(spec, frozenset(cpu_build.cpu_flags().split()) if flags is None else frozenset(flags),
-                      cpu_build.cpu_vendor() if vendor is None else vendor, parse_cpu_kernels(spec))
+                      cpu_build.cpu_vendor() if vendor is None else vendor, parse_cpu_kernels(spec), batch_invariant)
 
 
 @functools.lru_cache(maxsize=None)

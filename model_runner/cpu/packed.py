@@ -58,6 +58,12 @@ class PackedLinear(nn.Module):
         self.amx = AmxWeight(linear.weight, route, copy_fits=copies)
         self.panel = PanelWeight(linear.weight, route, copy_fits=copies)
 
+    def refresh(self) -> None:
+        """Make the packed copies again from the plain weight's new values (after a weight update)."""
+        self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
+        self.amx.refresh()
+        self.panel.refresh()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """`x [..., in_features]` bfloat16 on the CPU, like the weight."""
         out = self.amx.linear(x, self.bias)

@@ -52,6 +52,11 @@ class PanelWeight:
         self.rows = route.panel if usable else NO_ROWS
         self.packed = pack_panels(weight) if usable else None
 
+    def refresh(self) -> None:
+        """Pack the weight's new values again (after a weight update)."""
+        if self.packed is not None:
+            self.packed = pack_panels(self.weight)
+
     def linear(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         if self.usable is False:
             return None

@@ -84,6 +84,12 @@ class SmallBatchLinear(nn.Module):
         self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None) if packed else None
         self.panel = PanelWeight(weight, route, copy_fits=panel)
 
+    def refresh(self) -> None:
+        """Make the packed copies again from the plain weight's new values (after a weight update)."""
+        if self._packed is not None:
+            self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
+        self.panel.refresh()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.panel.linear(x, self.bias)
         if out is not None:

@@ -205,6 +205,19 @@ class LlamaForCausalLM(nn.Module):
         return lm_logits(selected, self.lm_head_weight, self.config.vocab_size, self.tp)
 
     # ---- weights -------------------------------------------------------------------------------
+    def locate_weight(self, hf_name: str) -> tuple[str, Optional[tuple[int, int]]]:
+        """The parameter that holds checkpoint tensor `hf_name` (this rank's part), and its row range there when
+        the tensor is one part of a fused projection (q/k/v, gate/up)."""
+        params = dict(self.named_parameters())
+        for fused, part, index in _STACKED_PROJECTIONS:
+            if f".{part}." in hf_name:
+                target = hf_name.replace(f".{part}.", f".{fused}.")
+                if target in params:
+                    return target, self._fused_rows(fused, index, params[target])
+        if hf_name == "lm_head.weight" and self.tie_word_embeddings:
+            return "model.embed_tokens.weight", None
+        return hf_name, None
+
     def _fused_rows(self, fused: str, shard: int, param: torch.Tensor) -> tuple[int, int]:
         """Row range of shard `shard` (q/k/v or gate/up) inside the fused projection `param` named `fused`."""
         if fused == "qkv_proj":
@@ -215,11 +228,11 @@ class LlamaForCausalLM(nn.Module):
         start = sum(sizes[:shard])
         return start, start + sizes[shard]
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], strict: bool = True) -> None:
         """Copy HF-named tensors into the parameters, stacking q/k/v and gate/up.
 
-        Strict: an unknown tensor name, a shape mismatch, or a parameter (or shard) left unloaded raises
-        ValueError. `lm_head.weight` is ignored when embeddings are tied.
+        An unknown tensor name or a shape mismatch raises ValueError; so does, when `strict` (a whole checkpoint), a
+        parameter (or shard) left unloaded. `lm_head.weight` is ignored when embeddings are tied.
         """
         params = dict(self.named_parameters())
         expected = self._expected_shards(params)
@@ -232,7 +245,7 @@ class LlamaForCausalLM(nn.Module):
             loaded.add(self._load_tensor(hf_name, tensor, params))
 
         missing = sorted(f"{name}" + (f"[shard {s}]" if s >= 0 else "") for name, s in expected - loaded)
-        if missing:
+        if missing and strict:
             raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:10])}"
                              + (f" (and {len(missing) - 10} more)" if len(missing) > 10 else ""))
 

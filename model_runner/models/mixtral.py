@@ -24,5 +24,5 @@ class MixtralDecoderLayer(LlamaDecoderLayer):    make_mlp = staticmethod(sparse_
 class MixtralForCausalLM(MoEForCausalLM):
     layer_class = MixtralDecoderLayer
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        super().load_weights(rename_tensors(weights, CHECKPOINT_RENAMES))
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], strict: bool = True) -> None:
+        super().load_weights(rename_tensors(weights, CHECKPOINT_RENAMES), strict)

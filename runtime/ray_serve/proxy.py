@@ -9,6 +9,7 @@ EngineReplica deployment through its handle.
 - Control requests (flush, server info, cache tree, abort) go to every replica the router knows, one call each,
   addressed with ReplicaTarget; their replies are merged as the `--dp-size` replicas' are
   (tokenizer_manager/replicas.py).
+- Post-training calls (weight updates, memory release, pause) are refused (501), for the same reason as adapters.
 - LoRA adapters: the replicas serve those they loaded at start-up (`--lora-paths`); loading or unloading one
   through the ingress is refused (501), since a replica Ray starts later would not have it.
 - Errors: what a replica raised reaches the HTTP layer as itself (a ValueError stays a 400); a replica that died
@@ -40,6 +41,7 @@ from radixserve.runtime.serving_engine import RequestObserver
 from radixserve.runtime.wire.cache_tree import CacheTreeSummary
 from radixserve.runtime.wire.errors import EngineDeadError
 from radixserve.runtime.wire.lora import LoRAAdapterReqOutput
+from radixserve.runtime.wire.weights import ControlReqOutput
 from radixserve.runtime.wire.messages import UNBOUNDED_NEW_TOKENS
 from radixserve.runtime.wire.sampling_params import LengthLimits, SamplingParams
 from radixserve.runtime.wire.server_args import ServerArgs
@@ -86,6 +88,12 @@ class EngineProxy:
 
     async def async_unload_lora_adapter(self, lora_name: str) -> LoRAAdapterReqOutput:
         return self._lora_refused()
+
+    async def async_post_training(self, request_type: type, **fields: Any) -> Any:
+        return ControlReqOutput(
+            rpc_id="", success=False, status_code=501,
+            message="weight updates, memory release and pause are not offered through the Ray ingress (a replica "
+                    "started later would serve other weights): drive each replica's Engine")
 
     def _lora_refused(self) -> LoRAAdapterReqOutput:
         return LoRAAdapterReqOutput(

@@ -1,6 +1,7 @@
 """Every message that crosses a process boundary, as tagged msgspec Structs.
 
-TokenizerManager -> Scheduler:      TokenizedGenerateReq, AbortReq, FlushCacheReq, GetServerInfoReq, CacheTreeReq
+TokenizerManager -> Scheduler:      TokenizedGenerateReq, AbortReq, FlushCacheReq, GetServerInfoReq, CacheTreeReq,
+                                    the weight, memory and pause requests of weights.py
 Scheduler -> DetokenizerManager:    BatchTokenOut (and control replies, forwarded untouched)
 DetokenizerManager -> Tokenizer:    BatchTextOut, FlushCacheReqOutput, GetServerInfoReqOutput, CacheTreeReqOutput
 Scheduler -> DP controller:         ReplicaLoad (with --dp-size > 1: load and evicted prefixes, see
@@ -25,6 +26,11 @@ from radixserve.runtime.wire.lora import LoadLoRAAdapterReq, LoRAAdapterReqOutpu
 from radixserve.runtime.wire.pooling import PoolingParams
 from radixserve.runtime.wire.sampling_params import SamplingParams
 from radixserve.runtime.wire.server_info import ModelInfo, ServerInfo
+from radixserve.runtime.wire.weights import (
+    DEFAULT_WEIGHT_VERSION, ContinueGenerationReq, ControlReqOutput, DestroyWeightsUpdateGroupReq, GetWeightsByNameReq,
+    GetWeightsByNameReqOutput, InitWeightsUpdateGroupReq, PauseGenerationReq, ReleaseMemoryOccupationReq,
+    ResumeMemoryOccupationReq, UpdateWeightsFromDiskReq, UpdateWeightsFromDistributedReq, UpdateWeightsFromTensorReq,
+)
 
 
 class FinishReason(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -161,6 +167,7 @@ class BatchTokenOut(msgspec.Struct, tag=True):
     queue_times: list[Optional[float]] = []
     # Pooling requests' vectors, sent with their finish (None for generation requests; empty when none pools).
     embeddings: list[Optional[list[float]]] = []
+    weight_version: str = DEFAULT_WEIGHT_VERSION  # the weights these tokens were computed with (runtime/wire/weights.py)
 
 
 class BatchTextOut(msgspec.Struct, tag=True):
@@ -180,6 +187,7 @@ class BatchTextOut(msgspec.Struct, tag=True):
     spec: list[Optional[SpecCounts]] = []
     queue_times: list[Optional[float]] = []
     embeddings: list[Optional[list[float]]] = []
+    weight_version: str = DEFAULT_WEIGHT_VERSION
 
 
 class EvictedPrefix(msgspec.Struct):
@@ -235,6 +243,18 @@ Message = Union[
     LoadLoRAAdapterReq,
     UnloadLoRAAdapterReq,
     LoRAAdapterReqOutput,
+    UpdateWeightsFromDiskReq,
+    UpdateWeightsFromTensorReq,
+    InitWeightsUpdateGroupReq,
+    UpdateWeightsFromDistributedReq,
+    DestroyWeightsUpdateGroupReq,
+    GetWeightsByNameReq,
+    GetWeightsByNameReqOutput,
+    ReleaseMemoryOccupationReq,
+    ResumeMemoryOccupationReq,
+    PauseGenerationReq,
+    ContinueGenerationReq,
+    ControlReqOutput,
     BatchTokenOut,
     BatchTextOut,
     ReplicaLoad,

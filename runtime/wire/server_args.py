@@ -180,6 +180,10 @@ class ServerArgs:
     # Retained sessions (prompt_cache_key + prompt_cache_retention; radix_cache/retention.py): tokens each tenant
     # may retain (None: a quarter of the KV pool); all tenants together retain at most half of the pool.
     retention_quota_tokens: Optional[int] = None
+    # Post-training (docs/rl.md): the weight version reported until the first update (SGLang's --weight-version), and
+    # batch-invariant kernels: one request gives the same bits alone, in any batch and after cache hits (CPU)
+    weight_version: str = "default"
+    enable_deterministic_inference: bool = False
 
     def __post_init__(self) -> None:
         def check(ok: bool, message: str) -> None:
@@ -298,6 +302,15 @@ class ServerArgs:
         # Retained sessions
         check(self.retention_quota_tokens is None or self.retention_quota_tokens >= 0,
               f"retention_quota_tokens must be >= 0, got {self.retention_quota_tokens}")
+
+        check(bool(self.weight_version), "weight_version must not be empty")
+        if self.enable_deterministic_inference:
+            check(self.cpu_kernels != "torch", "enable_deterministic_inference runs every linear through radixserve's "
+                                               "CPU kernel: drop --cpu-kernels torch")
+            check(self.tp_size == 1, "enable_deterministic_inference needs tp_size 1 (the sharded linears' sums "
+                                     "are not batch-invariant)")
+            check(self.attention_backend in (None, "cpu"),
+                  "enable_deterministic_inference runs the cpu attention backend (its fixed split)")
 
     # ---- resolved values -------------------------------------------------------------------------
     def lora_enabled(self) -> bool:

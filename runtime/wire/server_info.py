@@ -62,6 +62,7 @@ class ModelInfo(msgspec.Struct, kw_only=True):
     pooling_method: Optional[str] = None
     labels: list[str] = []
     is_generation: bool = True
+    weight_version: str = "default"  # the weights served now (runtime/wire/weights.py)
 
     def to_dict(self) -> dict[str, Any]:
         return msgspec.structs.asdict(self)
