@@ -171,4 +171,4 @@ def test_bad_requests_are_400s(client, model):
         with pytest.raises(openai.BadRequestError):
             client.responses.create(model=model, max_output_tokens=4, **fields)
     with pytest.raises(openai.NotFoundError):
-        client.responses.create(model="no-such-model", input="x")
+        client.responses.create(model=f"{model}:no-such-adapter", input="x")  # other names serve the base model
