@@ -17,6 +17,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
+from radixserve.runtime.http.access import Access, served_routes
 from radixserve.runtime.http.lora_api import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from radixserve.runtime.http.native_api import _RidBody as AbortRequest
 from radixserve.runtime.http.openai.protocol import ChatCompletionRequest, CompletionRequest
@@ -31,7 +32,6 @@ REQUEST_BODIES: dict[str, tuple[str, type[Any]]] = {
     "/load_lora_adapter": ("LoadLoRAAdapterRequest", LoadLoRAAdapterRequest),
     "/unload_lora_adapter": ("UnloadLoRAAdapterRequest", UnloadLoRAAdapterRequest),
 }
-OPEN_PATHS = ("/health", "/metrics", "/openapi.json")
 _REF = "#/components/schemas/{model}"
 _ERROR = {
     "title": "ErrorResponse",
@@ -72,9 +72,10 @@ def _build(app: FastAPI, request_bodies: dict[str, tuple[str, type[Any]]]) -> di
         operation = schema["paths"][path]["post"]
         operation["requestBody"] = {"required": True,
                                     "content": {"application/json": {"schema": {"$ref": _REF.format(model=name)}}}}
+    public = {route.path for route in served_routes(app) if route.access is Access.PUBLIC}
     for path, operations in schema["paths"].items():
         for operation in operations.values():
-            _document_errors(operation, None if path in OPEN_PATHS else [{"apiKey": []}])
+            _document_errors(operation, None if path in public else [{"apiKey": []}])
     return schema
 
 

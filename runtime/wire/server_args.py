@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
@@ -171,6 +172,10 @@ class ServerArgs:
     speculative_ngram_max_bfs_breadth: int = 1  # must be 1 (chains)
     speculative_ngram_match_type: str = "BFS"
 
+    # Security (docs/security.md): request headers, adapter loading over HTTP
+    max_header_bytes: int = 64 * 1024  # request line + headers; more gets 431
+    lora_adapter_dir: Optional[str] = None  # /load_lora_adapter loads only from under this folder; None: refused
+
     def __post_init__(self) -> None:
         def check(ok: bool, message: str) -> None:
             if not ok:
@@ -281,6 +286,9 @@ class ServerArgs:
         check(self.gc_warning_threshold_secs >= 0,
               f"gc_warning_threshold_secs must be >= 0, got {self.gc_warning_threshold_secs}")
         check_speculative_args(self)
+        check(self.max_header_bytes >= 1024, f"max_header_bytes must be >= 1024, got {self.max_header_bytes}")
+        check(self.lora_adapter_dir is None or os.path.isdir(self.lora_adapter_dir),
+              f"lora_adapter_dir {self.lora_adapter_dir!r} is not a folder")
 
     # ---- resolved values -------------------------------------------------------------------------
     def lora_enabled(self) -> bool:
