@@ -172,8 +172,9 @@ class ServerArgs:
     speculative_ngram_max_bfs_breadth: int = 1  # must be 1 (chains)
     speculative_ngram_match_type: str = "BFS"
 
-    # Security (docs/security.md): request headers, adapter loading over HTTP
+    # Security (docs/security.md): request headers, adapter loading over HTTP, grammar compilation
     max_header_bytes: int = 64 * 1024  # request line + headers; more gets 431
+    grammar_compile_timeout: float = 30.0  # seconds a structured-output request waits for its grammar, then fails
     lora_adapter_dir: Optional[str] = None  # /load_lora_adapter loads only from under this folder; None: refused
 
     def __post_init__(self) -> None:
@@ -287,6 +288,8 @@ class ServerArgs:
               f"gc_warning_threshold_secs must be >= 0, got {self.gc_warning_threshold_secs}")
         check_speculative_args(self)
         check(self.max_header_bytes >= 1024, f"max_header_bytes must be >= 1024, got {self.max_header_bytes}")
+        check(self.grammar_compile_timeout > 0,
+              f"grammar_compile_timeout must be positive, got {self.grammar_compile_timeout}")
         check(self.lora_adapter_dir is None or os.path.isdir(self.lora_adapter_dir),
               f"lora_adapter_dir {self.lora_adapter_dir!r} is not a folder")
 
