@@ -74,6 +74,7 @@ def ready_info(scheduler: SchedulerState) -> ModelInfo:
         sampling_defaults=dict(runner.model_config.sampling_defaults) if args.sampling_defaults == "model" else {},
         lora_enabled=getattr(runner, "lora_manager", None) is not None,
         lora_adapters=runner.lora_manager.loaded() if getattr(runner, "lora_manager", None) is not None else {},
+        request_limits=args.request_limits(),
     )
 
 
