@@ -102,7 +102,7 @@ def test_the_threat_model_lists_every_route_with_its_class(app):
     documented = {(method, path): access for methods, path, access in rows for method in methods.split(",")}
     for route in served_routes(app):
         for method in sorted(route.methods - {"HEAD"}):
-            assert documented.get((method, route.path)) == route.access.value, (method, route.path)
+            assert documented.get((method, route.path)) == getattr(route.access, "value", None), (method, route.path)
 
 
 def test_a_two_megabyte_header_is_refused_and_the_server_stays_fast():
