@@ -172,7 +172,7 @@ def test_a_the_tensor_parallel_relay_carries_typed_bytes(tmp_path):
 # ---- B: request content is data, and adapters load only from the configured folder -------------------------------
 
 def test_b_embeddings_and_adapter_paths_from_a_request_are_refused(server, tmp_path):
-    embeds = post(server, "/generate", {"text": "hi", "input_embeds": [[0.0] * 8],
+    embeds = post(server, "/generate", {"text": "hi", "input_embeds": [[0.5] * 8],
                                         "sampling_params": {"max_new_tokens": 1}})
     assert embeds.status_code == 400 and "input_embeds" in embeds.json()["error"]["message"]
     body = {"lora_name": "x", "lora_path": str(tmp_path)}
