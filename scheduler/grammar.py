@@ -8,7 +8,10 @@ A request with `json_schema`, `regex` or `ebnf` in its sampling parameters goes 
    so identical grammars compile once and concurrent requests share one compilation.
 2. Until its grammar is ready the request waits in the grammar queue, outside the scheduler's `waiting`
    list; `poll` hands over the ready ones (each with a fresh `GrammarState`) and the failed ones (with a
-   message naming the problem; the scheduler finishes only that request, with an abort).
+   message naming the problem; the scheduler finishes only that request, with an abort). A request whose grammar
+   has not compiled within `--grammar-compile-timeout` seconds fails the same way, so a grammar built to compile
+   for minutes costs its sender an error, not the server a stuck queue (under tensor parallelism every rank must
+   admit at the same step, so there the ranks wait for the compilation instead: a clock would differ by rank).
 3. Every batch entry that samples an output for such a request gets a row in the batch's `GrammarMask`:
    the tokens the grammar allows next, as xgrammar's packed int32 bitmask. The executor applies it to the
    logits (disallowed tokens -> -inf) after the forward pass and before sampling, whatever the attention
@@ -36,6 +39,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import threading
+import time
 from collections import OrderedDict
 from typing import Any, Optional, Sequence
 
@@ -232,10 +236,13 @@ class GrammarManager:
     Used only from the scheduler's thread (the executor only waits on and applies masks).
     """
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int],
+                 compile_timeout: Optional[float] = None) -> None:
+        """`compile_timeout`: seconds a request waits for its grammar before it fails (None: no limit)."""
         self.vocab_size = vocab_size
+        self.compile_timeout = compile_timeout
         self.cache = GrammarCache(tokenizer, vocab_size, eos_token_ids) if tokenizer is not None else None
-        self.queue: list[tuple[Any, concurrent.futures.Future]] = []
+        self.queue: list[tuple[Any, concurrent.futures.Future, float]] = []  # (req, compiled grammar, submitted)
         self.pending_masks: list[GrammarMask] = []
         self.num_deferred_masks = 0  # masks launched before their rows could be filled (overlap)
 
@@ -253,7 +260,7 @@ class GrammarManager:
             future.set_exception(ValueError("structured output needs the model's tokenizer, and this model has none"))
         else:
             future = self.cache.get(key)
-        self.queue.append((req, future))
+        self.queue.append((req, future, time.monotonic()))
         return False
 
     def poll(self) -> tuple[list[Any], list[tuple[Any, str]]]:
@@ -261,9 +268,14 @@ class GrammarManager:
         if not self.queue:
             return [], []
         ready, failed, waiting = [], [], []
-        for req, future in self.queue:
+        now = time.monotonic()
+        for req, future, submitted in self.queue:
             if not future.done():
-                waiting.append((req, future))
+                if self.compile_timeout is not None and now - submitted > self.compile_timeout:
+                    failed.append((req, f"the grammar did not compile within {self.compile_timeout:g} s "
+                                        "(--grammar-compile-timeout); simplify it"))
+                else:
+                    waiting.append((req, future, submitted))
                 continue
             error = future.exception()
             if error is not None:
@@ -277,11 +289,11 @@ class GrammarManager:
 
     def wait_for_queue(self, timeout: Optional[float] = None) -> None:
         """Block until every queued request's grammar has compiled (or failed); `poll` then hands them over."""
-        concurrent.futures.wait([future for _, future in self.queue], timeout=timeout)
+        concurrent.futures.wait([future for _, future, _ in self.queue], timeout=timeout)
 
     def discard(self, req: Any) -> None:
         """Forget a queued request (aborted before its grammar was ready)."""
-        self.queue = [(r, f) for r, f in self.queue if r is not req]
+        self.queue = [entry for entry in self.queue if entry[0] is not req]
 
     def accept(self, req: Any, token_id: int) -> Optional[FinishReason]:
         """Feed a new output token of `req` to its matcher; the grammar's finish reason, if any."""

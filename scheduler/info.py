@@ -81,6 +81,7 @@ def ready_info(scheduler: SchedulerState) -> ModelInfo:
         labels=list(runner.pooling.labels),
         is_generation=runner.pooling.is_generation,
         weight_version=scheduler.post_training.weight_version,
+        request_limits=args.request_limits(),
     )
 
 

@@ -95,7 +95,8 @@ class Scheduler:
                                         shares_kv=model_runner.is_causal)
         self.tokenizer = tokenizer if tokenizer is not None else try_load_tokenizer(args, model_runner.model_dir)
         self.stop_checker = StopChecker(model_runner.model_config.eos_token_ids, self.tokenizer)
-        self.grammars = GrammarManager(self.tokenizer, model_runner.vocab_size, self.stop_checker.eos_token_ids)
+        self.grammars = GrammarManager(self.tokenizer, model_runner.vocab_size, self.stop_checker.eos_token_ids,
+                                       args.grammar_compile_timeout if args.tp_size == 1 else None)
         self.policy = SchedulePolicy(args.schedule_policy, cache, not args.disable_radix_cache, args.random_seed)
         self.fair_share = FairShare.from_server_args(args)
         self.lora = LoRAScheduling(getattr(model_runner, "lora_manager", None))

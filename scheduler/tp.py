@@ -8,6 +8,9 @@ runs one `step()` (`TPInput` is each rank's input source). Scheduling is determi
 (sampled ids are broadcast from rank 0 by the ModelRunner), so every rank builds the same batches, and the
 forward pass's collectives always pair up. Only rank 0 sends outputs; the others drop theirs.
 
+The relay carries bytes only: rank 0 encodes the round as a msgspec struct and broadcasts it as a uint8 tensor (its
+length first); no rank unpickles anything a peer sent, so a stray client on a group port cannot run code here.
+
 A desync would otherwise be silent (or a hang), so it is checked: when rank 0 goes idle after work, it asks
 every rank for a digest of its scheduler state (free and evictable KV slots, tree size, request rows); a
 mismatch raises `TPDesyncError` on every rank, and the process dies, which ends the group.
@@ -19,9 +22,10 @@ the step under TP, so every rank admits a structured-output request at the same 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import msgspec
+import torch
 import torch.distributed as dist
 
 from radixserve.scheduler.loop import InputSource
@@ -31,13 +35,16 @@ class TPDesyncError(RuntimeError):
     """The ranks of a tensor-parallel group no longer hold the same scheduler state."""
 
 
-@dataclass
-class TPStepInput:
+class TPStepInput(msgspec.Struct, frozen=True):
     """What rank 0 sends every rank before each step: the encoded messages it received, in order, and
     whether to compare state digests before handling them (the scheduler is idle then, on every rank)."""
 
-    messages: list[bytes] = field(default_factory=list)
+    messages: list[bytes] = []
     check_digest: bool = False
+
+
+_STEP_INPUT_DECODER = msgspec.msgpack.Decoder(TPStepInput)
+DIGEST_CHARS = 16
 
 
 def state_digest(scheduler: Any) -> str:
@@ -52,7 +59,7 @@ def state_digest(scheduler: Any) -> str:
         len(scheduler.waiting),
         len(scheduler.running),
     )
-    return hashlib.sha256(repr(parts).encode()).hexdigest()[:16]
+    return hashlib.sha256(repr(parts).encode()).hexdigest()[:DIGEST_CHARS]
 
 
 class TPRelay:
@@ -64,14 +71,26 @@ class TPRelay:
 
     def exchange(self, step_input: Optional[TPStepInput]) -> TPStepInput:
         """Rank 0 passes its input and gets it back; other ranks pass None and get rank 0's."""
-        box = [step_input]
-        dist.broadcast_object_list(box, src=0, group=self.cpu_group)
-        return box[0]
+        if self.rank == 0:
+            assert step_input is not None
+            payload = msgspec.msgpack.encode(step_input)
+            size = torch.tensor([len(payload)], dtype=torch.int64)
+        else:
+            size = torch.zeros(1, dtype=torch.int64)
+        dist.broadcast(size, src=0, group=self.cpu_group)
+        if self.rank == 0:
+            data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        else:
+            data = torch.empty(int(size.item()), dtype=torch.uint8)
+        dist.broadcast(data, src=0, group=self.cpu_group)
+        return step_input if self.rank == 0 else _STEP_INPUT_DECODER.decode(data.numpy().tobytes())
 
     def check_digests(self, scheduler: Any) -> None:
         """Raise TPDesyncError (on every rank) unless every rank's state digest is the same."""
-        digests: list[Optional[str]] = [None] * dist.get_world_size(self.cpu_group)
-        dist.all_gather_object(digests, state_digest(scheduler), group=self.cpu_group)
+        mine = torch.tensor(list(state_digest(scheduler).encode("ascii")), dtype=torch.uint8)
+        gathered = [torch.empty(DIGEST_CHARS, dtype=torch.uint8) for _ in range(dist.get_world_size(self.cpu_group))]
+        dist.all_gather(gathered, mine, group=self.cpu_group)
+        digests = [bytes(tensor.tolist()).decode("ascii") for tensor in gathered]
         if len(set(digests)) != 1:
             raise TPDesyncError(f"tensor-parallel ranks diverged: state digests by rank {digests}")
 

@@ -24,6 +24,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
+from radixserve.model_runner.loader.file_checks import check_gguf
 from radixserve.runtime.wire.model_files import CONVERTER_VERSION, gguf_cache_entry, is_converted
 
 logger = logging.getLogger(__name__)
@@ -184,6 +185,7 @@ def convert_gguf(gguf_path: str, out_dir: str) -> None:
     from gguf import GGUFReader
     from safetensors.torch import save_file
 
+    check_gguf(gguf_path)  # a malformed header is a ModelFileError naming its defect, not an error deep in the reader
     reader = GGUFReader(gguf_path)
     architecture, config_class, kwargs = _hf_config_kwargs(reader)
     config = getattr(transformers, config_class)(**kwargs)

@@ -11,6 +11,7 @@ from typing import Any, Iterator, Optional
 import torch
 
 from radixserve.model_runner.model_config import ModelConfig
+from radixserve.model_runner.loader.file_checks import check_safetensors
 from radixserve.runtime.wire.model_files import safetensors_files
 
 # Random weights: normal(0, std) for matrices, ones for norm scales, zeros for biases (like transformers' init).
@@ -24,7 +25,7 @@ def iter_weights(model_dir: str, lazy: bool = False) -> Iterator[tuple[str, Any]
     rank indexes them to read only its own part.
 
     A tqdm progress bar appears when the load lasts more than a second. Raises FileNotFoundError when the
-    directory holds no safetensors file.
+    directory holds no safetensors file, ModelFileError when a file's header is malformed.
     """
     from safetensors import safe_open
     from tqdm import tqdm
@@ -34,6 +35,7 @@ def iter_weights(model_dir: str, lazy: bool = False) -> Iterator[tuple[str, Any]
         raise FileNotFoundError(f"no *.safetensors weights in {model_dir}")
     total = 0
     for path in files:
+        check_safetensors(path)  # a malformed header is a ModelFileError naming its defect
         with safe_open(path, framework="pt") as f:
             total += len(f.keys())
     with tqdm(total=total, desc="Loading weights", unit="tensor", delay=1.0) as progress:

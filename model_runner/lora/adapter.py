@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from radixserve.model_runner.loader.file_checks import ModelFileError, check_safetensors
+
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 CONFIG_FILE = "adapter_config.json"
 WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
@@ -97,6 +99,10 @@ def _read_tensors(name: str, path: str) -> dict[str, torch.Tensor]:
         if filename.endswith(".safetensors"):
             from safetensors.torch import load_file
 
+            try:
+                check_safetensors(file)
+            except ModelFileError as error:
+                raise LoRAAdapterError(f"LoRA adapter {name!r}: {error}") from None
             return load_file(file, device="cpu")
         return torch.load(file, map_location="cpu", weights_only=True)
     raise LoRAAdapterError(f"LoRA adapter {name!r}: no adapter_model.safetensors in {path!r}")

@@ -1,4 +1,5 @@
-"""`--max-request-bytes`: an ASGI middleware that refuses request bodies past the limit with a 413.
+"""`--max-request-bytes` and `--max-header-bytes`: ASGI middlewares that refuse request bodies past the limit
+with a 413 and request heads (the path, query and headers) past theirs with a 431.
 
 A declared `Content-Length` over the limit is refused before anything is read; a chunked body is counted as it
 arrives and refused as soon as it passes the limit, so a client cannot make the server buffer more than the
@@ -55,6 +56,30 @@ class BodyLimitMiddleware:
 
 async def _no_body() -> Message:
     return {"type": "http.request", "body": b"", "more_body": False}
+
+
+class HeaderLimitMiddleware:
+    """A 431 for a request whose target and headers together exceed `max_bytes`, before any route runs.
+
+    uvicorn's HTTP parser bounds a head only under h11 (`launch_server` passes the same limit there); under
+    httptools it accepts any size, so the check also lives here, where every parser's requests pass."""
+
+    def __init__(self, app: Any, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and _head_size(scope) > self.max_bytes:
+            error = APIError(f"The request's headers are larger than the server's limit of {self.max_bytes} bytes "
+                             "(--max-header-bytes).", status_code=431, code="headers_too_large")
+            await error.response()({"type": "http"}, _no_body, send)
+            return
+        await self.app(scope, receive, send)
+
+
+def _head_size(scope: Scope) -> int:
+    target = len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"")
+    return target + sum(len(name) + len(value) + 4 for name, value in scope.get("headers", []))  # ": " and CRLF
 
 
 def _content_length(scope: Scope) -> int | None:

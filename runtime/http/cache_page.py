@@ -25,6 +25,7 @@ from starlette.responses import Response
 
 from radixserve.runtime.wire.cache_tree import MAX_SUMMARY_DEPTH, MAX_SUMMARY_NODES, CacheTreeSummary
 from radixserve.runtime.http.generation import json_response
+from radixserve.runtime.http.access import Access, access_router
 from radixserve.runtime.http.state import ServerState, caller_tenant
 from radixserve.runtime.http.errors import APIError, bad_request
 from radixserve.runtime.http.static_files import static_text
@@ -34,10 +35,11 @@ from radixserve.tokenizer_manager.manager import engine_rid
 MAX_TEXT_TOKENS = 256  # per node with detail=text: the start of a long node is enough to recognise it
 ASSETS = {"cache.js": "text/javascript", "cache.css": "text/css"}
 
-router = APIRouter()
+tenant_routes = access_router(Access.TENANT)
+public_routes = access_router(Access.PUBLIC)  # the page and its assets: static files, no data
 
 
-@router.get("/cache/tree")
+@tenant_routes.get("/cache/tree")
 async def cache_tree(
     request: Request,
     tenant: Optional[str] = Depends(caller_tenant),
@@ -74,13 +76,18 @@ def summary_json(summary: CacheTreeSummary, tokenizer: Any = None) -> dict[str, 
     return out
 
 
-@router.get("/cache")
+@public_routes.get("/cache")
 async def cache_page() -> Response:
     return Response(static_text("cache.html"), media_type="text/html; charset=utf-8")
 
 
-@router.get("/cache/{asset}")
+@public_routes.get("/cache/{asset}")
 async def cache_asset(asset: str) -> Response:
     if asset not in ASSETS:
         raise APIError("Not found: no such route.", status_code=404, code="not_found")
     return Response(static_text(asset), media_type=f"{ASSETS[asset]}; charset=utf-8")
+
+
+router = APIRouter()
+router.include_router(tenant_routes)  # /cache/tree first: /cache/{asset} would match it too
+router.include_router(public_routes)

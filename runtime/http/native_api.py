@@ -25,7 +25,8 @@ from radixserve.runtime.http.errors import APIError, bad_request, from_value_err
 from radixserve.runtime.http.extension_fields import unsupported_field
 from radixserve.runtime.http.generation import GenerationRun, json_response, respond
 from radixserve.runtime.http.openai.protocol import StrictModel, parse_request
-from radixserve.runtime.http.state import ServerState, caller, caller_tenant, require_admin
+from radixserve.runtime.http.access import Access, access_router
+from radixserve.runtime.http.state import ServerState, caller, caller_tenant
 from radixserve.runtime.pooling import embed_request
 from radixserve.runtime.tenancy import Caller
 from radixserve.runtime.wire.compat import UnsupportedFieldError
@@ -67,10 +68,12 @@ def _state(request: Request) -> ServerState:
     return request.app.state.server
 
 
-router = APIRouter()
+tenant_routes = access_router(Access.TENANT)
+admin_routes = access_router(Access.ADMIN)
+public_routes = access_router(Access.PUBLIC)
 
 
-@router.post("/generate")
+@tenant_routes.post("/generate")
 async def generate(request: Request, tenant: Optional[str] = Depends(caller_tenant)) -> Response:
     state = _state(request)
     normalized = _decode(state, await request.body(), tenant)
@@ -87,7 +90,7 @@ async def _chunks(events: AsyncIterator[tuple[int, Any]]) -> AsyncIterator[Any]:
         yield chunk
 
 
-@router.post("/abort_request")
+@tenant_routes.post("/abort_request")
 async def abort_request(request: Request, tenant: Optional[str] = Depends(caller_tenant)) -> Response:
     state = _state(request)
     body: _RidBody = parse_request(_RidBody, await request.body())
@@ -100,9 +103,8 @@ async def abort_request(request: Request, tenant: Optional[str] = Depends(caller
     return json_response({"success": True})
 
 
-@router.post("/flush_cache")
-async def flush_cache(request: Request, who: Caller = Depends(caller)) -> Response:
-    require_admin(who, "Flushing the cache")
+@admin_routes.post("/flush_cache")
+async def flush_cache(request: Request) -> Response:
     flushed = await _state(request).engine.async_flush_cache()
     if not flushed:
         raise APIError("The cache was not flushed: requests are running. Retry when the server is idle.",
@@ -110,8 +112,8 @@ async def flush_cache(request: Request, who: Caller = Depends(caller)) -> Respon
     return json_response({"success": True, "message": "Cache flushed."})
 
 
-@router.get("/model_info")
-@router.get("/get_model_info")
+@tenant_routes.get("/model_info")
+@tenant_routes.get("/get_model_info")
 async def get_model_info(request: Request, tenant: Optional[str] = Depends(caller_tenant)) -> Response:
     state = _state(request)
     return json_response({
@@ -125,8 +127,8 @@ async def get_model_info(request: Request, tenant: Optional[str] = Depends(calle
     })
 
 
-@router.get("/server_info")
-@router.get("/get_server_info")
+@tenant_routes.get("/server_info")
+@tenant_routes.get("/get_server_info")
 async def get_server_info(request: Request, who: Caller = Depends(caller)) -> Response:
     """The administrator sees everything; a tenant sees the model's facts and its own namespaces and requests,
     nothing of the server's traffic (which would show other tenants' activity). Both views carry SGLang's
@@ -189,7 +191,7 @@ def _own_namespaces(namespaces: dict[str, NamespaceCounters], tenant: Optional[s
     return {name: counters for name, counters in namespaces.items() if name == own or name.startswith(own + "/")}
 
 
-@router.get("/health_generate")
+@tenant_routes.get("/health_generate")
 async def health_generate(request: Request, tenant: Optional[str] = Depends(caller_tenant)) -> Response:
     """Healthy only if the engine really produces a token within the timeout."""
     state = _state(request)
@@ -213,6 +215,7 @@ async def health_generate(request: Request, tenant: Optional[str] = Depends(call
     return json_response({"healthy": True})
 
 
+@public_routes.get("/health")
 async def health_route(request: Request) -> Response:
     """GET /health (open, no key): 200 when the engine is up and the server is not draining, else 503."""
     state = _state(request)
@@ -225,3 +228,9 @@ async def health_route(request: Request) -> Response:
     if not healthy:
         return APIError("unhealthy", status_code=503, type="server_error").response()
     return Response(status_code=200)
+
+
+router = APIRouter()  # the native routes; each keeps the class of the router it was declared on
+router.include_router(public_routes)
+router.include_router(tenant_routes)
+router.include_router(admin_routes)

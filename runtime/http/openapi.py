@@ -18,6 +18,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
 from radixserve.runtime.http.anthropic.protocol import CountTokensRequest, MessagesRequest
+from radixserve.runtime.http.access import Access, served_routes
 from radixserve.runtime.http.lora_api import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from radixserve.runtime.http.native_api import _RidBody as AbortRequest
 from radixserve.runtime.http.openai.protocol import ChatCompletionRequest, CompletionRequest
@@ -46,7 +47,6 @@ REQUEST_BODIES: dict[str, tuple[str, type[Any]]] = {
     "/v1/messages/count_tokens": ("CountTokensRequest", CountTokensRequest),
     "/v1/responses": ("ResponsesRequest", ResponsesRequest),
 }
-OPEN_PATHS = ("/health", "/metrics", "/openapi.json", "/ping", "/version")
 _REF = "#/components/schemas/{model}"
 _ERROR = {
     "title": "ErrorResponse",
@@ -87,9 +87,10 @@ def _build(app: FastAPI, request_bodies: dict[str, tuple[str, type[Any]]]) -> di
         operation = schema["paths"][path]["post"]
         operation["requestBody"] = {"required": True,
                                     "content": {"application/json": {"schema": {"$ref": _REF.format(model=name)}}}}
+    public = {route.path for route in served_routes(app) if route.access is Access.PUBLIC}
     for path, operations in schema["paths"].items():
         for operation in operations.values():
-            _document_errors(operation, None if path in OPEN_PATHS else [{"apiKey": []}])
+            _document_errors(operation, None if path in public else [{"apiKey": []}])
     return schema
 
 

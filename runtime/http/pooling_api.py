@@ -21,12 +21,13 @@ import uuid
 from typing import Annotated, Any, Literal, Optional, Union
 
 import msgspec
-from fastapi import APIRouter, Depends
+from fastapi import Depends
 from pydantic import Field
 from starlette.requests import Request
 from starlette.responses import Response
 
 from radixserve.runtime import pooling
+from radixserve.runtime.http.access import Access, access_router
 from radixserve.runtime.http.errors import bad_request, from_value_error
 from radixserve.runtime.http.generation import ClientDisconnected, GenerationRun, json_response
 from radixserve.runtime.http.openai.protocol import StrictModel, parse_request
@@ -74,7 +75,7 @@ class ClassifyRequest(StrictModel):
     model: Optional[str] = None
 
 
-router = APIRouter()
+router = access_router(Access.TENANT)
 
 
 def _state(request: Request) -> ServerState:

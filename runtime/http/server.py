@@ -6,10 +6,10 @@
 
 Routes: OpenAI `/v1/chat/completions`, `/v1/completions`, `/v1/models`, `/v1/models/{id}`; native
 `/generate`, `/abort_request`, `/flush_cache`, `/get_model_info`, `/get_server_info`, `/health_generate`
-(see native_api.py); vLLM's `/version`, `/ping`, `/tokenize`, `/detokenize` (vllm_api.py); `/health` (and `/ping`,
-`/version`) is open, every other route needs the API key when one is configured, and
-the routes that act on or show every tenant (`/flush_cache`, `/metrics`, the whole of `/get_server_info`) need
-the caller to be the administrator (runtime/tenancy.py). Every error uses the OpenAI envelope (errors.py).
+(see native_api.py); vLLM's `/version`, `/ping`, `/tokenize`, `/detokenize` (vllm_api.py). Each route is registered with its class (runtime/http/access.py): public (`/health`),
+tenant (needs the API key when one is configured) or admin (acts on or shows every tenant: `/flush_cache`,
+`/metrics`, adapter loading; the caller must be the administrator, runtime/tenancy.py); `create_app` refuses a
+route without a class. Every error uses the OpenAI envelope (errors.py).
 
 SIGTERM (or Ctrl-C): stop accepting connections, let in-flight requests finish for up to
 `--graceful-shutdown-timeout` seconds, abort what is left (those responses end with finish_reason "abort"),
@@ -27,15 +27,16 @@ import uuid
 from typing import Any, AsyncIterator, Optional
 
 import uvicorn
-from fastapi import APIRouter, Depends, FastAPI
+from fastapi import Depends, FastAPI
 from starlette.requests import Request
 from starlette.responses import Response
 
 from radixserve.runtime.http.anthropic.messages import router as anthropic_router
-from radixserve.runtime.http.body_limit import BodyLimitMiddleware
+from radixserve.runtime.http.access import Access, access_router, check_route_classes, mark_openapi_public
+from radixserve.runtime.http.body_limit import BodyLimitMiddleware, HeaderLimitMiddleware
 from radixserve.runtime.http.cache_page import router as cache_page_router
 from radixserve.runtime.http.generation import install_disconnect_handlers, json_response
-from radixserve.runtime.http.state import InflightRequests, ServerState, caller, caller_tenant, require_admin
+from radixserve.runtime.http.state import InflightRequests, ServerState, caller_tenant
 from radixserve.runtime.http.lora_api import adapter_cards
 from radixserve.runtime.http.lora_api import router as lora_router
 from radixserve.runtime.http.pooling_api import router as pooling_router
@@ -43,7 +44,6 @@ from radixserve.runtime.pooling import embed_request
 from radixserve.runtime.http.weights_api import router as weights_router
 from radixserve.runtime.http.metrics import ServerMetrics
 from radixserve.runtime.http.tenant_usage import TenantUsage
-from radixserve.runtime.http.native_api import health_route
 from radixserve.runtime.http.native_api import router as native_router
 from radixserve.runtime.http.errors import APIError, install_error_handlers
 from radixserve.runtime.http.openai.logprobs import TokenTexts
@@ -125,11 +125,13 @@ def create_app(engine: ServingEngine, server_args: ServerArgs) -> FastAPI:
     app = FastAPI(title="radixserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     app.state.server = state
     app.add_middleware(BodyLimitMiddleware, max_bytes=server_args.max_request_bytes)
+    app.add_middleware(HeaderLimitMiddleware, max_bytes=server_args.max_header_bytes)
     install_error_handlers(app)
     install_disconnect_handlers(app)
-    app.add_api_route("/health", health_route, methods=["GET"])
-    app.add_api_route("/metrics", _metrics, methods=["GET"])
-    protected = APIRouter(dependencies=[Depends(caller_tenant)])
+    admin = access_router(Access.ADMIN)
+    admin.add_api_route("/metrics", _metrics, methods=["GET"])
+    app.include_router(admin)
+    protected = access_router(Access.TENANT)
     protected.add_api_route("/v1/models", _list_models, methods=["GET"])
     protected.add_api_route("/v1/models/{model_id:path}", _get_model, methods=["GET"])
     protected.add_api_route("/v1/chat/completions", _chat_completions, methods=["POST"])
@@ -145,6 +147,8 @@ def create_app(engine: ServingEngine, server_args: ServerArgs) -> FastAPI:
     app.state.responses = ResponseStore()
     app.include_router(responses_router)  # /v1/responses (runtime/http/openai/responses.py)
     install_openapi(app)
+    mark_openapi_public(app)
+    check_route_classes(app)  # a route without a class (public, tenant, admin) fails here, at start-up
     return app
 
 
@@ -206,7 +210,6 @@ async def _completions(request: Request, tenant: Optional[str] = Depends(caller_
 
 async def _metrics(request: Request) -> Response:
     state = _state(request)
-    require_admin(caller(request), "/metrics")
     if state.metrics is None:
         raise APIError("metrics are disabled", status_code=404, code="not_found")
     try:
@@ -264,6 +267,7 @@ def launch_server(server_args: ServerArgs) -> None:
             loop="uvloop" if _has_uvloop() else "asyncio",
             timeout_graceful_shutdown=int(server_args.graceful_shutdown_timeout + ABORT_GRACE_SECONDS) + 1,
             timeout_keep_alive=KEEP_ALIVE_SECONDS,
+            h11_max_incomplete_event_size=server_args.max_header_bytes,
         )
         server = _DrainingServer(config, app.state.server, server_args.graceful_shutdown_timeout)
         failure: list[str] = []

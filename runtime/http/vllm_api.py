@@ -17,12 +17,12 @@ from __future__ import annotations
 from typing import Annotated, Any, Optional, Union
 
 import orjson
-from fastapi import APIRouter, Depends
 from pydantic import Field, RootModel, model_validator
 from starlette.requests import Request
 from starlette.responses import Response
 
 import radixserve
+from radixserve.runtime.http.access import Access, access_router
 from radixserve.runtime.http.errors import bad_request
 from radixserve.runtime.http.generation import engine_error, json_response
 from radixserve.runtime.http.openai.protocol import (RESERVED_TEMPLATE_KWARGS, ChatMessage, StrictModel, TokenId,
@@ -30,7 +30,7 @@ from radixserve.runtime.http.openai.protocol import (RESERVED_TEMPLATE_KWARGS, C
 from radixserve.runtime.http.openai.serving_chat import encode_chat
 from radixserve.runtime.http.openai.serving_common import check_model
 from radixserve.runtime.http.openai.tool_calling import conversation_of
-from radixserve.runtime.http.state import ServerState, caller_tenant
+from radixserve.runtime.http.state import ServerState
 from radixserve.tokenizer_manager.tokenize import load_chat_template
 
 
@@ -70,8 +70,8 @@ class DetokenizeRequest(StrictModel):
     tokens: list[TokenId]
 
 
-router = APIRouter()
-protected = APIRouter(dependencies=[Depends(caller_tenant)])
+router = access_router(Access.PUBLIC)  # /version, /ping: vLLM's probes, open like /health
+protected = access_router(Access.TENANT)
 
 
 def _state(request: Request) -> ServerState:

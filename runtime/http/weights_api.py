@@ -27,10 +27,11 @@ import base64
 import binascii
 from typing import Any, Optional
 
-from fastapi import APIRouter, Depends
+from fastapi import Depends
 from starlette.requests import Request
 from starlette.responses import Response
 
+from radixserve.runtime.http.access import Access, access_router
 from radixserve.runtime.http.errors import APIError
 from radixserve.runtime.http.generation import json_response
 from radixserve.runtime.http.openai.protocol import StrictModel, parse_request
@@ -42,7 +43,7 @@ from radixserve.runtime.wire.weights import (
     UpdateWeightsFromDiskReq, UpdateWeightsFromDistributedReq, UpdateWeightsFromTensorReq,
 )
 
-router = APIRouter()
+router = access_router(Access.ADMIN)  # SGLang's post-training calls act on every tenant
 
 
 class UpdateFromDisk(StrictModel):

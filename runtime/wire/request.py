@@ -366,6 +366,7 @@ def _normalize_prompt(prompt: PromptRequest, request: GenerateRequest, model: Mo
         sampling = prompt.sampling_params
         if not isinstance(sampling, SamplingParams):
             sampling = SamplingParams.from_request(sampling, model.vocab_size, model.sampling_defaults)
+        model.request_limits.check(sampling)
         if prompt.input_ids is not None:
             bad = [token for token in prompt.input_ids if not 0 <= token < model.vocab_size]
             if bad:

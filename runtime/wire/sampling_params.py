@@ -141,6 +141,33 @@ class LengthLimits:
         return self.context_len, "context length"
 
 
+class RequestLimits(msgspec.Struct, frozen=True, kw_only=True):
+    """What one request may ask the server to multiply (the server arguments of the same names; docs/security.md):
+    sequences per prompt (`n`, and OpenAI's `best_of`), stop strings and their length, `logit_bias` entries. The
+    scheduler reports them in ModelInfo, so every surface's `normalize` checks the same values."""
+
+    max_request_n: int = 128
+    max_stop_strings: int = 32
+    max_stop_string_length: int = 1024  # characters
+    max_logit_bias_tokens: int = 1024
+
+    def check(self, params: "SamplingParams") -> None:
+        """Raise InvalidSamplingParams naming the field of a parameter past its limit."""
+        if params.n > self.max_request_n:
+            raise InvalidSamplingParams(f"n must be at most {self.max_request_n} (--max-request-n), got {params.n}",
+                                        "n")
+        if len(params.stop) > self.max_stop_strings:
+            raise InvalidSamplingParams(f"stop may hold at most {self.max_stop_strings} strings (--max-stop-strings), "
+                                        f"got {len(params.stop)}", "stop")
+        longest = max((len(stop) for stop in params.stop), default=0)
+        if longest > self.max_stop_string_length:
+            raise InvalidSamplingParams(f"stop strings may be at most {self.max_stop_string_length} characters long "
+                                        f"(--max-stop-string-length), got one of {longest}", "stop")
+        if params.logit_bias is not None and len(params.logit_bias) > self.max_logit_bias_tokens:
+            raise InvalidSamplingParams(f"logit_bias may hold at most {self.max_logit_bias_tokens} tokens "
+                                        f"(--max-logit-bias-tokens), got {len(params.logit_bias)}", "logit_bias")
+
+
 # ---- checks -----------------------------------------------------------------------------------------
 
 

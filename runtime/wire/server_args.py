@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
@@ -16,6 +17,7 @@ from radixserve.runtime.wire.cpu_kernels import CPU_KERNEL_NAMES, parse_cpu_kern
 from radixserve.runtime.wire.heap import parse_gc_threshold
 from radixserve.runtime.wire.lora import parse_lora_paths
 from radixserve.runtime.wire.pooling import POOLING_METHODS
+from radixserve.runtime.wire.sampling_params import RequestLimits
 from radixserve.runtime.wire.speculative_args import check_speculative_args, resolved_num_draft_tokens  # noqa: F401
 
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
@@ -184,6 +186,14 @@ class ServerArgs:
     # batch-invariant kernels: one request gives the same bits alone, in any batch and after cache hits (CPU)
     weight_version: str = "default"
     enable_deterministic_inference: bool = False
+    # Security (docs/security.md): request headers, adapter loading over HTTP, grammar compilation
+    max_header_bytes: int = 64 * 1024  # request line + headers; more gets 431
+    grammar_compile_timeout: float = 30.0  # seconds a structured-output request waits for its grammar, then fails
+    max_request_n: int = 128  # n (and best_of) of one prompt; more is a 400
+    max_stop_strings: int = 32  # stop strings of one request
+    max_stop_string_length: int = 1024  # characters of one stop string
+    max_logit_bias_tokens: int = 1024  # logit_bias entries of one request
+    lora_adapter_dir: Optional[str] = None  # /load_lora_adapter loads only from under this folder; None: refused
 
     def __post_init__(self) -> None:
         def check(ok: bool, message: str) -> None:
@@ -311,6 +321,14 @@ class ServerArgs:
                                      "are not batch-invariant)")
             check(self.attention_backend in (None, "cpu"),
                   "enable_deterministic_inference runs the cpu attention backend (its fixed split)")
+        # Security
+        check(self.max_header_bytes >= 1024, f"max_header_bytes must be >= 1024, got {self.max_header_bytes}")
+        check(self.grammar_compile_timeout > 0,
+              f"grammar_compile_timeout must be positive, got {self.grammar_compile_timeout}")
+        for limit in ("max_request_n", "max_stop_strings", "max_stop_string_length", "max_logit_bias_tokens"):
+            check(getattr(self, limit) >= 1, f"{limit} must be >= 1, got {getattr(self, limit)}")
+        check(self.lora_adapter_dir is None or os.path.isdir(self.lora_adapter_dir),
+              f"lora_adapter_dir {self.lora_adapter_dir!r} is not a folder")
 
     # ---- resolved values -------------------------------------------------------------------------
     def lora_enabled(self) -> bool:
@@ -342,6 +360,11 @@ class ServerArgs:
         if self.disable_overlap_schedule is not None:
             return not self.disable_overlap_schedule
         return self.resolved_device() != "cpu"
+
+    def request_limits(self) -> RequestLimits:
+        return RequestLimits(max_request_n=self.max_request_n, max_stop_strings=self.max_stop_strings,
+                             max_stop_string_length=self.max_stop_string_length,
+                             max_logit_bias_tokens=self.max_logit_bias_tokens)
 
     def resolved_max_queued_requests(self) -> int:
         """Sequences that may wait beyond the running ones before new requests get 503 (with Retry-After)."""

@@ -23,6 +23,8 @@ from typing import Any, Optional, Sequence, TypeVar
 
 import msgspec
 
+from radixserve.runtime.wire.sampling_params import RequestLimits
+
 logger = logging.getLogger(__name__)
 
 S = TypeVar("S", bound=msgspec.Struct)
@@ -63,9 +65,10 @@ class ModelInfo(msgspec.Struct, kw_only=True):
     labels: list[str] = []
     is_generation: bool = True
     weight_version: str = "default"  # the weights served now (runtime/wire/weights.py)
+    request_limits: RequestLimits = RequestLimits()  # what one request may multiply (--max-request-n, ...)
 
     def to_dict(self) -> dict[str, Any]:
-        return msgspec.structs.asdict(self)
+        return {**msgspec.structs.asdict(self), "request_limits": msgspec.structs.asdict(self.request_limits)}
 
     @classmethod
     def merge(cls, parts: Sequence["ModelInfo"]) -> "ModelInfo":

@@ -213,3 +213,28 @@ def test_pooling_requests_the_model_cannot_serve_are_refused(fields, served, mes
     info = msgspec.structs.replace(model(), pooling_kinds=served, is_generation="score" in served)
     with pytest.raises(RequestFieldError, match=message):
         normalize(GenerateRequest(input_ids=[1, 2], **fields), info)
+
+
+def test_what_a_request_may_multiply_is_bounded_by_the_server_arguments():
+    """n, stop strings and logit_bias past --max-request-n, --max-stop-strings, --max-stop-string-length and
+    --max-logit-bias-tokens are a ValueError naming the field and the flag (a 400 over HTTP); at the limit they
+    pass. The limits travel in ModelInfo, so every surface's normalize() applies the scheduler's values."""
+    from radixserve.runtime.wire.sampling_params import RequestLimits
+    from radixserve.runtime.wire.server_args import ServerArgs
+
+    limits = ServerArgs(max_request_n=4, max_stop_strings=2, max_stop_string_length=5,
+                        max_logit_bias_tokens=3).request_limits()
+    assert limits == RequestLimits(max_request_n=4, max_stop_strings=2, max_stop_string_length=5,
+                                   max_logit_bias_tokens=3)
+    bounded = msgspec.structs.replace(model(), request_limits=limits)
+    at_limit = {"n": 4, "stop": ["ab", "abcde"], "logit_bias": {"1": 1.0, "2": 1.0, "3": 1.0}}
+    normalize(GenerateRequest(text="a", sampling_params=at_limit), bounded)
+    for field, value, flag in [("n", 5, "--max-request-n"), ("stop", ["a", "b", "c"], "--max-stop-strings"),
+                               ("stop", ["abcdef"], "--max-stop-string-length"),
+                               ("logit_bias", {str(i): 1.0 for i in range(4)}, "--max-logit-bias-tokens")]:
+        with pytest.raises(ValueError, match=flag) as error:
+            normalize(GenerateRequest(text="a", sampling_params={field: value}), bounded)
+        assert error.value.field == f"sampling_params.{field}"
+    with pytest.raises(ValueError, match="--max-request-n"):  # the defaults bound an unconfigured server
+        normalize(GenerateRequest(text="a", sampling_params={"n": 129}), model())
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(bounded), type=ModelInfo).request_limits == limits

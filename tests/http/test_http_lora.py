@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 
 import httpx
@@ -37,7 +38,8 @@ def adapters(default_model_dir, tmp_path_factory) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def server(adapters):
     process = ServerProcess("--lora-paths", f"alpha={adapters['alpha']}", f"beta={adapters['beta']}",
-                            "--max-loras-per-batch", "2", "--log-level", "warning")
+                            "--max-loras-per-batch", "2", "--log-level", "warning",
+                            "--lora-adapter-dir", os.path.dirname(adapters["alpha"]))
     yield process
     process.stop()
 
@@ -95,19 +97,36 @@ def test_adapters_are_models_of_the_openai_routes(server):
     assert chat.status_code == 200 and chat.json()["model"] in (served, "alpha")
 
 
-def test_unknown_adapters_and_bad_loads_are_400s(server, tmp_path):
+def test_unknown_adapters_and_bad_loads_are_400s(server, adapters, tmp_path):
     unknown = post(server, "/generate", {"text": "Hi", "lora_path": "nope"})
     assert unknown.status_code == 400 and "nope" in unknown.json()["error"]["message"]
     assert post(server, "/v1/completions", {"model": "nope", "prompt": "Hi"}).status_code == 404
     openai = post(server, "/v1/completions", {"prompt": "Hi", "max_tokens": 2, "lora_path": "nope"})
     assert openai.status_code == 400
-    bad = post(server, "/load_lora_adapter", {"lora_name": "empty", "lora_path": str(tmp_path)})
+    empty = os.path.join(os.path.dirname(adapters["alpha"]), "empty")
+    os.makedirs(empty, exist_ok=True)
+    bad = post(server, "/load_lora_adapter", {"lora_name": "empty", "lora_path": empty})
     assert bad.status_code == 400 and bad.json()["success"] is False
     assert "adapter_config.json" in bad.json()["error_message"]
-    twice = post(server, "/load_lora_adapter", {"lora_name": "alpha", "lora_path": str(tmp_path)})
+    twice = post(server, "/load_lora_adapter", {"lora_name": "alpha", "lora_path": "empty"})  # under the folder
     assert twice.status_code == 400 and "already loaded" in twice.json()["error_message"]
     assert post(server, "/unload_lora_adapter", {"lora_name": "nope"}).status_code == 400
     assert post(server, "/load_lora_adapter", {"lora_name": "x"}).status_code == 400  # lora_path missing
+
+
+def test_adapters_load_only_from_under_the_adapter_folder(server, adapters, tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (tmp_path / "link").symlink_to(outside)
+    for path in (str(outside), "../" + os.path.basename(str(tmp_path)), "alpha/../../etc", "/etc"):
+        refused = post(server, "/load_lora_adapter", {"lora_name": "x", "lora_path": path})
+        assert refused.status_code == 403, path
+        assert refused.json()["error"]["code"] == "lora_path_not_allowed"
+    inside_link = os.path.join(os.path.dirname(adapters["alpha"]), "link-out")
+    if not os.path.lexists(inside_link):
+        os.symlink(outside, inside_link)  # a link inside the folder that points out of it is refused too
+    assert post(server, "/load_lora_adapter", {"lora_name": "x", "lora_path": inside_link}).status_code == 403
+    assert post(server, "/unload_lora_adapter", {"lora_name": "x"}).status_code == 400  # nothing was loaded
 
 
 def test_hot_load_and_unload_while_requests_run(server, adapters):

@@ -7,6 +7,7 @@ it. Once nothing uses it, the unload succeeds on both."""
 
 from __future__ import annotations
 
+import os
 import threading
 
 import httpx
@@ -22,7 +23,8 @@ pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
 def server(default_model_dir, tmp_path_factory):
     path = make_adapter(str(tmp_path_factory.mktemp("lora-dp") / "alpha"), default_model_dir, rank=4, seed=21,
                         std=0.05)
-    process = ServerProcess("--dp-size", "2", "--lora-paths", f"alpha={path}", "--log-level", "warning")
+    process = ServerProcess("--dp-size", "2", "--lora-paths", f"alpha={path}", "--log-level", "warning",
+                            "--lora-adapter-dir", os.path.dirname(path))
     yield process, path
     process.stop()
 
@@ -73,9 +75,11 @@ def test_an_unload_refused_by_one_replica_is_undone_on_the_other(server):
         assert generate_on(process, rank).status_code == 200, rank
 
 
-def test_a_load_that_fails_everywhere_leaves_the_adapters_as_they_were(server, tmp_path):
+def test_a_load_that_fails_everywhere_leaves_the_adapters_as_they_were(server):
     process, path = server
-    bad = post(process, "/load_lora_adapter", {"lora_name": "broken", "lora_path": str(tmp_path)})
+    broken = os.path.join(os.path.dirname(path), "broken")
+    os.makedirs(broken, exist_ok=True)
+    bad = post(process, "/load_lora_adapter", {"lora_name": "broken", "lora_path": broken})
     assert bad.status_code == 400 and "adapter_config.json" in bad.json()["error_message"]
     assert set(bad.json()["loaded_adapters"]) == {"alpha"}
     for rank in (0, 1):

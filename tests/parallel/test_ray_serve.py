@@ -118,11 +118,11 @@ def test_openai_client_through_the_ingress(affinity):
 
 def test_lora_loading_is_refused_through_the_ingress(affinity):
     """Replicas serve the adapters they started with; one loaded through the ingress would be missing from a replica
-    Ray starts later, so the ingress refuses it with a clear error instead of failing."""
+    Ray starts later, so the ingress refuses it with a clear error instead of failing (here already because the
+    ingress has no --lora-adapter-dir to load from)."""
     response = httpx.post(affinity + "/load_lora_adapter", json={"lora_name": "a", "lora_path": "/nowhere"},
                           timeout=60)
-    assert response.status_code == 501
-    assert response.json()["success"] is False and "--lora-paths" in response.json()["error"]["message"]
+    assert response.status_code == 403 and response.json()["error"]["code"] == "lora_path_not_allowed"
     response = httpx.post(affinity + "/unload_lora_adapter", json={"lora_name": "a"}, timeout=60)
     assert response.status_code == 501
 

@@ -16,10 +16,11 @@ import uuid
 from typing import Any, AsyncIterator, Optional
 
 import orjson
-from fastapi import APIRouter, Depends
+from fastapi import Depends
 from starlette.requests import Request
 from starlette.responses import Response
 
+from radixserve.runtime.http.access import Access, access_router
 from radixserve.runtime.http.anthropic.errors import AnthropicRoute, api_key_tenant, error_body
 from radixserve.runtime.http.anthropic.protocol import CountTokensRequest, MessagesRequest
 from radixserve.runtime.http.anthropic.translate import chat_body, stop_reason
@@ -40,7 +41,7 @@ from radixserve.runtime.http.openai.tool_parsers import ToolCall
 from radixserve.runtime.http.openai.translate import chat_request, normalized
 from radixserve.runtime.http.state import ServerState
 
-router = APIRouter(route_class=AnthropicRoute)
+router = access_router(Access.TENANT, route_base=AnthropicRoute, key_check=api_key_tenant)
 
 
 def _state(request: Request) -> ServerState:

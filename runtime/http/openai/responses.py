@@ -26,10 +26,11 @@ from typing import Any, AsyncIterator, Optional
 import msgspec
 import orjson
 import pydantic
-from fastapi import APIRouter, Depends
+from fastapi import Depends
 from starlette.requests import Request
 from starlette.responses import Response
 
+from radixserve.runtime.http.access import Access, access_router
 from radixserve.runtime.http.errors import APIError, validation_error
 from radixserve.runtime.http.generation import (
     ClientDisconnected,
@@ -53,7 +54,7 @@ from radixserve.runtime.http.openai.tool_calling import ChatOutputPlan, plan_cha
 from radixserve.runtime.http.openai.translate import chat_request, normalized
 from radixserve.runtime.http.state import ServerState, caller_tenant
 
-router = APIRouter(dependencies=[Depends(caller_tenant)])
+router = access_router(Access.TENANT)
 RETENTION_SECONDS = {"in_memory": 600.0, "24h": 24 * 3600.0}
 
 
