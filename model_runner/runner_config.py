@@ -58,6 +58,9 @@ class RunnerConfig:
     max_loras_per_batch: int
     speculative: bool  # verify steps of many rows: the float32 CPU linears keep a packed copy
 
+    # Quantized weights: "gguf" (a GGUF's linears on its own blocks, model_runner/cpu/gguf_linear.py) or None
+    quantization: Optional[str] = None
+
     @classmethod
     def from_server_args(cls, args: ServerArgs, model: Optional[ModelFiles] = None) -> "RunnerConfig":
         """The runner's part of `args`; `model`: the model's files when the caller has them, else located from
@@ -80,4 +83,5 @@ class RunnerConfig:
             dist_timeout=args.dist_timeout,
             enable_lora=args.lora_enabled(), lora_paths=tuple(args.lora_paths or ()), max_lora_rank=args.max_lora_rank,
             max_loras_per_batch=args.max_loras_per_batch, speculative=args.speculative_algorithm is not None,
+            quantization=args.quantization,
         )

@@ -15,6 +15,7 @@ from radixserve.runtime.wire import sglang_flags
 from radixserve.runtime.wire.cpu_kernels import CPU_KERNEL_NAMES, parse_cpu_kernels
 from radixserve.runtime.wire.heap import parse_gc_threshold
 from radixserve.runtime.wire.lora import parse_lora_paths
+from radixserve.runtime.wire.quantization import check_quantization
 from radixserve.runtime.wire.speculative_args import check_speculative_args, resolved_num_draft_tokens  # noqa: F401
 
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
@@ -171,6 +172,9 @@ class ServerArgs:
     speculative_ngram_max_bfs_breadth: int = 1  # must be 1 (chains)
     speculative_ngram_match_type: str = "BFS"
 
+    # Quantized weights (SGLang's --quantization names; runtime/wire/quantization.py says which values run)
+    quantization: Optional[str] = None  # None: the model's dtype; "gguf": a GGUF's linears on its own blocks (CPU)
+
     def __post_init__(self) -> None:
         def check(ok: bool, message: str) -> None:
             if not ok:
@@ -281,6 +285,10 @@ class ServerArgs:
         check(self.gc_warning_threshold_secs >= 0,
               f"gc_warning_threshold_secs must be >= 0, got {self.gc_warning_threshold_secs}")
         check_speculative_args(self)
+        check_quantization(self.quantization, self.resolved_device(), self.resolved_dtype(), self.tp_size,
+                           True if self.model_path is None or self.model_path.endswith(".gguf") else None)
+        check(self.quantization is None or not self.lora_enabled(),
+              f"LoRA adapters apply to float weights; drop quantization {self.quantization!r}")
 
     # ---- resolved values -------------------------------------------------------------------------
     def lora_enabled(self) -> bool:
