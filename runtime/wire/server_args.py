@@ -287,6 +287,8 @@ class ServerArgs:
         check_speculative_args(self)
         check_quantization(self.quantization, self.resolved_device(), self.resolved_dtype(), self.tp_size,
                            True if self.model_path is None or self.model_path.endswith(".gguf") else None)
+        check(self.quantization != "gguf" or self.cpu_kernels != "torch",
+              "quantization 'gguf' runs on radixserve's C++ CPU kernels, which cpu_kernels 'torch' turns off")
         check(self.quantization is None or not self.lora_enabled(),
               f"LoRA adapters apply to float weights; drop quantization {self.quantization!r}")
 
