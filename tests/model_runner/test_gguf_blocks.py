@@ -39,6 +39,7 @@ def test_block_matrices_dequantize_to_the_converted_weights(default_model_dir):
         assert torch.equal(matrices[name].dequantize(), converted[name]), name  # rows in Hugging Face's order
 
 
+@pytest.mark.slow  # Hugging Face generates 16 x 32 tokens
 def test_default_model_on_its_blocks_gives_transformers_greedy_ids(default_model_dir):
     runner = ModelRunner(RunnerConfig.from_server_args(ServerArgs(
         device="cpu", quantization="gguf", max_total_tokens=4096, max_running_requests=16)))
