@@ -14,7 +14,7 @@ from typing import Optional
 
 QUANTIZATION_METHODS = ("gguf",)
 
-_NO_GPU_KERNEL = "needs GPU GEMM kernels that radixserve does not have yet"
+_NO_GPU_KERNEL = "need GPU GEMM kernels that radixserve does not have yet"
 # SGLang 0.5's --quantization values that radixserve recognizes but does not run, with the reason.
 UNSUPPORTED_QUANTIZATION: dict[str, str] = {
     "fp8": f"FP8 weights (checkpoints or online quantization) {_NO_GPU_KERNEL}",
