@@ -73,6 +73,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--load-format", default=None, help="auto | safetensors | gguf | dummy")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--quantization", default=None, help="gguf: a GGUF's linears on its own blocks (CPU)")
     parser.add_argument("--attention-backend", default=None)
     parser.add_argument("--page-size", type=int, default=1)
     parser.add_argument("--prefill-batch-sizes", type=int_list, default=[1, 8, 32])
@@ -116,7 +117,8 @@ def build_runner(args: argparse.Namespace, model_path: Optional[str], load_forma
     tokens = max([bs * pages_of(args.input_len) for bs in args.prefill_batch_sizes]
                  + [bs * pages_of(args.context_len) for bs in args.decode_batch_sizes])
     return ModelRunner(RunnerConfig.from_server_args(ServerArgs(model_path=model_path, load_format=load_format,
-        device=args.device, dtype=args.dtype, attention_backend=args.attention_backend, page_size=page,
+        device=args.device, dtype=args.dtype, quantization=args.quantization, attention_backend=args.attention_backend,
+        page_size=page,
         random_seed=args.seed, context_length=max(args.input_len, args.context_len), max_total_tokens=tokens,
         max_running_requests=max(all_sizes), cuda_graph_max_bs=max(args.decode_batch_sizes or [1]),
         disable_cuda_graph=disable_cuda_graph, kv_cache_dtype=args.kv_cache_dtype, )))

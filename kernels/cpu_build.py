@@ -1,5 +1,5 @@
-"""Build and load the C++ CPU kernels (`cpu_attention.cpp`, `cpu_elementwise.cpp`, `cpu_linear.cpp`) once per
-machine, at first use.
+"""Build and load the C++ CPU kernels (`cpu_attention.cpp`, `cpu_elementwise.cpp`, `cpu_linear.cpp`,
+`cpu_gguf_linear.cpp`, ...) once per machine, at first use.
 
 The source is compiled by torch's C++ extension builder (g++ with `-O3 -march=native`, ninja) into a cache folder
 keyed by the source, the torch version and this CPU's instruction set, so a build made on one CPU is never loaded
@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(name) for name in (
     "cpu_attention.cpp", "cpu_elementwise.cpp", "cpu_linear.cpp", "cpu_amx_linear.cpp",
-    "cpu_argmax.cpp", "cpu_panel_linear.cpp")]
+    "cpu_argmax.cpp", "cpu_panel_linear.cpp", "cpu_gguf_linear.cpp")]
 HEADERS = [Path(__file__).with_name(name) for name in (
     "cpu_vec.h", "cpu_attention_amx.h", "cpu_attention_dots.h", "cpu_attention_lanes.h")]
 # -fopenmp: ATen's parallel_for is inline OpenMP; the library binds to the libgomp torch already loaded (same

@@ -15,7 +15,9 @@ import torch
 from radixserve.kernels import cpu_build
 from radixserve.model_runner.attention import AttentionBackend, create_attention_backend
 from radixserve.model_runner.cpu import dispatch
+from radixserve.model_runner.cpu.gguf_linear import use_gguf_blocks
 from radixserve.model_runner.cpu.packed import pack_cpu_linears
+from radixserve.model_runner.loader.gguf_blocks import source_gguf
 from radixserve.model_runner.cpu.small_batch import pack_small_batch_linears, small_batch_packing_pays
 from radixserve.model_runner.forward_batch import ForwardBatch
 from radixserve.model_runner.loader import dummy_weights, iter_weights
@@ -248,6 +250,12 @@ class ModelRunner:
         with torch.no_grad():
             model.load_weights(weights)
         model.eval().requires_grad_(False)
+        if self.config.quantization == "gguf":
+            gguf_path = source_gguf(files.model_dir)
+            if gguf_path is None or files.load_format == "dummy":
+                raise ValueError(f"quantization 'gguf' computes on a GGUF file's blocks; {files.source} is not a GGUF "
+                                 "file loaded with its weights")
+            use_gguf_blocks(model, gguf_path)  # before packing: the float linears left are packed as usual
         if self.device.type == "cpu" and self.dtype == torch.bfloat16:
             pack_cpu_linears(model, self.cpu_kernels)  # the weights are final now; see model_runner/cpu/packed.py
         elif self.device.type == "cpu" and self.dtype == torch.float32:

@@ -63,6 +63,9 @@ class RunnerConfig:
     is_embedding: bool = False
     pooling_method: Optional[str] = None
 
+    # Quantized weights: "gguf" (a GGUF's linears on its own blocks, model_runner/cpu/gguf_linear.py) or None
+    quantization: Optional[str] = None
+
     @classmethod
     def from_server_args(cls, args: ServerArgs, model: Optional[ModelFiles] = None) -> "RunnerConfig":
         """The runner's part of `args`; `model`: the model's files when the caller has them, else located from
@@ -87,4 +90,5 @@ class RunnerConfig:
             max_loras_per_batch=args.max_loras_per_batch, speculative=args.speculative_algorithm is not None,
             is_embedding=args.is_embedding, pooling_method=args.pooling_method,
             deterministic=args.enable_deterministic_inference,
+            quantization=args.quantization,
         )

@@ -130,8 +130,8 @@ def pack_small_batch_linears(model: nn.Module, kernels: CpuKernels, packed: bool
     for parent, name, child in targets:
         setattr(parent, name, SmallBatchLinear(child.weight, child.bias, packed=packed, head=child is head,
                                                panel=panel, kernels=kernels))
-    if not hasattr(model, "logits_head") or not _single_rank(model):
-        return len(targets)
+    if not hasattr(model, "logits_head") or not _single_rank(model) or model.logits_head is not None:
+        return len(targets)  # (a head already installed: the GGUF blocks' own, model_runner/cpu/gguf_linear.py)
     head = getattr(model, "lm_head", None)  # the replacement, where an untied head was replaced above
     if isinstance(head, SmallBatchLinear):  # an untied head was replaced above
         model.logits_head = head

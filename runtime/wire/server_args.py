@@ -18,6 +18,7 @@ from radixserve.runtime.wire.heap import parse_gc_threshold
 from radixserve.runtime.wire.lora import parse_lora_paths
 from radixserve.runtime.wire.pooling import POOLING_METHODS
 from radixserve.runtime.wire.sampling_params import RequestLimits
+from radixserve.runtime.wire.quantization import check_quantization
 from radixserve.runtime.wire.speculative_args import check_speculative_args, resolved_num_draft_tokens  # noqa: F401
 
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
@@ -194,6 +195,8 @@ class ServerArgs:
     max_stop_string_length: int = 1024  # characters of one stop string
     max_logit_bias_tokens: int = 1024  # logit_bias entries of one request
     lora_adapter_dir: Optional[str] = None  # /load_lora_adapter loads only from under this folder; None: refused
+    # Quantized weights (SGLang's --quantization names; runtime/wire/quantization.py says which values run)
+    quantization: Optional[str] = None  # None: the model's dtype; "gguf": a GGUF's linears on its own blocks (CPU)
 
     def __post_init__(self) -> None:
         def check(ok: bool, message: str) -> None:
@@ -329,6 +332,13 @@ class ServerArgs:
             check(getattr(self, limit) >= 1, f"{limit} must be >= 1, got {getattr(self, limit)}")
         check(self.lora_adapter_dir is None or os.path.isdir(self.lora_adapter_dir),
               f"lora_adapter_dir {self.lora_adapter_dir!r} is not a folder")
+        # Quantized weights
+        check_quantization(self.quantization, self.resolved_device(), self.resolved_dtype(), self.tp_size,
+                           True if self.model_path is None or self.model_path.endswith(".gguf") else None)
+        check(self.quantization != "gguf" or self.cpu_kernels != "torch",
+              "quantization 'gguf' runs on radixserve's C++ CPU kernels, which cpu_kernels 'torch' turns off")
+        check(self.quantization is None or not self.lora_enabled(),
+              f"LoRA adapters apply to float weights; drop quantization {self.quantization!r}")
 
     # ---- resolved values -------------------------------------------------------------------------
     def lora_enabled(self) -> bool:

@@ -7,7 +7,7 @@ which flag radixserve cannot honour. Each of SGLang's flags falls into one of th
   (`ALIASES`);
 - flags that ask for what radixserve always does (`ALWAYS`). They are accepted and logged with what they mean here;
 - everything else (`sglang_flags.txt`, taken from SGLang 0.5.23's parser: hardware-specific kernels, all-to-all
-  expert dispatch, pipeline parallelism, disaggregation, quantization, multimodal inputs, ...). These are
+  expert dispatch, pipeline parallelism, disaggregation, multimodal inputs, ...). These are
   recognized, and their use is refused with the flag's name and, where one is known, the reason (`REASONS`), never
   with argparse's "unrecognized arguments".
 """
@@ -42,7 +42,6 @@ REASONS: dict[str, str] = {
     "--enable-torch-compile": "decode runs under CUDA graphs with fused Triton kernels; torch.compile is not wired "
                               "in (it has not measured faster here)",
     "--torch-compile-max-bs": "torch.compile is not supported",
-    "--quantization": "weights run in the model's dtype (--dtype); quantized checkpoints are not supported",
     "--skip-tokenizer-init": "the server always loads the model's tokenizer",
     "--revision": "models are read from local paths and the local Hugging Face cache only",
     "--download-dir": "models are read from local paths and the local Hugging Face cache only",

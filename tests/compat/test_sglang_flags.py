@@ -76,8 +76,8 @@ def test_every_other_sglang_flag_is_refused_by_name():
         with pytest.raises(ValueError) as refused:
             ServerArgs.from_cli_args(parser.parse_args(["serve", flag, *values]))
         assert flag in str(refused.value) and "not supported by radixserve" in str(refused.value), flag
-    with pytest.raises(ValueError, match="--quantization .weights run in the model's dtype.*--enable-torch-compile"):
-        _parse("--quantization", "fp8", "--enable-torch-compile")
+    with pytest.raises(ValueError, match="--revision .models are read from local paths.*--enable-torch-compile"):
+        _parse("--revision", "main", "--enable-torch-compile")
 
 
 def test_engine_keywords_follow_the_same_rules():

@@ -1,0 +1,103 @@
+"""Linear layers that compute on a GGUF file's own blocks (`--quantization gguf`, CPU): the weights stay in llama.cpp's
+Q8_0 / Q4_0 / Q4_1 blocks, and kernels/cpu_gguf_linear.cpp dequantizes them in registers into float32 multiply-adds
+with the float32 activations: the result is the float32 product of the dequantized weight, as Hugging Face computes
+it on the converted checkpoint.
+
+At a few decode rows a linear layer costs reading its weight, and a Q4_1 weight is 5/8 of a byte per value (float32:
+4). From `DEQUANTIZE_FROM` rows on (prefill) the arithmetic dominates instead: the weight is dequantized whole, once
+per call, and multiplied by oneDNN's float32 GEMM.
+The model is loaded from the converted directory as for the float path, then `use_gguf_blocks` swaps each fused
+projection (qkv, gate/up, o, down) whose parts are stored in one block type for a `GGUFLinear` on the concatenated
+blocks, and the LM head (the embedding's matrix where tied) for one on its own; their float weights are dropped. The
+embedding lookup, norms, attention and sampling are unchanged, in float32.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from radixserve.kernels import cpu_build
+from radixserve.model_runner.loader.gguf_blocks import BlockMatrix, read_block_matrices
+from radixserve.model_runner.parallel import RowParallelLinear
+
+logger = logging.getLogger(__name__)
+
+# Rows from which a call dequantizes the whole weight and runs `F.linear` (measured with benchmarks/cpu_gguf_linear.py
+# on the embedded model's shapes: the in-register kernel is ahead below 16-32 rows).
+DEQUANTIZE_FROM = 32
+
+# fused projection -> the Hugging Face projections stacked in it, in row order
+_FUSED_PARTS = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+    "self_attn.o_proj": ("self_attn.o_proj",),
+    "mlp.down_proj": ("mlp.down_proj",),
+}
+
+
+class GGUFLinear(nn.Module):
+    """`x @ W.T (+ bias)` with W in llama.cpp's blocks: `x [..., in_features]` float32 on the CPU -> float32."""
+
+    def __init__(self, matrix: BlockMatrix, bias: Optional[torch.Tensor] = None) -> None:
+        super().__init__()
+        self.in_features, self.out_features = matrix.in_features, matrix.out_features
+        self.ggml_type = matrix.ggml_type
+        self.register_buffer("blocks", matrix.blocks, persistent=False)
+        self.bias = bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() >= DEQUANTIZE_FROM * self.in_features:
+            return F.linear(x, torch.ops.radixserve_cpu.gguf_dequantize(self.blocks, self.ggml_type), self.bias)
+        return torch.ops.radixserve_cpu.gguf_linear(x, self.blocks, self.ggml_type, self.bias)
+
+    def extra_repr(self) -> str:
+        name = BlockMatrix(self.ggml_type, self.blocks, self.in_features).type_name
+        return f"in_features={self.in_features}, out_features={self.out_features}, {name}"
+
+
+def _stacked(parts: list[BlockMatrix]) -> Optional[BlockMatrix]:
+    """The parts of one fused projection as one matrix, or None when they are not all of one block type."""
+    if len({p.ggml_type for p in parts}) != 1 or len({p.in_features for p in parts}) != 1:
+        return None
+    blocks = parts[0].blocks if len(parts) == 1 else torch.cat([p.blocks for p in parts])
+    return BlockMatrix(parts[0].ggml_type, blocks.contiguous(), parts[0].in_features)
+
+
+def use_gguf_blocks(model: nn.Module, gguf_path: str) -> int:
+    """Swap `model`'s projections and LM head for `GGUFLinear`s on `gguf_path`'s blocks (those stored in a block
+    type; the others keep their float weights). Loads the CPU kernels first (a RuntimeError where they cannot be
+    built). Returns how many linears now read blocks."""
+    if not cpu_build.load():
+        raise RuntimeError("--quantization gguf needs radixserve's C++ CPU kernels, which could not be built here "
+                           "(see the log); use --dtype float32 or bfloat16")
+    matrices = read_block_matrices(gguf_path)
+    swapped = 0
+    for index, layer in enumerate(model.model.layers):
+        for fused, parts in _FUSED_PARTS.items():
+            names = [f"model.layers.{index}.{part}.weight" for part in parts]
+            if not all(name in matrices for name in names):
+                continue
+            matrix = _stacked([matrices[name] for name in names])
+            owner_name, _, attr = fused.rpartition(".")
+            owner = getattr(layer, owner_name)
+            current = getattr(owner, attr)
+            if matrix is None or type(current) not in (nn.Linear, RowParallelLinear):
+                continue
+            if tuple(current.weight.shape) != (matrix.out_features, matrix.in_features):
+                raise ValueError(f"layer {index} {fused}: the GGUF blocks hold {matrix.out_features}x"
+                                 f"{matrix.in_features} values, the model {tuple(current.weight.shape)}")
+            bias = None if current.bias is None else current.bias.detach().float()
+            setattr(owner, attr, GGUFLinear(matrix, bias))
+            swapped += 1
+    head_name = "lm_head.weight" if "lm_head.weight" in matrices else "model.embed_tokens.weight"
+    if head_name in matrices and model.config.tie_word_embeddings == (head_name != "lm_head.weight"):
+        model.logits_head = GGUFLinear(matrices[head_name])
+        swapped += 1
+    logger.info("GGUF blocks: %d linears compute on %s's blocks (%s)", swapped, gguf_path,
+                ", ".join(sorted({m.type_name for m in matrices.values()})))
+    return swapped

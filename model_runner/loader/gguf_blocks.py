@@ -1,0 +1,84 @@
+"""A GGUF file's quantized matrices as llama.cpp stores them, for the linear layers that compute on the blocks
+(model_runner/cpu/gguf_linear.py).
+
+The converted Hugging Face directory (gguf_convert.py) holds every tensor dequantized; the model is loaded from it
+as usual, and then the projections whose GGUF tensor is in one of `BLOCK_TYPES` are swapped for layers that read the
+file's own bytes. A matrix comes back as `[rows, row bytes]` uint8, one weight row (K / 32 blocks) per row, under its
+Hugging Face name; the rows of llama-architecture Q and K projections are put back in Hugging Face's order, as the
+converter does for the float values (a row is whole blocks, so permuting rows permutes blocks).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+
+from radixserve.model_runner.loader.gguf_convert import _hf_config_kwargs, hf_tensor_name, unpermute_rotary_rows
+
+# GGML type id -> (name, bytes per block of 32 values): the block formats kernels/cpu_gguf_linear.cpp computes on.
+BLOCK_TYPES: dict[int, tuple[str, int]] = {2: ("Q4_0", 18), 3: ("Q4_1", 20), 8: ("Q8_0", 34)}
+BLOCK_SIZE = 32
+
+
+@dataclass(frozen=True)
+class BlockMatrix:
+    """One weight matrix in llama.cpp's blocks: `blocks [out_features, in_features / 32 * block bytes]` uint8."""
+
+    ggml_type: int
+    blocks: torch.Tensor
+    in_features: int
+
+    @property
+    def type_name(self) -> str:
+        return BLOCK_TYPES[self.ggml_type][0]
+
+    @property
+    def out_features(self) -> int:
+        return self.blocks.shape[0]
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 values (gguf-py's reference dequantization), `[out_features, in_features]`."""
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        values = dequantize(self.blocks.numpy(), GGMLQuantizationType(self.ggml_type))
+        return torch.from_numpy(np.array(values, dtype=np.float32, copy=True))
+
+
+def read_block_matrices(gguf_path: str) -> dict[str, BlockMatrix]:
+    """Every matrix of `gguf_path` stored in one of `BLOCK_TYPES`, by Hugging Face name (tensors of other types,
+    the float norms for one, are left out)."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(gguf_path)
+    _, _, config = _hf_config_kwargs(reader)
+    permute_qk = str(reader.fields["general.architecture"].contents()) == "llama"
+    matrices = {}
+    for tensor in reader.tensors:
+        if int(tensor.tensor_type) not in BLOCK_TYPES or len(tensor.shape) != 2:
+            continue
+        name = hf_tensor_name(tensor.name)
+        if name is None:
+            continue
+        blocks = torch.from_numpy(np.array(tensor.data, dtype=np.uint8, copy=True))
+        if permute_qk and name.endswith("q_proj.weight"):
+            blocks = unpermute_rotary_rows(blocks, config["num_attention_heads"])
+        elif permute_qk and name.endswith("k_proj.weight"):
+            blocks = unpermute_rotary_rows(blocks, config["num_key_value_heads"])
+        matrices[name] = BlockMatrix(int(tensor.tensor_type), blocks.contiguous(), int(tensor.shape[0]))
+    return matrices
+
+
+def source_gguf(model_dir: str) -> Optional[str]:
+    """The GGUF file a converted directory was made from (its `radixserve_source.json`); None for other
+    directories."""
+    path = os.path.join(model_dir, "radixserve_source.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)["gguf_path"]

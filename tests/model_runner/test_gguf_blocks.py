@@ -1,0 +1,79 @@
+"""`--quantization gguf`: a GGUF model's linear layers compute on the file's own blocks (model_runner/cpu/gguf_linear.py,
+model_runner/loader/gguf_blocks.py), and `--quantization` refuses, with the reason, every value it does not run.
+
+The reference is Hugging Face `transformers` on the converted checkpoint, whose weights are the GGUF's dequantized
+values: the embedded SmolLM2 GGUF (Q4_1 projections, a Q8_0 embedding tied to the LM head) gives the same greedy ids
+over 32 tokens on every prompt.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from radixserve.model_runner.cpu.gguf_linear import GGUFLinear
+from radixserve.model_runner.loader.gguf_blocks import read_block_matrices, source_gguf
+from radixserve.model_runner.model_runner import ModelRunner
+from radixserve.model_runner.runner_config import RunnerConfig
+from radixserve.model_runner.static_generate import greedy_generate
+from radixserve.runtime.model_files import load_tokenizer
+from radixserve.runtime.wire.server_args import ServerArgs
+from test_model_forward import MAX_NEW_TOKENS, hf_greedy, hf_model
+
+PROMPTS = [
+    "The capital of France is", "def fibonacci(n):\n", "Once upon a time, in a small village by the sea,",
+    "1, 1, 2, 3, 5, 8,", "Water boils at", "The quick brown fox", "In 1492, Columbus", "import numpy as np\n",
+    "My favourite food is", "The theory of relativity says", "Here is a list of fruits:", "Dear Sir or Madam,",
+    "The best way to learn programming is", "SELECT * FROM", "Photosynthesis is the process", "Paris is known for",
+]
+
+
+def test_block_matrices_dequantize_to_the_converted_weights(default_model_dir):
+    matrices = read_block_matrices(source_gguf(default_model_dir))
+    converted = load_file(f"{default_model_dir}/model.safetensors")
+    assert {m.type_name for m in matrices.values()} == {"Q4_1", "Q8_0"}
+    assert matrices["model.embed_tokens.weight"].type_name == "Q8_0"
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.3.self_attn.k_proj.weight",
+                 "model.layers.5.mlp.down_proj.weight", "model.embed_tokens.weight"):
+        assert torch.equal(matrices[name].dequantize(), converted[name]), name  # rows in Hugging Face's order
+
+
+@pytest.mark.slow  # Hugging Face generates 16 x 32 tokens
+def test_default_model_on_its_blocks_gives_transformers_greedy_ids(default_model_dir):
+    runner = ModelRunner(RunnerConfig.from_server_args(ServerArgs(
+        device="cpu", quantization="gguf", max_total_tokens=4096, max_running_requests=16)))
+    layer = runner.model.model.layers[0]
+    for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+        assert isinstance(linear, GGUFLinear) and linear.ggml_type == 3  # Q4_1
+    assert isinstance(runner.model.logits_head, GGUFLinear) and runner.model.logits_head.ggml_type == 8  # Q8_0
+    assert not any(p.dim() == 2 for name, p in runner.model.named_parameters() if "layers." in name)  # floats dropped
+
+    tokenizer = load_tokenizer(default_model_dir)
+    prompts = [tokenizer.encode(text) for text in PROMPTS]
+    eos = runner.model_config.eos_token_ids
+    ours = greedy_generate(runner, prompts, MAX_NEW_TOKENS, stop_token_ids=eos)
+    reference = hf_model(default_model_dir)
+    agree = sum(tokens == hf_greedy(reference, prompt, MAX_NEW_TOKENS, eos) for prompt, tokens in zip(prompts, ours))
+    assert agree >= 15, f"{agree} of {len(prompts)} prompts give Hugging Face's greedy ids"
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"quantization": "int3"}, "unknown quantization 'int3'; SGLang's names are gguf, fp8"),
+    ({"quantization": "fp8"}, "quantization 'fp8' is not supported: FP8 weights .* GPU GEMM kernels"),
+    ({"quantization": "awq"}, "quantization 'awq' is not supported: AWQ"),
+    ({"quantization": "gguf", "dtype": "bfloat16"}, "computes in float32 around its blocks; drop --dtype bfloat16"),
+    ({"quantization": "gguf", "tp_size": 2}, "runs on one rank"),
+    ({"quantization": "gguf", "cpu_kernels": "torch"}, "cpu_kernels 'torch' turns off"),
+    ({"quantization": "gguf", "enable_lora": True}, "LoRA adapters apply to float weights"),
+])
+def test_values_that_cannot_run_are_refused_with_the_reason(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ServerArgs(device="cpu", **kwargs)
+
+
+def test_a_model_that_is_not_gguf_is_refused(tiny_model_dir):
+    config = RunnerConfig.from_server_args(ServerArgs(model_path=tiny_model_dir("llama"), device="cpu",
+                                                      quantization="gguf"))
+    with pytest.raises(ValueError, match="computes on a GGUF file's blocks"):
+        ModelRunner(config)
