@@ -66,8 +66,9 @@ def test_openai_client_embeddings_match_hf(server, reference, model):
     for item, text in zip(response.data, TEXTS):
         assert _close(item.embedding, reference(text))
     assert response.usage.prompt_tokens == response.usage.total_tokens > 0
-    floats = client.embeddings.create(model=model, input=TEXTS[0], encoding_format="float")
-    assert floats.data[0].embedding == pytest.approx(response.data[0].embedding, abs=1e-7)
+    floats = client.embeddings.create(model=model, input=TEXTS, encoding_format="float")  # the same batch, as floats
+    for as_float, as_base64 in zip(floats.data, response.data):
+        assert as_float.embedding == pytest.approx(as_base64.embedding, abs=1e-7)
 
 
 def test_token_id_inputs(server, reference, model):
