@@ -16,7 +16,10 @@ model against Hugging Face in tests/model_runner/test_model_forward.py).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import gc
+import itertools
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -30,7 +33,11 @@ from radixserve.runtime.wire.server_args import ServerArgs
 from radixserve.runtime.wire.server_info import ServerInfo
 from radixserve.scheduler.scheduler import Scheduler
 
-_RUNNERS: dict[Any, ModelRunner] = {}
+_RUNNERS: "collections.OrderedDict[Any, ModelRunner]" = collections.OrderedDict()
+# The suite keeps the runners it used last; an older one is dropped (a driver still using it keeps its own reference),
+# so the pytest process holds a few models' weights and KV pools rather than one per setting the suite ever used.
+MAX_SHARED_RUNNERS = 3
+_UNSHARED = itertools.count()
 SUITE_CPU_KERNELS = "auto,-panel"  # see the module docstring
 
 
@@ -43,12 +50,17 @@ def shared_runner(args: ServerArgs) -> ModelRunner:
     key: Any = dataclasses.replace(config, chunked_prefill_size=None, max_prefill_tokens=0, enable_mixed_chunk=False,
                                    random_seed=0) if config.device == "cpu" and config.model.load_format != "dummy" else config
     if config.enable_lora:
-        key = (config, len(_RUNNERS))  # its adapters change with load/unload: never shared
+        key = (config, next(_UNSHARED))  # its adapters change with load/unload: never shared
     runner = _RUNNERS.get(key)
     clean = runner is not None and runner.allocator.available_size() == runner.allocator.size and (
         runner.req_to_token_pool.available_size() == runner.req_to_token_pool.size)
     if not clean:
+        _RUNNERS.pop(key, None)
+        while len(_RUNNERS) >= MAX_SHARED_RUNNERS:
+            _RUNNERS.popitem(last=False)
+        gc.collect()  # what the dropped runners held goes before the new one allocates
         runner = _RUNNERS[key] = ModelRunner(config)
+    _RUNNERS.move_to_end(key)
     return runner
 
 
