@@ -42,6 +42,7 @@ from radixserve.runtime.http.lora_api import router as lora_router
 from radixserve.runtime.http.pooling_api import router as pooling_router
 from radixserve.runtime.pooling import embed_request
 from radixserve.runtime.http.weights_api import router as weights_router
+from radixserve.runtime.http.weights_api import version_router as weight_version_router
 from radixserve.runtime.http.metrics import ServerMetrics
 from radixserve.runtime.http.tenant_usage import TenantUsage
 from radixserve.runtime.http.native_api import router as native_router
@@ -140,6 +141,7 @@ def create_app(engine: ServingEngine, server_args: ServerArgs) -> FastAPI:
     app.include_router(native_router)
     app.include_router(lora_router)  # /load_lora_adapter, /unload_lora_adapter (runtime/http/lora_api.py)
     app.include_router(weights_router)  # weight updates, memory, pause (runtime/http/weights_api.py)
+    app.include_router(weight_version_router)  # /get_weight_version
     app.include_router(cache_page_router)  # /cache (the page) and /cache/tree (runtime/http/cache_page.py)
     app.include_router(pooling_router)  # /v1/embeddings, /v1/rerank, /v1/score, /classify (runtime/http/pooling_api.py)
     app.include_router(vllm_router)  # /version, /ping, /tokenize, /detokenize (runtime/http/vllm_api.py)

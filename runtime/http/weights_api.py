@@ -44,6 +44,7 @@ from radixserve.runtime.wire.weights import (
 )
 
 router = access_router(Access.ADMIN)  # SGLang's post-training calls act on every tenant
+version_router = access_router(Access.TENANT)  # the version of the served weights, which every output carries too
 
 
 class UpdateFromDisk(StrictModel):
@@ -182,7 +183,7 @@ async def get_weights_by_name(request: Request, who: Caller = Depends(caller)) -
     return json_response(payload_tensor(reply.parameter).float().tolist())
 
 
-@router.get("/get_weight_version")
+@version_router.get("/get_weight_version")
 async def get_weight_version(request: Request) -> Response:
     state: ServerState = request.app.state.server
     info = await state.engine.async_server_info()

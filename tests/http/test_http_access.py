@@ -73,6 +73,12 @@ def bearer(key):
     return {"Authorization": f"Bearer {key}"}
 
 
+def _error_kind(response) -> str:
+    """The error's code in the OpenAI envelope, or its type in Anthropic's (the /v1/messages routes answer in it)."""
+    error = response.json()["error"]
+    return error.get("code") or error["type"]
+
+
 def test_each_class_is_enforced_before_the_route_runs(app):
     """No key: 401 on every tenant and admin route; a tenant's key: 403 on every admin route; public routes answer
     without a key. The refused requests carry bodies that would act (flush, load, generate) if they ran."""
@@ -87,9 +93,10 @@ def test_each_class_is_enforced_before_the_route_runs(app):
             assert anonymous.status_code not in (401, 403), (method, path)
             continue
         assert anonymous.status_code == 401, (method, path, anonymous.text)
-        assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key", (method, path)
+        assert wrong.status_code == 401 and _error_kind(wrong) in ("invalid_api_key", "authentication_error"), (
+            method, path)
         if access is Access.ADMIN:
-            assert tenant.status_code == 403 and tenant.json()["error"]["code"] == "admin_required", (method, path)
+            assert tenant.status_code == 403 and _error_kind(tenant) == "admin_required", (method, path)
         else:
             assert tenant.status_code not in (401, 403), (method, path, tenant.text)
         checked += 1

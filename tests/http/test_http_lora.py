@@ -100,7 +100,8 @@ def test_adapters_are_models_of_the_openai_routes(server):
 def test_unknown_adapters_and_bad_loads_are_400s(server, adapters, tmp_path):
     unknown = post(server, "/generate", {"text": "Hi", "lora_path": "nope"})
     assert unknown.status_code == 400 and "nope" in unknown.json()["error"]["message"]
-    assert post(server, "/v1/completions", {"model": "nope", "prompt": "Hi"}).status_code == 404
+    served = httpx.get(server.url + "/v1/models", timeout=30).json()["data"][0]["id"]
+    assert post(server, "/v1/completions", {"model": f"{served}:nope", "prompt": "Hi"}).status_code == 404
     openai = post(server, "/v1/completions", {"prompt": "Hi", "max_tokens": 2, "lora_path": "nope"})
     assert openai.status_code == 400
     empty = os.path.join(os.path.dirname(adapters["alpha"]), "empty")

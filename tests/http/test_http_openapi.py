@@ -41,7 +41,11 @@ ROUTES = {"/health", "/metrics", "/v1/models", "/v1/models/{model_id}", "/v1/cha
           "/cache", "/cache/tree", "/cache/{asset}", "/load_lora_adapter", "/unload_lora_adapter",
           "/v1/embeddings", "/v1/rerank", "/rerank", "/v1/score", "/classify", "/v1/classify",
           "/version", "/ping", "/tokenize", "/detokenize",
-          "/v1/messages", "/v1/messages/count_tokens", "/v1/responses", "/v1/responses/{response_id}"}
+          "/v1/messages", "/v1/messages/count_tokens", "/v1/responses", "/v1/responses/{response_id}",
+          "/update_weights_from_disk", "/update_weights_from_tensor", "/init_weights_update_group",
+          "/update_weights_from_distributed", "/destroy_weights_update_group", "/get_weights_by_name",
+          "/get_weight_version", "/release_memory_occupation", "/resume_memory_occupation", "/pause_generation",
+          "/continue_generation"}
 
 
 @pytest.fixture(scope="module")
