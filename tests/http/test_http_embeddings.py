@@ -66,9 +66,11 @@ def test_openai_client_embeddings_match_hf(server, reference, model):
     for item, text in zip(response.data, TEXTS):
         assert _close(item.embedding, reference(text))
     assert response.usage.prompt_tokens == response.usage.total_tokens > 0
-    floats = client.embeddings.create(model=model, input=TEXTS, encoding_format="float")  # the same batch, as floats
+    # The same batch as floats. Its prompts now hit the radix cache, and attention over cached keys sums in another
+    # order than over keys computed in the batch: float32 agrees to its last bits, not bit for bit.
+    floats = client.embeddings.create(model=model, input=TEXTS, encoding_format="float")
     for as_float, as_base64 in zip(floats.data, response.data):
-        assert as_float.embedding == pytest.approx(as_base64.embedding, abs=1e-7)
+        assert as_float.embedding == pytest.approx(as_base64.embedding, abs=1e-6)
 
 
 def test_token_id_inputs(server, reference, model):

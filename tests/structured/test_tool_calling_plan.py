@@ -106,7 +106,7 @@ def test_misuse_is_a_400(tokenizer):
     assert _bad(state, tool_choice="required", regex="a+").param == "tool_choice"
     assert _bad(state, chat_template_kwargs={"tools": []}).param == "chat_template_kwargs"
     bad_tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}
-    assert _bad(state, tools=[bad_tool]).param == "tools"
+    assert _bad(state, tools=[bad_tool], tool_choice="required").param == "tools"  # compiled: checked strictly
     broken = [HISTORY[0], {**HISTORY[1], "tool_calls": [{**HISTORY[1]["tool_calls"][0],
                                                          "function": {"name": "f", "arguments": "[1]"}}]}]
     assert _bad(state, messages=broken).param == "messages[1].tool_calls"
