@@ -166,7 +166,9 @@ def test_bad_requests_are_400s(client, model):
     bad = [dict(input="x", temperature=3.0), dict(input="x", tools=[{"type": "web_search"}]),
            dict(input="x", background=True), dict(input="x", truncation="auto"),
            dict(input="x", tool_choice="required"), dict(input=[{"type": "image", "url": "x"}]),
-           dict(input="x", prompt_cache_retention="24h"), dict(input="x", prompt_cache_retention="1w")]
+           dict(input="x", prompt_cache_retention="24h"), dict(input="x", prompt_cache_retention="1w"),
+           dict(input="x", tools=[{"type": "function", "name": "f",  # JSON allows it; a 64-bit integer does not
+                                   "parameters": {"type": "object", "maximum": 2 ** 70}}])]
     for fields in bad:
         with pytest.raises(openai.BadRequestError):
             client.responses.create(model=model, max_output_tokens=4, **fields)

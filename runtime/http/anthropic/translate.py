@@ -26,7 +26,7 @@ from radixserve.runtime.http.anthropic.protocol import (
     ToolResultBlock,
     ToolUseBlock,
 )
-from radixserve.runtime.http.errors import validation_error
+from radixserve.runtime.http.errors import APIError, validation_error
 from radixserve.runtime.http.openai.protocol import ChatCompletionRequest
 
 _TOOL_CHOICE = {"auto": "auto", "any": "required", "none": "none"}
@@ -112,6 +112,8 @@ def chat_body(body: CountTokensRequest) -> ChatCompletionRequest:
         return ChatCompletionRequest.model_validate_json(orjson.dumps(fields))
     except pydantic.ValidationError as error:
         raise validation_error(error) from None
+    except orjson.JSONEncodeError as error:  # JSON that JSON allows and the chat request cannot hold (an integer
+        raise APIError(f"the request cannot be served: {error}") from None  # past 64 bits inside a tool's schema)
 
 
 def stop_reason(finish: Optional[dict[str, Any]], made_calls: bool,

@@ -111,6 +111,8 @@ def _chat_body(body: ResponsesRequest, messages: list[dict[str, Any]]) -> ChatCo
         return ChatCompletionRequest.model_validate_json(orjson.dumps(fields))
     except pydantic.ValidationError as error:
         raise validation_error(error) from None
+    except orjson.JSONEncodeError as error:  # JSON that JSON allows and the chat request cannot hold (an integer
+        raise APIError(f"the request cannot be served: {error}") from None  # past 64 bits inside a tool's schema)
 
 
 # ---- the response object ---------------------------------------------------------------------------------------
