@@ -227,20 +227,23 @@ async def respond(
     stream: bool,
     render_result: Callable[[list[list[Any]]], Any],
     render_events: Callable[[AsyncIterator[tuple[int, Any]]], AsyncIterator[Any]],
+    write_events: Optional[Callable[["GenerationRun", AsyncIterator[Any]], AsyncIterator[bytes]]] = None,
 ) -> Response:
     """The answer of a generation route, and the end of its run however the answer ends.
 
     Not streaming: every request's chunks (`GenerationRun.collect`) go to `render_result`, whose value is the JSON
     body (499 when the client left first). Streaming: each value `render_events` yields from the run's events is
     one SSE `data:` event, then `data: [DONE]`; an error after the stream started becomes an error event (the
-    status line is sent by then), a client that left ends the stream. The run is closed in every case."""
+    status line is sent by then), a client that left ends the stream. A surface with its own event framing
+    (Anthropic's, the Responses API's) passes `write_events` in place of the OpenAI one. The run is closed in every
+    case."""
     if stream:
         try:
             events = await start_stream(run)
         except BaseException:
             run.close()
             raise
-        return RunStreamingResponse(_sse(run, render_events(events)), run)
+        return RunStreamingResponse((write_events or _sse)(run, render_events(events)), run)
     try:
         results = await run.collect()
     except ClientDisconnected:

@@ -28,14 +28,13 @@ from radixserve.runtime.http.errors import APIError
 from radixserve.runtime.http.generation import (
     ClientDisconnected,
     GenerationRun,
-    RunStreamingResponse,
     json_response,
-    start_stream,
+    respond,
 )
 from radixserve.runtime.http.openai.chat_stream import ChoiceStream
 from radixserve.runtime.http.openai.protocol import parse_request
 from radixserve.runtime.http.openai.serving_chat import encode_chat
-from radixserve.runtime.http.openai.serving_common import ChoiceOutput, check_model, sampling_params
+from radixserve.runtime.http.openai.serving_common import ChoiceOutput, check_model, choice_output, sampling_params
 from radixserve.runtime.http.openai.tool_calling import ChatOutputPlan, plan_chat_output, split_output
 from radixserve.runtime.http.openai.tool_parsers import ToolCall
 from radixserve.runtime.http.openai.translate import chat_request, normalized
@@ -74,20 +73,8 @@ async def create_message(request: Request, tenant: Optional[str] = Depends(api_k
     run = GenerationRun(state, {message_id: engine_request.sample_rids()[message_id]}, engine_request.per_sample(),
                         tenant, request)
     header = {"id": message_id, "type": "message", "role": "assistant", "model": body.model}
-    if body.stream:
-        try:
-            events = await start_stream(run)
-        except BaseException:
-            run.close()
-            raise
-        return RunStreamingResponse(_sse(run, _stream(plan, body, header, events)), run)
-    output = ChoiceOutput()
-    try:
-        async for _, chunk in run.events():
-            output.add(chunk)
-    finally:
-        run.close()
-    return json_response(_message(plan, body, header, output))
+    return await respond(run, body.stream, lambda results: _message(plan, body, header, choice_output(results[0])),
+                         lambda events: _stream(plan, body, header, events), write_events=_sse)
 
 
 @router.post("/v1/messages/count_tokens")

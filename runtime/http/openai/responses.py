@@ -35,9 +35,8 @@ from radixserve.runtime.http.errors import APIError, validation_error
 from radixserve.runtime.http.generation import (
     ClientDisconnected,
     GenerationRun,
-    RunStreamingResponse,
     json_response,
-    start_stream,
+    respond,
 )
 from radixserve.runtime.http.openai.chat_stream import ChoiceStream
 from radixserve.runtime.http.openai.protocol import ChatCompletionRequest, parse_request
@@ -49,7 +48,7 @@ from radixserve.runtime.http.openai.responses_protocol import (
     ResponsesRequest,
 )
 from radixserve.runtime.http.openai.serving_chat import encode_chat
-from radixserve.runtime.http.openai.serving_common import ChoiceOutput, check_model, sampling_params
+from radixserve.runtime.http.openai.serving_common import ChoiceOutput, check_model, choice_output, sampling_params
 from radixserve.runtime.http.openai.tool_calling import ChatOutputPlan, plan_chat_output, split_output
 from radixserve.runtime.http.openai.translate import chat_request, normalized
 from radixserve.runtime.http.state import ServerState, caller_tenant
@@ -226,22 +225,14 @@ async def create_response(request: Request, tenant: Optional[str] = Depends(call
         if body.store:
             _store(request).put(tenant, StoredResponse(response, messages + [_assistant_turn(response["output"])]))
 
-    if body.stream:
-        try:
-            events = await start_stream(run)
-        except BaseException:
-            run.close()
-            raise
-        return RunStreamingResponse(_sse(run, _stream(plan, header, events, keep)), run)
-    output = ChoiceOutput()
-    try:
-        async for _, chunk in run.events():
-            output.add(chunk)
-    finally:
-        run.close()
-    response = _finished(header, output, _output_items(plan, output))
-    keep(response)
-    return json_response(response)
+    def finished(results: list[list[Any]]) -> dict[str, Any]:
+        output = choice_output(results[0])
+        response = _finished(header, output, _output_items(plan, output))
+        keep(response)
+        return response
+
+    return await respond(run, body.stream, finished, lambda events: _stream(plan, header, events, keep),
+                         write_events=_sse)
 
 
 @router.get("/v1/responses/{response_id}")

@@ -186,6 +186,14 @@ class ChoiceOutput:
         return self.meta.get("finish_reason")
 
 
+def choice_output(chunks: list[Any]) -> ChoiceOutput:
+    """One choice's output from the chunks its request produced (a GenerationRun's `collect`)."""
+    output = ChoiceOutput()
+    for chunk in chunks:
+        output.add(chunk)
+    return output
+
+
 def openai_finish_reason(finish: Optional[dict[str, Any]]) -> tuple[Optional[str], Any]:
     """Engine finish reason -> (OpenAI finish_reason, the matched stop token or string)."""
     if not finish:
