@@ -55,13 +55,14 @@ def main() -> None:
     rows = {"normal": run({}, args, prompts),
             "deterministic": run({"enable_deterministic_inference": True}, args, prompts)}
     base = rows["normal"]
+    print(f"CPU ISA: {cpu_isa()}; load average {os.getloadavg()[0]:.1f}")
     print(f"{'mode':<15}{'wall s':>9}{'prefill tok/s':>15}{'decode tok/s':>14}{'wall x':>8}")
     for name, row in rows.items():
         print(f"{name:<15}{row['wall_s']:>9.2f}{row['prefill_tokens_per_s']:>15.0f}{row['decode_tokens_per_s']:>14.1f}"
               f"{row['wall_s'] / base['wall_s']:>8.2f}")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"cpu_isa": cpu_isa(), "args": vars(args), "rows": rows}, f, indent=2)
+        json.dump({"cpu_isa": cpu_isa(), "load_average": os.getloadavg()[0], "args": vars(args), "rows": rows}, f, indent=2)
 
 
 if __name__ == "__main__":

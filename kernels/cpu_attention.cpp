@@ -84,7 +84,7 @@ class ItemKernel {
 
  public:
   ItemKernel(const at::Tensor& q, const at::Tensor& k_buffer, const at::Tensor& v_buffer, at::Tensor& out,
-             float* lse, const Plan& plan, float scale, bool use_amx)
+             float* lse, const Plan& plan, float scale, bool use_amx, bool row_invariant)
       : q_(q.data_ptr<scalar_t>()),
         k_(k_buffer.data_ptr<scalar_t>()),
         v_(v_buffer.data_ptr<scalar_t>()),
@@ -100,7 +100,8 @@ class ItemKernel {
         head_dim_(q.size(2)),
         group_(num_heads_ / num_kv_heads_),
         kv_row_(num_kv_heads_ * head_dim_),
-        use_amx_(use_amx) {
+        use_amx_(use_amx),
+        row_invariant_(row_invariant) {
     k_tile_.resize(kKeyTile * kv_row_);
     v_tile_.resize(kKeyTile * kv_row_);
     zeros_.assign(kv_row_, 0.0f);
@@ -180,7 +181,7 @@ class ItemKernel {
     for (int64_t t = t_begin; t < t_end; ++t) max_position = std::max(max_position, positions_[t]);
     // Keys past the last query's position are seen by no row.
     kv_end = std::min(kv_end, kv_begin + std::max<int64_t>(0, max_position - pos0 + 1));
-    if ((t_end - t_begin) * group_ >= kLaneMinRows) {
+    if ((t_end - t_begin) * group_ >= kLaneMinRows && !row_invariant_) {
       attend_lanes(kv_begin, kv_end, pos0, t_begin, t_end);
     } else {
       attend_dots(kv_begin, kv_end, pos0, t_begin, t_end);
@@ -406,6 +407,7 @@ class ItemKernel {
   const int64_t q_stride_token_, q_stride_head_, kv_stride_slot_;
   const int64_t num_heads_, num_kv_heads_, head_dim_, group_, kv_row_;
   const bool use_amx_;
+  const bool row_invariant_;  // every row as dot products: its bits never depend on the item's other rows
   int64_t T_ = 0, h_begin_ = 0, h_end_ = 0;  // the unit's KV heads
   std::vector<int64_t> tokens_, positions_, member_token_start_, row_positions_;
   std::vector<float> q_rows_, acc_, max_, sum_, scores_, k_tile_, v_tile_, zeros_;
@@ -442,13 +444,16 @@ void check_index(const at::Tensor& t, const char* name) {
 // output [tokens, heads, head_dim] of q over the planned keys; fills `lse` ([tokens, heads] float32) when it is
 // not empty. `items` is [n, 3] int64: (group, q_begin, q_end). `amx`: bfloat16 scores on AMX tiles where the CPU and
 // the OS grant them (false: AVX-512 BF16 dot products; the runner decides, model_runner/cpu/dispatch.py).
+// `row_invariant` (deterministic inference): every query row is computed as a decode row is, dot products against
+// key tiles aligned to the request's first key, so a row's bits depend only on its query and its keys, never on how
+// many rows share its item (a prefill block, one new token after a cached prefix, a chunk).
 at::Tensor paged_attention(const at::Tensor& q, at::Tensor k_buffer, at::Tensor v_buffer, const at::Tensor& k,
                            const at::Tensor& v, const at::Tensor& loc, const at::Tensor& items,
                            const at::Tensor& group_member_indptr, const at::Tensor& group_kv_indptr,
                            const at::Tensor& member_q_start, const at::Tensor& member_q_len,
                            const at::Tensor& member_q_pos0, const at::Tensor& member_kv_indptr,
                            const at::Tensor& member_kv_pos0, const at::Tensor& kv_slots, double scale,
-                           at::Tensor lse, bool amx) {
+                           at::Tensor lse, bool amx, bool row_invariant) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [tokens, heads, head_dim] with unit stride");
   TORCH_CHECK(k_buffer.is_contiguous() && v_buffer.is_contiguous(), "the KV buffers must be contiguous");
   TORCH_CHECK(q.scalar_type() == k_buffer.scalar_type() && k.scalar_type() == k_buffer.scalar_type(),
@@ -498,7 +503,8 @@ at::Tensor paged_attention(const at::Tensor& q, at::Tensor k_buffer, at::Tensor 
     const int64_t num_units = static_cast<int64_t>(units.size());
     const int64_t workers = std::min<int64_t>(at::get_num_threads(), num_units);
     at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
-      ItemKernel<scalar_t> kernel(q, k_buffer, v_buffer, out, lse_ptr, plan, static_cast<float>(scale), amx);
+      ItemKernel<scalar_t> kernel(q, k_buffer, v_buffer, out, lse_ptr, plan, static_cast<float>(scale), amx,
+                                      row_invariant);
       for (int64_t worker = begin; worker < end; ++worker) {
         for (int64_t i = next.fetch_add(1); i < num_units; i = next.fetch_add(1)) kernel.run(units[i]);
       }
@@ -514,7 +520,7 @@ TORCH_LIBRARY(radixserve_cpu, m) {
       "paged_attention(Tensor q, Tensor(a!) k_buffer, Tensor(b!) v_buffer, Tensor k, Tensor v, Tensor loc, "
       "Tensor items, Tensor group_member_indptr, Tensor group_kv_indptr, Tensor member_q_start, "
       "Tensor member_q_len, Tensor member_q_pos0, Tensor member_kv_indptr, Tensor member_kv_pos0, "
-      "Tensor kv_slots, float scale, Tensor(c!) lse, bool amx) -> Tensor");
+      "Tensor kv_slots, float scale, Tensor(c!) lse, bool amx, bool row_invariant=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(radixserve_cpu, CPU, m) { m.impl("paged_attention", &paged_attention); }

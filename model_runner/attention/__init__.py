@@ -40,8 +40,10 @@ def create_attention_backend(name: str, runner: "RunnerParts | None" = None) -> 
             raise ValueError("the cpu attention backend runs on the CPU; use flashinfer, triton or torch_native")
         from radixserve.model_runner.attention.cpu_backend import CpuAttentionBackend
 
-        if runner.cpu_kernels.batch_invariant:  # every request alone: no shared-prefix group that depends on the batch
-            return CpuAttentionBackend(amx=runner.cpu_kernels.amx_attention, min_shared_prefix=BATCH_INVARIANT_PREFIX)
+        if runner.cpu_kernels.batch_invariant:  # every request alone (no shared-prefix group that depends on the
+            # batch), every row as a decode row (no path that depends on how many rows an item holds)
+            return CpuAttentionBackend(amx=runner.cpu_kernels.amx_attention, min_shared_prefix=BATCH_INVARIANT_PREFIX,
+                                       row_invariant=True)
         return CpuAttentionBackend(amx=runner.cpu_kernels.amx_attention)
     if name == "triton":
         # Triton compiles for a GPU; off one it runs only under its interpreter (far too slow to serve with),

@@ -57,11 +57,14 @@ class CpuAttentionPlan:
 class CpuAttentionBackend(AttentionBackend):
     """The CPU's fast attention; torch_native's results up to float rounding (tests/ops/test_cpu_attention.py). `amx`:
     bfloat16 scores on AMX tiles where the CPU has them (the runner's dispatch table, model_runner/cpu/dispatch.py;
-    False: AVX-512 dot products)."""
+    False: AVX-512 dot products). `row_invariant` (deterministic inference): every query row computed as a decode row
+    is, so that its bits never depend on the rows beside it (see the kernel's `row_invariant`)."""
 
     def __init__(self, min_shared_prefix: int = 32, max_group_tokens: int = 64,
-                 max_extend_len: Optional[int] = MAX_KERNEL_EXTEND_LEN, amx: bool = True) -> None:
+                 max_extend_len: Optional[int] = MAX_KERNEL_EXTEND_LEN, amx: bool = True,
+                 row_invariant: bool = False) -> None:
         self.amx = amx
+        self.row_invariant = row_invariant
         self.min_shared_prefix = min_shared_prefix
         self.max_group_tokens = max_group_tokens
         self.max_extend_len = max_extend_len
@@ -96,6 +99,7 @@ class CpuAttentionBackend(AttentionBackend):
             q, k_buffer, v_buffer, k.to(k_buffer.dtype), v.to(v_buffer.dtype), meta.out_cache_loc, meta.items,
             meta.group_member_indptr, meta.group_kv_indptr, meta.member_q_start, meta.member_q_len,
             meta.member_q_pos0, meta.member_kv_indptr, meta.member_kv_pos0, meta.kv_slots, scaling, _EMPTY, self.amx,
+            self.row_invariant,
         )
 
 

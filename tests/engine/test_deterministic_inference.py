@@ -1,8 +1,8 @@
 """--enable-deterministic-inference on the CPU: 16 prompts give bit-identical ids and logprobs alone and inside a batch
 of 64 with random neighbours (model_runner/cpu/dispatch.py: every linear on the small-row kernel; the attention's
-requests each alone). After cache hits and with chunked prefill they do not yet (the strict xfail below says why).
+requests each alone, every query row as a decode row), after cache hits, and with prefill chunks of another size.
 
-Greedy requests: their ids and the logprobs of every output token.
+Greedy and seeded sampled requests (top-p, top-k, min-p): their ids and the logprobs of every output token.
 """
 
 from __future__ import annotations
@@ -21,7 +21,11 @@ def _prompts(count: int, seed: int, vocab: int) -> list[list[int]]:
 
 
 def _params(i: int) -> dict:
-    return {"max_new_tokens": MAX_NEW_TOKENS, "temperature": 0.0}
+    """Greedy for even i; odd i sample with a seed through top-p, top-k and min-p filters in turn."""
+    if i % 2 == 0:
+        return {"max_new_tokens": MAX_NEW_TOKENS, "temperature": 0.0}
+    filters = ({"top_p": 0.8}, {"top_k": 20}, {"min_p": 0.05, "top_p": 0.95})[i // 2 % 3]
+    return {"max_new_tokens": MAX_NEW_TOKENS, "temperature": 0.9, "seed": 1000 + i, **filters}
 
 
 def _fingerprint(result: dict) -> tuple:
@@ -64,9 +68,6 @@ def test_outputs_do_not_depend_on_the_batch(tiny_model_dir):
         assert [in_batch[i] for i in range(16)] == alone
 
 
-@pytest.mark.xfail(strict=True, reason="attention over keys read from the cache (a cached prefix, an earlier chunk) "
-                                       "sums in another order than over the same keys computed in the batch: the CPU "
-                                       "attention kernel has no fixed, position-aligned key split yet")
 def test_outputs_do_not_depend_on_the_cache_or_chunking(tiny_model_dir):
     with _engine(tiny_model_dir, chunked_prefill_size=32) as engine:
         prompts = _prompts(16, seed=1, vocab=engine.model_info.vocab_size)
@@ -77,6 +78,10 @@ def test_outputs_do_not_depend_on_the_cache_or_chunking(tiny_model_dir):
         again = engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
         assert all(r["meta_info"]["cached_tokens"] > 0 for r in again)
         assert [_fingerprint(r) for r in again] == alone
+    # Prefill chunks of another size (and most prompts in one chunk): the same bits.
+    with _engine(tiny_model_dir, chunked_prefill_size=8) as engine:
+        results = engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
+        assert [_fingerprint(r) for r in results] == alone
 
 
 def test_deterministic_inference_refusals():
