@@ -4,8 +4,13 @@ N concurrent sessions each run T turns of a growing conversation: a system promp
 message (every `--tool-every`-th turn a larger tool result instead), the model's answer appended to the context, and a
 think time between turns (uniform in [0.5, 1.5] x `--think`). The KV pool is set to `--pool-fraction` of the working
 set (every session's final context), so the sessions cannot all stay cached. For each mode a fresh server runs the
-same workload (same seeds): `lru` (no retention fields: today's behaviour) and `retain` (every request names its
-session and a retention of `--retention` seconds; the retention quota is `--quota-fraction` of the pool). Prompts
+same workload (same seeds):
+- `lru`: no retention fields, today's behaviour;
+- `retain`: every request names its session and a retention of `--retention` seconds, kept on the device (the
+  tenant's quota is `--quota-fraction` of the pool);
+- `host-lru` and `host-retain`: the same two with the host tier on (`--enable-hierarchical-cache`, a host tier of
+  `--host-fraction` of the working set), where retained sessions are kept on the host (quota `--quota-fraction` of
+  the host tier) and the device is left to the running turns. Prompts
 are token ids drawn at random (no tokenizer in the loop), so every prefix a turn shares with the last is exact.
 
 Per mode: the cached share of the ideal for turns >= 2 (ideal: the previous turn's prompt and answer, less the last
@@ -44,7 +49,7 @@ import httpx
 import _srcpath  # noqa: F401  (radixserve.<folder> from the checkout)
 from radixserve.kernels.cpu_build import cpu_isa
 
-MODES = ("lru", "retain")
+MODES = ("lru", "retain", "host-lru", "host-retain")
 
 
 def free_port() -> int:
@@ -197,6 +202,7 @@ def main() -> None:
     parser.add_argument("--pool-fraction", type=float, default=0.25, help="KV pool / working set")
     parser.add_argument("--quota-fraction", type=float, default=0.5, help="retention quota / KV pool")
     parser.add_argument("--retention", type=float, default=600.0, help="seconds a session's prefix is kept")
+    parser.add_argument("--host-fraction", type=float, default=1.0, help="host tier / working set (host-* modes)")
     parser.add_argument("--vocab", type=int, default=20000, help="token ids are drawn below this")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--modes", default=",".join(MODES))
@@ -207,31 +213,40 @@ def main() -> None:
     args = parser.parse_args()
 
     pool = max(256, int(working_set(args) * args.pool_fraction))
-    flags = ["--max-total-tokens", str(pool), "--retention-quota-tokens", str(int(pool * args.quota_fraction)),
-             "--skip-server-warmup", "--log-level", "warning", *args.server_flag]
+    host_ratio = args.host_fraction * working_set(args) / pool
+    common = ["--max-total-tokens", str(pool), "--skip-server-warmup", "--log-level", "warning", *args.server_flag]
     if args.model_path:
-        flags += ["--model-path", args.model_path]
+        common += ["--model-path", args.model_path]
     if args.device:
-        flags += ["--device", args.device]
+        common += ["--device", args.device]
     results: dict[str, Any] = {}
     for mode in args.modes.split(","):
         if mode not in MODES:
             raise SystemExit(f"unknown mode {mode!r}; expected {MODES}")
+        kept_in = pool
+        flags = list(common)
+        if mode.startswith("host-"):
+            flags += ["--enable-hierarchical-cache", "--hicache-ratio", f"{host_ratio:.4f}"]
+            kept_in = int(pool * host_ratio)
+        flags += ["--retention-quota-tokens", str(int(kept_in * args.quota_fraction))]
         server = Server(flags)
         try:
-            results[mode] = asyncio.run(run_mode(server.url, args, retain=mode == "retain"))
+            results[mode] = asyncio.run(run_mode(server.url, args, retain=mode.endswith("retain")))
         finally:
             server.stop()
 
     print(f"{args.sessions} sessions x {args.turns} turns, working set {working_set(args)} tokens, KV pool {pool} "
-          f"tokens, think {args.think} s, ISA {cpu_isa()}")
-    print(f"{'mode':8} {'cached/ideal':>12} {'hit rate':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'out tok/s':>10}")
+          f"tokens, host tier {int(pool * host_ratio)} tokens (host-* modes), think {args.think} s, ISA {cpu_isa()}, "
+          f"load average {os.getloadavg()[0]:.1f}")
+    print(f"{'mode':12} {'cached/ideal':>12} {'hit rate':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'out tok/s':>10}")
     for mode, result in results.items():
-        print(f"{mode:8} {result['cached_of_ideal']:12.1%} {result['hit_rate']:9.1%} {result['ttft_p50_s']:8.3f}s "
+        print(f"{mode:12} {result['cached_of_ideal']:12.1%} {result['hit_rate']:9.1%} {result['ttft_p50_s']:8.3f}s "
               f"{result['ttft_p99_s']:8.3f}s {result['output_tokens_per_s']:10.1f}")
-    if "lru" in results and "retain" in results and results["retain"]["ttft_p50_s"] > 0:
-        print(f"TTFT p50 lru / retain: {results['lru']['ttft_p50_s'] / results['retain']['ttft_p50_s']:.2f}x")
-    record = {"benchmark": "agents", "isa": cpu_isa(), "args": vars(args), "pool_tokens": pool,
+    for mode in ("retain", "host-lru", "host-retain"):
+        if "lru" in results and mode in results and results[mode]["ttft_p50_s"] > 0:
+            print(f"TTFT p50 lru / {mode}: {results['lru']['ttft_p50_s'] / results[mode]['ttft_p50_s']:.2f}x")
+    record = {"benchmark": "agents", "isa": cpu_isa(), "load_average": os.getloadavg()[0], "args": vars(args),
+              "pool_tokens": pool, "host_tokens": int(pool * host_ratio),
               "working_set_tokens": working_set(args), "results": results}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:

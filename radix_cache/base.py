@@ -90,6 +90,24 @@ class PrefixCache(ABC):
         nothing has nothing to keep."""
         return None
 
+    # Where a retained session keeps its prefix (retention.py): on the device, locked, by default; a cache with a
+    # host tier keeps it there instead (hiradix.py), leaving the device to the running requests.
+    retains_on_device = True
+
+    def retain_prefix(self, token_ids: list[int], namespace: tuple = ()) -> Optional[tuple[Any, int]]:
+        """Keep the cached prefix of `token_ids` from eviction for a retained session; returns (the handle to
+        `release_prefix` later, its length) or None when nothing of it is cached or it cannot be kept."""
+        return self.lock_prefix(token_ids, namespace)
+
+    def release_prefix(self, handle: Any) -> None:
+        """Undo one `retain_prefix`."""
+        self.dec_lock_ref(handle)
+
+    def retention_budget(self, device_tokens: int) -> int:
+        """The most tokens all retained sessions together may keep (each tenant half of it by default): half of the
+        device pool of `device_tokens` here, so running requests always have the other half."""
+        return device_tokens // 2
+
     @abstractmethod
     def stats(self) -> dict:
         """Counters, overall and per namespace (radix_cache/stats.py)."""

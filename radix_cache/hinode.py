@@ -15,7 +15,7 @@ from radixserve.radix_cache.tree import TreeNode
 
 
 class HiTreeNode(TreeNode):
-    __slots__ = ("host_value", "disk", "host_seq", "disk_seq")
+    __slots__ = ("host_value", "disk", "host_seq", "disk_seq", "host_pins")
 
     def __init__(self, key: list, value: Optional[torch.Tensor], parent: Optional[TreeNode], namespace: Optional[tuple]):
         super().__init__(key, value, parent, namespace)
@@ -23,6 +23,7 @@ class HiTreeNode(TreeNode):
         self.disk: Optional[DiskRef] = None
         self.host_seq = -1  # live entries in the host and disk eviction queues
         self.disk_seq = -1
+        self.host_pins = 0  # retained sessions keeping this node on the host (hiradix.py, retain_prefix)
 
     def is_evictable_leaf(self) -> bool:
         """A device eviction candidate: on the device, unlocked, no child on the device."""
@@ -30,8 +31,8 @@ class HiTreeNode(TreeNode):
                 and not any(child.value is not None for child in self.children.values()))
 
     def is_host_evictable(self) -> bool:
-        """A host eviction candidate: an unlocked backup, or an H node with no child on the host."""
-        if self.host_value is None or self.lock_ref or self.parent is None:
+        """A host eviction candidate: an unlocked, unpinned backup, or such an H node with no child on the host."""
+        if self.host_value is None or self.lock_ref or self.host_pins or self.parent is None:
             return False
         return self.value is not None or all(child.host_value is None for child in self.children.values())
 
@@ -40,7 +41,8 @@ class HiTreeNode(TreeNode):
 
     def __repr__(self) -> str:
         tiers = "".join(t for t, v in (("D", self.value), ("H", self.host_value), ("K", self.disk)) if v is not None)
-        return f"HiTreeNode(len={len(self.key)}, tiers={tiers}, lock_ref={self.lock_ref}, children={len(self.children)})"
+        return (f"HiTreeNode(len={len(self.key)}, tiers={tiers}, lock_ref={self.lock_ref}, host_pins={self.host_pins}, "
+                f"children={len(self.children)})")
 
 
 class HostQueue(EvictionQueue):

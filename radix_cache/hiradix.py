@@ -247,6 +247,7 @@ class HiRadixCache(RadixCache):
         upper = HiTreeNode(node.key[:length], None if node.value is None else node.value[:length], parent,
                            node.namespace)
         upper.lock_ref, upper.last_access, upper.hit_count = node.lock_ref, node.last_access, node.hit_count
+        upper.host_pins = node.host_pins
         if node.value is not None:
             node.value = node.value[length:]
         if node.host_value is not None:
@@ -281,6 +282,48 @@ class HiRadixCache(RadixCache):
             self._requeue(node)
         self._write_through(reversed(unlocked))
         return delta
+
+    # ---- retained sessions: kept on the host tier ---------------------------------------------------------------
+    retains_on_device = False
+
+    def retain_prefix(self, token_ids: list[int], namespace: tuple = ()) -> Optional[tuple[TreeNode, int]]:
+        """Pin the cached prefix of `token_ids` (on any tier) on the host for a retained session: every node of its
+        path gets a host copy now (host eviction making room among unpinned entries) and host eviction passes it by
+        until `release_prefix`. The device demotes the path as any unlocked prefix, so a session holds no device
+        room while it waits; its next turn loads the prefix back. None when nothing is cached or the host cannot
+        hold the whole path."""
+        ns_root = self._namespace_root(namespace, create=False)
+        if ns_root is None:
+            return None
+        match = self._match(ns_root, token_ids, len(token_ids), touch=False)
+        last = match.last_host_node or match.last_node
+        if last is ns_root or not last.key:
+            return None
+        path, node = [], last
+        while node.key:
+            node.host_pins += 1  # first, so that the backups below never evict a node of the path
+            path.append(node)
+            node = node.parent
+        for node in path:
+            if node.host_value is None and (node.value is None or not self._backup(node)):
+                self.release_prefix(last)
+                return None
+        for node in path:
+            self._requeue(node)
+        return last, match.length + match.host_hit_length
+
+    def retention_budget(self, device_tokens: int) -> int:
+        """Three quarters of the host tier: the rest keeps room for the backups of unretained prefixes."""
+        return self.host.size * 3 // 4
+
+    def release_prefix(self, handle: TreeNode) -> None:
+        node = handle
+        while node.key:
+            if node.host_pins <= 0:
+                raise AssertionError(f"release_prefix below zero on {node!r}")
+            node.host_pins -= 1
+            self._requeue(node)
+            node = node.parent
 
     # ---- eviction and demotion -------------------------------------------------------------------------------
     def evict(self, num_tokens: int) -> int:

@@ -37,7 +37,8 @@ def check_hiradix(cache: Any, held_slots: int = 0) -> None:  # cache: a HiRadixC
     quarantined slots among the evictable ones). Host:
     `host.size == host free + tokens with a host copy`. Disk: the tokens of nodes on disk, and each file's
     reference count. Per node: at least one tier; disk excludes the other tiers; device nodes closed under
-    parents; locked nodes on the device; lock counts never above the parent's. Queues: each holds exactly its
+    parents; locked nodes on the device; pinned nodes (retained sessions) on the host; lock and pin counts never above
+    the parent's. Queues: each holds exactly its
     tier's candidates.
     """
     page_size, root = cache.page_size, cache.root
@@ -71,6 +72,9 @@ def check_hiradix(cache: Any, held_slots: int = 0) -> None:  # cache: a HiRadixC
                 _require(not on_device or not parent.key or parent.value is not None,
                          f"{node!r} is on the device below a parent that is not")
                 _require(on_device or node.lock_ref == 0, f"{node!r} is locked but not on the device")
+                _require(node.host_pins == 0 or node.host_value is not None, f"{node!r} is pinned but not on the host")
+                _require(not parent.key or parent.host_pins >= node.host_pins,
+                         f"{node!r} is pinned more often than its parent")
                 if on_device:
                     _require(len(node.value) == key_len, f"{node!r} has {len(node.value)} device slots")
                     device_values.append(node.value)

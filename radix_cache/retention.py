@@ -3,11 +3,17 @@
 
 A session is named by its cache namespace (tenant, salt, adapter) and the client's key, so a tenant can neither see
 nor extend another tenant's session: the same key in two namespaces is two sessions. When a request of a session
-finishes, its tokens (prompt and output, as the tree holds them) are retained until `now + seconds`: the session
-locks the path of that prefix in the tree (`inc_lock_ref`), exactly as a running request does, so eviction passes it
-by and the admission budget (free + evictable) leaves it alone. A later turn of the session moves the lock to its
-longer prefix and renews the expiry; `expire` unlocks what has run out. Retained tokens are thus counted as
-protected; an idle scheduler has `protected == retained_size()`.
+finishes, its tokens (prompt and output, as the tree holds them) are retained until `now + seconds` through the
+cache's `retain_prefix`:
+- on a device-only cache the session locks the path of that prefix (`inc_lock_ref`), exactly as a running request
+  does, so eviction passes it by and the admission budget (free + evictable) leaves it alone. Retained tokens are
+  then counted as protected; an idle scheduler has `protected == retained_size()`;
+- with the host tier (`--enable-hierarchical-cache`) the path is pinned on the host instead (hiradix.py): it gets a
+  host copy at once and host eviction passes it by, while the device demotes it as it does any unlocked prefix.
+  Running requests keep the whole device, and the session's next turn loads its prefix back from host memory.
+  Quotas are then shares of the host tier, and `retained_size()` (device tokens locked) is 0.
+A later turn of the session moves the retention to its longer prefix and renews the expiry; `expire` releases what
+has run out.
 
 Quotas. A tenant retains at most `tenant_quota` tokens, and all tenants together at most `total_quota` (so requests
 always have room to run). A retention that would exceed either first releases the same tenant's sessions that
@@ -33,7 +39,7 @@ def tenant_of_namespace(namespace: tuple[str, ...]) -> Optional[str]:
 
 @dataclass
 class Retained:
-    node: Any  # the locked last node of the prefix
+    node: Any  # the cache's handle of the kept prefix (its last node)
     num_tokens: int
     expires_at: float
     tenant: Optional[str]
@@ -69,12 +75,12 @@ class RetainedSessions:
         key = (namespace, session)
         self.release(key)
         tenant = tenant_of_namespace(namespace)
-        locked = self.cache.lock_prefix(token_ids, namespace)
-        if locked is None:
+        kept = self.cache.retain_prefix(token_ids, namespace)
+        if kept is None:
             return 0
-        node, num_tokens = locked
+        node, num_tokens = kept
         if not self._make_room(num_tokens, tenant):
-            self.cache.dec_lock_ref(node)
+            self.cache.release_prefix(node)
             self._refused += 1
             return 0
         self._sessions[key] = Retained(node, num_tokens, self.clock() + seconds, tenant)
@@ -106,7 +112,7 @@ class RetainedSessions:
         retained = self._sessions.pop(key, None)
         if retained is None:
             return False
-        self.cache.dec_lock_ref(retained.node)
+        self.cache.release_prefix(retained.node)
         return True
 
     def expire(self) -> int:
@@ -126,7 +132,10 @@ class RetainedSessions:
             self.release(key)
 
     def retained_size(self) -> int:
-        """Tokens of the tree retained by sessions, a shared prefix counted once (for the idle check)."""
+        """Device tokens the sessions lock, a shared prefix counted once (for the idle check); 0 when the cache keeps
+        retained prefixes on its host tier."""
+        if not self.cache.retains_on_device:
+            return 0
         seen: set[int] = set()
         total = 0
         for retained in self._sessions.values():

@@ -107,9 +107,10 @@ class Scheduler:
         self.stats = SchedulerStats()
         self.recent_requests = RecentRequests()  # paths of finished requests, for the cache page
         self.new_token_ratio = NewTokenRatio(args.schedule_conservativeness)
-        pool_tokens = allocator.size
-        tenant_quota = pool_tokens // 4 if args.retention_quota_tokens is None else args.retention_quota_tokens
-        self.retention = RetainedSessions(cache, tenant_quota, pool_tokens // 2)
+        # Retained sessions are kept on the device, or on the host tier when there is one (radix_cache/retention.py).
+        budget = cache.retention_budget(allocator.size)
+        tenant_quota = budget // 2 if args.retention_quota_tokens is None else args.retention_quota_tokens
+        self.retention = RetainedSessions(cache, tenant_quota, budget)
 
         # The parts of a step (see the module docstring), each given the components it works on.
         self.requests = RequestLifecycle(

@@ -181,7 +181,8 @@ class ServerArgs:
     # last, mean or cls; None: the model's sentence-transformers pooling config, else last (decoders) / cls (encoders)
     pooling_method: Optional[str] = None
     # Retained sessions (prompt_cache_key + prompt_cache_retention; radix_cache/retention.py): tokens each tenant
-    # may retain (None: a quarter of the KV pool); all tenants together retain at most half of the pool.
+    # may retain (None: a quarter of the KV pool; with --enable-hierarchical-cache, where sessions are then kept on the
+    # host tier, 3/8 of it); all tenants together retain at most half of the pool (3/4 of the host tier).
     retention_quota_tokens: Optional[int] = None
     # Post-training (docs/rl.md): the weight version reported until the first update (SGLang's --weight-version), and
     # batch-invariant kernels: one request gives the same bits alone, in any batch and after cache hits (CPU)

@@ -1,6 +1,7 @@
 """Retained sessions (radix_cache/retention.py): a session's prefix outlives eviction until it expires, within its
 tenant's quota; a tenant never releases, extends or reads another's session; without retention the cache is plain
-LRU. First on the tree with a hand-driven clock, then through a real scheduler under KV pressure."""
+LRU. First on the tree with a hand-driven clock (device-only, then with a host tier, where a session is kept on the
+host and leaves the device to running requests), then through a real scheduler under KV pressure."""
 
 from __future__ import annotations
 
@@ -10,7 +11,11 @@ import pytest
 
 from scheduler_driver import SchedulerDriver
 
-from radixserve.radix_cache.pool import KVAllocator, ReqToTokenPool
+import torch
+
+from radixserve.radix_cache.hiradix import HiRadixCache
+from radixserve.radix_cache.host_pool import HostKVPool
+from radixserve.radix_cache.pool import KVAllocator, ReqToTokenPool, TokenToKVPool
 from radixserve.radix_cache.retention import RetainedSessions
 from radixserve.radix_cache.tree import RadixCache
 from radixserve.runtime.wire.messages import SessionRetention
@@ -144,6 +149,83 @@ def test_random_sessions_keep_the_accounting():
     assert cache.protected_size() == 0
 
 
+def hi_setup(device: int = 40, host: int = 48, tenant_quota: int = 20, total_quota: int = 24):
+    clock = Clock()
+    kv = TokenToKVPool(device, 1, 1, 1, 2, torch.float32)
+    cache = HiRadixCache(ReqToTokenPool(2, 8), KVAllocator(device, 1), HostKVPool(kv, host), 1)
+    return cache, RetainedSessions(cache, tenant_quota, total_quota, clock), clock
+
+
+def fill(cache: HiRadixCache, tokens: list[int], namespace: tuple) -> None:
+    """Insert `tokens` as a finished request would, evicting (demoting) first when the device is short."""
+    if cache.allocator.available_size() < len(tokens):
+        cache.evict(len(tokens) - cache.allocator.available_size())
+    cached(cache, tokens, namespace)
+
+
+def test_with_a_host_tier_a_session_is_kept_on_the_host_not_the_device():
+    cache, sessions, clock = hi_setup()
+    session = list(range(1, 17))
+    fill(cache, session, A)
+    assert sessions.retain(A, "chat-1", session, seconds=30.0) == 16
+    cache.check_invariants()
+    assert cache.protected_size() == 0 and sessions.retained_size() == 0  # the device stays the requests'
+    # Other traffic, several times the device and the host: the session is demoted, never dropped.
+    for i in range(12):
+        fill(cache, [1000 + 20 * i + j for j in range(16)], B)
+        cache.check_invariants()
+    match = cache.match_prefix(session, A)
+    assert match.length + match.host_hit_length == 16
+    assert match.length < 16  # some of it left the device (to the host, not away)
+    loaded = cache.load_back(match)
+    assert loaded.length == 16
+    cache.check_invariants()
+    # Expired, it is host-evictable like any other entry: enough traffic drops it.
+    clock.now = 31.0
+    assert sessions.expire() == 1
+    for i in range(12):
+        fill(cache, [5000 + 20 * i + j for j in range(16)], B)
+    cache.check_invariants()
+    match = cache.match_prefix(session, A)
+    assert match.length + match.host_hit_length == 0
+
+
+def test_without_retention_the_host_tier_loses_the_prefix_to_the_same_traffic():
+    cache, _, _ = hi_setup()
+    session = list(range(1, 17))
+    fill(cache, session, A)
+    for i in range(12):
+        fill(cache, [1000 + 20 * i + j for j in range(16)], B)
+    match = cache.match_prefix(session, A)
+    assert match.length + match.host_hit_length == 0
+
+
+def test_host_retention_refuses_what_the_host_cannot_hold_and_keeps_the_accounting():
+    cache, sessions, clock = hi_setup(device=64, host=24, tenant_quota=64, total_quota=64)
+    first, second = list(range(1, 17)), list(range(100, 116))
+    fill(cache, first, A)
+    fill(cache, second, B)
+    assert sessions.retain(A, "a", first, seconds=10.0) == 16
+    assert sessions.retain(B, "b", second, seconds=10.0) == 0  # 16 pinned + 16 > 24 host slots
+    cache.check_invariants()
+    rng = random.Random(2)
+    for step in range(300):
+        namespace = rng.choice([A, B, ()])
+        prompt = [rng.randrange(1, 6) for _ in range(rng.randrange(1, 12))]
+        fill(cache, prompt, namespace)
+        if rng.random() < 0.5:
+            sessions.retain(namespace, f"s{rng.randrange(4)}", prompt, seconds=rng.uniform(1, 20))
+        if rng.random() < 0.2:
+            match = cache.match_prefix(prompt, namespace)
+            cache.load_back(match)
+        clock.now += rng.uniform(0, 2)
+        sessions.expire()
+        cache.check_invariants()
+        assert cache.protected_size() == 0
+    sessions.release_all()
+    cache.check_invariants()
+
+
 def test_generate_request_retention_fields():
     from radixserve.runtime.wire.messages import ModelInfo
 
@@ -163,18 +245,21 @@ def test_generate_request_retention_fields():
         normalize(GenerateRequest(input_ids=[1], prompt_cache_key="k", prompt_cache_retention=-1.0), model)
 
 
-@pytest.mark.parametrize("retain", [True, False])
-def test_scheduler_keeps_a_retained_session_under_kv_pressure(tiny_model_dir, retain):
+@pytest.mark.parametrize("retain,hicache", [(True, False), (False, False), (True, True), (False, True)])
+def test_scheduler_keeps_a_retained_session_under_kv_pressure(tiny_model_dir, retain, hicache):
     """A session's turn, then other traffic that fills the pool several times over, then the session's next turn:
-    with retention the whole first turn (prompt and output) is read from the cache; with plain LRU it is gone."""
-    driver = SchedulerDriver(tiny_model_dir("llama"), max_total_tokens=512, retention_quota_tokens=200)
+    with retention the whole first turn (prompt and output) is read from the cache; with plain LRU it is gone. With
+    the host tier (twice the device pool, also overrun by the traffic) the session waits on the host, holding no
+    device room, and its next turn loads it back."""
+    tiers = dict(enable_hierarchical_cache=True, hicache_ratio=2.0) if hicache else {}
+    driver = SchedulerDriver(tiny_model_dir("llama"), max_total_tokens=512, retention_quota_tokens=200, **tiers)
     rng = random.Random(1)
     turn1 = [rng.randrange(3, 200) for _ in range(120)]
     retention = SessionRetention("agent-1", 600.0) if retain else None
     driver.submit("turn1", turn1, namespace=A, retention=retention, max_new_tokens=8)
     driver.run_until_idle()
     output = driver.results["turn1"].output_ids
-    for i in range(12):  # 12 x 100 prompt tokens through a 512-token pool
+    for i in range(20):  # 20 x 100 prompt tokens through a 512-token pool (and a 1,024-token host tier)
         driver.submit(f"other-{i}", [rng.randrange(3, 200) for _ in range(100)], namespace=B, max_new_tokens=4)
         driver.run_until_idle()
     turn2 = turn1 + output + [rng.randrange(3, 200) for _ in range(20)]
@@ -185,6 +270,8 @@ def test_scheduler_keeps_a_retained_session_under_kv_pressure(tiny_model_dir, re
         # The first turn's KV, up to its last sampled token (whose KV was never computed).
         assert cached_tokens >= len(turn1) + len(output) - 1
         assert driver.scheduler.retention.stats().retained_sessions == 1
+        if hicache:
+            assert driver.scheduler.cache.lower_tiers().counters.loaded_from_host_tokens >= len(turn1)
     else:
         assert cached_tokens == 0
     driver.close()
