@@ -28,11 +28,13 @@ from radixserve.frontend.reasoning import reasoning_format
 from radixserve.frontend.sampling import as_tuple
 
 
-def function(func: Optional[Callable[..., Any]] = None) -> Any:
-    """Make a program of `func(s, ...)`; use as `@function` or `@function()`."""
+def function(func: Optional[Callable[..., Any]] = None, num_api_spec_tokens: Optional[int] = None) -> Any:
+    """Make a program of `func(s, ...)`; use as `@function`, `@function()` or `@function(num_api_spec_tokens=N)`
+    (API speculative execution: later gens read from one longer generation while the program's text matches it;
+    see speculative.py)."""
     if func is None:
-        return Program
-    return Program(func)
+        return lambda f: Program(f, num_api_spec_tokens=num_api_spec_tokens)
+    return Program(func, num_api_spec_tokens=num_api_spec_tokens)
 
 
 def gen(

@@ -25,6 +25,7 @@ from radixserve.frontend.ir import (Concat, Gen, Media, Part, RoleBegin, RoleEnd
                                     SetVariables, VarScopeBegin, VarScopeEnd)
 from radixserve.frontend.reasoning import reasoning_variable, split_reasoning
 from radixserve.frontend.sampling import SamplingDefaults
+from radixserve.frontend.speculative import Speculation
 from radixserve.frontend.transcript import Transcript
 
 _LOGPROB_LISTS = ("output_token_logprobs", "output_top_logprobs")
@@ -38,8 +39,10 @@ class ProgramExecutor:
 
     def __init__(self, backend: Backend, defaults: SamplingDefaults, stream: bool = False,
                  transcript: Optional[Transcript] = None, variables: Optional[dict[str, Any]] = None,
-                 scopes: Optional[dict[str, list[int]]] = None):
+                 scopes: Optional[dict[str, list[int]]] = None, num_api_spec_tokens: Optional[int] = None):
         self.backend = backend
+        # API speculative execution (speculative.py); fork branches do without it.
+        self.speculation = Speculation(num_api_spec_tokens) if num_api_spec_tokens is not None else None
         self.defaults = defaults
         self.stream = stream
         self.transcript = transcript if transcript is not None else Transcript()
@@ -209,7 +212,12 @@ class ProgramExecutor:
             self._cond.notify_all()
 
     def _execute(self, item: Part) -> None:
+        if self.speculation is not None and not isinstance(item, (str, Concat, Gen, SetVariables, VarScopeBegin,
+                                                                  VarScopeEnd)):
+            self.speculation.clear()  # a role change, a select, media: the speculated text no longer follows
         if isinstance(item, str):
+            if self.speculation is not None:
+                self.speculation.follow(item)
             self._emit(item)
         elif isinstance(item, Concat):
             for part in item.parts:
@@ -251,6 +259,19 @@ class ProgramExecutor:
     def _gen(self, gen: Gen) -> None:
         sampling_params, options = self.defaults.resolve(gen.params)
         prompt = self.transcript.text
+        spec = self.speculation
+        if spec is not None and Speculation.eligible(sampling_params, options, self.stream):
+            text = spec.take(sampling_params["stop"])
+            if text is None:
+                result = self.backend.generate(prompt, spec.request_params(sampling_params), **options)
+                spec.fill(result["text"], result["meta_info"])
+                text = spec.take(sampling_params["stop"])
+            if text is not None:
+                self._emit(text, gen.name, spec.meta_info)
+                self._finish_gen(gen, prompt, text, spec.meta_info)
+                return
+        elif spec is not None:
+            spec.clear()
         if self.stream:
             text, meta_info = "", {}
             for chunk in self.backend.generate_stream(prompt, sampling_params, **options):
@@ -261,6 +282,9 @@ class ProgramExecutor:
             result = self.backend.generate(prompt, sampling_params, **options)
             text, meta_info = result["text"], result["meta_info"]
             self._emit(text, gen.name, meta_info)
+        self._finish_gen(gen, prompt, text, meta_info)
+
+    def _finish_gen(self, gen: Gen, prompt: str, text: str, meta_info: dict[str, Any]) -> None:
         if gen.name is not None:
             self.spans[gen.name] = (len(prompt), len(prompt) + len(text))
             self._set(gen.name, text, meta_info)

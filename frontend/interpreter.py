@@ -10,7 +10,7 @@ meet in the scheduler and batch there, each finding the prefix in the radix cach
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from typing import Any, Callable, Union
+from typing import Any, Callable, Optional, Union
 
 from tqdm.auto import tqdm
 
@@ -25,10 +25,12 @@ MAX_AUTO_THREADS = 64
 
 
 def run_program(func: Callable[..., Any], args: tuple, kwargs: dict[str, Any], backend: Backend,
-                defaults: SamplingDefaults, stream: bool = False) -> ProgramState:
+                defaults: SamplingDefaults, stream: bool = False,
+                num_api_spec_tokens: Optional[int] = None) -> ProgramState:
     """Run `func(s, *args, **kwargs)`. Without stream, returns once the program (and its branches) finished
-    and raises the program's error; with stream, returns at once, and `s.text_iter()` follows it."""
-    executor = ProgramExecutor(backend, defaults, stream)
+    and raises the program's error; with stream, returns at once, and `s.text_iter()` follows it.
+    `num_api_spec_tokens`: API speculative execution (speculative.py)."""
+    executor = ProgramExecutor(backend, defaults, stream, num_api_spec_tokens=num_api_spec_tokens)
     state = ProgramState(executor)
     try:
         func(state, *args, **kwargs)
@@ -44,7 +46,7 @@ def run_program(func: Callable[..., Any], args: tuple, kwargs: dict[str, Any], b
 
 def run_program_batch(func: Callable[..., Any], batch_kwargs: list[dict[str, Any]], bound: dict[str, Any],
                       backend: Backend, defaults: SamplingDefaults, num_threads: Union[int, str] = "auto",
-                      progress_bar: bool = False) -> list[ProgramState]:
+                      progress_bar: bool = False, num_api_spec_tokens: Optional[int] = None) -> list[ProgramState]:
     """Run `func(s, **bound, **kwargs)` for every kwargs of the batch; the states in batch order.
 
     A failing program does not stop the others: its state's `error` holds the exception, and reading its
@@ -59,7 +61,7 @@ def run_program_batch(func: Callable[..., Any], batch_kwargs: list[dict[str, Any
             backend.prefill(prefix)
 
     def run_one(kwargs: dict[str, Any]) -> ProgramState:
-        executor = ProgramExecutor(backend, defaults)
+        executor = ProgramExecutor(backend, defaults, num_api_spec_tokens=num_api_spec_tokens)
         state = ProgramState(executor)
         try:
             func(state, **bound, **kwargs)

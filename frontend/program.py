@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-from typing import Any, Callable, Union
+from typing import Any, Callable, Optional, Union
 
 from radixserve.frontend.backends.default import resolve_backend
 from radixserve.frontend.interpreter import run_program, run_program_batch
@@ -24,16 +24,20 @@ def _split_defaults(kwargs: dict[str, Any]) -> tuple[SamplingDefaults, dict[str,
 class Program:
     """A DSL program: a function whose first parameter is the program state `s`."""
 
-    def __init__(self, func: Callable[..., Any], bound: Union[dict[str, Any], None] = None):
+    def __init__(self, func: Callable[..., Any], bound: Union[dict[str, Any], None] = None,
+                 num_api_spec_tokens: Optional[int] = None):
         if not inspect.signature(func).parameters:
             raise TypeError(f"a program function takes the state as its first parameter: {func.__name__}(s, ...)")
+        if num_api_spec_tokens is not None and (not isinstance(num_api_spec_tokens, int) or num_api_spec_tokens < 1):
+            raise ValueError(f"num_api_spec_tokens must be a positive int, got {num_api_spec_tokens!r}")
         self.func = func
         self.bound = dict(bound or {})
+        self.num_api_spec_tokens = num_api_spec_tokens
         functools.update_wrapper(self, func)
 
     def bind(self, **kwargs: Any) -> "Program":
         """A copy with some arguments fixed for every run."""
-        return Program(self.func, {**self.bound, **kwargs})
+        return Program(self.func, {**self.bound, **kwargs}, self.num_api_spec_tokens)
 
     def run(self, *args: Any, stream: bool = False, backend: Any = None, **kwargs: Any) -> ProgramState:
         """Run the program once and return its state.
@@ -46,7 +50,7 @@ class Program:
         """
         defaults, program_kwargs = _split_defaults(dict(kwargs))
         return run_program(self.func, args, {**self.bound, **program_kwargs}, resolve_backend(backend), defaults,
-                           stream)
+                           stream, self.num_api_spec_tokens)
 
     def run_batch(self, batch_kwargs: list[dict[str, Any]], *, backend: Any = None,
                   num_threads: Union[int, str] = "auto", progress_bar: bool = False,
@@ -64,7 +68,8 @@ class Program:
         if not all(isinstance(kwargs, dict) for kwargs in batch_kwargs):
             raise TypeError("batch_kwargs must be a list of dicts of keyword arguments")
         return run_program_batch(self.func, list(batch_kwargs), self.bound, resolve_backend(backend),
-                                 SamplingDefaults.make(**sampling), num_threads, progress_bar)
+                                 SamplingDefaults.make(**sampling), num_threads, progress_bar,
+                                 self.num_api_spec_tokens)
 
     def __call__(self, *args: Any, **kwargs: Any) -> ProgramState:
         """The same as `run`."""

@@ -98,6 +98,11 @@ class Runtime:
     def get_tokenizer(self) -> Any:
         return self.endpoint.tokenizer
 
+    @property
+    def token_usage(self) -> Any:
+        """The endpoint's count of prompt and completion tokens (`reset()` to start again)."""
+        return self.endpoint.token_usage
+
     def generate(self, prompt: Union[str, list[str]], sampling_params: Optional[dict] = None,
                  return_logprob: Union[bool, list[bool]] = False, logprob_start_len: Any = None,
                  top_logprobs_num: Any = None) -> str:

@@ -35,11 +35,34 @@ class ModalityNotSupportedError(BackendError, ValueError):
     """A program gave an image or video to a model that reads only text (every model radixserve serves)."""
 
 
+class TokenUsage:
+    """Prompt and completion tokens of the generate requests a backend made since the last `reset()` (SGLang's
+    `backend.token_usage`, which its scripts read to compare programs)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+
+    def add(self, meta_info: dict[str, Any]) -> None:
+        with self._lock:
+            self.prompt_tokens += int(meta_info.get("prompt_tokens", 0))
+            self.completion_tokens += int(meta_info.get("completion_tokens", 0))
+
+    def reset(self) -> None:
+        with self._lock:
+            self.prompt_tokens = self.completion_tokens = 0
+
+    def __repr__(self) -> str:
+        return f"TokenUsage(prompt_tokens={self.prompt_tokens}, completion_tokens={self.completion_tokens})"
+
+
 class Backend(ABC):
     """A model the DSL runs programs against. `chat_template`: a ChatTemplate or a Jinja template string that
     replaces the model tokenizer's own for system()/user()/assistant()."""
 
     def __init__(self, chat_template: Union[ChatTemplate, str, None] = None):
+        self.token_usage = TokenUsage()
         self._lock = threading.Lock()
         self._incremental_streaming: Optional[bool] = None
         self._tokenizer: Any = None
@@ -128,14 +151,20 @@ class Backend(ABC):
     def generate(self, text: str, sampling_params: dict[str, Any], **options: Any) -> dict[str, Any]:
         """Complete `text`; options are return_logprob, logprob_start_len, top_logprobs_num,
         return_text_in_logprobs (None = the server default). BackendError if the server aborted it."""
-        return _check_not_aborted(self._request(_payload(text, sampling_params, options)))
+        result = _check_not_aborted(self._request(_payload(text, sampling_params, options)))
+        self.token_usage.add(result["meta_info"])
+        return result
 
     def generate_stream(self, text: str, sampling_params: dict[str, Any], **options: Any) -> Iterator[dict[str, Any]]:
         """`generate`, as streaming chunks: each has the new "text" and a "meta_info" whose output logprob lists
         hold the new tokens' entries only, whichever way the server streams (see `_streams_incrementally`)."""
         deltas = StreamDeltas(self.streams_incrementally())
+        meta_info: dict[str, Any] = {}
         for chunk in self._request_stream({**_payload(text, sampling_params, options), "stream": True}):
-            yield deltas(_check_not_aborted(chunk))
+            chunk = _check_not_aborted(chunk)
+            meta_info = chunk.get("meta_info") or meta_info
+            yield deltas(chunk)
+        self.token_usage.add(meta_info)
 
     def prefill(self, text: str) -> dict[str, Any]:
         """Run `text` through the model without generating (max_new_tokens=0), so the radix cache holds its

@@ -359,3 +359,30 @@ def test_example_scripts_run_against_the_server(name, server, capsys):
     else:
         people = [json.loads(line) for line in lines]
         assert len(people) == 2 and all(set(p) == {"name", "age", "city", "occupation"} for p in people)
+
+
+def _character(s):
+    s += "Construct a character within the following format:\n"
+    s += "Name: Steve Jobs.\nBirthday: February 24, 1955.\nJob: Apple CEO.\n"
+    s += "\nPlease generate new Name, Birthday and Job.\n"
+    s += "Name:" + gen("name", stop="\n") + "\nBirthday:" + gen("birthday", stop="\n")
+    s += "\nJob:" + gen("job", stop="\n") + "\n"
+
+
+def test_api_speculative_execution_reads_later_gens_from_one_generation(engine_backend):
+    """`@function(num_api_spec_tokens=N)` (SGLang's API speculative execution): greedy, the speculating program's
+    variables equal the plain program's wherever the model wrote the program's own text, with fewer prompt tokens sent;
+    where it wrote something else the gen made its own request."""
+    plain, speculative = function(_character), function(num_api_spec_tokens=64)(_character)
+    usage = engine_backend.token_usage
+    usage.reset()
+    expected = plain.run(backend=engine_backend, temperature=0, max_new_tokens=16)
+    plain_prompt_tokens = usage.prompt_tokens
+    assert plain_prompt_tokens > 0 and usage.completion_tokens > 0
+    usage.reset()
+    state = speculative.run(backend=engine_backend, temperature=0, max_new_tokens=16)
+    assert usage.prompt_tokens < plain_prompt_tokens
+    assert state.text() == expected.text()
+    assert [state[n] for n in ("name", "birthday", "job")] == [expected[n] for n in ("name", "birthday", "job")]
+    with pytest.raises(ValueError, match="num_api_spec_tokens"):
+        function(num_api_spec_tokens=0)(_character)

@@ -247,3 +247,25 @@ def test_api_builds_expressions_and_rejects_bad_ones():
         function(lambda: None)
     with pytest.raises(TypeError, match="batch_kwargs"):
         program.run_batch([{"question": "q"}], question="q")
+
+
+def test_speculation_cuts_gens_at_their_stops_and_follows_the_programs_text():
+    from radixserve.frontend.speculative import Speculation
+
+    spec = Speculation(32)
+    assert spec.take(["\n"]) is None  # nothing speculated yet
+    spec.fill(" Ada.\nBirthday: May 1.\nJob: poet", {"finish_reason": {"type": "length"}})
+    assert spec.take(["\n"]) == " Ada."
+    spec.follow("\nBirthday:")
+    assert spec.take(["\n", "."]) == " May 1"  # the first stop string that occurs
+    spec.follow(".\nJob:")
+    assert spec.take(["\n"]) is None and spec.pending == ""  # cut at the token limit: the gen asks for itself
+    spec.fill(" Ada.\nAge: 3", {"finish_reason": {"type": "stop", "matched": 2}})
+    assert spec.take(["\n"]) == " Ada."
+    spec.follow("\nBirthday:")  # the model wrote something else: speculation ends
+    assert spec.pending == "" and spec.take(["\n"]) is None
+    spec.fill(" poet", {"finish_reason": {"type": "stop", "matched": 2}})
+    assert spec.take(["\n"]) == " poet"  # the model ended its text there: the whole rest is the value
+    assert not Speculation.eligible({"regex": "[0-9]+"}, {}, False)
+    assert not Speculation.eligible({}, {"return_logprob": True}, False)
+    assert not Speculation.eligible({}, {}, True) and Speculation.eligible({"stop": ["\n"]}, {}, False)
