@@ -69,7 +69,8 @@ def create_attention_backend(name: str, runner: "RunnerParts | None" = None) -> 
         prefill = {None: "auto", "flashinfer": "fa2", "fa3": "fa3"}[runner.config.prefill_attention_backend]
         return FlashInferAttentionBackend(*shape, runner.dtype, runner.device, page_size=runner.page_size,
                                           workspace_bytes=workspace, prefill_backend=prefill,
-                                          cascade=not runner.config.disable_cascade_attn)
+                                          cascade=not runner.config.disable_cascade_attn,
+                                          sliding_windows=config.sliding_windows)
     except ImportError as exc:
         raise ValueError(f"the flashinfer attention backend is not available: {exc}") from exc
 
