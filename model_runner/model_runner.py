@@ -216,6 +216,10 @@ class ModelRunner:
         if (self.device.type != "cuda" or self.config.disable_cuda_graph or self.lora_manager is not None
                 or not self.pooling.is_generation):
             return None
+        if self.model_config.sliding_windows and not self.attn_backend.graphs_apply_windows:
+            logger.info("decode runs eagerly: the %s attention backend's graphs do not apply sliding windows",
+                        self.config.attention_backend)
+            return None
         from radixserve.model_runner.cuda_graph import create_cuda_graph_runner
 
         return create_cuda_graph_runner(self)
@@ -230,11 +234,6 @@ class ModelRunner:
         if self.config.context_length and context_len > config.max_position_embeddings:
             logger.warning("context_length %d exceeds the model's max_position_embeddings %d",
                            context_len, config.max_position_embeddings)
-        if config.sliding_window is not None and config.sliding_window < context_len:
-            # Within the window, sliding-window and full attention are the same computation.
-            logger.warning("capping context length %d at the model's sliding window %d",
-                           context_len, config.sliding_window)
-            context_len = config.sliding_window
         return context_len
 
     def _load_model(self, files: ModelFiles) -> torch.nn.Module:

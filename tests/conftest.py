@@ -54,6 +54,7 @@ TINY_ARCHITECTURES = {
     "qwen2_moe": "Qwen2MoeConfig",
     "qwen3_moe": "Qwen3MoeConfig",
     "mixtral": "MixtralConfig",
+    "gemma3": "Gemma3TextConfig",
 }
 _CLASS_NAME_TO_ARCH = {
     "LlamaForCausalLM": "llama",
@@ -63,6 +64,7 @@ _CLASS_NAME_TO_ARCH = {
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
+    "Gemma3ForCausalLM": "gemma3",
 }
 # The mixture-of-experts families: 8 experts of width 32, top-2 (Mixtral's experts take `intermediate_size`).
 _TINY_MOE = {
@@ -70,6 +72,15 @@ _TINY_MOE = {
                   "shared_expert_intermediate_size": 48},
     "qwen3_moe": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
     "mixtral": {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32},
+}
+# Gemma 3: 4 layers, full attention in the last only, windows of 8 positions (shorter than most test prompts), its
+# own RoPE base on the sliding layers, soft-capped logits and tied embeddings.
+_TINY_WINDOWED = {
+    "gemma3": {"num_hidden_layers": 4, "sliding_window": 8, "query_pre_attn_scalar": 16,
+               "layer_types": ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+               "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                   "full_attention": {"rope_type": "default", "rope_theta": 50000.0}},
+               "final_logit_softcapping": 30.0, "tie_word_embeddings": True},
 }
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 
@@ -91,6 +102,7 @@ def _tiny_config_kwargs(arch: str) -> dict:
         "eos_token_id": None,
         "pad_token_id": None,
         **_TINY_MOE.get(arch, {}),
+        **_TINY_WINDOWED.get(arch, {}),
     }
 
 

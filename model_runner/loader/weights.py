@@ -67,6 +67,9 @@ def dummy_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[f"{prefix}.self_attn.q_norm.weight"] = (head_dim,)
             shapes[f"{prefix}.self_attn.k_norm.weight"] = (head_dim,)
         shapes[f"{prefix}.post_attention_layernorm.weight"] = (hidden,)
+        if config.model_type == "gemma3_text":
+            shapes[f"{prefix}.pre_feedforward_layernorm.weight"] = (hidden,)
+            shapes[f"{prefix}.post_feedforward_layernorm.weight"] = (hidden,)
         if config.moe is not None and layer in config.moe.sparse_layers:
             shapes.update(_sparse_mlp_shapes(config, prefix))
         else:
