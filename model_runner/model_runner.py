@@ -126,7 +126,7 @@ class ModelRunner:
         shape = self.model_config
         self.token_to_kv_pool = TokenToKVPool(
             self.max_total_num_tokens, self.page_size, shape.num_hidden_layers, self.head_layout.num_kv_heads,
-            shape.head_dim, self.kv_cache_dtype, self.device,
+            shape.head_dim, self.kv_cache_dtype, self.device, shape.layer_kv_shapes or None,
         )
         self.attn_backend = self._create_attention_backend()
         self.attn_backend.warm_up(self.kv_cache_dtype)
@@ -268,6 +268,8 @@ class ModelRunner:
         bytes_per_token = TokenToKVPool.bytes_per_token(
             config.num_hidden_layers, self.head_layout.num_kv_heads, config.head_dim, self.kv_cache_dtype
         )
+        if config.layer_kv_shapes:  # per-layer shapes are served on one rank (models/gemma4.py)
+            bytes_per_token = TokenToKVPool.bytes_per_token_of(config.layer_kv_shapes, self.kv_cache_dtype)
         row_bytes = self.context_len * 4  # one int32 req_to_token row
         plan: Optional[MemoryPlan] = None
         if args.max_total_tokens is not None:

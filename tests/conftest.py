@@ -55,6 +55,7 @@ TINY_ARCHITECTURES = {
     "qwen3_moe": "Qwen3MoeConfig",
     "mixtral": "MixtralConfig",
     "gemma3": "Gemma3TextConfig",
+    "gemma4": "Gemma4TextConfig",
 }
 _CLASS_NAME_TO_ARCH = {
     "LlamaForCausalLM": "llama",
@@ -65,6 +66,7 @@ _CLASS_NAME_TO_ARCH = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
     "Gemma3ForCausalLM": "gemma3",
+    "Gemma4ForCausalLM": "gemma4",
 }
 # The mixture-of-experts families: 8 experts of width 32, top-2 (Mixtral's experts take `intermediate_size`).
 _TINY_MOE = {
@@ -80,6 +82,17 @@ _TINY_WINDOWED = {
                "layer_types": ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
                "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                    "full_attention": {"rope_type": "default", "rope_theta": 50000.0}},
+               "final_logit_softcapping": 30.0, "tie_word_embeddings": True},
+    # Gemma 4: 6 layers (two full), full layers with head_dim 32 and one KV head whose keys are the values, the last
+    # two layers sharing the KV of layers 3 and 2 with double-wide MLPs, per-layer inputs of 8, proportional RoPE.
+    "gemma4": {"num_hidden_layers": 6, "sliding_window": 8, "global_head_dim": 32, "num_global_key_value_heads": 1,
+               "attention_k_eq_v": True, "num_kv_shared_layers": 2, "use_double_wide_mlp": True,
+               "hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": 512,
+               "layer_types": ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention",
+                               "sliding_attention", "full_attention"],
+               "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                   "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                                      "rope_theta": 50000.0}},
                "final_logit_softcapping": 30.0, "tie_word_embeddings": True},
 }
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")

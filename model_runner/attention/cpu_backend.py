@@ -80,8 +80,8 @@ class CpuAttentionBackend(AttentionBackend):
         pool = batch.token_to_kv_pool
         buffer = pool.k_buffer[0]
         long_extend = self.max_extend_len is not None and max(batch.extend_lens_cpu) > self.max_extend_len
-        if long_extend or not cpu_build.ready() or buffer.dtype not in SUPPORTED_DTYPES or buffer.is_cuda or (
-                not supported_head_dim(buffer.shape[-1])):
+        if long_extend or not cpu_build.ready() or buffer.dtype not in SUPPORTED_DTYPES or buffer.is_cuda or not all(
+                supported_head_dim(head_dim) for _, head_dim in pool.layer_shapes):
             self.fallback.plan(batch)
             return
         batch.attn_metadata = plan_groups(batch, self.min_shared_prefix, self.max_group_tokens)

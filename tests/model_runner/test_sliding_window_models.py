@@ -16,7 +16,7 @@ from test_model_forward import MAX_NEW_TOKENS, assert_same_greedy_tokens, hf_gre
 
 from radixserve.model_runner.model_config import ModelConfig
 
-FAMILIES = ["gemma3"]
+FAMILIES = ["gemma3", "gemma4"]
 PROMPT_LENGTHS = [3, 17, 8, 1, 25, 12, 5, 30]
 
 
@@ -119,3 +119,16 @@ def test_retraction_mid_decode_keeps_the_ids(family, model_dirs, references):
     assert driver.scheduler.stats.num_retractions > 0
     assert driver.outputs() == expected
     driver.close()
+
+
+def test_gemma4_config_is_read(tiny_model_dir):
+    config = ModelConfig.from_path(tiny_model_dir("gemma4"))
+    assert config.layer_windows == (8, 8, None, 8, 8, None)
+    assert config.layer_kv_shapes == ((2, 16), (2, 16), (1, 32), (2, 16), (2, 16), (1, 32))
+    assert config.rope_scaling == {"rope_type": "proportional", "partial_rotary_factor": 0.25}
+    base = {"architectures": ["Gemma4ForCausalLM"], "model_type": "gemma4_text", "hidden_size": 64,
+            "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 100,
+            "head_dim": 16, "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 4}
+    assert ModelConfig.from_dict(base).layer_kv_shapes == ((4, 16), (4, 512))  # transformers' default global_head_dim
+    with pytest.raises(ValueError, match="mixture-of-experts"):
+        ModelConfig.from_dict({**base, "enable_moe_block": True})
