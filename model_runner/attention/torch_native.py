@@ -25,8 +25,9 @@ are merged by their log-sum-exp. Softmax over a split key set is exact, so this 
 rounding. It pays off on the CPU, where the gathers dominate decode; on a GPU it is off by default.
 
 Sliding windows: a layer called with a window W attends from position t only to keys in (t - W, t]. Its plan (made
-at the batch's first such layer, kept for the others) starts each request's keys at the window of its first new
-token, `prefix_lens[i] - W + 1`, so no older slot is gathered, masks the rest per query, and shares no prefix. A
+at the batch's first such layer, kept for the others) cuts each request's new tokens into blocks of at most W
+queries, starts each block's keys at the window of its first query, so no older slot is gathered and a long prefill
+attends to O(W) keys a query, masks the rest per query, and shares no prefix. A
 batch whose sequences all fit in W runs the full layers' plan.
 
 Causality: new token j of request i sits at position `prefix_lens[i] + j` and attends to key positions
@@ -161,10 +162,11 @@ class TorchNativeAttention(AttentionBackend):
         return meta.windowed[sliding_window]
 
     def plan_window(self, batch: ForwardBatch, window: int) -> TorchNativeMetadata:
-        """The plan of `batch` for layers with a sliding `window`: keys from each request's first new token's
-        window on, no shared prefixes."""
-        key_starts = [max(0, prefix - window + 1) for prefix in batch.prefix_lens_cpu]
-        return TorchNativeMetadata(self._plan_chunks(batch, key_starts, window))
+        """The plan of `batch` for layers with a sliding `window`: each request's new tokens in blocks of at most
+        `window` queries, each block's keys from its first query's window on, no shared prefixes."""
+        blocks = _window_blocks(batch, window)
+        key_starts = [max(0, prefix - window + 1) for prefix in blocks.prefix_lens_cpu]
+        return TorchNativeMetadata(self._plan_chunks(blocks, key_starts, window))
 
     def split_requests(
         self, extend_lens: list[int], key_lens: list[int], device_type: str = "cpu"
@@ -271,6 +273,40 @@ def find_shared_prefixes(batch: ForwardBatch, min_len: int) -> tuple[list[Shared
         for m in members:
             key_starts[m] = length
     return groups, key_starts
+
+
+@dataclass
+class _QueryBlocks:
+    """A batch's requests cut into blocks of consecutive new tokens, each planned as a request of its own (its
+    "prefix" the positions before the block): the attributes of ForwardBatch that planning reads."""
+
+    req_pool_indices: torch.Tensor
+    seq_lens: torch.Tensor
+    prefix_lens: torch.Tensor
+    seq_lens_cpu: list[int]
+    prefix_lens_cpu: list[int]
+    extend_lens_cpu: list[int]
+    req_to_token_pool: object
+    causal: bool = True
+
+
+def _window_blocks(batch: ForwardBatch, window: int) -> "ForwardBatch | _QueryBlocks":
+    """`batch` with every extend longer than `window` cut into blocks of `window` queries, so a block attends to at
+    most 2 * window keys instead of its request's whole sequence; `batch` itself when no extend is that long."""
+    if max(batch.extend_lens_cpu) <= window:
+        return batch
+    rows, prefixes, extends = [], [], []
+    for i, (prefix, extend) in enumerate(zip(batch.prefix_lens_cpu, batch.extend_lens_cpu)):
+        for start in range(0, extend, window):
+            rows.append(i)
+            prefixes.append(prefix + start)
+            extends.append(min(window, extend - start))
+    device = batch.req_pool_indices.device
+    seqs = [p + e for p, e in zip(prefixes, extends)]
+    return _QueryBlocks(batch.req_pool_indices[torch.tensor(rows, device=device)],
+                        torch.tensor(seqs, dtype=torch.int64, device=device),
+                        torch.tensor(prefixes, dtype=torch.int64, device=device), seqs, prefixes, extends,
+                        batch.req_to_token_pool, batch.causal)
 
 
 def _plan_chunk(batch: ForwardBatch, first: int, last: int, token_start: int, key_starts: list[int],

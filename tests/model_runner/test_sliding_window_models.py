@@ -132,3 +132,26 @@ def test_gemma4_config_is_read(tiny_model_dir):
     assert ModelConfig.from_dict(base).layer_kv_shapes == ((4, 16), (4, 512))  # transformers' default global_head_dim
     with pytest.raises(ValueError, match="mixture-of-experts"):
         ModelConfig.from_dict({**base, "enable_moe_block": True})
+
+
+def test_gemma3_4b_benchmark_config_takes_its_dummy_weights():
+    """The config the GPU check runs (benchmarks/configs/gemma-3-4b.json): five sliding layers to one full, the
+    full layers' linear RoPE scaling, and dummy weights (checkpoint names and shapes) that fill every parameter of the
+    model, checked on the meta device."""
+    import json
+    from pathlib import Path
+
+    import torch
+
+    from radixserve.model_runner.loader.weights import dummy_weight_shapes
+    from radixserve.model_runner.models import get_model_class
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "configs" / "gemma-3-4b.json"
+    config = ModelConfig.from_dict(json.loads(path.read_text()))
+    assert config.layer_windows.count(None) == 5 and config.sliding_windows == (1024,)
+    assert config.rope_scaling == {"rope_type": "linear", "factor": 8.0} and config.sliding_rope_theta == 10000.0
+    with torch.device("meta"):
+        model = get_model_class(config.architecture)(config, max_positions=64)
+        model.load_weights((name, torch.empty(shape)) for name, shape in dummy_weight_shapes(config).items())
+    total = sum(p.numel() for p in model.parameters())
+    assert 3.8e9 < total < 4.0e9  # "4B" with its vision tower left out
