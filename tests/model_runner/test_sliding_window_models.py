@@ -25,16 +25,20 @@ def model_dirs(tiny_model_dir):
     return {family: tiny_model_dir(family) for family in FAMILIES}
 
 
+def make_prompts() -> list[list[int]]:
+    """8 prompts of 1 to 50 tokens, a shared 20-token head on some, so the tree shares prefixes."""
+    head = random_prompts(512, [20], seed=11)[0]
+    return [head + p if i % 3 == 0 else p for i, p in enumerate(random_prompts(512, PROMPT_LENGTHS, seed=5))]
+
+
 @pytest.fixture(scope="module")
 def references(model_dirs):
-    """Each family's prompts (a shared 20-token head on some, so the tree shares prefixes) and HF's greedy ids."""
+    """Each family's prompts and HF's greedy ids."""
     built = {}
 
     def get(family: str) -> tuple[list[list[int]], list[list[int]]]:
         if family not in built:
-            head = random_prompts(512, [20], seed=11)[0]
-            prompts = [head + p if i % 3 == 0 else p
-                       for i, p in enumerate(random_prompts(512, PROMPT_LENGTHS, seed=5))]
+            prompts = make_prompts()
             reference = hf_model(model_dirs[family])
             built[family] = prompts, [hf_greedy(reference, p, MAX_NEW_TOKENS, []) for p in prompts]
         return built[family]
@@ -155,3 +159,24 @@ def test_gemma3_4b_benchmark_config_takes_its_dummy_weights():
         model.load_weights((name, torch.empty(shape)) for name, shape in dummy_weight_shapes(config).items())
     total = sum(p.numel() for p in model.parameters())
     assert 3.8e9 < total < 4.0e9  # "4B" with its vision tower left out
+
+
+@pytest.mark.parametrize("family,overrides", [
+    ("mistral", {"sliding_window": 8}),
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}),
+], ids=["mistral", "qwen2"])
+def test_mistral_and_qwen2_windows_are_applied_not_capped(family, overrides, tiny_model_dir):
+    """Windows of 8 positions, shorter than the prompts: the context is no longer capped at the window, and the ids
+    still equal transformers' (Qwen2's window on its second layer only)."""
+    model_dir = tiny_model_dir(family, **overrides)
+    config = ModelConfig.from_path(model_dir)
+    assert config.layer_windows == ((8, 8) if family == "mistral" else (None, 8))
+    prompts = make_prompts()
+    reference = hf_model(model_dir)
+    expected = [hf_greedy(reference, p, MAX_NEW_TOKENS, []) for p in prompts]
+    outputs = assert_same_greedy_tokens(model_dir, prompts, on_runner=_assert_context_past_the_window)
+    assert outputs == expected
+
+
+def _assert_context_past_the_window(runner) -> None:
+    assert runner.context_len == 512  # the tiny models' max_position_embeddings, not the window
