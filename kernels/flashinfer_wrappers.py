@@ -84,9 +84,11 @@ def plan_decode(
     q_dtype: torch.dtype,
     kv_dtype: torch.dtype,
     sm_scale: float,
+    window_left: int = -1,
 ) -> None:
     """Plan one decode batch. The host mirrors of indptr / last_page_len are passed so that FlashInfer's
-    planner (which reads them on the host) needs no device-to-host copy; the page ids stay on the device."""
+    planner (which reads them on the host) needs no device-to-host copy; the page ids stay on the device.
+    `window_left` >= 0: the query sees only the keys at most that many positions before it (-1: all)."""
     wrapper.plan(
         index.indptr_host,
         index.indices,
@@ -99,6 +101,7 @@ def plan_decode(
         q_data_type=q_dtype,
         kv_data_type=kv_dtype,
         sm_scale=sm_scale,
+        window_left=window_left,
     )
 
 
@@ -114,10 +117,12 @@ def plan_prefill(
     kv_dtype: torch.dtype,
     sm_scale: float,
     causal: bool = True,
+    window_left: int = -1,
 ) -> None:
     """Plan one extend batch as causal paged prefill over prefix + new tokens (whose K/V are in the pool
     before `run`). FlashInfer aligns the causal mask bottom-right, so new token j of a request with
-    prefix p sees positions 0..p + j. With `causal=False` every query sees all of its request's pages."""
+    prefix p sees positions 0..p + j (p + j - window_left..p + j with `window_left` >= 0). With `causal=False`
+    every query sees all of its request's pages."""
     wrapper.plan(
         qo_indptr_host,
         index.indptr_host,
@@ -132,6 +137,7 @@ def plan_prefill(
         sm_scale=sm_scale,
         q_data_type=q_dtype,
         kv_data_type=kv_dtype,
+        window_left=window_left,
     )
 
 

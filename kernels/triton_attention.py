@@ -5,7 +5,9 @@ through `req_to_token[row, position] = slot`, one slot per token, so they work f
 slot layout. Softmax runs in float32 with base-2 exponentials (the scale is pre-multiplied by log2(e)).
 
 Contract shared by both entry points: the new tokens' K/V have already been written to the buffers at
-their slots, and `req_to_token` maps every position `< seq_len` of each request to a valid slot.
+their slots, and `req_to_token` maps every position `< seq_len` of each request to a valid slot. With a sliding
+`window` W, the query at position t sees only the keys at positions t - W < p <= t, and only the positions some
+query of the request sees need a valid slot: no other is read.
 
 On a machine without CUDA these kernels run only under the Triton interpreter, which must be switched on
 (`TRITON_INTERPRET=1`) before `triton` is first imported in the process.
@@ -14,18 +16,20 @@ On a machine without CUDA these kernels run only under the Triton interpreter, w
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
 _LOG2_E = 1.0 / math.log(2.0)
+_NO_WINDOW = 1 << 30
 
 
 @triton.jit
 def _decode_split_kernel(
     Q, K_buffer, V_buffer, Req_to_token, Req_pool_indices, Seq_lens, Partial_out, Partial_lse,
-    scale_log2,
+    scale_log2, window,
     stride_q_token, stride_q_head,
     stride_k_slot, stride_k_head,
     stride_v_slot, stride_v_head,
@@ -44,8 +48,9 @@ def _decode_split_kernel(
 
     row = tl.load(Req_pool_indices + req).to(tl.int64)
     seq_len = tl.load(Seq_lens + req).to(tl.int32)
-    split_len = (seq_len + NUM_SPLITS - 1) // NUM_SPLITS
-    start = split * split_len
+    first = tl.maximum(seq_len - window, 0)  # the window's first position
+    split_len = (seq_len - first + NUM_SPLITS - 1) // NUM_SPLITS
+    start = first + split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
     offs_h = tl.arange(0, BLOCK_H)
@@ -108,7 +113,7 @@ def _decode_reduce_kernel(
 
     lse = tl.load(Partial_lse + req * stride_pl_req + head * stride_pl_head + offs_s,
                   mask=split_mask, other=float("-inf"))
-    max_lse = tl.max(lse, 0)  # finite: split 0 always holds the request's first key
+    max_lse = tl.max(lse, 0)  # finite: split 0 always holds the window's first key
     weights = tl.exp2(lse - max_lse)
     partial = tl.load(
         Partial_out + req * stride_po_req + head * stride_po_head + offs_s[:, None] * stride_po_split
@@ -124,7 +129,7 @@ def _decode_reduce_kernel(
 @triton.jit
 def _extend_kernel(
     Q, K_buffer, V_buffer, Out, Req_to_token, Req_pool_indices, Prefix_lens, Extend_lens, Extend_starts,
-    scale_log2,
+    scale_log2, window,
     stride_q_token, stride_q_head,
     stride_k_slot, stride_k_head,
     stride_v_slot, stride_v_head,
@@ -134,8 +139,8 @@ def _extend_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """One program = (request, query head, block of BLOCK_M new tokens). New token i of a request sits
-    at position prefix_len + i and attends to positions 0..prefix_len + i (its prefix, then the new
-    tokens causally), all read from the KV buffers through req_to_token."""
+    at position prefix_len + i and attends to positions prefix_len + i - window < p <= prefix_len + i (its
+    prefix, then the new tokens causally), all read from the KV buffers through req_to_token."""
     req = tl.program_id(0)
     head = tl.program_id(1)
     block_m = tl.program_id(2)
@@ -162,7 +167,9 @@ def _extend_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     # The last query of this block sees keys up to its own position; nothing beyond is loaded.
     kv_end = prefix_len + tl.minimum((block_m + 1) * BLOCK_M, extend_len)
-    for block_start in range(0, kv_end, BLOCK_N):
+    # The first query of this block sees nothing before its window.
+    kv_start = tl.maximum(prefix_len + block_m * BLOCK_M - window + 1, 0)
+    for block_start in range(kv_start, kv_end, BLOCK_N):
         offs_n = block_start + tl.arange(0, BLOCK_N)
         key_mask = offs_n < kv_end
         slots = tl.load(Req_to_token + row * stride_r2t_row + offs_n, mask=key_mask, other=0).to(tl.int64)
@@ -170,22 +177,33 @@ def _extend_kernel(
         k = tl.load(K_buffer + slots[:, None] * stride_k_slot + kv_head * stride_k_head + offs_d[None, :],
                     mask=kv_mask, other=0.0).to(q.dtype)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-        visible = key_mask[None, :] & (offs_n[None, :] <= query_pos[:, None])
+        visible = key_mask[None, :] & (offs_n[None, :] <= query_pos[:, None]) & (
+            offs_n[None, :] > query_pos[:, None] - window)
         scores = tl.where(visible, scores, float("-inf"))
-        # Position 0 is visible to every row and lies in the first block, so row_max is finite from
-        # the first iteration on and no row ever computes exp2(-inf - -inf).
+        # A row whose window starts past this block has seen no key yet: its max stays -inf, and a finite stand-in
+        # keeps exp2(-inf - -inf) out of its sums.
         new_max = tl.maximum(row_max, tl.max(scores, 1))
-        rescale = tl.exp2(row_max - new_max)
-        probs = tl.exp2(scores - new_max[:, None])
+        safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
+        rescale = tl.exp2(row_max - safe_max)
+        probs = tl.exp2(scores - safe_max[:, None])
         row_sum = row_sum * rescale + tl.sum(probs, 1)
         v = tl.load(V_buffer + slots[:, None] * stride_v_slot + kv_head * stride_v_head + offs_d[None, :],
                     mask=kv_mask, other=0.0).to(q.dtype)
         acc = acc * rescale[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=DOT_PRECISION)
         row_max = new_max
 
-    out = acc / row_sum[:, None]
+    out = acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None]
     tl.store(Out + tokens[:, None] * stride_o_token + head * stride_o_head + offs_d[None, :],
              out.to(Out.dtype.element_ty), mask=query_mask[:, None] & dim_mask[None, :])
+
+
+def _window_arg(window: Optional[int]) -> int:
+    """The kernels' window: full attention is a window longer than any sequence (an int32 the kernels compare)."""
+    if window is None:
+        return _NO_WINDOW
+    if window < 1:
+        raise ValueError(f"a sliding window must hold at least one position, got {window}")
+    return min(window, _NO_WINDOW)
 
 
 def _dot_precision(dtype: torch.dtype):
@@ -221,8 +239,10 @@ def decode_attention(
     partial_out: torch.Tensor,
     partial_lse: torch.Tensor,
     num_kv_splits: int,
+    window: Optional[int] = None,
 ) -> torch.Tensor:
-    """Decode attention: one query token per request attends to all `seq_lens[i]` positions of its row.
+    """Decode attention: one query token per request attends to all `seq_lens[i]` positions of its row (the last
+    `window` of them with a sliding window).
 
     q, out: `[batch, num_heads, head_dim]`; partial_out: float32 `[>=batch, num_heads, >=num_kv_splits,
     head_dim]` and partial_lse: float32 `[>=batch, num_heads, >=num_kv_splits]` are scratch. Every
@@ -240,7 +260,7 @@ def decode_attention(
     block_d = triton.next_power_of_2(head_dim)
     _decode_split_kernel[(batch, num_kv_heads, num_kv_splits)](
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, partial_out, partial_lse,
-        sm_scale * _LOG2_E,
+        sm_scale * _LOG2_E, _window_arg(window),
         q.stride(0), q.stride(1),
         k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1),
@@ -274,8 +294,10 @@ def extend_attention(
     extend_starts: torch.Tensor,
     max_extend_len: int,
     sm_scale: float,
+    window: Optional[int] = None,
 ) -> torch.Tensor:
-    """Extend (prefill) attention over each request's cached prefix plus its new tokens, causally.
+    """Extend (prefill) attention over each request's cached prefix plus its new tokens, causally (within the
+    last `window` positions of each query with a sliding window).
 
     q, out: `[num_new_tokens, num_heads, head_dim]`, the new tokens of all requests concatenated in
     request order; `extend_starts[i]` is request i's first row in q. `max_extend_len` (a host int) sizes
@@ -293,7 +315,7 @@ def extend_attention(
     grid = (batch, num_heads, triton.cdiv(max_extend_len, block))
     _extend_kernel[grid](
         q, k_buffer, v_buffer, out, req_to_token, req_pool_indices, prefix_lens, extend_lens, extend_starts,
-        sm_scale * _LOG2_E,
+        sm_scale * _LOG2_E, _window_arg(window),
         q.stride(0), q.stride(1),
         k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1),

@@ -142,7 +142,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 # ---- rotary position embedding -------------------------------------------------------------------
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "proportional")
 
 
 def rope_type_of(rope_scaling: Optional[dict]) -> str:
@@ -155,8 +155,9 @@ def rope_type_of(rope_scaling: Optional[dict]) -> str:
 def rope_inverse_frequencies(rotary_dim: int, base: float, rope_scaling: Optional[dict]) -> torch.Tensor:
     """Float32 inverse frequencies `[rotary_dim // 2]`, after the scaling a config asks for.
 
-    Supports the default RoPE, "linear" (position interpolation) and "llama3" (Llama 3.1's frequency-band
-    rescaling). Variants whose frequencies depend on the current sequence length ("dynamic") or that also
+    Supports the default RoPE, "linear" (position interpolation), "llama3" (Llama 3.1's frequency-band
+    rescaling) and "proportional" (Gemma 4's full layers: the first `partial_rotary_factor` of the frequencies as
+    the default's, the rest zero, so those dimensions do not rotate; divided by `factor`). Variants whose frequencies depend on the current sequence length ("dynamic") or that also
     scale attention ("yarn", "longrope") are refused rather than silently computed wrong. Computed on the
     CPU whatever the default device (models are built under the meta device).
     """
@@ -167,6 +168,10 @@ def rope_inverse_frequencies(rotary_dim: int, base: float, rope_scaling: Optiona
     inv_freq = 1.0 / (base**exponents)
     if rope_type == "linear":
         inv_freq = inv_freq / float(rope_scaling["factor"])
+    elif rope_type == "proportional":
+        rotated = int(float(rope_scaling.get("partial_rotary_factor", 1.0)) * rotary_dim // 2)
+        inv_freq[rotated:] = 0.0
+        inv_freq = inv_freq / float(rope_scaling.get("factor", 1.0))
     elif rope_type == "llama3":
         inv_freq = _llama3_scaled(inv_freq, rope_scaling)
     return inv_freq

@@ -163,7 +163,8 @@ def profile_step_memory(runner: "RunnerParts", max_running: int,
     runner.req_to_token_pool = ReqToTokenPool(rows + 1, width, device)
     runner.allocator = KVAllocator(slots, page, device)
     runner.token_to_kv_pool = TokenToKVPool(slots, page, config.num_hidden_layers, runner.head_layout.num_kv_heads,
-                                            config.head_dim, runner.kv_cache_dtype, device)
+                                            config.head_dim, runner.kv_cache_dtype, device,
+                                            config.layer_kv_shapes or None)
     runner.max_running_requests = max_running  # the backend sizes its decode buffers by it
     runner.lora_manager = None
     runner.cuda_graph_runner = None

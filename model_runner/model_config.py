@@ -10,6 +10,12 @@
   generation_config.json, each of which may be an int or a list.
 - Per-architecture facts: Qwen2 always has q/k/v biases (Qwen2-MoE unless `qkv_bias` says otherwise); Qwen3 and
   Qwen3-MoE always have per-head q/k RMSNorm.
+- Sliding windows: `layer_windows` holds each layer's attention window (None: full attention), from the config's
+  `layer_types` where it has them (Qwen2/Qwen3 with `use_sliding_window`, Gemma 3), else the one `sliding_window` for
+  every layer (Mistral, Mixtral). Per-layer-type RoPE (Gemma 3: `rope_parameters` keyed by layer type) gives the
+  full layers' `rope_theta` / `rope_scaling` and the sliding layers' `sliding_rope_theta` / `sliding_rope_scaling`.
+- Per-layer KV shapes: Gemma 4's full layers have their own head_dim and KV heads (`per_layer_config`);
+  `layer_kv_shapes` holds each layer's (KV heads, head_dim), empty where every layer has the model's.
 - Mixtures of experts: `moe` (a `MoEConfig`) holds the expert count, the routing rule and which layers are sparse,
   read from the family's own keys (`num_experts` or `num_local_experts`, `moe_intermediate_size` or Mixtral's
   `intermediate_size`); None for dense models.
@@ -31,6 +37,8 @@ ARCHITECTURE_MODEL_TYPES = {
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
+    "Gemma3ForCausalLM": "gemma3_text",
+    "Gemma4ForCausalLM": "gemma4_text",
     # Pooling only (model_runner/pooling.py): sequence classifiers and an encoder.
     "LlamaForSequenceClassification": "llama",
     "Qwen2ForSequenceClassification": "qwen2",
@@ -44,9 +52,11 @@ _MODEL_TYPE_ARCHITECTURES = {v: k for k, v in ARCHITECTURE_MODEL_TYPES.items()
 
 # transformers' own defaults for keys a config.json may omit (they differ by family).
 _DEFAULT_MAX_POSITIONS = {"bert": 512, "llama": 2048, "mistral": 32768, "qwen2": 32768, "qwen3": 32768, "qwen2_moe": 32768,
-                          "qwen3_moe": 32768, "mixtral": 131072}
+                          "qwen3_moe": 32768, "mixtral": 131072, "gemma3_text": 131072, "gemma4_text": 131072}
 _DEFAULT_RMS_EPS = {"bert": 1e-12, "llama": 1e-6, "mistral": 1e-6, "qwen2": 1e-6, "qwen3": 1e-6, "qwen2_moe": 1e-6, "qwen3_moe": 1e-6,
-                    "mixtral": 1e-5}
+                    "mixtral": 1e-5, "gemma3_text": 1e-6, "gemma4_text": 1e-6}
+# The activation of the gated MLP per family that does not use SiLU, and the config key naming it.
+_GELU_TANH_FAMILIES = {"gemma3_text": "hidden_activation", "gemma4_text": "hidden_activation"}
 MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral")
 _DEFAULT_ROPE_THETA = 10000.0
 
@@ -59,12 +69,12 @@ def _as_id_list(value: Any) -> list[int]:
     return [int(value)]
 
 
-def _normalise_rope(d: dict) -> tuple[float, Optional[dict]]:
-    """Return (rope_theta, rope_scaling) from either config generation; see the module docstring."""
+def _normalise_rope(d: dict, layer_type: str = "full_attention") -> tuple[float, Optional[dict]]:
+    """Return (rope_theta, rope_scaling) from either config generation, for the layers of `layer_type` where the
+    config has per-layer-type RoPE; see the module docstring."""
     params = d.get("rope_parameters")
     if isinstance(params, dict) and params and all(isinstance(v, dict) for v in params.values()):
-        # Per-layer-type RoPE (e.g. {"full_attention": {...}}); the supported families use full attention.
-        params = params.get("full_attention") or next(iter(params.values()))
+        params = params.get(layer_type) or params.get("full_attention") or next(iter(params.values()))
     if isinstance(params, dict) and params:
         theta = params.get("rope_theta", d.get("rope_theta", _DEFAULT_ROPE_THETA))
         scaling = {k: v for k, v in params.items() if k != "rope_theta"}
@@ -128,7 +138,7 @@ class ModelConfig:
 
     `head_dim` is always set (explicit in the config, else hidden_size // num_attention_heads).
     `sliding_window` is the attention window when the config enables one (Mistral v0.1, Qwen2 with
-    `use_sliding_window`), else None. `moe` describes the experts of a mixture-of-experts model (None when dense).
+    `use_sliding_window`, Gemma 3), else None; `layer_windows` says which layers use it. `moe` describes the experts of a mixture-of-experts model (None when dense).
     `hf_config` keeps the raw config.json dict for anything else.
     """
 
@@ -151,6 +161,10 @@ class ModelConfig:
     bos_token_id: Optional[int]
     torch_dtype: Optional[str]
     sliding_window: Optional[int] = None
+    layer_windows: tuple[Optional[int], ...] = ()  # per layer; empty: no layer has a window
+    sliding_rope_theta: Optional[float] = None  # the sliding layers' RoPE where it differs by layer type
+    sliding_rope_scaling: Optional[dict] = None
+    layer_kv_shapes: tuple[tuple[int, int], ...] = ()  # per layer (KV heads, head_dim); empty: all the model's
     moe: Optional[MoEConfig] = None
     hf_config: dict = field(default_factory=dict, repr=False)
     # generation_config.json's sampling values (SGLang's --sampling-defaults model fills unset ones with them).
@@ -174,6 +188,21 @@ class ModelConfig:
     def model_type(self) -> str:
         return ARCHITECTURE_MODEL_TYPES[self.architecture]
 
+    def window_of(self, layer_id: int) -> Optional[int]:
+        """The sliding window of layer `layer_id`, None for a full-attention layer."""
+        return self.layer_windows[layer_id] if self.layer_windows else None
+
+    def kv_shape_of(self, layer_id: int) -> tuple[int, int]:
+        """(KV heads, head_dim) of layer `layer_id`, over all ranks."""
+        if self.layer_kv_shapes:
+            return self.layer_kv_shapes[layer_id]
+        return self.num_key_value_heads, self.head_dim
+
+    @property
+    def sliding_windows(self) -> tuple[int, ...]:
+        """The distinct windows of the model's layers (empty when every layer attends in full)."""
+        return tuple(sorted({w for w in self.layer_windows if w is not None}))
+
     @classmethod
     def from_dict(cls, d: dict, generation_config: Optional[dict] = None) -> "ModelConfig":
         """Build from a config.json dict (and optionally generation_config.json's dict, for EOS ids).
@@ -190,7 +219,11 @@ class ModelConfig:
                 f"unsupported architecture {architecture!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
         model_type = ARCHITECTURE_MODEL_TYPES[architecture]
-        if model_type != "bert" and d.get("hidden_act", "silu") != "silu":  # BertModel checks its own
+        if model_type in _GELU_TANH_FAMILIES:
+            key = _GELU_TANH_FAMILIES[model_type]
+            if d.get(key, "gelu_pytorch_tanh") not in ("gelu_pytorch_tanh", "gelu_tanh"):
+                raise ValueError(f"unsupported {key} {d[key]!r} for {model_type}; only 'gelu_pytorch_tanh' is supported")
+        elif model_type != "bert" and d.get("hidden_act", "silu") != "silu":  # BertModel checks its own
             raise ValueError(f"unsupported hidden_act {d['hidden_act']!r}; only 'silu' is supported")
         if d.get("mlp_bias", False):
             raise ValueError("mlp_bias=True is not supported")
@@ -206,9 +239,11 @@ class ModelConfig:
             bos = bos[0] if bos else None
 
         sliding_window = None
-        if model_type in ("mistral", "mixtral") or (
+        if model_type in ("mistral", "mixtral", "gemma3_text", "gemma4_text") or (
                 model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and d.get("use_sliding_window")):
             sliding_window = d.get("sliding_window")
+        layer_windows = _layer_windows(d, None if sliding_window is None else int(sliding_window))
+        sliding_rope_theta, sliding_rope_scaling = _sliding_rope(d, model_type)
 
         return cls(
             architecture=architecture,
@@ -226,11 +261,15 @@ class ModelConfig:
             max_position_embeddings=int(d.get("max_position_embeddings") or _DEFAULT_MAX_POSITIONS[model_type]),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=_attention_bias(d, model_type),
-            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text", "gemma4_text"),
             eos_token_ids=eos_ids,
             bos_token_id=None if bos is None else int(bos),
             torch_dtype=d.get("dtype") or d.get("torch_dtype"),
             sliding_window=None if sliding_window is None else int(sliding_window),
+            layer_windows=layer_windows,
+            layer_kv_shapes=_layer_kv_shapes(d, model_type),
+            sliding_rope_theta=sliding_rope_theta,
+            sliding_rope_scaling=sliding_rope_scaling,
             moe=MoEConfig.from_dict(d, model_type) if model_type in MOE_MODEL_TYPES else None,
             hf_config=dict(d),
             sampling_defaults=_sampling_defaults(generation_config or {}),
@@ -251,6 +290,65 @@ class ModelConfig:
             with open(generation_path, encoding="utf-8") as f:
                 generation_config = json.load(f)
         return cls.from_dict(config, generation_config)
+
+
+def _layer_kv_shapes(d: dict, model_type: str) -> tuple[tuple[int, int], ...]:
+    """Each layer's (KV heads, head_dim) where some layer differs from the model's (Gemma 4's `per_layer_config`, keyed
+    by layer index); empty otherwise. Refuses the Gemma 4 features not served here."""
+    if model_type != "gemma4_text":
+        return ()
+    if d.get("enable_moe_block"):
+        raise ValueError("Gemma 4's mixture-of-experts blocks (enable_moe_block) are not supported")
+    if d.get("use_bidirectional_attention") == "all":
+        raise ValueError("Gemma 4 with use_bidirectional_attention='all' is not a causal LM")
+    num_heads = int(d["num_attention_heads"])
+    base = (int(d.get("num_key_value_heads") or num_heads), int(d.get("head_dim") or int(d["hidden_size"]) // num_heads))
+    if "per_layer_config" in d:
+        overrides = {int(layer): entry for layer, entry in (d["per_layer_config"] or {}).items()}
+    else:  # as transformers derives it: the full layers' own head_dim, and KV heads where keys are values
+        full = {"head_dim": d.get("global_head_dim", 512),
+                "num_key_value_heads": d.get("num_global_key_value_heads") if d.get("attention_k_eq_v") else None}
+        overrides = {i: full for i, kind in enumerate(d.get("layer_types") or ()) if kind == "full_attention"}
+    shapes = tuple((int(overrides.get(i, {}).get("num_key_value_heads") or base[0]),
+                    int(overrides.get(i, {}).get("head_dim") or base[1]))
+                   for i in range(int(d["num_hidden_layers"])))
+    return () if all(shape == base for shape in shapes) else shapes
+
+
+def _sliding_rope(d: dict, model_type: str) -> tuple[Optional[float], Optional[dict]]:
+    """The sliding layers' (rope_theta, rope_scaling) where the config gives them their own RoPE: a
+    `rope_parameters` entry "sliding_attention", or an older Gemma 3 config's `rope_local_base_freq` (no scaling);
+    (None, None) where they rotate as the full layers."""
+    params = d.get("rope_parameters")
+    if isinstance(params, dict) and isinstance(params.get("sliding_attention"), dict):
+        return _normalise_rope(d, "sliding_attention")
+    if model_type == "gemma3_text":
+        return float(d.get("rope_local_base_freq", 10000.0)), None
+    return None, None
+
+
+def _layer_windows(d: dict, window: Optional[int]) -> tuple[Optional[int], ...]:
+    """Each layer's window (see the module docstring); empty without one. A Gemma 3 or 4 config without
+    `layer_types` has every `sliding_window_pattern`-th layer (default 6) full (and Gemma 4's last)."""
+    if window is None:
+        return ()
+    if window < 1:
+        raise ValueError(f"sliding_window must be positive, got {window}")
+    num_layers = int(d["num_hidden_layers"])
+    layer_types = d.get("layer_types")
+    if not layer_types and d.get("model_type") in ("gemma3_text", "gemma4_text"):
+        pattern = int(d.get("sliding_window_pattern") or d.get("_sliding_window_pattern") or 6)
+        layer_types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(num_layers)]
+        if d.get("model_type") == "gemma4_text":  # its last layer is always full
+            layer_types[-1] = "full_attention"
+    if not layer_types:
+        return (window,) * num_layers
+    if len(layer_types) != num_layers:
+        raise ValueError(f"layer_types names {len(layer_types)} layers; the model has {num_layers}")
+    unknown = set(layer_types) - {"sliding_attention", "full_attention"}
+    if unknown:
+        raise ValueError(f"unsupported layer types {sorted(unknown)}")
+    return tuple(window if kind == "sliding_attention" else None for kind in layer_types)
 
 
 def _attention_bias(d: dict, model_type: str) -> bool:

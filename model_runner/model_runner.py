@@ -126,7 +126,7 @@ class ModelRunner:
         shape = self.model_config
         self.token_to_kv_pool = TokenToKVPool(
             self.max_total_num_tokens, self.page_size, shape.num_hidden_layers, self.head_layout.num_kv_heads,
-            shape.head_dim, self.kv_cache_dtype, self.device,
+            shape.head_dim, self.kv_cache_dtype, self.device, shape.layer_kv_shapes or None,
         )
         self.attn_backend = self._create_attention_backend()
         self.attn_backend.warm_up(self.kv_cache_dtype)
@@ -216,6 +216,10 @@ class ModelRunner:
         if (self.device.type != "cuda" or self.config.disable_cuda_graph or self.lora_manager is not None
                 or not self.pooling.is_generation):
             return None
+        if self.model_config.sliding_windows and not self.attn_backend.graphs_apply_windows:
+            logger.info("decode runs eagerly: the %s attention backend's graphs do not apply sliding windows",
+                        self.config.attention_backend)
+            return None
         from radixserve.model_runner.cuda_graph import create_cuda_graph_runner
 
         return create_cuda_graph_runner(self)
@@ -230,11 +234,6 @@ class ModelRunner:
         if self.config.context_length and context_len > config.max_position_embeddings:
             logger.warning("context_length %d exceeds the model's max_position_embeddings %d",
                            context_len, config.max_position_embeddings)
-        if config.sliding_window is not None and config.sliding_window < context_len:
-            # Within the window, sliding-window and full attention are the same computation.
-            logger.warning("capping context length %d at the model's sliding window %d",
-                           context_len, config.sliding_window)
-            context_len = config.sliding_window
         return context_len
 
     def _load_model(self, files: ModelFiles) -> torch.nn.Module:
@@ -269,6 +268,8 @@ class ModelRunner:
         bytes_per_token = TokenToKVPool.bytes_per_token(
             config.num_hidden_layers, self.head_layout.num_kv_heads, config.head_dim, self.kv_cache_dtype
         )
+        if config.layer_kv_shapes:  # per-layer shapes are served on one rank (models/gemma4.py)
+            bytes_per_token = TokenToKVPool.bytes_per_token_of(config.layer_kv_shapes, self.kv_cache_dtype)
         row_bytes = self.context_len * 4  # one int32 req_to_token row
         plan: Optional[MemoryPlan] = None
         if args.max_total_tokens is not None:

@@ -43,6 +43,8 @@ class HostKVPool:
     def __init__(self, device_pool: TokenToKVPool, size: int) -> None:
         if size < device_pool.page_size:
             raise ValueError(f"a host KV pool of {size} tokens holds less than one page of {device_pool.page_size}")
+        if not device_pool.uniform:
+            raise ValueError("the hierarchical cache needs one KV shape for every layer; this model's layers differ")
         self.device_pool = device_pool
         self.page_size = device_pool.page_size
         self.allocator = KVAllocator(size, self.page_size, "cpu")

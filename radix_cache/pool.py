@@ -160,7 +160,9 @@ class KVAllocator:
 class TokenToKVPool:
     """Per-layer K and V buffers of shape `[size + page_size, num_kv_heads, head_dim]`.
 
-    Index `slot` as handed out by `KVAllocator`; the first page is the dummy page.
+    Index `slot` as handed out by `KVAllocator`; the first page is the dummy page. `layer_shapes` gives each layer its
+    own (KV heads, head_dim) where they differ (Gemma 4's full layers); `num_kv_heads` and `head_dim` are then the
+    first layer's, and `uniform` is False.
     """
 
     def __init__(
@@ -172,21 +174,30 @@ class TokenToKVPool:
         head_dim: int,
         dtype: torch.dtype,
         device: str | torch.device = "cpu",
+        layer_shapes: Optional[Sequence[tuple[int, int]]] = None,
     ) -> None:
         self.size = size
         self.page_size = page_size
         self.num_layers = num_layers
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
+        self.layer_shapes = list(layer_shapes) if layer_shapes else [(num_kv_heads, head_dim)] * num_layers
+        assert len(self.layer_shapes) == num_layers, "one (KV heads, head_dim) per layer"
+        self.num_kv_heads, self.head_dim = self.layer_shapes[0]
+        self.uniform = len(set(self.layer_shapes)) == 1
         self.dtype = dtype
         self.device = torch.device(device)
-        shape = (size + page_size, num_kv_heads, head_dim)
-        self.k_buffer = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
-        self.v_buffer = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.k_buffer = [torch.zeros((size + page_size, *shape), dtype=dtype, device=self.device)
+                         for shape in self.layer_shapes]
+        self.v_buffer = [torch.zeros((size + page_size, *shape), dtype=dtype, device=self.device)
+                         for shape in self.layer_shapes]
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    @staticmethod
+    def bytes_per_token_of(layer_shapes: Sequence[tuple[int, int]], dtype: torch.dtype) -> int:
+        """K and V bytes of one token over layers of the given (KV heads, head_dim)."""
+        return sum(TokenToKVPool.bytes_per_token(1, heads, dim, dtype) for heads, dim in layer_shapes)
 
     def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k_buffer[layer_id], self.v_buffer[layer_id]

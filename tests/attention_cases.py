@@ -152,10 +152,12 @@ def share_prefixes(case: AttentionCase, group_size: int, shared_len: int) -> Att
     return case
 
 
-def reference_attention(case: AttentionCase, device: str | torch.device = "cpu") -> torch.Tensor:
+def reference_attention(case: AttentionCase, device: str | torch.device = "cpu",
+                        sliding_window: int | None = None) -> torch.Tensor:
     """Causal attention of every new token over its request's prefix + new tokens, in float64 on `device`
     from the case's own copies of the data (it never reads the pool). Query head h uses KV head
-    h // (num_heads // num_kv_heads)."""
+    h // (num_heads // num_kv_heads). With a `sliding_window` W, the query at position t sees the keys at
+    positions t - W < p <= t only."""
     batch = case.batch
     kv_dtype = batch.token_to_kv_pool.dtype
     q = case.q.to(device, torch.float64)
@@ -172,17 +174,38 @@ def reference_attention(case: AttentionCase, device: str | torch.device = "cpu")
         queries = q[start:start + extend_len]
         scores = torch.einsum("qhd,khd->hqk", queries, keys) * case.scaling
         query_pos = prefix_len + torch.arange(extend_len, device=device)
-        visible = torch.arange(prefix_len + extend_len, device=device)[None, :] <= query_pos[:, None]
+        key_pos = torch.arange(prefix_len + extend_len, device=device)[None, :]
+        visible = key_pos <= query_pos[:, None]
+        if sliding_window is not None:
+            visible &= key_pos > query_pos[:, None] - sliding_window
         scores = scores.masked_fill(~visible[None], float("-inf"))
         outputs.append(torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), values))
         start += extend_len
     return torch.cat(outputs)
 
 
-def run_backend(backend, case: AttentionCase) -> torch.Tensor:
-    """Plan the case's batch on `backend` and run one layer; returns the output."""
+def run_backend(backend, case: AttentionCase, sliding_window: int | None = None) -> torch.Tensor:
+    """Plan the case's batch on `backend` and run one layer (with `sliding_window`, if given); returns the output."""
     backend.plan(case.batch)
-    return backend.forward(case.q, case.k, case.v, case.layer_id, case.scaling, case.batch)
+    return backend.forward(case.q, case.k, case.v, case.layer_id, case.scaling, case.batch, sliding_window)
+
+
+def poison_outside_windows(case: AttentionCase, window: int) -> None:
+    """Point every whole page of positions that no query of its request sees under `window` at a slot full of NaN
+    (a freed page reused by another request may hold anything): a backend that reads one returns NaN. The slot is
+    one no request holds."""
+    batch = case.batch
+    pool = batch.token_to_kv_pool
+    req_to_token = batch.req_to_token_pool.req_to_token
+    rows = batch.req_pool_indices.tolist()
+    held = {int(slot) for row, seq_len in zip(rows, batch.seq_lens_cpu) for slot in req_to_token[row, :seq_len]}
+    poison = max(set(range(pool.page_size, pool.k_buffer[0].shape[0])) - held)
+    for layer in range(len(pool.k_buffer)):
+        pool.k_buffer[layer][poison] = float("nan")
+        pool.v_buffer[layer][poison] = float("nan")
+    for row, prefix_len in zip(rows, batch.prefix_lens_cpu):
+        unseen = max(0, prefix_len - window + 1) // pool.page_size * pool.page_size
+        req_to_token[row, :unseen] = poison
 
 
 def kv_written(case: AttentionCase) -> bool:

@@ -7,8 +7,9 @@
 `tiny_model_dir` (session): a factory `tiny_model_dir(arch, *, seed=0, with_tokenizer=False, **config_overrides)
     -> str` that saves a small random-weight Hugging Face model (config.json + model.safetensors, float32) with
     transformers' own classes and returns its directory. Same arguments -> same directory (built once per
-    session). `arch` is "llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe" or "mixtral" (or the
-    architecture class name). The mixture-of-experts families get 8 experts, top-2, experts of width 32 (Mixtral's:
+    session). `arch` is "llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral", "gemma3" or
+    "gemma4" (or the architecture class name). The Gemma models mix sliding layers (window 8) with full ones
+    (`_TINY_WINDOWED`). The mixture-of-experts families get 8 experts, top-2, experts of width 32 (Mixtral's:
     `intermediate_size`), and Qwen2-MoE a shared expert of width 48.
     Defaults: hidden 64, 2 layers, 4 query heads, 2 KV heads, head_dim 16, intermediate 128, vocab 512,
     rope_theta 50000 (not a library default, so a loader reading the wrong key fails), no EOS token (so
@@ -54,6 +55,8 @@ TINY_ARCHITECTURES = {
     "qwen2_moe": "Qwen2MoeConfig",
     "qwen3_moe": "Qwen3MoeConfig",
     "mixtral": "MixtralConfig",
+    "gemma3": "Gemma3TextConfig",
+    "gemma4": "Gemma4TextConfig",
 }
 _CLASS_NAME_TO_ARCH = {
     "LlamaForCausalLM": "llama",
@@ -63,6 +66,8 @@ _CLASS_NAME_TO_ARCH = {
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
+    "Gemma3ForCausalLM": "gemma3",
+    "Gemma4ForCausalLM": "gemma4",
 }
 # The mixture-of-experts families: 8 experts of width 32, top-2 (Mixtral's experts take `intermediate_size`).
 _TINY_MOE = {
@@ -70,6 +75,26 @@ _TINY_MOE = {
                   "shared_expert_intermediate_size": 48},
     "qwen3_moe": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
     "mixtral": {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32},
+}
+# Gemma 3: 4 layers, full attention in the last only, windows of 8 positions (shorter than most test prompts), its
+# own RoPE base on the sliding layers, soft-capped logits and tied embeddings.
+_TINY_WINDOWED = {
+    "gemma3": {"num_hidden_layers": 4, "sliding_window": 8, "query_pre_attn_scalar": 16,
+               "layer_types": ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+               "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                   "full_attention": {"rope_type": "default", "rope_theta": 50000.0}},
+               "final_logit_softcapping": 30.0, "tie_word_embeddings": True},
+    # Gemma 4: 6 layers (two full), full layers with head_dim 32 and one KV head whose keys are the values, the last
+    # two layers sharing the KV of layers 3 and 2 with double-wide MLPs, per-layer inputs of 8, proportional RoPE.
+    "gemma4": {"num_hidden_layers": 6, "sliding_window": 8, "global_head_dim": 32, "num_global_key_value_heads": 1,
+               "attention_k_eq_v": True, "num_kv_shared_layers": 2, "use_double_wide_mlp": True,
+               "hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": 512,
+               "layer_types": ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention",
+                               "sliding_attention", "full_attention"],
+               "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                   "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                                      "rope_theta": 50000.0}},
+               "final_logit_softcapping": 30.0, "tie_word_embeddings": True},
 }
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 
@@ -91,6 +116,7 @@ def _tiny_config_kwargs(arch: str) -> dict:
         "eos_token_id": None,
         "pad_token_id": None,
         **_TINY_MOE.get(arch, {}),
+        **_TINY_WINDOWED.get(arch, {}),
     }
 
 

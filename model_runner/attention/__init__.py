@@ -35,6 +35,11 @@ def create_attention_backend(name: str, runner: "RunnerParts | None" = None) -> 
         raise ValueError(f"the {name} attention backend is built for a ModelRunner; none was given")
     config = runner.model_config
     shape = (runner.head_layout.num_heads, runner.head_layout.num_kv_heads, config.head_dim)  # this rank's heads
+    if config.layer_kv_shapes and name == "flashinfer":
+        raise ValueError("the flashinfer attention backend plans one KV shape for every layer, and this model's "
+                         "layers differ; use the triton or torch_native attention backend")
+    if config.layer_kv_shapes:  # the Triton scratch holds the widest layer's heads
+        shape = (shape[0], shape[1], max(head_dim for _, head_dim in config.layer_kv_shapes))
     if name == "cpu":
         if runner.device.type != "cpu":
             raise ValueError("the cpu attention backend runs on the CPU; use flashinfer, triton or torch_native")
@@ -71,7 +76,8 @@ def create_attention_backend(name: str, runner: "RunnerParts | None" = None) -> 
         prefill = {None: "auto", "flashinfer": "fa2", "fa3": "fa3"}[runner.config.prefill_attention_backend]
         return FlashInferAttentionBackend(*shape, runner.dtype, runner.device, page_size=runner.page_size,
                                           workspace_bytes=workspace, prefill_backend=prefill,
-                                          cascade=not runner.config.disable_cascade_attn)
+                                          cascade=not runner.config.disable_cascade_attn,
+                                          sliding_windows=config.sliding_windows)
     except ImportError as exc:
         raise ValueError(f"the flashinfer attention backend is not available: {exc}") from exc
 

@@ -7,6 +7,7 @@ calls `forward` and never asks which backend it runs on.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Optional
 
 import torch
 
@@ -18,6 +19,8 @@ class AttentionBackend(ABC):
     # `prefix_groups` (requests sharing at least `min_shared_prefix` cached positions).
     uses_prefix_groups = False
     min_shared_prefix = 0
+    # Whether a captured decode CUDA graph applies the layers' sliding windows (else such models decode eagerly).
+    graphs_apply_windows = True
 
     def prefers_eager(self, batch: ForwardBatch) -> bool:
         """Whether `batch` should run eagerly even where a captured CUDA graph fits it."""
@@ -40,7 +43,13 @@ class AttentionBackend(ABC):
         layer_id: int,
         scaling: float,
         batch: ForwardBatch,
+        sliding_window: Optional[int] = None,
     ) -> torch.Tensor:
         """Write the new tokens' K/V at `batch.out_cache_loc`, then return causal attention output
         `[num_tokens, num_heads, head_dim]` over each request's prefix plus its new tokens (bidirectional when
-        `batch.causal` is False, which only torch_native runs)."""
+        `batch.causal` is False, which only torch_native runs).
+
+        A layer with a `sliding_window` W (the model passes it; None: full attention) attends from the query at
+        position t only to the keys at positions t - W < p <= t, the W most recent (itself included), as Hugging
+        Face's sliding layers do, and reads no KV slot of an older position: a window-aware pool may already have
+        given those slots to another request."""

@@ -14,19 +14,24 @@ Until the kernel library is loaded (built at first use in the background, see `k
 batch, and batches of dtypes or head sizes it does not cover, go through the torch_native backend, the reference;
 so do batches with an extend longer than `max_extend_len`, where one is given (none by default, see
 `MAX_KERNEL_EXTEND_LEN`).
+
+Sliding-window layers: in a batch of one query a request (decode), the kernel reads each request's last W keys (a
+plan of their own, made at the batch's first windowed layer, no shared prefixes); a query block's keys would need a
+per-row lower bound the kernel does not take, so windowed layers of extend batches run torch_native's window plan.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
 from radixserve.kernels import cpu_build
 from radixserve.model_runner.attention.base import AttentionBackend
-from radixserve.model_runner.attention.torch_native import TorchNativeAttention, find_shared_prefixes
+from radixserve.model_runner.attention.torch_native import (TorchNativeAttention, TorchNativeMetadata,
+                                                            find_shared_prefixes)
 from radixserve.model_runner.forward_batch import ForwardBatch
 
 QUERY_BLOCK = 16  # query tokens per work item of a lone request
@@ -52,6 +57,8 @@ class CpuAttentionPlan:
     kv_slots: torch.Tensor
     out_cache_loc: torch.Tensor
     num_groups_shared: int  # groups with shared keys and more than one member (reported by tests)
+    # Sliding window -> the plan of its layers (a kernel plan for decode, torch_native's otherwise), made at first use.
+    windowed: dict[int, "CpuAttentionPlan | TorchNativeMetadata"] = field(default_factory=dict)
 
 
 class CpuAttentionBackend(AttentionBackend):
@@ -76,8 +83,8 @@ class CpuAttentionBackend(AttentionBackend):
         pool = batch.token_to_kv_pool
         buffer = pool.k_buffer[0]
         long_extend = self.max_extend_len is not None and max(batch.extend_lens_cpu) > self.max_extend_len
-        if long_extend or not cpu_build.ready() or buffer.dtype not in SUPPORTED_DTYPES or buffer.is_cuda or (
-                not supported_head_dim(buffer.shape[-1])):
+        if long_extend or not cpu_build.ready() or buffer.dtype not in SUPPORTED_DTYPES or buffer.is_cuda or not all(
+                supported_head_dim(head_dim) for _, head_dim in pool.layer_shapes):
             self.fallback.plan(batch)
             return
         batch.attn_metadata = plan_groups(batch, self.min_shared_prefix, self.max_group_tokens)
@@ -88,12 +95,19 @@ class CpuAttentionBackend(AttentionBackend):
         """Batches planned with at least one shared-prefix group, here or on the torch_native path."""
         return self.kernel_cascade_batches + self.fallback.num_cascade_batches
 
-    def forward(self, q, k, v, layer_id: int, scaling: float, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, q, k, v, layer_id: int, scaling: float, batch: ForwardBatch,
+                sliding_window: Optional[int] = None) -> torch.Tensor:
         meta = batch.attn_metadata
         if not isinstance(meta, CpuAttentionPlan) or q.dtype != batch.token_to_kv_pool.k_buffer[0].dtype:
             if isinstance(meta, CpuAttentionPlan):  # a dtype the kernel was not planned for: re-plan the reference
                 self.fallback.plan(batch)
-            return self.fallback.forward(q, k, v, layer_id, scaling, batch)
+            return self.fallback.forward(q, k, v, layer_id, scaling, batch, sliding_window)
+        if sliding_window is not None and max(batch.seq_lens_cpu) > sliding_window:
+            if sliding_window not in meta.windowed:
+                meta.windowed[sliding_window] = self._plan_window(batch, sliding_window)
+            meta = meta.windowed[sliding_window]
+            if isinstance(meta, TorchNativeMetadata):
+                return self.fallback.run(meta, q, k, v, layer_id, scaling, batch)
         k_buffer, v_buffer = batch.token_to_kv_pool.get_kv_buffer(layer_id)
         return torch.ops.radixserve_cpu.paged_attention(
             q, k_buffer, v_buffer, k.to(k_buffer.dtype), v.to(v_buffer.dtype), meta.out_cache_loc, meta.items,
@@ -101,6 +115,12 @@ class CpuAttentionBackend(AttentionBackend):
             meta.member_q_pos0, meta.member_kv_indptr, meta.member_kv_pos0, meta.kv_slots, scaling, _EMPTY, self.amx,
             self.row_invariant,
         )
+
+
+    def _plan_window(self, batch: ForwardBatch, window: int) -> "CpuAttentionPlan | TorchNativeMetadata":
+        if max(batch.extend_lens_cpu) == 1:
+            return plan_groups(batch, max_group_tokens=self.max_group_tokens, window=window)
+        return self.fallback.plan_window(batch, window)
 
 
 _EMPTY = torch.empty(0)
@@ -111,11 +131,16 @@ def supported_head_dim(head_dim: int) -> bool:
     return head_dim % 16 == 0 and head_dim <= 256
 
 
-def plan_groups(batch: ForwardBatch, min_shared_prefix: int = 32, max_group_tokens: int = 64) -> CpuAttentionPlan:
-    """The kernel's description of `batch` (see the module docstring)."""
+def plan_groups(batch: ForwardBatch, min_shared_prefix: int = 32, max_group_tokens: int = 64,
+                window: Optional[int] = None) -> CpuAttentionPlan:
+    """The kernel's description of `batch` (see the module docstring); with a sliding `window`, of a batch of one
+    query a request, each reading its last `window` keys."""
     size = batch.batch_size
     shared, key_starts = [], [0] * size
-    if size > 1 and min_shared_prefix != math.inf:
+    if window is not None:
+        assert max(batch.extend_lens_cpu) == 1, "the kernel applies a window to one query a request only"
+        key_starts = [max(0, prefix - window + 1) for prefix in batch.prefix_lens_cpu]
+    elif size > 1 and min_shared_prefix != math.inf:
         shared, key_starts = find_shared_prefixes(batch, max(1, int(min_shared_prefix)))
     extend_lens, prefix_lens, seq_lens = batch.extend_lens_cpu, batch.prefix_lens_cpu, batch.seq_lens_cpu
     token_starts = [0]

@@ -15,13 +15,18 @@ the wrapper's own scheduling workspace in place, which the captured kernels read
 Decode batches whose requests share long cached prefixes (`ForwardBatch.prefix_groups`) run as cascade attention
 (`flashinfer_cascade.py`), each group's shared keys read once, unless `cascade=False` (`--disable-cascade-attn`).
 
+Sliding windows: a model whose layers have windows names them (`sliding_windows`); per batch, each window that some
+sequence outgrows gets a wrapper of its own, planned with FlashInfer's `window_left` (W - 1) over a page table that
+starts at the page of each request's first new token's window, so no older page is read (a window-aware pool may
+have freed it). Such models run without cascade attention and without decode CUDA graphs.
+
 `flashinfer` is imported when the backend is constructed, never when this module is imported.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Optional, Union
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence, Union
 
 import torch
 
@@ -51,6 +56,8 @@ FA3_MIN_MEAN_EXTEND = 128
 class FlashInferMetadata:
     wrapper: Any  # the planned decode or prefill wrapper
     kv_index: PagedKVIndex  # kept alive while the wrapper reads its page ids
+    # Sliding window -> the plan of its layers, for each window some sequence of the batch outgrows.
+    windowed: dict[int, "FlashInferMetadata"] = field(default_factory=dict)
 
 
 class FlashInferAttentionBackend(AttentionBackend):
@@ -63,6 +70,8 @@ class FlashInferAttentionBackend(AttentionBackend):
     `prefill_backend`: "auto" (FA3 for long extends where `fa3_available`, else FA2), "fa2", or "fa3" (every
     extend batch on FA3; Hopper only). Cascade and decode never use FA3 (it lost 3-5x on one query a request).
     """
+
+    graphs_apply_windows = False  # the graph wrappers are planned for full attention only
 
     def __init__(
         self,
@@ -77,6 +86,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         prefill_backend: str = "auto",
         workspace_bytes: int = fi.DEFAULT_WORKSPACE_BYTES,
         cascade: bool = True,
+        sliding_windows: Sequence[int] = (),
     ) -> None:
         assert num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
         self.device = torch.device(device)
@@ -105,12 +115,17 @@ class FlashInferAttentionBackend(AttentionBackend):
         self.fa3_min_mean_extend = 0 if prefill_backend == "fa3" else FA3_MIN_MEAN_EXTEND
         self._planned: Optional[torch.cuda.Event] = None  # recorded after the latest plan's copies
         self._graph_wrappers: dict[int, Any] = {}  # captured batch size -> CUDA-graph decode wrapper
-        self.cascade = cascade
+        self.sliding_windows = tuple(sorted(set(sliding_windows)))
+        self.cascade = cascade and not self.sliding_windows
         self.min_shared_prefix = MIN_SHARED_POSITIONS
         self.cascade_min_saved_bytes = MIN_SAVED_BYTES  # per step, see flashinfer_cascade.py
         self.cascade_min_saved_bytes_over_graph = MIN_SAVED_BYTES_OVER_GRAPH
-        self._shared_prefill_wrapper = fi.make_prefill_wrapper(self._workspace, "fa2") if cascade else None
+        self._shared_prefill_wrapper = fi.make_prefill_wrapper(self._workspace, "fa2") if self.cascade else None
         self.num_cascade_batches = 0
+        # Per window: (decode wrapper, prefill wrapper) of its layers.
+        self._window_wrappers = {window: (fi.make_decode_wrapper(self._workspace, self.decode_use_tensor_cores),
+                                          fi.make_prefill_wrapper(self._workspace, "fa2"))
+                                 for window in self.sliding_windows}
 
     def plan(self, batch: ForwardBatch) -> None:
         assert batch.token_to_kv_pool.page_size == self.page_size, "pool page size differs from the backend's"
@@ -126,16 +141,33 @@ class FlashInferAttentionBackend(AttentionBackend):
                 batch.attn_metadata = cascade
                 return
         kv_index = self._kv_index(batch)
+        qo_indptr_host = torch.zeros(batch.batch_size + 1, dtype=torch.int32)
+        qo_indptr_host[1:] = torch.cumsum(torch.tensor(batch.extend_lens_cpu, dtype=torch.int32), dim=0)
         if batch.mode == ForwardMode.DECODE:
             fi.plan_decode(self._decode_wrapper, kv_index, *shape, self.dtype, kv_dtype, self.sm_scale)
             wrapper = self._decode_wrapper
         else:
-            qo_indptr_host = torch.zeros(batch.batch_size + 1, dtype=torch.int32)
-            qo_indptr_host[1:] = torch.cumsum(torch.tensor(batch.extend_lens_cpu, dtype=torch.int32), dim=0)
             wrapper = self._extend_wrapper(batch, kv_dtype)
             fi.plan_prefill(wrapper, qo_indptr_host, kv_index, *shape, self.dtype, kv_dtype, self.sm_scale)
+        meta = FlashInferMetadata(wrapper, kv_index)
+        for window in self.sliding_windows:
+            if max(batch.seq_lens_cpu) > window:
+                meta.windowed[window] = self._plan_window(batch, window, qo_indptr_host, shape, kv_dtype)
         self._mark_planned()
-        batch.attn_metadata = FlashInferMetadata(wrapper, kv_index)
+        batch.attn_metadata = meta
+
+    def _plan_window(self, batch: ForwardBatch, window: int, qo_indptr_host: torch.Tensor, shape: tuple,
+                     kv_dtype: torch.dtype) -> FlashInferMetadata:
+        """The plan of the layers with a sliding `window`: pages from each request's first new token's window on."""
+        starts = [max(0, prefix - window + 1) // self.page_size * self.page_size for prefix in batch.prefix_lens_cpu]
+        kv_index = self._kv_index(batch, starts)
+        decode_wrapper, prefill_wrapper = self._window_wrappers[window]
+        if batch.mode == ForwardMode.DECODE:
+            fi.plan_decode(decode_wrapper, kv_index, *shape, self.dtype, kv_dtype, self.sm_scale, window - 1)
+            return FlashInferMetadata(decode_wrapper, kv_index)
+        fi.plan_prefill(prefill_wrapper, qo_indptr_host, kv_index, *shape, self.dtype, kv_dtype, self.sm_scale,
+                        window_left=window - 1)
+        return FlashInferMetadata(prefill_wrapper, kv_index)
 
     def _extend_wrapper(self, batch: ForwardBatch, kv_dtype: torch.dtype) -> Any:
         """FA3 for an extend batch long enough to gain from it (and a pool in the activations' dtype), else FA2."""
@@ -215,14 +247,16 @@ class FlashInferAttentionBackend(AttentionBackend):
         )
         self.plan_for_replay(batch)
 
-    def _kv_index(self, batch: ForwardBatch) -> PagedKVIndex:
-        """The batch's paged-KV index arrays, built on the device from req_to_token."""
+    def _kv_index(self, batch: ForwardBatch, starts: Optional[list[int]] = None) -> PagedKVIndex:
+        """The batch's paged-KV index arrays, built on the device from req_to_token (from positions `starts` on,
+        whole pages, where given)."""
         return build_paged_kv_index(
             batch.req_to_token_pool.req_to_token,
             batch.req_pool_indices,
             batch.seq_lens,
             batch.seq_lens_cpu,
             self.page_size,
+            starts,
         )
 
     def plan_for_replay(self, batch: ForwardBatch) -> None:
@@ -246,9 +280,13 @@ class FlashInferAttentionBackend(AttentionBackend):
         layer_id: int,
         scaling: float,
         batch: ForwardBatch,
+        sliding_window: Optional[int] = None,
     ) -> torch.Tensor:
         meta = batch.attn_metadata
         assert isinstance(meta, (FlashInferMetadata, CascadeMetadata)), "plan() must run before forward()"
+        if sliding_window is not None and max(batch.seq_lens_cpu) > sliding_window:
+            assert sliding_window in self.sliding_windows, f"window {sliding_window} was not given to the backend"
+            meta = meta.windowed[sliding_window]
         pool = batch.token_to_kv_pool
         pool.set_kv_buffer(layer_id, batch.out_cache_loc, k, v)
         k_buffer, v_buffer = pool.get_kv_buffer(layer_id)

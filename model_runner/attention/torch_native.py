@@ -24,6 +24,12 @@ chunks cover only each request's keys after the shared part (`start` above); the
 are merged by their log-sum-exp. Softmax over a split key set is exact, so this changes only the float
 rounding. It pays off on the CPU, where the gathers dominate decode; on a GPU it is off by default.
 
+Sliding windows: a layer called with a window W attends from position t only to keys in (t - W, t]. Its plan (made
+at the batch's first such layer, kept for the others) cuts each request's new tokens into blocks of at most W
+queries, starts each block's keys at the window of its first query, so no older slot is gathered and a long prefill
+attends to O(W) keys a query, masks the rest per query, and shares no prefix. A
+batch whose sequences all fit in W runs the full layers' plan.
+
 Causality: new token j of request i sits at position `prefix_lens[i] + j` and attends to key positions
 `<= prefix_lens[i] + j`; in a batch with `causal=False` (an encoder's) it attends to every key of its sequence. Padded key columns point at slot 0 (the pool's dummy page) and are masked out;
 padded query rows see the whole sequence (so no row is empty) and their output is dropped.
@@ -97,6 +103,7 @@ class TorchNativeMetadata:
     chunks: list[AttentionChunk]
     shared: list[SharedPrefix] = field(default_factory=list)
     shared_token_index: Optional[torch.Tensor] = None  # the groups' token_index, concatenated
+    windowed: dict[int, "TorchNativeMetadata"] = field(default_factory=dict)  # window -> its plan, made at first use
 
 
 class TorchNativeAttention(AttentionBackend):
@@ -127,18 +134,39 @@ class TorchNativeAttention(AttentionBackend):
         shared, key_starts = [], [0] * batch.batch_size
         if batch.batch_size > 1 and min_shared != math.inf:
             shared, key_starts = find_shared_prefixes(batch, max(1, int(min_shared)))
-        key_lens = [seq - start for seq, start in zip(batch.seq_lens_cpu, key_starts)]
-        chunks = []
-        token_start = 0
-        for first, last in self.split_requests(batch.extend_lens_cpu, key_lens, device_type):
-            chunk = _plan_chunk(batch, first, last, token_start, key_starts[first:last])
-            chunks.append(chunk)
-            token_start = chunk.token_end
+        chunks = self._plan_chunks(batch, key_starts, None)
         shared_index = None
         if shared:
             shared_index = torch.cat([group.token_index for group in shared])
             self.num_cascade_batches += 1
         batch.attn_metadata = TorchNativeMetadata(chunks, shared, shared_index)
+
+    def _plan_chunks(self, batch: ForwardBatch, key_starts: list[int], window: Optional[int]) -> list[AttentionChunk]:
+        key_lens = [seq - start for seq, start in zip(batch.seq_lens_cpu, key_starts)]
+        chunks = []
+        token_start = 0
+        for first, last in self.split_requests(batch.extend_lens_cpu, key_lens, batch.req_pool_indices.device.type):
+            chunk = _plan_chunk(batch, first, last, token_start, key_starts[first:last], window)
+            chunks.append(chunk)
+            token_start = chunk.token_end
+        return chunks
+
+    def metadata_for(self, batch: ForwardBatch, sliding_window: Optional[int]) -> TorchNativeMetadata:
+        """The plan a layer with `sliding_window` runs on (see the module docstring): the batch's own plan for a
+        full layer, or for a window that every sequence of the batch fits in."""
+        meta: TorchNativeMetadata = batch.attn_metadata
+        if sliding_window is None or max(batch.seq_lens_cpu) <= sliding_window:
+            return meta
+        if sliding_window not in meta.windowed:
+            meta.windowed[sliding_window] = self.plan_window(batch, sliding_window)
+        return meta.windowed[sliding_window]
+
+    def plan_window(self, batch: ForwardBatch, window: int) -> TorchNativeMetadata:
+        """The plan of `batch` for layers with a sliding `window`: each request's new tokens in blocks of at most
+        `window` queries, each block's keys from its first query's window on, no shared prefixes."""
+        blocks = _window_blocks(batch, window)
+        key_starts = [max(0, prefix - window + 1) for prefix in blocks.prefix_lens_cpu]
+        return TorchNativeMetadata(self._plan_chunks(blocks, key_starts, window))
 
     def split_requests(
         self, extend_lens: list[int], key_lens: list[int], device_type: str = "cpu"
@@ -174,8 +202,13 @@ class TorchNativeAttention(AttentionBackend):
         layer_id: int,
         scaling: float,
         batch: ForwardBatch,
+        sliding_window: Optional[int] = None,
     ) -> torch.Tensor:
-        meta: TorchNativeMetadata = batch.attn_metadata
+        return self.run(self.metadata_for(batch, sliding_window), q, k, v, layer_id, scaling, batch)
+
+    def run(self, meta: TorchNativeMetadata, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+            scaling: float, batch: ForwardBatch) -> torch.Tensor:
+        """`forward` on the plan `meta` of `batch`."""
         pool = batch.token_to_kv_pool
         pool.set_kv_buffer(layer_id, batch.out_cache_loc, k, v)
         k_buffer, v_buffer = pool.get_kv_buffer(layer_id)
@@ -242,7 +275,42 @@ def find_shared_prefixes(batch: ForwardBatch, min_len: int) -> tuple[list[Shared
     return groups, key_starts
 
 
-def _plan_chunk(batch: ForwardBatch, first: int, last: int, token_start: int, key_starts: list[int]) -> AttentionChunk:
+@dataclass
+class _QueryBlocks:
+    """A batch's requests cut into blocks of consecutive new tokens, each planned as a request of its own (its
+    "prefix" the positions before the block): the attributes of ForwardBatch that planning reads."""
+
+    req_pool_indices: torch.Tensor
+    seq_lens: torch.Tensor
+    prefix_lens: torch.Tensor
+    seq_lens_cpu: list[int]
+    prefix_lens_cpu: list[int]
+    extend_lens_cpu: list[int]
+    req_to_token_pool: object
+    causal: bool = True
+
+
+def _window_blocks(batch: ForwardBatch, window: int) -> "ForwardBatch | _QueryBlocks":
+    """`batch` with every extend longer than `window` cut into blocks of `window` queries, so a block attends to at
+    most 2 * window keys instead of its request's whole sequence; `batch` itself when no extend is that long."""
+    if max(batch.extend_lens_cpu) <= window:
+        return batch
+    rows, prefixes, extends = [], [], []
+    for i, (prefix, extend) in enumerate(zip(batch.prefix_lens_cpu, batch.extend_lens_cpu)):
+        for start in range(0, extend, window):
+            rows.append(i)
+            prefixes.append(prefix + start)
+            extends.append(min(window, extend - start))
+    device = batch.req_pool_indices.device
+    seqs = [p + e for p, e in zip(prefixes, extends)]
+    return _QueryBlocks(batch.req_pool_indices[torch.tensor(rows, device=device)],
+                        torch.tensor(seqs, dtype=torch.int64, device=device),
+                        torch.tensor(prefixes, dtype=torch.int64, device=device), seqs, prefixes, extends,
+                        batch.req_to_token_pool, batch.causal)
+
+
+def _plan_chunk(batch: ForwardBatch, first: int, last: int, token_start: int, key_starts: list[int],
+                window: Optional[int] = None) -> AttentionChunk:
     device = batch.req_pool_indices.device
     extend_lens = batch.extend_lens_cpu[first:last]
     seq_lens = batch.seq_lens[first:last]
@@ -264,6 +332,9 @@ def _plan_chunk(batch: ForwardBatch, first: int, last: int, token_start: int, ke
     causal = key_pos[:, None, :] <= query_pos[:, :, None]  # [n, max_ext, max_keys]
     if not batch.causal:  # an encoder: every query sees its whole sequence
         causal = torch.ones_like(causal)
+    if window is not None:  # padded query rows take their request's last position, so no row is empty
+        last_pos = torch.minimum(query_pos, seq_lens[:, None] - 1)
+        causal &= key_pos[:, None, :] > last_pos[:, :, None] - window
     mask = (causal & in_seq[:, None, :])[:, None]
     query_slots = None
     if any(e != max_ext for e in extend_lens):

@@ -8,7 +8,7 @@ a CPU they run under the Triton interpreter, which must be enabled with `TRITON_
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Union
+from typing import Optional, Union
 
 import torch
 
@@ -109,6 +109,7 @@ class TritonAttentionBackend(AttentionBackend):
         layer_id: int,
         scaling: float,
         batch: ForwardBatch,
+        sliding_window: Optional[int] = None,
     ) -> torch.Tensor:
         pool = batch.token_to_kv_pool
         pool.set_kv_buffer(layer_id, batch.out_cache_loc, k, v)
@@ -124,12 +125,12 @@ class TritonAttentionBackend(AttentionBackend):
         if isinstance(meta, TritonDecodeMetadata):
             decode_attention(
                 q_kv, k_buffer, v_buffer, out, req_to_token, batch.req_pool_indices, batch.seq_lens, scaling,
-                self._partial_out, self._partial_lse, meta.num_kv_splits,
+                self._partial_out, self._partial_lse, meta.num_kv_splits, sliding_window,
             )
         else:
             assert isinstance(meta, TritonExtendMetadata), "plan() must run before forward()"
             extend_attention(
                 q_kv, k_buffer, v_buffer, out, req_to_token, batch.req_pool_indices, batch.prefix_lens,
-                batch.extend_lens, meta.extend_starts, meta.max_extend_len, scaling,
+                batch.extend_lens, meta.extend_starts, meta.max_extend_len, scaling, sliding_window,
             )
         return out if out.dtype == q.dtype else out.to(q.dtype)

@@ -48,6 +48,9 @@ def iter_weights(model_dir: str, lazy: bool = False) -> Iterator[tuple[str, Any]
 
 def dummy_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Hugging Face parameter names and shapes of a model with this config (the checkpoint's layout)."""
+    if config.model_type == "gemma4_text":
+        raise ValueError("dummy weights are not laid out for Gemma 4 (per-layer shapes, shared KV, per-layer inputs); "
+                         "load a checkpoint")
     hidden, head_dim = config.hidden_size, config.head_dim
     q_size = config.num_attention_heads * head_dim
     kv_size = config.num_key_value_heads * head_dim
@@ -67,6 +70,9 @@ def dummy_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[f"{prefix}.self_attn.q_norm.weight"] = (head_dim,)
             shapes[f"{prefix}.self_attn.k_norm.weight"] = (head_dim,)
         shapes[f"{prefix}.post_attention_layernorm.weight"] = (hidden,)
+        if config.model_type == "gemma3_text":
+            shapes[f"{prefix}.pre_feedforward_layernorm.weight"] = (hidden,)
+            shapes[f"{prefix}.post_feedforward_layernorm.weight"] = (hidden,)
         if config.moe is not None and layer in config.moe.sparse_layers:
             shapes.update(_sparse_mlp_shapes(config, prefix))
         else:

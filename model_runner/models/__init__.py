@@ -5,6 +5,8 @@ from __future__ import annotations
 from torch import nn
 
 from radixserve.model_runner.models.bert import BertModel
+from radixserve.model_runner.models.gemma3 import Gemma3ForCausalLM
+from radixserve.model_runner.models.gemma4 import Gemma4ForCausalLM
 from radixserve.model_runner.models.llama import LlamaForCausalLM
 from radixserve.model_runner.models.mixtral import MixtralForCausalLM
 from radixserve.model_runner.models.qwen2 import Qwen2ForCausalLM
@@ -23,6 +25,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Gemma4ForCausalLM": Gemma4ForCausalLM,
     "LlamaForSequenceClassification": LlamaForSequenceClassification,
     "Qwen2ForSequenceClassification": Qwen2ForSequenceClassification,
     "Qwen3ForSequenceClassification": Qwen3ForSequenceClassification,
@@ -40,6 +44,6 @@ def get_model_class(architecture: str) -> type[nn.Module]:
         ) from None
 
 
-__all__ = ["MODEL_REGISTRY", "BertModel", "LlamaForSequenceClassification", "Qwen2ForSequenceClassification",
+__all__ = ["MODEL_REGISTRY", "BertModel", "Gemma3ForCausalLM", "Gemma4ForCausalLM", "LlamaForSequenceClassification", "Qwen2ForSequenceClassification",
            "Qwen3ForSequenceClassification", "get_model_class", "LlamaForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM",
            "Qwen2MoeForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"]

@@ -58,6 +58,7 @@ class LlamaAttention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scaling = self.head_dim**-0.5
+        self.sliding_window = config.window_of(layer_id)
         self.rotary = rotary
         qkv_bias = config.attention_bias if self.qkv_bias_override is None else self.qkv_bias_override
         o_bias = config.attention_bias if self.o_bias_override is None else self.o_bias_override
@@ -82,7 +83,7 @@ class LlamaAttention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         q, k = self.normalize_qk(q, k)
         q, k = self.rotary(positions, q, k)
-        out = attn_backend.forward(q, k, v, self.layer_id, self.scaling, batch)
+        out = attn_backend.forward(q, k, v, self.layer_id, self.scaling, batch, self.sliding_window)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
@@ -162,7 +163,8 @@ class LlamaForCausalLM(nn.Module):
     The runner installs the attention backend with `set_attention_backend` before the first forward.
     """
 
-    layer_class: type[LlamaDecoderLayer] = LlamaDecoderLayer
+    layer_class: type[nn.Module] = LlamaDecoderLayer
+    model_class: type[nn.Module] = LlamaModel  # built as model_class(config, layer_class, max_positions, tp)
 
     def __init__(
         self, config: "ModelConfig", max_positions: Optional[int] = None, tp: Optional[TPGroup] = None
@@ -171,7 +173,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.tp = tp or TPGroup.single()
         max_positions = max_positions or config.max_position_embeddings
-        self.model = LlamaModel(config, self.layer_class, max_positions, self.tp)
+        self.model = self.model_class(config, self.layer_class, max_positions, self.tp)
         self.tie_word_embeddings = bool(config.tie_word_embeddings)
         if self.tie_word_embeddings:
             self.lm_head = None

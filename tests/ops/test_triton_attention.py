@@ -184,3 +184,30 @@ def test_paged_kv_index_from_given_starts(page_size):
         with pytest.raises(AssertionError, match="whole pages"):
             kv_indices.build_paged_kv_index(req_to_token, batch.req_pool_indices, batch.seq_lens,
                                             batch.seq_lens_cpu, page_size, starts_host=[1, 0, 0, 0, 0])
+
+
+# (mode, prefix_lens, extend_lens, window): windows shorter than the prefixes and than the extends (so rows of one
+# query block start their windows in different key blocks), a window of one position.
+WINDOW_CASES = [
+    (ForwardMode.DECODE, [0, 13, 40, 3], [1, 1, 1, 1], 8),
+    (ForwardMode.DECODE, [70], [1], 1),
+    (ForwardMode.EXTEND, [0, 7, 20, 16], [5, 19, 3, 1], 6),
+    (ForwardMode.EXTEND, [0], [40], 3),
+    (ForwardMode.MIXED, [9, 0, 31], [1, 6, 1], 4),
+]
+
+
+@pytest.mark.parametrize("mode,prefix_lens,extend_lens,window", WINDOW_CASES)
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_sliding_window(mode, prefix_lens, extend_lens, window, page_size):
+    """A windowed layer against the float64 reference with the window's mask; the positions no query sees point at
+    NaN, so a kernel that reads one fails."""
+    from attention_cases import poison_outside_windows
+
+    case = make_case(mode, prefix_lens, extend_lens, num_heads=4, num_kv_heads=2, head_dim=16, page_size=page_size,
+                     dtype=torch.float32, device=DEVICE, seed=window)
+    expected = reference_attention(case, sliding_window=window)
+    poison_outside_windows(case, window)
+    out = run_backend(_backend(4, 2, 16), case, window)
+    error = (out.double().cpu() - expected).abs().max().item()
+    assert error < TOLERANCE[torch.float32], f"max abs error {error}"
