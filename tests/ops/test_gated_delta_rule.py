@@ -141,15 +141,12 @@ def test_fla_fused_recurrent_matches_reference():
     q, k, v, g, beta, state = _fla_case(6, device)
     scale = q.shape[-1] ** -0.5
     try:
-        out, final = fla_recurrent(q[None], k[None], v[None], g[None], beta[None], scale=scale,
+        out, final = fla_recurrent(q[None], k[None], v[None], g=g[None], beta=beta[None], scale=scale,
                                    initial_state=state[None], output_final_state=True)
     except Exception as exc:  # noqa: BLE001 - a kernel the interpreter cannot run is a skip, not a failure
         if torch.cuda.is_available():
             raise
         pytest.skip(f"fla's fused recurrent kernel does not run under the Triton interpreter: {exc}")
-    if not torch.cuda.is_available() and not bool(torch.isfinite(out).all()):
-        # The interpreter runs masked-off lanes on whatever memory lies there; a NaN from that is not the kernel's.
-        pytest.skip("fla's fused recurrent kernel gave non-finite values under the Triton interpreter")
     assert_matches(out[0].cpu(), final[0].cpu(), *reference(q.cpu(), k.cpu(), v.cpu(), g.cpu(), beta.cpu(),
                                                             state.cpu(), scale))
 
@@ -160,7 +157,7 @@ def test_fla_chunk_matches_reference():
     q, k, v, g, beta, state = _fla_case(70, device)
     scale = q.shape[-1] ** -0.5
     try:
-        out, final = fla_chunk(q[None], k[None], v[None], g[None], beta[None], scale=scale,
+        out, final = fla_chunk(q[None], k[None], v[None], g=g[None], beta=beta[None], scale=scale,
                                initial_state=state[None], output_final_state=True)
     except Exception as exc:  # noqa: BLE001
         if torch.cuda.is_available():
