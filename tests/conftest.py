@@ -54,6 +54,7 @@ TINY_ARCHITECTURES = {
     "qwen2_moe": "Qwen2MoeConfig",
     "qwen3_moe": "Qwen3MoeConfig",
     "mixtral": "MixtralConfig",
+    "qwen3_5": "Qwen3_5TextConfig",
 }
 _CLASS_NAME_TO_ARCH = {
     "LlamaForCausalLM": "llama",
@@ -63,6 +64,7 @@ _CLASS_NAME_TO_ARCH = {
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
+    "Qwen3_5ForCausalLM": "qwen3_5",
 }
 # The mixture-of-experts families: 8 experts of width 32, top-2 (Mixtral's experts take `intermediate_size`).
 _TINY_MOE = {
@@ -70,6 +72,12 @@ _TINY_MOE = {
                   "shared_expert_intermediate_size": 48},
     "qwen3_moe": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
     "mixtral": {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32},
+}
+# The hybrid (Gated DeltaNet + full attention): 4 layers, the last attending fully; 2 key heads of 4 value heads each
+# pair, heads of 16.
+_TINY_HYBRID = {
+    "qwen3_5": {"num_hidden_layers": 4, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+                "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4},
 }
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 
@@ -91,6 +99,7 @@ def _tiny_config_kwargs(arch: str) -> dict:
         "eos_token_id": None,
         "pad_token_id": None,
         **_TINY_MOE.get(arch, {}),
+        **_TINY_HYBRID.get(arch, {}),
     }
 
 
