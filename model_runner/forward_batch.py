@@ -42,17 +42,20 @@ class StateSlots:
 
     Per request i: the state is read from slot `read[i]` (-1: a fresh zero state, the request starts at position 0;
     a snapshot slot when it resumes from a cached prefix; else its own working slot), the state after its new
-    tokens is written to `write[i]` (its working slot) and, when `snapshot[i] >= 0`, also to that snapshot slot.
+    tokens is written to `write[i]` (its working slot) and, when `snapshot[i] >= 0`, also to that snapshot slot;
+    when `before_last[i] >= 0` (an extend of two tokens or more), the state before its last new token goes there.
     """
 
     read: list[int]
     write: list[int]
     snapshot: list[int]
+    before_last: list[int]
 
     @classmethod
     def of_rows(cls, rows: list[int], prefix_lens: list[int]) -> "StateSlots":
         """Each request in its row's working slot, fresh where it has no prefix, no snapshots."""
-        return cls([row if prefix else -1 for row, prefix in zip(rows, prefix_lens)], list(rows), [-1] * len(rows))
+        none = [-1] * len(rows)
+        return cls([row if prefix else -1 for row, prefix in zip(rows, prefix_lens)], list(rows), none, none)
 
 
 @dataclass

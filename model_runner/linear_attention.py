@@ -82,7 +82,7 @@ class GatedDeltaNet(nn.Module):
             out, state = self._recurrent(q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None], state)
             out = out[:, 0]
         else:
-            out, conv_state, state = self._extend(mixed, g, beta, conv_state, state, batch)
+            out, conv_state, state = self._extend(mixed, g, beta, conv_state, state, batch, slots, pool)
         write = torch.tensor(slots.write, dtype=torch.int64, device=device)
         pool.write(self.state_index, write, conv_state, state)
         snapshot = torch.tensor(slots.snapshot, dtype=torch.int64)
@@ -110,19 +110,26 @@ class GatedDeltaNet(nn.Module):
             initial_state=state.float().contiguous(), output_final_state=True)
         return out, state
 
-    def _extend(self, mixed, g, beta, conv_state, state, batch: ForwardBatch):
+    def _extend(self, mixed, g, beta, conv_state, state, batch: ForwardBatch, slots: StateSlots, pool: "StatePool"):
         """Each request's new tokens from its states: the conv per request, then the chunked rule (fla's varlen
-        kernel over the whole batch on CUDA)."""
+        kernel over the whole batch on CUDA). A request whose state before its last token is wanted
+        (`slots.before_last`) runs its tokens in two parts and leaves that state in the slot named."""
         convolved, conv_states = [], []
+        conv_before_last = {}
+        width = self.conv_weight.shape[1]
         start = 0
         for i, length in enumerate(batch.extend_lens_cpu):
-            out, new_conv = causal_conv1d(mixed[start:start + length], conv_state[i], self.conv_weight)
+            tokens = mixed[start:start + length]
+            out, new_conv = causal_conv1d(tokens, conv_state[i], self.conv_weight)
+            if slots.before_last[i] >= 0:
+                history = torch.cat([conv_state[i].to(tokens.dtype), tokens.transpose(0, 1)], dim=1)
+                conv_before_last[i] = history[:, length - 1:length - 1 + width - 1]
             convolved.append(out)
             conv_states.append(new_conv)
             start += length
         q, k, v = self._heads(torch.cat(convolved))
         fla = fla_kernels() if q.is_cuda else None
-        if fla is not None:
+        if fla is not None and not conv_before_last:
             lens = torch.tensor(batch.extend_lens_cpu, dtype=torch.int64)
             cu_seqlens = torch.cat([lens.new_zeros(1), lens.cumsum(0)]).to(q.device)
             out, states = fla.chunk_gated_delta_rule(
@@ -133,9 +140,28 @@ class GatedDeltaNet(nn.Module):
         start = 0
         for i, length in enumerate(batch.extend_lens_cpu):
             end = start + length
-            out, final = chunk_gated_delta_rule(q[start:end], k[start:end], v[start:end], g[start:end],
-                                                beta[start:end], state[i], self.scale)
+            split = end - 1 if i in conv_before_last else end
+            out, final = self._chunk(q[start:split], k[start:split], v[start:split], g[start:split],
+                                     beta[start:split], state[i])
             outs.append(out)
+            if split < end:
+                slot = torch.tensor([slots.before_last[i]], device=q.device)
+                pool.write(self.state_index, slot, conv_before_last[i][None], final[None])
+                last, final = self._recurrent(q[None, split:end], k[None, split:end], v[None, split:end],
+                                              g[None, split:end], beta[None, split:end], final[None])
+                outs.append(last[0])
+                final = final[0]
             states.append(final)
             start = end
         return torch.cat(outs), torch.stack(conv_states), torch.stack(states)
+
+    def _chunk(self, q, k, v, g, beta, state):
+        """One sequence in the chunked form (fla's kernel on CUDA where it imports)."""
+        fla = fla_kernels() if q.is_cuda else None
+        if fla is None:
+            return chunk_gated_delta_rule(q, k, v, g, beta, state, self.scale)
+        out, final = fla.chunk_gated_delta_rule(
+            q[None].contiguous(), k[None].contiguous(), v[None].contiguous(), g=g[None].contiguous(),
+            beta=beta[None].contiguous(), scale=self.scale, initial_state=state[None].float().contiguous(),
+            output_final_state=True)
+        return out[0], final[0]

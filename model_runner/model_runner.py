@@ -113,6 +113,9 @@ class ModelRunner:
         self.head_layout = HeadLayout.of(self.model_config.num_attention_heads,
                                          self.model_config.num_key_value_heads, self.tp)
         model_class = get_model_class(self.model_config.architecture)
+        if self.model_config.is_hybrid and config.speculative:
+            raise ValueError(f"speculative decoding would have to roll back {self.model_config.architecture}'s "
+                             "recurrent states, which is not implemented; drop --speculative-algorithm")
         self.is_causal = getattr(model_class, "is_causal", True)
         self.pooling = PoolingSpec.of(self.model_dir, self.model_config.hf_config, self.is_causal,
                                       self.model_config.architecture.endswith("ForSequenceClassification"),

@@ -86,6 +86,14 @@ class StatePool:
         self.conv[layer][slots] = conv.to(self.conv[layer].dtype)
         self.recurrent[layer][slots] = recurrent.to(self.recurrent[layer].dtype)
 
+    def copy(self, source: int, destination: int) -> None:
+        """Copy every layer's states from slot `source` to slot `destination` (a finished request's working slot
+        into a snapshot). Issued after the last batch that wrote `source`, before any batch that reads
+        `destination`."""
+        for conv, recurrent in zip(self.conv, self.recurrent):
+            conv[destination].copy_(conv[source])
+            recurrent[destination].copy_(recurrent[source])
+
     # ---- invariants ----------------------------------------------------------------------------------
     def check_invariants(self, held: Iterable[int]) -> None:
         """Raise AssertionError unless every snapshot slot is free or held by exactly one owner in `held`."""
