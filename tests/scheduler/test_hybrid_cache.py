@@ -130,7 +130,9 @@ def test_abort_and_namespaces(model_dir, references):
 
 
 def test_snapshot_budget_evicts_least_recently_used(model_dir, references):
-    """With 4 snapshot slots only, the oldest unlocked snapshots go first; outputs stay exact."""
+    """With 4 snapshot slots only, the least recently used unlocked snapshots go first: of two waves of 4 requests,
+    the second wave's final states are what is left, and a continuation of each of those resumes at its end; outputs
+    stay those of the cache off."""
     prompts, expected = references
     driver = SchedulerDriver(model_dir, max_total_tokens=4096, max_running_requests=4, max_mamba_cache_size=12 + 4,
                              disable_overlap_schedule=True)
@@ -138,10 +140,15 @@ def test_snapshot_budget_evicts_least_recently_used(model_dir, references):
     assert outputs == expected
     cache = driver.scheduler.cache
     assert driver.runner.state_pool.num_snapshot_slots == 4 and cache.num_snapshots() == 4
-    driver, again = run(model_dir, prompts[-2:], prefix="again", driver=driver)  # the most recent: still cached
-    assert again == expected[-2:]
-    assert all(driver.results[f"again{i}"].cached_tokens > 0 for i in range(2))
+    continued = [p + ids + [7] for p, ids in zip(prompts, expected)]
+    driver, second = run(model_dir, continued[4:], max_new_tokens=4, prefix="second", driver=driver)
+    assert [driver.results[f"second{i}"].cached_tokens for i in range(4)] == [
+        len(p) + MAX_NEW_TOKENS - 1 for p in prompts[4:]]
+    driver, first = run(model_dir, continued[:4], max_new_tokens=4, prefix="first", driver=driver)
+    assert all(driver.results[f"first{i}"].cached_tokens < len(p) for i, p in enumerate(prompts[:4]))
     driver.close()
+    _, uncached = run(model_dir, continued, max_new_tokens=4, disable_radix_cache=True)
+    assert first + second == uncached
 
 
 # ---- the multi-turn workload ----------------------------------------------------------------------------------
