@@ -76,3 +76,21 @@ def test_dummy_weights_fill_every_parameter(model_dir):
     runner = make_runner(model_dir, load_format="dummy")
     assert greedy_generate(runner, [[1, 2, 3]], 4)[0].__len__() == 4
     assert all(torch.isfinite(p).all() for p in runner.model.parameters())
+
+
+def test_qwen3_5_9b_benchmark_config_builds_and_takes_its_dummy_weights():
+    """The shape the GPU benchmark runs (benchmarks/configs/qwen3.5-9b.json, transformers' Qwen3.5 defaults): read as
+    a hybrid of 24 linear and 8 full-attention layers, and its dummy weights fill every parameter (meta device)."""
+    import json
+    from pathlib import Path
+
+    from radixserve.model_runner.models import get_model_class
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "configs" / "qwen3.5-9b.json"
+    config = ModelConfig.from_dict(json.loads(path.read_text()))
+    assert len(config.linear_attention.linear_layers) == 24 and config.num_kv_layers == 8
+    with torch.device("meta"):
+        model = get_model_class(config.architecture)(config, max_positions=64)
+        model.load_weights((name, torch.empty(shape)) for name, shape in model.hf_weight_shapes().items())
+    total = sum(p.numel() for p in model.parameters())
+    assert 8.5e9 < total < 10.5e9, total
