@@ -92,7 +92,7 @@ class HybridRadixCache(RadixCache):
         super().cache_unfinished_req(req, token_ids)
         req.pending_snapshot = req.pending_snapshot_before_last = NO_SNAPSHOT
         num_tokens = len(token_ids)
-        if not token_ids or num_tokens % self.page_size:
+        if not token_ids or len(req.prefix_indices) != num_tokens:  # its unaligned tail is not in the tree
             return
         node = req.last_node
         if node.key and node.state_slot == NO_SNAPSHOT:
