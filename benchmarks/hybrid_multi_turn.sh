@@ -20,13 +20,15 @@ PORT=${PORT:-30120}
 NUM_CONVERSATIONS=${NUM_CONVERSATIONS:-8}
 TURNS=6 FIRST=128 USER=32 OUTPUT=16
 OUT=${1:-benchmarks/results/hybrid_multi_turn-$(date +%Y%m%d-%H%M%S)}
+MODELS=$(mktemp -d)  # the random-weight models (100 MB each with SmolLM2's vocabulary) stay out of the records
 mkdir -p "$OUT"
+OUT=$(realpath "$OUT")
 if grep -qw amx_tile /proc/cpuinfo; then ISA=amx; elif grep -qw avx512_bf16 /proc/cpuinfo; then ISA=avx512_bf16
 elif grep -qw avx512f /proc/cpuinfo; then ISA=avx512f; elif grep -qw avx2 /proc/cpuinfo; then ISA=avx2; else ISA=other; fi
 echo "CPU: $(lscpu | sed -n 's/^Model name: *//p'), $(nproc) cores, ISA $ISA; records and logs: $OUT"
 
 # Run from outside the checkout: a bare `python` in the root would import its `kernels` folder as the hub package.
-(cd /tmp && "$OLDPWD/$PY" - "$OLDPWD/$OUT" <<'PY'
+(cd /tmp && "$OLDPWD/$PY" - "$MODELS" <<'PY'
 import os, shutil, sys
 import torch, transformers
 from radixserve.runtime.model_files import resolve_model
@@ -61,13 +63,13 @@ stop_server() {  # SIGTERM to the server, which stops its children; what is left
         SERVER_PID=
     fi
 }
-trap stop_server EXIT
+trap 'stop_server; rm -rf "$MODELS"' EXIT
 
 for model in hybrid dense; do
     for cache in on off; do
         flags=()
         [ "$cache" = off ] && flags=(--disable-radix-cache)
-        setsid "$PY" -m radixserve serve --model-path "$OUT/model-$model" --port "$PORT" --log-level warning \
+        setsid "$PY" -m radixserve serve --model-path "$MODELS/model-$model" --port "$PORT" --log-level warning \
             --dtype float32 --max-total-tokens 16384 "${flags[@]}" >"$OUT/server-$model-$cache.log" 2>&1 &
         SERVER_PID=$!
         for _ in $(seq 600); do
@@ -76,25 +78,25 @@ for model in hybrid dense; do
             sleep 1
         done
         "$PY" benchmarks/serving.py --base-url "http://127.0.0.1:$PORT" --disable-tqdm --dataset multi-turn \
-            --tokenizer "$OUT/model-$model" --num-prompts "$NUM_CONVERSATIONS" --mt-turns $TURNS \
+            --tokenizer "$MODELS/model-$model" --num-prompts "$NUM_CONVERSATIONS" --mt-turns $TURNS \
             --mt-first-len $FIRST --mt-user-len $USER --mt-output-len $OUTPUT --max-concurrency 4 \
             --label "$model-cache-$cache" --output-file "$OUT/serving-$model-$cache.json"
         stop_server
     done
 done
-(cd /tmp && "$OLDPWD/$PY" - "$OLDPWD/$OUT" "$ISA" $TURNS $FIRST $USER $OUTPUT <<'PY'
+(cd /tmp && "$OLDPWD/$PY" - "$OUT" "$ISA" "$MODELS" $TURNS $FIRST $USER $OUTPUT <<'PY'
 import json, sys
 import torch
 from radixserve.model_runner.model_config import ModelConfig
 from radixserve.model_runner.state_memory import bytes_per_slot
 from radixserve.radix_cache.pool import TokenToKVPool
 
-out, isa = sys.argv[1], sys.argv[2]
-turns, first, user, output = map(int, sys.argv[3:])
+out, isa, models = sys.argv[1], sys.argv[2], sys.argv[3]
+turns, first, user, output = map(int, sys.argv[4:])
 tokens = first + (turns - 1) * user + turns * output  # a conversation's last request, its answer included
 rows = []
 for model in ("hybrid", "dense"):
-    config = ModelConfig.from_path(f"{out}/model-{model}")
+    config = ModelConfig.from_path(f"{models}/model-{model}")
     kv = TokenToKVPool.bytes_per_token(config.num_kv_layers, config.num_key_value_heads, config.head_dim, torch.float32)
     state = bytes_per_slot(config, torch.float32, torch.float32) if config.is_hybrid else 0
     for cache in ("on", "off"):
