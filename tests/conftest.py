@@ -7,9 +7,10 @@
 `tiny_model_dir` (session): a factory `tiny_model_dir(arch, *, seed=0, with_tokenizer=False, **config_overrides)
     -> str` that saves a small random-weight Hugging Face model (config.json + model.safetensors, float32) with
     transformers' own classes and returns its directory. Same arguments -> same directory (built once per
-    session). `arch` is "llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe" or "mixtral" (or the
-    architecture class name). The mixture-of-experts families get 8 experts, top-2, experts of width 32 (Mixtral's:
-    `intermediate_size`), and Qwen2-MoE a shared expert of width 48.
+    session). `arch` is "llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral" or "qwen3_5" (or
+    the architecture class name). The mixture-of-experts families get 8 experts, top-2, experts of width 32
+    (Mixtral's: `intermediate_size`), and Qwen2-MoE a shared expert of width 48. The hybrid Qwen3.5 gets 4 layers
+    (3 Gated DeltaNet, then full attention) with 2 key heads and 4 value heads of 16 in its linear layers.
     Defaults: hidden 64, 2 layers, 4 query heads, 2 KV heads, head_dim 16, intermediate 128, vocab 512,
     rope_theta 50000 (not a library default, so a loader reading the wrong key fails), no EOS token (so
     generation runs to max_new_tokens); Qwen2 ties its embeddings, the others do not. Weights are drawn

@@ -179,6 +179,7 @@ def multi_turn(model_dir, **server_args) -> tuple[list[list[int]], list[int]]:
     return answers, cached
 
 
+@pytest.mark.slow  # three runs of 48 requests (about a minute on 2 cores)
 def test_multi_turn_caches_as_much_as_a_dense_model(model_dir, tiny_model_dir):
     dense_dir = tiny_model_dir("qwen3", num_hidden_layers=4)
     _, dense_cached = multi_turn(dense_dir, disable_overlap_schedule=True)
