@@ -189,3 +189,17 @@ def test_multi_turn_caches_as_much_as_a_dense_model(model_dir, tiny_model_dir):
     assert sum(dense_cached) > 0
     assert sum(cached) >= 0.9 * sum(dense_cached), (sum(cached), sum(dense_cached))
     assert torch.tensor(cached).min() > 0  # every later turn resumed from its conversation's last snapshot
+
+
+@pytest.mark.slow  # starts the Engine's processes
+def test_engine_serves_the_hybrid_with_cache_hits(model_dir, references):
+    from radixserve import Engine
+
+    prompts, expected = references
+    params = {"temperature": 0.0, "max_new_tokens": MAX_NEW_TOKENS}
+    with Engine(model_path=model_dir, device="cpu", dtype="float32", chunked_prefill_size=16, log_level="warning",
+                max_mamba_cache_size=256) as engine:
+        assert [r["output_ids"] for r in engine.generate(input_ids=prompts, sampling_params=params)] == expected
+        again = engine.generate(input_ids=prompts, sampling_params=params)
+        assert [r["output_ids"] for r in again] == expected
+        assert [r["meta_info"]["cached_tokens"] for r in again] == [len(p) - 1 for p in prompts]
