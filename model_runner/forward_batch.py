@@ -37,6 +37,28 @@ class PrefixGroups:
 
 
 @dataclass
+class StateSlots:
+    """Where each request of a hybrid model's batch finds and leaves its recurrent state (radix_cache/state_pool.py).
+
+    Per request i: the state is read from slot `read[i]` (-1: a fresh zero state, the request starts at position 0;
+    a snapshot slot when it resumes from a cached prefix; else its own working slot), the state after its new
+    tokens is written to `write[i]` (its working slot) and, when `snapshot[i] >= 0`, also to that snapshot slot;
+    when `before_last[i] >= 0` (an extend of two tokens or more), the state before its last new token goes there.
+    """
+
+    read: list[int]
+    write: list[int]
+    snapshot: list[int]
+    before_last: list[int]
+
+    @classmethod
+    def of_rows(cls, rows: list[int], prefix_lens: list[int]) -> "StateSlots":
+        """Each request in its row's working slot, fresh where it has no prefix, no snapshots."""
+        none = [-1] * len(rows)
+        return cls([row if prefix else -1 for row, prefix in zip(rows, prefix_lens)], list(rows), none, none)
+
+
+@dataclass
 class ForwardBatch:
     """Token-major inputs of one forward pass.
 
@@ -70,6 +92,8 @@ class ForwardBatch:
     prefix_groups: Optional[PrefixGroups] = None
     # False for an encoder's batch (set by the runner from its model): every token attends to its whole sequence.
     causal: bool = True
+    # Hybrid models: each request's recurrent-state slots; None: `StateSlots.of_rows` (no prefix cache involved).
+    state_slots: Optional[StateSlots] = None
 
     @property
     def batch_size(self) -> int:

@@ -74,6 +74,7 @@ class MemoryPlan:
     request_table: int = 0
     margin: int = 0
     source: str = "profiled"
+    state_pool: int = 0  # a hybrid model's recurrent states (model_runner/state_memory.py), taken from the KV budget
 
     @property
     def reserve(self) -> int:
@@ -85,6 +86,8 @@ class MemoryPlan:
 
         line = (f"memory plan ({self.source}) on {self.device_name}, {gib(self.total)}: weights {gib(self.weights)}, "
                 f"KV pool {gib(self.kv)} ({self.kv_tokens} tokens)")
+        if self.state_pool:
+            line += f", state pool {gib(self.state_pool)}"
         if self.source == "profiled":
             line += (f", reserve {gib(self.reserve)} (step activations {gib(self.activations)}, attention workspaces "
                      f"{gib(self.workspace)}, CUDA graphs {gib(self.cuda_graphs)}, request table "
@@ -162,9 +165,13 @@ def profile_step_memory(runner: "RunnerParts", max_running: int,
     slots = (prefill_requests + max_running) * width + page
     runner.req_to_token_pool = ReqToTokenPool(rows + 1, width, device)
     runner.allocator = KVAllocator(slots, page, device)
-    runner.token_to_kv_pool = TokenToKVPool(slots, page, config.num_hidden_layers, runner.head_layout.num_kv_heads,
+    runner.token_to_kv_pool = TokenToKVPool(slots, page, config.num_kv_layers, runner.head_layout.num_kv_heads,
                                             config.head_dim, runner.kv_cache_dtype, device,
                                             config.layer_kv_shapes or None)
+    if config.is_hybrid:  # a working state per row and one snapshot slot (the steps write none)
+        from radixserve.model_runner.state_memory import make_state_pool
+
+        runner.model.set_state_pool(make_state_pool(config, rows + 1, rows + 2, runner.config, runner.dtype, device))
     runner.max_running_requests = max_running  # the backend sizes its decode buffers by it
     runner.lora_manager = None
     runner.cuda_graph_runner = None
@@ -211,6 +218,8 @@ def profile_step_memory(runner: "RunnerParts", max_running: int,
         peaks.append(memory.peak() - base)
 
     runner.model.set_attention_backend(None)
+    if config.is_hybrid:
+        runner.model.set_state_pool(None)
     del runner.attn_backend, runner.req_to_token_pool, runner.allocator, runner.token_to_kv_pool
     memory.release_cached()
     return StepMemory(prefill=peaks[0], decode=peaks[1], decode_forward=forward_peaks[1], workspace=workspace,

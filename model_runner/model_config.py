@@ -39,6 +39,7 @@ ARCHITECTURE_MODEL_TYPES = {
     "MixtralForCausalLM": "mixtral",
     "Gemma3ForCausalLM": "gemma3_text",
     "Gemma4ForCausalLM": "gemma4_text",
+    "Qwen3_5ForCausalLM": "qwen3_5_text",
     # Pooling only (model_runner/pooling.py): sequence classifiers and an encoder.
     "LlamaForSequenceClassification": "llama",
     "Qwen2ForSequenceClassification": "qwen2",
@@ -52,12 +53,15 @@ _MODEL_TYPE_ARCHITECTURES = {v: k for k, v in ARCHITECTURE_MODEL_TYPES.items()
 
 # transformers' own defaults for keys a config.json may omit (they differ by family).
 _DEFAULT_MAX_POSITIONS = {"bert": 512, "llama": 2048, "mistral": 32768, "qwen2": 32768, "qwen3": 32768, "qwen2_moe": 32768,
-                          "qwen3_moe": 32768, "mixtral": 131072, "gemma3_text": 131072, "gemma4_text": 131072}
+                          "qwen3_moe": 32768, "mixtral": 131072, "gemma3_text": 131072, "gemma4_text": 131072,
+                          "qwen3_5_text": 32768}
 _DEFAULT_RMS_EPS = {"bert": 1e-12, "llama": 1e-6, "mistral": 1e-6, "qwen2": 1e-6, "qwen3": 1e-6, "qwen2_moe": 1e-6, "qwen3_moe": 1e-6,
-                    "mixtral": 1e-5, "gemma3_text": 1e-6, "gemma4_text": 1e-6}
+                    "mixtral": 1e-5, "gemma3_text": 1e-6, "gemma4_text": 1e-6, "qwen3_5_text": 1e-6}
 # The activation of the gated MLP per family that does not use SiLU, and the config key naming it.
 _GELU_TANH_FAMILIES = {"gemma3_text": "hidden_activation", "gemma4_text": "hidden_activation"}
 MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral")
+# Hybrids of Gated DeltaNet (linear attention) and full-attention layers.
+LINEAR_ATTENTION_MODEL_TYPES = ("qwen3_5_text",)
 _DEFAULT_ROPE_THETA = 10000.0
 
 
@@ -132,14 +136,65 @@ class MoEConfig:
                    bool(d.get("norm_topk_prob", False)), sparse, int(d.get("shared_expert_intermediate_size") or 0))
 
 
+@dataclass(frozen=True)
+class LinearAttentionConfig:
+    """The Gated DeltaNet layers of a hybrid model (Qwen3.5): which layers they are and their shapes.
+
+    A linear layer keeps, per request, a convolution state `[conv_dim, conv_kernel_size - 1]` (the last inputs of its
+    causal conv1d over q, k and v) and a recurrent state `[num_value_heads, key_head_dim, value_head_dim]` instead of
+    KV; the other layers are full attention with a KV cache. Each key head serves `num_value_heads //
+    num_key_heads` value heads.
+    """
+
+    linear_layers: frozenset[int]
+    conv_kernel_size: int
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+
+    def __post_init__(self) -> None:
+        if self.num_value_heads % self.num_key_heads:
+            raise ValueError(f"linear_num_value_heads ({self.num_value_heads}) must be a multiple of "
+                             f"linear_num_key_heads ({self.num_key_heads})")
+        if self.conv_kernel_size < 2:
+            raise ValueError(f"linear_conv_kernel_dim must be at least 2, got {self.conv_kernel_size}")
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the causal convolution: q and k (key_dim each) and v."""
+        return 2 * self.num_key_heads * self.key_head_dim + self.num_value_heads * self.value_head_dim
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "LinearAttentionConfig":
+        num_layers = int(d["num_hidden_layers"])
+        layer_types = d.get("layer_types")
+        if layer_types is None:  # transformers' rule: every `full_attention_interval`-th layer attends fully
+            interval = int(d.get("full_attention_interval") or 4)
+            layer_types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                           for i in range(num_layers)]
+        if len(layer_types) != num_layers:
+            raise ValueError(f"layer_types lists {len(layer_types)} layers for num_hidden_layers {num_layers}")
+        unknown = set(layer_types) - {"linear_attention", "full_attention"}
+        if unknown:
+            raise ValueError(f"unsupported layer types {sorted(unknown)}")
+        return cls(frozenset(i for i, kind in enumerate(layer_types) if kind == "linear_attention"),
+                   int(d.get("linear_conv_kernel_dim", 4)), int(d.get("linear_num_key_heads", 16)),
+                   int(d.get("linear_num_value_heads", 32)), int(d.get("linear_key_head_dim", 128)),
+                   int(d.get("linear_value_head_dim", 128)))
+
+
 @dataclass
 class ModelConfig:
     """Architecture hyper-parameters of a decoder-only model, normalised across config formats.
 
     `head_dim` is always set (explicit in the config, else hidden_size // num_attention_heads).
     `sliding_window` is the attention window when the config enables one (Mistral v0.1, Qwen2 with
-    `use_sliding_window`, Gemma 3), else None; `layer_windows` says which layers use it. `moe` describes the experts of a mixture-of-experts model (None when dense).
-    `hf_config` keeps the raw config.json dict for anything else.
+    `use_sliding_window`, Gemma 3), else None; `layer_windows` says which layers use it. `moe` describes the experts
+    of a mixture-of-experts model (None when dense). `linear_attention` describes the Gated DeltaNet layers of a hybrid
+    (None when every layer attends fully); only the full-attention layers have KV (`num_kv_layers`, `kv_layer_id`).
+    `partial_rotary_factor` is the share of each head that RoPE rotates (the first dimensions). `hf_config` keeps the
+    raw config.json dict for anything else.
     """
 
     architecture: str
@@ -166,6 +221,8 @@ class ModelConfig:
     sliding_rope_scaling: Optional[dict] = None
     layer_kv_shapes: tuple[tuple[int, int], ...] = ()  # per layer (KV heads, head_dim); empty: all the model's
     moe: Optional[MoEConfig] = None
+    linear_attention: Optional[LinearAttentionConfig] = None
+    partial_rotary_factor: float = 1.0
     hf_config: dict = field(default_factory=dict, repr=False)
     # generation_config.json's sampling values (SGLang's --sampling-defaults model fills unset ones with them).
     sampling_defaults: dict = field(default_factory=dict)
@@ -202,6 +259,28 @@ class ModelConfig:
     def sliding_windows(self) -> tuple[int, ...]:
         """The distinct windows of the model's layers (empty when every layer attends in full)."""
         return tuple(sorted({w for w in self.layer_windows if w is not None}))
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Whether some layers carry a recurrent state instead of KV."""
+        return self.linear_attention is not None
+
+    @property
+    def num_kv_layers(self) -> int:
+        """Layers with a KV cache: all of them, except a hybrid's linear-attention layers."""
+        if self.linear_attention is None:
+            return self.num_hidden_layers
+        return self.num_hidden_layers - len(self.linear_attention.linear_layers)
+
+    def kv_layer_id(self, layer_id: int) -> int:
+        """The KV pool's layer index of full-attention layer `layer_id` (the pool holds only those layers)."""
+        if self.linear_attention is None:
+            return layer_id
+        return sum(1 for i in range(layer_id) if i not in self.linear_attention.linear_layers)
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @classmethod
     def from_dict(cls, d: dict, generation_config: Optional[dict] = None) -> "ModelConfig":
@@ -261,7 +340,7 @@ class ModelConfig:
             max_position_embeddings=int(d.get("max_position_embeddings") or _DEFAULT_MAX_POSITIONS[model_type]),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=_attention_bias(d, model_type),
-            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text", "gemma4_text"),
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text", "gemma4_text", "qwen3_5_text"),
             eos_token_ids=eos_ids,
             bos_token_id=None if bos is None else int(bos),
             torch_dtype=d.get("dtype") or d.get("torch_dtype"),
@@ -271,6 +350,9 @@ class ModelConfig:
             sliding_rope_theta=sliding_rope_theta,
             sliding_rope_scaling=sliding_rope_scaling,
             moe=MoEConfig.from_dict(d, model_type) if model_type in MOE_MODEL_TYPES else None,
+            linear_attention=(LinearAttentionConfig.from_dict(d) if model_type in LINEAR_ATTENTION_MODEL_TYPES
+                              else None),
+            partial_rotary_factor=_partial_rotary_factor(d),
             hf_config=dict(d),
             sampling_defaults=_sampling_defaults(generation_config or {}),
         )
@@ -349,6 +431,14 @@ def _layer_windows(d: dict, window: Optional[int]) -> tuple[Optional[int], ...]:
     if unknown:
         raise ValueError(f"unsupported layer types {sorted(unknown)}")
     return tuple(window if kind == "sliding_attention" else None for kind in layer_types)
+
+
+def _partial_rotary_factor(d: dict) -> float:
+    """The rotated share of each head: under `rope_parameters` (transformers 5) or at the top level."""
+    params = d.get("rope_parameters")
+    if isinstance(params, dict) and "partial_rotary_factor" in params:
+        return float(params["partial_rotary_factor"])
+    return float(d.get("partial_rotary_factor", 1.0))
 
 
 def _attention_bias(d: dict, model_type: str) -> bool:

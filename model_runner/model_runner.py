@@ -30,6 +30,7 @@ from radixserve.model_runner.pooling import PoolingSpec, pool_hidden
 from radixserve.model_runner.parallel import (HeadLayout, ReplicaPlacement, check_ep_divides, join_tp_group,
                                               min_over_ranks)
 from radixserve.model_runner.runner_config import RunnerConfig
+from radixserve.model_runner.state_memory import make_state_pool, plan_state_pool
 from radixserve.model_runner.weight_update import WeightUpdater
 from radixserve.radix_cache.pool import KV_CACHE_DTYPES, KVAllocator, ReqToTokenPool, TokenToKVPool
 
@@ -112,6 +113,9 @@ class ModelRunner:
         self.head_layout = HeadLayout.of(self.model_config.num_attention_heads,
                                          self.model_config.num_key_value_heads, self.tp)
         model_class = get_model_class(self.model_config.architecture)
+        if self.model_config.is_hybrid and config.speculative:
+            raise ValueError(f"speculative decoding would have to roll back {self.model_config.architecture}'s "
+                             "recurrent states, which is not implemented; drop --speculative-algorithm")
         self.is_causal = getattr(model_class, "is_causal", True)
         self.pooling = PoolingSpec.of(self.model_dir, self.model_config.hf_config, self.is_causal,
                                       self.model_config.architecture.endswith("ForSequenceClassification"),
@@ -125,9 +129,14 @@ class ModelRunner:
         self.allocator = KVAllocator(self.max_total_num_tokens, self.page_size, self.device)
         shape = self.model_config
         self.token_to_kv_pool = TokenToKVPool(
-            self.max_total_num_tokens, self.page_size, shape.num_hidden_layers, self.head_layout.num_kv_heads,
+            self.max_total_num_tokens, self.page_size, shape.num_kv_layers, self.head_layout.num_kv_heads,
             shape.head_dim, self.kv_cache_dtype, self.device, shape.layer_kv_shapes or None,
         )
+        # Hybrid models: the linear layers' states, one working slot per request row plus the tree's snapshots.
+        self.state_pool = (make_state_pool(shape, self.req_to_token_pool.size, self.state_slots, self.config,
+                                           self.dtype, self.device) if shape.is_hybrid else None)
+        if self.state_pool is not None:
+            self.model.set_state_pool(self.state_pool)
         self.attn_backend = self._create_attention_backend()
         self.attn_backend.warm_up(self.kv_cache_dtype)
         self.model.set_attention_backend(self.attn_backend)
@@ -213,8 +222,9 @@ class ModelRunner:
         when the attention backend cannot be captured (decode then runs eagerly)."""
         # LoRA batches vary per step in which adapters they use; decode runs eagerly then.
         # A model that only pools never decodes.
+        # Hybrid models decode eagerly: their state reads and writes are not captured yet.
         if (self.device.type != "cuda" or self.config.disable_cuda_graph or self.lora_manager is not None
-                or not self.pooling.is_generation):
+                or not self.pooling.is_generation or self.model_config.is_hybrid):
             return None
         if self.model_config.sliding_windows and not self.attn_backend.graphs_apply_windows:
             logger.info("decode runs eagerly: the %s attention backend's graphs do not apply sliding windows",
@@ -243,7 +253,8 @@ class ModelRunner:
             model = model_class(self.model_config, max_positions=self.context_len, tp=self.tp)
         model = model.to(self.dtype).to_empty(device=self.device)
         if files.load_format == "dummy":
-            weights = dummy_weights(self.model_config, self.config.random_seed, self.dtype, self.device)
+            shapes = model.hf_weight_shapes() if hasattr(model, "hf_weight_shapes") else None
+            weights = dummy_weights(self.model_config, self.config.random_seed, self.dtype, self.device, shapes)
         else:
             weights = iter_weights(files.model_dir, lazy=self.tp.size > 1)
         with torch.no_grad():
@@ -266,7 +277,7 @@ class ModelRunner:
         """(usable KV token slots rounded down to whole pages, max running requests); logs the memory plan."""
         args, config = self.config, self.model_config
         bytes_per_token = TokenToKVPool.bytes_per_token(
-            config.num_hidden_layers, self.head_layout.num_kv_heads, config.head_dim, self.kv_cache_dtype
+            config.num_kv_layers, self.head_layout.num_kv_heads, config.head_dim, self.kv_cache_dtype
         )
         if config.layer_kv_shapes:  # per-layer shapes are served on one rank (models/gemma4.py)
             bytes_per_token = TokenToKVPool.bytes_per_token_of(config.layer_kv_shapes, self.kv_cache_dtype)
@@ -299,6 +310,19 @@ class ModelRunner:
             rows_bytes = (max_running + SPARE_REQUEST_ROWS) * row_bytes
             budget_tokens -= -(-rows_bytes // bytes_per_token)
 
+        self.state_slots, state_bytes = 0, 0
+        if config.is_hybrid:  # the state pool comes out of the same budget as the KV pool
+            # --max-total-tokens sizes the KV pool alone; a budget from memory is shared with the states.
+            from_memory = args.max_total_tokens is None
+            max_running, self.state_slots, state_bytes = plan_state_pool(
+                config, max_running, SPARE_REQUEST_ROWS, args, self.dtype,
+                budget_tokens * bytes_per_token if from_memory else None)
+            if from_memory:
+                budget_tokens -= -(-state_bytes // bytes_per_token)
+            logger.info("state pool: %d slots (%d request rows, %d snapshots), %.1f MiB", self.state_slots,
+                        max_running + SPARE_REQUEST_ROWS, self.state_slots - max_running - SPARE_REQUEST_ROWS,
+                        state_bytes / (1 << 20))
+
         # Every rank schedules the same batches, so every rank's pool must hold what the smallest one holds.
         budget_tokens = min_over_ranks(budget_tokens, self.tp_cpu_group)
         total = budget_tokens // self.page_size * self.page_size
@@ -317,6 +341,7 @@ class ModelRunner:
                                   source=source)
             else:
                 plan = dataclasses.replace(plan, kv=total * bytes_per_token, kv_tokens=total)
+            plan = dataclasses.replace(plan, state_pool=state_bytes)
             self.memory_plan = plan
             logger.info("%s", plan.describe())
         return total, max_running
@@ -331,6 +356,9 @@ class ModelRunner:
         # The request limit follows the pool's size; profile with the largest the pool could give.
         provisional = (free - margin_bytes(total)) // bytes_per_token
         max_running = args.max_running_requests or default_max_running(provisional)
+        if self.model_config.is_hybrid:  # the request limit the recurrent states leave room for
+            max_running = plan_state_pool(self.model_config, max_running, SPARE_REQUEST_ROWS, args, self.dtype,
+                                          free - margin_bytes(total))[0]
         self._profiled_max_running = max_running
         step = profile_step_memory(self, max_running, self._create_attention_backend)
         graph_bs = 0

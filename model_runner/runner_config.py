@@ -66,6 +66,11 @@ class RunnerConfig:
     # Quantized weights: "gguf" (a GGUF's linears on its own blocks, model_runner/cpu/gguf_linear.py) or None
     quantization: Optional[str] = None
 
+    # Hybrid models' state pool (model_runner/state_memory.py): total slots (None: sized from the budget) and the
+    # recurrent state's dtype
+    max_mamba_cache_size: Optional[int] = None
+    mamba_ssm_dtype: str = "float32"
+
     @classmethod
     def from_server_args(cls, args: ServerArgs, model: Optional[ModelFiles] = None) -> "RunnerConfig":
         """The runner's part of `args`; `model`: the model's files when the caller has them, else located from
@@ -91,4 +96,5 @@ class RunnerConfig:
             is_embedding=args.is_embedding, pooling_method=args.pooling_method,
             deterministic=args.enable_deterministic_inference,
             quantization=args.quantization,
+            max_mamba_cache_size=args.max_mamba_cache_size, mamba_ssm_dtype=args.mamba_ssm_dtype,
         )

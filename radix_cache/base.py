@@ -121,6 +121,11 @@ class PrefixCache(ABC):
         the slots freed. A cache that keeps nothing across requests has nothing to drop."""
         return 0
 
+    def state_snapshot(self, node: Any, depth: int) -> int:
+        """The recurrent-state snapshot slot at `depth` tokens on the path to `node` (hybrid models, radix_cache/
+        hybrid.py); -1 when there is none, always for a cache that keeps no snapshots."""
+        return -1
+
     def load_back(self, match: MatchResult) -> MatchResult:
         """Bring a match's lower-tier part onto the device (see hiradix.py); a one-tier cache returns `match`."""
         return match

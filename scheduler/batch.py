@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
 
-from radixserve.model_runner.forward_batch import ForwardBatch, ForwardMode, PrefixGroups
+from radixserve.model_runner.forward_batch import ForwardBatch, ForwardMode, PrefixGroups, StateSlots
 from radixserve.model_runner.sampling_info import SamplingBatchInfo
 from radixserve.radix_cache.pool import KVAllocator, ReqToTokenPool, TokenToKVPool
 from radixserve.scheduler.pooling import PoolingBatch
@@ -52,6 +52,8 @@ class ScheduleBatch:
     verify: Optional[Any] = None  # a scheduler.speculative.verify.VerifyPlan (speculative/ builds on this module)
     prefix_groups: Optional[PrefixGroups] = None  # DECODE batches, for cascade attention (scheduler/prefix_groups.py)
     pooling: Optional[PoolingBatch] = None  # the entries that pool (scheduler/pooling.py); None when none does
+    # A hybrid model's recurrent-state slots per entry (scheduler/hybrid_state.py); None for other models.
+    state_slots: Optional[StateSlots] = None
 
     @property
     def batch_size(self) -> int:
@@ -104,6 +106,7 @@ class ScheduleBatch:
             token_to_kv_pool=token_to_kv_pool,
             lora_names=self.lora_names,
             prefix_groups=self.prefix_groups,
+            state_slots=self.state_slots,
         )
 
 

@@ -13,7 +13,9 @@ import torch
 from radixserve.model_runner.forward_batch import ForwardMode
 from radixserve.scheduler.batch import ScheduleBatch, assemble_batch
 from radixserve.scheduler.fair_share import FairShare
+from radixserve.radix_cache.base import PrefixCache
 from radixserve.scheduler.grammar import GrammarManager
+from radixserve.scheduler.hybrid_state import plan_state_slots
 from radixserve.scheduler.input_logprobs import plan_input_logprobs
 from radixserve.scheduler.pooling import PoolingBatch
 from radixserve.scheduler.prefix_groups import prefix_groups_for
@@ -25,8 +27,10 @@ from radixserve.scheduler.stop import StopChecker
 
 class BatchBuilder:
     def __init__(self, *, runner: Any, device: torch.device, stop_checker: StopChecker, grammars: GrammarManager,
-                 fair_share: FairShare, stats: SchedulerStats) -> None:
+                 fair_share: FairShare, stats: SchedulerStats, cache: Optional[PrefixCache] = None) -> None:
         self.runner = runner  # the ModelRunner: its vocabulary and attention backend
+        # A hybrid model's batches say where each request's recurrent state is (scheduler/hybrid_state.py).
+        self.state_cache = cache if getattr(runner, "state_pool", None) is not None else None
         self.device = device
         self.stop_checker = stop_checker
         self.grammars = grammars
@@ -44,6 +48,8 @@ class BatchBuilder:
         batch.grammar_mask = self.grammars.mask_for(batch)
         batch.prefix_groups = prefix_groups_for(mode, decodes, self.runner.attn_backend)
         batch.pooling = PoolingBatch.of(batch.reqs)
+        if self.state_cache is not None:
+            batch.state_slots = plan_state_slots(batch, self.state_cache)
         self.fair_share.charge_batch(extends, decodes)
         self.stats.on_batch(batch)
         return batch

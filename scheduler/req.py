@@ -111,6 +111,10 @@ class Req:
         self.last_node: Any = None
         self.num_inflight = 0  # launched batches holding this request whose results are not processed
         self.kv_unwritten = False  # a batch of it failed (out of device memory): its own slots hold no valid KV
+        # Hybrid models (scheduler/hybrid_state.py): tokens its working recurrent state covers once the batches built so
+        # far have run, and the snapshot slots its next extend fills, after it and before its last token (-1: none)
+        self.state_len = 0
+        self.pending_snapshot = self.pending_snapshot_before_last = -1
 
         # Admission bookkeeping
         self.num_cached_tokens: Optional[int] = None  # prefix matched at first admission
@@ -175,6 +179,8 @@ class Req:
         self.prefix_indices = _EMPTY_SLOTS
         self.last_node = None
         self.kv_unwritten = False
+        self.state_len = 0
+        self.pending_snapshot = self.pending_snapshot_before_last = -1
 
     def append_token(self, token_id: int, logprob: Optional[float], top_logprobs: Optional[list]) -> None:
         self.output_ids.append(token_id)

@@ -92,7 +92,8 @@ class Scheduler:
         self.max_running = model_runner.max_running_requests
         # An encoder's KV depends on its whole prompt: it never shares (model_runner/models/bert.py).
         self.cache = cache = make_cache(args, pool, allocator, model_runner.token_to_kv_pool,
-                                        shares_kv=model_runner.is_causal)
+                                        shares_kv=model_runner.is_causal,
+                                        state_pool=getattr(model_runner, "state_pool", None))
         self.tokenizer = tokenizer if tokenizer is not None else try_load_tokenizer(args, model_runner.model_dir)
         self.stop_checker = StopChecker(model_runner.model_config.eos_token_ids, self.tokenizer)
         self.grammars = GrammarManager(self.tokenizer, model_runner.vocab_size, self.stop_checker.eos_token_ids,
@@ -124,7 +125,7 @@ class Scheduler:
         self.inflight = self.results.inflight  # launched batches whose results are not processed, oldest first
         self.batch_builder = BatchBuilder(
             runner=model_runner, device=self.executor.device, stop_checker=self.stop_checker, grammars=self.grammars,
-            fair_share=self.fair_share, stats=self.stats)
+            fair_share=self.fair_share, stats=self.stats, cache=cache)
         self.decode = DecodePlanner(
             requests=self.requests, cache=cache, allocator=allocator, req_to_token_pool=pool,
             speculator=self.speculator, new_token_ratio=self.new_token_ratio, builder=self.batch_builder,

@@ -13,14 +13,23 @@ logger = logging.getLogger(__name__)
 
 
 def make_cache(server_args: ServerArgs, req_to_token_pool: Any, allocator: Any, kv_pool: Any,
-               shares_kv: bool = True) -> PrefixCache:
+               shares_kv: bool = True, state_pool: Any = None) -> PrefixCache:
     """The radix cache, the never-sharing cache under `disable_radix_cache` or for a model whose KV cannot be shared
     (`shares_kv` False), or the hierarchical cache (host tier of `hicache_size` GB, else `hicache_ratio` times the
-    device pool) under `enable_hierarchical_cache`."""
+    device pool) under `enable_hierarchical_cache`. A hybrid model (`state_pool`, its recurrent states) gets the
+    radix cache that also keeps state snapshots (radix_cache/hybrid.py)."""
     if server_args.disable_radix_cache or not shares_kv:
         from radixserve.radix_cache.no_share import NoShareCache
 
         return NoShareCache(req_to_token_pool, allocator, allocator.page_size)
+    if state_pool is not None:
+        if server_args.enable_hierarchical_cache:
+            raise ValueError("the hierarchical cache does not move recurrent-state snapshots to the host yet; drop "
+                             "--enable-hierarchical-cache for a hybrid linear-attention model")
+        from radixserve.radix_cache.hybrid import HybridRadixCache
+
+        return HybridRadixCache(req_to_token_pool, allocator, state_pool, allocator.page_size,
+                                server_args.radix_eviction_policy)
     if server_args.enable_hierarchical_cache:
         from radixserve.radix_cache.hiradix import HiRadixCache
         from radixserve.radix_cache.host_pool import HostKVPool

@@ -7,10 +7,11 @@
 `tiny_model_dir` (session): a factory `tiny_model_dir(arch, *, seed=0, with_tokenizer=False, **config_overrides)
     -> str` that saves a small random-weight Hugging Face model (config.json + model.safetensors, float32) with
     transformers' own classes and returns its directory. Same arguments -> same directory (built once per
-    session). `arch` is "llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral", "gemma3" or
-    "gemma4" (or the architecture class name). The Gemma models mix sliding layers (window 8) with full ones
-    (`_TINY_WINDOWED`). The mixture-of-experts families get 8 experts, top-2, experts of width 32 (Mixtral's:
-    `intermediate_size`), and Qwen2-MoE a shared expert of width 48.
+    session). `arch` is "llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral", "gemma3",
+    "gemma4" or "qwen3_5" (or the architecture class name). The Gemma models mix sliding layers (window 8) with full
+    ones (`_TINY_WINDOWED`). The mixture-of-experts families get 8 experts, top-2, experts of width 32 (Mixtral's:
+    `intermediate_size`), and Qwen2-MoE a shared expert of width 48. The hybrid Qwen3.5 gets 4 layers (3 Gated
+    DeltaNet, then full attention) with 2 key heads and 4 value heads of 16 in its linear layers.
     Defaults: hidden 64, 2 layers, 4 query heads, 2 KV heads, head_dim 16, intermediate 128, vocab 512,
     rope_theta 50000 (not a library default, so a loader reading the wrong key fails), no EOS token (so
     generation runs to max_new_tokens); Qwen2 ties its embeddings, the others do not. Weights are drawn
@@ -57,6 +58,7 @@ TINY_ARCHITECTURES = {
     "mixtral": "MixtralConfig",
     "gemma3": "Gemma3TextConfig",
     "gemma4": "Gemma4TextConfig",
+    "qwen3_5": "Qwen3_5TextConfig",
 }
 _CLASS_NAME_TO_ARCH = {
     "LlamaForCausalLM": "llama",
@@ -68,6 +70,7 @@ _CLASS_NAME_TO_ARCH = {
     "MixtralForCausalLM": "mixtral",
     "Gemma3ForCausalLM": "gemma3",
     "Gemma4ForCausalLM": "gemma4",
+    "Qwen3_5ForCausalLM": "qwen3_5",
 }
 # The mixture-of-experts families: 8 experts of width 32, top-2 (Mixtral's experts take `intermediate_size`).
 _TINY_MOE = {
@@ -96,6 +99,12 @@ _TINY_WINDOWED = {
                                                       "rope_theta": 50000.0}},
                "final_logit_softcapping": 30.0, "tie_word_embeddings": True},
 }
+# The hybrid (Gated DeltaNet + full attention): 4 layers, the last attending fully; 2 key heads of 4 value heads each
+# pair, heads of 16.
+_TINY_HYBRID = {
+    "qwen3_5": {"num_hidden_layers": 4, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+                "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4},
+}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 
 
@@ -117,6 +126,7 @@ def _tiny_config_kwargs(arch: str) -> dict:
         "pad_token_id": None,
         **_TINY_MOE.get(arch, {}),
         **_TINY_WINDOWED.get(arch, {}),
+        **_TINY_HYBRID.get(arch, {}),
     }
 
 

@@ -110,15 +110,17 @@ def dummy_weights(
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
     device: Optional[torch.device | str] = None,
+    shapes: Optional[dict[str, tuple[int, ...]]] = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield seeded random weights for `config` under Hugging Face names (same names as a checkpoint).
 
     Matrices ~ normal(0, 0.02), norm scales = 1, biases = 0. The same (config, seed, device) gives the same
-    tensors on every run. Tensors are drawn on `device` (default CPU), so large shapes need no host copy.
+    tensors on every run. Tensors are drawn on `device` (default CPU), so large shapes need no host copy. `shapes`:
+    the checkpoint layout when the model states its own (`hf_weight_shapes()` of a hybrid), else the decoder's.
     """
     device = torch.device(device or "cpu")
     generator = torch.Generator(device=device).manual_seed(seed)
-    for name, shape in dummy_weight_shapes(config).items():
+    for name, shape in (shapes or dummy_weight_shapes(config)).items():
         if name.endswith("norm.weight"):
             tensor = torch.ones(shape, dtype=dtype, device=device)
         elif name.endswith(".bias"):

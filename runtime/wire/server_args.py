@@ -198,6 +198,9 @@ class ServerArgs:
     lora_adapter_dir: Optional[str] = None  # /load_lora_adapter loads only from under this folder; None: refused
     # Quantized weights (SGLang's --quantization names; runtime/wire/quantization.py says which values run)
     quantization: Optional[str] = None  # None: the model's dtype; "gguf": a GGUF's linears on its own blocks (CPU)
+    # Hybrid linear-attention models (docs/hybrid.md): state slots in all, running and snapshots (None: from the budget)
+    max_mamba_cache_size: Optional[int] = None
+    mamba_ssm_dtype: str = "float32"  # the recurrent states' dtype: float32, bfloat16 or float16
 
     def __post_init__(self) -> None:
         def check(ok: bool, message: str) -> None:
@@ -340,6 +343,11 @@ class ServerArgs:
               "quantization 'gguf' runs on radixserve's C++ CPU kernels, which cpu_kernels 'torch' turns off")
         check(self.quantization is None or not self.lora_enabled(),
               f"LoRA adapters apply to float weights; drop quantization {self.quantization!r}")
+        # Hybrid linear-attention models
+        check(self.max_mamba_cache_size is None or self.max_mamba_cache_size >= 2,
+              f"max_mamba_cache_size must be >= 2, got {self.max_mamba_cache_size}")
+        check(self.mamba_ssm_dtype in ("float32", "bfloat16", "float16"),
+              f"mamba_ssm_dtype must be float32, bfloat16 or float16, got {self.mamba_ssm_dtype!r}")
 
     # ---- resolved values -------------------------------------------------------------------------
     def lora_enabled(self) -> bool:

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Hybrid linear-attention models on the GPU host in one call, Qwen3.5-9B text shape with dummy bf16 weights
+# (benchmarks/configs/qwen3.5-9b.json: 32 layers, 24 Gated DeltaNet and 8 gated full attention):
+#   tests:      flash-linear-attention's chunked and fused-recurrent gated-delta-rule kernels against the float64
+#               reference (tests/ops/test_gated_delta_rule.py, which runs them on the GPU when one is there);
+#   offline:    offline throughput, 200 requests of 256 in / 256 out, cache on (benchmarks/offline_throughput.py);
+#   multi-turn: a server per cache setting (on, off), benchmarks/serving.py --dataset multi-turn, 16 conversations
+#               x 6 turns (first prompt 512 tokens, 64 user and 64 output tokens a turn), 8 requests in flight.
+# STEPS selects (default: all), e.g. STEPS="tests offline" bash benchmarks/gpu_hybrid.sh. Needs .whl/ (see
+# ../shared/gpu/README.md) with fla-core and einops added (`bash ../shared/gpu/fetch-wheels.sh fla-core==0.6.0
+# einops`), and .gpu-assets/llama-3.1-8b-dummy/ (a tokenizer) carried; the Qwen3.5 folder is made beside it.
+set -u
+cd "$(dirname "$0")/.." || exit 1
+ROOT=$PWD
+OUT=${OUT:-$ROOT/benchmarks/results}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+STEPS=${STEPS:-tests offline multi-turn}
+PORT=${PORT:-30130}
+want() { [[ " $STEPS " == *" $1 "* ]]; }
+
+python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl || exit 1
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . \
+    || echo "WARNING: installing radixserve failed"
+export PYTHONPATH=/tmp/site:$ROOT/benchmarks
+export FLASHINFER_WORKSPACE_BASE=$ROOT/.gpu-cache
+mkdir -p "$FLASHINFER_WORKSPACE_BASE"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+
+TOKENIZER=$ROOT/.gpu-assets/llama-3.1-8b-dummy
+HYBRID=$ROOT/.gpu-assets/qwen3.5-9b-dummy
+mkdir -p "$HYBRID"
+cp benchmarks/configs/qwen3.5-9b.json "$HYBRID/config.json"
+for f in tokenizer.json tokenizer_config.json; do [ -f "$TOKENIZER/$f" ] && cp "$TOKENIZER/$f" "$HYBRID/"; done
+
+if want tests; then
+    timeout 300 "$PY" -P -m pytest -p _srcpath -p no:cacheprovider -q -rs tests/ops/test_gated_delta_rule.py 2>&1 | tail -8
+fi
+if want offline; then
+    timeout 400 "$PY" benchmarks/offline_throughput.py --model "$HYBRID" --load-format dummy --dtype bfloat16 \
+        --dataset random --num-prompts 200 --random-input-len 256 --random-output-len 256 --cache on --skip-hf \
+        --output-json "$OUT/offline_hybrid.jsonl" 2>&1 | grep -v Warning | tail -8
+fi
+if want multi-turn; then
+    for cache in on off; do
+        flags=()
+        [ "$cache" = off ] && flags=(--disable-radix-cache)
+        setsid "$PY" -m radixserve serve --model-path "$HYBRID" --load-format dummy --dtype bfloat16 --port "$PORT" \
+            --log-level warning "${flags[@]}" >"$OUT/server-hybrid-$cache.log" 2>&1 &
+        pid=$!
+        for _ in $(seq 300); do curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && break; sleep 1; done
+        timeout 300 "$PY" benchmarks/serving.py --base-url "http://127.0.0.1:$PORT" --disable-tqdm \
+            --tokenizer "$TOKENIZER" --dataset multi-turn --num-prompts 16 --mt-turns 6 --mt-first-len 512 \
+            --mt-user-len 64 --mt-output-len 64 --max-concurrency 8 --label "qwen3.5-9b-cache-$cache" \
+            --output-file "$OUT/serving-hybrid-$cache.json" 2>&1 | tail -14
+        kill -TERM "$pid" 2>/dev/null; sleep 5; kill -KILL -- "-$pid" 2>/dev/null
+        grep -h "state pool\|memory plan" "$OUT/server-hybrid-$cache.log" | head -2
+    done
+fi
