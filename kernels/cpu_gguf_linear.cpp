@@ -29,6 +29,8 @@
 
 #include <immintrin.h>
 
+#include "cpu_gguf_kquants.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -223,12 +225,60 @@ void dequantize_typed(const uint8_t* w, int64_t row_bytes, int64_t N, int64_t K,
   });
 }
 
-int64_t block_bytes(int64_t type) {
+// K-quants: integer dot products against the activations quantized per super-block to Int (cpu_gguf_kquants.h), in
+// tiles of kRows weight rows: each super-block is unpacked once and meets every input row.
+template <typename Int>
+void kquant_linear(const uint8_t* w, int64_t row_bytes, int64_t type, const float* x, const float* bias, int64_t M,
+                   int64_t N, int64_t K, float* y) {
+  using kquants::kSuper;
+  constexpr int kRows = 4;
+  const int64_t blocks = K / kSuper, bytes = kquants::super_block_bytes(type);
+  std::vector<kquants::QuantizedBlock<Int>> xq(M * blocks);  // [M, blocks]: row m's block b at m * blocks + b
+  at::parallel_for(0, M * blocks, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) kquants::quantize_activations(x + i * kSuper, xq[i]);
+  });
+  at::parallel_for(0, (N + kRows - 1) / kRows, 4, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(M * kRows);
+    kquants::Unpacked unpacked[kRows];
+    for (int64_t tile = begin; tile < end; ++tile) {
+      const int64_t n0 = tile * kRows;
+      const int rows = static_cast<int>(std::min<int64_t>(kRows, N - n0));
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t b = 0; b < blocks; ++b) {
+        for (int r = 0; r < rows; ++r) kquants::unpack(type, w + (n0 + r) * row_bytes + b * bytes, unpacked[r]);
+        for (int64_t m = 0; m < M; ++m)
+          for (int r = 0; r < rows; ++r) acc[m * kRows + r] += kquants::block_dot(unpacked[r], xq[m * blocks + b]);
+      }
+      for (int64_t m = 0; m < M; ++m)
+        for (int r = 0; r < rows; ++r) y[m * N + n0 + r] = acc[m * kRows + r] + (bias ? bias[n0 + r] : 0.0f);
+    }
+  });
+}
+
+void kquant_dequantize(const uint8_t* w, int64_t row_bytes, int64_t type, int64_t N, int64_t K, float* out) {
+  const int64_t blocks = K / kquants::kSuper, bytes = kquants::super_block_bytes(type);
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    kquants::Unpacked unpacked;
+    for (int64_t n = begin; n < end; ++n)
+      for (int64_t b = 0; b < blocks; ++b) {
+        kquants::unpack(type, w + n * row_bytes + b * bytes, unpacked);
+        kquants::dequantize(unpacked, out + n * K + b * kquants::kSuper);
+      }
+  });
+}
+
+bool is_kquant(int64_t type) { return kquants::super_block_bytes(type) != 0; }
+
+// (bytes, values) of one block of `type`.
+std::pair<int64_t, int64_t> block_shape(int64_t type) {
   switch (type) {
-    case kQ8_0: return Format<kQ8_0>::kBytes;
-    case kQ4_0: return Format<kQ4_0>::kBytes;
-    case kQ4_1: return Format<kQ4_1>::kBytes;
-    default: TORCH_CHECK(false, "gguf_linear: unsupported GGML type ", type, " (Q4_0 = 2, Q4_1 = 3, Q8_0 = 8)");
+    case kQ8_0: return {Format<kQ8_0>::kBytes, kBlock};
+    case kQ4_0: return {Format<kQ4_0>::kBytes, kBlock};
+    case kQ4_1: return {Format<kQ4_1>::kBytes, kBlock};
+    default:
+      TORCH_CHECK(is_kquant(type), "gguf_linear: unsupported GGML type ", type,
+                  " (Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14)");
+      return {kquants::super_block_bytes(type), kquants::kSuper};
   }
 }
 
@@ -243,16 +293,20 @@ int64_t block_bytes(int64_t type) {
 std::pair<int64_t, int64_t> weight_shape(const at::Tensor& weight, int64_t type, const char* op) {
   TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.scalar_type() == at::kByte,
               op, ": the weight must be a contiguous uint8 [N, row bytes]");
-  const int64_t bytes = block_bytes(type);
+  const auto [bytes, values] = block_shape(type);
   TORCH_CHECK(weight.size(1) % bytes == 0, op, ": a row of ", weight.size(1), " bytes is not whole blocks of ", bytes);
-  return {weight.size(0), weight.size(1) / bytes * kBlock};
+  return {weight.size(0), weight.size(1) / bytes * values};
 }
 
 }  // namespace
 
-// x [..., K] float32; weight [N, K / 32 * block bytes] uint8, llama.cpp's blocks of each row; type: the GGML type id.
+// x [..., K] float32; weight [N, K / block values * block bytes] uint8, llama.cpp's blocks of each row; type: the GGML
+// type id; activation_bits: what the K-quants round the activations to per block of 256, 8 (llama.cpp's Q8_K) or 16
+// (the other types multiply the float32 activations).
 at::Tensor gguf_linear(const at::Tensor& x_in, const at::Tensor& weight, int64_t type,
-                       const std::optional<at::Tensor>& bias_in) {
+                       const std::optional<at::Tensor>& bias_in, int64_t activation_bits) {
+  TORCH_CHECK(activation_bits == 8 || activation_bits == 16, "gguf_linear: activation_bits is 8 or 16, got ",
+              activation_bits);
   const auto [N, K] = weight_shape(weight, type, "gguf_linear");
   TORCH_CHECK(x_in.scalar_type() == at::kFloat, "gguf_linear: float32 activations, got ", x_in.scalar_type());
   TORCH_CHECK(x_in.dim() >= 1 && x_in.size(-1) == K, "gguf_linear: x's last dimension must be ", K);
@@ -268,8 +322,15 @@ at::Tensor gguf_linear(const at::Tensor& x_in, const at::Tensor& weight, int64_t
   at::Tensor y = at::empty(shape, x_in.options());
   if (M == 0 || N == 0) return y;
   const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
-  DISPATCH_GGML_TYPE(type, linear_typed, weight.data_ptr<uint8_t>(), weight.size(1), x.data_ptr<float>(), bp, M, N, K,
-                     y.data_ptr<float>());
+  if (is_kquant(type) && activation_bits == 8)
+    kquant_linear<int8_t>(weight.data_ptr<uint8_t>(), weight.size(1), type, x.data_ptr<float>(), bp, M, N, K,
+                          y.data_ptr<float>());
+  else if (is_kquant(type))
+    kquant_linear<int16_t>(weight.data_ptr<uint8_t>(), weight.size(1), type, x.data_ptr<float>(), bp, M, N, K,
+                           y.data_ptr<float>());
+  else
+    DISPATCH_GGML_TYPE(type, linear_typed, weight.data_ptr<uint8_t>(), weight.size(1), x.data_ptr<float>(), bp, M, N,
+                       K, y.data_ptr<float>());
   return y;
 }
 
@@ -277,12 +338,16 @@ at::Tensor gguf_linear(const at::Tensor& x_in, const at::Tensor& weight, int64_t
 at::Tensor gguf_dequantize(const at::Tensor& weight, int64_t type) {
   const auto [N, K] = weight_shape(weight, type, "gguf_dequantize");
   at::Tensor out = at::empty({N, K}, weight.options().dtype(at::kFloat));
-  DISPATCH_GGML_TYPE(type, dequantize_typed, weight.data_ptr<uint8_t>(), weight.size(1), N, K, out.data_ptr<float>());
+  if (is_kquant(type))
+    kquant_dequantize(weight.data_ptr<uint8_t>(), weight.size(1), type, N, K, out.data_ptr<float>());
+  else
+    DISPATCH_GGML_TYPE(type, dequantize_typed, weight.data_ptr<uint8_t>(), weight.size(1), N, K,
+                       out.data_ptr<float>());
   return out;
 }
 
 TORCH_LIBRARY_FRAGMENT(radixserve_cpu, m) {
-  m.def("gguf_linear(Tensor x, Tensor weight, int type, Tensor? bias) -> Tensor");
+  m.def("gguf_linear(Tensor x, Tensor weight, int type, Tensor? bias, int activation_bits=16) -> Tensor");
   m.def("gguf_dequantize(Tensor weight, int type) -> Tensor");
 }
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from radixserve.model_runner.cpu.gguf_default import resolved_quantization
 from radixserve.runtime.wire.model_files import ModelFiles, locate_model
 from radixserve.runtime.wire.server_args import ServerArgs
 
@@ -63,7 +64,8 @@ class RunnerConfig:
     is_embedding: bool = False
     pooling_method: Optional[str] = None
 
-    # Quantized weights: "gguf" (a GGUF's linears on its own blocks, model_runner/cpu/gguf_linear.py) or None
+    # Quantized weights: "gguf" (a GGUF's linears on its own blocks, model_runner/cpu/gguf_linear.py) or None; resolved
+    # (unasked, a GGUF model on an AVX-512 CPU runs on its blocks: model_runner/cpu/gguf_default.py)
     quantization: Optional[str] = None
 
     # Hybrid models' state pool (model_runner/state_memory.py): total slots (None: sized from the budget) and the
@@ -95,6 +97,6 @@ class RunnerConfig:
             max_loras_per_batch=args.max_loras_per_batch, speculative=args.speculative_algorithm is not None,
             is_embedding=args.is_embedding, pooling_method=args.pooling_method,
             deterministic=args.enable_deterministic_inference,
-            quantization=args.quantization,
+            quantization=resolved_quantization(args, model),
             max_mamba_cache_size=args.max_mamba_cache_size, mamba_ssm_dtype=args.mamba_ssm_dtype,
         )

@@ -1,11 +1,16 @@
 """Linear layers that compute on a GGUF file's own blocks (`--quantization gguf`, CPU): the weights stay in llama.cpp's
-Q8_0 / Q4_0 / Q4_1 blocks, and kernels/cpu_gguf_linear.cpp dequantizes them in registers into float32 multiply-adds
-with the float32 activations: the result is the float32 product of the dequantized weight, as Hugging Face computes
-it on the converted checkpoint.
+blocks, and kernels/cpu_gguf_linear.cpp multiplies on them.
 
-At a few decode rows a linear layer costs reading its weight, and a Q4_1 weight is 5/8 of a byte per value (float32:
-4). From `DEQUANTIZE_FROM` rows on (prefill) the arithmetic dominates instead: the weight is dequantized whole, once
-per call, and multiplied by oneDNN's float32 GEMM.
+- Q8_0 / Q4_0 / Q4_1: the blocks are dequantized in registers into float32 multiply-adds with the float32
+  activations: the result is the float32 product of the dequantized weight, as Hugging Face computes it on the
+  converted checkpoint. At a few decode rows a linear layer costs reading its weight, and a Q4_1 weight is 5/8 of a
+  byte per value (float32: 4). From `DEQUANTIZE_FROM` rows on (prefill) the arithmetic dominates instead: the weight
+  is dequantized whole, once per call, and multiplied by oneDNN's float32 GEMM.
+- Q4_K / Q5_K / Q6_K (super-blocks of 256): integer dot products against the activations quantized per block of 256,
+  as llama.cpp multiplies them (kernels/cpu_gguf_kquants.h), at every row count, so prefill and decode round alike.
+  The activations are 14-bit integers (`KQUANT_ACTIVATION_BITS`), not llama.cpp's int8: int8 rounding changes greedy
+  tokens against the float product of the dequantized weights (0 of 16 prompts kept Hugging Face's 32 tokens on a
+  tiny random llama), 14 bits keep them.
 The model is loaded from the converted directory as for the float path, then `use_gguf_blocks` swaps each fused
 projection (qkv, gate/up, o, down) whose parts are stored in one block type for a `GGUFLinear` on the concatenated
 blocks, and the LM head (the embedding's matrix where tied) for one on its own; their float weights are dropped. The
@@ -30,6 +35,10 @@ logger = logging.getLogger(__name__)
 # Rows from which a call dequantizes the whole weight and runs `F.linear` (measured with benchmarks/cpu_gguf_linear.py
 # on the embedded model's shapes: the in-register kernel is ahead below 16-32 rows).
 DEQUANTIZE_FROM = 32
+# The block types whose kernel takes the float32 activations (the K-quants round them to integers instead).
+FLOAT_ACTIVATION_TYPES = frozenset({2, 3, 8})
+# The K-quants' activations: 16 (14-bit integers in 16-bit multiply-adds) or 8 (llama.cpp's int8, VNNI's dot products).
+KQUANT_ACTIVATION_BITS = 16
 
 # fused projection -> the Hugging Face projections stacked in it, in row order
 _FUSED_PARTS = {
@@ -51,9 +60,9 @@ class GGUFLinear(nn.Module):
         self.bias = bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() >= DEQUANTIZE_FROM * self.in_features:
+        if self.ggml_type in FLOAT_ACTIVATION_TYPES and x.numel() >= DEQUANTIZE_FROM * self.in_features:
             return F.linear(x, torch.ops.radixserve_cpu.gguf_dequantize(self.blocks, self.ggml_type), self.bias)
-        return torch.ops.radixserve_cpu.gguf_linear(x, self.blocks, self.ggml_type, self.bias)
+        return torch.ops.radixserve_cpu.gguf_linear(x, self.blocks, self.ggml_type, self.bias, KQUANT_ACTIVATION_BITS)
 
     def extra_repr(self) -> str:
         name = BlockMatrix(self.ggml_type, self.blocks, self.in_features).type_name

@@ -3,8 +3,8 @@
 
 The converted Hugging Face directory (gguf_convert.py) holds every tensor dequantized; the model is loaded from it
 as usual, and then the projections whose GGUF tensor is in one of `BLOCK_TYPES` are swapped for layers that read the
-file's own bytes. A matrix comes back as `[rows, row bytes]` uint8, one weight row (K / 32 blocks) per row, under its
-Hugging Face name; the rows of llama-architecture Q and K projections are put back in Hugging Face's order, as the
+file's own bytes. A matrix comes back as `[rows, row bytes]` uint8, one weight row (K / 32 blocks, or K / 256
+super-blocks for the K-quants) per row, under its Hugging Face name; the rows of llama-architecture Q and K projections are put back in Hugging Face's order, as the
 converter does for the float values (a row is whole blocks, so permuting rows permutes blocks).
 """
 
@@ -20,14 +20,17 @@ import torch
 
 from radixserve.model_runner.loader.gguf_convert import _hf_config_kwargs, hf_tensor_name, unpermute_rotary_rows
 
-# GGML type id -> (name, bytes per block of 32 values): the block formats kernels/cpu_gguf_linear.cpp computes on.
-BLOCK_TYPES: dict[int, tuple[str, int]] = {2: ("Q4_0", 18), 3: ("Q4_1", 20), 8: ("Q8_0", 34)}
-BLOCK_SIZE = 32
+# GGML type id -> (name, values per block, bytes per block): the block formats kernels/cpu_gguf_linear.cpp computes on.
+BLOCK_TYPES: dict[int, tuple[str, int, int]] = {
+    2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 8: ("Q8_0", 32, 34),
+    12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210),
+}
 
 
 @dataclass(frozen=True)
 class BlockMatrix:
-    """One weight matrix in llama.cpp's blocks: `blocks [out_features, in_features / 32 * block bytes]` uint8."""
+    """One weight matrix in llama.cpp's blocks: `blocks [out_features, in_features / block values * block bytes]`
+    uint8."""
 
     ggml_type: int
     blocks: torch.Tensor

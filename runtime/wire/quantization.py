@@ -1,8 +1,10 @@
 """`--quantization`: SGLang's names for quantized weight formats, and which of them radixserve runs (light: read by
 ServerArgs and by the runner).
 
-    gguf    a GGUF model's linear layers compute on the file's own blocks (Q8_0, Q4_0, Q4_1), kept packed, with the
-            C++ CPU kernel kernels/cpu_gguf_linear.cpp (int8 dot products, per-block scales); CPU only
+    gguf    a GGUF model's linear layers compute on the file's own blocks (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K), kept
+            packed, with the C++ CPU kernel kernels/cpu_gguf_linear.cpp; CPU only. Unasked, the runner chooses it for
+            a GGUF model on CPUs where it measured faster (model_runner/cpu/gguf_default.py)
+    none    the model's dtype, even where the runner would choose gguf
 
 Every other SGLang value is refused with the reason, never ignored: a checkpoint quantized in one of those formats
 would otherwise load as something it is not.
@@ -13,6 +15,7 @@ from __future__ import annotations
 from typing import Optional
 
 QUANTIZATION_METHODS = ("gguf",)
+NO_QUANTIZATION = "none"  # asked for the model's dtype: the runner chooses no quantization on its own
 
 _NO_GPU_KERNEL = "need GPU GEMM kernels that radixserve does not have yet"
 # SGLang 0.5's --quantization values that radixserve recognizes but does not run, with the reason.
@@ -41,7 +44,7 @@ def check_quantization(method: Optional[str], device: str, dtype: str, tp_size: 
     """Raise ValueError, with the reason, unless `method` (None: not asked) can run on `device` with activations of
     `dtype` on `tp_size` ranks for this model (`gguf_model`: whether the model is a GGUF file; None where not known
     yet)."""
-    if method is None:
+    if method is None or method == NO_QUANTIZATION:
         return
     if method in UNSUPPORTED_QUANTIZATION:
         raise ValueError(f"quantization {method!r} is not supported: {UNSUPPORTED_QUANTIZATION[method]} "

@@ -197,7 +197,9 @@ class ServerArgs:
     max_logit_bias_tokens: int = 1024  # logit_bias entries of one request
     lora_adapter_dir: Optional[str] = None  # /load_lora_adapter loads only from under this folder; None: refused
     # Quantized weights (SGLang's --quantization names; runtime/wire/quantization.py says which values run)
-    quantization: Optional[str] = None  # None: the model's dtype; "gguf": a GGUF's linears on its own blocks (CPU)
+    # None: the runner's choice (model_runner/cpu/gguf_default.py: today the model's dtype everywhere); "none": the
+    # model's dtype; "gguf": a GGUF's linears on its own blocks (CPU)
+    quantization: Optional[str] = None
     # Hybrid linear-attention models (docs/hybrid.md): state slots in all, running and snapshots (None: from the budget)
     max_mamba_cache_size: Optional[int] = None
     mamba_ssm_dtype: str = "float32"  # the recurrent states' dtype: float32, bfloat16 or float16
@@ -341,7 +343,7 @@ class ServerArgs:
                            True if self.model_path is None or self.model_path.endswith(".gguf") else None)
         check(self.quantization != "gguf" or self.cpu_kernels != "torch",
               "quantization 'gguf' runs on radixserve's C++ CPU kernels, which cpu_kernels 'torch' turns off")
-        check(self.quantization is None or not self.lora_enabled(),
+        check(self.quantization in (None, "none") or not self.lora_enabled(),
               f"LoRA adapters apply to float weights; drop quantization {self.quantization!r}")
         # Hybrid linear-attention models
         check(self.max_mamba_cache_size is None or self.max_mamba_cache_size >= 2,

@@ -3,21 +3,26 @@ model_runner/loader/gguf_blocks.py), and `--quantization` refuses, with the reas
 
 The reference is Hugging Face `transformers` on the converted checkpoint, whose weights are the GGUF's dequantized
 values: the embedded SmolLM2 GGUF (Q4_1 projections, a Q8_0 embedding tied to the LM head) gives the same greedy ids
-over 32 tokens on every prompt.
+over 32 tokens on every prompt. A tiny random llama written at test time in Q4_K, Q5_K and Q6_K (tests/gguf_kquants.py;
+its linears multiply int8 activations as llama.cpp does) keeps Hugging Face's greedy ids on at least 15 of 16.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+from gguf import GGMLQuantizationType
 from safetensors.torch import load_file
 
+from gguf_kquants import write_llama_gguf
+
+from radixserve.kernels import cpu_build
 from radixserve.model_runner.cpu.gguf_linear import GGUFLinear
 from radixserve.model_runner.loader.gguf_blocks import read_block_matrices, source_gguf
 from radixserve.model_runner.model_runner import ModelRunner
 from radixserve.model_runner.runner_config import RunnerConfig
 from radixserve.model_runner.static_generate import greedy_generate
-from radixserve.runtime.model_files import load_tokenizer
+from radixserve.runtime.model_files import load_tokenizer, resolve_model
 from radixserve.runtime.wire.server_args import ServerArgs
 from test_model_forward import MAX_NEW_TOKENS, hf_greedy, hf_model
 
@@ -56,6 +61,70 @@ def test_default_model_on_its_blocks_gives_transformers_greedy_ids(default_model
     reference = hf_model(default_model_dir)
     agree = sum(tokens == hf_greedy(reference, prompt, MAX_NEW_TOKENS, eos) for prompt, tokens in zip(prompts, ours))
     assert agree >= 15, f"{agree} of {len(prompts)} prompts give Hugging Face's greedy ids"
+
+
+KQUANT_LAYERS = [GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K]
+
+
+@pytest.fixture(scope="module")
+def kquant_gguf(tiny_model_dir, default_model_dir, tmp_path_factory) -> tuple[str, str, str]:
+    """(GGUF path, its converted directory, the conversion cache) of a tiny random llama (hidden 256: whole
+    super-blocks) whose layers are Q4_K, Q5_K and Q6_K and whose embedding, tied to the LM head, is Q6_K."""
+    model_dir = tiny_model_dir("llama", with_tokenizer=True, hidden_size=256, intermediate_size=512, head_dim=64,
+                               num_hidden_layers=len(KQUANT_LAYERS), tie_word_embeddings=True)
+    folder = tmp_path_factory.mktemp("kquants")
+    path = str(folder / "tiny-kquants.gguf")
+    write_llama_gguf(model_dir, path, source_gguf(default_model_dir), KQUANT_LAYERS, GGMLQuantizationType.Q6_K)
+    cache = str(folder / "cache")
+    return path, resolve_model(path, cache_dir=cache).model_dir, cache
+
+
+def test_kquant_block_matrices_dequantize_to_the_converted_weights(kquant_gguf):
+    path, converted_dir, _ = kquant_gguf
+    assert cpu_build.load(), "the CPU kernels failed to build (see the log)"
+    matrices = read_block_matrices(path)
+    converted = load_file(f"{converted_dir}/model.safetensors")
+    assert {m.type_name for m in matrices.values()} == {"Q4_K", "Q5_K", "Q6_K"}
+    for name, matrix in matrices.items():
+        assert torch.equal(matrix.dequantize(), converted[name]), name  # rows in Hugging Face's order
+        assert torch.equal(torch.ops.radixserve_cpu.gguf_dequantize(matrix.blocks, matrix.ggml_type), converted[name])
+
+
+@pytest.mark.slow  # Hugging Face generates 16 x 32 tokens on a 49k vocabulary
+def test_kquant_model_on_its_blocks_gives_transformers_greedy_ids(kquant_gguf):
+    path, converted_dir, cache = kquant_gguf
+    runner = ModelRunner(RunnerConfig.from_server_args(ServerArgs(
+        model_path=path, model_cache_dir=cache, device="cpu", quantization="gguf", max_total_tokens=4096,
+        max_running_requests=16)))
+    for layer, ggml_type in zip(runner.model.model.layers, KQUANT_LAYERS):
+        for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            assert isinstance(linear, GGUFLinear) and linear.ggml_type == int(ggml_type)
+    assert runner.model.logits_head.ggml_type == int(GGMLQuantizationType.Q6_K)
+
+    tokenizer = load_tokenizer(converted_dir)
+    prompts = [tokenizer.encode(text) for text in PROMPTS]
+    ours = greedy_generate(runner, prompts, MAX_NEW_TOKENS, stop_token_ids=[])
+    reference = hf_model(converted_dir)
+    agree = sum(tokens == hf_greedy(reference, prompt, MAX_NEW_TOKENS, []) for prompt, tokens in zip(prompts, ours))
+    assert agree >= 15, f"{agree} of {len(prompts)} prompts give Hugging Face's greedy ids"
+
+
+def test_the_gguf_default_follows_its_isa_table(default_model_dir, tiny_model_dir, monkeypatch):
+    """The CPU default for a GGUF model (model_runner/cpu/gguf_default.py): its float conversion while the table of
+    CPUs is empty (today); with this CPU's ISA in the table its blocks, except wherever something asks for the float
+    path."""
+    from radixserve.model_runner.cpu import gguf_default
+
+    def resolved(**kwargs):
+        return RunnerConfig.from_server_args(ServerArgs(device="cpu", **kwargs)).quantization
+
+    assert resolved() is None
+    monkeypatch.setattr(gguf_default, "GGUF_DEFAULT_ISA_FLAGS", tuple(cpu_build.cpu_isa().split(",")))
+    assert resolved() == "gguf"
+    assert resolved(quantization="gguf") == "gguf"
+    for kwargs in ({"quantization": "none"}, {"dtype": "float32"}, {"dtype": "bfloat16"}, {"cpu_kernels": "torch"},
+                   {"enable_deterministic_inference": True}, {"model_path": tiny_model_dir("llama")}):
+        assert resolved(**kwargs) is None, kwargs
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -4,6 +4,11 @@ Weights are quantized with gguf-py (`gguf.quants.quantize`, the file format's ow
 for the references. The kernel dequantizes the blocks in registers and multiplies with float32 activations, so it
 agrees with the float64 product of the dequantized weight to float32 rounding (sums in another order), and its
 dequantization equals gguf-py's exactly.
+
+The K-quants (Q4_K, Q5_K, Q6_K; blocks packed by tests/gguf_kquants.py, dequantized by gguf-py) are multiplied in
+integers as llama.cpp does, on activations rounded per block of 256 to int8 (llama.cpp's Q8_K) or 14-bit integers:
+against the float64 product of the dequantized weight with those rounded activations (rebuilt here) they agree to
+float32 rounding, and against the float activations to the rounding of the activations.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
+from gguf_kquants import KQUANT_TYPES, quantize_kquant
 from radixserve.kernels import cpu_build
 
 TYPES = [GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1]
@@ -50,6 +56,67 @@ def test_matches_float64_references(ggml_type, shape):
     assert torch.equal(torch.ops.radixserve_cpu.gguf_dequantize(blocks, int(ggml_type)).double(), weight)
 
 
+# (rows M, out features N, in features K), K whole super-blocks: decode rows, a few, prefill rows, N not a multiple of
+# the kernel's 4-row tiles, a long K
+KQUANT_SHAPES = [(1, 64, 256), (3, 50, 512), (16, 33, 256), (77, 130, 768), (1, 576, 1536), (128, 96, 2048)]
+
+
+LEVELS = {8: 127, 16: 8191}  # activation bits -> the largest integer an activation rounds to
+
+
+def rounded_activations(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """The kernel's rounding of `x [M, K]`, as float64: per block of 256, xq = round(x / dx), dx = max|x| / levels
+    (int8: llama.cpp's Q8_K)."""
+    blocks = x.reshape(x.shape[0], -1, 256)
+    dx = blocks.abs().amax(dim=-1, keepdim=True) / LEVELS[bits]
+    q = torch.where(dx == 0, 0.0, blocks / dx).round().clamp(-LEVELS[bits], LEVELS[bits])
+    return (q.double() * dx.double()).reshape(x.shape)
+
+
+@pytest.mark.parametrize("bits", [8, 16])
+@pytest.mark.parametrize("ggml_type", KQUANT_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("shape", KQUANT_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_kquants_match_float64_references(ggml_type, shape, bits):
+    m, n, k = shape
+    values = torch.randn(n, k, generator=torch.Generator().manual_seed(m + n + k)).numpy()
+    packed = quantize_kquant(values, ggml_type)
+    blocks = torch.from_numpy(packed)
+    weight = torch.from_numpy(dequantize(packed, ggml_type)).double()
+    assert (weight - torch.from_numpy(values).double()).abs().mean() < 0.1  # real blocks of these values
+    generator = torch.Generator().manual_seed(k)
+    x = torch.randn(m, k, generator=generator) * torch.rand(m, 1, generator=generator) * 4  # rows of other scales
+    bias = torch.randn(n, generator=generator)
+    out = torch.ops.radixserve_cpu.gguf_linear(x, blocks, int(ggml_type), bias, bits)
+    assert out.dtype == torch.float32 and out.shape == (m, n)
+
+    reference = rounded_activations(x, bits) @ weight.T + bias.double()
+    assert ((out.double() - reference).abs().max() / reference.abs().max()) < 1e-5
+    float_reference = x.double() @ weight.T + bias.double()
+    error = (out.double() - float_reference).abs().max() / float_reference.abs().max()
+    assert error < (2e-2 if bits == 8 else 5e-4)
+    assert torch.equal(torch.ops.radixserve_cpu.gguf_dequantize(blocks, int(ggml_type)).double(), weight)
+
+
+def test_kquant_extreme_blocks():
+    """Blocks at the ends of every range: the largest scales, q = 0 and q = max, zero activation blocks, constant
+    activation blocks (every xq at its largest): the integer sums must neither saturate nor overflow."""
+    values = np.zeros((8, 512), dtype=np.float32)
+    values[0], values[1, :256], values[2] = 1.0, -1.0, np.linspace(-3, 5, 512)
+    values[3, ::2], values[4, 1::3] = 100.0, -100.0
+    x = torch.zeros(3, 512)
+    x[0] = 7.0
+    x[1, :256] = -2.0
+    x[1, 256:] = torch.linspace(-1, 1, 256)
+    for ggml_type in KQUANT_TYPES:
+        packed = quantize_kquant(values, ggml_type)
+        weight = torch.from_numpy(dequantize(packed, ggml_type)).double()
+        for bits in (8, 16):
+            out = torch.ops.radixserve_cpu.gguf_linear(x, torch.from_numpy(packed), int(ggml_type), None, bits)
+            reference = rounded_activations(x, bits) @ weight.T
+            assert torch.allclose(out.double(), reference, rtol=1e-5, atol=1e-3), (ggml_type.name, bits)
+            assert torch.equal(out[2], torch.zeros(8))
+
+
 def test_leading_dimensions_zero_rows_and_no_bias():
     blocks, weight = quantized_weight(GGMLQuantizationType.Q4_1, 40, 64, seed=1)
     x = torch.randn(2, 3, 64)
@@ -74,7 +141,14 @@ def test_bad_input_is_refused_with_the_reason():
         torch.ops.radixserve_cpu.gguf_linear(torch.zeros(1, 32), blocks, q8, None)
     with pytest.raises(RuntimeError, match="float32 activations"):
         torch.ops.radixserve_cpu.gguf_linear(torch.zeros(1, 64, dtype=torch.bfloat16), blocks, q8, None)
-    with pytest.raises(RuntimeError, match="unsupported GGML type 12"):
-        torch.ops.radixserve_cpu.gguf_linear(torch.zeros(1, 64), blocks, 12, None)
+    with pytest.raises(RuntimeError, match="unsupported GGML type 11"):
+        torch.ops.radixserve_cpu.gguf_linear(torch.zeros(1, 64), blocks, 11, None)
     with pytest.raises(RuntimeError, match="not whole blocks of 20"):
         torch.ops.radixserve_cpu.gguf_linear(torch.zeros(1, 64), blocks, int(GGMLQuantizationType.Q4_1), None)
+    q4k = torch.from_numpy(quantize_kquant(np.ones((4, 256), dtype=np.float32), GGMLQuantizationType.Q4_K))
+    with pytest.raises(RuntimeError, match="not whole blocks of 176"):
+        torch.ops.radixserve_cpu.gguf_linear(torch.zeros(1, 256), q4k, int(GGMLQuantizationType.Q5_K), None)
+    with pytest.raises(RuntimeError, match="activation_bits is 8 or 16, got 4"):
+        torch.ops.radixserve_cpu.gguf_linear(torch.zeros(1, 256), q4k, int(GGMLQuantizationType.Q4_K), None, 4)
+    with pytest.raises(RuntimeError, match="last dimension must be 256"):
+        torch.ops.radixserve_cpu.gguf_linear(torch.zeros(1, 32), q4k, int(GGMLQuantizationType.Q4_K), None)
