@@ -163,6 +163,8 @@ class LlamaForCausalLM(nn.Module):
     """
 
     layer_class: type[LlamaDecoderLayer] = LlamaDecoderLayer
+    # (fused parameter, checkpoint projection, shard index): read by the quantized loader (model_runner/quantization/)
+    stacked_projections = _STACKED_PROJECTIONS
 
     def __init__(
         self, config: "ModelConfig", max_positions: Optional[int] = None, tp: Optional[TPGroup] = None
