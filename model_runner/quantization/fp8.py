@@ -36,7 +36,11 @@ class ActivationScheme(enum.Enum):
 
 def quantize_per_row(x: torch.Tensor, group: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`x [M, K]` to FP8 with one float32 scale per row (`[M, 1]`), or per row and group of `group` features
-    (`[M, ceil(K / group)]`); scale = amax / 448."""
+    (`[M, ceil(K / group)]`); scale = amax / 448. On CUDA one Triton launch (kernels/fp8_quant.py)."""
+    if x.is_cuda:
+        from radixserve.kernels.fp8_quant import quantize_fp8
+
+        return quantize_fp8(x, group)
     m, k = x.shape
     if group is None:
         amax = x.abs().amax(dim=-1, keepdim=True).float()
