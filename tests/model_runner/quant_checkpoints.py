@@ -54,8 +54,8 @@ def _copy_config(model_dir: str, out_dir: str, quantization_config: dict) -> Non
 def _save_tensors(model: torch.nn.Module, replaced: dict[str, dict[str, torch.Tensor]], out_dir: str) -> None:
     tensors = {}
     for name, value in model.state_dict().items():
-        module = name.rsplit(".", 1)[0]
-        if module in replaced:
+        module, _, suffix = name.rpartition(".")
+        if module in replaced and suffix == "weight":  # biases stay beside the quantized tensors
             continue
         tensors[name] = value.contiguous()
     for module, parts in replaced.items():

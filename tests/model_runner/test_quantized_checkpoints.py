@@ -29,6 +29,24 @@ def base_dir(tiny_model_dir):
     return tiny_model_dir("llama", **TINY_QUANT_LLAMA)
 
 
+@pytest.mark.slow
+def test_projection_biases_and_tied_embeddings_load_beside_4bit_weights(tmp_path_factory, tiny_model_dir):
+    base = tiny_model_dir("qwen2", **TINY_QUANT_LLAMA)  # q/k/v biases, embeddings tied to the LM head
+    model_dir, reference_dir = make_checkpoint(tmp_path_factory, base, "gptq-act-order")
+    agree, runner = greedy_agreement(model_dir, reference_dir)
+    assert runner.model.model.layers[0].self_attn.qkv_proj.bias is not None
+    assert agree >= 15, f"{agree} of {NUM_PROMPTS} prompts give Hugging Face's greedy ids"
+
+
+def test_online_fp8_quantizes_attention_and_shared_experts_of_a_mixture_of_experts(tiny_model_dir):
+    runner = make_runner(tiny_model_dir("qwen2_moe"), quantization="fp8")
+    quantized = {name.split(".", 3)[-1] for name, m in runner.model.named_modules() if isinstance(m, QuantizedLinear)}
+    assert quantized == {"self_attn.qkv_proj", "self_attn.o_proj", "mlp.shared_expert.gate_up_proj",
+                         "mlp.shared_expert.down_proj"}
+    prompts = random_prompts(runner.vocab_size, [6, 9], seed=4)
+    assert all(len(tokens) == 4 for tokens in greedy_generate(runner, prompts, 4))
+
+
 def make_checkpoint(tmp_path_factory, base_dir: str, fmt: str) -> tuple[str, str]:
     out = str(tmp_path_factory.mktemp(f"q-{fmt}"))
     reference = str(tmp_path_factory.mktemp(f"ref-{fmt}"))
