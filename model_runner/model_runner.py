@@ -259,6 +259,8 @@ class ModelRunner:
             else:
                 dense = files.load_format == "dummy" or "quantization_config" not in self.model_config.hf_config
                 QuantizedWeightLoader(model, method, dense, self.device).load(weights)
+                if self.device.type == "cuda":  # the 16-bit tensors quantized at load leave the allocator's cache
+                    torch.cuda.empty_cache()
         model.eval().requires_grad_(False)
         if self.config.quantization == "gguf":
             gguf_path = source_gguf(files.model_dir)
