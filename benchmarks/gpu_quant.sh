@@ -2,10 +2,10 @@
 # Quantized weights on the GPU host in one call (about 8 minutes), Llama-3.1-8B shape with dummy weights:
 #   tests:   the W4A16 and block-scaled FP8 Triton kernels and the torch._scaled_mm FP8 products against float64
 #            references (bf16 at Llama-3.1-8B's projection shapes, a CUDA graph replay): tests/ops/test_quant_kernels.py;
-#   decode:  benchmarks/one_batch.py, batch-1 (and 8, 64) decode steps at a 1024-token context in CUDA graphs, for
-#            bf16, FP8 per channel (--quantization fp8: row-wise torch._scaled_mm), FP8 in 128x128 blocks (a
-#            fine-grained FP8 config: the Triton block GEMM) and W4A16 (a GPTQ config, groups of 128: the Triton
-#            W4A16 GEMM); random weights are quantized into each layout as they load;
+#   decode:  benchmarks/one_batch.py, batch-1 (and 64) decode steps at a 1024-token context in CUDA graphs, for
+#            bf16, FP8 per tensor (--quantization fp8) and per channel (w8a8_fp8: row-wise torch._scaled_mm), FP8 in
+#            128x128 blocks (a fine-grained FP8 config: the Triton block GEMM) and W4A16 (a GPTQ config, groups of
+#            128: the Triton W4A16 GEMM); random weights are quantized into each layout as they load;
 #   offline: offline throughput, 1000 requests of 256 in / 256 out, bf16, FP8 per channel and W4A16, by output tok/s.
 # STEPS selects (default: all), e.g. STEPS="tests decode" bash benchmarks/gpu_quant.sh. Needs .whl/ (see
 # ../shared/gpu/README.md) and .gpu-assets/llama-3.1-8b-dummy/ (config.json + a tokenizer) carried; the quantized
@@ -46,10 +46,11 @@ W4A16=$(variant_dir w4a16 '{"quant_method": "gptq", "bits": 4, "group_size": 128
 if want tests; then
     timeout 300 "$PY" -P -m pytest -p _srcpath -p no:cacheprovider -q tests/ops/test_quant_kernels.py 2>&1 | tail -8
 fi
-DECODE=(--load-format dummy --dtype bfloat16 --prefill-batch-sizes 1 --input-len 1024 --decode-batch-sizes 1,8,64
+DECODE=(--load-format dummy --dtype bfloat16 --prefill-batch-sizes 1 --input-len 1024 --decode-batch-sizes 1,64
         --context-len 1024 --eager-batch-sizes 1)
 if want decode; then
-    for variant in "bf16 $DENSE" "fp8 $DENSE --quantization fp8" "fp8_block $FP8_BLOCK" "w4a16 $W4A16"; do
+    for variant in "bf16 $DENSE" "fp8 $DENSE --quantization fp8" "w8a8_fp8 $DENSE --quantization w8a8_fp8" \
+                   "fp8_block $FP8_BLOCK" "w4a16 $W4A16"; do
         set -- $variant
         tag=$1 dir=$2
         shift 2
@@ -62,7 +63,7 @@ OFFLINE=(--load-format dummy --dtype bfloat16 --dataset random --num-prompts 100
          --random-output-len 256 --cache on --skip-hf --output-json "$OUT/offline_quant.jsonl"
          --engine-arg mem_fraction_static=0.80)
 if want offline; then
-    for variant in "bf16 $DENSE" "fp8 $DENSE --engine-arg quantization=fp8" "w4a16 $W4A16"; do
+    for variant in "bf16 $DENSE" "w8a8_fp8 $DENSE --engine-arg quantization=w8a8_fp8" "w4a16 $W4A16"; do
         set -- $variant
         tag=$1 dir=$2
         shift 2

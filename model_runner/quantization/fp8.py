@@ -114,8 +114,13 @@ class Fp8Weight:
                          input_scale)
 
     @staticmethod
-    def quantize(weight: torch.Tensor, block: Optional[tuple[int, int]] = None) -> "Fp8Weight":
-        """A float weight `[N, K]` to FP8 with one scale per output channel, or per `block`."""
+    def quantize(weight: torch.Tensor, block: Optional[tuple[int, int]] = None,
+                 per_tensor: bool = False) -> "Fp8Weight":
+        """A float weight `[N, K]` to FP8 with one scale per output channel, per `block`, or (`per_tensor`) one for
+        the whole matrix (spread over its rows)."""
+        if per_tensor:
+            scale = (weight.abs().amax().float() / FP8_MAX).clamp_min(MIN_SCALE)
+            return Fp8Weight(quantize_with_scale(weight, scale), scale.reshape(1).expand(weight.shape[0]).contiguous())
         if block is None:
             q, scale = quantize_per_row(weight)
             return Fp8Weight(q, scale.view(-1))

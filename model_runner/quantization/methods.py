@@ -4,7 +4,8 @@ and which product runs it. One method per model, chosen by `quantization_method`
 
 | format (config `quant_method`)         | tensors of one linear                                   | method       |
 | -------------------------------------- | ------------------------------------------------------- | ------------ |
-| `--quantization fp8`, bf16 checkpoint  | `weight` (quantized at load, one scale per channel)      | `Fp8Method`  |
+| `--quantization fp8`, 16-bit checkpoint | `weight` (quantized at load, one scale per tensor)      | `Fp8Method`  |
+| `--quantization w8a8_fp8`, same        | `weight` (quantized at load, one scale per channel)      | `Fp8Method`  |
 | Hugging Face fine-grained FP8 (`fp8`)  | `weight` e4m3, `weight_scale_inv` per 128x128 block      | `Fp8Method`  |
 | Hugging Face FP8 per tensor (`fp8`)    | `weight` e4m3, `weight_scale`, `input_scale` if static   | `Fp8Method`  |
 | compressed-tensors `float-quantized`   | `weight` e4m3, `weight_scale` (tensor, channel, block)   | `Fp8Method`  |
@@ -14,6 +15,8 @@ and which product runs it. One method per model, chosen by `quantization_method`
 
 A method also quantizes random weights (`--load-format dummy`) into its layout, so large shapes can be measured
 without a checkpoint. Anything else a config names is refused with the reason, never loaded as something it is not.
+The two online spellings mean what they mean in SGLang: `fp8` one scale per weight and dynamic per-tensor activations,
+`w8a8_fp8` one scale per output channel and dynamic per-token activations.
 """
 
 from __future__ import annotations
@@ -72,9 +75,10 @@ class Fp8Method(LinearMethod):
     """FP8 e4m3 weights with activations quantized at each call (model_runner/quantization/fp8.py)."""
 
     def __init__(self, name: str, activation: ActivationScheme, block: Optional[tuple[int, int]] = None,
-                 scale_name: str = "weight_scale", ignored: tuple[str, ...] = ()) -> None:
+                 scale_name: str = "weight_scale", ignored: tuple[str, ...] = (), per_tensor: bool = False) -> None:
         super().__init__(ignored)
         self.name, self.activation, self.block, self.scale_name = name, activation, block, scale_name
+        self.per_tensor = per_tensor  # a 16-bit weight quantized at load takes one scale (else one per channel)
         self.suffixes = ("weight", scale_name) + (("input_scale",) if activation is ActivationScheme.STATIC else ())
 
     def from_checkpoint(self, tensors: dict[str, torch.Tensor]) -> Fp8Weight:
@@ -97,7 +101,7 @@ class Fp8Method(LinearMethod):
         return Fp8Weight(weight, scale.reshape(n), None, input_scale)
 
     def from_dense(self, weight: torch.Tensor) -> Fp8Weight:
-        quantized = Fp8Weight.quantize(weight, self.block)
+        quantized = Fp8Weight.quantize(weight, self.block, self.per_tensor)
         if self.activation is ActivationScheme.STATIC:  # no calibration for random weights: a scale of 1
             quantized.input_scale = torch.ones((), device=weight.device)
         return quantized
@@ -107,6 +111,7 @@ class Fp8Method(LinearMethod):
 
     def describe(self) -> str:
         layout = f"{self.block[0]}x{self.block[1]} blocks" if self.block else "per channel"
+        layout = "per tensor" if self.per_tensor else layout
         return f"{self.name} (FP8 weights {layout}, activations per {self.activation.value})"
 
 
@@ -224,10 +229,15 @@ def quantization_method(flag: Optional[str], hf_config: dict[str, Any], dtype: t
     if not config:
         if flag is None:
             return None
-        if flag == "fp8":
-            return Fp8Method("fp8", ActivationScheme.TOKEN)
+        if flag == "fp8":  # SGLang's online FP8: one scale per weight, one per call for the activations
+            return Fp8Method("fp8", ActivationScheme.TENSOR, per_tensor=True)
+        if flag == "w8a8_fp8":  # SGLang's online W8A8 FP8: per output channel, activations per token
+            return Fp8Method("w8a8_fp8", ActivationScheme.TOKEN)
         raise ValueError(f"quantization {flag!r} loads checkpoints in that format, and this model's config.json has "
-                         "no quantization_config (only 'fp8' quantizes a 16-bit checkpoint at load)")
+                         "no quantization_config (only 'fp8' and 'w8a8_fp8' quantize a 16-bit checkpoint at load)")
+    if flag == "w8a8_fp8":
+        raise ValueError("quantization 'w8a8_fp8' quantizes a 16-bit checkpoint at load; this checkpoint's "
+                         f"quantization_config says {config.get('quant_method')!r} (drop the flag)")
     method = str(config.get("quant_method", "")).lower()
     if flag is not None and flag != method:
         raise ValueError(f"--quantization {flag} asks for {flag!r} weights, and the checkpoint's quantization_config "

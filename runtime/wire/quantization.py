@@ -4,11 +4,12 @@ ServerArgs and by the runner).
     gguf                a GGUF model's linear layers compute on the file's own blocks (Q8_0, Q4_0, Q4_1), kept packed,
                         with the C++ CPU kernel kernels/cpu_gguf_linear.cpp; CPU only
     fp8                 a checkpoint's FP8 weights (Hugging Face `fp8`: per tensor or 128x128 blocks), or a 16-bit
-                        checkpoint quantized to FP8 per channel at load
+                        checkpoint quantized to FP8 at load, one scale per weight and per call of the activations
+    w8a8_fp8            a 16-bit checkpoint quantized to FP8 at load per output channel, activations per token
     compressed-tensors  FP8 (per tensor, channel or block, dynamic per-token activations) and W4A16 pack-quantized
     awq, gptq           4-bit grouped weights (AWQ's GEMM layout; GPTQ with or without act-order), 16-bit activations
 
-The last four run the attention and MLP projections through model_runner/quantization/ (cuBLASLt and Triton kernels
+The last five run the attention and MLP projections through model_runner/quantization/ (cuBLASLt and Triton kernels
 on CUDA, a float reference on the CPU); a checkpoint's own `quantization_config` picks its format without the flag.
 
 Every other SGLang value is refused with the reason, never ignored: a checkpoint quantized in one of those formats
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-QUANTIZATION_METHODS = ("gguf", "fp8", "compressed-tensors", "awq", "gptq")
+QUANTIZATION_METHODS = ("gguf", "fp8", "w8a8_fp8", "compressed-tensors", "awq", "gptq")
 
 _NO_GPU_KERNEL = "need GPU GEMM kernels that radixserve does not have yet"
 # SGLang 0.5's --quantization values that radixserve recognizes but does not run, with the reason.
@@ -28,7 +29,6 @@ UNSUPPORTED_QUANTIZATION: dict[str, str] = {
     "gptq_marlin": "Marlin kernels are not part of radixserve; GPTQ checkpoints run with --quantization gptq",
     "marlin": f"Marlin weights {_NO_GPU_KERNEL}",
     "mxfp4": f"MXFP4 experts {_NO_GPU_KERNEL}",
-    "w8a8_fp8": f"W8A8 FP8 checkpoints {_NO_GPU_KERNEL}",
     "w8a8_int8": f"W8A8 INT8 checkpoints {_NO_GPU_KERNEL}",
     "modelopt": f"ModelOpt checkpoints {_NO_GPU_KERNEL}",
     "modelopt_fp4": f"ModelOpt FP4 checkpoints {_NO_GPU_KERNEL}",

@@ -222,16 +222,19 @@ def scaled_projections(model_dir: str, out_dir: str, factor: float) -> str:
     return out_dir
 
 
-def quantize_projection_inputs(model: torch.nn.Module, group: int | None) -> torch.nn.Module:
+def quantize_projection_inputs(model: torch.nn.Module, group: int | str | None) -> torch.nn.Module:
     """Make every projection of `model` see its input rounded to FP8 e4m3 as the W8A8 formats define it: per token
-    (`group` None) or per token and group of `group` features, scale = amax / 448."""
+    (`group` None), per token and group of `group` features, or per call ("tensor"); scale = amax / 448."""
     def round_input(module, args):
         x = args[0]
         shape = x.shape
         rows = x.reshape(-1, shape[-1]).float()
-        if group is not None:
+        if isinstance(group, int):
             rows = rows.reshape(rows.shape[0], -1, group)
-        scale = (rows.abs().amax(-1, keepdim=True) / 448.0).clamp_min(1e-12)
+        if group == "tensor":
+            scale = (rows.abs().amax() / 448.0).clamp_min(1e-12)
+        else:
+            scale = (rows.abs().amax(-1, keepdim=True) / 448.0).clamp_min(1e-12)
         rounded = (rows / scale).clamp(-448, 448).to(torch.float8_e4m3fn).float() * scale
         return (rounded.reshape(shape).to(x.dtype),) + tuple(args[1:])
 

@@ -34,7 +34,10 @@ def test_checkpoint_configs_choose_their_method():
     method = quantization_method(None, {"quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 128,
                                                                 "desc_act": True}}, torch.float16)
     assert method.act_order and method.zero_offset == 1
-    assert quantization_method("fp8", {}, torch.bfloat16).activation is ActivationScheme.TOKEN  # online
+    online = quantization_method("fp8", {}, torch.bfloat16)  # SGLang's meanings of the two online spellings
+    assert online.per_tensor and online.activation is ActivationScheme.TENSOR
+    online = quantization_method("w8a8_fp8", {}, torch.bfloat16)
+    assert not online.per_tensor and online.activation is ActivationScheme.TOKEN
     assert quantization_method(None, {}, torch.bfloat16) is None
     assert quantization_method("gguf", {}, torch.float32) is None
 
@@ -55,12 +58,13 @@ def test_ignored_modules_stay_in_16_bits():
     (None, ct_config({"type": "float", "num_bits": 8, "strategy": "channel"}), r"W8A16\) are not supported"),
     (None, ct_config({"type": "int", "num_bits": 8, "strategy": "channel"}, None, "int-quantized"), "not supported"),
     ("gguf", {"quantization_config": {"quant_method": "fp8"}}, "GGUF file's blocks"),
+    ("w8a8_fp8", {"quantization_config": {"quant_method": "fp8"}}, "quantizes a 16-bit checkpoint at load"),
 ])
 def test_formats_that_cannot_run_are_refused_with_the_reason(flag, config, message):
     with pytest.raises(ValueError, match=message):
         quantization_method(flag, config, torch.bfloat16)
 
 
-@pytest.mark.parametrize("value", ["fp8", "compressed-tensors", "awq", "gptq"])
+@pytest.mark.parametrize("value", ["fp8", "w8a8_fp8", "compressed-tensors", "awq", "gptq"])
 def test_the_checkpoint_formats_are_accepted_on_every_device(value):
     assert ServerArgs(device="cpu", quantization=value).quantization == value
