@@ -141,12 +141,10 @@ class Int4Method(LinearMethod):
 
     def from_checkpoint(self, tensors: dict[str, torch.Tensor]) -> Int4Weight:
         if self.layout == "compressed-tensors":
-            weight = self._from_pack_quantized(tensors)
-        elif self.layout == "awq":
-            weight = self._from_awq(tensors)
-        else:
-            weight = self._from_gptq(tensors)
-        return weight
+            return self._from_pack_quantized(tensors)
+        if self.layout == "awq":
+            return self._from_awq(tensors)
+        return self._from_gptq(tensors)
 
     def _from_pack_quantized(self, tensors: dict[str, torch.Tensor]) -> Int4Weight:
         # compressed-tensors: value k of row n at bits 4 * (k % 8) of weight_packed[n, k // 8], stored as the signed
@@ -159,7 +157,6 @@ class Int4Method(LinearMethod):
             if (n_shape, k_shape) != (n, k):
                 raise ValueError(f"{self.name}: weight_shape {(n_shape, k_shape)} does not match weight_packed "
                                  f"{tuple(packed.shape)} (input features must be a multiple of 8)")
-        values = unpack_rows(packed.T.contiguous())  # [K, N] unsigned
         scales = tensors["weight_scale"].T.to(self.dtype).contiguous()
         if self.symmetric:
             zeros = torch.full_like(scales, 8)
@@ -167,7 +164,8 @@ class Int4Method(LinearMethod):
             # packed zero points hold the signed value plus 8: the unsigned domain's zero point itself
             zeros = unpack_rows(tensors["weight_zero_point"])[:n].T.to(self.dtype)
         g_idx = tensors.get("weight_g_idx")
-        return Int4Weight(pack_rows(values), scales, zeros.contiguous(), self._group_size_for(k),
+        # Eight values of one row along K per word: transposed, the runtime's qweight [K / 8, N] bit for bit.
+        return Int4Weight(packed.T.contiguous(), scales, zeros.contiguous(), self._group_size_for(k),
                           None if g_idx is None else g_idx.to(torch.int32))
 
     def _from_awq(self, tensors: dict[str, torch.Tensor]) -> Int4Weight:
