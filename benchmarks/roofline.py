@@ -93,6 +93,8 @@ def weight_bytes_read_per_decode_step(model: nn.Module, batch_size: int = 1) -> 
     of a mixture of experts only the experts the batch visits (`expert_share`)."""
     share = expert_share(model.config, batch_size)
     total = sum(_bytes(p) * (share if ".experts." in name else 1.0) for name, p in model.named_parameters())
+    # A quantized linear (model_runner/quantization/) holds its weight and scales as buffers named q_*.
+    total += sum(_bytes(b) for name, b in model.named_buffers() if name.rsplit(".", 1)[-1].startswith("q_"))
     tied = getattr(model, "lm_head", None) is None
     return int(total if tied else total - _bytes(model.model.embed_tokens.weight))
 
@@ -105,6 +107,8 @@ def prefill_flops(model: nn.Module, batch_size: int, input_len: int) -> int:
     visited = 1.0 if moe is None else moe.top_k / moe.num_experts  # each token runs k of a layer's E experts
     layer_params = int(sum(p.numel() * (visited if ".experts." in name else 1.0)
                            for name, p in model.model.layers.named_parameters()))
+    layer_params += sum(m.in_features * m.out_features for m in model.model.layers.modules()
+                        if hasattr(m, "weight_value"))  # quantized linears: their weights are buffers
     tokens = batch_size * input_len
     projections = 2 * layer_params * tokens
     # Q.K^T and P.V over the causal triangle: 2 matmuls x 2 FLOPs per multiply-add.

@@ -27,6 +27,7 @@ from radixserve.model_runner.lora.setup import create_lora_manager
 from radixserve.model_runner.model_config import ModelConfig
 from radixserve.model_runner.models import get_model_class
 from radixserve.model_runner.pooling import PoolingSpec, pool_hidden
+from radixserve.model_runner.quantization import QuantizedWeightLoader, quantization_method, quantize_model
 from radixserve.model_runner.parallel import (HeadLayout, ReplicaPlacement, check_ep_divides, join_tp_group,
                                               min_over_ranks)
 from radixserve.model_runner.runner_config import RunnerConfig
@@ -251,14 +252,25 @@ class ModelRunner:
         # Build on the meta device (no memory, no random init), then allocate on the target device once.
         with torch.device("meta"):
             model = model_class(self.model_config, max_positions=self.context_len, tp=self.tp)
-        model = model.to(self.dtype).to_empty(device=self.device)
+        model = model.to(self.dtype)
+        method = quantization_method(self.config.quantization, self.model_config.hf_config, self.dtype)
+        if method is not None:  # FP8 / 4-bit linears (model_runner/quantization/), swapped in before allocation
+            quantize_model(model, method)
+            logger.info("quantized linears: %s", method.describe())
+        model = model.to_empty(device=self.device)
         if files.load_format == "dummy":
             shapes = model.hf_weight_shapes() if hasattr(model, "hf_weight_shapes") else None
             weights = dummy_weights(self.model_config, self.config.random_seed, self.dtype, self.device, shapes)
         else:
             weights = iter_weights(files.model_dir, lazy=self.tp.size > 1)
         with torch.no_grad():
-            model.load_weights(weights)
+            if method is None:
+                model.load_weights(weights)
+            else:
+                dense = files.load_format == "dummy" or "quantization_config" not in self.model_config.hf_config
+                QuantizedWeightLoader(model, method, dense, self.device).load(weights)
+                if self.device.type == "cuda":  # the 16-bit tensors quantized at load leave the allocator's cache
+                    torch.cuda.empty_cache()
         model.eval().requires_grad_(False)
         if self.config.quantization == "gguf":
             gguf_path = source_gguf(files.model_dir)

@@ -165,6 +165,8 @@ class LlamaForCausalLM(nn.Module):
 
     layer_class: type[nn.Module] = LlamaDecoderLayer
     model_class: type[nn.Module] = LlamaModel  # built as model_class(config, layer_class, max_positions, tp)
+    # (fused parameter, checkpoint projection, shard index): read by the quantized loader (model_runner/quantization/)
+    stacked_projections = _STACKED_PROJECTIONS
 
     def __init__(
         self, config: "ModelConfig", max_positions: Optional[int] = None, tp: Optional[TPGroup] = None

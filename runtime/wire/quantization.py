@@ -1,10 +1,19 @@
 """`--quantization`: SGLang's names for quantized weight formats, and which of them radixserve runs (light: read by
 ServerArgs and by the runner).
 
-    gguf    a GGUF model's linear layers compute on the file's own blocks (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K), kept
-            packed, with the C++ CPU kernel kernels/cpu_gguf_linear.cpp; CPU only. Unasked, the runner chooses it for
-            a GGUF model on CPUs where it measured faster (model_runner/cpu/gguf_default.py)
-    none    the model's dtype, even where the runner would choose gguf
+    gguf                a GGUF model's linear layers compute on the file's own blocks (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K,
+                        Q6_K), kept packed, with the C++ CPU kernel kernels/cpu_gguf_linear.cpp; CPU only. Unasked,
+                        the runner chooses it for a GGUF model on CPUs where it measured faster
+                        (model_runner/cpu/gguf_default.py; none yet)
+    none                the model's dtype, even where the runner would choose gguf
+    fp8                 a checkpoint's FP8 weights (Hugging Face `fp8`: per tensor or 128x128 blocks), or a 16-bit
+                        checkpoint quantized to FP8 at load, one scale per weight and per call of the activations
+    w8a8_fp8            a 16-bit checkpoint quantized to FP8 at load per output channel, activations per token
+    compressed-tensors  FP8 (per tensor, channel or block, dynamic per-token activations) and W4A16 pack-quantized
+    awq, gptq           4-bit grouped weights (AWQ's GEMM layout; GPTQ with or without act-order), 16-bit activations
+
+The last five run the attention and MLP projections through model_runner/quantization/ (cuBLASLt and Triton kernels
+on CUDA, a float reference on the CPU); a checkpoint's own `quantization_config` picks its format without the flag.
 
 Every other SGLang value is refused with the reason, never ignored: a checkpoint quantized in one of those formats
 would otherwise load as something it is not.
@@ -14,21 +23,16 @@ from __future__ import annotations
 
 from typing import Optional
 
-QUANTIZATION_METHODS = ("gguf",)
+QUANTIZATION_METHODS = ("gguf", "fp8", "w8a8_fp8", "compressed-tensors", "awq", "gptq")
 NO_QUANTIZATION = "none"  # asked for the model's dtype: the runner chooses no quantization on its own
 
 _NO_GPU_KERNEL = "need GPU GEMM kernels that radixserve does not have yet"
 # SGLang 0.5's --quantization values that radixserve recognizes but does not run, with the reason.
 UNSUPPORTED_QUANTIZATION: dict[str, str] = {
-    "fp8": f"FP8 weights (checkpoints or online quantization) {_NO_GPU_KERNEL}",
-    "compressed-tensors": f"compressed-tensors checkpoints (FP8, W4A16) {_NO_GPU_KERNEL}",
-    "awq": f"AWQ checkpoints {_NO_GPU_KERNEL}",
-    "awq_marlin": f"AWQ checkpoints {_NO_GPU_KERNEL}",
-    "gptq": f"GPTQ checkpoints {_NO_GPU_KERNEL}",
-    "gptq_marlin": f"GPTQ checkpoints {_NO_GPU_KERNEL}",
+    "awq_marlin": "Marlin kernels are not part of radixserve; AWQ checkpoints run with --quantization awq",
+    "gptq_marlin": "Marlin kernels are not part of radixserve; GPTQ checkpoints run with --quantization gptq",
     "marlin": f"Marlin weights {_NO_GPU_KERNEL}",
     "mxfp4": f"MXFP4 experts {_NO_GPU_KERNEL}",
-    "w8a8_fp8": f"W8A8 FP8 checkpoints {_NO_GPU_KERNEL}",
     "w8a8_int8": f"W8A8 INT8 checkpoints {_NO_GPU_KERNEL}",
     "modelopt": f"ModelOpt checkpoints {_NO_GPU_KERNEL}",
     "modelopt_fp4": f"ModelOpt FP4 checkpoints {_NO_GPU_KERNEL}",
@@ -53,6 +57,8 @@ def check_quantization(method: Optional[str], device: str, dtype: str, tp_size: 
         known = ", ".join((*QUANTIZATION_METHODS, *UNSUPPORTED_QUANTIZATION))
         raise ValueError(f"unknown quantization {method!r}; SGLang's names are {known} "
                          f"(radixserve runs: {', '.join(QUANTIZATION_METHODS)})")
+    if method != "gguf":
+        return  # the checkpoint's quantization_config decides the rest when the model loads
     if device != "cpu":
         raise ValueError(f"quantization {method!r} runs on the CPU only (its kernels are C++ CPU kernels); "
                          f"got device {device!r}")

@@ -129,8 +129,8 @@ def test_the_gguf_default_follows_its_isa_table(default_model_dir, tiny_model_di
 
 @pytest.mark.parametrize("kwargs, message", [
     ({"quantization": "int3"}, "unknown quantization 'int3'; SGLang's names are gguf, fp8"),
-    ({"quantization": "fp8"}, "quantization 'fp8' is not supported: FP8 weights .* GPU GEMM kernels"),
-    ({"quantization": "awq"}, "quantization 'awq' is not supported: AWQ"),
+    ({"quantization": "mxfp4"}, "quantization 'mxfp4' is not supported: MXFP4 experts .* GPU GEMM kernels"),
+    ({"quantization": "awq_marlin"}, "quantization 'awq_marlin' is not supported: Marlin kernels .* --quantization awq"),
     ({"quantization": "gguf", "dtype": "bfloat16"}, "computes in float32 around its blocks; drop --dtype bfloat16"),
     ({"quantization": "gguf", "tp_size": 2}, "runs on one rank"),
     ({"quantization": "gguf", "cpu_kernels": "torch"}, "cpu_kernels 'torch' turns off"),

@@ -1,0 +1,130 @@
+"""Loading a quantized checkpoint into a model whose projections were swapped for QuantizedLinear layers.
+
+The checkpoint names its tensors per Hugging Face linear (`...self_attn.q_proj.weight_scale`); the model stacks q/k/v
+and gate/up into one projection and holds one tensor-parallel shard of each. `QuantizedWeightLoader` routes every
+tensor of a quantized linear to that linear's collection, and everything else (embeddings, norms, biases, the LM head)
+to the model's own `load_weights`. When a linear's tensors are all in, the method turns them into the runtime layout,
+this rank's shard is cut in the layout's own coordinates (output features for column-parallel parts, input features
+for row-parallel ones; the model's `_shard_of` says where), and when every part of a fused projection is in, they are
+stacked and installed. Raw tensors are dropped as soon as their linear is converted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterable, Iterator
+
+import torch
+from torch import nn
+
+from radixserve.model_runner.quantization.linear import QUANTIZED_PROJECTIONS, QuantizedLinear, swap_quantized_linears
+from radixserve.model_runner.quantization.methods import LinearMethod, QuantizedWeight
+
+# Tensors some checkpoints carry beside a linear's required ones, which the layout does not need (or which a method
+# that needs them lists among its suffixes).
+OPTIONAL_SUFFIXES = ("weight_shape", "g_idx", "weight_g_idx", "input_scale")
+# Suffixes that exist only on quantized linears: meeting one outside them means a layer radixserve keeps in 16 bits
+# was quantized (the experts of a mixture of experts).
+_QUANTIZED_ONLY = ("weight_scale", "weight_scale_inv", "weight_packed", "weight_zero_point", "qweight", "qzeros",
+                   "scales", "g_idx", "input_scale")
+
+
+def checkpoint_parts(model: nn.Module) -> dict[str, list[str]]:
+    """For each projection of QUANTIZED_PROJECTIONS in the model, the checkpoint linears stacked into it, in order."""
+    parts: dict[str, list[str]] = {}
+    for name, _ in model.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf not in QUANTIZED_PROJECTIONS:
+            continue
+        prefix = name[: -len(leaf)]
+        stacked = sorted((index, part) for fused, part, index in model.stacked_projections if fused == leaf)
+        parts[name] = [prefix + part for _, part in stacked] or [name]
+    return parts
+
+
+def quantize_model(model: nn.Module, method: LinearMethod) -> list[str]:
+    """Swap the projections the method quantizes (the model on the meta device, before `to_empty`)."""
+    return swap_quantized_linears(model, method, checkpoint_parts(model))
+
+
+class QuantizedWeightLoader:
+    """Loads a checkpoint into a model prepared by `quantize_model`. With `dense`, the quantized linears' tensors are
+    16-bit weights (`--quantization fp8` on a 16-bit checkpoint, or random weights) that the method quantizes."""
+
+    def __init__(self, model: nn.Module, method: LinearMethod, dense: bool, device: torch.device) -> None:
+        self.model, self.method, self.device = model, method, device
+        self.required = ("weight",) if dense else method.suffixes
+        self.dense = dense
+        parts = checkpoint_parts(model)
+        self.layers = {name: module for name, module in model.named_modules() if isinstance(module, QuantizedLinear)}
+        self.part_of = {hf: (name, index) for name in self.layers for index, hf in enumerate(parts[name])}
+        self.num_parts = {name: len(parts[name]) for name in self.layers}
+        self.raw: dict[str, dict[str, torch.Tensor]] = {}  # checkpoint linear -> its tensors so far
+        self.converted: dict[str, dict[int, QuantizedWeight]] = {}  # projection -> its converted parts
+
+    def load(self, weights: Iterable[tuple[str, Any]]) -> None:
+        """Load every tensor; ValueError for a missing or unexpected one (as the model's own loader)."""
+        self.model.load_weights(self._route(weights))
+        missing = [name for name, layer in self.layers.items() if layer.weight_value is None]
+        if missing:
+            raise ValueError(f"checkpoint is missing quantized weights of {', '.join(missing[:5])}"
+                             + (f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""))
+
+    def _route(self, weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+        for name, tensor in weights:
+            hf_linear, _, suffix = name.rpartition(".")
+            if hf_linear not in self.part_of or suffix == "bias":
+                if suffix in _QUANTIZED_ONLY and not self.dense:
+                    raise ValueError(f"{self.method.name}: {name} belongs to a quantized layer that radixserve runs in "
+                                     "16 bits (the experts of a mixture of experts, or a module outside the "
+                                     "attention and MLP projections); such checkpoints are not supported yet")
+                yield name, tensor
+                continue
+            if suffix not in self.required and suffix not in OPTIONAL_SUFFIXES:
+                raise ValueError(f"{self.method.name}: unexpected tensor {name} (a {self.method.name} linear holds "
+                                 f"{', '.join(self.required)})")
+            tensors = self.raw.setdefault(hf_linear, {})
+            tensors[suffix] = tensor if isinstance(tensor, torch.Tensor) else tensor[:]
+            if all(s in tensors for s in self.required) and self._has_extras(tensors):
+                self._convert(hf_linear, self.raw.pop(hf_linear))
+
+    def _has_extras(self, tensors: dict[str, torch.Tensor]) -> bool:
+        # An act-order checkpoint's g_idx must be in before the weight converts; others do not need it.
+        needs_g_idx = getattr(self.method, "act_order", False) and not self.dense
+        return not needs_g_idx or "g_idx" in tensors or "weight_g_idx" in tensors
+
+    def _convert(self, hf_linear: str, tensors: dict[str, torch.Tensor]) -> None:
+        name, index = self.part_of[hf_linear]
+        layer = self.layers[name]
+        if self.dense:
+            weight = self.method.from_dense(tensors["weight"].to(self.device))
+        else:
+            weight = self.method.from_checkpoint({k: v.to(self.device) for k, v in tensors.items()})
+        local_shape = self._local_shape(name, index, layer)
+        shard = self.model._shard_of(f"{hf_linear}.weight", local_shape)
+        if shard is not None:
+            weight = weight.narrow(*shard)
+        if tuple(weight.shape) != local_shape:
+            raise ValueError(f"shape mismatch for {hf_linear}: checkpoint {tuple(weight.shape)} (this rank's part), "
+                             f"model expects {local_shape}")
+        parts = self.converted.setdefault(name, {})
+        parts[index] = weight
+        if len(parts) == self.num_parts[name]:
+            ordered = [parts[i] for i in range(len(parts))]
+            fused = ordered[0] if len(ordered) == 1 else type(ordered[0]).cat(ordered)
+            layer.set_weight(_contiguous(fused))
+            del self.converted[name]
+
+    def _local_shape(self, name: str, index: int, layer: QuantizedLinear) -> tuple[int, int]:
+        if self.num_parts[name] == 1:
+            return layer.out_features, layer.in_features
+        leaf = name.rsplit(".", 1)[-1]
+        meta = torch.empty(layer.out_features, layer.in_features, device="meta")
+        start, end = self.model._fused_rows(leaf, index, meta)
+        return end - start, layer.in_features
+
+
+def _contiguous(weight: QuantizedWeight) -> QuantizedWeight:
+    return dataclasses.replace(weight, **{f.name: getattr(weight, f.name).contiguous()
+                                          for f in dataclasses.fields(weight)
+                                          if isinstance(getattr(weight, f.name), torch.Tensor)})
