@@ -28,8 +28,10 @@ def _quantize_kernel(X, Q, Scale, K, stride_x, stride_q, num_groups,
     cols = group * GROUP + tl.arange(0, BLOCK)
     mask = (cols < K) & (tl.arange(0, BLOCK) < GROUP)
     x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), axis=0) / FP8_MAX_, MIN_SCALE_)
-    q = tl.clamp(x / scale, -FP8_MAX_, FP8_MAX_)
+    # IEEE-rounded divisions (a plain `/` compiles to an approximate one on the GPU): the scales and values equal
+    # the torch definition's bit for bit.
+    scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), axis=0), FP8_MAX_), MIN_SCALE_)
+    q = tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX_, FP8_MAX_)
     tl.store(Q + row * stride_q + cols, q.to(Q.dtype.element_ty), mask=mask)
     tl.store(Scale + row * num_groups + group, scale)
 

@@ -41,8 +41,9 @@ def w4a16_config(m: int, n: int, k: int, group_size: int, has_g_idx: bool, num_s
         block_m, block_n, warps, stages = 16, 64, 4, 4
     elif m <= 64:
         block_m, block_n, warps, stages = 64, 64, 4, 3
-    else:
+    else:  # K tiles of 64: at 128 the three stages of 128 x 128 tiles need 257 KiB of shared memory (H100: 227 KiB)
         block_m, block_n, warps, stages = 128, 128, 8, 3
+        block_k = 64 if has_g_idx else min(64, group_size)
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     k_tiles = triton.cdiv(k, block_k)
     split_k = 1

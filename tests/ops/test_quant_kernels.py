@@ -112,7 +112,9 @@ def test_fp8_block_gemm_matches_float64(m, n, k):
     expected = (x_q.double() * x_scale.double().repeat_interleave(128, 1)[:, :k]) @ weight.dequantize().double().T
     out = fp8_block_gemm(x_q.to(DEVICE), x_scale.to(DEVICE), weight.weight.to(DEVICE), weight.scale.to(DEVICE),
                          (128, 128), torch.float32)
-    assert_close(out, expected.to(DEVICE), 1e-5)
+    # Hopper's FP8 tensor-core products accumulate with fewer bits than float32 within each 128-wide K block (the
+    # kernel adds the blocks in float32): about 2e-4 of the largest value on an H100; exact under the interpreter.
+    assert_close(out, expected.to(DEVICE), 1e-3 if ON_GPU else 1e-5)
 
 
 def test_fp8_quantization_round_trips_within_e4m3_precision():
