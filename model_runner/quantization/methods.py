@@ -36,6 +36,44 @@ QuantizedWeight = Union[Fp8Weight, Int4Weight]
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
 
+try:  # the parser of Python's own re (its tree of repeats and branches); re._parser from Python 3.11
+    from re import _parser as _regex_parser
+except ImportError:  # Python 3.10
+    import sre_parse as _regex_parser
+
+
+def bounded_pattern(pattern: str) -> str:
+    """A checkpoint's `re:` pattern, refused (ValueError) unless Python's backtracking `re` matches it in time linear in
+    the name: no repeat of anything that itself repeats or branches, such as `(a+)+` or `(a|aa)*` (the patterns
+    compressed-tensors writes, `re:.*lm_head`, `re:model.layers.\\d+.mlp.gate$`, pass). The pattern comes from a model
+    file, which must not be able to stall the server's start."""
+    try:
+        parsed = _regex_parser.parse(pattern)
+    except re.error as error:
+        raise ValueError(f"checkpoint ignore pattern {pattern!r} is not a regular expression: {error}") from None
+
+    def nested(items, inside_repeat: bool) -> bool:
+        for op, value in items:
+            name = str(op)
+            if name in ("MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT"):
+                if inside_repeat or nested(value[2], True):
+                    return True
+            elif name == "SUBPATTERN":
+                if nested(value[-1], inside_repeat):
+                    return True
+            elif name == "BRANCH":
+                if inside_repeat or any(nested(branch, inside_repeat) for branch in value[1]):
+                    return True
+            elif name in ("ASSERT", "ASSERT_NOT", "GROUPREF", "GROUPREF_EXISTS"):
+                return True
+        return False
+
+    if len(pattern) > 256 or nested(parsed, False):
+        raise ValueError(f"checkpoint ignore pattern {pattern!r} is refused: a repeat of a repeat or of alternatives "
+                         f"(or a look-around or back-reference) can take exponential time in Python's re")
+    return pattern
+
+
 class LinearMethod(ABC):
     """How the quantized linears of one model load and multiply."""
 
@@ -49,7 +87,7 @@ class LinearMethod(ABC):
         """Whether the checkpoint's linear `hf_module` (`model.layers.0.self_attn.q_proj`) is quantized."""
         for pattern in self.ignored:
             if pattern.startswith("re:"):
-                if re.match(pattern[3:], hf_module):
+                if re.match(bounded_pattern(pattern[3:]), hf_module):
                     return False
             elif hf_module == pattern or hf_module.endswith("." + pattern) or ("." + pattern + ".") in hf_module:
                 return False

@@ -270,6 +270,18 @@ def test_f_extreme_penalties_generate_or_are_refused(server):
 REGEX_CALLS = {"compile", "match", "search", "fullmatch", "sub", "subn", "findall", "finditer", "split"}
 
 
+def test_g_a_checkpoints_ignore_pattern_that_can_backtrack_is_refused():
+    from radixserve.model_runner.quantization.methods import bounded_pattern
+
+    for fine in (r".*lm_head", r"model.layers.\d+.mlp.gate$", r"model\.layers\.[0-9]+\.(q|k)_proj"):
+        assert bounded_pattern(fine) == fine
+    for evil in (r"(a+)+$", r"(a|aa)*b", r"(.*)*x", r"((ab)*)+", r"(?=a)a", r"(a)\1"):
+        with pytest.raises(ValueError, match="refused"):
+            bounded_pattern(evil)
+    with pytest.raises(ValueError, match="not a regular expression"):
+        bounded_pattern("(unclosed")
+
+
 def test_g_every_python_regex_in_the_serving_code_is_a_literal():
     """Python's `re` backtracks; only fixed patterns of the code may use it (user regexes go to xgrammar, an
     automaton compiled off the scheduler's critical path under --grammar-compile-timeout)."""
@@ -283,7 +295,9 @@ def test_g_every_python_regex_in_the_serving_code_is_a_literal():
                 # A character class of escaped fixed markers (tool_grammar.py) is built from constants too.
                 joined = isinstance(pattern, ast.JoinedStr) and all(
                     isinstance(v, ast.Constant) or "escape" in ast.dump(v) for v in pattern.values)
-                if not (literal or joined):
+                # A model file's pattern, checked for linear-time matching first (quantization/methods.py).
+                bounded = isinstance(pattern, ast.Call) and call_name(pattern) == "bounded_pattern"
+                if not (literal or joined or bounded):
                     found.append(f"{path}:{node.lineno}: {ast.unparse(pattern)}")
     assert found == []
 
