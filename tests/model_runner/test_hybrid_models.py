@@ -28,13 +28,17 @@ def model_dir(tiny_model_dir):
     return tiny_model_dir("qwen3_5")
 
 
-@pytest.fixture(scope="module")
-def references(model_dir):
+def hybrid_references(model_dir: str) -> tuple[list[list[int]], list[list[int]]]:
     """Prompts (a shared 20-token head on some) and Hugging Face's greedy ids for them."""
     head = random_prompts(512, [20], seed=11)[0]
     prompts = [head + p if i % 3 == 0 else p for i, p in enumerate(random_prompts(512, PROMPT_LENGTHS, seed=5))]
     reference = hf_model(model_dir)
     return prompts, [hf_greedy(reference, p, MAX_NEW_TOKENS, []) for p in prompts]
+
+
+@pytest.fixture(scope="module")
+def references(model_dir):
+    return hybrid_references(model_dir)
 
 
 def test_config_reads_the_hybrid_layout(model_dir):

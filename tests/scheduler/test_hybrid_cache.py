@@ -18,11 +18,10 @@ import pytest
 import torch
 
 from scheduler_driver import SchedulerDriver
+from test_hybrid_models import hybrid_references
 from test_model_forward import MAX_NEW_TOKENS, hf_greedy, hf_model, random_prompts
 
 from radixserve.radix_cache.hybrid import HybridRadixCache
-
-PROMPT_LENGTHS = [3, 17, 8, 1, 70, 12, 5, 30]
 
 
 @pytest.fixture(scope="module")
@@ -32,10 +31,7 @@ def model_dir(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def references(model_dir):
-    head = random_prompts(512, [20], seed=11)[0]
-    prompts = [head + p if i % 3 == 0 else p for i, p in enumerate(random_prompts(512, PROMPT_LENGTHS, seed=5))]
-    reference = hf_model(model_dir)
-    return prompts, [hf_greedy(reference, p, MAX_NEW_TOKENS, []) for p in prompts]
+    return hybrid_references(model_dir)
 
 
 def run(model_dir, prompts, max_new_tokens=MAX_NEW_TOKENS, prefix="r", driver=None, **server_args):
