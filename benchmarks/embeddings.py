@@ -103,9 +103,10 @@ def encode_sentence_transformers(model, inputs: list[list[int]], args) -> list[l
     return [out[i] for i in range(len(inputs))]
 
 
-def time_both(model_dir: str, inputs: list[list[int]], args) -> dict[str, Any]:
+def time_both(model_dir: str, input_sets: list[list[list[int]]], args) -> dict[str, Any]:
     """Both systems loaded side by side, warmed up, then timed in alternation (radixserve, then sentence-transformers,
-    `repeats` times), so a change in the machine's load reaches both."""
+    once per input set), so a change in the machine's load reaches both. Each repeat encodes a fresh set of inputs:
+    encoding the same ids again would be a prefix-cache hit for radixserve and time the cache, not the model."""
     from radixserve import Engine
 
     extra = {} if args.device == "cpu" else {"mem_fraction_static": 0.6}
@@ -113,20 +114,20 @@ def time_both(model_dir: str, inputs: list[list[int]], args) -> dict[str, Any]:
     with Engine(model_path=model_dir, is_embedding=True, pooling_method="last", device=args.device, dtype=args.dtype,
                 log_level="warning", **extra) as engine:
         baseline = load_sentence_transformers(model_dir, args)
-        warm = inputs[: min(len(inputs), 32)]
+        warm, timed_sets = input_sets[0][:32], input_sets[1:]
         engine.encode(warm)
         encode_sentence_transformers(baseline, warm, args)
-        runs = {"radixserve Engine.encode": lambda: [r["embedding"] for r in engine.encode(inputs)],
-                "sentence-transformers": lambda: encode_sentence_transformers(baseline, inputs, args)}
+        runs = {"radixserve Engine.encode": lambda xs: [r["embedding"] for r in engine.encode(xs)],
+                "sentence-transformers": lambda xs: encode_sentence_transformers(baseline, xs, args)}
         vectors = {}
-        for _ in range(args.repeats):
+        for inputs in timed_sets:
             for name, run in runs.items():
                 if args.device == "cuda":
                     import torch
 
                     torch.cuda.synchronize()
                 start = time.perf_counter()
-                vectors[name] = run()
+                vectors[name] = run(inputs)
                 seconds[name].append(time.perf_counter() - start)
     return {"seconds": seconds, "vectors": vectors}
 
@@ -163,9 +164,10 @@ def main() -> None:
             model_dir = resolve_model(args.model).model_dir
             with open(os.path.join(model_dir, "config.json")) as f:
                 vocab = json.load(f)["vocab_size"]
-        inputs = make_inputs(args.num_inputs, args.input_len, vocab, args.seed)
-        tokens = sum(len(x) for x in inputs)
-        timed = time_both(model_dir, inputs, args)
+        input_sets = [make_inputs(args.num_inputs, args.input_len, vocab, args.seed + r) for r in range(args.repeats + 1)]
+        tokens = statistics.mean(sum(len(x) for x in inputs) for inputs in input_sets[1:])
+        timed = time_both(model_dir, input_sets, args)
+        inputs = input_sets[1]
 
     rows = []
     for name, seconds in timed["seconds"].items():
@@ -181,7 +183,7 @@ def main() -> None:
 
         device_name = torch.cuda.get_device_name()
     print(f"{args.shape or args.model or 'embedded model'} on {device_name} ({args.dtype}), ISA {isa}: "
-          f"{len(inputs)} inputs, {tokens} tokens")
+          f"{len(inputs)} inputs, {tokens:.0f} tokens per set")
     print(f"{'system':28} {'seconds':>9} {'emb/s':>9} {'tok/s':>10}")
     for row in rows:
         print(f"{row['system']:28} {row['seconds']:9.3f} {row['embeddings_per_s']:9.1f} {row['tokens_per_s']:10.0f}")
