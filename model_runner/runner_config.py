@@ -59,6 +59,7 @@ class RunnerConfig:
     max_loras_per_batch: int
     speculative: bool  # verify steps of many rows: the float32 CPU linears keep a packed copy
     deterministic: bool = False  # batch-invariant kernels (--enable-deterministic-inference; model_runner/cpu/dispatch.py)
+    cpu_thread_governor: bool = True  # fewer threads beside busy processes (model_runner/cpu/thread_governor.py)
 
     # Pooling (model_runner/pooling.py)
     is_embedding: bool = False
@@ -97,6 +98,7 @@ class RunnerConfig:
             max_loras_per_batch=args.max_loras_per_batch, speculative=args.speculative_algorithm is not None,
             is_embedding=args.is_embedding, pooling_method=args.pooling_method,
             deterministic=args.enable_deterministic_inference,
+            cpu_thread_governor=not args.disable_cpu_thread_governor,
             quantization=resolved_quantization(args, model),
             max_mamba_cache_size=args.max_mamba_cache_size, mamba_ssm_dtype=args.mamba_ssm_dtype,
         )

@@ -31,6 +31,7 @@ from typing import Optional
 
 import torch
 
+from radixserve.model_runner.cpu.thread_governor import ThreadGovernor
 from radixserve.model_runner.logprobs import InputLogprobs, compute_input_logprobs
 from radixserve.model_runner.sampling import Sampler
 from radixserve.model_runner.verify_forward import VerifyForward
@@ -115,6 +116,16 @@ class BatchExecutor:
             if overlap else None
         )
         self._stream = torch.cuda.Stream(self.device) if overlap and self.device.type == "cuda" else None
+        self.thread_governor = self._thread_governor(runner)
+
+    def _thread_governor(self, runner) -> Optional[ThreadGovernor]:
+        """On the CPU, the governor that sizes each step's thread team; None where the count must not move: on a
+        GPU, with deterministic inference, under tensor parallelism (the ranks step together), or when disabled."""
+        config = getattr(runner, "config", None)
+        if (self.device.type != "cpu" or config is None or not config.cpu_thread_governor or config.deterministic
+                or config.tp_size > 1 or torch.get_num_threads() == 1):
+            return None
+        return ThreadGovernor(torch.get_num_threads())
 
     def launch(self, batch: ScheduleBatch) -> LaunchedBatch:
         if self._worker is None:
@@ -142,6 +153,9 @@ class BatchExecutor:
         """Queue the batch's forward pass and sampling on the current stream; on a GPU, returns without
         waiting for the device. An allocation that fails (`torch.OutOfMemoryError`) is retried once, after the
         allocator hands its cached blocks back, before any later batch runs; a second failure is raised."""
+        if self.thread_governor is not None:  # the CPU: no cached device blocks to hand back and retry with
+            with self.thread_governor.step(batch.num_new_tokens):
+                return self._enqueue(batch)
         for attempt in range(OOM_ATTEMPTS):
             try:
                 return self._enqueue(batch)

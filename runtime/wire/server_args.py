@@ -203,6 +203,9 @@ class ServerArgs:
     # Hybrid linear-attention models (docs/hybrid.md): state slots in all, running and snapshots (None: from the budget)
     max_mamba_cache_size: Optional[int] = None
     mamba_ssm_dtype: str = "float32"  # the recurrent states' dtype: float32, bfloat16 or float16
+    # CPU threads (model_runner/cpu/thread_governor.py): keep every forward step on the whole thread team instead of
+    # measuring, beside other busy processes, whether fewer threads are faster
+    disable_cpu_thread_governor: bool = False
 
     def __post_init__(self) -> None:
         def check(ok: bool, message: str) -> None:
