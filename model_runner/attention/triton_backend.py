@@ -3,6 +3,9 @@
 Works for any page size (the kernels address KV per token slot). On the GPU the kernels are compiled; on
 a CPU they run under the Triton interpreter, which must be enabled with `TRITON_INTERPRET=1` before
 `triton` is first imported (that is how the tests run it; it is far too slow to serve with).
+
+A pool whose window layers have slots of their own (radix_cache/swa_pool.py): the window layers read a table of the
+batch's rows translated into window slots (`WindowTable`, built once per batch), which the same kernels index.
 """
 
 from __future__ import annotations
@@ -22,14 +25,31 @@ _CPU_TARGET_PROGRAMS = 16
 
 
 @dataclass
+class WindowTable:
+    """The batch's `req_to_token` rows in window slots: request i's row is `table[rows[i]]` (rows = 0..batch-1)."""
+
+    table: torch.Tensor  # [batch, max seq_len] int32
+    rows: torch.Tensor  # [batch] int64
+
+    @classmethod
+    def of(cls, batch: ForwardBatch) -> "WindowTable":
+        width = max(batch.seq_lens_cpu)
+        full = batch.req_to_token_pool.req_to_token[batch.req_pool_indices, :width].to(torch.int64)
+        table = batch.token_to_kv_pool.window_map[full].to(torch.int32)
+        return cls(table, torch.arange(batch.batch_size, dtype=torch.int64, device=table.device))
+
+
+@dataclass
 class TritonDecodeMetadata:
     num_kv_splits: int  # a power of two that depends only on the batch size (graph-capture friendly)
+    window: Optional[WindowTable] = None
 
 
 @dataclass
 class TritonExtendMetadata:
     extend_starts: torch.Tensor  # [batch] int64: each request's first row among the new tokens
     max_extend_len: int
+    window: Optional[WindowTable] = None
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -83,6 +103,8 @@ class TritonAttentionBackend(AttentionBackend):
         else:
             extend_starts = torch.cumsum(batch.extend_lens, dim=0) - batch.extend_lens
             batch.attn_metadata = TritonExtendMetadata(extend_starts, max(batch.extend_lens_cpu, default=0))
+        if batch.token_to_kv_pool.window_map is not None:
+            batch.attn_metadata.window = WindowTable.of(batch)
 
     # ---- CUDA graphs (decode) --------------------------------------------------------------------
     # The decode kernels read every per-request value (rows, lengths) from device tensors and their launch
@@ -112,7 +134,7 @@ class TritonAttentionBackend(AttentionBackend):
         sliding_window: Optional[int] = None,
     ) -> torch.Tensor:
         pool = batch.token_to_kv_pool
-        pool.set_kv_buffer(layer_id, batch.out_cache_loc, k, v)
+        pool.set_kv_buffer(layer_id, batch.kv_write_loc(layer_id), k, v)
         k_buffer, v_buffer = pool.get_kv_buffer(layer_id)
         if q.stride(-1) != 1:
             q = q.contiguous()
@@ -120,17 +142,19 @@ class TritonAttentionBackend(AttentionBackend):
         # the result back.
         q_kv = q if q.dtype == k_buffer.dtype or k_buffer.dtype in FLOAT8_DTYPES else q.to(k_buffer.dtype)
         out = torch.empty_like(q_kv)
-        req_to_token = batch.req_to_token_pool.req_to_token
+        req_to_token, rows = batch.req_to_token_pool.req_to_token, batch.req_pool_indices
         meta = batch.attn_metadata
+        if meta.window is not None and pool.is_window_layer(layer_id):
+            req_to_token, rows = meta.window.table, meta.window.rows
         if isinstance(meta, TritonDecodeMetadata):
             decode_attention(
-                q_kv, k_buffer, v_buffer, out, req_to_token, batch.req_pool_indices, batch.seq_lens, scaling,
+                q_kv, k_buffer, v_buffer, out, req_to_token, rows, batch.seq_lens, scaling,
                 self._partial_out, self._partial_lse, meta.num_kv_splits, sliding_window,
             )
         else:
             assert isinstance(meta, TritonExtendMetadata), "plan() must run before forward()"
             extend_attention(
-                q_kv, k_buffer, v_buffer, out, req_to_token, batch.req_pool_indices, batch.prefix_lens,
+                q_kv, k_buffer, v_buffer, out, req_to_token, rows, batch.prefix_lens,
                 batch.extend_lens, meta.extend_starts, meta.max_extend_len, scaling, sliding_window,
             )
         return out if out.dtype == q.dtype else out.to(q.dtype)
