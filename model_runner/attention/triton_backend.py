@@ -26,17 +26,25 @@ _CPU_TARGET_PROGRAMS = 16
 
 @dataclass
 class WindowTable:
-    """The batch's `req_to_token` rows in window slots: request i's row is `table[rows[i]]` (rows = 0..batch-1)."""
+    """The batch's `req_to_token` rows in window slots: request i's row is `table[rows[i]]` (rows = 0..batch-1).
+    Only the positions some window of the batch reads are filled (from the largest window back from each request's
+    first new token); the others stay at the dummy slot, which no kernel reads."""
 
     table: torch.Tensor  # [batch, max seq_len] int32
     rows: torch.Tensor  # [batch] int64
 
     @classmethod
-    def of(cls, batch: ForwardBatch) -> "WindowTable":
-        width = max(batch.seq_lens_cpu)
-        full = batch.req_to_token_pool.req_to_token[batch.req_pool_indices, :width].to(torch.int64)
-        table = batch.token_to_kv_pool.window_map[full].to(torch.int32)
-        return cls(table, torch.arange(batch.batch_size, dtype=torch.int64, device=table.device))
+    def of(cls, batch: ForwardBatch, window: int) -> "WindowTable":
+        device = batch.req_pool_indices.device
+        starts = (batch.prefix_lens - window + 1).clamp(min=0)
+        lengths = batch.seq_lens - starts
+        entry = torch.repeat_interleave(torch.arange(batch.batch_size, device=device), lengths)
+        offsets = torch.cumsum(lengths, 0) - lengths
+        positions = starts[entry] + torch.arange(entry.numel(), device=device) - offsets[entry]
+        full = batch.req_to_token_pool.req_to_token[batch.req_pool_indices[entry], positions]
+        table = torch.zeros(batch.batch_size, max(batch.seq_lens_cpu), dtype=torch.int32, device=device)
+        table[entry, positions] = batch.token_to_kv_pool.window_map[full.to(torch.int64)].to(torch.int32)
+        return cls(table, torch.arange(batch.batch_size, dtype=torch.int64, device=device))
 
 
 @dataclass
@@ -103,8 +111,9 @@ class TritonAttentionBackend(AttentionBackend):
         else:
             extend_starts = torch.cumsum(batch.extend_lens, dim=0) - batch.extend_lens
             batch.attn_metadata = TritonExtendMetadata(extend_starts, max(batch.extend_lens_cpu, default=0))
-        if batch.token_to_kv_pool.window_map is not None:
-            batch.attn_metadata.window = WindowTable.of(batch)
+        pool = batch.token_to_kv_pool
+        if pool.window_map is not None:
+            batch.attn_metadata.window = WindowTable.of(batch, max(pool.window_sizes))
 
     # ---- CUDA graphs (decode) --------------------------------------------------------------------
     # The decode kernels read every per-request value (rows, lengths) from device tensors and their launch
