@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Hybrid sliding-window memory on the GPU host in one call:
 #   tests:  the FlashInfer and compiled Triton backends reading and writing a window layer's KV through its own slot
-#           space (tests/ops/test_flashinfer_attention.py, tests/ops/test_triton_attention.py, `window_slots`), and
-#           the scheduler tests of tests/scheduler/test_swa_memory.py on the CPU of that host;
+#           space (tests/ops/test_flashinfer_attention.py, tests/ops/test_triton_attention.py), and Triton's decode
+#           CUDA graphs with window slots against eager decode (tests/model_runner/test_cuda_graph.py), `-k window_slots`;
 #   memory: benchmarks/swa_memory.py with the Gemma 3 4B text shape and random bf16 weights
 #           (benchmarks/configs/gemma-3-4b.json, window 1,024): 32 requests of 4,096 + 64 tokens in the memory of
 #           40,000 full-layout tokens, the full layout against window slots at ratios 0.8 and 0.25, triton and
@@ -27,7 +27,8 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT
 
 if want tests; then
     timeout 400 "$PY" -P -m pytest -p _srcpath -p no:cacheprovider -q -rs -k window_slots \
-        tests/ops/test_flashinfer_attention.py tests/ops/test_triton_attention.py 2>&1 | tail -8
+        tests/ops/test_flashinfer_attention.py tests/ops/test_triton_attention.py tests/model_runner/test_cuda_graph.py \
+        2>&1 | tail -8
 fi
 if want memory; then
     for backend in triton flashinfer; do

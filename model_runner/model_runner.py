@@ -244,10 +244,6 @@ class ModelRunner:
         if (self.device.type != "cuda" or self.config.disable_cuda_graph or self.lora_manager is not None
                 or not self.pooling.is_generation or self.model_config.is_hybrid):
             return None
-        if self.token_to_kv_pool.window_map is not None:
-            logger.info("decode runs eagerly: the decode graphs do not map window slots (hybrid sliding-window memory; "
-                        "--disable-hybrid-swa-memory captures them)")
-            return None
         if self.model_config.sliding_windows and not self.attn_backend.graphs_apply_windows:
             logger.info("decode runs eagerly: the %s attention backend's graphs do not apply sliding windows",
                         self.config.attention_backend)

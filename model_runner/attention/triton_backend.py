@@ -4,8 +4,9 @@ Works for any page size (the kernels address KV per token slot). On the GPU the 
 a CPU they run under the Triton interpreter, which must be enabled with `TRITON_INTERPRET=1` before
 `triton` is first imported (that is how the tests run it; it is far too slow to serve with).
 
-A pool whose window layers have slots of their own (radix_cache/swa_pool.py): the window layers read a table of the
-batch's rows translated into window slots (`WindowTable`, built once per batch), which the same kernels index.
+A pool whose window layers have slots of their own (radix_cache/swa_pool.py): the decode kernel reads a window
+layer's slots through the pool's map itself (so captured decode graphs apply it too); extends read a table of the
+batch's rows translated into window slots (`WindowTable`, built once per batch).
 """
 
 from __future__ import annotations
@@ -50,7 +51,6 @@ class WindowTable:
 @dataclass
 class TritonDecodeMetadata:
     num_kv_splits: int  # a power of two that depends only on the batch size (graph-capture friendly)
-    window: Optional[WindowTable] = None
 
 
 @dataclass
@@ -111,9 +111,9 @@ class TritonAttentionBackend(AttentionBackend):
         else:
             extend_starts = torch.cumsum(batch.extend_lens, dim=0) - batch.extend_lens
             batch.attn_metadata = TritonExtendMetadata(extend_starts, max(batch.extend_lens_cpu, default=0))
-        pool = batch.token_to_kv_pool
-        if pool.window_map is not None:
-            batch.attn_metadata.window = WindowTable.of(batch, max(pool.window_sizes))
+            pool = batch.token_to_kv_pool
+            if pool.window_map is not None:
+                batch.attn_metadata.window = WindowTable.of(batch, max(pool.window_sizes))
 
     # ---- CUDA graphs (decode) --------------------------------------------------------------------
     # The decode kernels read every per-request value (rows, lengths) from device tensors and their launch
@@ -153,15 +153,17 @@ class TritonAttentionBackend(AttentionBackend):
         out = torch.empty_like(q_kv)
         req_to_token, rows = batch.req_to_token_pool.req_to_token, batch.req_pool_indices
         meta = batch.attn_metadata
-        if meta.window is not None and pool.is_window_layer(layer_id):
-            req_to_token, rows = meta.window.table, meta.window.rows
+        window_layer = pool.is_window_layer(layer_id)
         if isinstance(meta, TritonDecodeMetadata):
             decode_attention(
                 q_kv, k_buffer, v_buffer, out, req_to_token, rows, batch.seq_lens, scaling,
                 self._partial_out, self._partial_lse, meta.num_kv_splits, sliding_window,
+                pool.window_map if window_layer else None,
             )
         else:
             assert isinstance(meta, TritonExtendMetadata), "plan() must run before forward()"
+            if meta.window is not None and window_layer:
+                req_to_token, rows = meta.window.table, meta.window.rows
             extend_attention(
                 q_kv, k_buffer, v_buffer, out, req_to_token, rows, batch.prefix_lens,
                 batch.extend_lens, meta.extend_starts, meta.max_extend_len, scaling, sliding_window,
