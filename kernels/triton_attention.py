@@ -28,7 +28,7 @@ _NO_WINDOW = 1 << 30
 
 @triton.jit
 def _decode_split_kernel(
-    Q, K_buffer, V_buffer, Req_to_token, Req_pool_indices, Seq_lens, Partial_out, Partial_lse,
+    Q, K_buffer, V_buffer, Req_to_token, Req_pool_indices, Seq_lens, Partial_out, Partial_lse, Slot_map,
     scale_log2, window,
     stride_q_token, stride_q_head,
     stride_k_slot, stride_k_head,
@@ -38,10 +38,12 @@ def _decode_split_kernel(
     stride_pl_req, stride_pl_head,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    MAP_SLOTS: tl.constexpr,
 ):
     """One program = (request, kv head, split): the GROUP query heads sharing that kv head attend over
     one contiguous share of the request's positions. Writes normalized partial outputs and their
-    base-2 log-sum-exp; an empty share writes lse = -inf so the reduction ignores it."""
+    base-2 log-sum-exp; an empty share writes lse = -inf so the reduction ignores it. With MAP_SLOTS, a slot s of
+    req_to_token is read at Slot_map[s] (a window layer's own slot space)."""
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -71,6 +73,8 @@ def _decode_split_kernel(
         offs_n = block_start + tl.arange(0, BLOCK_N)
         key_mask = offs_n < end
         slots = tl.load(Req_to_token + row * stride_r2t_row + offs_n, mask=key_mask, other=0).to(tl.int64)
+        if MAP_SLOTS:
+            slots = tl.load(Slot_map + slots, mask=key_mask, other=0).to(tl.int64)
         kv_mask = key_mask[:, None] & dim_mask[None, :]
         k = tl.load(K_buffer + slots[:, None] * stride_k_slot + kv_head * stride_k_head + offs_d[None, :],
                     mask=kv_mask, other=0.0).to(q.dtype)
@@ -240,9 +244,10 @@ def decode_attention(
     partial_lse: torch.Tensor,
     num_kv_splits: int,
     window: Optional[int] = None,
+    slot_map: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Decode attention: one query token per request attends to all `seq_lens[i]` positions of its row (the last
-    `window` of them with a sliding window).
+    `window` of them with a sliding window). With `slot_map` (int64), the KV of slot s is read at `slot_map[s]`.
 
     q, out: `[batch, num_heads, head_dim]`; partial_out: float32 `[>=batch, num_heads, >=num_kv_splits,
     head_dim]` and partial_lse: float32 `[>=batch, num_heads, >=num_kv_splits]` are scratch. Every
@@ -260,7 +265,7 @@ def decode_attention(
     block_d = triton.next_power_of_2(head_dim)
     _decode_split_kernel[(batch, num_kv_heads, num_kv_splits)](
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, partial_out, partial_lse,
-        sm_scale * _LOG2_E, _window_arg(window),
+        req_to_token if slot_map is None else slot_map, sm_scale * _LOG2_E, _window_arg(window),
         q.stride(0), q.stride(1),
         k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1),
@@ -269,7 +274,7 @@ def decode_attention(
         partial_lse.stride(0), partial_lse.stride(1),
         GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=num_kv_splits,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=32,
-        DOT_PRECISION=_dot_precision(q.dtype),
+        DOT_PRECISION=_dot_precision(q.dtype), MAP_SLOTS=slot_map is not None,
     )
     _decode_reduce_kernel[(batch, num_heads)](
         partial_out, partial_lse, out,

@@ -101,6 +101,9 @@ class DecodeInputBuffers:
         self.req_pool_indices = torch.full((max_bs,), PADDING_ROW, dtype=torch.int64, device=device)
         self.seq_lens = torch.ones(max_bs, dtype=torch.int64, device=device)
         self.extend_lens = torch.ones(max_bs, dtype=torch.int64, device=device)
+        # A pool whose window layers have slots of their own (radix_cache/swa_pool.py): where those layers write; the
+        # padding rows write the window space's dummy slot.
+        self.window_cache_loc = torch.zeros(max_bs, dtype=torch.int64, device=device)
         # Rows [0, _num_dirty) may hold a real request's values; every row after them holds padding.
         self._num_dirty = 0
 
@@ -122,6 +125,8 @@ class DecodeInputBuffers:
             extend_lens_cpu=[1] * bs,
             req_to_token_pool=req_to_token_pool,
             token_to_kv_pool=token_to_kv_pool,
+            window_cache_loc=(None if getattr(token_to_kv_pool, "window_map", None) is None
+                              else self.window_cache_loc[:bs]),
         )
 
     def load(self, batch: ForwardBatch, view: ForwardBatch) -> None:
@@ -135,6 +140,9 @@ class DecodeInputBuffers:
         self.out_cache_loc[:bs].copy_(batch.out_cache_loc, non_blocking=True)
         self.req_pool_indices[:bs].copy_(batch.req_pool_indices, non_blocking=True)
         self.seq_lens[:bs].copy_(batch.seq_lens, non_blocking=True)
+        if view.window_cache_loc is not None:  # window slots: a decode token's row names its own slot, so its window
+            # slot is the map's
+            self.window_cache_loc[:bs].copy_(view.token_to_kv_pool.window_map[batch.out_cache_loc], non_blocking=True)
         # Rows a larger earlier batch left behind would otherwise write K/V into slots that may now belong
         # to other requests: reset them (only when the batch shrank, so a steady batch costs nothing).
         stale_end = min(self._num_dirty, padded)
@@ -144,6 +152,7 @@ class DecodeInputBuffers:
             self.out_cache_loc[bs:stale_end].fill_(PADDING_SLOT)
             self.req_pool_indices[bs:stale_end].fill_(PADDING_ROW)
             self.seq_lens[bs:stale_end].fill_(1)
+            self.window_cache_loc[bs:stale_end].zero_()
         self._num_dirty = bs if self._num_dirty <= padded else self._num_dirty
         pad = padded - bs
         view.seq_lens_cpu = list(batch.seq_lens_cpu) + [1] * pad

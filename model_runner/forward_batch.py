@@ -94,6 +94,9 @@ class ForwardBatch:
     causal: bool = True
     # Hybrid models: each request's recurrent-state slots; None: `StateSlots.of_rows` (no prefix cache involved).
     state_slots: Optional[StateSlots] = None
+    # A pool whose window layers have slots of their own (radix_cache/swa_pool.py): the window slots where those layers
+    # write the new tokens' K/V, set by the runner before planning (`window_write_slots`); None otherwise.
+    window_cache_loc: Optional[torch.Tensor] = None
 
     @property
     def batch_size(self) -> int:
@@ -102,6 +105,24 @@ class ForwardBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
+
+    def kv_write_loc(self, layer_id: int) -> torch.Tensor:
+        """Where layer `layer_id` writes the new tokens' K/V: `window_cache_loc` for a window layer of a pool with a
+        window slot space, `out_cache_loc` otherwise."""
+        if self.window_cache_loc is not None and self.token_to_kv_pool.is_window_layer(layer_id):
+            return self.window_cache_loc
+        return self.out_cache_loc
+
+    def window_write_slots(self) -> torch.Tensor:
+        """The window slots of the new tokens' positions, read through `req_to_token`: the row, not `out_cache_loc`,
+        names the slot a later query reads (a token the tree already held is read at the tree's slot, which took the
+        window slot of the request's copy: radix_cache/swa.py)."""
+        extend_lens = self.extend_lens
+        rows = torch.repeat_interleave(self.req_pool_indices, extend_lens)
+        first = torch.repeat_interleave(self.prefix_lens - (torch.cumsum(extend_lens, 0) - extend_lens), extend_lens)
+        positions = first + torch.arange(rows.numel(), device=rows.device)
+        full = self.req_to_token_pool.req_to_token[rows, positions]
+        return self.token_to_kv_pool.window_map[full.to(torch.int64)]
 
     def last_token_indices(self) -> torch.Tensor:
         """Index of each request's last new token in the concatenated token dimension."""

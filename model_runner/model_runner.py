@@ -32,8 +32,10 @@ from radixserve.model_runner.parallel import (HeadLayout, ReplicaPlacement, chec
                                               min_over_ranks)
 from radixserve.model_runner.runner_config import RunnerConfig
 from radixserve.model_runner.state_memory import make_state_pool, plan_state_pool
+from radixserve.model_runner.swa_memory import plan_swa_memory
 from radixserve.model_runner.weight_update import WeightUpdater
 from radixserve.radix_cache.pool import KV_CACHE_DTYPES, KVAllocator, ReqToTokenPool, TokenToKVPool
+from radixserve.radix_cache.swa_pool import SWAKVAllocator, SWAKVPool
 
 if TYPE_CHECKING:
     from radixserve.model_runner.cuda_graph import CudaGraphRunner
@@ -127,12 +129,25 @@ class ModelRunner:
         self.req_to_token_pool = ReqToTokenPool(
             self.max_running_requests + SPARE_REQUEST_ROWS, self.context_len, self.device
         )
-        self.allocator = KVAllocator(self.max_total_num_tokens, self.page_size, self.device)
         shape = self.model_config
-        self.token_to_kv_pool = TokenToKVPool(
-            self.max_total_num_tokens, self.page_size, shape.num_kv_layers, self.head_layout.num_kv_heads,
-            shape.head_dim, self.kv_cache_dtype, self.device, shape.layer_kv_shapes or None,
-        )
+        layer_shapes = list(shape.layer_kv_shapes or [(self.head_layout.num_kv_heads, shape.head_dim)]
+                            * shape.num_kv_layers)
+        # Sliding-window models: the window layers' KV in a slot space of its own (model_runner/swa_memory.py).
+        self.swa_memory = plan_swa_memory(shape, config, self.max_total_num_tokens, layer_shapes, self.kv_cache_dtype)
+        if self.swa_memory is not None:
+            self.max_total_num_tokens = self.swa_memory.full_tokens
+            self.allocator = SWAKVAllocator(self.swa_memory.full_tokens, self.swa_memory.window_tokens, self.device)
+            self.token_to_kv_pool = SWAKVPool(
+                self.swa_memory.full_tokens, self.swa_memory.window_tokens, self.swa_memory.layer_windows,
+                self.head_layout.num_kv_heads, shape.head_dim, self.kv_cache_dtype, self.allocator.full_to_window,
+                self.device, shape.layer_kv_shapes or None,
+            )
+        else:
+            self.allocator = KVAllocator(self.max_total_num_tokens, self.page_size, self.device)
+            self.token_to_kv_pool = TokenToKVPool(
+                self.max_total_num_tokens, self.page_size, shape.num_kv_layers, self.head_layout.num_kv_heads,
+                shape.head_dim, self.kv_cache_dtype, self.device, shape.layer_kv_shapes or None,
+            )
         # Hybrid models: the linear layers' states, one working slot per request row plus the tree's snapshots.
         self.state_pool = (make_state_pool(shape, self.req_to_token_pool.size, self.state_slots, self.config,
                                            self.dtype, self.device) if shape.is_hybrid else None)
@@ -181,6 +196,8 @@ class ModelRunner:
 
     def _hidden_states(self, batch: ForwardBatch) -> torch.Tensor:
         batch.causal = self.is_causal
+        if self.token_to_kv_pool.window_map is not None:
+            batch.window_cache_loc = batch.window_write_slots()
         self.attn_backend.plan(batch)
         if self.lora_manager is not None:
             self.lora_manager.prepare(batch)

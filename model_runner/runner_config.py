@@ -74,6 +74,10 @@ class RunnerConfig:
     max_mamba_cache_size: Optional[int] = None
     mamba_ssm_dtype: str = "float32"
 
+    # Sliding-window models (model_runner/swa_memory.py): window slots per full slot, or one slot space for all layers
+    swa_full_tokens_ratio: float = 0.8
+    disable_hybrid_swa_memory: bool = False
+
     @classmethod
     def from_server_args(cls, args: ServerArgs, model: Optional[ModelFiles] = None) -> "RunnerConfig":
         """The runner's part of `args`; `model`: the model's files when the caller has them, else located from
@@ -101,4 +105,5 @@ class RunnerConfig:
             cpu_thread_governor=not args.disable_cpu_thread_governor,
             quantization=resolved_quantization(args, model),
             max_mamba_cache_size=args.max_mamba_cache_size, mamba_ssm_dtype=args.mamba_ssm_dtype,
+            swa_full_tokens_ratio=args.swa_full_tokens_ratio, disable_hybrid_swa_memory=args.disable_hybrid_swa_memory,
         )

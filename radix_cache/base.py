@@ -126,6 +126,17 @@ class PrefixCache(ABC):
         hybrid.py); -1 when there is none, always for a cache that keeps no snapshots."""
         return -1
 
+    def release_window(self, req: Any, start: int, end: int) -> int:
+        """Free the window KV of positions `[start, end)` of `req`'s cached prefix where no one else may read it
+        (sliding-window models with a window slot space, radix_cache/swa.py); returns the window slots freed. A cache
+        without window slots frees none."""
+        return 0
+
+    def evict_window(self, num_tokens: int) -> int:
+        """Free at least `num_tokens` window slots of unlocked entries, keeping their full KV, if there are that many;
+        returns how many (radix_cache/swa.py). A cache without window slots frees none."""
+        return 0
+
     def load_back(self, match: MatchResult) -> MatchResult:
         """Bring a match's lower-tier part onto the device (see hiradix.py); a one-tier cache returns `match`."""
         return match

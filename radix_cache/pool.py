@@ -82,6 +82,16 @@ class KVAllocator:
         """Every free page index, pending frees included (for invariant checks and tests)."""
         return torch.cat([self._free_pages, *self._pending_free]).tolist()
 
+    # One slot space: the window figures of radix_cache/swa_pool.py's allocator have nothing to count here.
+    def window_shortfall(self, num_tokens: int) -> int:
+        return 0
+
+    def release_window(self, slots: torch.Tensor) -> int:
+        return 0
+
+    def check_window_invariants(self) -> None:
+        pass
+
     # ---- allocation ------------------------------------------------------------------------------
     def alloc(self, num_tokens: int) -> Optional[torch.Tensor]:
         """Slots for `num_tokens` tokens on fresh pages (page-aligned start), or None if memory is short."""
@@ -162,8 +172,11 @@ class TokenToKVPool:
 
     Index `slot` as handed out by `KVAllocator`; the first page is the dummy page. `layer_shapes` gives each layer its
     own (KV heads, head_dim) where they differ (Gemma 4's full layers); `num_kv_heads` and `head_dim` are then the
-    first layer's, and `uniform` is False.
+    first layer's, and `uniform` is False. `layer_rows` gives each layer's buffer its own number of rows (the window
+    layers of radix_cache/swa_pool.py); `window_map` is None here: every layer reads a token's KV at its slot.
     """
+
+    window_map: Optional[torch.Tensor] = None
 
     def __init__(
         self,
@@ -175,6 +188,7 @@ class TokenToKVPool:
         dtype: torch.dtype,
         device: str | torch.device = "cpu",
         layer_shapes: Optional[Sequence[tuple[int, int]]] = None,
+        layer_rows: Optional[Sequence[int]] = None,
     ) -> None:
         self.size = size
         self.page_size = page_size
@@ -185,10 +199,11 @@ class TokenToKVPool:
         self.uniform = len(set(self.layer_shapes)) == 1
         self.dtype = dtype
         self.device = torch.device(device)
-        self.k_buffer = [torch.zeros((size + page_size, *shape), dtype=dtype, device=self.device)
-                         for shape in self.layer_shapes]
-        self.v_buffer = [torch.zeros((size + page_size, *shape), dtype=dtype, device=self.device)
-                         for shape in self.layer_shapes]
+        rows = list(layer_rows) if layer_rows else [size + page_size] * num_layers
+        self.k_buffer = [torch.zeros((n, *shape), dtype=dtype, device=self.device)
+                         for n, shape in zip(rows, self.layer_shapes)]
+        self.v_buffer = [torch.zeros((n, *shape), dtype=dtype, device=self.device)
+                         for n, shape in zip(rows, self.layer_shapes)]
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -201,6 +216,10 @@ class TokenToKVPool:
 
     def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k_buffer[layer_id], self.v_buffer[layer_id]
+
+    def is_window_layer(self, layer_id: int) -> bool:
+        """Whether layer `layer_id` keeps its KV in a window slot space of its own (radix_cache/swa_pool.py)."""
+        return False
 
     def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write K and V of shape `[num_tokens, num_kv_heads, head_dim]` at slots `loc`."""

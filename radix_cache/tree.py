@@ -363,15 +363,20 @@ class RadixCache(PrefixCache):
         ns_root = self._namespace_root(req.namespace, create=True)
         present = self._insert(ns_root, token_ids, num_aligned, row)
         self._check_prefix_held(req, present, own_start)
-        self._free_duplicates(row[own_start:present])
         match = self._match(ns_root, token_ids, num_aligned, touch=False)
         assert match.length == num_aligned, "an insert must be matchable right after it"
+        self._adopt_duplicates(row[own_start:present], match.indices[own_start:present])
+        self._free_duplicates(row[own_start:present])
         req_row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
         req_row[own_start:present] = match.indices[own_start:present].to(req_row.dtype)
         self.inc_lock_ref(match.last_node)
         self.dec_lock_ref(req.last_node)
         req.prefix_indices = match.indices
         req.last_node = match.last_node
+
+    def _adopt_duplicates(self, own_slots: torch.Tensor, tree_slots: torch.Tensor) -> None:
+        """Before a chunk's own copies of cached tokens are freed: what of them the tree's slots lack, the tree takes
+        (the window KV of a sliding-window model, radix_cache/swa.py); nothing here."""
 
     def _free_duplicates(self, slots: torch.Tensor) -> None:
         """Free a chunk's own slots for tokens the tree already had. The batch being built still writes them, which

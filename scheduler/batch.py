@@ -190,6 +190,8 @@ def allocate_slots(
     available = allocator.available_size()
     if available < needed:
         cache.evict(needed - available)
+    if window_short := allocator.window_shortfall(needed):  # window slots (radix_cache/swa_pool.py) run out apart
+        cache.evict_window(window_short)
     slots = allocator.alloc_extend(last_slots, list(extend_lens))
     if slots is None:
         return None

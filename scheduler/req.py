@@ -115,6 +115,9 @@ class Req:
         # far have run, and the snapshot slots its next extend fills, after it and before its last token (-1: none)
         self.state_len = 0
         self.pending_snapshot = self.pending_snapshot_before_last = -1
+        # Sliding-window models with window slots (scheduler/window_release.py): positions below this have had their
+        # window KV freed (or left to the tree's other holders)
+        self.window_released = 0
 
         # Admission bookkeeping
         self.num_cached_tokens: Optional[int] = None  # prefix matched at first admission
@@ -181,6 +184,7 @@ class Req:
         self.kv_unwritten = False
         self.state_len = 0
         self.pending_snapshot = self.pending_snapshot_before_last = -1
+        self.window_released = 0
 
     def append_token(self, token_id: int, logprob: Optional[float], top_logprobs: Optional[list]) -> None:
         self.output_ids.append(token_id)

@@ -34,6 +34,7 @@ from radixserve.scheduler.pooling import finish_vector, take_share
 from radixserve.scheduler.req import Req
 from radixserve.scheduler.stats import SchedulerStats, decode_log_line, used_kv_tokens
 from radixserve.scheduler.stop import StopChecker
+from radixserve.scheduler.window_release import WindowRelease
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +45,8 @@ OUT_OF_MEMORY_MESSAGE = ("the server ran out of device memory while running this
 class ResultProcessor:
     def __init__(self, *, requests: RequestLifecycle, cache: PrefixCache, allocator: KVAllocator,
                  grammars: GrammarManager, stop_checker: StopChecker, speculator: Any, stats: SchedulerStats,
-                 device: torch.device, decode_log_interval: int, pooling_method: Optional[str]) -> None:
+                 device: torch.device, decode_log_interval: int, pooling_method: Optional[str],
+                 window_release: Optional[WindowRelease] = None) -> None:
         self.requests = requests
         self.cache = cache
         self.allocator = allocator
@@ -55,6 +57,8 @@ class ResultProcessor:
         self.device = device  # the runner's
         self.decode_log_interval = decode_log_interval
         self.pooling_method = pooling_method  # how the runner pools embeddings (scheduler/pooling.py)
+        # Sliding-window models with window slots: frees what left each request's window once its batch has run.
+        self.window_release = window_release
         self.inflight: deque[LaunchedBatch] = deque()
 
     def process(self, launched: LaunchedBatch) -> None:
@@ -84,6 +88,8 @@ class ResultProcessor:
                 logger.exception("processing the output of request %s failed", req.rid)
                 self.requests.finish(req, FinishReason.abort(
                     f"internal error while processing this request's output ({type(error).__name__})", 500))
+        if self.window_release is not None:
+            self.window_release.after_batch(batch)
         # The grammar masks of the batch in flight may have waited for exactly these tokens.
         self.grammars.fill_pending()
         if batch.mode == ForwardMode.DECODE:

@@ -68,7 +68,7 @@ from radixserve.scheduler.policy import NewTokenRatio, SchedulePolicy
 from radixserve.scheduler.prefill import PrefillPlanner
 from radixserve.scheduler.req import Req
 from radixserve.scheduler.results import ResultProcessor
-from radixserve.scheduler.setup import check_request, make_cache, try_load_tokenizer
+from radixserve.scheduler.setup import check_request, make_cache, make_window_release, try_load_tokenizer
 from radixserve.scheduler.speculative import make_speculator
 from radixserve.scheduler.stats import SchedulerStats
 from radixserve.scheduler.stop import StopChecker
@@ -121,7 +121,8 @@ class Scheduler:
         self.results = ResultProcessor(
             requests=self.requests, cache=cache, allocator=allocator, grammars=self.grammars,
             stop_checker=self.stop_checker, speculator=self.speculator, stats=self.stats, device=model_runner.device,
-            decode_log_interval=args.decode_log_interval, pooling_method=model_runner.pooling.method)
+            decode_log_interval=args.decode_log_interval, pooling_method=model_runner.pooling.method,
+            window_release=make_window_release(model_runner, cache))
         self.inflight = self.results.inflight  # launched batches whose results are not processed, oldest first
         self.batch_builder = BatchBuilder(
             runner=model_runner, device=self.executor.device, stop_checker=self.stop_checker, grammars=self.grammars,
@@ -223,7 +224,8 @@ class Scheduler:
         req.spec = self.speculator.new_state()
         self.requests.reqs[req.rid] = req
         self.fair_share.on_arrival(req)
-        error = check_request(req, self.runner, self.tokenizer) or self.fair_share.check(req) or self.lora.check(req)
+        error = (check_request(req, self.runner, self.tokenizer, self.chunk_size) or self.fair_share.check(req)
+                 or self.lora.check(req))
         if error is not None:
             self.requests.finish(req, FinishReason.abort(error, status_code=400))
             return
@@ -287,6 +289,7 @@ class Scheduler:
             total, free = self.allocator.size, self.allocator.available_size()
             assert free + self.cache.evictable_size() + retained == total, "idle scheduler leaked KV slots"
             self.speculator.check_idle()
+        self.allocator.check_window_invariants()  # every window slot free or held by one full slot in use
 
     def _on_idle(self) -> None:
         self.new_token_ratio.reset()

@@ -18,6 +18,15 @@ def make_cache(server_args: ServerArgs, req_to_token_pool: Any, allocator: Any, 
     (`shares_kv` False), or the hierarchical cache (host tier of `hicache_size` GB, else `hicache_ratio` times the
     device pool) under `enable_hierarchical_cache`. A hybrid model (`state_pool`, its recurrent states) gets the
     radix cache that also keeps state snapshots (radix_cache/hybrid.py)."""
+    if kv_pool is not None and kv_pool.window_map is not None:  # sliding windows, window slots (radix_cache/swa.py)
+        if server_args.enable_hierarchical_cache:
+            raise ValueError("the hierarchical cache does not move window slots to the host; drop "
+                             "--enable-hierarchical-cache or add --disable-hybrid-swa-memory")
+        if not (server_args.disable_radix_cache or not shares_kv):
+            from radixserve.radix_cache.swa import SWARadixCache
+
+            return SWARadixCache(req_to_token_pool, allocator, max(kv_pool.window_sizes),
+                                 server_args.radix_eviction_policy)
     if server_args.disable_radix_cache or not shares_kv:
         from radixserve.radix_cache.no_share import NoShareCache
 
@@ -52,6 +61,17 @@ def make_cache(server_args: ServerArgs, req_to_token_pool: Any, allocator: Any, 
     return RadixCache(req_to_token_pool, allocator, allocator.page_size, server_args.radix_eviction_policy)
 
 
+def make_window_release(runner: Any, cache: PrefixCache) -> Optional[Any]:
+    """What frees window KV as positions leave the requests' windows (scheduler/window_release.py), for a pool whose
+    window layers have slots of their own; None otherwise."""
+    pool = runner.token_to_kv_pool
+    if pool.window_map is None:
+        return None
+    from radixserve.scheduler.window_release import WindowRelease
+
+    return WindowRelease(runner.allocator, cache, runner.req_to_token_pool, max(pool.window_sizes))
+
+
 def try_load_tokenizer(server_args: ServerArgs, model_dir: str) -> Optional[Any]:
     """The model's tokenizer (needed for stop strings), or None when the model directory has none."""
     from radixserve.runtime.wire.tokenizer_files import server_tokenizer
@@ -65,7 +85,7 @@ def try_load_tokenizer(server_args: ServerArgs, model_dir: str) -> Optional[Any]
         return None
 
 
-def check_request(req: Req, runner: Any, tokenizer: Any) -> Optional[str]:
+def check_request(req: Req, runner: Any, tokenizer: Any, chunk_size: Optional[int] = None) -> Optional[str]:
     """Why `req` cannot be served, or None. The TokenizerManager has checked the request (SamplingParams and the
     length rule); this checks only what the scheduler alone knows: its KV pool and whether it has a tokenizer."""
     params = req.sampling_params
@@ -74,6 +94,16 @@ def check_request(req: Req, runner: Any, tokenizer: Any) -> Optional[str]:
     if needed > runner.allocator.size:
         return (f"the prompt plus max_new_tokens needs {needed} KV slots, more than the whole KV pool "
                 f"({runner.allocator.size})")
+    window_size = getattr(runner.allocator, "window_size", None)
+    if window_size is not None:  # window slots (radix_cache/swa_pool.py): an extend holds one per new token
+        largest_extend = min(req.prompt_len, chunk_size) if chunk_size else req.prompt_len
+        window = max(runner.token_to_kv_pool.window_sizes)
+        window_needed = min(needed, largest_extend + window)
+        if window_needed > window_size:
+            return (f"an extend of {largest_extend} tokens after a window of {window} needs {window_needed} window "
+                    f"slots, more than the whole window pool ({window_size}); "
+                    "raise --swa-full-tokens-ratio, chunk the prefill (--chunked-prefill-size) or add "
+                    "--disable-hybrid-swa-memory")
     if params.stop and tokenizer is None:
         return "stop strings need a tokenizer, and this model has none"
     pooling = runner.pooling

@@ -15,6 +15,7 @@ import torch
 
 from radixserve.model_runner.forward_batch import ForwardBatch, ForwardMode
 from radixserve.radix_cache.pool import KVAllocator, ReqToTokenPool, TokenToKVPool
+from radixserve.radix_cache.swa_pool import SWAKVPool
 
 
 @dataclass
@@ -209,9 +210,44 @@ def poison_outside_windows(case: AttentionCase, window: int) -> None:
 
 
 def kv_written(case: AttentionCase) -> bool:
-    """Whether the new tokens' K/V now sit at `out_cache_loc` of the case's layer."""
+    """Whether the new tokens' K/V now sit at `out_cache_loc` of the case's layer (at their window slots, for a
+    window layer with a slot space of its own)."""
     k_layer, v_layer = case.batch.token_to_kv_pool.get_kv_buffer(case.layer_id)
-    loc = case.batch.out_cache_loc
+    loc = case.batch.kv_write_loc(case.layer_id)
     dtype = k_layer.dtype  # compared as float32: torch has no equality for float8
     return bool(torch.equal(k_layer[loc].float(), case.k.to(dtype).float())
                 and torch.equal(v_layer[loc].float(), case.v.to(dtype).float()))
+
+
+def with_window_slots(case: AttentionCase, window: int, seed: int = 0) -> AttentionCase:
+    """The case moved, in place, onto a pool whose layer `case.layer_id` keeps its KV in a window slot space of its own
+    (radix_cache/swa_pool.py), as a sliding-window model's window layers do: the positions some query of their request
+    sees under `window` get scattered window slots, every older position none (0, the dummy slot: its window KV was
+    freed). The window buffers hold NaN in every slot no position maps to, so a backend that reads a window slot it
+    should not, or the full buffer for that layer, returns NaN or a wrong answer. Page size 1."""
+    batch = case.batch
+    pool = batch.token_to_kv_pool
+    assert pool.page_size == 1, "window slots are token-granular"
+    req_to_token = batch.req_to_token_pool.req_to_token
+    needed = torch.cat([req_to_token[row, max(0, prefix_len - window + 1):seq_len].long()
+                        for row, prefix_len, seq_len in zip(batch.req_pool_indices.tolist(), batch.prefix_lens_cpu,
+                                                            batch.seq_lens_cpu)])
+    window_size = needed.numel() + 16
+    generator = torch.Generator().manual_seed(seed)
+    window_slots = (torch.randperm(window_size, generator=generator)[:needed.numel()] + 1).to(pool.device)
+    full_to_window = torch.zeros(pool.size + 1, dtype=torch.int64, device=pool.device)
+    full_to_window[needed.to(pool.device)] = window_slots
+    layer_windows = [window if layer == case.layer_id else None for layer in range(pool.num_layers)]
+    swa = SWAKVPool(pool.size, window_size, layer_windows, pool.num_kv_heads, pool.head_dim, pool.dtype,
+                    full_to_window, pool.device)
+    for layer in range(pool.num_layers):
+        for full, own in ((pool.k_buffer, swa.k_buffer), (pool.v_buffer, swa.v_buffer)):
+            if not swa.is_window_layer(layer):
+                own[layer] = full[layer]
+                continue
+            own[layer].fill_(float("nan"))
+            own[layer][0] = full[layer][0]  # padded key columns read the dummy slot (masked out): keep it finite
+            own[layer][window_slots] = full[layer][needed.to(pool.device)]
+    batch.token_to_kv_pool = swa
+    batch.window_cache_loc = batch.window_write_slots()
+    return case

@@ -53,7 +53,8 @@ def shared_runner(args: ServerArgs) -> ModelRunner:
         key = (config, next(_UNSHARED))  # its adapters change with load/unload: never shared
     runner = _RUNNERS.get(key)
     clean = runner is not None and runner.allocator.available_size() == runner.allocator.size and (
-        runner.req_to_token_pool.available_size() == runner.req_to_token_pool.size)
+        runner.req_to_token_pool.available_size() == runner.req_to_token_pool.size) and (
+        getattr(runner.allocator, "window_available_size", int)() == getattr(runner.allocator, "window_size", 0))
     if not clean:
         _RUNNERS.pop(key, None)
         while len(_RUNNERS) >= MAX_SHARED_RUNNERS:
@@ -151,6 +152,8 @@ class SchedulerDriver:
         assert reply.success, reply.message
         allocator = self.runner.allocator
         assert allocator.available_size() == allocator.size
+        if hasattr(allocator, "window_size"):  # a sliding-window model's window slots (radix_cache/swa_pool.py)
+            assert allocator.window_available_size() == allocator.window_size
         self.scheduler.shutdown()
 
     # ---- output contract ---------------------------------------------------------------------------

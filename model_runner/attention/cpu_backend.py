@@ -102,7 +102,8 @@ class CpuAttentionBackend(AttentionBackend):
             if isinstance(meta, CpuAttentionPlan):  # a dtype the kernel was not planned for: re-plan the reference
                 self.fallback.plan(batch)
             return self.fallback.forward(q, k, v, layer_id, scaling, batch, sliding_window)
-        if sliding_window is not None and max(batch.seq_lens_cpu) > sliding_window:
+        pool = batch.token_to_kv_pool
+        if sliding_window is not None and (max(batch.seq_lens_cpu) > sliding_window or pool.window_map is not None):
             if sliding_window not in meta.windowed:
                 meta.windowed[sliding_window] = self._plan_window(batch, sliding_window)
             meta = meta.windowed[sliding_window]
@@ -118,9 +119,14 @@ class CpuAttentionBackend(AttentionBackend):
 
 
     def _plan_window(self, batch: ForwardBatch, window: int) -> "CpuAttentionPlan | TorchNativeMetadata":
-        if max(batch.extend_lens_cpu) == 1:
-            return plan_groups(batch, max_group_tokens=self.max_group_tokens, window=window)
-        return self.fallback.plan_window(batch, window)
+        if max(batch.extend_lens_cpu) > 1:
+            return self.fallback.plan_window(batch, window)
+        plan = plan_groups(batch, max_group_tokens=self.max_group_tokens, window=window)
+        window_map = batch.token_to_kv_pool.window_map
+        if window_map is not None:  # the window layers' own slot space (radix_cache/swa_pool.py)
+            plan.kv_slots = window_map[plan.kv_slots].contiguous()
+            plan.out_cache_loc = batch.window_cache_loc.to(torch.int64).contiguous()
+        return plan
 
 
 _EMPTY = torch.empty(0)

@@ -150,8 +150,9 @@ class FlashInferAttentionBackend(AttentionBackend):
             wrapper = self._extend_wrapper(batch, kv_dtype)
             fi.plan_prefill(wrapper, qo_indptr_host, kv_index, *shape, self.dtype, kv_dtype, self.sm_scale)
         meta = FlashInferMetadata(wrapper, kv_index)
+        own_window_slots = batch.token_to_kv_pool.window_map is not None
         for window in self.sliding_windows:
-            if max(batch.seq_lens_cpu) > window:
+            if max(batch.seq_lens_cpu) > window or own_window_slots:
                 meta.windowed[window] = self._plan_window(batch, window, qo_indptr_host, shape, kv_dtype)
         self._mark_planned()
         batch.attn_metadata = meta
@@ -161,6 +162,9 @@ class FlashInferAttentionBackend(AttentionBackend):
         """The plan of the layers with a sliding `window`: pages from each request's first new token's window on."""
         starts = [max(0, prefix - window + 1) // self.page_size * self.page_size for prefix in batch.prefix_lens_cpu]
         kv_index = self._kv_index(batch, starts)
+        window_map = batch.token_to_kv_pool.window_map
+        if window_map is not None:  # the window layers' own slot space (radix_cache/swa_pool.py; page size 1)
+            kv_index.indices = window_map[kv_index.indices.to(torch.int64)].to(torch.int32)
         decode_wrapper, prefill_wrapper = self._window_wrappers[window]
         if batch.mode == ForwardMode.DECODE:
             fi.plan_decode(decode_wrapper, kv_index, *shape, self.dtype, kv_dtype, self.sm_scale, window - 1)
@@ -284,11 +288,11 @@ class FlashInferAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         meta = batch.attn_metadata
         assert isinstance(meta, (FlashInferMetadata, CascadeMetadata)), "plan() must run before forward()"
-        if sliding_window is not None and max(batch.seq_lens_cpu) > sliding_window:
+        pool = batch.token_to_kv_pool
+        if sliding_window is not None and (max(batch.seq_lens_cpu) > sliding_window or pool.window_map is not None):
             assert sliding_window in self.sliding_windows, f"window {sliding_window} was not given to the backend"
             meta = meta.windowed[sliding_window]
-        pool = batch.token_to_kv_pool
-        pool.set_kv_buffer(layer_id, batch.out_cache_loc, k, v)
+        pool.set_kv_buffer(layer_id, batch.kv_write_loc(layer_id), k, v)
         k_buffer, v_buffer = pool.get_kv_buffer(layer_id)
         out_dtype = q.dtype
         if abs(scaling - self.sm_scale) > 1e-12 * abs(self.sm_scale):

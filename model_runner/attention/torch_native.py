@@ -153,9 +153,12 @@ class TorchNativeAttention(AttentionBackend):
 
     def metadata_for(self, batch: ForwardBatch, sliding_window: Optional[int]) -> TorchNativeMetadata:
         """The plan a layer with `sliding_window` runs on (see the module docstring): the batch's own plan for a
-        full layer, or for a window that every sequence of the batch fits in."""
+        full layer, or for a window that every sequence of the batch fits in (unless the window layers have slots of
+        their own, radix_cache/swa_pool.py)."""
         meta: TorchNativeMetadata = batch.attn_metadata
-        if sliding_window is None or max(batch.seq_lens_cpu) <= sliding_window:
+        if sliding_window is None:
+            return meta
+        if max(batch.seq_lens_cpu) <= sliding_window and batch.token_to_kv_pool.window_map is None:
             return meta
         if sliding_window not in meta.windowed:
             meta.windowed[sliding_window] = self.plan_window(batch, sliding_window)
@@ -163,10 +166,16 @@ class TorchNativeAttention(AttentionBackend):
 
     def plan_window(self, batch: ForwardBatch, window: int) -> TorchNativeMetadata:
         """The plan of `batch` for layers with a sliding `window`: each request's new tokens in blocks of at most
-        `window` queries, each block's keys from its first query's window on, no shared prefixes."""
+        `window` queries, each block's keys from its first query's window on, no shared prefixes. A pool whose window
+        layers have slots of their own gets the chunks' key slots in that space."""
         blocks = _window_blocks(batch, window)
         key_starts = [max(0, prefix - window + 1) for prefix in blocks.prefix_lens_cpu]
-        return TorchNativeMetadata(self._plan_chunks(blocks, key_starts, window))
+        chunks = self._plan_chunks(blocks, key_starts, window)
+        window_map = batch.token_to_kv_pool.window_map
+        if window_map is not None:
+            for chunk in chunks:  # padding stays at slot 0, the window space's dummy slot too
+                chunk.kv_indices = window_map[chunk.kv_indices]
+        return TorchNativeMetadata(chunks)
 
     def split_requests(
         self, extend_lens: list[int], key_lens: list[int], device_type: str = "cpu"
@@ -210,7 +219,7 @@ class TorchNativeAttention(AttentionBackend):
             scaling: float, batch: ForwardBatch) -> torch.Tensor:
         """`forward` on the plan `meta` of `batch`."""
         pool = batch.token_to_kv_pool
-        pool.set_kv_buffer(layer_id, batch.out_cache_loc, k, v)
+        pool.set_kv_buffer(layer_id, batch.kv_write_loc(layer_id), k, v)
         k_buffer, v_buffer = pool.get_kv_buffer(layer_id)
         with_lse = bool(meta.shared)
         if len(meta.chunks) == 1:

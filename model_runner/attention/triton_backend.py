@@ -3,6 +3,10 @@
 Works for any page size (the kernels address KV per token slot). On the GPU the kernels are compiled; on
 a CPU they run under the Triton interpreter, which must be enabled with `TRITON_INTERPRET=1` before
 `triton` is first imported (that is how the tests run it; it is far too slow to serve with).
+
+A pool whose window layers have slots of their own (radix_cache/swa_pool.py): the decode kernel reads a window
+layer's slots through the pool's map itself (so captured decode graphs apply it too); extends read a table of the
+batch's rows translated into window slots (`WindowTable`, built once per batch).
 """
 
 from __future__ import annotations
@@ -22,6 +26,29 @@ _CPU_TARGET_PROGRAMS = 16
 
 
 @dataclass
+class WindowTable:
+    """The batch's `req_to_token` rows in window slots: request i's row is `table[rows[i]]` (rows = 0..batch-1).
+    Only the positions some window of the batch reads are filled (from the largest window back from each request's
+    first new token); the others stay at the dummy slot, which no kernel reads."""
+
+    table: torch.Tensor  # [batch, max seq_len] int32
+    rows: torch.Tensor  # [batch] int64
+
+    @classmethod
+    def of(cls, batch: ForwardBatch, window: int) -> "WindowTable":
+        device = batch.req_pool_indices.device
+        starts = (batch.prefix_lens - window + 1).clamp(min=0)
+        lengths = batch.seq_lens - starts
+        entry = torch.repeat_interleave(torch.arange(batch.batch_size, device=device), lengths)
+        offsets = torch.cumsum(lengths, 0) - lengths
+        positions = starts[entry] + torch.arange(entry.numel(), device=device) - offsets[entry]
+        full = batch.req_to_token_pool.req_to_token[batch.req_pool_indices[entry], positions]
+        table = torch.zeros(batch.batch_size, max(batch.seq_lens_cpu), dtype=torch.int32, device=device)
+        table[entry, positions] = batch.token_to_kv_pool.window_map[full.to(torch.int64)].to(torch.int32)
+        return cls(table, torch.arange(batch.batch_size, dtype=torch.int64, device=device))
+
+
+@dataclass
 class TritonDecodeMetadata:
     num_kv_splits: int  # a power of two that depends only on the batch size (graph-capture friendly)
 
@@ -30,6 +57,7 @@ class TritonDecodeMetadata:
 class TritonExtendMetadata:
     extend_starts: torch.Tensor  # [batch] int64: each request's first row among the new tokens
     max_extend_len: int
+    window: Optional[WindowTable] = None
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -83,6 +111,9 @@ class TritonAttentionBackend(AttentionBackend):
         else:
             extend_starts = torch.cumsum(batch.extend_lens, dim=0) - batch.extend_lens
             batch.attn_metadata = TritonExtendMetadata(extend_starts, max(batch.extend_lens_cpu, default=0))
+            pool = batch.token_to_kv_pool
+            if pool.window_map is not None:
+                batch.attn_metadata.window = WindowTable.of(batch, max(pool.window_sizes))
 
     # ---- CUDA graphs (decode) --------------------------------------------------------------------
     # The decode kernels read every per-request value (rows, lengths) from device tensors and their launch
@@ -112,7 +143,7 @@ class TritonAttentionBackend(AttentionBackend):
         sliding_window: Optional[int] = None,
     ) -> torch.Tensor:
         pool = batch.token_to_kv_pool
-        pool.set_kv_buffer(layer_id, batch.out_cache_loc, k, v)
+        pool.set_kv_buffer(layer_id, batch.kv_write_loc(layer_id), k, v)
         k_buffer, v_buffer = pool.get_kv_buffer(layer_id)
         if q.stride(-1) != 1:
             q = q.contiguous()
@@ -120,17 +151,21 @@ class TritonAttentionBackend(AttentionBackend):
         # the result back.
         q_kv = q if q.dtype == k_buffer.dtype or k_buffer.dtype in FLOAT8_DTYPES else q.to(k_buffer.dtype)
         out = torch.empty_like(q_kv)
-        req_to_token = batch.req_to_token_pool.req_to_token
+        req_to_token, rows = batch.req_to_token_pool.req_to_token, batch.req_pool_indices
         meta = batch.attn_metadata
+        window_layer = pool.is_window_layer(layer_id)
         if isinstance(meta, TritonDecodeMetadata):
             decode_attention(
-                q_kv, k_buffer, v_buffer, out, req_to_token, batch.req_pool_indices, batch.seq_lens, scaling,
+                q_kv, k_buffer, v_buffer, out, req_to_token, rows, batch.seq_lens, scaling,
                 self._partial_out, self._partial_lse, meta.num_kv_splits, sliding_window,
+                pool.window_map if window_layer else None,
             )
         else:
             assert isinstance(meta, TritonExtendMetadata), "plan() must run before forward()"
+            if meta.window is not None and window_layer:
+                req_to_token, rows = meta.window.table, meta.window.rows
             extend_attention(
-                q_kv, k_buffer, v_buffer, out, req_to_token, batch.req_pool_indices, batch.prefix_lens,
+                q_kv, k_buffer, v_buffer, out, req_to_token, rows, batch.prefix_lens,
                 batch.extend_lens, meta.extend_starts, meta.max_extend_len, scaling, sliding_window,
             )
         return out if out.dtype == q.dtype else out.to(q.dtype)

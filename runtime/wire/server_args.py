@@ -206,6 +206,9 @@ class ServerArgs:
     # CPU threads (model_runner/cpu/thread_governor.py): keep every forward step on the whole thread team instead of
     # measuring, beside other busy processes, whether fewer threads are faster
     disable_cpu_thread_governor: bool = False
+    # Sliding-window models (docs/sliding_window.md): window-layer slots per full slot; or every layer keeps every token
+    swa_full_tokens_ratio: float = 0.8
+    disable_hybrid_swa_memory: bool = False
 
     def __post_init__(self) -> None:
         def check(ok: bool, message: str) -> None:
@@ -353,6 +356,9 @@ class ServerArgs:
               f"max_mamba_cache_size must be >= 2, got {self.max_mamba_cache_size}")
         check(self.mamba_ssm_dtype in ("float32", "bfloat16", "float16"),
               f"mamba_ssm_dtype must be float32, bfloat16 or float16, got {self.mamba_ssm_dtype!r}")
+        # Sliding-window models
+        check(0.0 < self.swa_full_tokens_ratio <= 1.0,
+              f"swa_full_tokens_ratio must be in (0, 1] (window slots per full slot), got {self.swa_full_tokens_ratio}")
 
     # ---- resolved values -------------------------------------------------------------------------
     def lora_enabled(self) -> bool:

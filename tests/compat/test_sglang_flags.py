@@ -142,3 +142,13 @@ def test_prefill_attention_backend_is_refused_where_flashinfer_does_not_run(tiny
     with pytest.raises(ValueError, match=refusal):
         ModelRunner(RunnerConfig.from_server_args(ServerArgs(model_path=tiny_model_dir("llama"), device="cpu",
             prefill_attention_backend="fa3")))
+
+
+def test_hybrid_swa_memory_flags():
+    """SGLang's sliding-window memory flags (docs/sliding_window.md): the ratio of window slots to full slots, or one
+    slot space for every layer."""
+    args = _parse("--swa-full-tokens-ratio", "0.25", "--disable-hybrid-swa-memory")
+    assert args.swa_full_tokens_ratio == 0.25 and args.disable_hybrid_swa_memory
+    assert _parse().swa_full_tokens_ratio == 0.8 and not _parse().disable_hybrid_swa_memory
+    with pytest.raises(ValueError, match=r"swa_full_tokens_ratio must be in \(0, 1\]"):
+        _parse("--swa-full-tokens-ratio", "0")

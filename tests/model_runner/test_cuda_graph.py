@@ -184,6 +184,31 @@ def test_padded_static_batch_matches_unpadded_on_cpu(tiny_model_dir):
     assert PADDING_SLOT in changed and changed <= {PADDING_SLOT} | set(batch.out_cache_loc.tolist())
 
 
+def test_padded_static_batch_writes_window_slots_on_cpu(tiny_model_dir):
+    """A sliding-window model whose window layers have slots of their own (radix_cache/swa_pool.py): the static
+    batch's window layers write at the map's window slots (the padding row at the dummy one), as an eager decode."""
+    runner = ModelRunner(RunnerConfig.from_server_args(ServerArgs(model_path=tiny_model_dir("gemma3"), device="cpu",
+        dtype="float32", max_total_tokens=2048, max_running_requests=8)))
+    pool = runner.token_to_kv_pool
+    assert pool.window_map is not None
+    requests = Requests(runner, random_prompts(runner.vocab_size, [5, 19, 3, 11]))
+    batch = requests.decode_batch([0, 1, 2])
+    eager = runner.forward(batch).clone()
+    before = kv_snapshot(runner)
+
+    buffers = DecodeInputBuffers(8, runner.device)
+    view = buffers.batch_view(4, runner.req_to_token_pool, pool)
+    buffers.load(batch, view)
+    assert view.window_cache_loc.tolist() == pool.window_map[batch.out_cache_loc].tolist() + [0]
+    padded = runner.forward(view)
+    torch.testing.assert_close(padded[:3], eager, atol=1e-5, rtol=1e-5)
+    window_slots = set(view.window_cache_loc.tolist())
+    for layer, (old_k, new_k) in enumerate(zip(before[:pool.num_layers], pool.k_buffer)):
+        changed = set((old_k != new_k).flatten(1).any(dim=1).nonzero().flatten().tolist())
+        allowed = window_slots if pool.is_window_layer(layer) else set(batch.out_cache_loc.tolist()) | {PADDING_SLOT}
+        assert changed <= allowed, layer
+
+
 # ---- GPU: capture and replay -------------------------------------------------------------------------
 
 GPU_BACKENDS = [
@@ -243,3 +268,19 @@ def test_greedy_generation_same_with_and_without_graphs(tiny_model_dir):
     without = gpu_runner(model_dir, "triton", "float32", disable_cuda_graph=True)
     assert with_graphs.cuda_graph_runner is not None and without.cuda_graph_runner is None
     assert greedy_generate(with_graphs, prompts, 24) == greedy_generate(without, prompts, 24)
+
+
+@needs_gpu
+@pytest.mark.gpu
+def test_window_slots_replay_matches_eager(tiny_model_dir):
+    """A sliding-window model with window slots (radix_cache/swa_pool.py) decodes in Triton's graphs: the decode kernel
+    reads the window layers through the pool's map, the static batch writes their window slots."""
+    runner = gpu_runner(tiny_model_dir("gemma3"), "triton", "float32")
+    assert runner.token_to_kv_pool.window_map is not None and runner.cuda_graph_runner is not None
+    requests = Requests(runner, random_prompts(runner.vocab_size, [5, 40, 3, 17, 64, 9]))
+    for members in ([0], [0, 1, 2, 3], [0, 1, 2], [1, 3, 5]):
+        batch = requests.decode_batch(members)
+        eager = runner.forward(batch, use_cuda_graph=False).clone()
+        graph = runner.forward(batch).clone()
+        _assert_logits_close(graph, eager, 1e-4, same_argmax=True)
+        requests.accept(members, eager)

@@ -15,7 +15,8 @@ import shutil
 import pytest
 import torch
 
-from attention_cases import make_case, poison_outside_windows, reference_attention, run_backend
+from attention_cases import (kv_written, make_case, poison_outside_windows, reference_attention, run_backend,
+                             with_window_slots)
 from radixserve.kernels import cpu_build
 from radixserve.model_runner.attention.cpu_backend import CpuAttentionBackend, CpuAttentionPlan
 from radixserve.model_runner.attention.torch_native import TorchNativeAttention, TorchNativeMetadata
@@ -95,3 +96,51 @@ def test_cpu_kernel(cpu_kernels, mode, prefix_lens, extend_lens, window, shape, 
         assert isinstance(plan.windowed[window], kind)
     tolerance = 2e-5 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(out.double(), expected, atol=tolerance, rtol=tolerance)
+
+
+# The window layer's KV in a slot space of its own (radix_cache/swa_pool.py): read and written through the window map.
+WINDOW_SLOT_CASES = [case for case in CASES if case[3] > 1] + [(ForwardMode.DECODE, [3, 5], [1, 1], 64)]
+
+
+@pytest.mark.parametrize("mode,prefix_lens,extend_lens,window", WINDOW_SLOT_CASES)
+def test_torch_native_reads_and_writes_window_slots(mode, prefix_lens, extend_lens, window):
+    case = make_case(mode, prefix_lens, extend_lens, num_heads=4, num_kv_heads=2, head_dim=16, page_size=1,
+                     dtype=torch.float32, seed=window)
+    expected = reference_attention(case, sliding_window=window)
+    with_window_slots(case, window, seed=len(prefix_lens))
+    out = run_backend(TorchNativeAttention(), case, window)
+    torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=2e-5)
+    assert kv_written(case)
+
+
+@pytest.mark.parametrize("mode,prefix_lens,extend_lens,window", WINDOW_SLOT_CASES)
+def test_cpu_kernel_reads_and_writes_window_slots(cpu_kernels, mode, prefix_lens, extend_lens, window):
+    case = make_case(mode, prefix_lens, extend_lens, num_heads=4, num_kv_heads=2, head_dim=16, page_size=1,
+                     dtype=torch.float32, seed=window)
+    expected = reference_attention(case, sliding_window=window)
+    with_window_slots(case, window, seed=len(prefix_lens))
+    out = run_backend(CpuAttentionBackend(max_extend_len=None), case, window)
+    if max(extend_lens) == 1:  # decode batches through the kernel, with the window slots
+        assert isinstance(case.batch.attn_metadata.windowed[window], CpuAttentionPlan)
+    torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=2e-5)
+    assert kv_written(case)
+
+
+def test_full_layer_beside_window_slots_reads_the_full_slots():
+    """A batch on a pool with window slots: the full layer reads and writes the full buffers at the full slots."""
+    case = make_case(ForwardMode.EXTEND, [30, 4], [10, 20], num_heads=4, num_kv_heads=2, head_dim=16, page_size=1,
+                     dtype=torch.float32, layer_id=1)
+    with_window_slots(case, 6)
+    backend = TorchNativeAttention(min_shared_prefix=math.inf)
+    backend.plan(case.batch)
+    full_layer = 0  # with_window_slots gives a window slot space to layer 1 only
+    pool = case.batch.token_to_kv_pool
+    assert not pool.is_window_layer(full_layer) and pool.is_window_layer(1)
+    for i, (prefix_k, prefix_v) in enumerate(zip(case.prefix_k, case.prefix_v)):  # layer 0's own prefix K/V
+        row = int(case.batch.req_pool_indices[i])
+        slots = case.batch.req_to_token_pool.req_to_token[row, :case.batch.prefix_lens_cpu[i]].long()
+        case.prefix_k[i] = pool.k_buffer[full_layer][slots].double()
+        case.prefix_v[i] = pool.v_buffer[full_layer][slots].double()
+    out = backend.forward(case.q, case.k, case.v, full_layer, case.scaling, case.batch)
+    torch.testing.assert_close(out.double(), reference_attention(case), atol=2e-5, rtol=2e-5)
+    assert torch.equal(pool.k_buffer[full_layer][case.batch.out_cache_loc], case.k)

@@ -116,3 +116,21 @@ def test_graph_decode_plan_matches_reference(batch_size):
     out = backend.forward(case.q, case.k, case.v, case.layer_id, case.scaling, case.batch)
     error = (out.double() - reference_attention(case, device="cuda")).abs().max().item()
     assert error < BF16_ATOL, f"max abs error vs float64 reference: {error}"
+
+
+@pytest.mark.parametrize("mode", list(BATCHES))
+def test_window_layer_reads_and_writes_window_slots(mode):
+    """A window layer whose KV sits in a slot space of its own (radix_cache/swa_pool.py, page size 1): planned over
+    the window slots, the new K/V written there."""
+    from attention_cases import with_window_slots
+
+    window = 32
+    backend = FlashInferAttentionBackend(8, 8, HEAD_DIM, torch.bfloat16, "cuda", page_size=1,
+                                         sliding_windows=(window,))
+    case = _case(mode, 1, 8, 8)
+    expected = reference_attention(case, device="cuda", sliding_window=window)
+    with_window_slots(case, window)
+    out = run_backend(backend, case, window)
+    error = (out.double() - expected).abs().max().item()
+    assert error < BF16_ATOL, f"max abs error vs float64 reference: {error}"
+    assert kv_written(case)

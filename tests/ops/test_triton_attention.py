@@ -211,3 +211,19 @@ def test_sliding_window(mode, prefix_lens, extend_lens, window, page_size):
     out = run_backend(_backend(4, 2, 16), case, window)
     error = (out.double().cpu() - expected).abs().max().item()
     assert error < TOLERANCE[torch.float32], f"max abs error {error}"
+
+
+@pytest.mark.parametrize("mode,prefix_lens,extend_lens,window", [c for c in WINDOW_CASES if c[3] > 1])
+def test_sliding_window_reads_and_writes_window_slots(mode, prefix_lens, extend_lens, window):
+    """A window layer whose KV sits in a slot space of its own (radix_cache/swa_pool.py): the kernels read it through
+    the batch's rows translated into window slots, and the new K/V go to their window slots."""
+    from attention_cases import with_window_slots
+
+    case = make_case(mode, prefix_lens, extend_lens, num_heads=4, num_kv_heads=2, head_dim=16, page_size=1,
+                     dtype=torch.float32, device=DEVICE, seed=window)
+    expected = reference_attention(case, sliding_window=window)
+    with_window_slots(case, window, seed=len(prefix_lens))
+    out = run_backend(_backend(4, 2, 16), case, window)
+    error = (out.double().cpu() - expected).abs().max().item()
+    assert error < TOLERANCE[torch.float32], f"max abs error {error}"
+    assert kv_written(case)
