@@ -34,6 +34,7 @@ from radixserve.model_runner.runner_config import RunnerConfig
 from radixserve.model_runner.state_memory import make_state_pool, plan_state_pool
 from radixserve.model_runner.weight_update import WeightUpdater
 from radixserve.radix_cache.pool import KV_CACHE_DTYPES, KVAllocator, ReqToTokenPool, TokenToKVPool
+from radixserve.runtime.wire.dist_secret import load_dist_secret
 
 if TYPE_CHECKING:
     from radixserve.model_runner.cuda_graph import CudaGraphRunner
@@ -101,7 +102,8 @@ class ModelRunner:
                          config.ep_size)
         tp_context = join_tp_group(config.tp_size, tp_rank, config.dist_init_addr or "", config.device,
                                    config.dist_timeout, config.tp_size // config.nnodes,
-                                   ReplicaPlacement(dp_rank, config.dp_size), config.ep_size)
+                                   ReplicaPlacement(dp_rank, config.dp_size), config.ep_size,
+                                   load_dist_secret(config.dist_auth_secret_file) if config.tp_size > 1 else None)
         self.device, self.tp, self.tp_cpu_group = tp_context.device, tp_context.tp, tp_context.cpu_group
         if self.device.type == "cpu":
             dispatch.log_once(self.cpu_kernels)

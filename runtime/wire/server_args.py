@@ -14,6 +14,7 @@ from typing import Any, Optional
 
 from radixserve.runtime.wire import sglang_flags
 from radixserve.runtime.wire.cpu_kernels import CPU_KERNEL_NAMES, parse_cpu_kernels
+from radixserve.runtime.wire.dist_secret import SECRET_ENV, load_dist_secret
 from radixserve.runtime.wire.heap import parse_gc_threshold
 from radixserve.runtime.wire.lora import parse_lora_paths
 from radixserve.runtime.wire.pooling import POOLING_METHODS
@@ -40,6 +41,9 @@ SAMPLING_DEFAULTS = ("model", "openai")
 # How the data-parallel controller picks a replica (runtime/data_parallel/policy.py); minimum_tokens is SGLang's
 # name for the least outstanding tokens.
 LOAD_BALANCE_METHODS = ("cache_aware", "round_robin", "shortest_queue", "minimum_tokens")
+DIST_AUTH_SECRET_HELP = ("a file (this user's, mode 600) holding the secret every node of a multi-node "
+                         "tensor-parallel group shares; the rendezvous admits only connections that prove they hold "
+                         f"it. Required with --nnodes > 1, unless ${SECRET_ENV} holds the secret")
 CPU_KERNELS_HELP = (f"auto: radixserve's C++ CPU kernels where this CPU runs them; torch: torch's ops only; "
                     f"auto,-NAME,... : auto without the named ones ({', '.join(CPU_KERNEL_NAMES)})")
 
@@ -203,6 +207,8 @@ class ServerArgs:
     # Hybrid linear-attention models (docs/hybrid.md): state slots in all, running and snapshots (None: from the budget)
     max_mamba_cache_size: Optional[int] = None
     mamba_ssm_dtype: str = "float32"  # the recurrent states' dtype: float32, bfloat16 or float16
+    # Authenticated rendezvous across hosts (runtime/wire/dist_secret.py, docs/security.md)
+    dist_auth_secret_file: Optional[str] = field(default=None, metadata={"help": DIST_AUTH_SECRET_HELP})
 
     def __post_init__(self) -> None:
         def check(ok: bool, message: str) -> None:
@@ -350,6 +356,10 @@ class ServerArgs:
               f"max_mamba_cache_size must be >= 2, got {self.max_mamba_cache_size}")
         check(self.mamba_ssm_dtype in ("float32", "bfloat16", "float16"),
               f"mamba_ssm_dtype must be float32, bfloat16 or float16, got {self.mamba_ssm_dtype!r}")
+        # Authenticated rendezvous across hosts: the secret is read here only to check it (never kept)
+        check(load_dist_secret(self.dist_auth_secret_file) is not None or self.nnodes == 1,
+              "nnodes > 1 needs the group's shared secret: give --dist-auth-secret-file PATH (a file only its owner "
+              f"can read) or set {SECRET_ENV}, with the same secret on every node (docs/security.md)")
 
     # ---- resolved values -------------------------------------------------------------------------
     def lora_enabled(self) -> bool:
