@@ -255,6 +255,7 @@ class AuthTunnel(_Forwarder):
         self._secret = secret
         self._connect_timeout_s = connect_timeout_s
         self._handshake_timeout_s = handshake_timeout_s
+        self.refusal: Optional[HandshakeError] = None  # the first failed handshake (torch's client would retry)
 
     def _forward(self, conn: socket.socket, peer: tuple) -> None:
         gate = self._connect()
@@ -265,6 +266,8 @@ class AuthTunnel(_Forwarder):
             tunnel_handshake(gate, self._secret, self._handshake_timeout_s)
         except OSError as error:
             logger.error("the rendezvous at %s port %s: %s", *self._remote, error)
+            if isinstance(error, HandshakeError) and self.refusal is None:
+                self.refusal = HandshakeError(f"the rendezvous at {self._remote[0]} port {self._remote[1]}: {error}")
             gate.close()
             conn.close()
             return

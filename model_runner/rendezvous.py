@@ -24,14 +24,16 @@ import datetime
 import ipaddress
 import os
 import socket
+import threading
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch.distributed as dist
 
 from radixserve.model_runner.dist_auth import AuthGate, AuthTunnel, listen
 
 GLOO_INTERFACE_ENV = "GLOO_SOCKET_IFNAME"  # torch reads it when it makes a gloo group
+_REFUSAL_POLL_S = 0.1
 
 
 @dataclass
@@ -87,11 +89,34 @@ def meet(init_addr: str, rank: int, world_size: int, timeout_s: float, secret: O
             raise
     tunnel = AuthTunnel((host, port), secret, connect_timeout_s=timeout_s).start()
     try:
-        return Rendezvous(dist.TCPStore("127.0.0.1", tunnel.address[1], world_size, is_master=False, timeout=timeout),
-                          tunnel=tunnel)
+        return Rendezvous(_reach_store(tunnel, world_size, timeout), tunnel=tunnel)
     except BaseException:
         tunnel.close()
         raise
+
+
+def _reach_store(tunnel: AuthTunnel, world_size: int, timeout: datetime.timedelta) -> dist.TCPStore:
+    """torch's store client through `tunnel`. torch's client retries a refused connection until its timeout, so it
+    runs on a thread of its own while this one raises the tunnel's HandshakeError as soon as the gate refuses this
+    node's secret (the thread, blocked in torch, ends with the process)."""
+    outcome: dict[str, Any] = {}
+    done = threading.Event()
+
+    def connect() -> None:
+        try:
+            outcome["store"] = dist.TCPStore("127.0.0.1", tunnel.address[1], world_size, is_master=False,
+                                             timeout=timeout)
+        except BaseException as error:  # raised again on the joining thread
+            outcome["error"] = error
+        done.set()
+
+    threading.Thread(target=connect, name="radixserve-rendezvous-join", daemon=True).start()
+    while not done.wait(_REFUSAL_POLL_S):
+        if tunnel.refusal is not None:
+            raise tunnel.refusal
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["store"]
 
 
 def _host_store(listener: socket.socket, world_size: int, timeout: datetime.timedelta) -> dist.TCPStore:

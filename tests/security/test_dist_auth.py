@@ -274,6 +274,18 @@ def _closed_by_peer(sock: socket.socket) -> bool:
     return True
 
 
+def test_a_rank_holding_another_secret_fails_at_once(gated_store):
+    """torch's store client would retry a refused connection until its timeout (the group's, 600 s by default);
+    the rank gives up at the first refusal, saying why."""
+    from radixserve.model_runner.rendezvous import meet
+
+    _, gate = gated_store
+    started = time.monotonic()
+    with pytest.raises(HandshakeError, match="same secret"):
+        meet(f"127.0.0.1:{gate.address[1]}", rank=1, world_size=2, timeout_s=10.0, secret=OTHER_SECRET)
+    assert time.monotonic() - started < 5.0
+
+
 def test_the_gate_bounds_pending_handshakes(gated_store):
     """Connections that never speak take a handshake slot each until the deadline; past the bound, new ones are
     closed at once instead of piling up threads (the gate accepts in order, so the bound is reached by then)."""
@@ -328,8 +340,9 @@ def test_a_tunnel_waits_for_a_gate_that_starts_later():
 
 # ---- the secret at start ------------------------------------------------------------------------------------------
 
-def _secret_file(tmp_path, content: bytes = SECRET, mode: int = 0o600) -> str:
-    path = tmp_path / "dist-secret"
+def _secret_file(folder, content: bytes = SECRET, mode: int = 0o600) -> str:
+    folder.mkdir(exist_ok=True)
+    path = folder / "dist-secret"
     path.write_bytes(content + b"\n")
     path.chmod(mode)
     return str(path)
@@ -381,6 +394,15 @@ def test_a_bad_secret_file_is_refused_naming_its_defect(tmp_path, monkeypatch, d
         path = str(tmp_path)
     with pytest.raises(ValueError, match=message):
         ServerArgs(tp_size=2, nnodes=2, dist_init_addr="127.0.0.1:29500", dist_auth_secret_file=path)
+
+
+def test_the_cli_refuses_a_worker_node_without_a_secret():
+    env = {k: v for k, v in os.environ.items() if k != SECRET_ENV}
+    done = subprocess.run([sys.executable, "-m", "radixserve", "serve", "--tp-size", "2", "--nnodes", "2",
+                           "--node-rank", "1", "--dist-init-addr", "127.0.0.1:29500"],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 2, done.stderr
+    assert "--dist-auth-secret-file" in done.stderr and SECRET_ENV in done.stderr
 
 
 def test_a_rendezvous_off_loopback_without_a_secret_is_refused():
@@ -454,8 +476,9 @@ def _store_client_refused(address: tuple[str, int]) -> bool:
 def test_two_nodes_refuse_clients_without_the_secret_and_serve_on(tiny_model_dir, tmp_path):
     """Node 0 (this process's Engine, rank 0) and node 1 (`radixserve serve --node-rank 1`, rank 1) meet at a
     loopback address with the secret (tests/parallel/test_tensor_parallel.py checks their ids against TP=1). A raw
-    client sending garbage, one sending 1 MiB, torch's store client, and a handshake with another secret are each
-    refused at the rendezvous port; the group serves the same ids afterwards."""
+    client sending garbage, one sending 1 MiB, torch's store client, a handshake with another secret and a whole
+    worker node holding another secret are each refused at the rendezvous port; the group serves the same ids
+    afterwards."""
     from radixserve import Engine
 
     secret_file = _secret_file(tmp_path)
@@ -463,10 +486,11 @@ def test_two_nodes_refuse_clients_without_the_secret_and_serve_on(tiny_model_dir
     port = _free_port()
     addr = f"127.0.0.1:{port}"
     common = {"model_path": model, "dtype": "float32", "device": "cpu"}
-    worker = subprocess.Popen([sys.executable, "-m", "radixserve", "serve", "--model-path", model, "--dtype",
-                               "float32", "--device", "cpu", "--tp-size", "2", "--nnodes", "2", "--node-rank", "1",
-                               "--dist-init-addr", addr, "--dist-auth-secret-file", secret_file],
-                              env={k: v for k, v in os.environ.items() if k != SECRET_ENV})
+    worker_command = [sys.executable, "-m", "radixserve", "serve", "--model-path", model, "--dtype", "float32",
+                      "--device", "cpu", "--tp-size", "2", "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", addr,
+                      "--dist-auth-secret-file", secret_file]
+    worker_env = {k: v for k, v in os.environ.items() if k != SECRET_ENV}
+    worker = subprocess.Popen(worker_command, env=worker_env)
     try:
         with Engine(tp_size=2, nnodes=2, node_rank=0, dist_init_addr=addr, dist_auth_secret_file=secret_file,
                     **common) as engine:
@@ -481,6 +505,10 @@ def test_two_nodes_refuse_clients_without_the_secret_and_serve_on(tiny_model_dir
             with socket.create_connection(("127.0.0.1", port), timeout=10) as impostor:
                 with pytest.raises(HandshakeError):
                     tunnel_handshake(impostor, OTHER_SECRET)
+            # A whole worker node holding another secret fails to join, saying why.
+            stray_node = subprocess.run(worker_command[:-1] + [_secret_file(tmp_path / "other", OTHER_SECRET)],
+                                        capture_output=True, text=True, timeout=180, env=worker_env)
+            assert stray_node.returncode != 0 and "same secret" in stray_node.stderr, stray_node.stderr[-2000:]
             after = [out["output_ids"] for out in engine.generate(PROMPTS, PARAMS)]
             assert engine.is_healthy()
         assert worker.wait(timeout=60) != 0  # its group ended with node 0
