@@ -1,9 +1,10 @@
 """The TCP ports of a tensor-parallel group, and what stray clients on them do to it. One command:
 
-    python benchmarks/tp_ports.py                       # TP=2 on the CPU (gloo), the embedded model
+    python benchmarks/tp_ports.py                       # TP=2 on the CPU (gloo)
     python benchmarks/tp_ports.py --device cuda         # TP=2 on two GPUs (NCCL for the model, gloo for the relay)
 
-Starts an Engine with `--tp-size` ranks, generates greedy ids for a few prompts, and lists every listening TCP
+Without --model-path it serves a tiny random-weight Qwen2 (4 heads, 2 KV heads) with the embedded model's tokenizer,
+made with transformers in a temporary folder: the ids only need to stay the same. Starts an Engine with `--tp-size` ranks, generates greedy ids for a few prompts, and lists every listening TCP
 socket of its processes (address, port, process) with the library that opened it where it can tell (the store is
 rank 0's; gloo's and NCCL's are the rest). Then, for each port, a stray client connects and sends garbage, another
 sends nothing and closes; the Engine generates again. The table shows each port and whether it is on loopback; the
@@ -54,6 +55,27 @@ def poke(address: str, port: int, payload: bytes) -> str:
         return f"refused: {error}"
 
 
+def tiny_model(out_dir: str) -> str:
+    """A random-weight Qwen2 small enough for any host, with the embedded model's tokenizer files."""
+    import shutil
+
+    import torch
+    import transformers
+
+    from radixserve.runtime.model_files import resolve_model
+
+    tokenizer_dir = resolve_model(None).model_dir
+    vocab_size = len(transformers.AutoTokenizer.from_pretrained(tokenizer_dir))
+    config = transformers.Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=vocab_size)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out_dir)
+    for name in os.listdir(tokenizer_dir):
+        if name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "generation_config")):
+            shutil.copy(os.path.join(tokenizer_dir, name), out_dir)
+    return out_dir
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tp-size", type=int, default=2)
@@ -62,10 +84,13 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
+    import tempfile
+
     from radixserve import Engine
 
     dtype = "float32" if args.device == "cpu" else "bfloat16"
-    with Engine(model_path=args.model_path, device=args.device, dtype=dtype, tp_size=args.tp_size,
+    model_path = args.model_path or tiny_model(tempfile.mkdtemp(prefix="tp-ports-"))
+    with Engine(model_path=model_path, device=args.device, dtype=dtype, tp_size=args.tp_size,
                 max_running_requests=8) as engine:
         before = [out["output_ids"] for out in engine.generate(PROMPTS, PARAMS)]
         ports = listening(engine._resources.children.pids().values())
