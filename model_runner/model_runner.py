@@ -36,6 +36,7 @@ from radixserve.model_runner.swa_memory import plan_swa_memory
 from radixserve.model_runner.weight_update import WeightUpdater
 from radixserve.radix_cache.pool import KV_CACHE_DTYPES, KVAllocator, ReqToTokenPool, TokenToKVPool
 from radixserve.radix_cache.swa_pool import SWAKVAllocator, SWAKVPool
+from radixserve.runtime.wire.dist_secret import load_dist_secret
 
 if TYPE_CHECKING:
     from radixserve.model_runner.cuda_graph import CudaGraphRunner
@@ -103,7 +104,8 @@ class ModelRunner:
                          config.ep_size)
         tp_context = join_tp_group(config.tp_size, tp_rank, config.dist_init_addr or "", config.device,
                                    config.dist_timeout, config.tp_size // config.nnodes,
-                                   ReplicaPlacement(dp_rank, config.dp_size), config.ep_size)
+                                   ReplicaPlacement(dp_rank, config.dp_size), config.ep_size,
+                                   load_dist_secret(config.dist_auth_secret_file) if config.tp_size > 1 else None)
         self.device, self.tp, self.tp_cpu_group = tp_context.device, tp_context.tp, tp_context.cpu_group
         if self.device.type == "cpu":
             dispatch.log_once(self.cpu_kernels)

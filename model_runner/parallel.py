@@ -228,6 +228,7 @@ class TPContext:
     device: torch.device
     tp: TPGroup
     cpu_group: Optional[Any]
+    rendezvous: Optional[Any] = None  # model_runner/rendezvous.py's Rendezvous: the store and its forwarder
 
 
 @dataclass(frozen=True)
@@ -241,13 +242,16 @@ class ReplicaPlacement:
 
 def join_tp_group(
     tp_size: int, rank: int, init_addr: str, device_type: str, timeout_s: float, ranks_per_node: int,
-    replica: ReplicaPlacement = ReplicaPlacement(), ep_size: int = 1,
+    replica: ReplicaPlacement = ReplicaPlacement(), ep_size: int = 1, secret: Optional[bytes] = None,
 ) -> TPContext:
     """Join (create, for rank 0) the process group of `tp_size` ranks at `init_addr` ("host:port"); this host
     runs `ranks_per_node` of them (of each replica), each on its own CUDA device (local index
-    `replica.dp_rank * ranks_per_node + rank % ranks_per_node`). `ep_size` of them shard the experts."""
+    `replica.dp_rank * ranks_per_node + rank % ranks_per_node`). `ep_size` of them shard the experts. With the
+    group's `secret` the ranks meet through the authenticated rendezvous (model_runner/rendezvous.py)."""
     import datetime
     import os
+
+    from radixserve.model_runner.rendezvous import gloo_bound_to, meet
 
     device = torch.device(device_type)
     if device_type == "cuda":
@@ -265,13 +269,14 @@ def join_tp_group(
         return TPContext(device, TPGroup.single(), None)
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = datetime.timedelta(seconds=timeout_s)
-    dist.init_process_group(backend, init_method=f"tcp://{init_addr}", world_size=tp_size, rank=rank,
-                            timeout=timeout)
-    cpu_group = dist.new_group(backend="gloo", timeout=timeout)
+    rendezvous = meet(init_addr, rank, tp_size, timeout_s, secret)
+    with gloo_bound_to(init_addr, multi_node=ranks_per_node < tp_size):
+        dist.init_process_group(backend, store=rendezvous.store, world_size=tp_size, rank=rank, timeout=timeout)
+        cpu_group = dist.new_group(backend="gloo", timeout=timeout)
     # NCCL creates its communicator on the first collective; have that happen now, not inside a CUDA graph
     # capture (where it cannot).
     dist.all_reduce(torch.zeros(1, device=device))
-    return TPContext(device, TPGroup(rank, tp_size, None, ep_size), cpu_group)
+    return TPContext(device, TPGroup(rank, tp_size, None, ep_size), cpu_group, rendezvous)
 
 
 def min_over_ranks(value: int, cpu_group: Optional[Any]) -> int:

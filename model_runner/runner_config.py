@@ -60,6 +60,9 @@ class RunnerConfig:
     speculative: bool  # verify steps of many rows: the float32 CPU linears keep a packed copy
     deterministic: bool = False  # batch-invariant kernels (--enable-deterministic-inference; model_runner/cpu/dispatch.py)
     cpu_thread_governor: bool = True  # fewer threads beside busy processes (model_runner/cpu/thread_governor.py)
+    # The file holding a tensor-parallel group's shared secret (runtime/wire/dist_secret.py; None: the environment's,
+    # if any); read by each rank when it joins, never kept in a config
+    dist_auth_secret_file: Optional[str] = None
 
     # Pooling (model_runner/pooling.py)
     is_embedding: bool = False
@@ -101,8 +104,8 @@ class RunnerConfig:
             enable_lora=args.lora_enabled(), lora_paths=tuple(args.lora_paths or ()), max_lora_rank=args.max_lora_rank,
             max_loras_per_batch=args.max_loras_per_batch, speculative=args.speculative_algorithm is not None,
             is_embedding=args.is_embedding, pooling_method=args.pooling_method,
-            deterministic=args.enable_deterministic_inference,
-            cpu_thread_governor=not args.disable_cpu_thread_governor,
+            deterministic=args.enable_deterministic_inference, cpu_thread_governor=not args.disable_cpu_thread_governor,
+            dist_auth_secret_file=args.dist_auth_secret_file,
             quantization=resolved_quantization(args, model),
             max_mamba_cache_size=args.max_mamba_cache_size, mamba_ssm_dtype=args.mamba_ssm_dtype,
             swa_full_tokens_ratio=args.swa_full_tokens_ratio, disable_hybrid_swa_memory=args.disable_hybrid_swa_memory,

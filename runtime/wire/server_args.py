@@ -14,6 +14,7 @@ from typing import Any, Optional
 
 from radixserve.runtime.wire import sglang_flags
 from radixserve.runtime.wire.cpu_kernels import CPU_KERNEL_NAMES, parse_cpu_kernels
+from radixserve.runtime.wire.dist_secret import SECRET_ENV, load_dist_secret
 from radixserve.runtime.wire.heap import parse_gc_threshold
 from radixserve.runtime.wire.lora import parse_lora_paths
 from radixserve.runtime.wire.pooling import POOLING_METHODS
@@ -40,6 +41,9 @@ SAMPLING_DEFAULTS = ("model", "openai")
 # How the data-parallel controller picks a replica (runtime/data_parallel/policy.py); minimum_tokens is SGLang's
 # name for the least outstanding tokens.
 LOAD_BALANCE_METHODS = ("cache_aware", "round_robin", "shortest_queue", "minimum_tokens")
+DIST_AUTH_SECRET_HELP = ("a file (this user's, mode 600) holding the secret every node of a multi-node "
+                         "tensor-parallel group shares; the rendezvous admits only connections that prove they hold "
+                         f"it. Required with --nnodes > 1, unless ${SECRET_ENV} holds the secret")
 CPU_KERNELS_HELP = (f"auto: radixserve's C++ CPU kernels where this CPU runs them; torch: torch's ops only; "
                     f"auto,-NAME,... : auto without the named ones ({', '.join(CPU_KERNEL_NAMES)})")
 
@@ -209,6 +213,8 @@ class ServerArgs:
     # Sliding-window models (docs/sliding_window.md): window-layer slots per full slot; or every layer keeps every token
     swa_full_tokens_ratio: float = 0.8
     disable_hybrid_swa_memory: bool = False
+    # Authenticated rendezvous across hosts (runtime/wire/dist_secret.py, docs/security.md)
+    dist_auth_secret_file: Optional[str] = field(default=None, metadata={"help": DIST_AUTH_SECRET_HELP})
 
     def __post_init__(self) -> None:
         def check(ok: bool, message: str) -> None:
@@ -359,6 +365,10 @@ class ServerArgs:
         # Sliding-window models
         check(0.0 < self.swa_full_tokens_ratio <= 1.0,
               f"swa_full_tokens_ratio must be in (0, 1] (window slots per full slot), got {self.swa_full_tokens_ratio}")
+        # Authenticated rendezvous across hosts: the secret is read here only to check it (never kept)
+        check(load_dist_secret(self.dist_auth_secret_file) is not None or self.nnodes == 1,
+              "nnodes > 1 needs the group's shared secret: give --dist-auth-secret-file PATH (a file only its owner "
+              f"can read) or set {SECRET_ENV}, with the same secret on every node (docs/security.md)")
 
     # ---- resolved values -------------------------------------------------------------------------
     def lora_enabled(self) -> bool:

@@ -276,9 +276,10 @@ def test_killing_a_rank_fails_pending_requests_and_leaves_no_process():
 
 
 @pytest.mark.slow
-def test_two_nodes_on_loopback_equal_tp1(tiny_model_dir):
+def test_two_nodes_on_loopback_equal_tp1(tiny_model_dir, tmp_path):
     """Two "nodes" on loopback: this process serves node 0 (rank 0), a `radixserve serve --node-rank 1`
-    worker runs rank 1; greedy output equals TP=1, and the worker exits once node 0 is gone."""
+    worker runs rank 1, both holding the group's secret (the worker from the environment); greedy output equals
+    TP=1, and the worker exits once node 0 is gone."""
     import subprocess
     import sys
 
@@ -288,12 +289,17 @@ def test_two_nodes_on_loopback_equal_tp1(tiny_model_dir):
     prompts = ENGINE_PROMPTS[:4]
     params = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}
     addr = f"127.0.0.1:{_free_port()}"
+    secret_file = tmp_path / "dist-secret"
+    secret_file.write_text("a secret the two nodes share\n")
+    secret_file.chmod(0o600)
     common = {"model_path": model, "dtype": "float32", "device": "cpu"}
     worker = subprocess.Popen([sys.executable, "-m", "radixserve", "serve", "--model-path", model, "--dtype",
                                "float32", "--device", "cpu", "--tp-size", "2", "--nnodes", "2", "--node-rank", "1",
-                               "--dist-init-addr", addr])
+                               "--dist-init-addr", addr],
+                              env={**os.environ, "RADIXSERVE_DIST_SECRET": "a secret the two nodes share"})
     try:
-        with Engine(tp_size=2, nnodes=2, node_rank=0, dist_init_addr=addr, **common) as engine:
+        with Engine(tp_size=2, nnodes=2, node_rank=0, dist_init_addr=addr, dist_auth_secret_file=str(secret_file),
+                    **common) as engine:
             two_nodes = [out["output_ids"] for out in engine.generate(prompts, params)]
             layout = engine.get_server_info()["tensor_parallel"]
         assert worker.wait(timeout=60) != 0  # its group ended with node 0
