@@ -8,7 +8,8 @@ dimension), `num_warps` and `num_stages`.
 
 The defaults follow the shape of the problem: at decode sizes an expert sees a handful of pairs, so a short `BLOCK_M`
 wastes little on padding and a wide `BLOCK_K` streams the weight; at prefill sizes each expert's run fills taller tiles.
-Rows for a shape are measured on the GPU they name; none is recorded yet.
+Rows for a shape are measured by benchmarks/tune_fused_moe.py on the GPU their comment names, and kept only where the
+search matched the default config's output.
 """
 
 from __future__ import annotations
@@ -24,7 +25,17 @@ DEFAULTS: list[tuple[int, BlockConfig]] = [
 ]
 
 # (experts, intermediate per rank, hidden, dtype name) -> [(max_tokens, config), ...]
-TUNED: dict[tuple[int, int, int, str], list[tuple[int, BlockConfig]]] = {}
+TUNED: dict[tuple[int, int, int, str], list[tuple[int, BlockConfig]]] = {
+    # Qwen3-30B-A3B at TP 1; NVIDIA H100 80GB HBM3, 2026-12-06 (docs/results/tune_fused_moe_h100.json)
+    (128, 768, 2048, "bfloat16"): [
+        (7, {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}),
+        (63, {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3}),
+        (255, {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}),
+        (1023, {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4}),
+        (4095, {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}),
+        (1 << 62, {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4}),
+    ],
+}
 
 
 def block_config(num_tokens: int, num_experts: int, intermediate: int, hidden: int, dtype_name: str,
