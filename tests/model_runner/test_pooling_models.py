@@ -189,3 +189,14 @@ def test_pooled_rows_alone_equal_the_full_forward(qwen3_dir, method):
     torch.testing.assert_close(alone, full, rtol=1e-5, atol=1e-5)
     for got, want in zip(kv[1], kv[0]):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_a_model_that_only_pools_takes_large_chunks_on_the_cpu(qwen3_dir):
+    """No decode step waits between a pooling model's chunks, so the CPU's small default chunk does not apply to it;
+    an explicit --chunked-prefill-size still does."""
+    chunks = []
+    for args in ({"is_embedding": True}, {}, {"is_embedding": True, "chunked_prefill_size": 32}):
+        driver = SchedulerDriver(qwen3_dir, **args)
+        chunks.append(driver.scheduler.chunk_size)
+        driver.close()
+    assert chunks == [8192, 512, 32]
