@@ -26,7 +26,7 @@ from radixserve.model_runner.memory_plan import MemoryPlan, graph_bytes, margin_
 from radixserve.model_runner.lora.setup import create_lora_manager
 from radixserve.model_runner.model_config import ModelConfig
 from radixserve.model_runner.models import get_model_class
-from radixserve.model_runner.pooling import PoolingSpec, pool_hidden
+from radixserve.model_runner.pooling import PoolingSpec, pool_hidden, pooled_rows
 from radixserve.model_runner.quantization import QuantizedWeightLoader, quantization_method, quantize_model
 from radixserve.model_runner.parallel import (HeadLayout, ReplicaPlacement, check_ep_divides, join_tp_group,
                                               min_over_ranks)
@@ -189,21 +189,30 @@ class ModelRunner:
         the logits `forward` gives (None for a model that does not generate), and each pooling entry's share of its
         vector `[len(entries), D]` float32 (model_runner/pooling.py), through the classification head of a
         classifier (D = its labels; else the hidden size)."""
-        hidden = self._hidden_states(batch)
-        pooled = pool_hidden(hidden, batch, entries, self.pooling.method or "last")
+        method = self.pooling.method or "last"
+        # A model that only pools reads no other row: its last layer computes the pooled rows alone (a LoRA batch's
+        # adapters are laid out per token, so it computes them all).
+        rows = None
+        if (not self.pooling.is_generation and getattr(self.model, "selects_rows", False)
+                and self.lora_manager is None):
+            rows = pooled_rows(batch, entries, method)
+        hidden = self._hidden_states(batch, rows)
+        pooled = pool_hidden(hidden, batch, entries, method, selected=rows is not None)
         if "classify" in self.pooling.kinds:
             pooled = self.model.classify(pooled.to(hidden.dtype)).float()
         logits = self.model.compute_logits(hidden, batch) if self.pooling.is_generation else None
         return logits, pooled
 
-    def _hidden_states(self, batch: ForwardBatch) -> torch.Tensor:
+    def _hidden_states(self, batch: ForwardBatch, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
         batch.causal = self.is_causal
         if self.token_to_kv_pool.window_map is not None:
             batch.window_cache_loc = batch.window_write_slots()
         self.attn_backend.plan(batch)
         if self.lora_manager is not None:
             self.lora_manager.prepare(batch)
-        return self.model(batch.input_ids, batch.positions, batch)
+        if rows is None:
+            return self.model(batch.input_ids, batch.positions, batch)
+        return self.model(batch.input_ids, batch.positions, batch, rows)
 
     def sync_sampled(self, next_token_ids: torch.Tensor) -> torch.Tensor:
         """Rank 0's sampled ids on every rank (in place), so random sampling cannot make ranks diverge."""

@@ -91,20 +91,32 @@ def sentence_transformers_pooling(model_dir: str) -> Optional[str]:
     return modes[0]
 
 
-def pool_hidden(hidden: torch.Tensor, batch: ForwardBatch, entries: torch.Tensor, method: str) -> torch.Tensor:
-    """Each of `entries`' (batch indices, int64 on the device) share of its pooled vector, `[len(entries), hidden]`
-    float32 (see the module docstring)."""
-    ends = torch.cumsum(batch.extend_lens, dim=0)
-    starts = ends - batch.extend_lens
-    if method == "last":
-        return hidden[ends[entries] - 1].float()
-    if method == "cls":
-        starts_prompt = (batch.prefix_lens[entries] == 0).unsqueeze(-1)
-        return hidden[starts[entries]].float() * starts_prompt
+def pooled_rows(batch: ForwardBatch, entries: torch.Tensor, method: str) -> Optional[torch.Tensor]:
+    """The token row (into the batch's concatenated new tokens) that each of `entries` pools from: its last new
+    token (`last`) or its first (`cls`); None for `mean`, which reads every row."""
     if method == "mean":
+        return None
+    ends = torch.cumsum(batch.extend_lens, dim=0)
+    if method == "last":
+        return ends[entries] - 1
+    if method == "cls":
+        return (ends - batch.extend_lens)[entries]
+    raise ValueError(f"unknown pooling method {method!r}")
+
+
+def pool_hidden(hidden: torch.Tensor, batch: ForwardBatch, entries: torch.Tensor, method: str,
+                selected: bool = False) -> torch.Tensor:
+    """Each of `entries`' (batch indices, int64 on the device) share of its pooled vector, `[len(entries), hidden]`
+    float32 (see the module docstring). `hidden`: the final hidden states of every new token of the batch, or with
+    `selected` only those of the rows `pooled_rows` names, in its order."""
+    if method == "mean":
+        assert not selected, "mean pooling reads every token's hidden state"
         owner = torch.repeat_interleave(torch.arange(batch.batch_size, device=hidden.device), batch.extend_lens,
                                         output_size=batch.num_tokens)
         sums = torch.zeros(batch.batch_size, hidden.shape[-1], dtype=torch.float32, device=hidden.device)
         sums.index_add_(0, owner, hidden.float())
         return sums[entries]
-    raise ValueError(f"unknown pooling method {method!r}")
+    rows = hidden if selected else hidden[pooled_rows(batch, entries, method)]
+    if method == "cls":  # a later chunk holds no first token
+        return rows.float() * (batch.prefix_lens[entries] == 0).unsqueeze(-1)
+    return rows.float()

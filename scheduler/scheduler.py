@@ -104,7 +104,8 @@ class Scheduler:
         self.overlap = args.resolved_overlap_schedule()
         self.executor = BatchExecutor(model_runner, self.overlap)
         self.speculator = make_speculator(args, model_runner, cache, self.stop_checker)
-        self.chunk_size = args.resolved_chunked_prefill_size() if model_runner.is_causal else None
+        self.chunk_size = (args.resolved_chunked_prefill_size(model_runner.pooling.is_generation)
+                           if model_runner.is_causal else None)
         self.stats = SchedulerStats()
         self.recent_requests = RecentRequests()  # paths of finished requests, for the cache page
         self.new_token_ratio = NewTokenRatio(args.schedule_conservativeness)

@@ -111,6 +111,7 @@ class Gemma3Model(nn.Module):
 class Gemma3ForCausalLM(LlamaForCausalLM):
     layer_class = Gemma3DecoderLayer
     model_class = Gemma3Model
+    selects_rows = False  # Gemma3Model computes every token's final hidden state
 
     def __init__(self, config: "ModelConfig", max_positions: Optional[int] = None,
                  tp: Optional[TPGroup] = None) -> None:

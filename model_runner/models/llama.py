@@ -75,7 +75,9 @@ class LlamaAttention(nn.Module):
         hidden: torch.Tensor,
         batch: ForwardBatch,
         attn_backend: "AttentionBackend",
+        rows: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
+        """The attention block's output at `rows` (every token when None); every token's K/V goes to the pool."""
         qkv = self.qkv_proj(hidden)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
@@ -84,7 +86,8 @@ class LlamaAttention(nn.Module):
         q, k = self.normalize_qk(q, k)
         q, k = self.rotary(positions, q, k)
         out = attn_backend.forward(q, k, v, self.layer_id, self.scaling, batch, self.sliding_window)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        out = out.reshape(-1, self.q_size)
+        return self.o_proj(out if rows is None else out[rows])
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -108,14 +111,19 @@ class LlamaDecoderLayer(nn.Module):
         residual: Optional[torch.Tensor],
         batch: ForwardBatch,
         attn_backend: "AttentionBackend",
+        rows: Optional[torch.Tensor] = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns `(mlp_out, residual)`; the caller (next layer or final norm) adds them."""
+        """Returns `(mlp_out, residual)`; the caller (next layer or final norm) adds them. With `rows`, only those
+        tokens' (the attention still reads and writes every token's K/V)."""
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, batch, attn_backend)
+        if rows is None:
+            hidden = self.self_attn(positions, hidden, batch, attn_backend)
+        else:
+            hidden, residual = self.self_attn(positions, hidden, batch, attn_backend, rows), residual[rows]
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -136,11 +144,18 @@ class LlamaModel(nn.Module):
         positions: torch.Tensor,
         batch: ForwardBatch,
         attn_backend: "AttentionBackend",
+        rows: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
+        """Final-norm hidden states of every new token, or of `rows` only: the last layer's feed-forward then runs on
+        those rows alone (an earlier layer's every output feeds the next layer's K/V)."""
         hidden = self.embed_tokens(input_ids)
         residual = None
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, batch, attn_backend)
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            if i == last and rows is not None:
+                hidden, residual = layer(positions, hidden, residual, batch, attn_backend, rows)
+            else:
+                hidden, residual = layer(positions, hidden, residual, batch, attn_backend)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -167,6 +182,9 @@ class LlamaForCausalLM(nn.Module):
     model_class: type[nn.Module] = LlamaModel  # built as model_class(config, layer_class, max_positions, tp)
     # (fused parameter, checkpoint projection, shard index): read by the quantized loader (model_runner/quantization/)
     stacked_projections = _STACKED_PROJECTIONS
+    # Whether `forward` takes `rows` (a pooling batch that reads a few tokens' final hidden states): the model class
+    # is LlamaModel, whose layers run the last feed-forward on those rows only.
+    selects_rows = True
 
     def __init__(
         self, config: "ModelConfig", max_positions: Optional[int] = None, tp: Optional[TPGroup] = None
@@ -194,10 +212,15 @@ class LlamaForCausalLM(nn.Module):
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """Final-norm hidden states `[num_tokens, hidden]` of the batch's new tokens."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch,
+                rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Final-norm hidden states `[num_tokens, hidden]` of the batch's new tokens, or `[len(rows), hidden]` of the
+        token rows `rows` (int64 indices; where `selects_rows`)."""
         assert self.attn_backend is not None, "set_attention_backend() must be called before forward()"
-        return self.model(input_ids, positions, batch, self.attn_backend)
+        if rows is None:
+            return self.model(input_ids, positions, batch, self.attn_backend)
+        assert self.selects_rows, f"{type(self).__name__} computes every token's hidden state"
+        return self.model(input_ids, positions, batch, self.attn_backend, rows)
 
     def compute_logits(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Float32 logits `[num_selected, vocab]` at `batch.logits_indices` (default: each request's

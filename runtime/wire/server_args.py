@@ -410,13 +410,15 @@ class ServerArgs:
         """Sequences that may wait beyond the running ones before new requests get 503 (with Retry-After)."""
         return DEFAULT_MAX_QUEUED_REQUESTS if self.max_queued_requests is None else self.max_queued_requests
 
-    def resolved_chunked_prefill_size(self) -> Optional[int]:
-        """Tokens per prefill chunk, or None when chunking is off."""
+    def resolved_chunked_prefill_size(self, generates: bool = True) -> Optional[int]:
+        """Tokens per prefill chunk, or None when chunking is off. The CPU's default chunk is small so that running
+        requests decode between a long prompt's chunks; a model that only pools (`generates` False) decodes
+        nothing, and its batches take the GPU's default: fewer, larger matmuls and parallel regions."""
         if self.chunked_prefill_size == -1:
             return None
         if self.chunked_prefill_size is not None:
             return self.chunked_prefill_size
-        return 512 if self.resolved_device() == "cpu" else 8192
+        return 512 if self.resolved_device() == "cpu" and generates else 8192
 
     # ---- CLI -------------------------------------------------------------------------------------
     @staticmethod

@@ -53,15 +53,16 @@ def _hf_hidden(model_dir: str, ids: list[int]) -> torch.Tensor:
         return model(torch.tensor([ids])).last_hidden_state[0]
 
 
-@pytest.mark.parametrize("method", ["last", "mean"])
+@pytest.mark.parametrize("method", ["last", "mean", "cls"])
 def test_qwen3_embeddings_match_hf_pooling(qwen3_dir, method):
-    """Chunked prompts, a shared cached prefix (last-token pooling reuses it) and every prompt within 1e-5."""
+    """Chunked prompts, a shared cached prefix (last-token pooling reuses it) and every prompt within 1e-5. Last and
+    CLS run the last layer's feed-forward on the pooled rows alone."""
     driver = SchedulerDriver(qwen3_dir, is_embedding=True, pooling_method=method, chunked_prefill_size=32)
     results = _run(driver, PROMPTS, EMBED)
     driver.close()
     for ids, result in zip(PROMPTS, results):
         hidden = _hf_hidden(qwen3_dir, ids)
-        ref = hidden[-1] if method == "last" else hidden.mean(0)
+        ref = {"last": hidden[-1], "mean": hidden.mean(0), "cls": hidden[0]}[method]
         assert result.finish_reason == {"type": "length", "length": 0} and result.output_ids == []
         assert _cosine_distance(result.embedding, ref) < 1e-5
         assert abs(float(torch.tensor(result.embedding).norm()) - 1.0) < 1e-6
@@ -151,3 +152,51 @@ def test_score_batched_with_generation(qwen3_dir):
         with torch.no_grad():
             ref = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1], -1)[list(labels)]
         torch.testing.assert_close(torch.tensor(result.embedding), ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("method", ["last", "cls"])
+def test_pooled_rows_alone_equal_the_full_forward(qwen3_dir, method):
+    """The last layer's feed-forward run on the pooled rows alone gives those rows' final hidden states of the whole
+    forward, and every token's K/V still goes to the pool (a later request may extend the prompt)."""
+    from radixserve.model_runner.forward_batch import ForwardMode
+    from radixserve.model_runner.model_runner import ModelRunner
+    from radixserve.model_runner.pooling import pool_hidden, pooled_rows
+    from radixserve.model_runner.runner_config import RunnerConfig
+    from radixserve.model_runner.static_generate import assign_kv_slots, make_forward_batch
+    from radixserve.runtime.wire.server_args import ServerArgs
+
+    runner = ModelRunner(RunnerConfig.from_server_args(ServerArgs(
+        model_path=qwen3_dir, device="cpu", dtype="float32", is_embedding=True, pooling_method=method,
+        max_total_tokens=1024, max_running_requests=8)))
+    assert runner.model.selects_rows
+    prompts = PROMPTS[:3]
+    entries = torch.tensor([0, 2])  # not every entry pools: the rows are the pooled entries' only
+    outputs, kv = [], []
+    for select in (False, True):
+        rows = [runner.req_to_token_pool.alloc() for _ in prompts]
+        loc = assign_kv_slots(runner.allocator, runner.req_to_token_pool, rows, [0] * len(prompts),
+                              [len(p) for p in prompts])
+        batch = make_forward_batch(ForwardMode.EXTEND, rows, [0] * len(prompts), prompts, loc,
+                                   runner.req_to_token_pool, runner.token_to_kv_pool)
+        selected = pooled_rows(batch, entries, method) if select else None
+        with torch.inference_mode():
+            hidden = runner._hidden_states(batch, selected)
+        outputs.append(pool_hidden(hidden, batch, entries, method, selected=select))
+        last_layer = runner.token_to_kv_pool.get_kv_buffer(runner.model_config.num_hidden_layers - 1)
+        kv.append([buffer[loc].clone() for buffer in last_layer])
+    full, alone = outputs
+    assert alone.shape == (2, runner.model_config.hidden_size)
+    torch.testing.assert_close(alone, full, rtol=1e-5, atol=1e-5)
+    for got, want in zip(kv[1], kv[0]):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_a_model_that_only_pools_takes_large_chunks_on_the_cpu(qwen3_dir):
+    """No decode step waits between a pooling model's chunks, so the CPU's small default chunk does not apply to it;
+    an explicit --chunked-prefill-size still does."""
+    chunks = []
+    for args in ({"is_embedding": True}, {}, {"is_embedding": True, "chunked_prefill_size": 32}):
+        driver = SchedulerDriver(qwen3_dir, **args)
+        chunks.append(driver.scheduler.chunk_size)
+        driver.close()
+    assert chunks == [8192, 512, 32]
