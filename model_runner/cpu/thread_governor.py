@@ -13,9 +13,11 @@ faster than the recent steps of the same size at the current count. A step far s
 neighbour just started) brings the next probe forward; a probe that loses doubles the wait before the next one, up to
 `MAX_INTERVAL` steps, so a steady state pays almost nothing for the probes.
 
-Thread counts change no result: the project's CPU kernels sum each output in one thread in a fixed order
-(tests/ops/test_cpu_linear.py, test_cpu_attention.py), and the governor is not used where bits must not move
-(deterministic inference) or where ranks step together (tensor parallelism).
+The project's small-row linear and attention kernels sum each output in one thread in a fixed order, so the thread
+count does not change their bits (tests/ops/test_cpu_linear.py, test_cpu_attention.py); some library routes (torch's
+own linear at a few rows, with `--cpu-kernels torch`) may differ in the last bits between thread counts, as every
+route already may between batch shapes outside deterministic inference. The governor is not used where bits must not
+move (deterministic inference) or where ranks step together (tensor parallelism).
 """
 
 from __future__ import annotations
