@@ -49,14 +49,7 @@ run_step() {  # NAME CAP COMMAND...: run with a time limit, log to $OUT/NAME.log
     SUMMARY+=("$(printf '%-14s exit %-4s %4ds' "$name" "$status" $((SECONDS - started)))")
 }
 
-python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl || exit 1
-# Installed (not mapped from the source tree), so that the Engine's spawned processes import it too.
-python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . \
-    || echo "WARNING: installing radixserve failed"
-export PYTHONPATH=/tmp/site:$ROOT/benchmarks
-export FLASHINFER_WORKSPACE_BASE=$ROOT/.gpu-cache
-mkdir -p "$FLASHINFER_WORKSPACE_BASE"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+. "$ROOT/benchmarks/gpu_env.sh"  # wheels, project, PYTHONPATH, FlashInfer cache, $OUT/gpu.txt
 
 if want tests; then
     run_step gpu_pytest 200 "$PY" -P -m pytest -p _srcpath -p no:cacheprovider -q -x tests/scheduler/test_scheduler_gpu.py \

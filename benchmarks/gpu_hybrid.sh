@@ -19,13 +19,7 @@ STEPS=${STEPS:-tests offline multi-turn}
 PORT=${PORT:-30130}
 want() { [[ " $STEPS " == *" $1 "* ]]; }
 
-python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl || exit 1
-python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . \
-    || echo "WARNING: installing radixserve failed"
-export PYTHONPATH=/tmp/site:$ROOT/benchmarks
-export FLASHINFER_WORKSPACE_BASE=$ROOT/.gpu-cache
-mkdir -p "$FLASHINFER_WORKSPACE_BASE"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+. "$ROOT/benchmarks/gpu_env.sh"  # wheels, project, PYTHONPATH, FlashInfer cache, $OUT/gpu.txt
 
 TOKENIZER=$ROOT/.gpu-assets/llama-3.1-8b-dummy
 HYBRID=$ROOT/.gpu-assets/qwen3.5-9b-dummy

@@ -21,14 +21,7 @@ PY=${PYTHON:-python3}
 STEPS=${STEPS:-tests decode offline}
 want() { [[ " $STEPS " == *" $1 "* ]]; }
 
-python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl || exit 1
-# Installed (not mapped from the source tree), so that the Engine's spawned processes import it too.
-python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . \
-    || echo "WARNING: installing radixserve failed"
-export PYTHONPATH=/tmp/site:$ROOT/benchmarks
-export FLASHINFER_WORKSPACE_BASE=$ROOT/.gpu-cache
-mkdir -p "$FLASHINFER_WORKSPACE_BASE"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+. "$ROOT/benchmarks/gpu_env.sh"  # wheels, project, PYTHONPATH, FlashInfer cache, $OUT/gpu.txt
 
 DENSE=$ROOT/.gpu-assets/llama-3.1-8b-dummy
 MOE=$ROOT/.gpu-assets/qwen3-30b-a3b-dummy

@@ -17,13 +17,7 @@ PY=${PYTHON:-python3}
 STEPS=${STEPS:-tests memory}
 want() { [[ " $STEPS " == *" $1 "* ]]; }
 
-python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl || exit 1
-python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . \
-    || echo "WARNING: installing radixserve failed"
-export PYTHONPATH=/tmp/site:$ROOT/benchmarks
-export FLASHINFER_WORKSPACE_BASE=$ROOT/.gpu-cache
-mkdir -p "$FLASHINFER_WORKSPACE_BASE"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+. "$ROOT/benchmarks/gpu_env.sh"  # wheels, project, PYTHONPATH, FlashInfer cache, $OUT/gpu.txt
 
 if want tests; then
     timeout 400 "$PY" -P -m pytest -p _srcpath -p no:cacheprovider -q -rs -k window_slots \

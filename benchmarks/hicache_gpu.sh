@@ -24,13 +24,7 @@ NUM_CONVERSATIONS=${NUM_CONVERSATIONS:-64}
 MT_FIRST=${MT_FIRST:-1024}
 MT_USER=${MT_USER:-256}
 MT_OUTPUT=${MT_OUTPUT:-64}
-python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl || exit 1
-python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . \
-    || echo "WARNING: installing radixserve failed"
-export PYTHONPATH=/tmp/site:$ROOT/benchmarks
-export FLASHINFER_WORKSPACE_BASE=$ROOT/.gpu-cache
-mkdir -p "$FLASHINFER_WORKSPACE_BASE"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+. "$ROOT/benchmarks/gpu_env.sh"  # wheels, project, PYTHONPATH, FlashInfer cache, $OUT/gpu.txt
 
 if [ -z "${SKIP_TESTS:-}" ]; then
     timeout 240 "$PY" -P -m pytest -p _srcpath -p no:cacheprovider -q -x tests/cache/test_hicache_gpu.py 2>&1 \

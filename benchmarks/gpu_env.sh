@@ -1,0 +1,11 @@
+# Sourced by the GPU scripts of benchmarks/ after they `cd` to the checkout and set ROOT and OUT: installs the carried
+# wheels (.whl/, ../shared/gpu/README.md) and the project into /tmp/site, points Python at them and FlashInfer's JIT
+# cache at the checkout's .gpu-cache (kept while the GPU host stays warm), and records the card in $OUT/gpu.txt.
+python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl || exit 1
+# Installed (not mapped from the source tree), so that the Engine's spawned processes import it too.
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . \
+    || echo "WARNING: installing radixserve failed"
+export PYTHONPATH=/tmp/site:$ROOT/benchmarks
+export FLASHINFER_WORKSPACE_BASE=$ROOT/.gpu-cache
+mkdir -p "$FLASHINFER_WORKSPACE_BASE"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
