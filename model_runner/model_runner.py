@@ -7,6 +7,7 @@ already allocated and recorded in `req_to_token`, and returns logits.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import logging
 from typing import TYPE_CHECKING, Optional
 
@@ -14,6 +15,7 @@ import torch
 
 from radixserve.kernels import cpu_build
 from radixserve.model_runner.attention import AttentionBackend, create_attention_backend
+from radixserve.model_runner.batch_invariant import check_gpu_deterministic, use_batch_invariant_linears
 from radixserve.model_runner.cpu import dispatch
 from radixserve.model_runner.cpu.gguf_linear import use_gguf_blocks
 from radixserve.model_runner.cpu.packed import pack_cpu_linears
@@ -58,11 +60,15 @@ SPARE_REQUEST_ROWS = 8
 
 
 def require_batch_invariant_kernels(device: str) -> None:
-    """Deterministic inference runs radixserve's CPU kernels from the first batch on (model_runner/cpu/dispatch.py):
-    wait for them to load; RuntimeError where they cannot, ValueError off the CPU."""
+    """Deterministic inference runs batch-invariant kernels from the first batch on: on the CPU radixserve's C++
+    kernels (model_runner/cpu/dispatch.py; waits for them to load), on a GPU Triton's (model_runner/batch_invariant.py).
+    RuntimeError where they cannot load, ValueError on another device."""
+    if str(device).startswith("cuda"):
+        if importlib.util.find_spec("triton") is None:
+            raise RuntimeError("--enable-deterministic-inference on a GPU runs Triton kernels; triton is not installed")
+        return
     if not str(device).startswith("cpu"):
-        raise ValueError("--enable-deterministic-inference is implemented for the CPU (its batch-invariant kernels); "
-                         f"this engine runs on {device}")
+        raise ValueError(f"--enable-deterministic-inference runs on the CPU or a CUDA GPU; this engine runs on {device}")
     cpu_build.start_background_build()
     if not cpu_build.wait():
         raise RuntimeError("--enable-deterministic-inference needs radixserve's CPU kernels, which did not load here "
@@ -99,6 +105,8 @@ class ModelRunner:
         self.dp_rank = dp_rank
         self.model_dir = config.model.model_dir
         self.model_config = ModelConfig.from_path(self.model_dir)
+        if config.deterministic and str(config.device).startswith("cuda"):
+            check_gpu_deterministic(self.model_config)
         # Before joining, so that a layout that cannot work fails on every rank without waiting for the others.
         check_ep_divides(self.model_config.moe.num_experts if self.model_config.moe else None, config.tp_size,
                          config.ep_size)
@@ -311,6 +319,8 @@ class ModelRunner:
         elif self.device.type == "cpu" and self.dtype == torch.float32:
             packed = small_batch_packing_pays(model, self.config.speculative)
             pack_small_batch_linears(model, self.cpu_kernels, packed=packed)  # see model_runner/cpu/small_batch.py
+        elif self.device.type == "cuda" and self.config.deterministic:
+            use_batch_invariant_linears(model)  # see model_runner/batch_invariant.py
         return model
 
     def _size_memory(self) -> tuple[int, int]:

@@ -60,7 +60,8 @@ def create_attention_backend(name: str, runner: "RunnerParts | None" = None) -> 
             from radixserve.model_runner.attention.triton_backend import TritonAttentionBackend
         except ImportError as exc:
             raise ValueError(f"the triton attention backend is not available: {exc}") from exc
-        return TritonAttentionBackend(*shape, runner.device, max_batch_size=runner.req_to_token_pool.size)
+        return TritonAttentionBackend(*shape, runner.device, max_batch_size=runner.req_to_token_pool.size,
+                                      row_invariant=runner.config.deterministic)
     # flashinfer
     if runner.device.type != "cuda":
         raise ValueError("the flashinfer attention backend needs a CUDA device; use torch_native or triton")

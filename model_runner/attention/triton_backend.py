@@ -7,6 +7,11 @@ a CPU they run under the Triton interpreter, which must be enabled with `TRITON_
 A pool whose window layers have slots of their own (radix_cache/swa_pool.py): the decode kernel reads a window
 layer's slots through the pool's map itself (so captured decode graphs apply it too); extends read a table of the
 batch's rows translated into window slots (`WindowTable`, built once per batch).
+
+`row_invariant` (deterministic inference, model_runner/batch_invariant.py): every query row, of a prefill or a
+decode, is computed by the decode kernel as a request of its own whose length ends at that row, with one split. A
+row's bits then depend on its own positions only: not on the batch, on where its prompt was cut into chunks, or on how
+much of it came from the cache.
 """
 
 from __future__ import annotations
@@ -54,6 +59,14 @@ class TritonDecodeMetadata:
 
 
 @dataclass
+class TritonRowsMetadata:
+    """Row-invariant extend: new token t is a decode query over positions [0, seq_lens[t]) of row rows[t]."""
+
+    rows: torch.Tensor  # [new tokens] int64: the request's req_to_token row
+    seq_lens: torch.Tensor  # [new tokens] int64: the token's position + 1
+
+
+@dataclass
 class TritonExtendMetadata:
     extend_starts: torch.Tensor  # [batch] int64: each request's first row among the new tokens
     max_extend_len: int
@@ -65,7 +78,8 @@ class TritonAttentionBackend(AttentionBackend):
 
     Decode splits each request's positions into `num_kv_splits` shares, computes one partial result per
     (request, KV head, share) and merges them; the split count grows as the batch shrinks so a small batch
-    still fills the device. Scratch for the partial results is allocated once, for `max_batch_size`.
+    still fills the device (one share with `row_invariant`). Scratch for the partial results is allocated once, for
+    `max_batch_size`.
     """
 
     def __init__(
@@ -76,6 +90,7 @@ class TritonAttentionBackend(AttentionBackend):
         device: Union[str, torch.device],
         max_batch_size: int,
         max_kv_splits: int = 16,
+        row_invariant: bool = False,
     ) -> None:
         assert num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
         assert max_kv_splits >= 1 and max_kv_splits & (max_kv_splits - 1) == 0, "max_kv_splits: a power of 2"
@@ -85,6 +100,7 @@ class TritonAttentionBackend(AttentionBackend):
         self.device = torch.device(device)
         self.max_batch_size = max_batch_size
         self.max_kv_splits = max_kv_splits
+        self.row_invariant = row_invariant
         if self.device.type == "cuda":
             self._target_programs = 2 * torch.cuda.get_device_properties(self.device).multi_processor_count
         else:
@@ -98,8 +114,11 @@ class TritonAttentionBackend(AttentionBackend):
 
     def num_kv_splits(self, batch_size: int) -> int:
         """Largest power of two <= max_kv_splits that keeps batch * kv_heads * splits near the target
-        program count. Shares a request cannot fill stay empty and cost one early-exiting program."""
+        program count. Shares a request cannot fill stay empty and cost one early-exiting program. One with
+        `row_invariant`: the shares' boundaries would move with the batch size."""
         splits = 1
+        if self.row_invariant:
+            return splits
         while splits < self.max_kv_splits and batch_size * self.num_kv_heads * splits * 2 <= self._target_programs:
             splits *= 2
         return splits
@@ -108,6 +127,15 @@ class TritonAttentionBackend(AttentionBackend):
         if batch.mode == ForwardMode.DECODE:
             assert batch.batch_size <= self.max_batch_size, "decode batch larger than max_batch_size"
             batch.attn_metadata = TritonDecodeMetadata(self.num_kv_splits(batch.batch_size))
+        elif self.row_invariant:
+            requests = torch.arange(batch.batch_size, device=batch.extend_lens.device)
+            entry = torch.repeat_interleave(requests, batch.extend_lens)
+            offsets = torch.cumsum(batch.extend_lens, dim=0) - batch.extend_lens
+            first_new = batch.prefix_lens.to(torch.int64) - offsets.to(torch.int64)
+            batch.attn_metadata = TritonRowsMetadata(
+                batch.req_pool_indices[entry].to(torch.int64),
+                first_new[entry] + torch.arange(entry.numel(), device=entry.device) + 1,
+            )
         else:
             extend_starts = torch.cumsum(batch.extend_lens, dim=0) - batch.extend_lens
             batch.attn_metadata = TritonExtendMetadata(extend_starts, max(batch.extend_lens_cpu, default=0))
@@ -160,6 +188,9 @@ class TritonAttentionBackend(AttentionBackend):
                 self._partial_out, self._partial_lse, meta.num_kv_splits, sliding_window,
                 pool.window_map if window_layer else None,
             )
+        elif isinstance(meta, TritonRowsMetadata):
+            self._rows_as_decodes(q_kv, k_buffer, v_buffer, out, req_to_token, meta, scaling, sliding_window,
+                                  pool.window_map if window_layer else None)
         else:
             assert isinstance(meta, TritonExtendMetadata), "plan() must run before forward()"
             if meta.window is not None and window_layer:
@@ -169,3 +200,18 @@ class TritonAttentionBackend(AttentionBackend):
                 batch.extend_lens, meta.extend_starts, meta.max_extend_len, scaling, sliding_window,
             )
         return out if out.dtype == q.dtype else out.to(q.dtype)
+
+    def _rows_as_decodes(self, q, k_buffer, v_buffer, out, req_to_token, meta: TritonRowsMetadata, scaling: float,
+                         window: Optional[int], slot_map: Optional[torch.Tensor]) -> None:
+        """Row-invariant extend: the new tokens as decode queries of one split, as many per launch as the decode
+        scratch holds."""
+        heads, head_dim = self._partial_out.shape[1], self._partial_out.shape[3]
+        capacity = self._partial_out.shape[0] * self.max_kv_splits
+        partial_out = self._partial_out.view(-1)[: capacity * heads * head_dim].view(capacity, heads, 1, head_dim)
+        partial_lse = self._partial_lse.view(-1)[: capacity * heads].view(capacity, heads, 1)
+        for start in range(0, q.shape[0], capacity):
+            end = min(start + capacity, q.shape[0])
+            decode_attention(
+                q[start:end], k_buffer, v_buffer, out[start:end], req_to_token, meta.rows[start:end],
+                meta.seq_lens[start:end], scaling, partial_out, partial_lse, 1, window, slot_map,
+            )

@@ -336,12 +336,21 @@ class ServerArgs:
 
         check(bool(self.weight_version), "weight_version must not be empty")
         if self.enable_deterministic_inference:
-            check(self.cpu_kernels != "torch", "enable_deterministic_inference runs every linear through radixserve's "
-                                               "CPU kernel: drop --cpu-kernels torch")
             check(self.tp_size == 1, "enable_deterministic_inference needs tp_size 1 (the sharded linears' sums "
                                      "are not batch-invariant)")
-            check(self.attention_backend in (None, "cpu"),
-                  "enable_deterministic_inference runs the cpu attention backend (its fixed split)")
+            if self.resolved_device() == "cpu":
+                check(self.cpu_kernels != "torch", "enable_deterministic_inference runs every linear through "
+                                                   "radixserve's CPU kernel: drop --cpu-kernels torch")
+                check(self.attention_backend in (None, "cpu"),
+                      "enable_deterministic_inference runs the cpu attention backend (its fixed split) on the CPU")
+            else:
+                check(self.attention_backend in (None, "triton"),
+                      "enable_deterministic_inference runs the triton attention backend (every row as a decode row, "
+                      "one split) on a GPU")
+                check(self.quantization is None, "enable_deterministic_inference runs every linear through its "
+                                                 "batch-invariant bfloat16/float32 GEMM: drop --quantization")
+                check(not self.lora_enabled(), "enable_deterministic_inference on a GPU does not cover LoRA adapters "
+                                            "(their batched GEMMs are not batch-invariant)")
         # Security
         check(self.max_header_bytes >= 1024, f"max_header_bytes must be >= 1024, got {self.max_header_bytes}")
         check(self.grammar_compile_timeout > 0,
@@ -391,7 +400,9 @@ class ServerArgs:
     def resolved_attention_backend(self) -> str:
         if self.attention_backend is not None:
             return self.attention_backend
-        return "cpu" if self.resolved_device() == "cpu" else "flashinfer"
+        if self.resolved_device() == "cpu":
+            return "cpu"
+        return "triton" if self.enable_deterministic_inference else "flashinfer"
 
     def resolved_overlap_schedule(self) -> bool:
         """Whether the overlap scheduler runs. By default only on a GPU: there it hides the host's work
