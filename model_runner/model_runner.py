@@ -315,10 +315,12 @@ class ModelRunner:
                                  "file loaded with its weights")
             use_gguf_blocks(model, gguf_path)  # before packing: the float linears left are packed as usual
         if self.device.type == "cpu" and self.dtype == torch.bfloat16:
-            pack_cpu_linears(model, self.cpu_kernels)  # the weights are final now; see model_runner/cpu/packed.py
+            # the weights are final now; see model_runner/cpu/packed.py. A model that only pools never runs its LM head.
+            pack_cpu_linears(model, self.cpu_kernels, lm_head=self.pooling.is_generation)
         elif self.device.type == "cpu" and self.dtype == torch.float32:
             packed = small_batch_packing_pays(model, self.config.speculative)
-            pack_small_batch_linears(model, self.cpu_kernels, packed=packed)  # see model_runner/cpu/small_batch.py
+            pack_small_batch_linears(model, self.cpu_kernels, packed=packed,  # see model_runner/cpu/small_batch.py
+                                     lm_head=self.pooling.is_generation)
         elif self.device.type == "cuda" and self.config.deterministic:
             use_batch_invariant_linears(model)  # see model_runner/batch_invariant.py
         return model

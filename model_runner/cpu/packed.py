@@ -87,10 +87,10 @@ def _packable(module: nn.Module) -> bool:
     return plain and module.weight.dtype == torch.bfloat16 and module.weight.device.type == "cpu"
 
 
-def pack_cpu_linears(model: nn.Module, kernels: CpuKernels) -> int:
+def pack_cpu_linears(model: nn.Module, kernels: CpuKernels, lm_head: bool = True) -> int:
     """Replace every packable bfloat16 linear of `model` that lives on the CPU by a `PackedLinear` routed by
     `kernels`, and pack a tied LM head; returns how many weights were packed (0 when packing is not supported
-    here)."""
+    here). `lm_head` False (a model that only pools, whose LM head never runs): the head is left as it is."""
     if not packing_supported():
         return 0
     cpu_build.start_background_build()
@@ -98,16 +98,16 @@ def pack_cpu_linears(model: nn.Module, kernels: CpuKernels) -> int:
         (parent, name, child)
         for parent in model.modules()
         for name, child in parent.named_children()
-        if _packable(child)
+        if _packable(child) and (lm_head or child is not getattr(model, "lm_head", None))
     ]
-    lm_head = getattr(model, "lm_head", None)
+    head_module = getattr(model, "lm_head", None)
     copies = extra_copy_fits(model, torch.bfloat16)
     for parent, name, child in targets:
-        setattr(parent, name, PackedLinear(child, head=child is lm_head, copies=copies, kernels=kernels))
-    single_rank = getattr(getattr(model, "tp", None), "size", 0) == 1
-    if single_rank and isinstance(getattr(model, "lm_head", None), PackedLinear):  # an untied head, packed above
+        setattr(parent, name, PackedLinear(child, head=child is head_module, copies=copies, kernels=kernels))
+    install_head = lm_head and getattr(getattr(model, "tp", None), "size", 0) == 1  # logits_head serves one rank
+    if install_head and isinstance(getattr(model, "lm_head", None), PackedLinear):  # an untied head, packed above
         model.logits_head = model.lm_head
-    tied = getattr(model, "lm_head", False) is None and single_rank
+    tied = getattr(model, "lm_head", False) is None and install_head
     weight = model.lm_head_weight if tied else None
     if weight is not None and weight.dtype == torch.bfloat16 and weight.device.type == "cpu":
         head = nn.Linear(1, 1, bias=False)

@@ -109,11 +109,13 @@ def _single_rank(module: nn.Module) -> bool:
     return tp is None or tp.size == 1
 
 
-def pack_small_batch_linears(model: nn.Module, kernels: CpuKernels, packed: bool = True) -> int:
+def pack_small_batch_linears(model: nn.Module, kernels: CpuKernels, packed: bool = True,
+                             lm_head: bool = True) -> int:
     """Replace the float32 CPU projections of `model` (`nn.Linear`, and `RowParallelLinear` on one rank) by
     `SmallBatchLinear` routed by `kernels`, and give the LM head one (`model.logits_head`, read by `compute_logits`);
-    with `packed` (and where oneDNN can pack here) each keeps a packed copy of its weight. Starts loading the CPU
-    kernels in the background. Returns how many linears were replaced."""
+    with `packed` (and where oneDNN can pack here) each keeps a packed copy of its weight. `lm_head` False (a model
+    that only pools, whose LM head never runs): the head is left as it is. Starts loading the CPU kernels in the
+    background. Returns how many linears were replaced."""
     from radixserve.model_runner.parallel import RowParallelLinear
 
     panel = packed  # the panel kernel's copy follows the same memory rule
@@ -125,12 +127,13 @@ def pack_small_batch_linears(model: nn.Module, kernels: CpuKernels, packed: bool
         for name, child in parent.named_children()
         if (type(child) is nn.Linear or (type(child) is RowParallelLinear and _single_rank(child)))
         and child.weight.dtype == torch.float32 and child.weight.device.type == "cpu"
+        and (lm_head or child is not getattr(model, "lm_head", None))
     ]
     head = getattr(model, "lm_head", None)
     for parent, name, child in targets:
         setattr(parent, name, SmallBatchLinear(child.weight, child.bias, packed=packed, head=child is head,
                                                panel=panel, kernels=kernels))
-    if not hasattr(model, "logits_head") or not _single_rank(model) or model.logits_head is not None:
+    if not lm_head or not hasattr(model, "logits_head") or not _single_rank(model) or model.logits_head is not None:
         return len(targets)  # (a head already installed: the GGUF blocks' own, model_runner/cpu/gguf_linear.py)
     head = getattr(model, "lm_head", None)  # the replacement, where an untied head was replaced above
     if isinstance(head, SmallBatchLinear):  # an untied head was replaced above

@@ -169,6 +169,7 @@ def test_pooled_rows_alone_equal_the_full_forward(qwen3_dir, method):
         model_path=qwen3_dir, device="cpu", dtype="float32", is_embedding=True, pooling_method=method,
         max_total_tokens=1024, max_running_requests=8)))
     assert runner.model.selects_rows
+    assert runner.model.logits_head is None  # its LM head never runs: no copy of it is made for the CPU kernels
     prompts = PROMPTS[:3]
     entries = torch.tensor([0, 2])  # not every entry pools: the rows are the pooled entries' only
     outputs, kv = [], []
