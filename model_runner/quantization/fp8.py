@@ -9,7 +9,8 @@ Weights are `[N, K]` float8_e4m3fn with float32 scales, dequantized value `weigh
 Activations are quantized at each call (`ActivationScheme`): per token (dynamic), per tensor (dynamic, or static
 with the checkpoint's `input_scale`), or per token and group of `bk` features for block weights. On CUDA the products
 run on FP8 tensor cores: `torch._scaled_mm` (cuBLASLt) per tensor or row-wise, the Triton block-scaled GEMM
-(kernels/fp8_block_gemm.py) for blocks. Elsewhere the reference computes the same quantized operands in float32:
+(kernels/fp8_block_gemm.py) for blocks; up to `SKINNY_MAX_ROWS` rows (decode) the activations stay unquantized and
+the weight is dequantized in registers (kernels/fp8_skinny_gemm.py), the product of the dequantized weight. Elsewhere the reference computes the same quantized operands in float32:
 `(x_q * x_scale) @ (w_q * w_scale).T`, the product both GPU paths approximate up to accumulation order.
 """
 
@@ -25,6 +26,8 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 # Scales never go below this, so an all-zero row quantizes to zeros instead of NaNs.
 MIN_SCALE = 1e-12
+# Rows up to which a CUDA call multiplies the weight dequantized in registers (kernels/fp8_skinny_gemm.py.MAX_ROWS).
+SKINNY_MAX_ROWS = 16
 
 
 class ActivationScheme(enum.Enum):
@@ -137,7 +140,13 @@ class Fp8Weight:
 def fp8_linear(x: torch.Tensor, weight: Fp8Weight, activation: ActivationScheme,
                tensor_scale: Optional[torch.Tensor]) -> torch.Tensor:
     """`x [M, K] @ W.T` in x's dtype, x quantized by `activation`; `tensor_scale`: the weight's one scale where all
-    its rows share it (a per-tensor product on CUDA), else None."""
+    its rows share it (a per-tensor product on CUDA), else None. On CUDA, a few rows (decode) multiply the
+    unquantized activations with the weight dequantized in registers instead (kernels/fp8_skinny_gemm.py): there
+    the weight's bytes are the whole cost."""
+    if x.is_cuda and x.shape[0] <= SKINNY_MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16):
+        from radixserve.kernels.fp8_skinny_gemm import w8a16_gemm
+
+        return w8a16_gemm(x, weight.weight, weight.scale, weight.block)
     if weight.block is not None:
         bk = weight.block[1]
         if activation is ActivationScheme.TOKEN:  # one scale per row is a group scale repeated over the groups

@@ -22,8 +22,9 @@ import pytest  # noqa: E402
 
 from radixserve.kernels.fp8_block_gemm import fp8_block_gemm  # noqa: E402
 from radixserve.kernels.w4a16_gemm import W4A16Config, w4a16_gemm  # noqa: E402
-from radixserve.model_runner.quantization.fp8 import (FP8_DTYPE, ActivationScheme, Fp8Weight, fp8_linear,  # noqa: E402
-                                                      quantize_per_row)
+from radixserve.kernels.fp8_skinny_gemm import MAX_ROWS, w8a16_gemm  # noqa: E402
+from radixserve.model_runner.quantization.fp8 import (FP8_DTYPE, SKINNY_MAX_ROWS, ActivationScheme,  # noqa: E402
+                                                      Fp8Weight, fp8_linear, quantize_per_row)
 from radixserve.model_runner.quantization.int4 import Int4Weight, pack_rows  # noqa: E402
 
 DEVICE = "cuda" if ON_GPU else "cpu"
@@ -117,6 +118,22 @@ def test_fp8_block_gemm_matches_float64(m, n, k):
     assert_close(out, expected.to(DEVICE), 1e-3 if ON_GPU else 1e-5)
 
 
+@pytest.mark.parametrize("m, n, k, block, split_k", [(1, 200, 384, None, 1), (5, 130, 512, None, 3),
+                                                     (16, 256, 384, (128, 128), 2), (3, 96, 256, (64, 64), 1)])
+def test_w8a16_gemm_matches_float64(m, n, k, block, split_k):
+    """The skinny FP8 kernel against the float64 product of the unquantized activations and the dequantized weight,
+    per channel and per block, with one split and several (partial sums added by the reduction kernel)."""
+    generator = torch.Generator().manual_seed(m)
+    x = torch.randn(m, k, generator=generator)
+    weight = Fp8Weight.quantize(torch.randn(n, k, generator=generator) * 0.05, block)
+    expected = x.double() @ weight.dequantize().double().T
+    dtype = torch.bfloat16 if ON_GPU else torch.float32
+    out = w8a16_gemm(x.to(dtype).to(DEVICE), weight.weight.to(DEVICE), weight.scale.to(DEVICE), block, split_k)
+    assert out.dtype == dtype and out.shape == (m, n)
+    assert_close(out, expected.to(DEVICE), 1e-5 if dtype == torch.float32 else 1e-2)
+    assert SKINNY_MAX_ROWS == MAX_ROWS
+
+
 def test_fp8_quantization_round_trips_within_e4m3_precision():
     x = torch.randn(9, 300, generator=torch.Generator().manual_seed(0)) * 3
     for group in (None, 128):
@@ -140,6 +157,8 @@ def test_fp8_linear_per_channel_matches_its_quantized_operands(activation):
         x_scale = x.abs().amax() / 448
         x_q = (x / x_scale).to(FP8_DTYPE)
     expected = (x_q.double() * x_scale.double()) @ weight.dequantize().double().T
+    if ON_GPU:  # 6 rows: the skinny kernel's product of the unquantized activations (kernels/fp8_skinny_gemm.py)
+        expected = x.double() @ weight.dequantize().double().T
     dtype = torch.bfloat16 if ON_GPU else torch.float32
     device_weight = Fp8Weight(weight.weight.to(DEVICE), weight.scale.to(DEVICE))
     out = fp8_linear(x.to(dtype).to(DEVICE), device_weight, activation, None)
@@ -162,6 +181,8 @@ def test_gpu_kernels_at_llama_8b_shapes(m, n, k):
     channel = Fp8Weight.quantize(torch.randn(n, k, device=DEVICE) * 0.05)
     x_q, row_scale = quantize_per_row(x)
     expected = (x_q.double() * row_scale.double()) @ channel.dequantize().double().T
+    if m <= SKINNY_MAX_ROWS:  # the unquantized activations times the weight dequantized in registers
+        expected = x.double() @ channel.dequantize().double().T
     assert_close(fp8_linear(x, channel, ActivationScheme.TOKEN, None), expected, 1e-2)
 
 
