@@ -7,6 +7,9 @@ a CPU they run under the Triton interpreter, which must be enabled with `TRITON_
 A pool whose window layers have slots of their own (radix_cache/swa_pool.py): the decode kernel reads a window
 layer's slots through the pool's map itself (so captured decode graphs apply it too); extends read a table of the
 batch's rows translated into window slots (`WindowTable`, built once per batch).
+
+Attention sinks (gpt-oss) join the softmax's denominator inside the kernels: at the end of the extend kernel's online
+softmax, and in the decode kernel's merge of its splits.
 """
 
 from __future__ import annotations
@@ -141,6 +144,7 @@ class TritonAttentionBackend(AttentionBackend):
         scaling: float,
         batch: ForwardBatch,
         sliding_window: Optional[int] = None,
+        sinks: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         pool = batch.token_to_kv_pool
         pool.set_kv_buffer(layer_id, batch.kv_write_loc(layer_id), k, v)
@@ -158,7 +162,7 @@ class TritonAttentionBackend(AttentionBackend):
             decode_attention(
                 q_kv, k_buffer, v_buffer, out, req_to_token, rows, batch.seq_lens, scaling,
                 self._partial_out, self._partial_lse, meta.num_kv_splits, sliding_window,
-                pool.window_map if window_layer else None,
+                pool.window_map if window_layer else None, sinks,
             )
         else:
             assert isinstance(meta, TritonExtendMetadata), "plan() must run before forward()"
@@ -166,6 +170,6 @@ class TritonAttentionBackend(AttentionBackend):
                 req_to_token, rows = meta.window.table, meta.window.rows
             extend_attention(
                 q_kv, k_buffer, v_buffer, out, req_to_token, rows, batch.prefix_lens,
-                batch.extend_lens, meta.extend_starts, meta.max_extend_len, scaling, sliding_window,
+                batch.extend_lens, meta.extend_starts, meta.max_extend_len, scaling, sliding_window, sinks,
             )
         return out if out.dtype == q.dtype else out.to(q.dtype)
