@@ -216,7 +216,7 @@ def _yarn_scaled(inv_freq: torch.Tensor, rotary_dim: int, base: float, rope_scal
     low, high = max(low, 0), min(high, rotary_dim - 1)
     if low == high:
         high += 0.001  # a ramp of one point
-    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
     extrapolated = 1 - ramp
     # The interpolated frequencies as 1 / (factor * base^(2i/d)), rounded as transformers rounds them.
     interpolated = 1.0 / (factor * (1.0 / inv_freq))
