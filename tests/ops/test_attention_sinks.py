@@ -3,8 +3,8 @@
 A sink is one learned logit per head that joins every softmax's denominator and carries no value
 (attention_cases.reference_attention with `sinks`). torch_native and the C++ CPU kernel run here, over full and
 windowed layers and over shared prefixes (cascade attention, whose merge must carry the log-sum-exp); Triton under its
-interpreter on the CPU (tests/conftest.py sets TRITON_INTERPRET=1 first); FlashInfer on a GPU only
-(benchmarks/gpt_oss_gpu.py).
+interpreter on the CPU (tests/conftest.py sets TRITON_INTERPRET=1 first), compiled on a GPU; FlashInfer on a GPU only
+(the last tests here, in bfloat16 at gpt-oss's head_dim of 64; benchmarks/gpu_gpt_oss.sh runs them).
 """
 
 from __future__ import annotations
@@ -121,3 +121,57 @@ def test_triton(mode, prefix_lens, extend_lens, window):
     backend = TritonAttentionBackend(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, device, max_batch_size=8, max_kv_splits=4)
     out = run_backend(backend, case, window, sinks)
     torch.testing.assert_close(out.double().cpu(), expected, atol=2e-5, rtol=2e-5)
+
+
+# ---- FlashInfer (GPU only) -----------------------------------------------------------------------
+
+needs_flashinfer = pytest.mark.skipif(not torch.cuda.is_available(), reason="FlashInfer needs a CUDA device")
+GPU_HEADS, GPU_KV_HEADS, GPU_HEAD_DIM = 16, 2, 64  # gpt-oss's GQA of 8 and head_dim
+BF16_ATOL = 2e-2
+
+
+def _flashinfer(page_size: int, windows=()):
+    pytest.importorskip("flashinfer")
+    from radixserve.model_runner.attention.flashinfer_backend import FlashInferAttentionBackend
+
+    return FlashInferAttentionBackend(GPU_HEADS, GPU_KV_HEADS, GPU_HEAD_DIM, torch.bfloat16, "cuda", page_size=page_size,
+                                      sliding_windows=windows)
+
+
+def _gpu_sinks() -> torch.Tensor:
+    return (torch.randn(GPU_HEADS, generator=torch.Generator().manual_seed(3)) * 2.0 + 1.0).float().cuda()
+
+
+@needs_flashinfer
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode,prefix_lens,extend_lens,window", CASES)
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_flashinfer(mode, prefix_lens, extend_lens, window, page_size):
+    case = make_case(mode, prefix_lens, extend_lens, num_heads=GPU_HEADS, num_kv_heads=GPU_KV_HEADS,
+                     head_dim=GPU_HEAD_DIM, page_size=page_size, dtype=torch.bfloat16, device="cuda", seed=page_size)
+    sinks = _gpu_sinks()
+    expected = reference_attention(case, device="cuda", sliding_window=window, sinks=sinks)
+    out = run_backend(_flashinfer(page_size, () if window is None else (window,)), case, window, sinks)
+    error = (out.double() - expected).abs().max().item()
+    assert error < BF16_ATOL, f"max abs error vs float64 reference: {error}"
+
+
+@needs_flashinfer
+@pytest.mark.gpu
+def test_flashinfer_cascade_carries_the_merged_log_sum_exp():
+    from radixserve.model_runner.attention.flashinfer_cascade import CascadeMetadata
+    from radixserve.model_runner.forward_batch import PrefixGroups
+
+    case = make_case(ForwardMode.DECODE, [300, 310, 320, 330], [1] * 4, num_heads=GPU_HEADS,
+                     num_kv_heads=GPU_KV_HEADS, head_dim=GPU_HEAD_DIM, page_size=1, dtype=torch.bfloat16,
+                     device="cuda", seed=9)
+    case = share_prefixes(case, group_size=2, shared_len=256)
+    case.batch.prefix_groups = PrefixGroups(members=[[0, 1], [2, 3]], lengths=[256, 256])
+    backend = _flashinfer(1)
+    backend.cascade_min_saved_bytes = 0
+    backend.warm_up(torch.bfloat16)
+    sinks = _gpu_sinks()
+    out = run_backend(backend, case, None, sinks)
+    assert isinstance(case.batch.attn_metadata, CascadeMetadata)
+    error = (out.double() - reference_attention(case, device="cuda", sinks=sinks)).abs().max().item()
+    assert error < BF16_ATOL, f"max abs error vs float64 reference: {error}"
