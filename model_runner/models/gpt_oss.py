@@ -30,7 +30,6 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional
 import torch
 from torch import nn
 
-from radixserve.model_runner.forward_batch import ForwardBatch
 from radixserve.model_runner.layers import RotaryEmbedding
 from radixserve.model_runner.loader.weights import dummy_weight_shapes
 from radixserve.model_runner.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
@@ -40,7 +39,6 @@ from radixserve.model_runner.parallel import TPGroup, full_shape
 from radixserve.model_runner.quantization.mxfp4 import dequantize_mxfp4
 
 if TYPE_CHECKING:
-    from radixserve.model_runner.attention.base import AttentionBackend
     from radixserve.model_runner.model_config import ModelConfig
 
 CHECKPOINT_RENAMES = ((".mlp.router.", ".mlp.gate."),)
@@ -55,18 +53,8 @@ class GptOssAttention(LlamaAttention):
         super().__init__(config, layer_id, rotary, tp)
         self.sinks = nn.Parameter(torch.empty(self.num_heads))
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch,
-                attn_backend: "AttentionBackend", rows: Optional[torch.Tensor] = None) -> torch.Tensor:
-        qkv = self.qkv_proj(hidden)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
-        out = attn_backend.forward(q, k, v, self.layer_id, self.scaling, batch, self.sliding_window,
-                                   self.sinks.float())
-        out = out.reshape(-1, self.q_size)
-        return self.o_proj(out if rows is None else out[rows])
+    def sink_logits(self) -> torch.Tensor:
+        return self.sinks.float()
 
 
 class GptOssDecoderLayer(LlamaDecoderLayer):

@@ -77,7 +77,7 @@ def test_sinks_change_the_output(model_dir, prompts, expected):
     with torch.no_grad():
         for layer in reference.model.layers:
             layer.self_attn.sinks.fill_(-1e4)
-    assert [hf_greedy(reference, p, MAX_NEW_TOKENS, []) for p in prompts] != expected
+    assert [hf_greedy(reference, p, 8, []) for p in prompts[:3]] != [ids[:8] for ids in expected[:3]]
 
 
 SCHEDULER_CONFIGS = {
