@@ -3,6 +3,8 @@
 #   tests:   attention sinks in FlashInfer (plain, windowed and cascade decode) and compiled Triton against a float64
 #            reference at gpt-oss's head_dim of 64 and GQA of 8 (tests/ops/test_attention_sinks.py),
 #            and the fused MoE Triton kernels with gpt-oss's biases and clamped SwiGLU (tests/ops/test_fused_moe_kernel.py);
+#            then the tiny gpt-oss model on the GPU: Triton in float32 against transformers' greedy ids, FlashInfer in
+#            bfloat16 against torch_native's (tests/model_runner/test_gpt_oss.py -k gpu);
 #   decode:  benchmarks/one_batch.py on benchmarks/configs/gpt-oss-20b.json (24 layers, 32 experts top-4, windows of
 #            128 on every other layer), prefill of 1 and 8 x 1024 tokens and decode at batch 1, 8 and 64 at a 1024-token
 #            context, with FlashInfer and then with Triton attention.
@@ -22,6 +24,8 @@ want() { [[ " $STEPS " == *" $1 "* ]]; }
 if want tests; then
     timeout 300 "$PY" -P -m pytest -p _srcpath -p no:cacheprovider -q tests/ops/test_attention_sinks.py \
         tests/ops/test_fused_moe_kernel.py 2>&1 | tail -12
+    timeout 240 "$PY" -P -m pytest -p _srcpath -p no:cacheprovider -q tests/model_runner/test_gpt_oss.py -k gpu \
+        2>&1 | tail -8
 fi
 if want decode; then
     for backend in flashinfer triton; do

@@ -105,6 +105,35 @@ def test_scheduler_batches_and_radix_hits_keep_the_ids(model_dir, prompts, expec
     driver.close()
 
 
+def _gpu_runner(model_dir: str, backend: str, dtype: str):
+    from radixserve.model_runner.model_runner import ModelRunner
+    from radixserve.model_runner.runner_config import RunnerConfig
+    from radixserve.runtime.wire.server_args import ServerArgs
+
+    args = ServerArgs(model_path=model_dir, device="cuda", dtype=dtype, attention_backend=backend,
+                      max_total_tokens=4096, max_running_requests=16)
+    return ModelRunner(RunnerConfig.from_server_args(args))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_triton_float32_greedy_ids_equal_transformers(model_dir, prompts, expected):
+    """On a GPU, float32 end to end (IEEE products): the fused Triton experts (biases, clamped SwiGLU) and the Triton
+    attention's sinks in the whole model, decode in CUDA graphs."""
+    assert greedy_generate(_gpu_runner(model_dir, "triton", "float32"), prompts, MAX_NEW_TOKENS) == expected
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_flashinfer_bfloat16_agrees_with_torch_native(model_dir, prompts):
+    """FlashInfer runs 16-bit only: in bfloat16 its sinks give the ids torch_native's give on the same GPU (the rest of
+    the model is the same code), allowing one prompt whose near tie bfloat16 may flip."""
+    pytest.importorskip("flashinfer")
+    ours = greedy_generate(_gpu_runner(model_dir, "flashinfer", "bfloat16"), prompts, 8)
+    native = greedy_generate(_gpu_runner(model_dir, "torch_native", "bfloat16"), prompts, 8)
+    assert sum(a == b for a, b in zip(ours, native)) >= len(prompts) - 1
+
+
 # ---- MXFP4 checkpoints ---------------------------------------------------------------------------
 
 _E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -194,6 +223,16 @@ def test_mxfp4_checkpoint_loads_the_decoded_weights_and_generates_as_transformer
     reference = hf_model(decoded_dir)
     assert greedy_generate(runner, prompts, MAX_NEW_TOKENS) == [
         hf_greedy(reference, p, MAX_NEW_TOKENS, []) for p in prompts]
+
+
+def test_mxfp4_checkpoint_on_two_ranks(mxfp4_dirs, prompts):
+    """Each rank reads its half of every expert from the lazily read MXFP4 tensors (the blocks of its rows only)."""
+    from test_tensor_parallel import _run_group
+
+    mxfp4_dir, decoded_dir, _ = mxfp4_dirs
+    [ids] = _run_group(2, [mxfp4_dir], prompts=prompts[:4], max_new_tokens=8)
+    reference = hf_model(decoded_dir)
+    assert ids == [hf_greedy(reference, p, 8, []) for p in prompts[:4]]
 
 
 def test_mxfp4_checkpoint_missing_its_scales_is_refused(mxfp4_dirs, tmp_path):
