@@ -129,7 +129,7 @@ def _decode_reduce_kernel(
     )
     total = tl.sum(weights, 0)
     if HAS_SINKS:
-        total += tl.exp2(tl.load(Sinks + head).to(tl.float32) * 1.4426950408889634 - max_lse)
+        total += tl.exp2(tl.load(Sinks + head).to(tl.float32) * 1.4426950408889634 - max_lse)  # sink * log2(e)
     out = tl.sum(partial * weights[:, None], 0) / total
     tl.store(Out + req * stride_o_token + head * stride_o_head + offs_d, out.to(Out.dtype.element_ty),
              mask=dim_mask)
@@ -204,7 +204,7 @@ def _extend_kernel(
         row_max = new_max
 
     if HAS_SINKS:  # exp2(sink - row_max) in the running max's frame; every real row has seen a key (row_max finite)
-        sink = tl.load(Sinks + head).to(tl.float32) * 1.4426950408889634
+        sink = tl.load(Sinks + head).to(tl.float32) * 1.4426950408889634  # in base 2, as the scores: * log2(e)
         row_sum += tl.exp2(sink - tl.where(row_max == float("-inf"), sink, row_max))
     out = acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None]
     tl.store(Out + tokens[:, None] * stride_o_token + head * stride_o_head + offs_d[None, :],

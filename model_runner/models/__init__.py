@@ -48,6 +48,7 @@ def get_model_class(architecture: str) -> type[nn.Module]:
         ) from None
 
 
-__all__ = ["MODEL_REGISTRY", "BertModel", "Gemma3ForCausalLM", "Gemma4ForCausalLM", "GptOssForCausalLM", "LlamaForSequenceClassification", "Qwen2ForSequenceClassification",
+__all__ = ["MODEL_REGISTRY", "BertModel", "Gemma3ForCausalLM", "Gemma4ForCausalLM", "GptOssForCausalLM",
+           "LlamaForSequenceClassification", "Qwen2ForSequenceClassification",
            "Qwen3ForSequenceClassification", "get_model_class", "LlamaForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM",
            "Qwen2MoeForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3_5ForCausalLM"]

@@ -1,8 +1,9 @@
 """The sparse feed-forward of a mixture-of-experts layer: router, routed experts, and an optional shared expert.
 
 `FusedMoE` holds the routed experts stacked at load time, `w13_weight [E, 2I, H]` (each expert's gate rows, then its
-up rows) and `w2_weight [E, H, I]`, and runs them all at once: the fused Triton kernel on CUDA
-(`kernels/fused_moe_triton.py`), the grouped GEMMs on the CPU (`model_runner/moe/grouped.py`).
+up rows) and `w2_weight [E, H, I]` (gpt-oss: with biases and its clamped SwiGLU), and runs them all at once: the
+fused Triton kernel on CUDA (`kernels/fused_moe_triton.py`), the grouped GEMMs on the CPU
+(`model_runner/moe/grouped.py`).
 
 Tensor parallelism splits every expert's intermediate dimension over the ranks as the dense MLP's is split: rank r
 holds rows `[r*I/tp, (r+1)*I/tp)` of each expert's gate and up and the same columns of its down, so each rank's
@@ -28,8 +29,7 @@ import torch
 from torch import nn
 
 from radixserve.model_runner.layers import silu_and_mul
-from radixserve.model_runner.model_config import MoEConfig
-from radixserve.model_runner.model_config import ExpertActivation
+from radixserve.model_runner.model_config import ExpertActivation, MoEConfig
 from radixserve.model_runner.moe.grouped import SILU, grouped_experts
 from radixserve.model_runner.moe.routing import select_experts
 from radixserve.model_runner.parallel import ExpertShard, TPGroup, split_size

@@ -134,8 +134,8 @@ def _flashinfer(page_size: int, windows=()):
     pytest.importorskip("flashinfer")
     from radixserve.model_runner.attention.flashinfer_backend import FlashInferAttentionBackend
 
-    return FlashInferAttentionBackend(GPU_HEADS, GPU_KV_HEADS, GPU_HEAD_DIM, torch.bfloat16, "cuda", page_size=page_size,
-                                      sliding_windows=windows)
+    return FlashInferAttentionBackend(GPU_HEADS, GPU_KV_HEADS, GPU_HEAD_DIM, torch.bfloat16, "cuda",
+                                      page_size=page_size, sliding_windows=windows)
 
 
 def _gpu_sinks() -> torch.Tensor:
