@@ -69,9 +69,10 @@ class Mxfp4Tensor:
     blocks: Any
     scales: Any
 
-    def expert(self, index: int, dtype: torch.dtype) -> torch.Tensor:
-        """Expert `index`'s matrix `[out, in]`, dequantized (one expert at a time bounds the float copy)."""
-        return dequantize_mxfp4(_take(self.blocks, index)[0], _take(self.scales, index)[0], dtype)
+    def expert(self, index: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """Expert `index`'s matrix `[out, in]`, dequantized on `device` (one expert at a time bounds the float copy)."""
+        blocks, scales = _take(self.blocks, index)[0].to(device), _take(self.scales, index)[0].to(device)
+        return dequantize_mxfp4(blocks, scales, dtype)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -182,7 +183,7 @@ def _copy_experts(experts: FusedMoE, projection: str, is_bias: bool, tensor: Any
         return
     for index in range(shard.num_local_experts):
         if isinstance(tensor, Mxfp4Tensor):
-            matrix = tensor.expert(first + index, destination.dtype)  # [out, in]
+            matrix = tensor.expert(first + index, destination.dtype, destination.device)  # [out, in]
         else:
             matrix = _take(tensor, first + index)[0].to(destination.dtype).t()  # [in, out] -> [out, in]
         if projection == "down_proj":
