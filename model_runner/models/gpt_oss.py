@@ -31,7 +31,6 @@ import torch
 from torch import nn
 
 from radixserve.model_runner.layers import RotaryEmbedding
-from radixserve.model_runner.loader.weights import dummy_weight_shapes
 from radixserve.model_runner.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
 from radixserve.model_runner.models.moe_base import rename_tensors, sparse_or_dense_mlp
 from radixserve.model_runner.moe import FusedMoE
@@ -105,6 +104,9 @@ def _take(tensor: Any, first: int, count: int = 1) -> torch.Tensor:
 
 
 class GptOssForCausalLM(LlamaForCausalLM):
+    """Llama's causal LM over gpt-oss's layers; its loader reads the stacked (16-bit or MXFP4) expert tensors and the
+    `router` under the shared MoE block's name, `gate`."""
+
     layer_class = GptOssDecoderLayer
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], strict: bool = True) -> None:
@@ -145,25 +147,6 @@ class GptOssForCausalLM(LlamaForCausalLM):
             heads = self.model.layers[0].self_attn.heads
             return 0, heads.q_start, heads.num_heads
         return super()._shard_of(hf_name, local_shape)
-
-    def hf_weight_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Every checkpoint tensor this model loads (16-bit experts), by Hugging Face name, with its shape (dummy
-        weights)."""
-        config, moe = self.config, self.config.moe
-        hidden, experts, intermediate = config.hidden_size, moe.num_experts, moe.intermediate_size
-        shapes = {name: shape for name, shape in dummy_weight_shapes(config).items() if ".mlp." not in name}
-        for layer in range(config.num_hidden_layers):
-            prefix = f"model.layers.{layer}"
-            if config.attention_bias:
-                shapes[f"{prefix}.self_attn.o_proj.bias"] = (hidden,)
-            shapes[f"{prefix}.self_attn.sinks"] = (config.num_attention_heads,)
-            shapes[f"{prefix}.mlp.router.weight"] = (experts, hidden)
-            shapes[f"{prefix}.mlp.router.bias"] = (experts,)
-            shapes[f"{prefix}.mlp.experts.gate_up_proj"] = (experts, hidden, 2 * intermediate)
-            shapes[f"{prefix}.mlp.experts.gate_up_proj_bias"] = (experts, 2 * intermediate)
-            shapes[f"{prefix}.mlp.experts.down_proj"] = (experts, intermediate, hidden)
-            shapes[f"{prefix}.mlp.experts.down_proj_bias"] = (experts, hidden)
-        return shapes
 
 
 def _copy_experts(experts: FusedMoE, projection: str, is_bias: bool, tensor: Any, destination: torch.Tensor) -> None:

@@ -32,7 +32,7 @@ UNSUPPORTED_QUANTIZATION: dict[str, str] = {
     "awq_marlin": "Marlin kernels are not part of radixserve; AWQ checkpoints run with --quantization awq",
     "gptq_marlin": "Marlin kernels are not part of radixserve; GPTQ checkpoints run with --quantization gptq",
     "marlin": f"Marlin weights {_NO_GPU_KERNEL}",
-    "mxfp4": ("MXFP4 experts: a gpt-oss checkpoint's load without the flag, dequantized to the model's dtype; keeping "
+    "mxfp4": ("MXFP4 experts of a gpt-oss checkpoint load without the flag, dequantized to the model's dtype; keeping "
               f"them packed would {_NO_GPU_KERNEL}"),
     "w8a8_int8": f"W8A8 INT8 checkpoints {_NO_GPU_KERNEL}",
     "modelopt": f"ModelOpt checkpoints {_NO_GPU_KERNEL}",
