@@ -130,12 +130,12 @@ GPU_HEADS, GPU_KV_HEADS, GPU_HEAD_DIM = 16, 2, 64  # gpt-oss's GQA of 8 and head
 BF16_ATOL = 2e-2
 
 
-def _flashinfer(page_size: int, windows=()):
+def _flashinfer(page_size: int, windows=(), prefill_backend: str = "auto"):
     pytest.importorskip("flashinfer")
     from radixserve.model_runner.attention.flashinfer_backend import FlashInferAttentionBackend
 
     return FlashInferAttentionBackend(GPU_HEADS, GPU_KV_HEADS, GPU_HEAD_DIM, torch.bfloat16, "cuda",
-                                      page_size=page_size, sliding_windows=windows)
+                                      page_size=page_size, sliding_windows=windows, prefill_backend=prefill_backend)
 
 
 def _gpu_sinks() -> torch.Tensor:
@@ -173,5 +173,22 @@ def test_flashinfer_cascade_carries_the_merged_log_sum_exp():
     sinks = _gpu_sinks()
     out = run_backend(backend, case, None, sinks)
     assert isinstance(case.batch.attn_metadata, CascadeMetadata)
+    error = (out.double() - reference_attention(case, device="cuda", sinks=sinks)).abs().max().item()
+    assert error < BF16_ATOL, f"max abs error vs float64 reference: {error}"
+
+
+@needs_flashinfer
+@pytest.mark.gpu
+def test_flashinfer_fa3_prefill():
+    """Hopper's FA3 prefill kernels return their log-sum-exp in the same base as FA2's."""
+    from radixserve.kernels.flashinfer_wrappers import fa3_available
+
+    if not fa3_available(torch.device("cuda"), torch.bfloat16):
+        pytest.skip("FlashInfer's FA3 kernels need a Hopper GPU")
+    case = make_case(ForwardMode.EXTEND, [0, 37, 300], [300, 129, 200], num_heads=GPU_HEADS,
+                     num_kv_heads=GPU_KV_HEADS, head_dim=GPU_HEAD_DIM, page_size=16, dtype=torch.bfloat16,
+                     device="cuda", seed=4)
+    sinks = _gpu_sinks()
+    out = run_backend(_flashinfer(16, prefill_backend="fa3"), case, None, sinks)
     error = (out.double() - reference_attention(case, device="cuda", sinks=sinks)).abs().max().item()
     assert error < BF16_ATOL, f"max abs error vs float64 reference: {error}"
