@@ -10,8 +10,8 @@ What differs from Llama (models/llama.py), as transformers' `GptOssForCausalLM` 
   experts with biases whose activation is the clamped SwiGLU `gate * sigmoid(1.702 * gate) * (up + 1)` (gate clamped
   to at most 7, up to [-7, 7]), through the shared MoE layer (model_runner/moe/).
 
-The RMSNorm here rounds as Llama's (the normed value in the activations' dtype, then the weight); transformers keeps
-gpt-oss's norm weights in float32 and rounds after the product, which differs only in bfloat16's last bits.
+The RMSNorm multiplies the normed value by the weight in float32 and rounds once, as transformers' gpt-oss norm does
+(Llama's rounds the normed value to the activations' dtype first; the two differ in 16-bit models only).
 
 Checkpoints store the experts stacked, `mlp.experts.gate_up_proj [E, H, 2I]` with gate and up interleaved (even columns
 gate, odd columns up), `gate_up_proj_bias [E, 2I]` likewise, `down_proj [E, I, H]`, `down_proj_bias [E, H]`; the
@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional
 import torch
 from torch import nn
 
-from radixserve.model_runner.layers import RotaryEmbedding
+from radixserve.model_runner.layers import RMSNorm, RotaryEmbedding
 from radixserve.model_runner.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
 from radixserve.model_runner.models.moe_base import rename_tensors, sparse_or_dense_mlp
 from radixserve.model_runner.moe import FusedMoE
@@ -56,9 +56,26 @@ class GptOssAttention(LlamaAttention):
         return self.sinks.float()
 
 
+class GptOssRMSNorm(RMSNorm):
+    """`(weight * x / rms(x))` in float32, rounded once to x's dtype; with a residual, `(norm(s), s)` for `s = x +
+    residual`, as Llama's `RMSNorm`."""
+
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
+        summed = x if residual is None else residual + x
+        x32 = summed.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        out = (self.weight.float() * normed).to(summed.dtype)
+        return out if residual is None else (out, summed)
+
+
 class GptOssDecoderLayer(LlamaDecoderLayer):
     attention_class = GptOssAttention
     make_mlp = staticmethod(sparse_or_dense_mlp)
+
+    def __init__(self, config: "ModelConfig", layer_id: int, rotary: RotaryEmbedding, tp: TPGroup) -> None:
+        super().__init__(config, layer_id, rotary, tp)
+        self.input_layernorm = GptOssRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = GptOssRMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 @dataclass
@@ -108,6 +125,11 @@ class GptOssForCausalLM(LlamaForCausalLM):
     `router` under the shared MoE block's name, `gate`."""
 
     layer_class = GptOssDecoderLayer
+
+    def __init__(self, config: "ModelConfig", max_positions: Optional[int] = None,
+                 tp: Optional[TPGroup] = None) -> None:
+        super().__init__(config, max_positions, tp)
+        self.model.norm = GptOssRMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], strict: bool = True) -> None:
         super().load_weights(pair_mxfp4_tensors(rename_tensors(weights, CHECKPOINT_RENAMES)), strict)

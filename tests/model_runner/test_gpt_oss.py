@@ -80,6 +80,26 @@ def test_sinks_change_the_output(model_dir, prompts, expected):
     assert [hf_greedy(reference, p, 8, []) for p in prompts[:3]] != [ids[:8] for ids in expected[:3]]
 
 
+def test_rms_norm_rounds_as_transformers_in_bfloat16():
+    """gpt-oss's norm multiplies by its (float32-kept) weight before rounding: bit-equal to transformers' in bfloat16,
+    residual add included."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRMSNorm as HFNorm
+
+    from radixserve.model_runner.models.gpt_oss import GptOssRMSNorm
+
+    generator = torch.Generator().manual_seed(0)
+    weight = (1 + 0.3 * torch.randn(64, generator=generator)).bfloat16()  # as a checkpoint stores it
+    x, residual = (torch.randn(9, 64, generator=generator).bfloat16() for _ in range(2))
+    ours, theirs = GptOssRMSNorm(64, 1e-5).bfloat16(), HFNorm(64, eps=1e-5)  # transformers keeps it in float32
+    with torch.no_grad():
+        ours.weight.copy_(weight)
+        theirs.weight.copy_(weight.float())
+        out, summed = ours(x, residual)
+    assert torch.equal(summed, residual + x)
+    assert torch.equal(out, theirs(residual + x))
+    assert torch.equal(ours(x), theirs(x))
+
+
 SCHEDULER_CONFIGS = {
     "chunk-16": dict(chunked_prefill_size=16, disable_overlap_schedule=True),
     "mixed-chunk-overlap": dict(chunked_prefill_size=16, enable_mixed_chunk=True, disable_overlap_schedule=False),
