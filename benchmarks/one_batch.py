@@ -121,7 +121,9 @@ def build_runner(args: argparse.Namespace, model_path: Optional[str], load_forma
         page_size=page,
         random_seed=args.seed, context_length=max(args.input_len, args.context_len), max_total_tokens=tokens,
         max_running_requests=max(all_sizes), cuda_graph_max_bs=max(args.decode_batch_sizes or [1]),
-        disable_cuda_graph=disable_cuda_graph, kv_cache_dtype=args.kv_cache_dtype, )))
+        disable_cuda_graph=disable_cuda_graph, kv_cache_dtype=args.kv_cache_dtype,
+        # A static batch keeps every position of its requests: window layers' slots as many as the full layers'.
+        swa_full_tokens_ratio=1.0, )))
 
 
 def randomize_kv(pool: TokenToKVPool, seed: int) -> None:

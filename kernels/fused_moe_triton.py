@@ -5,8 +5,8 @@ and pads each expert's run to a multiple of `BLOCK_M`, so that every block of `B
 expert (`block_expert`; -1 for the blocks past the last run). Then:
 
 1. `_gate_up_kernel`: per block of rows and `BLOCK_N` intermediate columns, the rows' tokens times the expert's gate
-   and up rows (two accumulators over the hidden dimension), `silu(gate) * up` in float32, stored as the pair's row of
-   the intermediate activations `[T * top_k, I]`;
+   and up rows (two accumulators over the hidden dimension), `silu(gate) * up` in float32 (gpt-oss: biases added and
+   its clamped SwiGLU instead), stored as the pair's row of the intermediate activations `[T * top_k, I]`;
 2. `_down_kernel`: per block of rows and `BLOCK_N` hidden columns, those activations times the expert's down
    projection, scaled by the pair's routing weight, stored as the pair's row of `[T * top_k, H]`;
 3. the sum over each token's `top_k` rows (one torch reduction, in float32).
@@ -64,12 +64,14 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> E
 
 @triton.jit
 def _gate_up_kernel(
-    X, W13, Inter, SortedPairs, BlockExpert,
-    num_pairs, top_k, hidden, intermediate,
-    stride_x, stride_we, stride_wn, stride_wk, stride_inter,
+    X, W13, B13, Inter, SortedPairs, BlockExpert,
+    num_pairs, top_k, hidden, intermediate, swiglu_alpha, swiglu_limit,
+    stride_x, stride_we, stride_wn, stride_wk, stride_be, stride_inter,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_BIAS: tl.constexpr, CLAMPED_SWIGLU: tl.constexpr,
 ):
-    """Program (block of sorted rows, block of intermediate columns)."""
+    """Program (block of sorted rows, block of intermediate columns). With HAS_BIAS, the expert's gate and up biases
+    (`B13 [E, 2I]`) join the accumulators; CLAMPED_SWIGLU applies gpt-oss's activation in place of SiLU."""
     block = tl.program_id(0)
     expert = tl.load(BlockExpert + block).to(tl.int64)
     if expert < 0:
@@ -94,19 +96,30 @@ def _gate_up_kernel(
         x_ptrs += BLOCK_K
         gate_ptrs += BLOCK_K * stride_wk
         up_ptrs += BLOCK_K * stride_wk
-    activated = gate / (1.0 + tl.exp(-gate)) * up
+    if HAS_BIAS:
+        bias_ptrs = B13 + expert * stride_be + cols
+        gate += tl.load(bias_ptrs, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        up += tl.load(bias_ptrs + intermediate, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    if CLAMPED_SWIGLU:
+        gate = tl.minimum(gate, swiglu_limit)
+        up = tl.minimum(tl.maximum(up, -swiglu_limit), swiglu_limit)
+        activated = gate / (1.0 + tl.exp(-swiglu_alpha * gate)) * (up + 1.0)
+    else:
+        activated = gate / (1.0 + tl.exp(-gate)) * up
     out_ptrs = Inter + pairs[:, None].to(tl.int64) * stride_inter + cols[None, :]
     tl.store(out_ptrs, activated.to(Inter.dtype.element_ty), mask=real[:, None] & col_ok[None, :])
 
 
 @triton.jit
 def _down_kernel(
-    Inter, W2, Out, PairWeights, SortedPairs, BlockExpert,
+    Inter, W2, B2, Out, PairWeights, SortedPairs, BlockExpert,
     num_pairs, hidden, intermediate,
-    stride_inter, stride_we, stride_wn, stride_wk, stride_out,
+    stride_inter, stride_we, stride_wn, stride_wk, stride_be, stride_out,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
 ):
-    """Program (block of sorted rows, block of hidden columns)."""
+    """Program (block of sorted rows, block of hidden columns). With HAS_BIAS, the expert's down bias (`B2 [E, H]`)
+    is added before the routing weight scales the row."""
     block = tl.program_id(0)
     expert = tl.load(BlockExpert + block).to(tl.int64)
     if expert < 0:
@@ -127,6 +140,8 @@ def _down_kernel(
         acc = tl.dot(a, w, acc, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K * stride_wk
+    if HAS_BIAS:
+        acc += tl.load(B2 + expert * stride_be + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     weight = tl.load(PairWeights + rows, mask=real, other=0.0)
     acc = acc * weight[:, None]
     tl.store(Out + rows[:, None] * stride_out + cols[None, :], acc.to(Out.dtype.element_ty),
@@ -134,12 +149,16 @@ def _down_kernel(
 
 
 def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, config: Optional[BlockConfig] = None) -> torch.Tensor:
+              topk_ids: torch.Tensor, config: Optional[BlockConfig] = None, w13_bias: Optional[torch.Tensor] = None,
+              w2_bias: Optional[torch.Tensor] = None, swiglu: Optional[tuple[float, float]] = None) -> torch.Tensor:
     """`sum_j topk_weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t))` over each token's experts `e = topk_ids[t,
     j]`, as a new tensor `[T, H]` of hidden's dtype.
 
     `hidden [T, H]`; `w13 [E, 2I, H]` (each expert's gate rows, then its up rows); `w2 [E, H, I]`; `topk_weights
     [T, k]` (float32) and `topk_ids [T, k]`. `config`: block sizes (default: kernels/fused_moe_configs.py's table).
+    gpt-oss's experts: `w13_bias [E, 2I]` and `w2_bias [E, H]` (both or neither) are added to their projections, and
+    `swiglu = (alpha, limit)` replaces the SiLU gate by `gate * sigmoid(alpha * gate) * (up + 1)` with the gate
+    clamped to at most `limit` and up to `[-limit, limit]`.
     """
     num_tokens, hidden_size = hidden.shape
     num_experts, _, intermediate = w2.shape
@@ -157,18 +176,27 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     alignment = align_by_expert(topk_ids, num_experts, block_m)
     num_blocks = alignment.block_expert.numel()
     num_pairs = num_tokens * top_k
+    has_bias = w13_bias is not None
+    assert (w2_bias is not None) == has_bias, "give both biases or neither"
+    if has_bias:
+        assert w13_bias.shape == (num_experts, 2 * intermediate) and w2_bias.shape == (num_experts, hidden_size)
+        assert w13_bias.stride(-1) == 1 and w2_bias.stride(-1) == 1
+    alpha, limit = swiglu if swiglu is not None else (1.0, 0.0)
     inter = torch.empty(num_pairs, intermediate, dtype=hidden.dtype, device=hidden.device)
     _gate_up_kernel[(num_blocks, triton.cdiv(intermediate, block_n))](
-        hidden, w13, inter, alignment.sorted_pairs, alignment.block_expert,
-        num_pairs, top_k, hidden_size, intermediate,
-        hidden.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), inter.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, **launch,
+        hidden, w13, w13_bias if has_bias else w13, inter, alignment.sorted_pairs, alignment.block_expert,
+        num_pairs, top_k, hidden_size, intermediate, float(alpha), float(limit),
+        hidden.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), w13_bias.stride(0) if has_bias else 0,
+        inter.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, HAS_BIAS=has_bias,
+        CLAMPED_SWIGLU=swiglu is not None, **launch,
     )
     pair_out = torch.empty(num_pairs, hidden_size, dtype=hidden.dtype, device=hidden.device)
     _down_kernel[(num_blocks, triton.cdiv(hidden_size, block_n))](
-        inter, w2, pair_out, topk_weights.reshape(-1).float().contiguous(), alignment.sorted_pairs,
-        alignment.block_expert, num_pairs, hidden_size, intermediate,
-        inter.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), pair_out.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, **launch,
+        inter, w2, w2_bias if has_bias else w2, pair_out, topk_weights.reshape(-1).float().contiguous(),
+        alignment.sorted_pairs, alignment.block_expert, num_pairs, hidden_size, intermediate,
+        inter.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), w2_bias.stride(0) if has_bias else 0,
+        pair_out.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, HAS_BIAS=has_bias, **launch,
     )
     return out.copy_(pair_out.view(num_tokens, top_k, hidden_size).sum(dim=1, dtype=torch.float32))

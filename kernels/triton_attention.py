@@ -100,14 +100,16 @@ def _decode_split_kernel(
 
 @triton.jit
 def _decode_reduce_kernel(
-    Partial_out, Partial_lse, Out,
+    Partial_out, Partial_lse, Out, Sinks,
     stride_po_req, stride_po_head, stride_po_split,
     stride_pl_req, stride_pl_head,
     stride_o_token, stride_o_head,
     HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     """One program = (request, query head): merge the per-split partial outputs weighted by their
-    softmax mass, exp2(lse_split - max lse)."""
+    softmax mass, exp2(lse_split - max lse). With HAS_SINKS, the head's sink logit (natural log) joins the
+    denominator with no value."""
     req = tl.program_id(0)
     head = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -125,14 +127,17 @@ def _decode_reduce_kernel(
         mask=split_mask[:, None] & dim_mask[None, :],
         other=0.0,
     )
-    out = tl.sum(partial * weights[:, None], 0) / tl.sum(weights, 0)
+    total = tl.sum(weights, 0)
+    if HAS_SINKS:
+        total += tl.exp2(tl.load(Sinks + head).to(tl.float32) * 1.4426950408889634 - max_lse)  # sink * log2(e)
+    out = tl.sum(partial * weights[:, None], 0) / total
     tl.store(Out + req * stride_o_token + head * stride_o_head + offs_d, out.to(Out.dtype.element_ty),
              mask=dim_mask)
 
 
 @triton.jit
 def _extend_kernel(
-    Q, K_buffer, V_buffer, Out, Req_to_token, Req_pool_indices, Prefix_lens, Extend_lens, Extend_starts,
+    Q, K_buffer, V_buffer, Out, Req_to_token, Req_pool_indices, Prefix_lens, Extend_lens, Extend_starts, Sinks,
     scale_log2, window,
     stride_q_token, stride_q_head,
     stride_k_slot, stride_k_head,
@@ -141,10 +146,12 @@ def _extend_kernel(
     stride_r2t_row,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     """One program = (request, query head, block of BLOCK_M new tokens). New token i of a request sits
     at position prefix_len + i and attends to positions prefix_len + i - window < p <= prefix_len + i (its
-    prefix, then the new tokens causally), all read from the KV buffers through req_to_token."""
+    prefix, then the new tokens causally), all read from the KV buffers through req_to_token. With HAS_SINKS, the
+    head's sink logit (natural log) joins every row's denominator with no value."""
     req = tl.program_id(0)
     head = tl.program_id(1)
     block_m = tl.program_id(2)
@@ -196,6 +203,9 @@ def _extend_kernel(
         acc = acc * rescale[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=DOT_PRECISION)
         row_max = new_max
 
+    if HAS_SINKS:  # exp2(sink - row_max) in the running max's frame; every real row has seen a key (row_max finite)
+        sink = tl.load(Sinks + head).to(tl.float32) * 1.4426950408889634  # in base 2, as the scores: * log2(e)
+        row_sum += tl.exp2(sink - tl.where(row_max == float("-inf"), sink, row_max))
     out = acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None]
     tl.store(Out + tokens[:, None] * stride_o_token + head * stride_o_head + offs_d[None, :],
              out.to(Out.dtype.element_ty), mask=query_mask[:, None] & dim_mask[None, :])
@@ -208,6 +218,11 @@ def _window_arg(window: Optional[int]) -> int:
     if window < 1:
         raise ValueError(f"a sliding window must hold at least one position, got {window}")
     return min(window, _NO_WINDOW)
+
+
+def _check_sinks(sinks: torch.Tensor, num_heads: int) -> torch.Tensor:
+    assert sinks.shape == (num_heads,) and sinks.dtype == torch.float32, "sinks: float32 [num_heads]"
+    return sinks.contiguous()
 
 
 def _dot_precision(dtype: torch.dtype):
@@ -245,9 +260,11 @@ def decode_attention(
     num_kv_splits: int,
     window: Optional[int] = None,
     slot_map: Optional[torch.Tensor] = None,
+    sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Decode attention: one query token per request attends to all `seq_lens[i]` positions of its row (the last
     `window` of them with a sliding window). With `slot_map` (int64), the KV of slot s is read at `slot_map[s]`.
+With `sinks` (float32 `[num_heads]`), each head's sink logit joins its softmax's denominator (gpt-oss).
 
     q, out: `[batch, num_heads, head_dim]`; partial_out: float32 `[>=batch, num_heads, >=num_kv_splits,
     head_dim]` and partial_lse: float32 `[>=batch, num_heads, >=num_kv_splits]` are scratch. Every
@@ -277,12 +294,12 @@ def decode_attention(
         DOT_PRECISION=_dot_precision(q.dtype), MAP_SLOTS=slot_map is not None,
     )
     _decode_reduce_kernel[(batch, num_heads)](
-        partial_out, partial_lse, out,
+        partial_out, partial_lse, out, partial_lse if sinks is None else _check_sinks(sinks, num_heads),
         partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
         partial_lse.stride(0), partial_lse.stride(1),
         out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, NUM_SPLITS=num_kv_splits,
-        BLOCK_S=triton.next_power_of_2(num_kv_splits), BLOCK_D=block_d,
+        BLOCK_S=triton.next_power_of_2(num_kv_splits), BLOCK_D=block_d, HAS_SINKS=sinks is not None,
     )
     return out
 
@@ -300,9 +317,11 @@ def extend_attention(
     max_extend_len: int,
     sm_scale: float,
     window: Optional[int] = None,
+    sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Extend (prefill) attention over each request's cached prefix plus its new tokens, causally (within the
-    last `window` positions of each query with a sliding window).
+    last `window` positions of each query with a sliding window); with `sinks` (float32 `[num_heads]`), each head's
+    sink logit joins its softmax's denominator (gpt-oss).
 
     q, out: `[num_new_tokens, num_heads, head_dim]`, the new tokens of all requests concatenated in
     request order; `extend_starts[i]` is request i's first row in q. `max_extend_len` (a host int) sizes
@@ -320,7 +339,7 @@ def extend_attention(
     grid = (batch, num_heads, triton.cdiv(max_extend_len, block))
     _extend_kernel[grid](
         q, k_buffer, v_buffer, out, req_to_token, req_pool_indices, prefix_lens, extend_lens, extend_starts,
-        sm_scale * _LOG2_E, _window_arg(window),
+        extend_starts if sinks is None else _check_sinks(sinks, num_heads), sm_scale * _LOG2_E, _window_arg(window),
         q.stride(0), q.stride(1),
         k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1),
@@ -328,6 +347,6 @@ def extend_attention(
         req_to_token.stride(0),
         GROUP=group, HEAD_DIM=head_dim,
         BLOCK_M=block, BLOCK_N=block, BLOCK_D=triton.next_power_of_2(head_dim),
-        DOT_PRECISION=_dot_precision(q.dtype),
+        DOT_PRECISION=_dot_precision(q.dtype), HAS_SINKS=sinks is not None,
     )
     return out

@@ -142,7 +142,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 # ---- rotary position embedding -------------------------------------------------------------------
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "proportional")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "proportional", "yarn")
 
 
 def rope_type_of(rope_scaling: Optional[dict]) -> str:
@@ -156,9 +156,10 @@ def rope_inverse_frequencies(rotary_dim: int, base: float, rope_scaling: Optiona
     """Float32 inverse frequencies `[rotary_dim // 2]`, after the scaling a config asks for.
 
     Supports the default RoPE, "linear" (position interpolation), "llama3" (Llama 3.1's frequency-band
-    rescaling) and "proportional" (Gemma 4's full layers: the first `partial_rotary_factor` of the frequencies as
-    the default's, the rest zero, so those dimensions do not rotate; divided by `factor`). Variants whose frequencies depend on the current sequence length ("dynamic") or that also
-    scale attention ("yarn", "longrope") are refused rather than silently computed wrong. Computed on the
+    rescaling), "proportional" (Gemma 4's full layers: the first `partial_rotary_factor` of the frequencies as
+    the default's, the rest zero, so those dimensions do not rotate; divided by `factor`) and "yarn" (gpt-oss: see
+    `_yarn_scaled`; its cos/sin are also scaled, `rope_attention_factor`). Variants whose frequencies depend on the
+    current sequence length ("dynamic") or "longrope" are refused rather than silently computed wrong. Computed on the
     CPU whatever the default device (models are built under the meta device).
     """
     rope_type = rope_type_of(rope_scaling)
@@ -174,7 +175,52 @@ def rope_inverse_frequencies(rotary_dim: int, base: float, rope_scaling: Optiona
         inv_freq = inv_freq / float(rope_scaling.get("factor", 1.0))
     elif rope_type == "llama3":
         inv_freq = _llama3_scaled(inv_freq, rope_scaling)
+    elif rope_type == "yarn":
+        inv_freq = _yarn_scaled(inv_freq, rotary_dim, base, rope_scaling)
     return inv_freq
+
+
+def rope_attention_factor(rope_scaling: Optional[dict]) -> float:
+    """The factor YaRN multiplies cos and sin by (so every attention score by its square): `attention_factor` when the
+    config gives it, else `0.1 * ln(factor) + 1` (or the ratio of two such terms with DeepSeek's `mscale` /
+    `mscale_all_dim`); 1 for every other RoPE variant."""
+    if rope_type_of(rope_scaling) != "yarn":
+        return 1.0
+    if rope_scaling.get("attention_factor") is not None:
+        return float(rope_scaling["attention_factor"])
+    factor = float(rope_scaling["factor"])
+
+    def mscale(scale: float = 1.0) -> float:
+        return 1.0 if factor <= 1 else 0.1 * scale * math.log(factor) + 1.0
+
+    if rope_scaling.get("mscale") and rope_scaling.get("mscale_all_dim"):
+        return mscale(float(rope_scaling["mscale"])) / mscale(float(rope_scaling["mscale_all_dim"]))
+    return mscale()
+
+
+def _yarn_scaled(inv_freq: torch.Tensor, rotary_dim: int, base: float, rope_scaling: dict) -> torch.Tensor:
+    # YaRN (arXiv 2309.00071): dimensions that turn more than `beta_fast` times over the original context keep their
+    # frequency (extrapolation), those turning fewer than `beta_slow` times are divided by `factor` (interpolation),
+    # with a linear ramp between the two; `truncate` rounds the ramp's ends outward to whole dimensions.
+    factor = float(rope_scaling["factor"])
+    original_context = float(rope_scaling["original_max_position_embeddings"])
+    beta_fast = float(rope_scaling.get("beta_fast") or 32)
+    beta_slow = float(rope_scaling.get("beta_slow") or 1)
+
+    def dimension_of(rotations: float) -> float:
+        return rotary_dim * math.log(original_context / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dimension_of(beta_fast), dimension_of(beta_slow)
+    if rope_scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001  # a ramp of one point
+    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
+    extrapolated = 1 - ramp
+    # The interpolated frequencies as 1 / (factor * base^(2i/d)), rounded as transformers rounds them.
+    interpolated = 1.0 / (factor * (1.0 / inv_freq))
+    return interpolated * (1 - extrapolated) + inv_freq * extrapolated
 
 
 def _llama3_scaled(inv_freq: torch.Tensor, rope_scaling: dict) -> torch.Tensor:
@@ -215,8 +261,9 @@ class RotaryEmbedding:
         inv_freq = rope_inverse_frequencies(head_dim, base, rope_scaling)
         positions = torch.arange(max_positions, dtype=torch.int64, device="cpu").to(torch.float32)
         freqs = positions[:, None] * inv_freq[None, :]  # [max_positions, head_dim // 2]
-        self.cos = freqs.cos()
-        self.sin = freqs.sin()
+        attention_factor = rope_attention_factor(rope_scaling)
+        self.cos = freqs.cos() * attention_factor
+        self.sin = freqs.sin() * attention_factor
 
     def __call__(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor

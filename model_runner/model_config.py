@@ -9,7 +9,7 @@
 - EOS: `eos_token_ids` is the union (config first, order kept) of `eos_token_id` in config.json and in
   generation_config.json, each of which may be an int or a list.
 - Per-architecture facts: Qwen2 always has q/k/v biases (Qwen2-MoE unless `qkv_bias` says otherwise); Qwen3 and
-  Qwen3-MoE always have per-head q/k RMSNorm.
+  Qwen3-MoE always have per-head q/k RMSNorm; gpt-oss has biases on q/k/v/o unless `attention_bias` is false.
 - Sliding windows: `layer_windows` holds each layer's attention window (None: full attention), from the config's
   `layer_types` where it has them (Qwen2/Qwen3 with `use_sliding_window`, Gemma 3), else the one `sliding_window` for
   every layer (Mistral, Mixtral). Per-layer-type RoPE (Gemma 3: `rope_parameters` keyed by layer type) gives the
@@ -24,6 +24,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -40,6 +41,7 @@ ARCHITECTURE_MODEL_TYPES = {
     "Gemma3ForCausalLM": "gemma3_text",
     "Gemma4ForCausalLM": "gemma4_text",
     "Qwen3_5ForCausalLM": "qwen3_5_text",
+    "GptOssForCausalLM": "gpt_oss",
     # Pooling only (model_runner/pooling.py): sequence classifiers and an encoder.
     "LlamaForSequenceClassification": "llama",
     "Qwen2ForSequenceClassification": "qwen2",
@@ -54,12 +56,12 @@ _MODEL_TYPE_ARCHITECTURES = {v: k for k, v in ARCHITECTURE_MODEL_TYPES.items()
 # transformers' own defaults for keys a config.json may omit (they differ by family).
 _DEFAULT_MAX_POSITIONS = {"bert": 512, "llama": 2048, "mistral": 32768, "qwen2": 32768, "qwen3": 32768, "qwen2_moe": 32768,
                           "qwen3_moe": 32768, "mixtral": 131072, "gemma3_text": 131072, "gemma4_text": 131072,
-                          "qwen3_5_text": 32768}
+                          "qwen3_5_text": 32768, "gpt_oss": 131072}
 _DEFAULT_RMS_EPS = {"bert": 1e-12, "llama": 1e-6, "mistral": 1e-6, "qwen2": 1e-6, "qwen3": 1e-6, "qwen2_moe": 1e-6, "qwen3_moe": 1e-6,
-                    "mixtral": 1e-5, "gemma3_text": 1e-6, "gemma4_text": 1e-6, "qwen3_5_text": 1e-6}
+                    "mixtral": 1e-5, "gemma3_text": 1e-6, "gemma4_text": 1e-6, "qwen3_5_text": 1e-6, "gpt_oss": 1e-5}
 # The activation of the gated MLP per family that does not use SiLU, and the config key naming it.
 _GELU_TANH_FAMILIES = {"gemma3_text": "hidden_activation", "gemma4_text": "hidden_activation"}
-MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral")
+MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral", "gpt_oss")
 # Hybrids of Gated DeltaNet (linear attention) and full-attention layers.
 LINEAR_ATTENTION_MODEL_TYPES = ("qwen3_5_text",)
 _DEFAULT_ROPE_THETA = 10000.0
@@ -94,6 +96,20 @@ def _normalise_rope(d: dict, layer_type: str = "full_attention") -> tuple[float,
 
 
 @dataclass(frozen=True)
+class ExpertActivation:
+    """The experts' gated activation over `[gate | up]`: "silu", `silu(gate) * up`; or "clamped_swiglu" (gpt-oss),
+    `gate * sigmoid(alpha * gate) * (up + 1)` with the gate clamped to at most `limit` and up to `[-limit, limit]`."""
+
+    kind: str = "silu"
+    alpha: float = 1.0
+    limit: float = math.inf
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("silu", "clamped_swiglu"):
+            raise ValueError(f"unknown expert activation {self.kind!r}")
+
+
+@dataclass(frozen=True)
 class MoEConfig:
     """The sparse feed-forward of a mixture-of-experts model.
 
@@ -101,7 +117,8 @@ class MoEConfig:
     divided by their sum when `renormalize` (Qwen's `norm_topk_prob`); "topk_softmax" takes the top `top_k` router
     logits and a softmax over those (Mixtral; renormalized by construction). `shared_expert_intermediate_size` > 0
     adds a dense expert that every token passes through, scaled by a sigmoid gate (Qwen2-MoE). Layers not in
-    `sparse_layers` keep a dense MLP of the model's `intermediate_size`.
+    `sparse_layers` keep a dense MLP of the model's `intermediate_size`. gpt-oss's experts and router carry biases
+    (`bias`) and apply a clamped SwiGLU (`activation`).
     """
 
     num_experts: int
@@ -111,6 +128,8 @@ class MoEConfig:
     renormalize: bool
     sparse_layers: frozenset[int]
     shared_expert_intermediate_size: int = 0
+    bias: bool = False
+    activation: ExpertActivation = ExpertActivation()
 
     def __post_init__(self) -> None:
         if self.routing not in ("softmax_topk", "topk_softmax"):
@@ -129,6 +148,11 @@ class MoEConfig:
         if model_type == "mixtral":
             return cls(num_experts, int(d["num_experts_per_tok"]), int(d["intermediate_size"]), "topk_softmax",
                        True, frozenset(range(num_layers)))
+        if model_type == "gpt_oss":
+            activation = ExpertActivation("clamped_swiglu", float(d.get("swiglu_alpha", 1.702)),
+                                          float(d.get("swiglu_limit", 7.0)))
+            return cls(num_experts, int(d["num_experts_per_tok"]), int(d["intermediate_size"]), "topk_softmax",
+                       True, frozenset(range(num_layers)), bias=True, activation=activation)
         step = int(d.get("decoder_sparse_step") or 1)
         dense = set(d.get("mlp_only_layers") or [])
         sparse = frozenset(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
@@ -318,7 +342,7 @@ class ModelConfig:
             bos = bos[0] if bos else None
 
         sliding_window = None
-        if model_type in ("mistral", "mixtral", "gemma3_text", "gemma4_text") or (
+        if model_type in ("mistral", "mixtral", "gemma3_text", "gemma4_text", "gpt_oss") or (
                 model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and d.get("use_sliding_window")):
             sliding_window = d.get("sliding_window")
         layer_windows = _layer_windows(d, None if sliding_window is None else int(sliding_window))
@@ -423,6 +447,8 @@ def _layer_windows(d: dict, window: Optional[int]) -> tuple[Optional[int], ...]:
         layer_types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(num_layers)]
         if d.get("model_type") == "gemma4_text":  # its last layer is always full
             layer_types[-1] = "full_attention"
+    if not layer_types and d.get("model_type") == "gpt_oss":  # transformers' default: sliding, full, sliding, ...
+        layer_types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
     if not layer_types:
         return (window,) * num_layers
     if len(layer_types) != num_layers:
@@ -448,7 +474,7 @@ def _attention_bias(d: dict, model_type: str) -> bool:
         return True
     if model_type == "qwen2_moe":
         return bool(d.get("qkv_bias", True))
-    return bool(d.get("attention_bias", False))
+    return bool(d.get("attention_bias", model_type == "gpt_oss"))
 
 
 SAMPLING_DEFAULT_KEYS = {"temperature": float, "top_p": float, "top_k": int, "min_p": float,

@@ -154,11 +154,12 @@ def share_prefixes(case: AttentionCase, group_size: int, shared_len: int) -> Att
 
 
 def reference_attention(case: AttentionCase, device: str | torch.device = "cpu",
-                        sliding_window: int | None = None) -> torch.Tensor:
+                        sliding_window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of every new token over its request's prefix + new tokens, in float64 on `device`
     from the case's own copies of the data (it never reads the pool). Query head h uses KV head
     h // (num_heads // num_kv_heads). With a `sliding_window` W, the query at position t sees the keys at
-    positions t - W < p <= t only."""
+    positions t - W < p <= t only. With `sinks` ([num_heads]), head h's softmax runs over its scores and one more
+    logit `sinks[h]` whose value is zero (gpt-oss's attention sinks), as Hugging Face's eager gpt-oss attention."""
     batch = case.batch
     kv_dtype = batch.token_to_kv_pool.dtype
     q = case.q.to(device, torch.float64)
@@ -180,15 +181,24 @@ def reference_attention(case: AttentionCase, device: str | torch.device = "cpu",
         if sliding_window is not None:
             visible &= key_pos > query_pos[:, None] - sliding_window
         scores = scores.masked_fill(~visible[None], float("-inf"))
-        outputs.append(torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), values))
+        if sinks is None:
+            probs = torch.softmax(scores, dim=-1)
+        else:
+            sink_column = sinks.to(device, torch.float64)[:, None, None].expand(-1, extend_len, 1)
+            probs = torch.softmax(torch.cat([scores, sink_column], dim=-1), dim=-1)[..., :-1]
+        outputs.append(torch.einsum("hqk,khd->qhd", probs, values))
         start += extend_len
     return torch.cat(outputs)
 
 
-def run_backend(backend, case: AttentionCase, sliding_window: int | None = None) -> torch.Tensor:
-    """Plan the case's batch on `backend` and run one layer (with `sliding_window`, if given); returns the output."""
+def run_backend(backend, case: AttentionCase, sliding_window: int | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Plan the case's batch on `backend` and run one layer (with `sliding_window` and `sinks`, if given); returns the
+    output."""
     backend.plan(case.batch)
-    return backend.forward(case.q, case.k, case.v, case.layer_id, case.scaling, case.batch, sliding_window)
+    if sinks is None:
+        return backend.forward(case.q, case.k, case.v, case.layer_id, case.scaling, case.batch, sliding_window)
+    return backend.forward(case.q, case.k, case.v, case.layer_id, case.scaling, case.batch, sliding_window, sinks)
 
 
 def poison_outside_windows(case: AttentionCase, window: int) -> None:

@@ -59,6 +59,7 @@ TINY_ARCHITECTURES = {
     "gemma3": "Gemma3TextConfig",
     "gemma4": "Gemma4TextConfig",
     "qwen3_5": "Qwen3_5TextConfig",
+    "gpt_oss": "GptOssConfig",
 }
 _CLASS_NAME_TO_ARCH = {
     "LlamaForCausalLM": "llama",
@@ -71,6 +72,7 @@ _CLASS_NAME_TO_ARCH = {
     "Gemma3ForCausalLM": "gemma3",
     "Gemma4ForCausalLM": "gemma4",
     "Qwen3_5ForCausalLM": "qwen3_5",
+    "GptOssForCausalLM": "gpt_oss",
 }
 # The mixture-of-experts families: 8 experts of width 32, top-2 (Mixtral's experts take `intermediate_size`).
 _TINY_MOE = {
@@ -78,6 +80,12 @@ _TINY_MOE = {
                   "shared_expert_intermediate_size": 48},
     "qwen3_moe": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
     "mixtral": {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32},
+    # gpt-oss: sliding and full layers alternating, windows of 8 positions, YaRN over an original 64 positions, and a
+    # SwiGLU limit low enough that its clamps engage at these weights.
+    "gpt_oss": {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32, "sliding_window": 8,
+                "swiglu_limit": 1.0, "rope_parameters": {"rope_type": "yarn", "rope_theta": 50000.0, "factor": 8.0,
+                                                         "original_max_position_embeddings": 64, "beta_fast": 32.0,
+                                                         "beta_slow": 1.0, "truncate": False}},
 }
 # Gemma 3: 4 layers, full attention in the last only, windows of 8 positions (shorter than most test prompts), its
 # own RoPE base on the sliding layers, soft-capped logits and tied embeddings.

@@ -6,6 +6,7 @@ calls `forward` and never asks which backend it runs on.
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from typing import Optional
 
@@ -44,6 +45,7 @@ class AttentionBackend(ABC):
         scaling: float,
         batch: ForwardBatch,
         sliding_window: Optional[int] = None,
+        sinks: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """Write the new tokens' K/V at `batch.out_cache_loc`, then return causal attention output
         `[num_tokens, num_heads, head_dim]` over each request's prefix plus its new tokens (bidirectional when
@@ -52,4 +54,18 @@ class AttentionBackend(ABC):
         A layer with a `sliding_window` W (the model passes it; None: full attention) attends from the query at
         position t only to the keys at positions t - W < p <= t, the W most recent (itself included), as Hugging
         Face's sliding layers do, and reads no KV slot of an older position: a window-aware pool may already have
-        given those slots to another request."""
+        given those slots to another request.
+
+        `sinks` (float32 `[num_heads]`, gpt-oss's attention sinks; None: none) adds one learned logit per head to
+        every softmax's denominator, with no value: the output is the plain attention's times
+        `sigmoid(lse - sink)`, `lse` the log-sum-exp of the row's scaled scores (`apply_sinks`)."""
+
+
+def apply_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor, lse_base2: bool = False) -> torch.Tensor:
+    """Attention output `out [T, H, D]` whose softmax denominators also hold `exp(sinks[h])`, from the output without
+    them and each row's log-sum-exp `lse [T, H]` (natural, or base 2 with `lse_base2`, as FlashInfer's):
+    `sum_i exp(s_i) v_i / (sum_i exp(s_i) + exp(sink)) = out / (1 + exp(sink - lse)) = out * sigmoid(lse - sink)`.
+    Computed in float32, returned in out's dtype; a row that saw no key (lse -inf) stays zero."""
+    natural = lse.float() * math.log(2.0) if lse_base2 else lse.float()
+    weight = torch.sigmoid(natural - sinks.float()[None, :])
+    return (out.float() * weight.unsqueeze(-1)).to(out.dtype)

@@ -18,6 +18,9 @@ so do batches with an extend longer than `max_extend_len`, where one is given (n
 Sliding-window layers: in a batch of one query a request (decode), the kernel reads each request's last W keys (a
 plan of their own, made at the batch's first windowed layer, no shared prefixes); a query block's keys would need a
 per-row lower bound the kernel does not take, so windowed layers of extend batches run torch_native's window plan.
+
+Attention sinks (gpt-oss): the kernel also writes each row's log-sum-exp, and the sink's share of the softmax is taken
+out of the output after it (`base.apply_sinks`).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from typing import Optional
 import torch
 
 from radixserve.kernels import cpu_build
-from radixserve.model_runner.attention.base import AttentionBackend
+from radixserve.model_runner.attention.base import AttentionBackend, apply_sinks
 from radixserve.model_runner.attention.torch_native import (TorchNativeAttention, TorchNativeMetadata,
                                                             find_shared_prefixes)
 from radixserve.model_runner.forward_batch import ForwardBatch
@@ -96,26 +99,29 @@ class CpuAttentionBackend(AttentionBackend):
         return self.kernel_cascade_batches + self.fallback.num_cascade_batches
 
     def forward(self, q, k, v, layer_id: int, scaling: float, batch: ForwardBatch,
-                sliding_window: Optional[int] = None) -> torch.Tensor:
+                sliding_window: Optional[int] = None, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
         meta = batch.attn_metadata
         if not isinstance(meta, CpuAttentionPlan) or q.dtype != batch.token_to_kv_pool.k_buffer[0].dtype:
             if isinstance(meta, CpuAttentionPlan):  # a dtype the kernel was not planned for: re-plan the reference
                 self.fallback.plan(batch)
-            return self.fallback.forward(q, k, v, layer_id, scaling, batch, sliding_window)
+            return self.fallback.forward(q, k, v, layer_id, scaling, batch, sliding_window, sinks)
         pool = batch.token_to_kv_pool
         if sliding_window is not None and (max(batch.seq_lens_cpu) > sliding_window or pool.window_map is not None):
             if sliding_window not in meta.windowed:
                 meta.windowed[sliding_window] = self._plan_window(batch, sliding_window)
             meta = meta.windowed[sliding_window]
             if isinstance(meta, TorchNativeMetadata):
-                return self.fallback.run(meta, q, k, v, layer_id, scaling, batch)
+                return self.fallback.run(meta, q, k, v, layer_id, scaling, batch, sinks)
         k_buffer, v_buffer = batch.token_to_kv_pool.get_kv_buffer(layer_id)
-        return torch.ops.radixserve_cpu.paged_attention(
+        # With sinks the kernel also writes each row's log-sum-exp, from which the sink's share is taken out.
+        lse = _EMPTY if sinks is None else q.new_empty(q.shape[:2], dtype=torch.float32)
+        out = torch.ops.radixserve_cpu.paged_attention(
             q, k_buffer, v_buffer, k.to(k_buffer.dtype), v.to(v_buffer.dtype), meta.out_cache_loc, meta.items,
             meta.group_member_indptr, meta.group_kv_indptr, meta.member_q_start, meta.member_q_len,
-            meta.member_q_pos0, meta.member_kv_indptr, meta.member_kv_pos0, meta.kv_slots, scaling, _EMPTY, self.amx,
+            meta.member_q_pos0, meta.member_kv_indptr, meta.member_kv_pos0, meta.kv_slots, scaling, lse, self.amx,
             self.row_invariant,
         )
+        return out if sinks is None else apply_sinks(out, lse, sinks)
 
 
     def _plan_window(self, batch: ForwardBatch, window: int) -> "CpuAttentionPlan | TorchNativeMetadata":

@@ -20,6 +20,9 @@ sequence outgrows gets a wrapper of its own, planned with FlashInfer's `window_l
 starts at the page of each request's first new token's window, so no older page is read (a window-aware pool may
 have freed it). Such models run without cascade attention and without decode CUDA graphs.
 
+Attention sinks (gpt-oss): the wrappers return each row's base-2 log-sum-exp beside the output, and the sink's share
+of the softmax is taken out of the output after it (`base.apply_sinks`), so no kernel changes.
+
 `flashinfer` is imported when the backend is constructed, never when this module is imported.
 """
 
@@ -32,7 +35,7 @@ import torch
 
 from radixserve.kernels import flashinfer_wrappers as fi
 from radixserve.kernels.kv_indices import PagedKVIndex, build_paged_kv_index
-from radixserve.model_runner.attention.base import AttentionBackend
+from radixserve.model_runner.attention.base import AttentionBackend, apply_sinks
 from radixserve.model_runner.attention.flashinfer_cascade import (
     MIN_SAVED_BYTES,
     MIN_SAVED_BYTES_OVER_GRAPH,
@@ -285,6 +288,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         scaling: float,
         batch: ForwardBatch,
         sliding_window: Optional[int] = None,
+        sinks: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         meta = batch.attn_metadata
         assert isinstance(meta, (FlashInferMetadata, CascadeMetadata)), "plan() must run before forward()"
@@ -298,7 +302,13 @@ class FlashInferAttentionBackend(AttentionBackend):
         if abs(scaling - self.sm_scale) > 1e-12 * abs(self.sm_scale):
             q = q * (scaling / self.sm_scale)
         q = q.to(self.dtype).contiguous()
-        if isinstance(meta, CascadeMetadata):
+        if sinks is not None:  # the base-2 log-sum-exp of the scores FlashInfer saw: q's scale is the planned one
+            if isinstance(meta, CascadeMetadata):
+                out, lse = run_cascade(meta, q, k_buffer, v_buffer, self.page_size, return_lse=True)
+            else:
+                out, lse = fi.run_paged(meta.wrapper, q, k_buffer, v_buffer, self.page_size, return_lse=True)
+            out = apply_sinks(out, lse, sinks, lse_base2=True)
+        elif isinstance(meta, CascadeMetadata):
             out = run_cascade(meta, q, k_buffer, v_buffer, self.page_size)
         else:
             out = fi.run_paged(meta.wrapper, q, k_buffer, v_buffer, self.page_size)

@@ -125,12 +125,14 @@ def warm_up_cascade(shared_wrapper: Any, own_wrapper: Any, shape: tuple[int, int
 
 
 def run_cascade(meta: CascadeMetadata, q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
-                page_size: int) -> torch.Tensor:
-    """One layer: `q` `[batch, heads, head_dim]` (one query per request) -> attention output of the same shape."""
+                page_size: int, return_lse: bool = False) -> Any:
+    """One layer: `q` `[batch, heads, head_dim]` (one query per request) -> attention output of the same shape, and
+    with `return_lse` the base-2 log-sum-exp over both key sets `[batch, heads]`."""
     out, lse = fi.run_paged(meta.own_wrapper, q, k_buffer, v_buffer, page_size, return_lse=True)
     rows = meta.member_rows
     shared_out, shared_lse = fi.run_paged(meta.shared_wrapper, q.index_select(0, rows), k_buffer, v_buffer,
                                           page_size, return_lse=True)
-    merged, _ = fi.require_flashinfer().merge_state(out.index_select(0, rows), lse.index_select(0, rows),
-                                                     shared_out, shared_lse)
-    return out.index_copy_(0, rows, merged)
+    merged, merged_lse = fi.require_flashinfer().merge_state(out.index_select(0, rows), lse.index_select(0, rows),
+                                                              shared_out, shared_lse)
+    out = out.index_copy_(0, rows, merged)
+    return (out, lse.index_copy_(0, rows, merged_lse)) if return_lse else out

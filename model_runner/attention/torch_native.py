@@ -45,7 +45,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from radixserve.model_runner.attention.base import AttentionBackend
+from radixserve.model_runner.attention.base import AttentionBackend, apply_sinks
 from radixserve.model_runner.forward_batch import ForwardBatch
 
 # Chunk limits per device type: (max padded (query, key) pairs per chunk, max padding waste). CPU values
@@ -212,16 +212,17 @@ class TorchNativeAttention(AttentionBackend):
         scaling: float,
         batch: ForwardBatch,
         sliding_window: Optional[int] = None,
+        sinks: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        return self.run(self.metadata_for(batch, sliding_window), q, k, v, layer_id, scaling, batch)
+        return self.run(self.metadata_for(batch, sliding_window), q, k, v, layer_id, scaling, batch, sinks)
 
     def run(self, meta: TorchNativeMetadata, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
-            scaling: float, batch: ForwardBatch) -> torch.Tensor:
+            scaling: float, batch: ForwardBatch, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
         """`forward` on the plan `meta` of `batch`."""
         pool = batch.token_to_kv_pool
         pool.set_kv_buffer(layer_id, batch.kv_write_loc(layer_id), k, v)
         k_buffer, v_buffer = pool.get_kv_buffer(layer_id)
-        with_lse = bool(meta.shared)
+        with_lse = bool(meta.shared) or sinks is not None
         if len(meta.chunks) == 1:
             out, lse = _attend_chunk(q, k_buffer, v_buffer, meta.chunks[0], scaling, with_lse)
         else:
@@ -234,6 +235,15 @@ class TorchNativeAttention(AttentionBackend):
                     lse[rows] = chunk_lse
         if not with_lse:
             return out
+        if meta.shared:
+            out, lse = self._add_shared_prefixes(meta, q, k_buffer, v_buffer, scaling, out, lse)
+        return out if sinks is None else apply_sinks(out, lse, sinks)
+
+    @staticmethod
+    def _add_shared_prefixes(meta: TorchNativeMetadata, q, k_buffer, v_buffer, scaling: float, out: torch.Tensor,
+                             lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The groups' queries attended to their shared prefixes and merged into `out` (each row's keys after the
+        shared part); returns the merged output and log-sum-exp over both key sets."""
         index = meta.shared_token_index
         prefix_out = q.new_empty((index.numel(), *q.shape[1:]))
         prefix_lse = q.new_empty((index.numel(), q.shape[1]), dtype=torch.float32)
@@ -242,8 +252,10 @@ class TorchNativeAttention(AttentionBackend):
             rows = slice(start, start + group.token_index.numel())
             prefix_out[rows], prefix_lse[rows] = _attend_shared(q[group.token_index], k_buffer, v_buffer, group, scaling)
             start = rows.stop
-        out[index] = merge_partial_attention(out[index], lse[index], prefix_out, prefix_lse)
-        return out
+        own_lse = lse[index]
+        out[index] = merge_partial_attention(out[index], own_lse, prefix_out, prefix_lse)
+        lse[index] = torch.logaddexp(own_lse, prefix_lse)
+        return out, lse
 
 
 def find_shared_prefixes(batch: ForwardBatch, min_len: int) -> tuple[list[SharedPrefix], list[int]]:

@@ -12,6 +12,9 @@ batch's rows translated into window slots (`WindowTable`, built once per batch).
 decode, is computed by the decode kernel as a request of its own whose length ends at that row, with one split. A
 row's bits then depend on its own positions only: not on the batch, on where its prompt was cut into chunks, or on how
 much of it came from the cache.
+
+Attention sinks (gpt-oss) join the softmax's denominator inside the kernels: at the end of the extend kernel's online
+softmax, and in the decode kernel's merge of its splits.
 """
 
 from __future__ import annotations
@@ -169,6 +172,7 @@ class TritonAttentionBackend(AttentionBackend):
         scaling: float,
         batch: ForwardBatch,
         sliding_window: Optional[int] = None,
+        sinks: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         pool = batch.token_to_kv_pool
         pool.set_kv_buffer(layer_id, batch.kv_write_loc(layer_id), k, v)
@@ -186,23 +190,24 @@ class TritonAttentionBackend(AttentionBackend):
             decode_attention(
                 q_kv, k_buffer, v_buffer, out, req_to_token, rows, batch.seq_lens, scaling,
                 self._partial_out, self._partial_lse, meta.num_kv_splits, sliding_window,
-                pool.window_map if window_layer else None,
+                pool.window_map if window_layer else None, sinks,
             )
         elif isinstance(meta, TritonRowsMetadata):
             self._rows_as_decodes(q_kv, k_buffer, v_buffer, out, req_to_token, meta, scaling, sliding_window,
-                                  pool.window_map if window_layer else None)
+                                  pool.window_map if window_layer else None, sinks)
         else:
             assert isinstance(meta, TritonExtendMetadata), "plan() must run before forward()"
             if meta.window is not None and window_layer:
                 req_to_token, rows = meta.window.table, meta.window.rows
             extend_attention(
                 q_kv, k_buffer, v_buffer, out, req_to_token, rows, batch.prefix_lens,
-                batch.extend_lens, meta.extend_starts, meta.max_extend_len, scaling, sliding_window,
+                batch.extend_lens, meta.extend_starts, meta.max_extend_len, scaling, sliding_window, sinks,
             )
         return out if out.dtype == q.dtype else out.to(q.dtype)
 
     def _rows_as_decodes(self, q, k_buffer, v_buffer, out, req_to_token, meta: TritonRowsMetadata, scaling: float,
-                         window: Optional[int], slot_map: Optional[torch.Tensor]) -> None:
+                         window: Optional[int], slot_map: Optional[torch.Tensor],
+                         sinks: Optional[torch.Tensor]) -> None:
         """Row-invariant extend: the new tokens as decode queries of one split, as many per launch as the decode
         scratch holds."""
         heads, head_dim = self._partial_out.shape[1], self._partial_out.shape[3]
@@ -213,5 +218,5 @@ class TritonAttentionBackend(AttentionBackend):
             end = min(start + capacity, q.shape[0])
             decode_attention(
                 q[start:end], k_buffer, v_buffer, out[start:end], req_to_token, meta.rows[start:end],
-                meta.seq_lens[start:end], scaling, partial_out, partial_lse, 1, window, slot_map,
+                meta.seq_lens[start:end], scaling, partial_out, partial_lse, 1, window, slot_map, sinks,
             )

@@ -66,6 +66,10 @@ def dummy_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[f"{prefix}.self_attn.k_proj.bias"] = (kv_size,)
             shapes[f"{prefix}.self_attn.v_proj.bias"] = (kv_size,)
         shapes[f"{prefix}.self_attn.o_proj.weight"] = (hidden, q_size)
+        if config.model_type == "gpt_oss":  # o's bias with q/k/v's, and one attention-sink logit per head
+            if config.attention_bias:
+                shapes[f"{prefix}.self_attn.o_proj.bias"] = (hidden,)
+            shapes[f"{prefix}.self_attn.sinks"] = (config.num_attention_heads,)
         if config.qk_norm:
             shapes[f"{prefix}.self_attn.q_norm.weight"] = (head_dim,)
             shapes[f"{prefix}.self_attn.k_norm.weight"] = (head_dim,)
@@ -91,8 +95,16 @@ def _mlp_shapes(prefix: str, hidden: int, intermediate: int, names=("gate_proj",
 
 def _sparse_mlp_shapes(config: ModelConfig, layer_prefix: str) -> dict[str, tuple[int, ...]]:
     """A mixture-of-experts layer's tensors as its family's checkpoints name them (Mixtral: `block_sparse_moe`,
-    experts' `w1`/`w3`/`w2`)."""
+    experts' `w1`/`w3`/`w2`; gpt-oss: a biased `router` and the experts stacked, gate and up interleaved in one
+    16-bit `gate_up_proj [E, H, 2I]`)."""
     moe, hidden = config.moe, config.hidden_size
+    if config.model_type == "gpt_oss":
+        prefix, experts, intermediate = f"{layer_prefix}.mlp", moe.num_experts, moe.intermediate_size
+        return {f"{prefix}.router.weight": (experts, hidden), f"{prefix}.router.bias": (experts,),
+                f"{prefix}.experts.gate_up_proj": (experts, hidden, 2 * intermediate),
+                f"{prefix}.experts.gate_up_proj_bias": (experts, 2 * intermediate),
+                f"{prefix}.experts.down_proj": (experts, intermediate, hidden),
+                f"{prefix}.experts.down_proj_bias": (experts, hidden)}
     mixtral = config.model_type == "mixtral"
     prefix = f"{layer_prefix}.block_sparse_moe" if mixtral else f"{layer_prefix}.mlp"
     names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")

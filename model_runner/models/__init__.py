@@ -7,6 +7,7 @@ from torch import nn
 from radixserve.model_runner.models.bert import BertModel
 from radixserve.model_runner.models.gemma3 import Gemma3ForCausalLM
 from radixserve.model_runner.models.gemma4 import Gemma4ForCausalLM
+from radixserve.model_runner.models.gpt_oss import GptOssForCausalLM
 from radixserve.model_runner.models.llama import LlamaForCausalLM
 from radixserve.model_runner.models.mixtral import MixtralForCausalLM
 from radixserve.model_runner.models.qwen2 import Qwen2ForCausalLM
@@ -29,6 +30,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Gemma4ForCausalLM": Gemma4ForCausalLM,
     "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
     "LlamaForSequenceClassification": LlamaForSequenceClassification,
     "Qwen2ForSequenceClassification": Qwen2ForSequenceClassification,
     "Qwen3ForSequenceClassification": Qwen3ForSequenceClassification,
@@ -46,6 +48,7 @@ def get_model_class(architecture: str) -> type[nn.Module]:
         ) from None
 
 
-__all__ = ["MODEL_REGISTRY", "BertModel", "Gemma3ForCausalLM", "Gemma4ForCausalLM", "LlamaForSequenceClassification", "Qwen2ForSequenceClassification",
+__all__ = ["MODEL_REGISTRY", "BertModel", "Gemma3ForCausalLM", "Gemma4ForCausalLM", "GptOssForCausalLM",
+           "LlamaForSequenceClassification", "Qwen2ForSequenceClassification",
            "Qwen3ForSequenceClassification", "get_model_class", "LlamaForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM",
            "Qwen2MoeForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3_5ForCausalLM"]

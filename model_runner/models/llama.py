@@ -42,7 +42,8 @@ class LlamaMLP(nn.Module):
 class LlamaAttention(nn.Module):
     """Self-attention with a fused QKV projection, RoPE, GQA and paged KV.
 
-    Subclasses change `qkv_bias` / `o_bias` or override `normalize_qk` (Qwen3's per-head norms).
+    Subclasses change `qkv_bias` / `o_bias` or override `normalize_qk` (Qwen3's per-head norms) or `sink_logits`
+    (gpt-oss's attention sinks).
     """
 
     qkv_bias_override: Optional[bool] = None  # None: follow config.attention_bias
@@ -69,6 +70,10 @@ class LlamaAttention(nn.Module):
         """Hook applied to `q [T, H, D]`, `k [T, Hkv, D]` before RoPE; identity for Llama."""
         return q, k
 
+    def sink_logits(self) -> Optional[torch.Tensor]:
+        """Hook: each head's attention-sink logit (float32 `[heads]`, gpt-oss), None for Llama (no sinks)."""
+        return None
+
     def forward(
         self,
         positions: torch.Tensor,
@@ -85,7 +90,8 @@ class LlamaAttention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         q, k = self.normalize_qk(q, k)
         q, k = self.rotary(positions, q, k)
-        out = attn_backend.forward(q, k, v, self.layer_id, self.scaling, batch, self.sliding_window)
+        out = attn_backend.forward(q, k, v, self.layer_id, self.scaling, batch, self.sliding_window,
+                                   self.sink_logits())
         out = out.reshape(-1, self.q_size)
         return self.o_proj(out if rows is None else out[rows])
 

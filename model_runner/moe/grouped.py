@@ -19,10 +19,26 @@ CPU GEMM that skips idle experts would be the next step.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 
 from radixserve.model_runner.layers import silu_and_mul
+from radixserve.model_runner.model_config import ExpertActivation
+
+SILU = ExpertActivation()
+
+
+def activate(gate_up: torch.Tensor, activation: ExpertActivation) -> torch.Tensor:
+    """The experts' gated activation of `gate_up [..., 2I]` laid out `[gate | up]` (see `ExpertActivation`); the clamped
+    SwiGLU in the order of operations Hugging Face's gpt-oss uses."""
+    if activation.kind == "silu":
+        return silu_and_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate = gate.clamp(max=activation.limit)
+    up = up.clamp(min=-activation.limit, max=activation.limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * activation.alpha))
 
 
 def sort_by_expert(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -35,9 +51,11 @@ def sort_by_expert(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tens
 
 
 def grouped_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                    topk_ids: torch.Tensor) -> torch.Tensor:
+                    topk_ids: torch.Tensor, w13_bias: Optional[torch.Tensor] = None,
+                    w2_bias: Optional[torch.Tensor] = None, activation: ExpertActivation = SILU) -> torch.Tensor:
     """`sum_j topk_weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t))` over each token's experts `e =
-    topk_ids[t, j]`, in hidden's dtype.
+    topk_ids[t, j]`, in hidden's dtype (with `activation` in place of the SiLU gate, and each projection's bias
+    `w13_bias [E, 2I]` / `w2_bias [E, H]` added where given).
 
     `hidden [T, H]`; `w13 [E, 2I, H]` (each expert's gate rows, then its up rows); `w2 [E, H, I]`;
     `topk_weights [T, k]` (float32) and `topk_ids [T, k]`, in `[0, E]`: id E marks a pair whose expert another
@@ -54,7 +72,14 @@ def grouped_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
     token_of_row = torch.div(order, top_k, rounding_mode="floor")
     rows = hidden.index_select(0, token_of_row)
     gate_up = F.grouped_mm(rows, w13.transpose(1, 2), offs=ends)
-    down = F.grouped_mm(silu_and_mul(gate_up), w2.transpose(1, 2), offs=ends)
+    expert_of_row = None
+    if w13_bias is not None or w2_bias is not None:
+        expert_of_row = topk_ids.reshape(-1).index_select(0, order)
+    if w13_bias is not None:
+        gate_up = gate_up + w13_bias.index_select(0, expert_of_row)
+    down = F.grouped_mm(activate(gate_up, activation), w2.transpose(1, 2), offs=ends)
+    if w2_bias is not None:
+        down = down + w2_bias.index_select(0, expert_of_row)
     weighted = down.float() * topk_weights.reshape(-1).index_select(0, order).unsqueeze(1)
     out = torch.zeros(num_tokens, hidden.shape[1], dtype=torch.float32, device=hidden.device)
     return out.index_add_(0, token_of_row, weighted).to(hidden.dtype)

@@ -1,8 +1,9 @@
 """The sparse feed-forward of a mixture-of-experts layer: router, routed experts, and an optional shared expert.
 
 `FusedMoE` holds the routed experts stacked at load time, `w13_weight [E, 2I, H]` (each expert's gate rows, then its
-up rows) and `w2_weight [E, H, I]`, and runs them all at once: the fused Triton kernel on CUDA
-(`kernels/fused_moe_triton.py`), the grouped GEMMs on the CPU (`model_runner/moe/grouped.py`).
+up rows) and `w2_weight [E, H, I]` (gpt-oss: with biases and its clamped SwiGLU), and runs them all at once: the
+fused Triton kernel on CUDA (`kernels/fused_moe_triton.py`), the grouped GEMMs on the CPU
+(`model_runner/moe/grouped.py`).
 
 Tensor parallelism splits every expert's intermediate dimension over the ranks as the dense MLP's is split: rank r
 holds rows `[r*I/tp, (r+1)*I/tp)` of each expert's gate and up and the same columns of its down, so each rank's
@@ -28,8 +29,8 @@ import torch
 from torch import nn
 
 from radixserve.model_runner.layers import silu_and_mul
-from radixserve.model_runner.model_config import MoEConfig
-from radixserve.model_runner.moe.grouped import grouped_experts
+from radixserve.model_runner.model_config import ExpertActivation, MoEConfig
+from radixserve.model_runner.moe.grouped import SILU, grouped_experts
 from radixserve.model_runner.moe.routing import select_experts
 from radixserve.model_runner.parallel import ExpertShard, TPGroup, split_size
 
@@ -39,7 +40,8 @@ class FusedMoE(nn.Module):
     `forward` gives this rank's partial output. `w13_weight [E_local, 2I_local, H]`, `w2_weight [E_local, H,
     I_local]`, local expert i being the model's expert `shard.first_expert + i`."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, tp: TPGroup) -> None:
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, tp: TPGroup, bias: bool = False,
+                 activation: ExpertActivation = SILU) -> None:
         super().__init__()
         if tp.ep_size == 1:  # the same message as the dense MLP's when the intermediate size does not divide
             split_size(intermediate_size, tp, "experts' intermediate size")
@@ -48,6 +50,14 @@ class FusedMoE(nn.Module):
         local_experts, local = self.shard.num_local_experts, self.shard.intermediate_size
         self.w13_weight = nn.Parameter(torch.empty(local_experts, 2 * local, hidden_size))
         self.w2_weight = nn.Parameter(torch.empty(local_experts, hidden_size, local))
+        self.activation = activation
+        # gpt-oss's biases: gate/up's `[E_local, 2I_local]` (this rank's slice, as the weight rows); down's `[E_local,
+        # H]` is added by the rank holding each expert's first slice only, as the all-reduce sums the slices.
+        self.w13_bias: Optional[nn.Parameter] = None
+        self.w2_bias: Optional[nn.Parameter] = None
+        if bias:
+            self.w13_bias = nn.Parameter(torch.empty(local_experts, 2 * local))
+            self.w2_bias = nn.Parameter(torch.empty(local_experts, hidden_size))
 
     def forward(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """`hidden [T, H]`, `topk_weights [T, k]` float32, `topk_ids [T, k]` (the model's expert ids) -> `[T, H]` in
@@ -66,8 +76,16 @@ class FusedMoE(nn.Module):
                 # drop an extra bucket, as the CPU path does.
                 topk_weights = topk_weights.masked_fill(elsewhere, 0.0)
                 local_ids = local_ids.masked_fill(elsewhere, 0)
-            return fused_moe(hidden, self.w13_weight, self.w2_weight, topk_weights, local_ids)
-        return grouped_experts(hidden, self.w13_weight, self.w2_weight, topk_weights, local_ids)
+            return fused_moe(hidden, self.w13_weight, self.w2_weight, topk_weights, local_ids, w13_bias=self.w13_bias,
+                             w2_bias=self.w2_bias, swiglu=self._swiglu_args())
+        return grouped_experts(hidden, self.w13_weight, self.w2_weight, topk_weights, local_ids, self.w13_bias,
+                               self.w2_bias, self.activation)
+
+    def _swiglu_args(self) -> Optional[tuple[float, float]]:
+        """The fused kernel's clamped SwiGLU `(alpha, limit)`; None for SiLU."""
+        if self.activation.kind == "silu":
+            return None
+        return self.activation.alpha, self.activation.limit
 
     def extra_repr(self) -> str:
         experts, gate_up, hidden = self.w13_weight.shape
@@ -104,8 +122,8 @@ class SparseMoeBlock(nn.Module):
         self.top_k = moe.top_k
         self.routing = moe.routing
         self.renormalize = moe.renormalize
-        self.gate = nn.Linear(hidden_size, moe.num_experts, bias=False)
-        self.experts = FusedMoE(moe.num_experts, hidden_size, moe.intermediate_size, tp)
+        self.gate = nn.Linear(hidden_size, moe.num_experts, bias=moe.bias)
+        self.experts = FusedMoE(moe.num_experts, hidden_size, moe.intermediate_size, tp, moe.bias, moe.activation)
         self.shared_expert: Optional[SharedExpert] = None
         self.shared_expert_gate: Optional[nn.Linear] = None
         if moe.shared_expert_intermediate_size:

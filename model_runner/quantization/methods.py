@@ -13,6 +13,9 @@ and which product runs it. One method per model, chosen by `quantization_method`
 | AWQ, GEMM layout (`awq`)               | `qweight`, `qzeros`, `scales`                            | `Int4Method` |
 | GPTQ (`gptq`), act-order or not        | `qweight`, `qzeros`, `scales`, `g_idx`                   | `Int4Method` |
 
+gpt-oss's MXFP4 experts (`mxfp4`) take no method: its loader dequantizes them to the model's dtype
+(models/gpt_oss.py, quantization/mxfp4.py), and its other layers are 16-bit.
+
 A method also quantizes random weights (`--load-format dummy`) into its layout, so large shapes can be measured
 without a checkpoint. Anything else a config names is refused with the reason, never loaded as something it is not.
 The two online spellings mean what they mean in SGLang: `fp8` one scale per weight and dynamic per-tensor activations,
@@ -278,6 +281,11 @@ def quantization_method(flag: Optional[str], hf_config: dict[str, Any], dtype: t
     if flag is not None and flag != method:
         raise ValueError(f"--quantization {flag} asks for {flag!r} weights, and the checkpoint's quantization_config "
                          f"says {method!r}")
+    if method == "mxfp4":  # gpt-oss's experts, dequantized to the model's dtype by its loader (models/gpt_oss.py)
+        if "GptOssForCausalLM" not in (hf_config.get("architectures") or []):
+            raise ValueError("MXFP4 weights are read for gpt-oss's experts only; this model is "
+                             f"{(hf_config.get('architectures') or ['of no named architecture'])[0]}")
+        return None
     if method == "fp8":
         return _hf_fp8(config)
     if method == "compressed-tensors":

@@ -32,7 +32,8 @@ UNSUPPORTED_QUANTIZATION: dict[str, str] = {
     "awq_marlin": "Marlin kernels are not part of radixserve; AWQ checkpoints run with --quantization awq",
     "gptq_marlin": "Marlin kernels are not part of radixserve; GPTQ checkpoints run with --quantization gptq",
     "marlin": f"Marlin weights {_NO_GPU_KERNEL}",
-    "mxfp4": f"MXFP4 experts {_NO_GPU_KERNEL}",
+    "mxfp4": ("MXFP4 experts of a gpt-oss checkpoint load without the flag, dequantized to the model's dtype; keeping "
+              f"them packed would {_NO_GPU_KERNEL}"),
     "w8a8_int8": f"W8A8 INT8 checkpoints {_NO_GPU_KERNEL}",
     "modelopt": f"ModelOpt checkpoints {_NO_GPU_KERNEL}",
     "modelopt_fp4": f"ModelOpt FP4 checkpoints {_NO_GPU_KERNEL}",

@@ -190,7 +190,11 @@ def test_tiny_qwen_matches_transformers(tiny_model_dir, arch, page_size):
     assert_same_greedy_tokens(model_dir, prompts, page_size=page_size)
 
 
-@pytest.mark.parametrize("rope_scaling", [LLAMA3_ROPE, {"rope_type": "linear", "factor": 4.0}])
+# YaRN also scales cos/sin by its attention factor (0.1 ln 4 + 1 here), which the greedy ids check.
+YARN_ROPE = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}
+
+
+@pytest.mark.parametrize("rope_scaling", [LLAMA3_ROPE, {"rope_type": "linear", "factor": 4.0}, YARN_ROPE])
 def test_tiny_llama_rope_scaling_matches_transformers(tiny_model_dir, rope_scaling):
     model_dir = tiny_model_dir("llama", rope_scaling=rope_scaling)
     config = ModelConfig.from_path(model_dir)
@@ -204,9 +208,10 @@ def test_tiny_llama_rope_scaling_matches_transformers(tiny_model_dir, rope_scali
     assert_same_greedy_tokens(model_dir, prompts)
 
 
-def test_unsupported_rope_scaling_is_refused():
-    with pytest.raises(ValueError, match="yarn"):
-        rope_inverse_frequencies(16, 10000.0, {"rope_type": "yarn", "factor": 4.0})
+@pytest.mark.parametrize("rope_type", ["dynamic", "longrope"])
+def test_unsupported_rope_scaling_is_refused(rope_type):
+    with pytest.raises(ValueError, match=rope_type):
+        rope_inverse_frequencies(16, 10000.0, {"rope_type": rope_type, "factor": 4.0})
 
 
 # ---- extend on a cached prefix ---------------------------------------------------------------------

@@ -14,10 +14,35 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from radixserve.model_runner.model_config import MoEConfig
+from radixserve.model_runner.model_config import ExpertActivation, MoEConfig
 from radixserve.model_runner.moe import SparseMoeBlock, select_experts
 from radixserve.model_runner.moe.grouped import grouped_experts, sort_by_expert
 from radixserve.model_runner.parallel import TPGroup
+
+
+def reference_gpt_oss_experts(hidden, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, alpha, limit):
+    """gpt-oss's experts in float64, one token and one expert at a time: biases on both projections and the clamped
+    SwiGLU `min(gate, limit) * sigmoid(alpha * min(gate, limit)) * (clamp(up, -limit, limit) + 1)`."""
+    hidden, w13, w2, topk_weights, w13_bias, w2_bias = (t.double() for t in (hidden, w13, w2, topk_weights, w13_bias,
+                                                                             w2_bias))
+    intermediate = w2.shape[2]
+    out = torch.zeros(hidden.shape, dtype=torch.float64)
+    for t in range(hidden.shape[0]):
+        for j, e in enumerate(topk_ids[t].tolist()):
+            gate = (w13[e, :intermediate] @ hidden[t] + w13_bias[e, :intermediate]).clamp(max=limit)
+            up = (w13[e, intermediate:] @ hidden[t] + w13_bias[e, intermediate:]).clamp(-limit, limit)
+            out[t] += topk_weights[t, j] * (w2[e] @ (gate * torch.sigmoid(alpha * gate) * (up + 1)) + w2_bias[e])
+    return out
+
+
+def random_gpt_oss_experts(num_experts, hidden, intermediate, dtype, seed=0):
+    """Weights and biases large enough that the clamps of a limit of 1.5 engage for many of the values."""
+    generator = torch.Generator().manual_seed(seed)
+    w13 = (torch.randn(num_experts, 2 * intermediate, hidden, generator=generator) * 2 / hidden**0.5).to(dtype)
+    w2 = (torch.randn(num_experts, hidden, intermediate, generator=generator) / intermediate**0.5).to(dtype)
+    w13_bias = torch.randn(num_experts, 2 * intermediate, generator=generator).to(dtype)
+    w2_bias = torch.randn(num_experts, hidden, generator=generator).to(dtype)
+    return w13, w2, w13_bias, w2_bias
 
 
 def reference_experts(hidden, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
@@ -91,6 +116,24 @@ def test_grouped_experts_equal_float64(dtype, tolerance, num_tokens, num_experts
     expected = reference_experts(hidden, w13, w2, weights, ids)
     error = ((out.double() - expected).abs().max() / expected.abs().max()).item()
     assert error < tolerance, error
+
+
+@pytest.mark.parametrize("num_tokens,num_experts,top_k", [(1, 8, 2), (17, 8, 4), (40, 32, 4)])
+def test_grouped_experts_with_biases_and_clamped_swiglu_equal_float64(num_tokens, num_experts, top_k):
+    hidden_size, intermediate, alpha, limit = 64, 48, 1.702, 1.5
+    w13, w2, w13_bias, w2_bias = random_gpt_oss_experts(num_experts, hidden_size, intermediate, torch.float32)
+    generator = torch.Generator().manual_seed(num_tokens)
+    hidden = torch.randn(num_tokens, hidden_size, generator=generator)
+    weights, ids = select_experts(torch.randn(num_tokens, num_experts, generator=generator), top_k, "topk_softmax",
+                                  True)
+    activation = ExpertActivation("clamped_swiglu", alpha, limit)
+    out = grouped_experts(hidden, w13, w2, weights, ids, w13_bias, w2_bias, activation)
+    expected = reference_gpt_oss_experts(hidden, w13, w2, weights, ids, w13_bias, w2_bias, alpha, limit)
+    error = ((out.double() - expected).abs().max() / expected.abs().max()).item()
+    assert error < 2e-5, error
+    # The clamps matter at these sizes: without them the result differs.
+    unclamped = reference_gpt_oss_experts(hidden, w13, w2, weights, ids, w13_bias, w2_bias, alpha, 1e9)
+    assert (unclamped - expected).abs().max() > 1e-2
 
 
 def test_grouped_experts_with_one_expert_for_every_token_and_idle_experts():

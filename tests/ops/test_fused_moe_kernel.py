@@ -22,7 +22,8 @@ import triton.language as tl  # noqa: E402
 from radixserve.kernels import fused_moe_configs, fused_moe_triton  # noqa: E402
 from radixserve.kernels.fused_moe_triton import align_by_expert, fused_moe  # noqa: E402
 from radixserve.model_runner.moe.routing import select_experts  # noqa: E402
-from test_moe_layer import random_experts, reference_experts  # noqa: E402
+from test_moe_layer import (random_experts, random_gpt_oss_experts, reference_experts,  # noqa: E402
+                            reference_gpt_oss_experts)
 
 DEVICE = "cuda" if ON_GPU else "cpu"
 if not ON_GPU:
@@ -65,6 +66,20 @@ def test_fused_moe_equals_float64(num_tokens, num_experts, top_k):
     config = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "num_warps": 4, "num_stages": 2}
     out = fused_moe(x.to(DEVICE), w13.to(DEVICE), w2.to(DEVICE), weights.to(DEVICE), ids.to(DEVICE), config)
     expected = reference_experts(x, w13, w2, weights, ids)
+    error = ((out.cpu().double() - expected).abs().max() / expected.abs().max()).item()
+    assert out.dtype == torch.float32 and error < 1e-5, error
+
+
+@pytest.mark.parametrize("num_tokens,num_experts,top_k", [(1, 8, 2), (21, 8, 4)])
+def test_fused_moe_with_biases_and_clamped_swiglu_equals_float64(num_tokens, num_experts, top_k):
+    """gpt-oss's experts: biases on gate/up and down, and the clamped SwiGLU (a limit low enough to clamp often)."""
+    hidden, intermediate, alpha, limit = 64, 48, 1.702, 1.5
+    w13, w2, w13_bias, w2_bias = random_gpt_oss_experts(num_experts, hidden, intermediate, torch.float32)
+    x, weights, ids = routed(num_tokens, num_experts, top_k, hidden, torch.float32, seed=num_tokens)
+    config = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "num_warps": 4, "num_stages": 2}
+    out = fused_moe(x.to(DEVICE), w13.to(DEVICE), w2.to(DEVICE), weights.to(DEVICE), ids.to(DEVICE), config,
+                    w13_bias=w13_bias.to(DEVICE), w2_bias=w2_bias.to(DEVICE), swiglu=(alpha, limit))
+    expected = reference_gpt_oss_experts(x, w13, w2, weights, ids, w13_bias, w2_bias, alpha, limit)
     error = ((out.cpu().double() - expected).abs().max() / expected.abs().max()).item()
     assert out.dtype == torch.float32 and error < 1e-5, error
 

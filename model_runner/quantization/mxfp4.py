@@ -1,0 +1,32 @@
+"""MXFP4 weights (OCP microscaling FP4, as gpt-oss ships its experts), dequantized to a float dtype at load.
+
+A checkpoint stores each quantized tensor `W [..., rows, K]` as two uint8 tensors: `<name>_blocks [..., rows, K/32,
+16]`, two FP4 (e2m1) codes a byte, the element of even index in the low nibble, and `<name>_scales [..., rows, K/32]`,
+one e8m0 exponent (the scale 2^(s - 127)) for each block of 32 consecutive values of a row.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# The sixteen e2m1 codes: sign bit, two exponent bits, one mantissa bit.
+FP4_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+BLOCK_SIZE = 32
+_E8M0_BIAS = 127
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`[..., rows, K]` in `dtype` from `blocks [..., rows, K/32, 16]` and `scales [..., rows, K/32]` (uint8).
+
+    Exact in float32 (a code times a power of two); rounded once to `dtype`. ValueError on mismatched shapes."""
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
+        raise ValueError(f"MXFP4 blocks and scales are uint8, got {blocks.dtype} and {scales.dtype}")
+    if blocks.dim() < 2 or blocks.shape[-1] != BLOCK_SIZE // 2 or blocks.shape[:-1] != scales.shape:
+        raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} do not match scales {tuple(scales.shape)}: expected "
+                         f"blocks [..., groups, {BLOCK_SIZE // 2}] and scales [..., groups]")
+    table = torch.tensor(FP4_E2M1_VALUES, dtype=torch.float32, device=blocks.device)
+    codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).to(torch.int64)  # [..., groups, 16, 2]: low, high
+    values = table[codes].reshape(*scales.shape, BLOCK_SIZE)
+    exponents = scales.to(torch.int32) - _E8M0_BIAS
+    values = torch.ldexp(values, exponents.unsqueeze(-1).to(torch.float32))
+    return values.reshape(*scales.shape[:-1], scales.shape[-1] * BLOCK_SIZE).to(dtype)

@@ -1,0 +1,304 @@
+"""gpt-oss (`GptOssForCausalLM`) served on the CPU against Hugging Face.
+
+A tiny random-weight model from transformers' `GptOssConfig`, saved with `save_pretrained` (tests/conftest.py: 2
+layers, sliding then full, windows of 8 positions, shorter than most prompts; YaRN RoPE; 8 experts top-2 with biases;
+a SwiGLU limit of 1 so the clamps engage):
+
+- the config: experts, routing, activation, windows and RoPE read from gpt-oss's keys;
+- greedy ids equal `transformers` generate over 32 tokens for 8 prompts, with the torch_native and the CPU kernel
+  attention backends; the sinks matter (HF with them turned off gives other ids);
+- through a real scheduler: chunked prefill of 16, mixed prefill/decode batches and radix-cache hits keep the ids;
+- an MXFP4 checkpoint written here from known weights (the test's own quantizer) loads to the weights an independent
+  float64 decoding of its bits gives, and generates as Hugging Face does on those weights;
+- tensor parallelism (2 ranks, each half of every expert and of the heads' sinks) and expert parallelism (`--ep-size
+  2`, four whole experts each) give the ids of one rank;
+- benchmarks/configs/gpt-oss-20b.json builds, and its dummy weights fill every parameter (on the meta device).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from scheduler_driver import SchedulerDriver
+from test_model_forward import MAX_NEW_TOKENS, hf_greedy, hf_model, make_runner, random_prompts
+
+from radixserve.model_runner.model_config import ModelConfig
+from radixserve.model_runner.static_generate import greedy_generate
+
+PROMPT_LENGTHS = [3, 17, 8, 1, 25, 12, 5, 30]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_dir):
+    return tiny_model_dir("gpt_oss")
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    head = random_prompts(512, [20], seed=11)[0]  # a shared head on some prompts, so the tree shares prefixes
+    return [head + p if i % 3 == 0 else p for i, p in enumerate(random_prompts(512, PROMPT_LENGTHS, seed=5))]
+
+
+@pytest.fixture(scope="module")
+def expected(model_dir, prompts):
+    reference = hf_model(model_dir)
+    return [hf_greedy(reference, p, MAX_NEW_TOKENS, []) for p in prompts]
+
+
+def test_config_is_read(model_dir):
+    config = ModelConfig.from_path(model_dir)
+    moe = config.moe
+    assert (moe.num_experts, moe.top_k, moe.intermediate_size, moe.routing) == (8, 2, 32, "topk_softmax")
+    assert moe.bias and (moe.activation.kind, moe.activation.alpha, moe.activation.limit) == ("clamped_swiglu",
+                                                                                              1.702, 1.0)
+    assert moe.sparse_layers == {0, 1}
+    assert config.layer_windows == (8, None) and config.attention_bias
+    assert config.rope_scaling["rope_type"] == "yarn" and config.rope_theta == 50000.0
+
+
+@pytest.mark.parametrize("backend", ["torch_native", "cpu"])
+def test_greedy_ids_equal_transformers(model_dir, prompts, expected, backend):
+    runner = make_runner(model_dir, attention_backend=backend)
+    assert greedy_generate(runner, prompts, MAX_NEW_TOKENS) == expected
+    assert len({tuple(ids) for ids in expected}) == len(expected)  # not a degenerate comparison
+    assert runner.allocator.available_size() == runner.max_total_num_tokens
+
+
+def test_sinks_change_the_output(model_dir, prompts, expected):
+    """Hugging Face without the sinks (a logit of -1e4 takes no mass) generates other ids: the equality above
+    depends on them."""
+    reference = hf_model(model_dir)
+    with torch.no_grad():
+        for layer in reference.model.layers:
+            layer.self_attn.sinks.fill_(-1e4)
+    assert [hf_greedy(reference, p, 8, []) for p in prompts[:3]] != [ids[:8] for ids in expected[:3]]
+
+
+def test_rms_norm_rounds_as_transformers_in_bfloat16():
+    """gpt-oss's norm multiplies by its (float32-kept) weight before rounding: bit-equal to transformers' in bfloat16,
+    residual add included."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRMSNorm as HFNorm
+
+    from radixserve.model_runner.models.gpt_oss import GptOssRMSNorm
+
+    generator = torch.Generator().manual_seed(0)
+    weight = (1 + 0.3 * torch.randn(64, generator=generator)).bfloat16()  # as a checkpoint stores it
+    x, residual = (torch.randn(9, 64, generator=generator).bfloat16() for _ in range(2))
+    ours, theirs = GptOssRMSNorm(64, 1e-5).bfloat16(), HFNorm(64, eps=1e-5)  # transformers keeps it in float32
+    with torch.no_grad():
+        ours.weight.copy_(weight)
+        theirs.weight.copy_(weight.float())
+        out, summed = ours(x, residual)
+    assert torch.equal(summed, residual + x)
+    assert torch.equal(out, theirs(residual + x))
+    assert torch.equal(ours(x), theirs(x))
+
+
+SCHEDULER_CONFIGS = {
+    "chunk-16": dict(chunked_prefill_size=16, disable_overlap_schedule=True),
+    "mixed-chunk-overlap": dict(chunked_prefill_size=16, enable_mixed_chunk=True, disable_overlap_schedule=False),
+}
+
+
+@pytest.mark.parametrize("config", list(SCHEDULER_CONFIGS))
+def test_scheduler_batches_and_radix_hits_keep_the_ids(model_dir, prompts, expected, config):
+    driver = SchedulerDriver(model_dir, max_total_tokens=4096, **SCHEDULER_CONFIGS[config])
+    for i, prompt in enumerate(prompts):
+        driver.submit(f"r{i}", prompt, max_new_tokens=MAX_NEW_TOKENS)
+    driver.run_until_idle()
+    assert driver.outputs() == expected
+    stats = driver.scheduler.stats
+    assert stats.partial_chunks > 0 and stats.cached_tokens > 0
+    assert (stats.mixed_batches > 0) == ("mixed" in config)
+    for i, prompt in enumerate(prompts):  # again: all but the last token of each prompt come from the tree
+        driver.submit(f"again{i}", prompt, max_new_tokens=MAX_NEW_TOKENS)
+    driver.run_until_idle()
+    again = [driver.results[f"again{i}"] for i in range(len(prompts))]
+    assert [r.output_ids for r in again] == expected
+    assert [r.cached_tokens for r in again] == [len(p) - 1 for p in prompts]
+    driver.close()
+
+
+def _gpu_runner(model_dir: str, backend: str, dtype: str):
+    from radixserve.model_runner.model_runner import ModelRunner
+    from radixserve.model_runner.runner_config import RunnerConfig
+    from radixserve.runtime.wire.server_args import ServerArgs
+
+    args = ServerArgs(model_path=model_dir, device="cuda", dtype=dtype, attention_backend=backend,
+                      max_total_tokens=4096, max_running_requests=16)
+    return ModelRunner(RunnerConfig.from_server_args(args))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_triton_float32_greedy_ids_equal_transformers(model_dir, prompts, expected):
+    """On a GPU, float32 end to end (IEEE products): the fused Triton experts (biases, clamped SwiGLU) and the Triton
+    attention's sinks in the whole model, decode in CUDA graphs."""
+    assert greedy_generate(_gpu_runner(model_dir, "triton", "float32"), prompts, MAX_NEW_TOKENS) == expected
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_flashinfer_bfloat16_agrees_with_torch_native(model_dir, prompts):
+    """FlashInfer runs 16-bit only: in bfloat16 its sinks give the ids torch_native's give on the same GPU (the rest of
+    the model is the same code), allowing one prompt whose near tie bfloat16 may flip."""
+    pytest.importorskip("flashinfer")
+    ours = greedy_generate(_gpu_runner(model_dir, "flashinfer", "bfloat16"), prompts, 8)
+    native = greedy_generate(_gpu_runner(model_dir, "torch_native", "bfloat16"), prompts, 8)
+    assert sum(a == b for a, b in zip(ours, native)) >= len(prompts) - 1
+
+
+# ---- MXFP4 checkpoints ---------------------------------------------------------------------------
+
+_E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`weight [..., K]` -> (blocks `[..., K/32, 16]`, scales `[..., K/32]`) uint8: per block of 32, the power of two
+    that brings the largest magnitude within 6, then each value rounded to the nearest e2m1 code; the element of even
+    index in the low nibble."""
+    groups = weight.double().reshape(*weight.shape[:-1], -1, 32)
+    largest = groups.abs().amax(-1).clamp(min=1e-30)
+    exponents = torch.ceil(torch.log2(largest / 6.0)).clamp(-127, 127)
+    scaled = groups / torch.exp2(exponents).unsqueeze(-1)
+    magnitudes = torch.tensor(_E2M1_MAGNITUDES, dtype=torch.float64)
+    nearest = (scaled.abs().unsqueeze(-1) - magnitudes).abs().argmin(-1)
+    codes = (nearest | ((scaled < 0) & (nearest > 0)).to(torch.int64) << 3).to(torch.uint8)
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return blocks, (exponents + 127).to(torch.uint8)
+
+
+def decode_mxfp4_float64(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The reference decoding, from the bits: sign, two exponent bits (bias 1), one mantissa bit; subnormal at
+    exponent 0; times 2^(scale - 127)."""
+    nibbles = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).to(torch.int64).reshape(*scales.shape, 32)
+    sign = 1.0 - 2.0 * ((nibbles >> 3) & 1).double()
+    exponent, mantissa = ((nibbles >> 1) & 3).double(), (nibbles & 1).double()
+    magnitude = torch.where(exponent == 0, mantissa * 0.5, (1.0 + mantissa / 2) * torch.exp2(exponent - 1))
+    values = sign * magnitude * torch.exp2(scales.double() - 127).unsqueeze(-1)
+    return values.reshape(*scales.shape[:-1], -1)
+
+
+def test_mxfp4_round_trip_of_the_test_quantizer():
+    weight = torch.randn(3, 5, 64, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * 3
+    blocks, scales = quantize_mxfp4(weight)
+    decoded = decode_mxfp4_float64(blocks, scales)
+    assert decoded.shape == weight.shape
+    # Within half a step of the coarsest codes (steps of 2 at the top of [4, 6]) times each block's scale.
+    step = torch.exp2(scales.double() - 127).repeat_interleave(32, -1)
+    assert ((decoded - weight).abs() <= step + 1e-12).all()
+    # The radixserve decoder agrees with the reference bit for bit.
+    from radixserve.model_runner.quantization.mxfp4 import dequantize_mxfp4
+
+    assert torch.equal(dequantize_mxfp4(blocks, scales, torch.float64), decoded)
+
+
+@pytest.fixture(scope="module")
+def mxfp4_dirs(model_dir, tmp_path_factory):
+    """(the MXFP4 checkpoint, a 16-bit checkpoint of the weights its bits decode to, the decoded experts per layer):
+    the tiny model's experts quantized, in the released checkpoints' layout ([E, out, in], in split in blocks)."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(Path(model_dir) / "model.safetensors"))
+    quantized, dequantized, decoded = {}, {}, {}
+    for name, tensor in tensors.items():
+        if not name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
+            quantized[name] = dequantized[name] = tensor
+            continue
+        blocks, scales = quantize_mxfp4(tensor.transpose(1, 2))  # [E, in, out] -> [E, out, in]
+        quantized[f"{name}_blocks"], quantized[f"{name}_scales"] = blocks, scales
+        decoded[name] = decode_mxfp4_float64(blocks, scales)  # [E, out, in]
+        dequantized[name] = decoded[name].transpose(1, 2).float().contiguous()
+    dirs = []
+    for label, weights in (("mxfp4", quantized), ("decoded", dequantized)):
+        out = tmp_path_factory.mktemp(f"gpt-oss-{label}")
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+        if label == "mxfp4":
+            config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+                "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+        (out / "config.json").write_text(json.dumps(config))
+        for extra in ("generation_config.json",):
+            if (Path(model_dir) / extra).exists():
+                shutil.copy(Path(model_dir) / extra, out)
+        save_file(weights, str(out / "model.safetensors"))
+        dirs.append(str(out))
+    return dirs[0], dirs[1], decoded
+
+
+def test_mxfp4_checkpoint_loads_the_decoded_weights_and_generates_as_transformers(mxfp4_dirs, prompts):
+    mxfp4_dir, decoded_dir, decoded = mxfp4_dirs
+    runner = make_runner(mxfp4_dir)
+    for layer_id, layer in enumerate(runner.model.model.layers):
+        experts = layer.mlp.experts
+        gate_up = decoded[f"model.layers.{layer_id}.mlp.experts.gate_up_proj"]  # [E, 2I] rows interleaved
+        down = decoded[f"model.layers.{layer_id}.mlp.experts.down_proj"]
+        assert torch.equal(experts.w13_weight.double(), torch.cat([gate_up[:, 0::2], gate_up[:, 1::2]], dim=1))
+        assert torch.equal(experts.w2_weight.double(), down)
+    reference = hf_model(decoded_dir)
+    assert greedy_generate(runner, prompts, MAX_NEW_TOKENS) == [
+        hf_greedy(reference, p, MAX_NEW_TOKENS, []) for p in prompts]
+
+
+def test_mxfp4_checkpoint_on_two_ranks(mxfp4_dirs, prompts):
+    """Each rank reads its half of every expert from the lazily read MXFP4 tensors (the blocks of its rows only)."""
+    from test_tensor_parallel import _run_group
+
+    mxfp4_dir, decoded_dir, _ = mxfp4_dirs
+    [ids] = _run_group(2, [mxfp4_dir], prompts=prompts[:4], max_new_tokens=8)
+    reference = hf_model(decoded_dir)
+    assert ids == [hf_greedy(reference, p, 8, []) for p in prompts[:4]]
+
+
+def test_mxfp4_checkpoint_missing_its_scales_is_refused(mxfp4_dirs, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    mxfp4_dir = Path(mxfp4_dirs[0])
+    tensors = load_file(str(mxfp4_dir / "model.safetensors"))
+    del tensors["model.layers.1.mlp.experts.down_proj_scales"]
+    shutil.copy(mxfp4_dir / "config.json", tmp_path)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match="without their blocks or scales: model.layers.1.mlp.experts.down_proj"):
+        make_runner(str(tmp_path))
+
+
+# ---- parallelism ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("ep_size", [1, 2])
+def test_two_ranks_equal_one(model_dir, prompts, expected, ep_size):
+    """`--tp-size 2`: each gloo rank holds half of every expert (the down bias on the first rank only) and of the
+    heads with their sinks; with `--ep-size 2`, four whole experts each."""
+    from test_tensor_parallel import _run_group
+
+    [ids] = _run_group(2, [model_dir], prompts=prompts, max_new_tokens=MAX_NEW_TOKENS, ep_size=ep_size)
+    assert ids == expected
+
+
+# ---- the benchmark config ------------------------------------------------------------------------
+
+def test_gpt_oss_20b_benchmark_config_builds_and_takes_its_dummy_weights():
+    """The published config (benchmarks/configs/gpt-oss-20b.json): read as gpt-oss, and its dummy weights (the
+    checkpoint's names and 16-bit shapes) fill every parameter, checked on the meta device."""
+    from radixserve.model_runner.loader.weights import dummy_weight_shapes
+    from radixserve.model_runner.models import get_model_class
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "configs" / "gpt-oss-20b.json"
+    config = ModelConfig.from_dict(json.loads(path.read_text()))
+    moe = config.moe
+    assert (moe.num_experts, moe.top_k, moe.intermediate_size) == (32, 4, 2880)
+    assert config.layer_windows == (128, None) * 12 and config.head_dim == 64
+    assert config.rope_scaling["factor"] == 32.0 and config.rope_scaling["original_max_position_embeddings"] == 4096
+    with torch.device("meta"):
+        model = get_model_class(config.architecture)(config, max_positions=64)
+        model.load_weights((name, torch.empty(shape)) for name, shape in dummy_weight_shapes(config).items())
+    total = sum(p.numel() for p in model.parameters())
+    assert 20.5e9 < total < 21.5e9  # "20b": 20.9B parameters
+    # 3.6B active, as published: 4 of 32 experts a layer, the unembedding but not the embedding lookup.
+    active = total - 24 * (32 - 4) * (3 * 2880 * 2880 + 3 * 2880) - 201088 * 2880
+    assert 3.5e9 < active < 3.7e9
+    assert math.isclose(model.model.layers[0].self_attn.scaling, 64 ** -0.5)
