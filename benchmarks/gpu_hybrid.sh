@@ -5,7 +5,10 @@
 #               reference (tests/ops/test_gated_delta_rule.py, which runs them on the GPU when one is there);
 #   offline:    offline throughput, 200 requests of 256 in / 256 out, cache on (benchmarks/offline_throughput.py);
 #   multi-turn: a server per cache setting (on, off), benchmarks/serving.py --dataset multi-turn, 16 conversations
-#               x 6 turns (first prompt 512 tokens, 64 user and 64 output tokens a turn), 8 requests in flight.
+#               x 6 turns (first prompt 512 tokens, 64 user and 64 output tokens a turn), 8 requests in flight;
+#   next:       Qwen3-Next's shape cut to its first 12 layers (benchmarks/configs/qwen3-next-80b-a3b.json: 512 experts
+#               a layer, so 48 layers of bf16 need more than one card), offline throughput as above with 100 requests:
+#               the Gated DeltaNet kernels and the fused MoE kernel in one model.
 # STEPS selects (default: all), e.g. STEPS="tests offline" bash benchmarks/gpu_hybrid.sh. Needs .whl/ (see
 # ../shared/gpu/README.md) with fla-core and einops added (`bash ../shared/gpu/fetch-wheels.sh fla-core==0.6.0
 # einops`), and .gpu-assets/llama-3.1-8b-dummy/ (a tokenizer) carried; the Qwen3.5 folder is made beside it.
@@ -15,7 +18,7 @@ ROOT=$PWD
 OUT=${OUT:-$ROOT/benchmarks/results}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
-STEPS=${STEPS:-tests offline multi-turn}
+STEPS=${STEPS:-tests offline multi-turn next}
 PORT=${PORT:-30130}
 want() { [[ " $STEPS " == *" $1 "* ]]; }
 
@@ -50,4 +53,14 @@ if want multi-turn; then
         kill -TERM "$pid" 2>/dev/null; sleep 5; kill -KILL -- "-$pid" 2>/dev/null
         grep -h "state pool\|memory plan" "$OUT/server-hybrid-$cache.log" | head -2
     done
+fi
+if want next; then
+    NEXT=$ROOT/.gpu-assets/qwen3-next-12l-dummy
+    mkdir -p "$NEXT"
+    "$PY" -c 'import json, sys; c = json.load(open(sys.argv[1])); c["num_hidden_layers"] = 12; json.dump(c, open(sys.argv[2], "w"))' \
+        benchmarks/configs/qwen3-next-80b-a3b.json "$NEXT/config.json"
+    for f in tokenizer.json tokenizer_config.json; do [ -f "$TOKENIZER/$f" ] && cp "$TOKENIZER/$f" "$NEXT/"; done
+    timeout 500 "$PY" benchmarks/offline_throughput.py --model "$NEXT" --load-format dummy --dtype bfloat16 \
+        --dataset random --num-prompts 100 --random-input-len 256 --random-output-len 256 --cache on --skip-hf \
+        --output-json "$OUT/offline_qwen3_next.jsonl" 2>&1 | grep -v Warning | tail -8
 fi
