@@ -152,12 +152,14 @@ def test_snapshot_budget_evicts_least_recently_used(model_dir, references):
 NUM_CONVERSATIONS, NUM_TURNS, TURN_TOKENS, ANSWER_TOKENS = 8, 6, 12, 8
 
 
-def multi_turn(model_dir, num_conversations=NUM_CONVERSATIONS, num_turns=NUM_TURNS,
+def multi_turn(model_dir, num_conversations=NUM_CONVERSATIONS, num_turns=NUM_TURNS, driver=None,
                **server_args) -> tuple[list[list[int]], list[int]]:
     """8 conversations x 6 turns (by default): each turn's prompt is the conversation so far (earlier prompts and
     answers) plus a new user message; the turns of all conversations go in together, turn by turn. Returns every
-    answer and the cached tokens of each turn after the first."""
-    driver = SchedulerDriver(model_dir, max_total_tokens=8192, max_running_requests=16, **server_args)
+    answer and the cached tokens of each turn after the first, and closes the driver (`driver`, else one built with
+    `server_args`, which may replace the pool sizes)."""
+    driver = driver or SchedulerDriver(model_dir, **{"max_total_tokens": 8192, "max_running_requests": 16,
+                                                     **server_args})
     messages = [random_prompts(512, [TURN_TOKENS] * num_turns, seed=100 + c) for c in range(num_conversations)]
     history = [[] for _ in range(num_conversations)]
     answers, cached = [], []
