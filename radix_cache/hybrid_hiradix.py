@@ -5,7 +5,9 @@ A node may hold a snapshot on the device (`state_slot`, in the `StatePool`) and 
 in the `HostStatePool`), each only while the node's KV is on that tier:
 
 - demotion: when the device evicts a node's KV to the host, its device snapshot is copied to a host slot (unless it
-  has one already) and the device slot is freed; where the KV goes to disk or is dropped, the snapshot is dropped;
+  has one already) and the device slot is freed; where the KV goes to disk or is dropped, the snapshot is dropped.
+  The device snapshot LRU's victims (too few device snapshot slots) go to the host the same way where their node's
+  KV has a host copy;
 - host eviction: a node losing its host copy loses its host snapshot;
 - matching: the longest cached prefix on any tier that ends on a node with a snapshot on either tier. When that node
   is on the host, `load_back` brings its path's KV and then its snapshot onto the device (a device snapshot slot,
@@ -96,10 +98,15 @@ class HybridHiRadixCache(HybridRadixCache, HiRadixCache):
         host snapshot of its last node to the device where that node has no device one."""
         node, length = match.last_node, match.length
         if node.key and node.state_slot == NO_SNAPSHOT and node.host_state_slot != NO_SNAPSHOT:
-            slot = self._attach_snapshot(node)  # may drop a snapshot above it: the cut below then goes further
-            if slot != NO_SNAPSHOT:
-                self.host_state_pool.load(node.host_state_slot, slot)
-                self.snapshots_loaded += 1
+            self._host_snapshots.move_to_end(node)
+            # Finding a device slot may move another snapshot to the host, which may take this node's host slot
+            # when it is the only one left: then there is nothing to load.
+            if self._attach_snapshot(node) != NO_SNAPSHOT:
+                if node.host_state_slot == NO_SNAPSHOT:
+                    self._drop_snapshot(node)
+                else:
+                    self.host_state_pool.load(node.host_state_slot, node.state_slot)
+                    self.snapshots_loaded += 1
         while node.key and node.state_slot == NO_SNAPSHOT:
             length -= len(node.key)
             node = node.parent
@@ -117,6 +124,12 @@ class HybridHiRadixCache(HybridRadixCache, HiRadixCache):
         super()._demote(node)
         if node.parent is None or node.state_slot == NO_SNAPSHOT:  # dropped (with its snapshot), or none
             return
+        if node.host_value is not None and node.host_state_slot == NO_SNAPSHOT:
+            self._backup_snapshot(node)
+        self._drop_snapshot(node)
+
+    def _evict_snapshot(self, node: HybridHiTreeNode) -> None:
+        """The device snapshot LRU's victim keeps a host copy where its node's KV has one."""
         if node.host_value is not None and node.host_state_slot == NO_SNAPSHOT:
             self._backup_snapshot(node)
         self._drop_snapshot(node)

@@ -90,6 +90,26 @@ def test_host_snapshot_budget_and_drops_free_every_slot():
     assert cache.state_pool.available_snapshots() == cache.state_pool.num_snapshot_slots
 
 
+def test_a_promotion_that_loses_its_host_copy_loads_nothing():
+    """One host snapshot slot: bringing A's snapshot back needs a device slot, whose LRU victim (B's snapshot) moves
+    to the host and takes the only host slot, A's. The match is then cut back; nothing stale is loaded."""
+    cache = make_cache(snapshots=2, host_snapshots=1)
+    first = list(range(200, 220))
+    req, _ = admit(cache, first)
+    fill_snapshot(cache, req.pending_snapshot_before_last, seed=2)
+    finish(cache, req)
+    cache.evict(cache.evictable_size())  # A's KV and its snapshot one token before the end go to the host
+    cache.check_invariants()
+    other, _ = admit(cache, list(range(500, 520)))  # B takes both device snapshot slots
+    finish(cache, other)
+    match = cache.match_prefix(first[:-1])
+    assert match.host_hit_length == len(first) - 1
+    loaded = cache.load_back(match)
+    cache.check_invariants()
+    assert loaded.length == 0 and cache.snapshots_loaded == 0
+    assert cache.state_snapshot(loaded.last_node, loaded.length) == NO_SNAPSHOT
+
+
 # ---- through the scheduler -------------------------------------------------------------------------------------
 
 # 8 conversations x 6 turns (up to 120 tokens each, 960 in all) over 400 device KV slots, 4 requests at a time.
