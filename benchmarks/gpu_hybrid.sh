@@ -7,19 +7,22 @@
 #   offline:    offline throughput, 200 requests of 256 in / 256 out, cache on (benchmarks/offline_throughput.py);
 #   multi-turn: a server per cache setting (on, off), benchmarks/serving.py --dataset multi-turn, 16 conversations
 #               x 6 turns (first prompt 512 tokens, 64 user and 64 output tokens a turn), 8 requests in flight;
+#   hicache:    the same workload over a device KV pool of 8,192 tokens (a conversation reaches 1,216 tokens, the 16
+#               of them 19,456), the one-tier cache against --enable-hierarchical-cache (snapshots on the host tier);
 #   next:       Qwen3-Next's shape cut to its first 12 layers (benchmarks/configs/qwen3-next-80b-a3b.json: 512 experts
 #               a layer, so 48 layers of bf16 need more than one card), offline throughput as above with 100 requests:
 #               the Gated DeltaNet kernels and the fused MoE kernel in one model.
-# STEPS selects (default: all), e.g. STEPS="tests offline" bash benchmarks/gpu_hybrid.sh. Needs .whl/ (see
-# ../shared/gpu/README.md) with fla-core and einops added (`bash ../shared/gpu/fetch-wheels.sh fla-core==0.6.0
-# einops`), and .gpu-assets/llama-3.1-8b-dummy/ (a tokenizer) carried; the Qwen3.5 folder is made beside it.
+# STEPS selects (default: all; split them over calls of 10 minutes), e.g. STEPS="tests offline" bash
+# benchmarks/gpu_hybrid.sh. Needs .whl/ (see ../shared/gpu/README.md) with fla-core and einops added
+# (`bash ../shared/gpu/fetch-wheels.sh fla-core==0.6.0 einops`), and .gpu-assets/llama-3.1-8b-dummy/ (a tokenizer)
+# carried; the Qwen3.5 folder is made beside it.
 set -u
 cd "$(dirname "$0")/.." || exit 1
 ROOT=$PWD
 OUT=${OUT:-$ROOT/benchmarks/results}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
-STEPS=${STEPS:-tests offline multi-turn next}
+STEPS=${STEPS:-tests offline multi-turn hicache next}
 PORT=${PORT:-30130}
 want() { [[ " $STEPS " == *" $1 "* ]]; }
 
@@ -41,21 +44,27 @@ if want offline; then
         --dataset random --num-prompts 200 --random-input-len 256 --random-output-len 256 --cache on --skip-hf \
         --output-json "$OUT/offline_hybrid.jsonl" 2>&1 | grep -v Warning | tail -8
 fi
+serve_multi_turn() {  # label, then the server's flags
+    local label=$1
+    shift
+    setsid "$PY" -m radixserve serve --model-path "$HYBRID" --load-format dummy --dtype bfloat16 --port "$PORT" \
+        --log-level warning "$@" >"$OUT/server-hybrid-$label.log" 2>&1 &
+    local pid=$!
+    for _ in $(seq 300); do curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && break; sleep 1; done
+    timeout 300 "$PY" benchmarks/serving.py --base-url "http://127.0.0.1:$PORT" --disable-tqdm \
+        --tokenizer "$TOKENIZER" --dataset multi-turn --num-prompts 16 --mt-turns 6 --mt-first-len 512 \
+        --mt-user-len 64 --mt-output-len 64 --max-concurrency 8 --label "qwen3.5-9b-$label" \
+        --output-file "$OUT/serving-hybrid-$label.json" 2>&1 | tail -14
+    kill -TERM "$pid" 2>/dev/null; sleep 5; kill -KILL -- "-$pid" 2>/dev/null
+    grep -h "state pool\|memory plan\|hierarchical cache" "$OUT/server-hybrid-$label.log" | head -4
+}
 if want multi-turn; then
-    for cache in on off; do
-        flags=()
-        [ "$cache" = off ] && flags=(--disable-radix-cache)
-        setsid "$PY" -m radixserve serve --model-path "$HYBRID" --load-format dummy --dtype bfloat16 --port "$PORT" \
-            --log-level warning "${flags[@]}" >"$OUT/server-hybrid-$cache.log" 2>&1 &
-        pid=$!
-        for _ in $(seq 300); do curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && break; sleep 1; done
-        timeout 300 "$PY" benchmarks/serving.py --base-url "http://127.0.0.1:$PORT" --disable-tqdm \
-            --tokenizer "$TOKENIZER" --dataset multi-turn --num-prompts 16 --mt-turns 6 --mt-first-len 512 \
-            --mt-user-len 64 --mt-output-len 64 --max-concurrency 8 --label "qwen3.5-9b-cache-$cache" \
-            --output-file "$OUT/serving-hybrid-$cache.json" 2>&1 | tail -14
-        kill -TERM "$pid" 2>/dev/null; sleep 5; kill -KILL -- "-$pid" 2>/dev/null
-        grep -h "state pool\|memory plan" "$OUT/server-hybrid-$cache.log" | head -2
-    done
+    serve_multi_turn cache-on
+    serve_multi_turn cache-off --disable-radix-cache
+fi
+if want hicache; then
+    serve_multi_turn pool-8k --max-total-tokens 8192
+    serve_multi_turn pool-8k-hicache --max-total-tokens 8192 --enable-hierarchical-cache
 fi
 if want next; then
     NEXT=$ROOT/.gpu-assets/qwen3-next-12l-dummy
