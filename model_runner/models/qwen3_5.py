@@ -231,12 +231,15 @@ class Qwen3_5ForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], strict: bool = True) -> None:
         """Copy HF-named tensors into the parameters, stacking the fused projections; ValueError for an unknown
-        name, a shape mismatch or (when `strict`) a tensor the checkpoint lacks."""
+        name, a shape mismatch or (when `strict`) a tensor the checkpoint lacks. The released checkpoints' `mtp.*`
+        tensors (a multi-token-prediction head) are passed over, as transformers does."""
         params = dict(self.named_parameters())
         expected = set(self.hf_weight_shapes())
         loaded: set[str] = set()
         for hf_name, tensor in weights:
             if "rotary_emb.inv_freq" in hf_name or (hf_name == "lm_head.weight" and self.tie_word_embeddings):
+                continue
+            if hf_name.startswith("mtp."):  # the multi-token-prediction head: a draft model, not served yet
                 continue
             self._load_tensor(hf_name, tensor if isinstance(tensor, torch.Tensor) else tensor[:], params)
             loaded.add(hf_name)

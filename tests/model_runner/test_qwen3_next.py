@@ -100,6 +100,8 @@ def test_checkpoint_errors_name_the_tensor(model_dir):
         runner.model.load_weights([("model.layers.0.mlp.experts.8.up_proj.weight", torch.zeros(32, 64))], False)
     with pytest.raises(ValueError, match="no matching parameter"):  # layer 2 is dense
         runner.model.load_weights([("model.layers.2.mlp.experts.0.up_proj.weight", torch.zeros(32, 64))], False)
+    # The released checkpoints carry a multi-token-prediction head; it is passed over, as transformers does.
+    runner.model.load_weights([("mtp.fc.weight", torch.zeros(64, 128))], False)
 
 
 def test_qwen3_next_80b_benchmark_config_builds_and_takes_its_dummy_weights():
