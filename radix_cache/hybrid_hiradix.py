@@ -15,7 +15,8 @@ in the `HostStatePool`), each only while the node's KV is on that tier:
   Where the device cannot take the whole path or the snapshot, the match ends at the deepest loaded node with a
   device snapshot: shorter, never wrong.
 
-Snapshots on the disk tier are not kept. Host snapshot slots have their own LRU: when none is free, the least
+Snapshots on the disk tier are not kept (the scheduler refuses a disk tier for hybrid models; this class drops a
+snapshot whose KV goes there). Host snapshot slots have their own LRU: when none is free, the least
 recently used host snapshot is dropped (its node keeps its KV). The class combines the two caches through Python's
 method order (this, HybridRadixCache, HiRadixCache, RadixCache): HybridRadixCache's request operations run over the
 tiered tree, and the overrides below keep snapshots beside the KV through the tier moves.

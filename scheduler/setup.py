@@ -34,6 +34,9 @@ def make_cache(server_args: ServerArgs, req_to_token_pool: Any, allocator: Any, 
 
         return NoShareCache(req_to_token_pool, allocator, allocator.page_size)
     if state_pool is not None and server_args.enable_hierarchical_cache:
+        if server_args.hicache_storage_dir:
+            raise ValueError("the disk tier keeps no recurrent-state snapshots, so a hybrid linear-attention model "
+                             "could never resume from it; drop --hicache-storage-dir")
         from radixserve.radix_cache.hybrid_hiradix import HybridHiRadixCache
         from radixserve.radix_cache.state_pool import HostStatePool
 
@@ -41,7 +44,7 @@ def make_cache(server_args: ServerArgs, req_to_token_pool: Any, allocator: Any, 
         logger.info("hierarchical cache: %d state snapshot slots on the host", host_states.size)
         return HybridHiRadixCache(req_to_token_pool, allocator, _host_kv_pool(server_args, kv_pool, allocator),
                                   state_pool, host_states, allocator.page_size, server_args.radix_eviction_policy,
-                                  server_args.hicache_write_policy, server_args.hicache_storage_dir)
+                                  server_args.hicache_write_policy)
     if state_pool is not None:
         from radixserve.radix_cache.hybrid import HybridRadixCache
 

@@ -160,3 +160,9 @@ def test_multi_turn_hits_the_host_tier_on_cuda(model_dir):
     answers, _ = multi_turn(model_dir, driver=driver)
     assert answers == expected
     assert driver.scheduler.cache.snapshots_loaded > 0
+
+
+def test_a_disk_tier_is_refused_for_a_hybrid(model_dir, tmp_path):
+    """The disk tier keeps no snapshots, so nothing could resume from it."""
+    with pytest.raises(ValueError, match="disk tier keeps no recurrent-state snapshots"):
+        SchedulerDriver(model_dir, enable_hierarchical_cache=True, hicache_storage_dir=str(tmp_path), **SMALL_POOL)
