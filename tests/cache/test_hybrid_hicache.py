@@ -23,6 +23,8 @@ from radixserve.radix_cache.hybrid import NO_SNAPSHOT
 from radixserve.radix_cache.hybrid_hiradix import HybridHiRadixCache
 from radixserve.radix_cache.pool import KVAllocator, ReqToTokenPool, TokenToKVPool
 from radixserve.radix_cache.state_pool import HostStatePool, StatePool
+from radixserve.runtime.wire.sampling_params import SamplingParams
+from radixserve.scheduler.req import Req
 
 
 def make_cache(device_tokens: int = 64, snapshots: int = 4, host_snapshots: int = 4) -> HybridHiRadixCache:
@@ -108,6 +110,71 @@ def test_a_promotion_that_loses_its_host_copy_loads_nothing():
     cache.check_invariants()
     assert loaded.length == 0 and cache.snapshots_loaded == 0
     assert cache.state_snapshot(loaded.last_node, loaded.length) == NO_SNAPSHOT
+
+
+def expected_states(cache: HybridHiRadixCache, prefix: list[int]) -> list[torch.Tensor]:
+    """The states a model would have after `prefix`: a function of the prefix alone, so any mix-up shows."""
+    generator = torch.Generator().manual_seed(hash(tuple(prefix)) % (2 ** 31))
+    pool = cache.state_pool
+    return [torch.randn(t.shape[1:], generator=generator) for t in pool.conv + pool.recurrent]
+
+
+def write_states(cache: HybridHiRadixCache, slot: int, prefix: list[int]) -> None:
+    pool = cache.state_pool
+    for tensor, state in zip(pool.conv + pool.recurrent, expected_states(cache, prefix)):
+        tensor[slot] = state
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_walk_resumes_from_the_right_states(seed):
+    """Six conversations' prompts of random lengths admitted with the scheduler's steps (match, load back, lock,
+    extend, the batch writing its states, finish) and random device evictions, on a device pool a fraction of the
+    working set and few snapshot slots of either tier: every resume point holds exactly the states of its prefix
+    (whichever tiers it went through), and the invariants hold after every step."""
+    import random
+
+    rng = random.Random(seed)
+    cache = make_cache(device_tokens=96, snapshots=3, host_snapshots=5)
+    streams = [[1000 * (c + 1) + t for t in range(60)] for c in range(6)]
+    resumed = 0
+    for _ in range(150):
+        prompt = streams[rng.randrange(6)][:rng.randint(4, 60)]
+        match = cache.load_back(cache.match_prefix(prompt[:-1]))
+        cache.inc_lock_ref(match.last_node)
+        req = Req(f"r{_}", prompt, SamplingParams(max_new_tokens=1))
+        req.req_pool_idx = cache.req_to_token_pool.alloc()
+        req.prefix_indices, req.last_node = match.indices, match.last_node
+        if match.length:
+            slot = cache.state_snapshot(match.last_node, match.length)
+            assert slot != NO_SNAPSHOT
+            for state, expected in zip(snapshot_of(cache, slot), expected_states(cache, prompt[:match.length])):
+                assert torch.equal(state, expected)
+            resumed += 1
+        needed = len(prompt) - match.length
+        if cache.allocator.available_size() < needed:
+            cache.evict(needed - cache.allocator.available_size())
+        table = cache.req_to_token_pool.req_to_token
+        table[req.req_pool_idx, :match.length] = match.indices.to(torch.int32)
+        table[req.req_pool_idx, match.length:len(prompt)] = cache.allocator.alloc(needed).to(torch.int32)
+        req.kv_len = len(prompt)
+        cache.cache_unfinished_req(req, prompt)
+        cache.check_invariants()
+        # The batch: the working state and the snapshots the tree handed out for this extend.
+        write_states(cache, req.req_pool_idx, prompt)
+        if req.pending_snapshot != NO_SNAPSHOT:
+            write_states(cache, req.pending_snapshot, prompt)
+        if req.pending_snapshot_before_last != NO_SNAPSHOT:
+            write_states(cache, req.pending_snapshot_before_last, prompt[:-1])
+        req.state_len = len(prompt)
+        finish(cache, req)
+        if rng.random() < 0.3:
+            cache.evict(rng.randint(1, 96))
+            cache.check_invariants()
+    assert resumed > 20 and cache.snapshots_loaded > 0
+    cache.reset()
+    cache.check_invariants()
+    assert cache.host_state_pool.available() == cache.host_state_pool.size
+    assert cache.state_pool.available_snapshots() == cache.state_pool.num_snapshot_slots
 
 
 # ---- through the scheduler -------------------------------------------------------------------------------------
