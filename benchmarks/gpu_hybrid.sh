@@ -3,7 +3,8 @@
 # (benchmarks/configs/qwen3.5-9b.json: 32 layers, 24 Gated DeltaNet and 8 gated full attention):
 #   tests:      flash-linear-attention's chunked and fused-recurrent gated-delta-rule kernels against the float64
 #               reference (tests/ops/test_gated_delta_rule.py, which runs them on the GPU when one is there), and
-#               state snapshots through the host tier of the hierarchical cache (tests/cache/test_hybrid_hicache.py);
+#               state snapshots through the host tier of the hierarchical cache (tests/cache/test_hybrid_hicache.py)
+#               and Qwen3-Next's greedy ids against transformers' (tests/model_runner/test_qwen3_next.py);
 #   offline:    offline throughput, 200 requests of 256 in / 256 out, cache on (benchmarks/offline_throughput.py);
 #   multi-turn: a server per cache setting (on, off), benchmarks/serving.py --dataset multi-turn, 16 conversations
 #               x 6 turns (first prompt 512 tokens, 64 user and 64 output tokens a turn), 8 requests in flight;
@@ -37,7 +38,7 @@ for f in tokenizer.json tokenizer_config.json; do [ -f "$TOKENIZER/$f" ] && cp "
 if want tests; then
     timeout 300 "$PY" -P -m pytest -p _srcpath -p no:cacheprovider -q -rs tests/ops/test_gated_delta_rule.py 2>&1 | tail -8
     timeout 300 "$PY" -P -m pytest -p _srcpath -p no:cacheprovider -q -rs tests/cache/test_hybrid_hicache.py \
-        -k cuda 2>&1 | tail -8
+        tests/model_runner/test_qwen3_next.py -k cuda 2>&1 | tail -8
 fi
 if want offline; then
     timeout 400 "$PY" benchmarks/offline_throughput.py --model "$HYBRID" --load-format dummy --dtype bfloat16 \

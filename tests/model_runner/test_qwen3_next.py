@@ -104,6 +104,22 @@ def test_checkpoint_errors_name_the_tensor(model_dir):
     runner.model.load_weights([("mtp.fc.weight", torch.zeros(64, 128))], False)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_greedy_ids_equal_transformers_on_cuda(model_dir, references):
+    """The same 8 prompts on a CUDA device in float32: flash-linear-attention's kernels (where they import) for the
+    linear layers, the fused MoE Triton kernel for the experts, Triton attention for the full layer."""
+    from radixserve.model_runner.model_runner import ModelRunner
+    from radixserve.model_runner.runner_config import RunnerConfig
+    from radixserve.runtime.wire.server_args import ServerArgs
+
+    prompts, expected = references
+    runner = ModelRunner(RunnerConfig.from_server_args(ServerArgs(
+        model_path=model_dir, device="cuda", dtype="float32", attention_backend="triton", max_total_tokens=4096,
+        max_running_requests=16)))
+    assert greedy_generate(runner, prompts, MAX_NEW_TOKENS) == expected
+
+
 def test_qwen3_next_80b_benchmark_config_builds_and_takes_its_dummy_weights():
     """The released shape (benchmarks/configs/qwen3-next-80b-a3b.json): 36 linear and 12 full-attention layers, 512
     experts on each, and its dummy weights fill every parameter (meta device): about 80B parameters."""
