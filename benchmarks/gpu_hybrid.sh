@@ -70,8 +70,8 @@ fi
 if want next; then
     NEXT=$ROOT/.gpu-assets/qwen3-next-12l-dummy
     mkdir -p "$NEXT"
-    "$PY" -c 'import json, sys; c = json.load(open(sys.argv[1])); c["num_hidden_layers"] = 12; json.dump(c, open(sys.argv[2], "w"))' \
-        benchmarks/configs/qwen3-next-80b-a3b.json "$NEXT/config.json"
+    sed 's/"num_hidden_layers": 48,/"num_hidden_layers": 12,/' benchmarks/configs/qwen3-next-80b-a3b.json \
+        >"$NEXT/config.json"
     for f in tokenizer.json tokenizer_config.json; do [ -f "$TOKENIZER/$f" ] && cp "$TOKENIZER/$f" "$NEXT/"; done
     timeout 500 "$PY" benchmarks/offline_throughput.py --model "$NEXT" --load-format dummy --dtype bfloat16 \
         --dataset random --num-prompts 100 --random-input-len 256 --random-output-len 256 --cache on --skip-hf \

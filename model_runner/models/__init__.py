@@ -50,4 +50,5 @@ def get_model_class(architecture: str) -> type[nn.Module]:
 
 __all__ = ["MODEL_REGISTRY", "BertModel", "Gemma3ForCausalLM", "Gemma4ForCausalLM", "LlamaForSequenceClassification", "Qwen2ForSequenceClassification",
            "Qwen3ForSequenceClassification", "get_model_class", "LlamaForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM",
-           "Qwen2MoeForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3_5ForCausalLM", "Qwen3NextForCausalLM"]
+           "Qwen2MoeForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3_5ForCausalLM",
+           "Qwen3NextForCausalLM"]
