@@ -130,6 +130,10 @@ class HostStatePool:
     def clear(self) -> None:
         self._free: list[int] = list(range(self.size - 1, -1, -1))
 
+    @property
+    def bytes_per_slot(self) -> int:
+        return sum(t[0].numel() * t.element_size() for t in self.conv + self.recurrent)
+
     def available(self) -> int:
         return len(self._free)
 

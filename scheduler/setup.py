@@ -41,7 +41,8 @@ def make_cache(server_args: ServerArgs, req_to_token_pool: Any, allocator: Any, 
         from radixserve.radix_cache.state_pool import HostStatePool
 
         host_states = HostStatePool(state_pool, max(1, int(state_pool.num_snapshot_slots * server_args.hicache_ratio)))
-        logger.info("hierarchical cache: %d state snapshot slots on the host", host_states.size)
+        logger.info("hierarchical cache: %d state snapshot slots on the host (%.2f GB)", host_states.size,
+                    host_states.size * host_states.bytes_per_slot / 1e9)
         return HybridHiRadixCache(req_to_token_pool, allocator, _host_kv_pool(server_args, kv_pool, allocator),
                                   state_pool, host_states, allocator.page_size, server_args.radix_eviction_policy,
                                   server_args.hicache_write_policy)
