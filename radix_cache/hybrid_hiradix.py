@@ -16,10 +16,10 @@ in the `HostStatePool`), each only while the node's KV is on that tier:
   device snapshot: shorter, never wrong.
 
 Snapshots on the disk tier are not kept (the scheduler refuses a disk tier for hybrid models; this class drops a
-snapshot whose KV goes there). Host snapshot slots have their own LRU: when none is free, the least
-recently used host snapshot is dropped (its node keeps its KV). The class combines the two caches through Python's
-method order (this, HybridRadixCache, HiRadixCache, RadixCache): HybridRadixCache's request operations run over the
-tiered tree, and the overrides below keep snapshots beside the KV through the tier moves.
+snapshot whose KV goes there). Host snapshot slots have their own LRU: when none is free, the least recently used
+host snapshot not on a retained session's pinned path is dropped (its node keeps its KV). The class combines the two
+caches through Python's method order (this, HybridRadixCache, HiRadixCache, RadixCache): HybridRadixCache's request
+operations run over the tiered tree, and the overrides below keep snapshots beside the KV through the tier moves.
 
 Accounting (`check_invariants`): both caches' rules, every device snapshot on a device node, every host snapshot on a
 node with a host copy, and every slot of both state pools free or held by exactly one node.
@@ -136,12 +136,15 @@ class HybridHiRadixCache(HybridRadixCache, HiRadixCache):
         self._drop_snapshot(node)
 
     def _backup_snapshot(self, node: HybridHiTreeNode) -> None:
+        """Copy the node's device snapshot to a host slot, taking the least recently used host snapshot's slot when
+        none is free (never one on a retained session's pinned path); nothing when every one is pinned."""
         slot = self.host_state_pool.alloc()
-        if slot is None and self._host_snapshots:
-            self._drop_host_snapshot(next(iter(self._host_snapshots)))
-            slot = self.host_state_pool.alloc()
         if slot is None:
-            return
+            victim = next((held for held in self._host_snapshots if not held.host_pins), None)
+            if victim is None:
+                return
+            self._drop_host_snapshot(victim)
+            slot = self.host_state_pool.alloc()
         self.host_state_pool.backup(node.state_slot, slot)
         node.host_state_slot = slot
         self._host_snapshots[node] = None

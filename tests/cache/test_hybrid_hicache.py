@@ -112,6 +112,27 @@ def test_a_promotion_that_loses_its_host_copy_loads_nothing():
     assert cache.state_snapshot(loaded.last_node, loaded.length) == NO_SNAPSHOT
 
 
+def test_a_retained_sessions_host_snapshot_is_kept():
+    """A retained session's path is pinned on the host (docs/agents.md): with one host snapshot slot, held by that
+    path, B's demoted snapshot finds no room rather than taking it, and A still resumes from the host."""
+    cache = make_cache(snapshots=2, host_snapshots=1)
+    first = list(range(300, 320))
+    req, _ = admit(cache, first)
+    finish(cache, req)
+    cache.evict(cache.evictable_size())
+    handle, _ = cache.retain_prefix(first)
+    other, _ = admit(cache, list(range(600, 620)))
+    finish(cache, other)
+    backed_up = cache.snapshots_backed_up
+    cache.evict(cache.evictable_size())
+    cache.check_invariants()
+    assert cache.snapshots_backed_up == backed_up  # no host slot for B's snapshot
+    assert cache.match_prefix(first[:-1]).host_hit_length == len(first) - 1
+    cache.release_prefix(handle)
+    cache.reset()
+    cache.check_invariants()
+
+
 def expected_states(cache: HybridHiRadixCache, prefix: list[int]) -> list[torch.Tensor]:
     """The states a model would have after `prefix`: a function of the prefix alone, so any mix-up shows."""
     generator = torch.Generator().manual_seed(hash(tuple(prefix)) % (2 ** 31))
