@@ -10,7 +10,8 @@ Qwen3 decoder:
 
 Text positions are the same on the three axes of Qwen3.5's multimodal RoPE, so plain RoPE over those dimensions is
 exact for text. Linear layers keep their per-request state in the runner's `StatePool`, installed with
-`set_state_pool`. Tensor parallelism is not supported for this family yet.
+`set_state_pool`. Tensor parallelism is not supported for this family yet. Qwen3-Next (models/qwen3_next.py) is this
+decoder with sparse feed-forward layers (`make_mlp`) and its own checkpoint layout (`_load_tensor`).
 """
 
 from __future__ import annotations
