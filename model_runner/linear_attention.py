@@ -1,4 +1,4 @@
-"""Gated DeltaNet: the linear-attention layer of hybrid models (Qwen3.5), over the runtime's state pool.
+"""Gated DeltaNet: the linear-attention layer of hybrid models (Qwen3.5, Qwen3-Next), over the runtime's state pool.
 
 One layer, for the concatenated new tokens of a batch:
 

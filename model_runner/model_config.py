@@ -42,6 +42,7 @@ ARCHITECTURE_MODEL_TYPES = {
     "Gemma4ForCausalLM": "gemma4_text",
     "Qwen3_5ForCausalLM": "qwen3_5_text",
     "GptOssForCausalLM": "gpt_oss",
+    "Qwen3NextForCausalLM": "qwen3_next",
     # Pooling only (model_runner/pooling.py): sequence classifiers and an encoder.
     "LlamaForSequenceClassification": "llama",
     "Qwen2ForSequenceClassification": "qwen2",
@@ -56,14 +57,17 @@ _MODEL_TYPE_ARCHITECTURES = {v: k for k, v in ARCHITECTURE_MODEL_TYPES.items()
 # transformers' own defaults for keys a config.json may omit (they differ by family).
 _DEFAULT_MAX_POSITIONS = {"bert": 512, "llama": 2048, "mistral": 32768, "qwen2": 32768, "qwen3": 32768, "qwen2_moe": 32768,
                           "qwen3_moe": 32768, "mixtral": 131072, "gemma3_text": 131072, "gemma4_text": 131072,
-                          "qwen3_5_text": 32768, "gpt_oss": 131072}
+                          "qwen3_5_text": 32768, "gpt_oss": 131072, "qwen3_next": 32768}
 _DEFAULT_RMS_EPS = {"bert": 1e-12, "llama": 1e-6, "mistral": 1e-6, "qwen2": 1e-6, "qwen3": 1e-6, "qwen2_moe": 1e-6, "qwen3_moe": 1e-6,
-                    "mixtral": 1e-5, "gemma3_text": 1e-6, "gemma4_text": 1e-6, "qwen3_5_text": 1e-6, "gpt_oss": 1e-5}
+                    "mixtral": 1e-5, "gemma3_text": 1e-6, "gemma4_text": 1e-6, "qwen3_5_text": 1e-6, "gpt_oss": 1e-5,
+                    "qwen3_next": 1e-6}
 # The activation of the gated MLP per family that does not use SiLU, and the config key naming it.
 _GELU_TANH_FAMILIES = {"gemma3_text": "hidden_activation", "gemma4_text": "hidden_activation"}
-MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral", "gpt_oss")
+MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral", "gpt_oss", "qwen3_next")
 # Hybrids of Gated DeltaNet (linear attention) and full-attention layers.
-LINEAR_ATTENTION_MODEL_TYPES = ("qwen3_5_text",)
+LINEAR_ATTENTION_MODEL_TYPES = ("qwen3_5_text", "qwen3_next")
+# transformers' default share of each head that RoPE rotates, where a family's is not the whole head.
+_DEFAULT_PARTIAL_ROTARY = {"qwen3_next": 0.25}
 _DEFAULT_ROPE_THETA = 10000.0
 
 
@@ -162,7 +166,7 @@ class MoEConfig:
 
 @dataclass(frozen=True)
 class LinearAttentionConfig:
-    """The Gated DeltaNet layers of a hybrid model (Qwen3.5): which layers they are and their shapes.
+    """The Gated DeltaNet layers of a hybrid model (Qwen3.5, Qwen3-Next): which layers they are and their shapes.
 
     A linear layer keeps, per request, a convolution state `[conv_dim, conv_kernel_size - 1]` (the last inputs of its
     causal conv1d over q, k and v) and a recurrent state `[num_value_heads, key_head_dim, value_head_dim]` instead of
@@ -364,7 +368,7 @@ class ModelConfig:
             max_position_embeddings=int(d.get("max_position_embeddings") or _DEFAULT_MAX_POSITIONS[model_type]),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=_attention_bias(d, model_type),
-            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text", "gemma4_text", "qwen3_5_text"),
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text", "gemma4_text", "qwen3_5_text", "qwen3_next"),
             eos_token_ids=eos_ids,
             bos_token_id=None if bos is None else int(bos),
             torch_dtype=d.get("dtype") or d.get("torch_dtype"),
@@ -376,7 +380,7 @@ class ModelConfig:
             moe=MoEConfig.from_dict(d, model_type) if model_type in MOE_MODEL_TYPES else None,
             linear_attention=(LinearAttentionConfig.from_dict(d) if model_type in LINEAR_ATTENTION_MODEL_TYPES
                               else None),
-            partial_rotary_factor=_partial_rotary_factor(d),
+            partial_rotary_factor=_partial_rotary_factor(d, _DEFAULT_PARTIAL_ROTARY.get(model_type, 1.0)),
             hf_config=dict(d),
             sampling_defaults=_sampling_defaults(generation_config or {}),
         )
@@ -459,12 +463,12 @@ def _layer_windows(d: dict, window: Optional[int]) -> tuple[Optional[int], ...]:
     return tuple(window if kind == "sliding_attention" else None for kind in layer_types)
 
 
-def _partial_rotary_factor(d: dict) -> float:
+def _partial_rotary_factor(d: dict, default: float = 1.0) -> float:
     """The rotated share of each head: under `rope_parameters` (transformers 5) or at the top level."""
     params = d.get("rope_parameters")
     if isinstance(params, dict) and "partial_rotary_factor" in params:
         return float(params["partial_rotary_factor"])
-    return float(d.get("partial_rotary_factor", 1.0))
+    return float(d.get("partial_rotary_factor", default))
 
 
 def _attention_bias(d: dict, model_type: str) -> bool:

@@ -210,7 +210,7 @@ class HiRadixCache(RadixCache):
             first = key[pos] if page_size == 1 else tuple(key[pos:pos + page_size])
             child = node.children.get(first)
             if child is None:
-                leaf = HiTreeNode(key[pos:end], slots[pos:end].to(torch.int64, copy=True), node, ns_root.namespace)
+                leaf = self.node_class(key[pos:end], slots[pos:end].to(torch.int64, copy=True), node, ns_root.namespace)
                 leaf.last_access = now
                 node.children[first] = leaf
                 self._num_nodes += 1
@@ -244,8 +244,8 @@ class HiRadixCache(RadixCache):
 
     def _split(self, node: TreeNode, length: int) -> TreeNode:
         parent = node.parent
-        upper = HiTreeNode(node.key[:length], None if node.value is None else node.value[:length], parent,
-                           node.namespace)
+        upper = self.node_class(node.key[:length], None if node.value is None else node.value[:length], parent,
+                                node.namespace)
         upper.lock_ref, upper.last_access, upper.hit_count = node.lock_ref, node.last_access, node.hit_count
         upper.host_pins = node.host_pins
         if node.value is not None:

@@ -139,8 +139,12 @@ class HybridRadixCache(RadixCache):
             if node.lock_ref == 0:
                 dropped.append(node)
         for node in dropped:
-            self._drop_snapshot(node)
+            self._evict_snapshot(node)
         return len(dropped)
+
+    def _evict_snapshot(self, node: HybridTreeNode) -> None:
+        """Take a snapshot off the device for want of slots (the hierarchical cache keeps a host copy first)."""
+        self._drop_snapshot(node)
 
     def _drop_snapshot(self, node: HybridTreeNode) -> None:
         self.state_pool.free_snapshot(node.state_slot)

@@ -105,3 +105,61 @@ class StatePool:
         assert all(self.num_rows <= s < self.size for s in free + held), "a working slot is among the snapshots"
         assert len(free) + len(held) == self.num_snapshot_slots, (
             f"snapshot accounting: {self.num_snapshot_slots} slots != free {len(free)} + held {len(held)}")
+
+
+class HostStatePool:
+    """Host copies of snapshots for the hierarchical cache (radix_cache/hybrid_hiradix.py): `size` slots, each every
+    linear layer's conv and recurrent state of one snapshot, in the device pool's dtypes (pinned on CUDA).
+
+    Ownership as on the device: a host slot is free or held by exactly one tree node. Copies run on the current
+    stream, in order with the batches and with `StatePool.copy`: a backup reads a snapshot whose writing batches
+    were issued before it, a load is issued before the batch that reads the loaded snapshot."""
+
+    def __init__(self, device_pool: StatePool, size: int) -> None:
+        if size < 1:
+            raise ValueError(f"a host state pool needs at least one slot, got {size}")
+        self.device_pool = device_pool
+        self.size = size
+        pinned = device_pool.device.type == "cuda"
+        self.conv = [torch.empty((size,) + tuple(t.shape[1:]), dtype=t.dtype, pin_memory=pinned)
+                     for t in device_pool.conv]
+        self.recurrent = [torch.empty((size,) + tuple(t.shape[1:]), dtype=t.dtype, pin_memory=pinned)
+                          for t in device_pool.recurrent]
+        self.clear()
+
+    def clear(self) -> None:
+        self._free: list[int] = list(range(self.size - 1, -1, -1))
+
+    @property
+    def bytes_per_slot(self) -> int:
+        return sum(t[0].numel() * t.element_size() for t in self.conv + self.recurrent)
+
+    def available(self) -> int:
+        return len(self._free)
+
+    def alloc(self) -> Optional[int]:
+        """A free host slot, or None when every one is held."""
+        return self._free.pop() if self._free else None
+
+    def free(self, slot: int) -> None:
+        assert 0 <= slot < self.size, f"slot {slot} is not a host state slot"
+        self._free.append(slot)
+
+    def backup(self, device_slot: int, host_slot: int) -> None:
+        """Copy every layer's states of device snapshot slot `device_slot` into host slot `host_slot`."""
+        for host, device in zip(self.conv + self.recurrent, self.device_pool.conv + self.device_pool.recurrent):
+            host[host_slot].copy_(device[device_slot])
+
+    def load(self, host_slot: int, device_slot: int) -> None:
+        """Copy host slot `host_slot` into device snapshot slot `device_slot`."""
+        for host, device in zip(self.conv + self.recurrent, self.device_pool.conv + self.device_pool.recurrent):
+            device[device_slot].copy_(host[host_slot])
+
+    def check_invariants(self, held: Iterable[int]) -> None:
+        """Raise AssertionError unless every host slot is free or held by exactly one owner in `held`."""
+        held = list(held)
+        assert len(set(held)) == len(held), "a host state slot is held twice"
+        assert len(set(self._free)) == len(self._free), "a host state slot is free twice"
+        assert not set(self._free) & set(held), "a host state slot is both free and held"
+        assert len(self._free) + len(held) == self.size, (
+            f"host state accounting: {self.size} slots != free {len(self._free)} + held {len(held)}")

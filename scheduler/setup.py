@@ -17,7 +17,9 @@ def make_cache(server_args: ServerArgs, req_to_token_pool: Any, allocator: Any, 
     """The radix cache, the never-sharing cache under `disable_radix_cache` or for a model whose KV cannot be shared
     (`shares_kv` False), or the hierarchical cache (host tier of `hicache_size` GB, else `hicache_ratio` times the
     device pool) under `enable_hierarchical_cache`. A hybrid model (`state_pool`, its recurrent states) gets the
-    radix cache that also keeps state snapshots (radix_cache/hybrid.py)."""
+    radix cache that also keeps state snapshots (radix_cache/hybrid.py), or under `enable_hierarchical_cache` the one
+    whose snapshots move to the host with their KV (radix_cache/hybrid_hiradix.py; `hicache_ratio` times the device
+    snapshot slots on the host)."""
     if kv_pool is not None and kv_pool.window_map is not None:  # sliding windows, window slots (radix_cache/swa.py)
         if server_args.enable_hierarchical_cache:
             raise ValueError("the hierarchical cache does not move window slots to the host; drop "
@@ -31,34 +33,50 @@ def make_cache(server_args: ServerArgs, req_to_token_pool: Any, allocator: Any, 
         from radixserve.radix_cache.no_share import NoShareCache
 
         return NoShareCache(req_to_token_pool, allocator, allocator.page_size)
+    if state_pool is not None and server_args.enable_hierarchical_cache:
+        if server_args.hicache_storage_dir:
+            raise ValueError("the disk tier keeps no recurrent-state snapshots, so a hybrid linear-attention model "
+                             "could never resume from it; drop --hicache-storage-dir")
+        from radixserve.radix_cache.hybrid_hiradix import HybridHiRadixCache
+        from radixserve.radix_cache.state_pool import HostStatePool
+
+        host_states = HostStatePool(state_pool, max(1, int(state_pool.num_snapshot_slots * server_args.hicache_ratio)))
+        logger.info("hierarchical cache: %d state snapshot slots on the host (%.2f GB)", host_states.size,
+                    host_states.size * host_states.bytes_per_slot / 1e9)
+        return HybridHiRadixCache(req_to_token_pool, allocator, _host_kv_pool(server_args, kv_pool, allocator),
+                                  state_pool, host_states, allocator.page_size, server_args.radix_eviction_policy,
+                                  server_args.hicache_write_policy)
     if state_pool is not None:
-        if server_args.enable_hierarchical_cache:
-            raise ValueError("the hierarchical cache does not move recurrent-state snapshots to the host yet; drop "
-                             "--enable-hierarchical-cache for a hybrid linear-attention model")
         from radixserve.radix_cache.hybrid import HybridRadixCache
 
         return HybridRadixCache(req_to_token_pool, allocator, state_pool, allocator.page_size,
                                 server_args.radix_eviction_policy)
     if server_args.enable_hierarchical_cache:
         from radixserve.radix_cache.hiradix import HiRadixCache
-        from radixserve.radix_cache.host_pool import HostKVPool
 
-        bytes_per_token = kv_pool.bytes_per_token(kv_pool.num_layers, kv_pool.num_kv_heads, kv_pool.head_dim,
-                                                  kv_pool.dtype)
-        if server_args.hicache_size > 0:
-            host_tokens = int(server_args.hicache_size * 1e9) // bytes_per_token
-        else:
-            host_tokens = int(allocator.size * server_args.hicache_ratio)
-        host_pool = HostKVPool(kv_pool, host_tokens)
-        logger.info("hierarchical cache: host tier of %d tokens (%.2f GB), %s%s", host_pool.size,
-                    host_pool.size * bytes_per_token / 1e9, server_args.hicache_write_policy,
-                    f", disk tier in {server_args.hicache_storage_dir}" if server_args.hicache_storage_dir else "")
-        return HiRadixCache(req_to_token_pool, allocator, host_pool, allocator.page_size,
-                            server_args.radix_eviction_policy, server_args.hicache_write_policy,
+        return HiRadixCache(req_to_token_pool, allocator, _host_kv_pool(server_args, kv_pool, allocator),
+                            allocator.page_size, server_args.radix_eviction_policy, server_args.hicache_write_policy,
                             server_args.hicache_storage_dir)
     from radixserve.radix_cache.tree import RadixCache
 
     return RadixCache(req_to_token_pool, allocator, allocator.page_size, server_args.radix_eviction_policy)
+
+
+def _host_kv_pool(server_args: ServerArgs, kv_pool: Any, allocator: Any) -> Any:
+    """The host tier's KV pool: `hicache_size` GB, else `hicache_ratio` times the device pool."""
+    from radixserve.radix_cache.host_pool import HostKVPool
+
+    bytes_per_token = kv_pool.bytes_per_token(kv_pool.num_layers, kv_pool.num_kv_heads, kv_pool.head_dim,
+                                              kv_pool.dtype)
+    if server_args.hicache_size > 0:
+        host_tokens = int(server_args.hicache_size * 1e9) // bytes_per_token
+    else:
+        host_tokens = int(allocator.size * server_args.hicache_ratio)
+    host_pool = HostKVPool(kv_pool, host_tokens)
+    logger.info("hierarchical cache: host tier of %d tokens (%.2f GB), %s%s", host_pool.size,
+                host_pool.size * bytes_per_token / 1e9, server_args.hicache_write_policy,
+                f", disk tier in {server_args.hicache_storage_dir}" if server_args.hicache_storage_dir else "")
+    return host_pool
 
 
 def make_window_release(runner: Any, cache: PrefixCache) -> Optional[Any]:

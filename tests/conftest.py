@@ -8,10 +8,11 @@
     -> str` that saves a small random-weight Hugging Face model (config.json + model.safetensors, float32) with
     transformers' own classes and returns its directory. Same arguments -> same directory (built once per
     session). `arch` is "llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral", "gemma3",
-    "gemma4" or "qwen3_5" (or the architecture class name). The Gemma models mix sliding layers (window 8) with full
-    ones (`_TINY_WINDOWED`). The mixture-of-experts families get 8 experts, top-2, experts of width 32 (Mixtral's:
-    `intermediate_size`), and Qwen2-MoE a shared expert of width 48. The hybrid Qwen3.5 gets 4 layers (3 Gated
-    DeltaNet, then full attention) with 2 key heads and 4 value heads of 16 in its linear layers.
+    "gemma4", "qwen3_5" or "qwen3_next" (or the architecture class name). The Gemma models mix sliding layers
+    (window 8) with full ones (`_TINY_WINDOWED`). The mixture-of-experts families get 8 experts, top-2, experts of
+    width 32 (Mixtral's: `intermediate_size`), and Qwen2-MoE a shared expert of width 48. The hybrid Qwen3.5 gets
+    4 layers (3 Gated DeltaNet, then full attention) with 2 key heads and 4 value heads of 16 in its linear layers;
+    Qwen3-Next the same layout with the sparse feed-forward of Qwen2-MoE's shape on layers 0, 1 and 3.
     Defaults: hidden 64, 2 layers, 4 query heads, 2 KV heads, head_dim 16, intermediate 128, vocab 512,
     rope_theta 50000 (not a library default, so a loader reading the wrong key fails), no EOS token (so
     generation runs to max_new_tokens); Qwen2 ties its embeddings, the others do not. Weights are drawn
@@ -60,6 +61,7 @@ TINY_ARCHITECTURES = {
     "gemma4": "Gemma4TextConfig",
     "qwen3_5": "Qwen3_5TextConfig",
     "gpt_oss": "GptOssConfig",
+    "qwen3_next": "Qwen3NextConfig",
 }
 _CLASS_NAME_TO_ARCH = {
     "LlamaForCausalLM": "llama",
@@ -73,6 +75,7 @@ _CLASS_NAME_TO_ARCH = {
     "Gemma4ForCausalLM": "gemma4",
     "Qwen3_5ForCausalLM": "qwen3_5",
     "GptOssForCausalLM": "gpt_oss",
+    "Qwen3NextForCausalLM": "qwen3_next",
 }
 # The mixture-of-experts families: 8 experts of width 32, top-2 (Mixtral's experts take `intermediate_size`).
 _TINY_MOE = {
@@ -112,6 +115,12 @@ _TINY_WINDOWED = {
 _TINY_HYBRID = {
     "qwen3_5": {"num_hidden_layers": 4, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
                 "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4},
+    # Qwen3-Next: the same layout, with the sparse feed-forward on every layer but layer 2 (`mlp_only_layers`):
+    # 8 experts of 32, top-2 renormalized, and a shared expert of 48.
+    "qwen3_next": {"num_hidden_layers": 4, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+                   "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4,
+                   "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                   "shared_expert_intermediate_size": 48, "mlp_only_layers": [2], "norm_topk_prob": True},
 }
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 

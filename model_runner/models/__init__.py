@@ -15,6 +15,7 @@ from radixserve.model_runner.models.qwen2_moe import Qwen2MoeForCausalLM
 from radixserve.model_runner.models.qwen3 import Qwen3ForCausalLM
 from radixserve.model_runner.models.qwen3_5 import Qwen3_5ForCausalLM
 from radixserve.model_runner.models.qwen3_moe import Qwen3MoeForCausalLM
+from radixserve.model_runner.models.qwen3_next import Qwen3NextForCausalLM
 from radixserve.model_runner.models.sequence_classification import (LlamaForSequenceClassification,
                                                                     Qwen2ForSequenceClassification,
                                                                     Qwen3ForSequenceClassification)
@@ -31,6 +32,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Gemma4ForCausalLM": Gemma4ForCausalLM,
     "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
+    "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
     "LlamaForSequenceClassification": LlamaForSequenceClassification,
     "Qwen2ForSequenceClassification": Qwen2ForSequenceClassification,
     "Qwen3ForSequenceClassification": Qwen3ForSequenceClassification,
@@ -51,4 +53,5 @@ def get_model_class(architecture: str) -> type[nn.Module]:
 __all__ = ["MODEL_REGISTRY", "BertModel", "Gemma3ForCausalLM", "Gemma4ForCausalLM", "GptOssForCausalLM",
            "LlamaForSequenceClassification", "Qwen2ForSequenceClassification",
            "Qwen3ForSequenceClassification", "get_model_class", "LlamaForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM",
-           "Qwen2MoeForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3_5ForCausalLM"]
+           "Qwen2MoeForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3_5ForCausalLM",
+           "Qwen3NextForCausalLM"]

@@ -10,7 +10,7 @@ parallelism only its own experts (`FusedMoE.shard`): another rank's expert tenso
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 from torch import nn
 
@@ -51,36 +51,50 @@ class MoEForCausalLM(LlamaForCausalLM):
         return expected
 
     def _load_tensor(self, hf_name: str, tensor, params: dict[str, nn.Parameter]) -> tuple[str, int]:
-        match = _EXPERT_TENSOR.match(hf_name)
-        if match is None:
+        parts = expert_tensor_parts(hf_name)
+        if parts is None:
             return super()._load_tensor(hf_name, tensor, params)
-        prefix, expert, projection = match.group(1), int(match.group(2)), match.group(3)
+        prefix, expert, projection = parts
         if f"{prefix}.w13_weight" not in params:
             raise ValueError(f"checkpoint tensor {hf_name!r} has no matching parameter in {type(self).__name__}")
-        experts: FusedMoE = self.get_submodule(prefix)
-        if expert >= experts.num_experts:
-            raise ValueError(f"checkpoint tensor {hf_name!r} names expert {expert} of {experts.num_experts}")
-        layout = experts.shard
-        local = layout.intermediate_size
-        if projection == "down_proj":
-            target, shard, dim = f"{prefix}.w2_weight", expert, 1
-        else:
-            part = 0 if projection == "gate_proj" else 1
-            target, shard, dim = f"{prefix}.w13_weight", 2 * expert + part, 0
-        if not layout.holds(expert):
-            return target, shard  # another expert-parallel rank's: its lazy slice is never indexed, so never read
-        index = expert - layout.first_expert
-        if projection == "down_proj":
-            destination = experts.w2_weight.data[index]
-        else:
-            destination = experts.w13_weight.data[index, part * local:(part + 1) * local]
-        whole = list(destination.shape)
-        whole[dim] = local * layout.num_slices
-        if tuple(whole) != full_shape(tensor):
-            raise ValueError(f"shape mismatch for {hf_name!r}: checkpoint {full_shape(tensor)}, "
-                             f"model expects {tuple(whole)}")
-        destination.copy_(narrow_source(tensor, dim, layout.intermediate_start, local))
-        return target, shard
+        parameter, shard = load_expert_tensor(self.get_submodule(prefix), hf_name, expert, projection, tensor)
+        return f"{prefix}.{parameter}", shard
+
+
+def expert_tensor_parts(name: str) -> Optional[tuple[str, int, str]]:
+    """(the experts' module path, expert id, projection) of one expert's checkpoint tensor
+    (`<prefix>.experts.<e>.<gate_proj|up_proj|down_proj>.weight`); None for any other name."""
+    match = _EXPERT_TENSOR.match(name)
+    return None if match is None else (match.group(1), int(match.group(2)), match.group(3))
+
+
+def load_expert_tensor(experts: FusedMoE, hf_name: str, expert: int, projection: str, tensor) -> tuple[str, int]:
+    """Copy this rank's part of expert `expert`'s `projection` into the stacked parameters of `experts`; returns the
+    parameter's name inside `experts` and the shard it filled (see `MoEForCausalLM`). Another expert-parallel rank's
+    expert is passed over unread."""
+    if expert >= experts.num_experts:
+        raise ValueError(f"checkpoint tensor {hf_name!r} names expert {expert} of {experts.num_experts}")
+    layout = experts.shard
+    local = layout.intermediate_size
+    if projection == "down_proj":
+        target, shard, dim = "w2_weight", expert, 1
+    else:
+        part = 0 if projection == "gate_proj" else 1
+        target, shard, dim = "w13_weight", 2 * expert + part, 0
+    if not layout.holds(expert):
+        return target, shard  # another expert-parallel rank's: its lazy slice is never indexed, so never read
+    index = expert - layout.first_expert
+    if projection == "down_proj":
+        destination = experts.w2_weight.data[index]
+    else:
+        destination = experts.w13_weight.data[index, part * local:(part + 1) * local]
+    whole = list(destination.shape)
+    whole[dim] = local * layout.num_slices
+    if tuple(whole) != full_shape(tensor):
+        raise ValueError(f"shape mismatch for {hf_name!r}: checkpoint {full_shape(tensor)}, "
+                         f"model expects {tuple(whole)}")
+    destination.copy_(narrow_source(tensor, dim, layout.intermediate_start, local))
+    return target, shard
 
 
 def rename_tensors(weights, renames: tuple[tuple[str, str], ...]):

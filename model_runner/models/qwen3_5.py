@@ -10,7 +10,8 @@ Qwen3 decoder:
 
 Text positions are the same on the three axes of Qwen3.5's multimodal RoPE, so plain RoPE over those dimensions is
 exact for text. Linear layers keep their per-request state in the runner's `StatePool`, installed with
-`set_state_pool`. Tensor parallelism is not supported for this family yet.
+`set_state_pool`. Tensor parallelism is not supported for this family yet. Qwen3-Next (models/qwen3_next.py) is this
+decoder with sparse feed-forward layers (`make_mlp`) and its own checkpoint layout (`_load_tensor`).
 """
 
 from __future__ import annotations
@@ -90,6 +91,13 @@ class GatedAttention(nn.Module):
 
 
 class Qwen3_5DecoderLayer(nn.Module):
+    """A linear or a gated full-attention token mixer, then the feed-forward `make_mlp` builds (dense here; Qwen3-Next's
+    layers may take the sparse block)."""
+
+    @staticmethod
+    def make_mlp(config: "ModelConfig", layer_id: int, tp: TPGroup) -> nn.Module:
+        return LlamaMLP(config.hidden_size, config.intermediate_size, tp)
+
     def __init__(self, config: "ModelConfig", layer_id: int, rotary: RotaryEmbedding, tp: TPGroup) -> None:
         super().__init__()
         linear = config.linear_attention
@@ -99,7 +107,7 @@ class Qwen3_5DecoderLayer(nn.Module):
             self.linear_attn = GatedDeltaNet(config.hidden_size, linear, state_index, config.rms_norm_eps)
         else:
             self.self_attn = GatedAttention(config, config.kv_layer_id(layer_id), rotary)
-        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, tp)
+        self.mlp = self.make_mlp(config, layer_id, tp)
         self.input_layernorm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -124,6 +132,8 @@ _FUSED_PARTS = {
     "self_attn.q_proj": ("self_attn.qkv_proj", 0), "self_attn.k_proj": ("self_attn.qkv_proj", 1),
     "self_attn.v_proj": ("self_attn.qkv_proj", 2),
     "mlp.gate_proj": ("mlp.gate_up_proj", 0), "mlp.up_proj": ("mlp.gate_up_proj", 1),
+    "mlp.shared_expert.gate_proj": ("mlp.shared_expert.gate_up_proj", 0),
+    "mlp.shared_expert.up_proj": ("mlp.shared_expert.gate_up_proj", 1),
     "linear_attn.in_proj_qkv": ("linear_attn.in_proj", 0), "linear_attn.in_proj_z": ("linear_attn.in_proj", 1),
     "linear_attn.in_proj_b": ("linear_attn.in_proj", 2), "linear_attn.in_proj_a": ("linear_attn.in_proj", 3),
 }
@@ -132,6 +142,8 @@ _FUSED_PARTS = {
 class Qwen3_5ForCausalLM(nn.Module):
     """The hybrid causal LM. Same interface as `LlamaForCausalLM` (forward, compute_logits, load_weights), plus
     `set_state_pool`: the runner installs its state pool before the first forward."""
+
+    layer_class: type[Qwen3_5DecoderLayer] = Qwen3_5DecoderLayer
 
     def __init__(self, config: "ModelConfig", max_positions: Optional[int] = None,
                  tp: Optional[TPGroup] = None) -> None:
@@ -145,7 +157,7 @@ class Qwen3_5ForCausalLM(nn.Module):
         max_positions = max_positions or config.max_position_embeddings
         rotary = RotaryEmbedding(config.rotary_dim, max_positions, config.rope_theta, config.rope_scaling)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Qwen3_5DecoderLayer(config, i, rotary, self.tp)
+        self.layers = nn.ModuleList(self.layer_class(config, i, rotary, self.tp)
                                     for i in range(config.num_hidden_layers))
         self.norm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(config.tie_word_embeddings)
@@ -187,8 +199,8 @@ class Qwen3_5ForCausalLM(nn.Module):
         if fused == "self_attn.qkv_proj":
             attn = layer.self_attn
             sizes = [2 * attn.q_size, attn.kv_size, attn.kv_size]
-        elif fused == "mlp.gate_up_proj":
-            sizes = [layer.mlp.gate_up_proj.weight.shape[0] // 2] * 2
+        elif fused.endswith("gate_up_proj"):  # the dense MLP's or the shared expert's
+            sizes = [layer.get_submodule(fused).weight.shape[0] // 2] * 2
         else:
             lin = layer.linear_attn
             sizes = [lin.conv_dim, lin.value_size, lin.num_v_heads, lin.num_v_heads]
@@ -220,37 +232,48 @@ class Qwen3_5ForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], strict: bool = True) -> None:
         """Copy HF-named tensors into the parameters, stacking the fused projections; ValueError for an unknown
-        name, a shape mismatch or (when `strict`) a tensor the checkpoint lacks."""
+        name, a shape mismatch or (when `strict`) a tensor the checkpoint lacks. The released checkpoints' `mtp.*`
+        tensors (a multi-token-prediction head) are passed over, as transformers does."""
         params = dict(self.named_parameters())
         expected = set(self.hf_weight_shapes())
         loaded: set[str] = set()
         for hf_name, tensor in weights:
             if "rotary_emb.inv_freq" in hf_name or (hf_name == "lm_head.weight" and self.tie_word_embeddings):
                 continue
-            tensor = tensor if isinstance(tensor, torch.Tensor) else tensor[:]
-            name = hf_name[len("model."):] if hf_name.startswith("model.") else hf_name
-            target, rows = name, None
-            if name.startswith("layers."):
-                _, layer_id, local = name.split(".", 2)
-                layer = self.layers[int(layer_id)]
-                for part, (fused, index) in _FUSED_PARTS.items():
-                    if local.startswith(part + "."):
-                        target = f"layers.{layer_id}.{fused}.{local.rsplit('.', 1)[1]}"
-                        rows = self._fused_rows(layer, fused, index)
-                        break
-                else:
-                    if local == "linear_attn.conv1d.weight":
-                        target = f"layers.{layer_id}.linear_attn.conv_weight"
-                        tensor = tensor.reshape(tensor.shape[0], tensor.shape[-1])
-            if target not in params:
-                raise ValueError(f"checkpoint tensor {hf_name!r} has no matching parameter in {type(self).__name__}")
-            destination = params[target].data if rows is None else params[target].data[rows[0]:rows[1]]
-            if tuple(destination.shape) != tuple(tensor.shape):
-                raise ValueError(f"shape mismatch for {hf_name!r}: checkpoint {tuple(tensor.shape)}, "
-                                 f"model expects {tuple(destination.shape)}")
-            destination.copy_(tensor)
+            if hf_name.startswith("mtp."):  # the multi-token-prediction head: a draft model, not served yet
+                continue
+            self._load_tensor(hf_name, tensor if isinstance(tensor, torch.Tensor) else tensor[:], params)
             loaded.add(hf_name)
         missing = sorted(expected - loaded)
         if missing and strict:
             raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:10])}"
                              + (f" (and {len(missing) - 10} more)" if len(missing) > 10 else ""))
+
+    def _load_tensor(self, hf_name: str, tensor: torch.Tensor, params: dict[str, nn.Parameter]) -> None:
+        """Copy one checkpoint tensor into its parameter (its rows there, for a part of a fused projection)."""
+        name = hf_name[len("model."):] if hf_name.startswith("model.") else hf_name
+        target, rows = name, None
+        if name.startswith("layers."):
+            _, layer_id, local = name.split(".", 2)
+            layer = self.layers[int(layer_id)]
+            for part, (fused, index) in _FUSED_PARTS.items():
+                if local.startswith(part + "."):
+                    target = f"layers.{layer_id}.{fused}.{local.rsplit('.', 1)[1]}"
+                    rows = self._fused_rows(layer, fused, index)
+                    break
+            else:
+                if local == "linear_attn.conv1d.weight":
+                    target = f"layers.{layer_id}.linear_attn.conv_weight"
+                    tensor = tensor.reshape(tensor.shape[0], tensor.shape[-1])
+        if target not in params:
+            raise ValueError(f"checkpoint tensor {hf_name!r} has no matching parameter in {type(self).__name__}")
+        destination = params[target].data if rows is None else params[target].data[rows[0]:rows[1]]
+        copy_checked(hf_name, tensor, destination)
+
+
+def copy_checked(hf_name: str, tensor: torch.Tensor, destination: torch.Tensor) -> None:
+    """`destination.copy_(tensor)`, or ValueError naming the checkpoint tensor when the shapes differ."""
+    if tuple(destination.shape) != tuple(tensor.shape):
+        raise ValueError(f"shape mismatch for {hf_name!r}: checkpoint {tuple(tensor.shape)}, "
+                         f"model expects {tuple(destination.shape)}")
+    destination.copy_(tensor)

@@ -152,20 +152,23 @@ def test_snapshot_budget_evicts_least_recently_used(model_dir, references):
 NUM_CONVERSATIONS, NUM_TURNS, TURN_TOKENS, ANSWER_TOKENS = 8, 6, 12, 8
 
 
-def multi_turn(model_dir, **server_args) -> tuple[list[list[int]], list[int]]:
-    """8 conversations x 6 turns: each turn's prompt is the conversation so far (earlier prompts and answers) plus a
-    new user message; the turns of all conversations go in together, turn by turn. Returns every answer and the
-    cached tokens of each turn after the first."""
-    driver = SchedulerDriver(model_dir, max_total_tokens=8192, max_running_requests=16, **server_args)
-    messages = [random_prompts(512, [TURN_TOKENS] * NUM_TURNS, seed=100 + c) for c in range(NUM_CONVERSATIONS)]
-    history = [[] for _ in range(NUM_CONVERSATIONS)]
+def multi_turn(model_dir, num_conversations=NUM_CONVERSATIONS, num_turns=NUM_TURNS, driver=None,
+               **server_args) -> tuple[list[list[int]], list[int]]:
+    """8 conversations x 6 turns (by default): each turn's prompt is the conversation so far (earlier prompts and
+    answers) plus a new user message; the turns of all conversations go in together, turn by turn. Returns every
+    answer and the cached tokens of each turn after the first, and closes the driver (`driver`, else one built with
+    `server_args`, which may replace the pool sizes)."""
+    driver = driver or SchedulerDriver(model_dir, **{"max_total_tokens": 8192, "max_running_requests": 16,
+                                                     **server_args})
+    messages = [random_prompts(512, [TURN_TOKENS] * num_turns, seed=100 + c) for c in range(num_conversations)]
+    history = [[] for _ in range(num_conversations)]
     answers, cached = [], []
-    for turn in range(NUM_TURNS):
-        for c in range(NUM_CONVERSATIONS):
+    for turn in range(num_turns):
+        for c in range(num_conversations):
             history[c] = history[c] + messages[c][turn]
             driver.submit(f"c{c}t{turn}", history[c], max_new_tokens=ANSWER_TOKENS)
         driver.run_until_idle()
-        for c in range(NUM_CONVERSATIONS):
+        for c in range(num_conversations):
             result = driver.results[f"c{c}t{turn}"]
             answers.append(result.output_ids)
             history[c] = history[c] + result.output_ids
