@@ -42,9 +42,10 @@ MODES = {
     "bfloat16": {"dtype": "bfloat16", "quantization": "none"},
     "float32": {"dtype": "float32", "quantization": "none"},
     "gguf": {"dtype": "float32", "quantization": "gguf"},
+    "gguf-int8": {"dtype": "float32", "quantization": "gguf", "gguf_activations": "int8"},
 }
 _MISSING = object()
-PARTS = ("linears", "lm_head", "attention", "norms", "rotary", "silu_mul", "sampling")
+PARTS = ("linears", "lm_head", "attention", "attention_plan", "embedding", "norms", "rotary", "silu_mul", "sampling")
 
 
 class PartTimers:
@@ -87,6 +88,8 @@ def instrument(driver: SchedulerDriver, timers: PartTimers) -> None:
         elif isinstance(module, layers.RMSNorm):
             timers.wrap(module, "forward", "norms")
     timers.wrap(runner.attn_backend, "forward", "attention")
+    timers.wrap(runner.attn_backend, "plan", "attention_plan")
+    timers.wrap(model.model.embed_tokens, "forward", "embedding")
     timers.wrap(layers.RotaryEmbedding, "__call__", "rotary")
     timers.wrap(llama, "silu_and_mul", "silu_mul")
     timers.wrap(driver.scheduler.executor.sampler, "sample", "sampling")
@@ -175,9 +178,9 @@ def main() -> None:
     print(f"{'part':<34}{'ms':>8}")
     rows = [("step, untimed", record["step_ms"]), ("step, timed", record["timed_step_ms"]),
             ("  forward", forward)]
-    names = {"linears": "linears (projections)", "lm_head": "LM head (logits)"}
+    names = {"linears": "linears (projections)", "lm_head": "LM head (logits)", "attention_plan": "attention plan"}
     rows += [(f"    {names.get(part, part)}", parts[part]) for part in PARTS[:-1]]
-    rows += [("    rest of the forward (embedding, adds, views)", record["forward_other_ms"]),
+    rows += [("    rest of the forward (the layers' Python, splits, views)", record["forward_other_ms"]),
              ("  sampling", parts["sampling"]), ("  scheduler outside forward and sampling",
                                                   record["outside_forward_ms"])]
     for name, ms in rows:

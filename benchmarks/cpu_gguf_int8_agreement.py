@@ -1,6 +1,7 @@
 """How far the GGUF blocks' int8 activations (`--gguf-activations int8`) move the embedded model's greedy output from the
 float32 path: 16 prompts x 32 greedy tokens on the float32 conversion (`--dtype float32`, the reference), on the blocks
-with float32 activations (`--quantization gguf`) and on the blocks with int8 activations.
+with float32 activations (`--quantization gguf`) and on the blocks with int8 activations; and, for scale, on the
+bfloat16 conversion (`--dtype bfloat16`), the other path that rounds what the float32 path computes.
 
     python benchmarks/cpu_gguf_int8_agreement.py [--out FILE]
 
@@ -36,6 +37,7 @@ PROMPTS = [
 ]
 PATHS = {
     "float32": {"dtype": "float32", "quantization": "none"},
+    "bfloat16": {"dtype": "bfloat16", "quantization": "none"},  # for scale: the other approximate path
     "gguf float32 activations": {"quantization": "gguf"},
     "gguf int8 activations": {"quantization": "gguf", "gguf_activations": "int8"},
 }
@@ -81,7 +83,7 @@ def main() -> None:
     print(f"{'path':<28}{'identical':>10}{'mean prefix':>13}{'|dlogprob| mean':>17}{'max':>8}")
     for name, row in record["against_float32"].items():
         print(f"{name:<28}{row['prompts_identical']:>7}/{row['prompts']:<2}{row['mean_common_prefix']:>13.1f}"
-              f"{row['logprob_distance_mean']:>17.4f}{row['logprob_distance_max']:>8.3f}")
+              f"{row['logprob_distance_mean']:>17.5f}{row['logprob_distance_max']:>8.4f}")
     if args.out:
         Path(args.out).write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
 
