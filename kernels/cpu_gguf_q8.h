@@ -5,12 +5,14 @@
 //
 //     Q4_1  w = d * q + m     sum(w * x) = d * dx * (q . xq) + m * (dx * sum xq)
 //     Q4_0  w = d * (q - 8)   sum(w * x) = d * dx * (q . xq - 8 * sum xq)
-//     Q8_0  w = d * q         sum(w * x) = d * dx * (|q| . sign(q) xq)
+//     Q8_0  w = d * q         sum(w * x) = d * dx * ((q + 128) . xq - 128 * sum xq)     (VNNI)
+//                                        = d * dx * (|q| . sign(q) xq)                   (AVX2)
 //
 // The dot products run on AVX-512 VNNI's `vpdpbusd` (unsigned bytes times signed bytes, four pairs to an int32 lane)
-// on 256-bit vectors, one block each; without VNNI, AVX2's `vpmaddubsw` + `vpmaddwd` make the same lanes. Q8_0's
+// on 256-bit vectors, one block each; without VNNI, AVX2's `vpmaddubsw` + `vpmaddwd` make the same lanes. There Q8_0's
 // signed weights go in as |q| with their signs moved onto the activations (|q| <= 128, |xq| <= 127: a pair of
-// products stays below 2^15, so `vpmaddubsw` never saturates). The integer part of every block is exact; the float
+// products stays below 2^15, so `vpmaddubsw` never saturates); `vpdpbusd` does not saturate, so with VNNI they go in
+// shifted to unsigned, the shift's term taken off exactly in the integer lanes. The integer part of every block is exact; the float
 // sums are float32, lane by lane over the blocks. Rounding the activations moves a product by a few tenths of a
 // percent of its scale, so this is a different function from the float32 product of the dequantized weights: the
 // runner uses it only when asked (`--gguf-activations int8`, model_runner/cpu/gguf_linear.py).
@@ -105,6 +107,12 @@ inline __m256i weight_bytes(const uint8_t* block) {
   return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), low), _mm_and_si128(q, low));
 }
 
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+constexpr bool kVnni = true;
+#else
+constexpr bool kVnni = false;
+#endif
+
 // The int32 lanes of (weight bytes . xq) + start.
 inline __m256i dot_lanes(__m256i start, __m256i weight, __m256i xq) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -131,14 +139,21 @@ inline void tile(const uint8_t* w, int64_t row_bytes, const ActivationBlock* xq,
   for (int n = 0; n < NB; ++n)
     for (int m = 0; m < MB; ++m) acc[n][m] = _mm256_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
-    __m256i raw[NB], weight[NB];  // raw: Q8_0's signed values, whose signs move onto the activations
+    // Q8_0's signed values: with VNNI, shifted to unsigned (q + 128, the 128 * sum xq taken off in `start`);
+    // with AVX2 (whose vpmaddubsw would saturate on those) as |q|, their signs moved onto the activations (`raw`).
+    __m256i raw[NB], weight[NB];
     float d[NB], offset[NB];
 #pragma GCC unroll 4
     for (int n = 0; n < NB; ++n) {
       const uint8_t* block = w + (n0 + n) * row_bytes + b * Block<T>::kBytes;
       raw[n] = T == kQ8_0 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(Block<T>::values(block)))
                           : _mm256_setzero_si256();
-      weight[n] = T == kQ8_0 ? _mm256_sign_epi8(raw[n], raw[n]) : weight_bytes<T>(block);
+      if constexpr (T != kQ8_0)
+        weight[n] = weight_bytes<T>(block);
+      else if constexpr (kVnni)
+        weight[n] = _mm256_xor_si256(raw[n], _mm256_set1_epi8(static_cast<char>(0x80)));
+      else
+        weight[n] = _mm256_sign_epi8(raw[n], raw[n]);
       d[n] = half_at(block);
       offset[n] = Block<T>::offset(block);
     }
@@ -146,13 +161,15 @@ inline void tile(const uint8_t* w, int64_t row_bytes, const ActivationBlock* xq,
     for (int m = 0; m < MB; ++m) {
       const ActivationBlock& a = xq[(m0 + m) * blocks + b];
       const __m256i x = _mm256_load_si256(reinterpret_cast<const __m256i*>(a.q));
+      // the weights' shift to unsigned, lane by lane: Q4_0's - 8 * sum xq, Q8_0's - 128 * sum xq (VNNI)
+      constexpr int shift = T == kQ4_0 ? 3 : (T == kQ8_0 && kVnni ? 7 : 0);
       __m256i start = _mm256_setzero_si256();
-      if constexpr (T == kQ4_0)  // - 8 * sum xq, lane by lane
+      if constexpr (shift != 0)
         start = _mm256_sub_epi32(start, _mm256_slli_epi32(
-            _mm256_load_si256(reinterpret_cast<const __m256i*>(a.lane_sum)), 3));
+            _mm256_load_si256(reinterpret_cast<const __m256i*>(a.lane_sum)), shift));
 #pragma GCC unroll 4
       for (int n = 0; n < NB; ++n) {
-        const __m256i xs = T == kQ8_0 ? _mm256_sign_epi8(x, raw[n]) : x;
+        const __m256i xs = T == kQ8_0 && !kVnni ? _mm256_sign_epi8(x, raw[n]) : x;
         const __m256i dot = dot_lanes(start, weight[n], xs);
         acc[n][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(d[n] * a.dx), acc[n][m]);
         if constexpr (Block<T>::kOffset) offset_sum[n][m] += offset[n] * a.dx_sum;
