@@ -72,7 +72,6 @@ def test_decode_profile_timers_count_each_part_and_restore_what_they_wrapped():
     assert "forward" not in vars(part) and Part.forward is plain_forward and module.act is plain_act
 
 
-@pytest.mark.slow
 def test_decode_profile_splits_a_step_of_the_int8_blocks(tmp_path):
     out = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "cpu_decode_profile.py"), "--mode", "gguf-int8", "--input-len", "16",

@@ -63,7 +63,6 @@ def test_default_model_on_its_blocks_gives_transformers_greedy_ids(default_model
     assert agree >= 15, f"{agree} of {len(prompts)} prompts give Hugging Face's greedy ids"
 
 
-@pytest.mark.slow  # two runners generate 16 x 32 tokens
 def test_int8_activations_keep_most_of_the_float_paths_greedy_ids(default_model_dir):
     """`--gguf-activations int8` on the embedded model: every block linear rounds its activations to int8 at decode
     rows, and the greedy ids stay those of the float32 activations on most prompts (12 of 16 over 32 tokens on the
