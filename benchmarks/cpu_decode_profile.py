@@ -16,6 +16,7 @@ and the detokenizer on top: compare `step` with the server's ITL (`cpu_vs_llamac
 from __future__ import annotations
 
 import argparse
+import ast
 import collections
 import contextlib
 import json
@@ -140,8 +141,6 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="write the JSON record here")
     args = parser.parse_args()
 
-    import ast
-
     extra = {name: ast.literal_eval(value) for name, value in (a.split("=", 1) for a in args.server_arg)}
     driver = SchedulerDriver(default_model_path(), check_every_step=False, cpu_kernels="auto", **MODES[args.mode],
                              **extra)
@@ -172,10 +171,10 @@ def main() -> None:
         "parts_ms": parts, "forward_other_ms": forward - inside,
         "outside_forward_ms": median_ms(timed, "step") - forward - parts["sampling"],
     }
-    print(f"CPU ISA {record['cpu_isa']}; torch {torch.__version__}, {record['threads']} threads a step (median); load average "
-          f"{' '.join(f'{x:.2f}' for x in record['load_average'])}; {args.mode}, {args.input_len} in / "
+    print(f"CPU ISA {record['cpu_isa']}; torch {torch.__version__}, {record['threads']} threads a step (median); "
+          f"load average {' '.join(f'{x:.2f}' for x in record['load_average'])}; {args.mode}, {args.input_len} in / "
           f"{args.output_len} out, medians per decode step")
-    print(f"{'part':<34}{'ms':>8}")
+    print(f"{'part':<60}{'ms':>8}")
     rows = [("step, untimed", record["step_ms"]), ("step, timed", record["timed_step_ms"]),
             ("  forward", forward)]
     names = {"linears": "linears (projections)", "lm_head": "LM head (logits)", "attention_plan": "attention plan"}
@@ -184,7 +183,7 @@ def main() -> None:
              ("  sampling", parts["sampling"]), ("  scheduler outside forward and sampling",
                                                   record["outside_forward_ms"])]
     for name, ms in rows:
-        print(f"{name:<50}{ms:>8.2f}")
+        print(f"{name:<60}{ms:>8.2f}")
     if args.out:
         Path(args.out).write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
 

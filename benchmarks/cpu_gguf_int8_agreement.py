@@ -1,5 +1,5 @@
-"""How far the GGUF blocks' int8 activations (`--gguf-activations int8`) move the embedded model's greedy output from the
-float32 path: 16 prompts x 32 greedy tokens on the float32 conversion (`--dtype float32`, the reference), on the blocks
+"""How far the GGUF blocks' int8 activations (`--gguf-activations int8`) move the embedded model's greedy output from
+the float32 path: 16 prompts x 32 greedy tokens on the float32 conversion (`--dtype float32`, the reference), on the blocks
 with float32 activations (`--quantization gguf`) and on the blocks with int8 activations; and, for scale, on the
 bfloat16 conversion (`--dtype bfloat16`), the other path that rounds what the float32 path computes.
 

@@ -12,10 +12,10 @@
 // on 256-bit vectors, one block each; without VNNI, AVX2's `vpmaddubsw` + `vpmaddwd` make the same lanes. There Q8_0's
 // signed weights go in as |q| with their signs moved onto the activations (|q| <= 128, |xq| <= 127: a pair of
 // products stays below 2^15, so `vpmaddubsw` never saturates); `vpdpbusd` does not saturate, so with VNNI they go in
-// shifted to unsigned, the shift's term taken off exactly in the integer lanes. The integer part of every block is exact; the float
-// sums are float32, lane by lane over the blocks. Rounding the activations moves a product by a few tenths of a
-// percent of its scale, so this is a different function from the float32 product of the dequantized weights: the
-// runner uses it only when asked (`--gguf-activations int8`, model_runner/cpu/gguf_linear.py).
+// shifted to unsigned, the shift's term taken off exactly in the integer lanes. The integer part of every block is
+// exact; the float sums are float32, lane by lane over the blocks. Rounding the activations moves a product by a few
+// tenths of a percent of its scale, so this is a different function from the float32 product of the dequantized
+// weights: the runner uses it only when asked (`--gguf-activations int8`, model_runner/cpu/gguf_linear.py).
 #pragma once
 
 #include <ATen/Parallel.h>

@@ -14,8 +14,9 @@ blocks, and kernels/cpu_gguf_linear.cpp multiplies on them.
 - `--gguf-activations int8`: llama.cpp's arithmetic at decode rows, the activations rounded to int8 per block (32
   values for Q8_0 / Q4_0 / Q4_1, kernels/cpu_gguf_q8.h; 256 for the K-quants) and multiplied in integers (AVX-512
   VNNI's `vpdpbusd`, else AVX2). Faster, since a decode step then costs little more than reading the blocks, but a
-  different function: on the embedded SmolLM2 it keeps the float32 path's greedy tokens on fewer prompts
-  (docs/benchmarks.md, "int8 activations"). Prefill rows of Q8_0 / Q4_0 / Q4_1 stay on the dequantized float32 GEMM.
+  different function: on the embedded SmolLM2 it keeps the float32 path's greedy tokens on 12 of 16 prompts
+  (docs/quantization.md). Prefill rows of Q8_0 / Q4_0 / Q4_1 stay on the dequantized float32 GEMM; the K-quants, whose
+  kernel runs at every row count, take int8 activations at every row count.
 The model is loaded from the converted directory as for the float path, then `use_gguf_blocks` swaps each fused
 projection (qkv, gate/up, o, down) whose parts are stored in one block type for a `GGUFLinear` on the concatenated
 blocks, and the LM head (the embedding's matrix where tied) for one on its own; their float weights are dropped. The
