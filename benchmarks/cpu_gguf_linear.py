@@ -11,6 +11,8 @@ one layer to the next as in a real forward); the LM head (49152x576) is timed on
 `--repeats` forwards after a warm-up, per path:
 
 - `blocks`: `torch.ops.radixserve_cpu.gguf_linear` on the blocks (dequantized in registers);
+- `int8`: the same op with `activation_bits` 8, the activations rounded to int8 per block of 32 and multiplied in
+  integers (kernels/cpu_gguf_q8.h, `--gguf-activations int8`);
 - `dequantize`: `gguf_dequantize` of the whole weight, then `F.linear`;
 - `float32`: `F.linear` on the float32 weight (what `--dtype float32` reads, before its own kernels).
 
@@ -63,6 +65,7 @@ def measure(type_name: str, rows: list[int], repeats: int) -> list[dict]:
     head = quantized(HEAD_SHAPE, ggml_type, seed=10_000)
     paths = {
         "blocks": lambda x, blocks, weight: torch.ops.radixserve_cpu.gguf_linear(x, blocks, int(ggml_type), None),
+        "int8": lambda x, blocks, weight: torch.ops.radixserve_cpu.gguf_linear(x, blocks, int(ggml_type), None, 8),
         "dequantize": lambda x, blocks, weight: F.linear(x, torch.ops.radixserve_cpu.gguf_dequantize(blocks,
                                                                                                       int(ggml_type))),
         "float32": lambda x, blocks, weight: F.linear(x, weight),

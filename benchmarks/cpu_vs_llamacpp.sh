@@ -6,7 +6,8 @@
 #   2. 16 streams: random 256 in / 128 out, at most 16 in flight;
 #   3. the shared-prefix workload: 8 groups x 8 prompts of a 512-token shared prefix + 32, 32 out, all at once.
 # radixserve runs each cell in each of $RADIXSERVE_MODES (`gguf`: --quantization gguf, the linears on the file's own
-# blocks; `float32`/`bfloat16`: --dtype, the converted weights); llama.cpp with $LLAMA_PARALLEL slots. Every server is
+# blocks; `gguf-int8`: the same with --gguf-activations int8, llama.cpp's int8 arithmetic at decode rows;
+# `float32`/`bfloat16`: --dtype, the converted weights); llama.cpp with $LLAMA_PARALLEL slots. Every server is
 # started fresh per cell, used, and stopped; only one runs at a time.
 #
 #   benchmarks/cpu_vs_llamacpp.sh [OUT_DIR]        (default benchmarks/results/cpu_vs_llamacpp-<time>)
@@ -89,6 +90,7 @@ start_server() {  # start_server NAME MODE PORT LOG: start it in the background 
     if [ "$name" = radixserve ]; then
         local flags=(--dtype "$mode")
         [ "$mode" = gguf ] && flags=(--quantization gguf)
+        [ "$mode" = gguf-int8 ] && flags=(--quantization gguf --gguf-activations int8)
         setsid .venv/bin/radixserve serve --model-path "$GGUF" "${flags[@]}" --host 127.0.0.1 --port "$port" \
             --served-model-name smollm2 --log-level warning >"$log" 2>&1 &
     else

@@ -13,8 +13,8 @@
 // The blocks are dequantized in registers: bytes widened to float32 lanes, one multiply-add by the block's scale and
 // offset, and the values go straight into float32 multiply-adds with the activations, which stay float32. So the
 // result is the float32 product of the dequantized weight (what Hugging Face computes on the dequantized checkpoint),
-// in another summation order; llama.cpp instead quantizes the activations to int8 per block, which moves results by
-// about half a percent and changes greedy tokens.
+// in another summation order. llama.cpp instead quantizes the activations to int8 per block, which moves results by
+// about half a percent: `activation_bits` 8 asks for that arithmetic (integer dot products, cpu_gguf_q8.h).
 //
 // A pass reads a tile of NB weight rows against MB input rows: each block dequantized feeds MB rows, so at decode
 // (one row) the cost is reading the packed weight once (a Q4_1 weight is 5/8 of a byte per value, against 4 bytes in
@@ -30,6 +30,7 @@
 #include <immintrin.h>
 
 #include "cpu_gguf_kquants.h"
+#include "cpu_gguf_q8.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -301,8 +302,9 @@ std::pair<int64_t, int64_t> weight_shape(const at::Tensor& weight, int64_t type,
 }  // namespace
 
 // x [..., K] float32; weight [N, K / block values * block bytes] uint8, llama.cpp's blocks of each row; type: the GGML
-// type id; activation_bits: what the K-quants round the activations to per block of 256, 8 (llama.cpp's Q8_K) or 16
-// (the other types multiply the float32 activations).
+// type id; activation_bits: 8, llama.cpp's int8 activations (the K-quants' per block of 256, Q8_K; the other types'
+// per block of 32, cpu_gguf_q8.h), or 16 (the K-quants' 14-bit integers; the other types multiply the float32
+// activations).
 at::Tensor gguf_linear(const at::Tensor& x_in, const at::Tensor& weight, int64_t type,
                        const std::optional<at::Tensor>& bias_in, int64_t activation_bits) {
   TORCH_CHECK(activation_bits == 8 || activation_bits == 16, "gguf_linear: activation_bits is 8 or 16, got ",
@@ -328,6 +330,9 @@ at::Tensor gguf_linear(const at::Tensor& x_in, const at::Tensor& weight, int64_t
   else if (is_kquant(type))
     kquant_linear<int16_t>(weight.data_ptr<uint8_t>(), weight.size(1), type, x.data_ptr<float>(), bp, M, N, K,
                            y.data_ptr<float>());
+  else if (activation_bits == 8)
+    DISPATCH_GGML_TYPE(type, q8::linear, weight.data_ptr<uint8_t>(), weight.size(1), x.data_ptr<float>(), bp, M, N, K,
+                       y.data_ptr<float>())
   else
     DISPATCH_GGML_TYPE(type, linear_typed, weight.data_ptr<uint8_t>(), weight.size(1), x.data_ptr<float>(), bp, M, N,
                        K, y.data_ptr<float>());

@@ -71,6 +71,7 @@ class RunnerConfig:
     # Quantized weights: "gguf" (a GGUF's linears on its own blocks, model_runner/cpu/gguf_linear.py) or None; resolved
     # (unasked, a GGUF model on an AVX-512 CPU runs on its blocks: model_runner/cpu/gguf_default.py)
     quantization: Optional[str] = None
+    gguf_activations: str = "float32"  # the blocks' activations at decode rows: float32 or int8 (gguf_linear.py)
 
     # Hybrid models' state pool (model_runner/state_memory.py): total slots (None: sized from the budget) and the
     # recurrent state's dtype
@@ -106,7 +107,7 @@ class RunnerConfig:
             is_embedding=args.is_embedding, pooling_method=args.pooling_method,
             deterministic=args.enable_deterministic_inference, cpu_thread_governor=not args.disable_cpu_thread_governor,
             dist_auth_secret_file=args.dist_auth_secret_file,
-            quantization=resolved_quantization(args, model),
+            quantization=resolved_quantization(args, model), gguf_activations=args.gguf_activations,
             max_mamba_cache_size=args.max_mamba_cache_size, mamba_ssm_dtype=args.mamba_ssm_dtype,
             swa_full_tokens_ratio=args.swa_full_tokens_ratio, disable_hybrid_swa_memory=args.disable_hybrid_swa_memory,
         )

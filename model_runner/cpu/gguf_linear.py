@@ -11,6 +11,12 @@ blocks, and kernels/cpu_gguf_linear.cpp multiplies on them.
   The activations are 14-bit integers (`KQUANT_ACTIVATION_BITS`), not llama.cpp's int8: int8 rounding changes greedy
   tokens against the float product of the dequantized weights (0 of 16 prompts kept Hugging Face's 32 tokens on a
   tiny random llama), 14 bits keep them.
+- `--gguf-activations int8`: llama.cpp's arithmetic at decode rows, the activations rounded to int8 per block (32
+  values for Q8_0 / Q4_0 / Q4_1, kernels/cpu_gguf_q8.h; 256 for the K-quants) and multiplied in integers (AVX-512
+  VNNI's `vpdpbusd`, else AVX2). Faster, since a decode step then costs little more than reading the blocks, but a
+  different function: on the embedded SmolLM2 it keeps the float32 path's greedy tokens on 12 of 16 prompts
+  (docs/quantization.md). Prefill rows of Q8_0 / Q4_0 / Q4_1 stay on the dequantized float32 GEMM; the K-quants, whose
+  kernel runs at every row count, take int8 activations at every row count.
 The model is loaded from the converted directory as for the float path, then `use_gguf_blocks` swaps each fused
 projection (qkv, gate/up, o, down) whose parts are stored in one block type for a `GGUFLinear` on the concatenated
 blocks, and the LM head (the embedding's matrix where tied) for one on its own; their float weights are dropped. The
@@ -39,6 +45,8 @@ DEQUANTIZE_FROM = 32
 FLOAT_ACTIVATION_TYPES = frozenset({2, 3, 8})
 # The K-quants' activations: 16 (14-bit integers in 16-bit multiply-adds) or 8 (llama.cpp's int8, VNNI's dot products).
 KQUANT_ACTIVATION_BITS = 16
+# `--gguf-activations` -> the kernel's activation_bits for (the Q8_0 / Q4_0 / Q4_1 blocks, the K-quants)
+ACTIVATION_BITS = {"float32": (16, KQUANT_ACTIVATION_BITS), "int8": (8, 8)}
 
 # fused projection -> the Hugging Face projections stacked in it, in row order
 _FUSED_PARTS = {
@@ -52,21 +60,25 @@ _FUSED_PARTS = {
 class GGUFLinear(nn.Module):
     """`x @ W.T (+ bias)` with W in llama.cpp's blocks: `x [..., in_features]` float32 on the CPU -> float32."""
 
-    def __init__(self, matrix: BlockMatrix, bias: Optional[torch.Tensor] = None) -> None:
+    def __init__(self, matrix: BlockMatrix, bias: Optional[torch.Tensor] = None, activations: str = "float32") -> None:
         super().__init__()
         self.in_features, self.out_features = matrix.in_features, matrix.out_features
         self.ggml_type = matrix.ggml_type
+        self.activations = activations
+        float_bits, kquant_bits = ACTIVATION_BITS[activations]
+        self.activation_bits = float_bits if matrix.ggml_type in FLOAT_ACTIVATION_TYPES else kquant_bits
         self.register_buffer("blocks", matrix.blocks, persistent=False)
         self.bias = bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.ggml_type in FLOAT_ACTIVATION_TYPES and x.numel() >= DEQUANTIZE_FROM * self.in_features:
             return F.linear(x, torch.ops.radixserve_cpu.gguf_dequantize(self.blocks, self.ggml_type), self.bias)
-        return torch.ops.radixserve_cpu.gguf_linear(x, self.blocks, self.ggml_type, self.bias, KQUANT_ACTIVATION_BITS)
+        return torch.ops.radixserve_cpu.gguf_linear(x, self.blocks, self.ggml_type, self.bias, self.activation_bits)
 
     def extra_repr(self) -> str:
         name = BlockMatrix(self.ggml_type, self.blocks, self.in_features).type_name
-        return f"in_features={self.in_features}, out_features={self.out_features}, {name}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, {name}, "
+                f"{self.activations} activations")
 
 
 def _stacked(parts: list[BlockMatrix]) -> Optional[BlockMatrix]:
@@ -77,10 +89,12 @@ def _stacked(parts: list[BlockMatrix]) -> Optional[BlockMatrix]:
     return BlockMatrix(parts[0].ggml_type, blocks.contiguous(), parts[0].in_features)
 
 
-def use_gguf_blocks(model: nn.Module, gguf_path: str) -> int:
+def use_gguf_blocks(model: nn.Module, gguf_path: str, activations: str = "float32") -> int:
     """Swap `model`'s projections and LM head for `GGUFLinear`s on `gguf_path`'s blocks (those stored in a block
-    type; the others keep their float weights). Loads the CPU kernels first (a RuntimeError where they cannot be
-    built). Returns how many linears now read blocks."""
+    type; the others keep their float weights), multiplying `activations` (float32 or int8) at decode rows. Loads the
+    CPU kernels first (a RuntimeError where they cannot be built). Returns how many linears now read blocks."""
+    if activations not in ACTIVATION_BITS:
+        raise ValueError(f"GGUF activations are {' or '.join(ACTIVATION_BITS)}, got {activations!r}")
     if not cpu_build.load():
         raise RuntimeError("--quantization gguf needs radixserve's C++ CPU kernels, which could not be built here "
                            "(see the log); use --dtype float32 or bfloat16")
@@ -101,12 +115,12 @@ def use_gguf_blocks(model: nn.Module, gguf_path: str) -> int:
                 raise ValueError(f"layer {index} {fused}: the GGUF blocks hold {matrix.out_features}x"
                                  f"{matrix.in_features} values, the model {tuple(current.weight.shape)}")
             bias = None if current.bias is None else current.bias.detach().float()
-            setattr(owner, attr, GGUFLinear(matrix, bias))
+            setattr(owner, attr, GGUFLinear(matrix, bias, activations))
             swapped += 1
     head_name = "lm_head.weight" if "lm_head.weight" in matrices else "model.embed_tokens.weight"
     if head_name in matrices and model.config.tie_word_embeddings == (head_name != "lm_head.weight"):
-        model.logits_head = GGUFLinear(matrices[head_name])
+        model.logits_head = GGUFLinear(matrices[head_name], activations=activations)
         swapped += 1
-    logger.info("GGUF blocks: %d linears compute on %s's blocks (%s)", swapped, gguf_path,
-                ", ".join(sorted({m.type_name for m in matrices.values()})))
+    logger.info("GGUF blocks: %d linears compute on %s's blocks (%s), %s activations", swapped, gguf_path,
+                ", ".join(sorted({m.type_name for m in matrices.values()})), activations)
     return swapped

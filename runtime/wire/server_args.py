@@ -215,6 +215,9 @@ class ServerArgs:
     disable_hybrid_swa_memory: bool = False
     # Authenticated rendezvous across hosts (runtime/wire/dist_secret.py, docs/security.md)
     dist_auth_secret_file: Optional[str] = field(default=None, metadata={"help": DIST_AUTH_SECRET_HELP})
+    # GGUF blocks on the CPU (model_runner/cpu/gguf_linear.py): the activations at decode rows, float32 or int8 per
+    # block of 32 as llama.cpp rounds them (faster; another function: greedy tokens may change)
+    gguf_activations: str = "float32"
 
     def __post_init__(self) -> None:
         def check(ok: bool, message: str) -> None:
@@ -378,6 +381,11 @@ class ServerArgs:
         check(load_dist_secret(self.dist_auth_secret_file) is not None or self.nnodes == 1,
               "nnodes > 1 needs the group's shared secret: give --dist-auth-secret-file PATH (a file only its owner "
               f"can read) or set {SECRET_ENV}, with the same secret on every node (docs/security.md)")
+        # GGUF blocks on the CPU
+        check(self.gguf_activations in ("float32", "int8"),
+              f"gguf_activations must be float32 or int8, got {self.gguf_activations!r}")
+        check(self.gguf_activations == "float32" or self.quantization == "gguf",
+              "gguf_activations int8 rounds the activations of a GGUF's own blocks: it needs --quantization gguf")
 
     # ---- resolved values -------------------------------------------------------------------------
     def lora_enabled(self) -> bool:

@@ -47,3 +47,42 @@ def test_serving_replay_runs_every_request_to_the_end():
     assert "EXTEND" in out.stdout and "DECODE" in out.stdout
     assert "TTFT median / p99" in out.stdout
     assert "attention (the backend's forward, all layers) by mode: DECODE" in out.stdout
+
+
+def test_decode_profile_timers_count_each_part_and_restore_what_they_wrapped():
+    import types
+
+    import cpu_decode_profile
+
+    class Part:
+        def forward(self, x):
+            return x + 1
+
+    module = types.SimpleNamespace(act=lambda x: x * 2)
+    part, other, plain_forward, plain_act = Part(), Part(), Part.forward, module.act
+    timers = cpu_decode_profile.PartTimers()
+    timers.wrap(part, "forward", "linears")  # an instance whose method is its class's
+    timers.wrap(module, "act", "silu_mul")  # a module-level function
+    timers.wrap(Part, "forward", "rotary")  # a class's method: every other instance
+    assert part.forward(1) == 2 and module.act(3) == 6
+    assert set(timers.seconds) == {"linears", "silu_mul"}
+    assert other.forward(1) == 2 and set(timers.seconds) == {"linears", "silu_mul", "rotary"}
+    assert all(seconds > 0 for seconds in timers.seconds.values())
+    timers.restore()
+    assert "forward" not in vars(part) and Part.forward is plain_forward and module.act is plain_act
+
+
+def test_decode_profile_splits_a_step_of_the_int8_blocks(tmp_path):
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "cpu_decode_profile.py"), "--mode", "gguf-int8", "--input-len", "16",
+         "--output-len", "6", "--out", str(tmp_path / "profile.json")],
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "gguf-int8, 16 in / 6 out" in out.stdout and "LM head (logits)" in out.stdout
+    import json
+
+    record = json.loads((tmp_path / "profile.json").read_text())
+    parts = record["parts_ms"]
+    assert all(parts[name] > 0 for name in ("linears", "lm_head", "attention", "norms", "rotary", "sampling"))
+    assert sum(v for k, v in parts.items() if k != "sampling") <= record["forward_ms"] * 1.05

@@ -152,3 +152,59 @@ def test_bad_input_is_refused_with_the_reason():
         torch.ops.radixserve_cpu.gguf_linear(torch.zeros(1, 256), q4k, int(GGMLQuantizationType.Q4_K), None, 4)
     with pytest.raises(RuntimeError, match="last dimension must be 256"):
         torch.ops.radixserve_cpu.gguf_linear(torch.zeros(1, 32), q4k, int(GGMLQuantizationType.Q4_K), None)
+
+
+def rounded_blocks_of_32(x: torch.Tensor) -> torch.Tensor:
+    """The int8 kernel's rounding of `x [M, K]` (llama.cpp's Q8_0 / Q8_1), as float64: per block of 32,
+    xq = round(x / dx), dx = max|x| / 127."""
+    blocks = x.reshape(x.shape[0], -1, 32)
+    dx = blocks.abs().amax(dim=-1, keepdim=True) / 127
+    q = torch.where(dx == 0, 0.0, blocks / dx).round().clamp(-127, 127)
+    return (q.double() * dx.double()).reshape(x.shape)
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_int8_activations_match_float64_references(ggml_type, shape):
+    """activation_bits 8 on the 32-value blocks: integer dot products of the weights with the activations rounded to
+    int8 per block, equal to the float64 product of the dequantized weight with those rounded activations."""
+    m, n, k = shape
+    blocks, weight = quantized_weight(ggml_type, n, k, seed=m + n + k)
+    generator = torch.Generator().manual_seed(k)
+    x = torch.randn(m, k, generator=generator) * torch.rand(m, 1, generator=generator) * 4  # rows of other scales
+    bias = torch.randn(n, generator=generator)
+    out = torch.ops.radixserve_cpu.gguf_linear(x, blocks, int(ggml_type), bias, 8)
+    assert out.dtype == torch.float32 and out.shape == (m, n)
+
+    reference = rounded_blocks_of_32(x) @ weight.T + bias.double()
+    assert ((out.double() - reference).abs().max() / reference.abs().max()) < 1e-5
+    float_reference = x.double() @ weight.T + bias.double()
+    assert ((out.double() - float_reference).abs().max() / float_reference.abs().max()) < 2e-2
+
+
+def test_int8_activations_on_extreme_blocks():
+    """Blocks at the ends of every range, written byte by byte: Q8_0 values -128 and 127 (the sign trick's ends),
+    nibbles 0 and 15, negative Q4_1 offsets; activation blocks of zeros, of one constant (every xq at 127) and of a
+    single non-zero value. The integer sums must neither saturate nor overflow."""
+    k, n = 128, 6
+    generator = torch.Generator().manual_seed(5)
+    rows = {2: 18, 3: 20, 8: 34}  # type -> block bytes
+    x = torch.zeros(3, k)
+    x[0] = 3.0
+    x[1, :32] = -1.5
+    x[1, 40] = 2.0
+    x[1, 64:] = torch.linspace(-5, 5, 64)
+    for ggml_type, size in rows.items():
+        raw = torch.randint(0, 256, (n, k // 32, size), dtype=torch.uint8, generator=generator)
+        scales = torch.tensor([0.5, -0.25, 1.0, 2.0], dtype=torch.float16)[torch.randint(0, 4, (n, k // 32, 2))]
+        raw[..., :4] = scales.view(torch.uint8).reshape(n, k // 32, 4)
+        data = raw[..., 4 if ggml_type == 3 else 2:]
+        data[0], data[1] = 0xFF, 0x00  # nibbles 15 / Q8_0 -1; nibbles 0 / Q8_0 0
+        if ggml_type == 8:
+            data[2], data[3] = 0x80, 0x7F  # Q8_0 -128 and 127
+        blocks = raw.reshape(n, -1).contiguous()
+        weight = torch.from_numpy(dequantize(blocks.numpy(), GGMLQuantizationType(ggml_type))).double()
+        out = torch.ops.radixserve_cpu.gguf_linear(x, blocks, ggml_type, None, 8)
+        reference = rounded_blocks_of_32(x) @ weight.T
+        assert torch.allclose(out.double(), reference, rtol=1e-5, atol=1e-3), ggml_type
+        assert torch.equal(out[2], torch.zeros(n))
