@@ -101,13 +101,8 @@ class HiRadixCache(RadixCache):
         )
 
     # ---- matching, loading back, inserting ---------------------------------------------------------------
-    def match_prefix(self, token_ids: list[int], namespace: tuple = ()) -> MatchResult:
-        """As `RadixCache.match_prefix`; the match continues through lower-tier nodes (`host_hit_length`)."""
-        result = super().match_prefix(token_ids, namespace)
-        self._stats.of(namespace).matched_tokens += result.host_hit_length
-        return result
-
     def _match(self, ns_root: TreeNode, key: list, end: int, touch: bool) -> MatchResult:
+        """As `RadixCache._match`; the match continues through lower-tier nodes (`host_hit_length`)."""
         page_size = self.page_size
         end -= end % page_size
         if touch:

@@ -55,21 +55,14 @@ class HybridRadixCache(RadixCache):
         super().__init__(req_to_token_pool, allocator, page_size, eviction_policy)
 
     # ---- matching ------------------------------------------------------------------------------------
-    def match_prefix(self, token_ids: list[int], namespace: tuple = ()) -> MatchResult:
-        """The longest cached prefix of `token_ids` in `namespace` that ends on a state snapshot."""
-        stats = self._stats.of(namespace)
-        stats.queried_tokens += len(token_ids)
-        ns_root = self._namespace_root(namespace, create=False)
-        if ns_root is None:
-            return MatchResult(self._empty(), self.root, 0)
-        match = self._match(ns_root, token_ids, len(token_ids), touch=True)
+    def _resume_point(self, ns_root: TreeNode, token_ids: list[int], match: MatchResult) -> MatchResult:
+        """The longest prefix of `match` that ends on a state snapshot."""
         node, length = match.last_node, match.length
         while node.key and node.state_slot == NO_SNAPSHOT:
             length -= len(node.key)
             node = node.parent
         if node.key:
             self._snapshots.move_to_end(node)
-        stats.matched_tokens += length
         return MatchResult(match.indices[:length], node, length)
 
     def state_snapshot(self, node: HybridTreeNode, depth: int) -> int:

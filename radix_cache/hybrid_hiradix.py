@@ -69,25 +69,26 @@ class HybridHiRadixCache(HybridRadixCache, HiRadixCache):
     # ---- matching and loading back -----------------------------------------------------------------
     def match_prefix(self, token_ids: list[int], namespace: tuple = ()) -> MatchResult:
         """The longest cached prefix of `token_ids` in `namespace`, on any tier, that ends on a state snapshot on
-        either tier; its lower-tier part (`host_hit_length`) is for `load_back`."""
-        stats = self._stats.of(namespace)
-        stats.queried_tokens += len(token_ids)
-        ns_root = self._namespace_root(namespace, create=False)
-        if ns_root is None:
-            return MatchResult(self._empty(), self.root, 0)
-        match = self._match(ns_root, token_ids, len(token_ids), touch=True)
+        either tier; its lower-tier part (`host_hit_length`) is for `load_back`. A match on the device whose snapshot
+        is on the host only takes a device copy of it here (or is cut back where no device slot is free)."""
+        match = super().match_prefix(token_ids, namespace)
+        node = match.last_node
+        if match.host_hit_length or not node.key:
+            return match
+        if node.state_slot == NO_SNAPSHOT:
+            return self._with_device_snapshot(match)
+        self._snapshots.move_to_end(node)
+        return match
+
+    def _resume_point(self, ns_root: TreeNode, token_ids: list[int], match: MatchResult) -> MatchResult:
+        """The longest prefix of `match`, device part and lower-tier part, that ends on a snapshot on either tier."""
         node = match.last_host_node or match.last_node
         length = match.length + match.host_hit_length
         while node.key and node.state_slot == NO_SNAPSHOT and node.host_state_slot == NO_SNAPSHOT:
             length -= len(node.key)
             node = node.parent
-        stats.matched_tokens += length
         if length > match.length:  # it ends below the device part: load_back brings KV and snapshot back
             return MatchResult(match.indices, match.last_node, match.length, length - match.length, node)
-        if node.key and node.state_slot == NO_SNAPSHOT:  # on the device, its snapshot on the host only
-            return self._with_device_snapshot(MatchResult(match.indices[:length], node, length))
-        if node.key:
-            self._snapshots.move_to_end(node)
         return MatchResult(match.indices[:length], node, length)
 
     def load_back(self, match: MatchResult) -> MatchResult:

@@ -50,18 +50,11 @@ class SWARadixCache(RadixCache):
         self.window = window  # the largest window of the model's layers
 
     # ---- matching ------------------------------------------------------------------------------------
-    def match_prefix(self, token_ids: list[int], namespace: tuple = ()) -> MatchResult:
-        """The longest cached prefix of `token_ids` in `namespace` whose last W - 1 tokens still have window KV."""
-        stats = self._stats.of(namespace)
-        stats.queried_tokens += len(token_ids)
-        ns_root = self._namespace_root(namespace, create=False)
-        if ns_root is None:
-            return MatchResult(self._empty(), self.root, 0)
-        match = self._match(ns_root, token_ids, len(token_ids), touch=True)
+    def _resume_point(self, ns_root: TreeNode, token_ids: list[int], match: MatchResult) -> MatchResult:
+        """The longest prefix of `match` whose last W - 1 tokens still have window KV."""
         length = self.resumable_length(match.indices)
         if length < match.length:
             match = self._match(ns_root, token_ids, length, touch=False)  # ends on a node there (splits it)
-        stats.matched_tokens += length
         return match
 
     def resumable_length(self, slots: torch.Tensor) -> int:

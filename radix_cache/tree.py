@@ -111,16 +111,21 @@ class RadixCache(PrefixCache):
         """The longest cached prefix of `token_ids` in `namespace`, rounded down to whole pages.
 
         Splits a node when the match ends inside it, so that `last_node` ends exactly at the match. Marks the
-        matched path as used (access time, hit count) and counts the query in the statistics.
+        matched path as used (access time, hit count) and counts the query in the statistics. A cache whose prefixes
+        resume only at some points (a state snapshot, window KV) cuts the match back in `_resume_point`.
         """
         stats = self._stats.of(namespace)
         stats.queried_tokens += len(token_ids)
         ns_root = self._namespace_root(namespace, create=False)
         if ns_root is None:
             return MatchResult(self._empty(), self.root, 0)
-        result = self._match(ns_root, token_ids, len(token_ids), touch=True)
-        stats.matched_tokens += result.length
+        result = self._resume_point(ns_root, token_ids, self._match(ns_root, token_ids, len(token_ids), touch=True))
+        stats.matched_tokens += result.length + result.host_hit_length
         return result
+
+    def _resume_point(self, ns_root: TreeNode, token_ids: list[int], match: MatchResult) -> MatchResult:
+        """`match` cut back to the longest prefix a request can resume from: all of it here."""
+        return match
 
     def insert(self, token_ids: list[int], slots: torch.Tensor, namespace: tuple = ()) -> int:
         """Cache `token_ids` with KV `slots` (`slots[i]` holds token i); returns the tokens already present.
