@@ -7,16 +7,9 @@
 # MODEL (default .gpu-assets/llama-3.1-8b-dummy: a config.json and a tokenizer) and STEPS (default "tests check") select.
 # Needs .whl/ (see ../shared/gpu/README.md).
 set -u
-cd "$(dirname "$0")/.." || exit 1
-ROOT=$PWD
-OUT=${OUT:-$ROOT/benchmarks/results}
-mkdir -p "$OUT"
-PY=${PYTHON:-python3}
+. "$(dirname "$0")/gpu_env.sh"  # the checkout ($ROOT), $OUT, $PY, want; wheels, project, FlashInfer cache
 STEPS=${STEPS:-tests check}
 MODEL=${MODEL:-$ROOT/.gpu-assets/llama-3.1-8b-dummy}
-want() { [[ " $STEPS " == *" $1 "* ]]; }
-
-. "$ROOT/benchmarks/gpu_env.sh"  # wheels, project, PYTHONPATH, FlashInfer cache, $OUT/gpu.txt
 
 if want tests; then
     timeout 240 "$PY" -P -m pytest -p _srcpath -p no:cacheprovider -q -rs tests/ops/test_batch_invariant.py 2>&1 | tail -8

@@ -24,15 +24,10 @@
 #   STEPS="tests overlap" bash benchmarks/gpu_e2e.sh
 # Needs .whl/ (see ../shared/gpu/README.md) and .gpu-assets/llama-3.1-8b-dummy/ (config.json + a tokenizer) carried.
 set -u
-cd "$(dirname "$0")/.." || exit 1
-ROOT=$PWD
-OUT=${OUT:-$ROOT/benchmarks/results}
-mkdir -p "$OUT"
 DEADLINE=$((SECONDS + ${SUITE_SECONDS:-540}))
-PY=${PYTHON:-python3}
+. "$(dirname "$0")/gpu_env.sh"  # the checkout ($ROOT), $OUT, $PY, want; wheels, project, FlashInfer cache
 MODEL=$ROOT/.gpu-assets/llama-3.1-8b-dummy
 STEPS=${STEPS:-tests overlap offline offline-off rates gsp}
-want() { [[ " $STEPS " == *" $1 "* ]]; }
 declare -a SUMMARY=()
 
 run_step() {  # NAME CAP COMMAND...: run with a time limit, log to $OUT/NAME.log
@@ -48,8 +43,6 @@ run_step() {  # NAME CAP COMMAND...: run with a time limit, log to $OUT/NAME.log
     tail -n 25 "$OUT/$name.log"
     SUMMARY+=("$(printf '%-14s exit %-4s %4ds' "$name" "$status" $((SECONDS - started)))")
 }
-
-. "$ROOT/benchmarks/gpu_env.sh"  # wheels, project, PYTHONPATH, FlashInfer cache, $OUT/gpu.txt
 
 if want tests; then
     run_step gpu_pytest 200 "$PY" -P -m pytest -p _srcpath -p no:cacheprovider -q -x tests/scheduler/test_scheduler_gpu.py \

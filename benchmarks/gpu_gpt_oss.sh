@@ -12,15 +12,8 @@
 # STEPS selects (default: all), e.g. STEPS="tests" bash benchmarks/gpu_gpt_oss.sh. Needs .whl/ (see
 # ../shared/gpu/README.md) carried. The dummy weights take about 42 GB: an H100 80GB holds them with a KV pool.
 set -u
-cd "$(dirname "$0")/.." || exit 1
-ROOT=$PWD
-OUT=${OUT:-$ROOT/benchmarks/results}
-mkdir -p "$OUT"
-PY=${PYTHON:-python3}
+. "$(dirname "$0")/gpu_env.sh"  # the checkout ($ROOT), $OUT, $PY, want; wheels, project, FlashInfer cache
 STEPS=${STEPS:-tests decode}
-want() { [[ " $STEPS " == *" $1 "* ]]; }
-
-. "$ROOT/benchmarks/gpu_env.sh"  # wheels, project, PYTHONPATH, FlashInfer cache, $OUT/gpu.txt
 
 if want tests; then
     timeout 300 "$PY" -P -m pytest -p _srcpath -p no:cacheprovider -q tests/ops/test_attention_sinks.py \

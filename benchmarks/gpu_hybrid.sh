@@ -18,16 +18,9 @@
 # (`bash ../shared/gpu/fetch-wheels.sh fla-core==0.6.0 einops`), and .gpu-assets/llama-3.1-8b-dummy/ (a tokenizer)
 # carried; the Qwen3.5 folder is made beside it.
 set -u
-cd "$(dirname "$0")/.." || exit 1
-ROOT=$PWD
-OUT=${OUT:-$ROOT/benchmarks/results}
-mkdir -p "$OUT"
-PY=${PYTHON:-python3}
+. "$(dirname "$0")/gpu_env.sh"  # the checkout ($ROOT), $OUT, $PY, want; wheels, project, FlashInfer cache
 STEPS=${STEPS:-tests offline multi-turn hicache next}
 PORT=${PORT:-30130}
-want() { [[ " $STEPS " == *" $1 "* ]]; }
-
-. "$ROOT/benchmarks/gpu_env.sh"  # wheels, project, PYTHONPATH, FlashInfer cache, $OUT/gpu.txt
 
 TOKENIZER=$ROOT/.gpu-assets/llama-3.1-8b-dummy
 HYBRID=$ROOT/.gpu-assets/qwen3.5-9b-dummy

@@ -13,15 +13,8 @@
 # ids past that tokenizer's vocabulary, which decode to nothing: the figures count tokens, not text).
 # The weights take about 61 GB: an H100 80GB leaves little room for the KV pool, an H200 plenty.
 set -u
-cd "$(dirname "$0")/.." || exit 1
-ROOT=$PWD
-OUT=${OUT:-$ROOT/benchmarks/results}
-mkdir -p "$OUT"
-PY=${PYTHON:-python3}
+. "$(dirname "$0")/gpu_env.sh"  # the checkout ($ROOT), $OUT, $PY, want; wheels, project, FlashInfer cache
 STEPS=${STEPS:-tests decode offline}
-want() { [[ " $STEPS " == *" $1 "* ]]; }
-
-. "$ROOT/benchmarks/gpu_env.sh"  # wheels, project, PYTHONPATH, FlashInfer cache, $OUT/gpu.txt
 
 DENSE=$ROOT/.gpu-assets/llama-3.1-8b-dummy
 MOE=$ROOT/.gpu-assets/qwen3-30b-a3b-dummy

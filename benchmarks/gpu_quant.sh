@@ -11,15 +11,8 @@
 # ../shared/gpu/README.md) and .gpu-assets/llama-3.1-8b-dummy/ (config.json + a tokenizer) carried; the quantized
 # variants are made beside it, the same config plus a quantization_config.
 set -u
-cd "$(dirname "$0")/.." || exit 1
-ROOT=$PWD
-OUT=${OUT:-$ROOT/benchmarks/results}
-mkdir -p "$OUT"
-PY=${PYTHON:-python3}
+. "$(dirname "$0")/gpu_env.sh"  # the checkout ($ROOT), $OUT, $PY, want; wheels, project, FlashInfer cache
 STEPS=${STEPS:-tests decode offline}
-want() { [[ " $STEPS " == *" $1 "* ]]; }
-
-. "$ROOT/benchmarks/gpu_env.sh"  # wheels, project, PYTHONPATH, FlashInfer cache, $OUT/gpu.txt
 
 DENSE=$ROOT/.gpu-assets/llama-3.1-8b-dummy
 # variant_dir NAME QUANTIZATION_CONFIG_JSON: the dense config plus a quantization_config, with the same tokenizer.

@@ -9,15 +9,8 @@
 #           flashinfer attention.
 # STEPS selects (default: all), e.g. STEPS=tests bash benchmarks/gpu_swa.sh. Needs .whl/ (see ../shared/gpu/README.md).
 set -u
-cd "$(dirname "$0")/.." || exit 1
-ROOT=$PWD
-OUT=${OUT:-$ROOT/benchmarks/results}
-mkdir -p "$OUT"
-PY=${PYTHON:-python3}
+. "$(dirname "$0")/gpu_env.sh"  # the checkout ($ROOT), $OUT, $PY, want; wheels, project, FlashInfer cache
 STEPS=${STEPS:-tests memory}
-want() { [[ " $STEPS " == *" $1 "* ]]; }
-
-. "$ROOT/benchmarks/gpu_env.sh"  # wheels, project, PYTHONPATH, FlashInfer cache, $OUT/gpu.txt
 
 if want tests; then
     timeout 400 "$PY" -P -m pytest -p _srcpath -p no:cacheprovider -q -rs -k window_slots \

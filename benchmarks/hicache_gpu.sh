@@ -12,11 +12,7 @@
 # Needs .whl/ and .gpu-assets/llama-3.1-8b-dummy/ carried (see gpu_e2e.sh). Settings: POOL_TOKENS, NUM_CONVERSATIONS,
 # MT_FIRST, MT_USER, MT_OUTPUT (the turn shape), TIERS ("off on"), SKIP_TESTS.
 set -u
-cd "$(dirname "$0")/.." || exit 1
-ROOT=$PWD
-OUT=${OUT:-$ROOT/benchmarks/results}
-mkdir -p "$OUT"
-PY=${PYTHON:-python3}
+. "$(dirname "$0")/gpu_env.sh"  # the checkout ($ROOT), $OUT, $PY, want; wheels, project, FlashInfer cache
 MODEL=$ROOT/.gpu-assets/llama-3.1-8b-dummy
 PORT=${PORT:-30130}
 POOL_TOKENS=${POOL_TOKENS:-32768}
@@ -24,7 +20,6 @@ NUM_CONVERSATIONS=${NUM_CONVERSATIONS:-64}
 MT_FIRST=${MT_FIRST:-1024}
 MT_USER=${MT_USER:-256}
 MT_OUTPUT=${MT_OUTPUT:-64}
-. "$ROOT/benchmarks/gpu_env.sh"  # wheels, project, PYTHONPATH, FlashInfer cache, $OUT/gpu.txt
 
 if [ -z "${SKIP_TESTS:-}" ]; then
     timeout 240 "$PY" -P -m pytest -p _srcpath -p no:cacheprovider -q -x tests/cache/test_hicache_gpu.py 2>&1 \
