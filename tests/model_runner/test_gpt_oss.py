@@ -25,8 +25,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from scheduler_driver import SchedulerDriver
 from test_model_forward import MAX_NEW_TOKENS, hf_greedy, hf_model, make_runner, random_prompts
+from test_moe_models import SCHEDULER_CONFIGS, check_batches_and_radix_hits
 
 from radixserve.model_runner.model_config import ModelConfig
 from radixserve.model_runner.static_generate import greedy_generate
@@ -100,29 +100,9 @@ def test_rms_norm_rounds_as_transformers_in_bfloat16():
     assert torch.equal(ours(x), theirs(x))
 
 
-SCHEDULER_CONFIGS = {
-    "chunk-16": dict(chunked_prefill_size=16, disable_overlap_schedule=True),
-    "mixed-chunk-overlap": dict(chunked_prefill_size=16, enable_mixed_chunk=True, disable_overlap_schedule=False),
-}
-
-
 @pytest.mark.parametrize("config", list(SCHEDULER_CONFIGS))
 def test_scheduler_batches_and_radix_hits_keep_the_ids(model_dir, prompts, expected, config):
-    driver = SchedulerDriver(model_dir, max_total_tokens=4096, **SCHEDULER_CONFIGS[config])
-    for i, prompt in enumerate(prompts):
-        driver.submit(f"r{i}", prompt, max_new_tokens=MAX_NEW_TOKENS)
-    driver.run_until_idle()
-    assert driver.outputs() == expected
-    stats = driver.scheduler.stats
-    assert stats.partial_chunks > 0 and stats.cached_tokens > 0
-    assert (stats.mixed_batches > 0) == ("mixed" in config)
-    for i, prompt in enumerate(prompts):  # again: all but the last token of each prompt come from the tree
-        driver.submit(f"again{i}", prompt, max_new_tokens=MAX_NEW_TOKENS)
-    driver.run_until_idle()
-    again = [driver.results[f"again{i}"] for i in range(len(prompts))]
-    assert [r.output_ids for r in again] == expected
-    assert [r.cached_tokens for r in again] == [len(p) - 1 for p in prompts]
-    driver.close()
+    check_batches_and_radix_hits(model_dir, prompts, expected, config)
 
 
 def _gpu_runner(model_dir: str, backend: str, dtype: str):

@@ -95,8 +95,13 @@ SCHEDULER_CONFIGS = {
 @pytest.mark.parametrize("config", list(SCHEDULER_CONFIGS))
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_scheduler_batches_and_radix_hits_keep_the_ids(family, config, model_dirs, references):
-    prompts, expected = references(family)
-    driver = SchedulerDriver(model_dirs[family], max_total_tokens=4096, **SCHEDULER_CONFIGS[config])
+    check_batches_and_radix_hits(model_dirs[family], *references(family), config)
+
+
+def check_batches_and_radix_hits(model_dir: str, prompts: list, expected: list, config: str) -> None:
+    """The prompts through a scheduler with `SCHEDULER_CONFIGS[config]` give the expected ids, and again as radix-cache
+    hits of all but their last token."""
+    driver = SchedulerDriver(model_dir, max_total_tokens=4096, **SCHEDULER_CONFIGS[config])
     for i, prompt in enumerate(prompts):
         driver.submit(f"r{i}", prompt, max_new_tokens=MAX_NEW_TOKENS)
     driver.run_until_idle()

@@ -10,13 +10,12 @@ interpreter on the CPU (tests/conftest.py sets TRITON_INTERPRET=1 first), compil
 from __future__ import annotations
 
 import math
-import shutil
 
 import pytest
 import torch
 
 from attention_cases import make_case, reference_attention, run_backend, share_prefixes
-from radixserve.kernels import cpu_build
+from test_attention_sliding_window import cpu_kernels  # noqa: F401  (the fixture that builds the CPU kernels)
 from radixserve.model_runner.attention.base import apply_sinks
 from radixserve.model_runner.attention.cpu_backend import CpuAttentionBackend
 from radixserve.model_runner.attention.torch_native import TorchNativeAttention
@@ -76,13 +75,6 @@ def test_torch_native_shared_prefixes_carry_the_merged_log_sum_exp():
     out = run_backend(backend, case, None, sinks)
     assert case.batch.attn_metadata.shared, "the batch should have run as cascade attention"
     torch.testing.assert_close(out.double(), reference_attention(case, sinks=sinks), atol=2e-5, rtol=2e-5)
-
-
-@pytest.fixture(scope="module")
-def cpu_kernels():
-    if shutil.which("c++") is None and shutil.which("g++") is None:
-        pytest.skip("no C++ compiler on this machine: the CPU kernels cannot be built")
-    assert cpu_build.load(), "the CPU kernels failed to build (see the log)"
 
 
 @pytest.mark.parametrize("mode,prefix_lens,extend_lens,window", CASES)
