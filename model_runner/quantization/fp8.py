@@ -144,7 +144,8 @@ class _SkinnyKernel:
     """kernels/fp8_skinny_gemm.py, or (once it failed to compile for this device, with the reason logged) nothing:
     the FP8 GEMMs below then serve every row count."""
 
-    usable = True
+    def __init__(self) -> None:
+        self.usable = True
 
     def __call__(self, x: torch.Tensor, weight: Fp8Weight) -> Optional[torch.Tensor]:
         try:
@@ -154,7 +155,7 @@ class _SkinnyKernel:
         except Exception as exc:  # a Triton build without this device's FP8 conversions: a compile error
             if torch.cuda.is_current_stream_capturing():
                 raise
-            type(self).usable = False
+            self.usable = False
             logger.warning("FP8 decode rows take the FP8 GEMMs: the skinny FP8 kernel failed here (%s)", exc)
             return None
 
