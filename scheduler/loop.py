@@ -24,9 +24,10 @@ BUSY_POLL_MS = 1  # a scheduler with nothing runnable (e.g. waiting for memory) 
 class InputSource(Protocol):
     """The messages of each round of a scheduler's loop."""
 
-    def receive(self, timeout_ms: int, idle: bool) -> list[bytes]:
+    def receive(self, timeout_ms: int, idle: bool, watchdog: StepWatchdog) -> list[bytes]:
         """The encoded messages of the next round, in order (possibly none); waits up to `timeout_ms` for the
-        first. `idle`: whether the scheduler was idle before the wait."""
+        first. `idle`: whether the scheduler was idle before the wait. Waiting is not work; anything the source
+        does that must finish promptly runs under `watchdog.busy()`."""
 
     def start_round(self, scheduler: Any) -> None:
         """Work of the round before its messages are handled (watched)."""
@@ -43,7 +44,7 @@ class SocketInput:
         self.poller = zmq.Poller()
         self.poller.register(receiver, zmq.POLLIN)
 
-    def receive(self, timeout_ms: int, idle: bool) -> list[bytes]:
+    def receive(self, timeout_ms: int, idle: bool, watchdog: StepWatchdog) -> list[bytes]:
         messages: list[bytes] = []
         if self.poller.poll(timeout_ms):
             while True:
@@ -68,7 +69,7 @@ def serve(scheduler: Any, source: InputSource, sender: Optional[zmq.Socket], wat
     worked = True
     while True:
         idle = scheduler.is_idle()
-        messages = source.receive(IDLE_POLL_MS if idle else (0 if worked else BUSY_POLL_MS), idle)
+        messages = source.receive(IDLE_POLL_MS if idle else (0 if worked else BUSY_POLL_MS), idle, watchdog)
         with watchdog.busy():
             source.start_round(scheduler)
             for data in messages:

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from radixserve.scheduler.loop import InputSource
+from radixserve.scheduler.watchdog import StepWatchdog
 
 
 class TPDesyncError(RuntimeError):
@@ -98,8 +99,9 @@ class TPRelay:
 class TPInput:
     """The input of every rank of a tensor-parallel group (scheduler/loop.py): rank 0 receives from its socket
     and broadcasts the round's messages; the others take them from the broadcast. Waiting in the exchange for rank
-    0 is not work, so an idle group never trips the watchdog; a rank stuck in a step (or in a collective whose
-    peer is stuck) ends its process, which takes the group down."""
+    0 is not work, so an idle group never trips the watchdog; rank 0's own end of the exchange is work, since the
+    others are waiting for it. A rank stuck in a step (or in a collective whose peer is stuck) ends its process,
+    which takes the group down."""
 
     def __init__(self, relay: TPRelay, socket: Optional[InputSource]) -> None:
         """`socket`: rank 0's input (None on the other ranks)."""
@@ -108,13 +110,18 @@ class TPInput:
         self._checked = True  # rank 0: the digests were compared since the group last worked
         self._check_digest = False  # this round compares them
 
-    def receive(self, timeout_ms: int, idle: bool) -> list[bytes]:
-        step_input = None
+    def receive(self, timeout_ms: int, idle: bool, watchdog: StepWatchdog) -> list[bytes]:
         if self.relay.rank == 0:
             assert self.socket is not None, "rank 0 of a tensor-parallel group receives the messages"
-            step_input = TPStepInput(self.socket.receive(timeout_ms, idle), check_digest=idle and not self._checked)
+            step_input = TPStepInput(self.socket.receive(timeout_ms, idle, watchdog),
+                                     check_digest=idle and not self._checked)
             self._checked = idle
-        step_input = self.relay.exchange(step_input)
+            # Every other rank already waits in the exchange, so rank 0's end of it is work: a broadcast that
+            # blocks here has a stuck peer (gloo's root waits for each receiver to take its message).
+            with watchdog.busy():
+                step_input = self.relay.exchange(step_input)
+        else:
+            step_input = self.relay.exchange(None)
         self._check_digest = step_input.check_digest
         return step_input.messages
 

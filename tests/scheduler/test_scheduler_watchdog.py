@@ -7,10 +7,12 @@ import threading
 import time
 
 import pytest
+import zmq
 
 from radixserve.runtime.wire.messages import ProcessReady, SamplingParams, TokenizedGenerateReq
 from radixserve.runtime.wire.server_args import ServerArgs
 from radixserve.scheduler.watchdog import EXIT_CODE, StepWatchdog
+from http_fixtures import free_port
 from test_scheduler_process import START_TIMEOUT_S, start
 
 pytestmark = pytest.mark.timeout(300)
@@ -61,6 +63,51 @@ def test_a_step_past_the_timeout_ends_the_scheduler_process(default_model_dir, c
     assert "watchdog: scheduler round" in log and "no progress" in log
     assert "stuck-prefill" in log  # the state names the request being computed
     assert "thread MainThread" in log and "run_scheduler_process" in log  # and the stacks show where it was
+
+
+def _relay_rank(rank: int, port: int, results) -> None:
+    import torch.distributed as dist
+
+    from radixserve.scheduler.loop import SocketInput
+    from radixserve.scheduler.tp import TPInput, TPRelay
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=2, rank=rank)
+    relay = TPRelay(rank, dist.new_group(backend="gloo"))
+    if rank == 1:
+        relay.exchange(None)  # one round together, then this rank is stuck (it never joins the next exchange)
+        time.sleep(60)
+        return
+    context = zmq.Context.instance()
+    receiver = context.socket(zmq.PULL)
+    receiver.bind("inproc://messages")
+    source = TPInput(relay, SocketInput(receiver))
+    watchdog = StepWatchdog(1.0, lambda: "rank 0", exit=lambda code: results.put(("fired", code)))
+    watchdog.start()
+    source.receive(0, False, watchdog)
+    results.put(("first round", None))
+    started = time.monotonic()
+    source.receive(0, False, watchdog)  # the broadcast blocks on the stuck peer: the watchdog must see it
+    results.put(("returned", time.monotonic() - started))
+
+
+def test_rank_zeros_end_of_the_relay_is_watched():
+    """Rank 0 of a tensor-parallel group broadcasts each round's messages; gloo's root waits for every receiver,
+    so a stuck peer blocks it there. That wait is work (the others are always waiting for rank 0), so the
+    watchdog fires instead of the group hanging between rounds."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_relay_rank, args=(rank, port, results), daemon=True) for rank in range(2)]
+    for proc in procs:
+        proc.start()
+    try:
+        assert results.get(timeout=120) == ("first round", None)
+        assert results.get(timeout=30) == ("fired", EXIT_CODE)
+    finally:
+        for proc in procs:
+            proc.kill()
 
 
 @pytest.mark.slow
