@@ -157,10 +157,11 @@ inline float lane_sum(vf v) {
   return s;
 }
 
-// y[m, n0 + n] for NB weight rows from n0 and MB input rows from m0.
+// y[m, n0 + n] for NB weight rows from n0 and MB input rows from m0. With `ahead` (the first pass over a tile), the
+// same blocks of a later tile's rows are prefetched into L2 as this tile's are read (q8::kAheadTiles).
 template <int64_t T, int NB, int MB>
 inline void tile(const uint8_t* w, int64_t row_bytes, const float* x, const float* bias, int64_t N, int64_t K,
-                 int64_t n0, int64_t m0, float* y) {
+                 int64_t n0, int64_t m0, float* y, const uint8_t* ahead) {
   const int64_t blocks = K / kBlock;
   vf acc[NB][MB];
 #pragma GCC unroll 8
@@ -169,6 +170,9 @@ inline void tile(const uint8_t* w, int64_t row_bytes, const float* x, const floa
     for (int m = 0; m < MB; ++m) acc[n][m] = vf{};
   for (int64_t b = 0; b < blocks; ++b) {
     vf wv[NB][kVectors];
+    if (ahead != nullptr)
+#pragma GCC unroll 8
+      for (int n = 0; n < NB; ++n) __builtin_prefetch(ahead + n * row_bytes + b * Format<T>::kBytes, 0, 2);
 #pragma GCC unroll 8
     for (int n = 0; n < NB; ++n) dequantize_block<T>(w + (n0 + n) * row_bytes + b * Format<T>::kBytes, wv[n]);
 #pragma GCC unroll 8
@@ -188,19 +192,21 @@ inline void tile(const uint8_t* w, int64_t row_bytes, const float* x, const floa
 
 template <int64_t T, int NB, int R>
 inline void rest_pass(int rows, const uint8_t* w, int64_t row_bytes, const float* x, const float* bias, int64_t N,
-                      int64_t K, int64_t n0, int64_t m0, float* y) {
+                      int64_t K, int64_t n0, int64_t m0, float* y, const uint8_t* ahead) {
   if constexpr (R >= 1) {
-    if (rows == R) return tile<T, NB, R>(w, row_bytes, x, bias, N, K, n0, m0, y);
-    rest_pass<T, NB, R - 1>(rows, w, row_bytes, x, bias, N, K, n0, m0, y);
+    if (rows == R) return tile<T, NB, R>(w, row_bytes, x, bias, N, K, n0, m0, y, ahead);
+    rest_pass<T, NB, R - 1>(rows, w, row_bytes, x, bias, N, K, n0, m0, y, ahead);
   }
 }
 
 template <int64_t T, int NB>
 inline void tile_all_rows(const uint8_t* w, int64_t row_bytes, const float* x, const float* bias, int64_t M,
-                          int64_t N, int64_t K, int64_t n0, float* y) {
+                          int64_t N, int64_t K, int64_t n0, float* y, const uint8_t* ahead) {
   int64_t m0 = 0;
-  for (; m0 + kPassRows <= M; m0 += kPassRows) tile<T, NB, kPassRows>(w, row_bytes, x, bias, N, K, n0, m0, y);
-  if (m0 < M) rest_pass<T, NB, kPassRows - 1>(static_cast<int>(M - m0), w, row_bytes, x, bias, N, K, n0, m0, y);
+  for (; m0 + kPassRows <= M; m0 += kPassRows, ahead = nullptr)
+    tile<T, NB, kPassRows>(w, row_bytes, x, bias, N, K, n0, m0, y, ahead);
+  if (m0 < M)
+    rest_pass<T, NB, kPassRows - 1>(static_cast<int>(M - m0), w, row_bytes, x, bias, N, K, n0, m0, y, ahead);
 }
 
 template <int64_t T>
@@ -208,9 +214,13 @@ void linear_typed(const uint8_t* w, int64_t row_bytes, const float* x, const flo
                   int64_t K, float* y) {
   const int64_t tiles = N / kTileRows;
   at::parallel_for(0, tiles, 8, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) tile_all_rows<T, kTileRows>(w, row_bytes, x, bias, M, N, K, t * kTileRows, y);
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t later = t + q8::kAheadTiles;
+      const uint8_t* ahead = later < end ? w + later * kTileRows * row_bytes : nullptr;
+      tile_all_rows<T, kTileRows>(w, row_bytes, x, bias, M, N, K, t * kTileRows, y, ahead);
+    }
   });
-  for (int64_t n = tiles * kTileRows; n < N; ++n) tile_all_rows<T, 1>(w, row_bytes, x, bias, M, N, K, n, y);
+  for (int64_t n = tiles * kTileRows; n < N; ++n) tile_all_rows<T, 1>(w, row_bytes, x, bias, M, N, K, n, y, nullptr);
 }
 
 template <int64_t T>
@@ -245,7 +255,13 @@ void kquant_linear(const uint8_t* w, int64_t row_bytes, int64_t type, const floa
       const int64_t n0 = tile * kRows;
       const int rows = static_cast<int>(std::min<int64_t>(kRows, N - n0));
       std::fill(acc.begin(), acc.end(), 0.0f);
+      // a later tile's super-blocks are prefetched as q8::tile does, when that tile is whole
+      const bool ahead = tile + q8::kAheadTiles < end && (tile + q8::kAheadTiles + 1) * kRows <= N;
       for (int64_t b = 0; b < blocks; ++b) {
+        if (ahead)
+          for (int r = 0; r < kRows; ++r)
+            for (int64_t line = 0; line < bytes; line += 64)
+              __builtin_prefetch(w + (n0 + q8::kAheadTiles * kRows + r) * row_bytes + b * bytes + line, 0, 2);
         for (int r = 0; r < rows; ++r) kquants::unpack(type, w + (n0 + r) * row_bytes + b * bytes, unpacked[r]);
         for (int64_t m = 0; m < M; ++m)
           for (int r = 0; r < rows; ++r) acc[m * kRows + r] += kquants::block_dot(unpacked[r], xq[m * blocks + b]);
