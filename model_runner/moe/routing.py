@@ -9,7 +9,9 @@ Two rules cover the supported families (`MoEConfig.routing`):
   with renormalization up to rounding; it is the order the Mixtral paper writes.
 
 The weights come back in float32 whatever the logits' dtype: the expert kernels multiply in float32 before they sum
-the top-k outputs.
+the top-k outputs. On CUDA, both rules run as one Triton kernel (kernels/moe_routing.py: one launch a layer instead
+of the torch form's half dozen, which at decode sizes take a few microseconds each); the CPU keeps the torch form.
+The two agree on the ids wherever the logits are distinct, and on the weights to float32 rounding.
 """
 
 from __future__ import annotations
@@ -21,6 +23,11 @@ def select_experts(router_logits: torch.Tensor, top_k: int, routing: str,
                    renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """`(weights [T, top_k] float32, expert ids [T, top_k] int64)` for router logits `[T, num_experts]`; each row of
     ids is ordered by decreasing weight."""
+    if router_logits.is_cuda:
+        from radixserve.kernels.moe_routing import MAX_EXPERTS, route_topk  # CPU-only processes never import triton
+
+        if router_logits.shape[-1] <= MAX_EXPERTS:
+            return route_topk(router_logits, top_k, routing, renormalize)
     if routing == "topk_softmax":
         top_logits, ids = torch.topk(router_logits.float(), top_k, dim=-1)
         return torch.softmax(top_logits, dim=-1), ids
