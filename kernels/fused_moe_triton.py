@@ -32,7 +32,8 @@ reduced dimension contiguous (coalesced loads of `w13 [E, 2I, H]` and `w2 [E, H,
 
 The aligned path reads an expert's weights once per `BLOCK_M` rows of its run; the decode path once per pair. Pairs
 of one token visit distinct experts, so at one token nothing is read twice; with more tokens, experts repeat and the
-decode path rereads them (from L2 where they still are). Without CUDA the kernels run only under the Triton
+decode path rereads them (from L2 where they still are). A pair of routing weight 0 contributes nothing and the
+decode path skips it without reading its expert (expert parallelism routes other ranks' pairs so). Without CUDA the kernels run only under the Triton
 interpreter (`TRITON_INTERPRET=1` set before `triton` is imported).
 """
 
@@ -172,31 +173,34 @@ def _down_kernel(
 
 
 # The decode path runs up to this many (token, slot) pairs: 8 tokens of a top-8 model. Past it, the aligned path's
-# tensor-core tiles start to pay for its sorting, and the rereads below grow.
+# tensor-core tiles start to pay for its sorting, and the rereads below grow. 0 turns the decode path off (benchmarks
+# compare the two paths end to end that way).
 DECODE_MAX_PAIRS = 64
 
 
 def use_decode_path(num_tokens: int, top_k: int, num_experts: int) -> bool:
-    """Whether `fused_moe` takes the decode path for this call: at one token always (its pairs visit distinct
-    experts), else up to `DECODE_MAX_PAIRS` pairs and at most half as many pairs as experts. n pairs routed evenly over
-    E experts visit about `E * (1 - exp(-n / E))` distinct ones; at `n = E / 2` that is 0.79 n, so the decode path
-    reads at most about 1.27x the aligned path's expert bytes (Qwen3-30B-A3B, 128 experts, top-8: up to 8 tokens;
-    Mixtral, 8 experts, top-2: 1 and 2 tokens)."""
+    """Whether `fused_moe` takes the decode path for this call: up to `DECODE_MAX_PAIRS` pairs, and at most half as
+    many pairs as experts unless there is one token (its pairs visit distinct experts). n pairs routed evenly over E
+    experts visit about `E * (1 - exp(-n / E))` distinct ones; at `n = E / 2` that is 0.79 n, so the decode path reads
+    at most about 1.27x the aligned path's expert bytes (Qwen3-30B-A3B, 128 experts, top-8: up to 8 tokens; Mixtral, 8
+    experts, top-2: 1 and 2 tokens)."""
     num_pairs = num_tokens * top_k
-    return num_tokens == 1 or (num_pairs <= DECODE_MAX_PAIRS and 2 * num_pairs <= num_experts)
+    return num_pairs <= DECODE_MAX_PAIRS and (num_tokens == 1 or 2 * num_pairs <= num_experts)
 
 
 @triton.jit
 def _decode_gate_up_kernel(
-    X, W13, B13, Inter, TopkIds,
+    X, W13, B13, Inter, TopkWeights, TopkIds,
     top_k, hidden, intermediate, swiglu_alpha, swiglu_limit,
     stride_x, stride_we, stride_wn, stride_wk, stride_be, stride_inter,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, CLAMPED_SWIGLU: tl.constexpr,
 ):
     """Program (pair, block of intermediate columns): the expert's `[BLOCK_N, H]` gate and up rows, streamed in
     `BLOCK_K` chunks along H, times the token's row. The products accumulate elementwise in float32 tiles and are
-    reduced over K once, after the loop."""
+    reduced over K once, after the loop. A pair of routing weight 0 stores nothing (the down kernel skips it)."""
     pair = tl.program_id(0)
+    if tl.load(TopkWeights + pair) == 0.0:
+        return
     expert = tl.load(TopkIds + pair).to(tl.int64)
     token = (pair // top_k).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -235,7 +239,8 @@ def _decode_down_kernel(
 ):
     """Program (token, block of hidden columns): the sum over the token's slots, in slot order, of the routing weight
     times the expert's `[BLOCK_N, I]` down rows times the slot's activations (and times its down bias, with
-    HAS_BIAS). One loop runs over (slot, K chunk), so the loads of every slot pipeline as one stream."""
+    HAS_BIAS). One loop runs over (slot, K chunk), so the loads of every slot pipeline as one stream. Slots of weight 0
+    read nothing."""
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < hidden
@@ -246,17 +251,18 @@ def _decode_down_kernel(
     for step in range(0, top_k * chunks):
         slot = step // chunks
         k_idx = (step % chunks) * BLOCK_K + ks
-        k_ok = k_idx < intermediate
         pair = token * top_k + slot
         expert = tl.load(TopkIds + pair).to(tl.int64)
         weight = tl.load(TopkWeights + pair)
+        k_ok = k_idx < tl.where(weight != 0.0, intermediate, 0)  # a slot of weight 0 has nothing to read
         a = tl.load(Inter + pair * stride_inter + k_idx, mask=k_ok, other=0.0).to(tl.float32) * weight
         w = tl.load(W2 + expert * stride_we + cols[:, None] * stride_wn + k_idx[None, :] * stride_wk,
                     mask=col_ok[:, None] & k_ok[None, :], other=0.0)
         acc += w.to(tl.float32) * a[None, :]
         if HAS_BIAS:
             if step % chunks == 0:
-                bias += weight * tl.load(B2 + expert * stride_be + cols, mask=col_ok, other=0.0).to(tl.float32)
+                bias_ok = cols < tl.where(weight != 0.0, hidden, 0)
+                bias += weight * tl.load(B2 + expert * stride_be + cols, mask=bias_ok, other=0.0).to(tl.float32)
     out = tl.sum(acc, axis=1) + bias
     tl.store(Out + token * stride_out + cols, out.to(Out.dtype.element_ty), mask=col_ok)
 
@@ -354,7 +360,7 @@ def _decode(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, pair_weig
     alpha, limit = swiglu if swiglu is not None else (1.0, 0.0)
     inter = torch.empty(num_pairs, intermediate, dtype=hidden.dtype, device=hidden.device)
     _decode_gate_up_kernel[(num_pairs, triton.cdiv(intermediate, config["BLOCK_N"]))](
-        hidden, w13, w13_bias if has_bias else w13, inter, pair_ids,
+        hidden, w13, w13_bias if has_bias else w13, inter, pair_weights, pair_ids,
         top_k, hidden_size, intermediate, float(alpha), float(limit),
         hidden.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), w13_bias.stride(0) if has_bias else 0,
         inter.stride(0),

@@ -144,11 +144,28 @@ def test_decode_path_with_its_default_config_and_strided_routing():
     assert ((out.cpu().double() - expected).abs().max() / expected.abs().max()).item() < 1e-5
 
 
+def test_decode_path_skips_pairs_of_weight_zero_unread():
+    """Expert parallelism sends other ranks' pairs to expert 0 with weight 0; here they go to an expert whose weights
+    are NaN, which any read would spread into the output."""
+    x, weights, ids = routed(3, 8, 2, 40, torch.float32, seed=4)
+    w13, w2, w13_bias, w2_bias = random_gpt_oss_experts(8, 40, 24, torch.float32)
+    ids, weights = ids.masked_fill(ids == 7, 6), weights.clone()
+    ids[0, 1], ids[2, 0], weights[0, 1], weights[2, 0] = 7, 7, 0.0, 0.0
+    unread = [t.clone() for t in (w13, w2, w13_bias, w2_bias)]
+    for tensor in unread:
+        tensor[7] = float("nan")
+    out = fused_moe(*(t.to(DEVICE) for t in (x, unread[0], unread[1], weights, ids)), DECODE_CONFIG,
+                    w13_bias=unread[2].to(DEVICE), w2_bias=unread[3].to(DEVICE), swiglu=(1.702, 1.5), path="decode")
+    expected = reference_gpt_oss_experts(x, w13, w2, weights, ids, w13_bias, w2_bias, 1.702, 1.5)
+    assert ((out.cpu().double() - expected).abs().max() / expected.abs().max()).item() < 1e-5
+
+
 def test_path_choice_depends_on_the_pair_count_only():
     assert use_decode_path(1, 8, 8) and use_decode_path(1, 2, 2)  # one token: its experts are distinct
     assert use_decode_path(8, 8, 128) and not use_decode_path(9, 8, 128)  # Qwen3-30B-A3B: up to 64 pairs
     assert use_decode_path(2, 2, 8) and not use_decode_path(3, 2, 8)  # Mixtral: at most E / 2 pairs
     assert use_decode_path(64, 1, 256) and not use_decode_path(65, 1, 256)  # never past DECODE_MAX_PAIRS
+    assert fused_moe_triton.DECODE_MAX_PAIRS == 64
     x, weights, ids = routed(1, 8, 2, 64, torch.float32)
     w13, w2 = random_experts(8, 64, 32, torch.float32)
     with pytest.raises(ValueError, match="unknown fused MoE path"):
