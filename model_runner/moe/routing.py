@@ -28,6 +28,12 @@ def select_experts(router_logits: torch.Tensor, top_k: int, routing: str,
 
         if router_logits.shape[-1] <= MAX_EXPERTS:
             return route_topk(router_logits, top_k, routing, renormalize)
+    return select_experts_torch(router_logits, top_k, routing, renormalize)
+
+
+def select_experts_torch(router_logits: torch.Tensor, top_k: int, routing: str,
+                         renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """`select_experts` in torch ops on any device (the CPU's form; on CUDA, what the kernel replaces)."""
     if routing == "topk_softmax":
         top_logits, ids = torch.topk(router_logits.float(), top_k, dim=-1)
         return torch.softmax(top_logits, dim=-1), ids

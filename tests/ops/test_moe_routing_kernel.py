@@ -20,7 +20,7 @@ if not ON_GPU and "triton" not in sys.modules:
 import pytest  # noqa: E402
 
 from radixserve.kernels.moe_routing import route_topk  # noqa: E402
-from radixserve.model_runner.moe.routing import select_experts  # noqa: E402
+from radixserve.model_runner.moe.routing import select_experts, select_experts_torch  # noqa: E402
 
 DEVICE = "cuda" if ON_GPU else "cpu"
 RULES = [("softmax_topk", True), ("softmax_topk", False), ("topk_softmax", True)]
@@ -92,6 +92,7 @@ def test_select_experts_on_cuda_takes_the_kernel_in_a_cuda_graph(routing, renorm
     new_logits = distinct_logits(num_tokens, 128, torch.bfloat16, seed=5)
     logits.copy_(new_logits.cuda())
     graph.replay()
-    expected_weights, expected_ids = select_experts(new_logits, 8, routing, renormalize)
-    assert torch.equal(ids.cpu(), expected_ids)
-    torch.testing.assert_close(weights.cpu(), expected_weights, rtol=1e-5, atol=1e-6)
+    for device in ("cpu", "cuda"):  # the torch form on either device
+        expected_weights, expected_ids = select_experts_torch(new_logits.to(device), 8, routing, renormalize)
+        assert torch.equal(ids.cpu(), expected_ids.cpu())
+        torch.testing.assert_close(weights.cpu(), expected_weights.cpu(), rtol=1e-5, atol=1e-6)
