@@ -87,8 +87,10 @@ def _activate(gate, up, swiglu_alpha, swiglu_limit, CLAMPED_SWIGLU: tl.constexpr
     if CLAMPED_SWIGLU:
         gate = tl.minimum(gate, swiglu_limit)
         up = tl.minimum(tl.maximum(up, -swiglu_limit), swiglu_limit)
-        return gate / (1.0 + tl.exp(-swiglu_alpha * gate)) * (up + 1.0)
-    return gate / (1.0 + tl.exp(-gate)) * up
+        activated = gate / (1.0 + tl.exp(-swiglu_alpha * gate)) * (up + 1.0)
+    else:
+        activated = gate / (1.0 + tl.exp(-gate)) * up
+    return activated
 
 
 @triton.jit
