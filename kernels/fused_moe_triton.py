@@ -33,8 +33,10 @@ reduced dimension contiguous (coalesced loads of `w13 [E, 2I, H]` and `w2 [E, H,
 The aligned path reads an expert's weights once per `BLOCK_M` rows of its run; the decode path once per pair. Pairs
 of one token visit distinct experts, so at one token nothing is read twice; with more tokens, experts repeat and the
 decode path rereads them (from L2 where they still are). A pair of routing weight 0 contributes nothing and the
-decode path skips it without reading its expert (expert parallelism routes other ranks' pairs so). Without CUDA the kernels run only under the Triton
-interpreter (`TRITON_INTERPRET=1` set before `triton` is imported).
+decode path skips it without reading its expert (expert parallelism routes other ranks' pairs so).
+
+Without CUDA the kernels run only under the Triton interpreter (`TRITON_INTERPRET=1` set before `triton` is
+imported).
 """
 
 from __future__ import annotations
