@@ -202,6 +202,9 @@ def compare_decode_path(args: argparse.Namespace, rows: list[dict], inputs: dict
             times[num_tokens] = time_graph(moe_calls(num_tokens, "decode", config), args.repeats)
         else:
             searched[tuple(config.items())] = times
+    if not searched:
+        print("no decode config ran and matched the aligned path")
+        return {"default": default, "rows": []}
     best = min(searched, key=lambda key: sum(searched[key].values()))
     print(f"\ndecode path against aligned, device time per call in CUDA graphs (us), {GRAPH_CALLS} routings a graph")
     print(f"{'tokens':>7} {'aligned':>8} {'decode':>8} {'tuned':>8} {'gain':>6}   {'routing torch':>13} "
