@@ -4,6 +4,7 @@ set the decode path against the aligned path:
     python benchmarks/tune_fused_moe.py                       # Qwen3-30B-A3B: 128 experts, top-8, I=768, H=2048, bf16
     python benchmarks/tune_fused_moe.py --experts 64 --top-k 8 --intermediate 1408 --hidden 2048 --tokens 1,8,64
     python benchmarks/tune_fused_moe.py --tokens 1,8 --no-aligned-search   # decode against aligned only
+    python benchmarks/tune_fused_moe.py --tokens 1,4,8,16,32 --no-aligned-search --compare-all   # where to switch
 
 Aligned path: for each token count, every config of the search space runs `fused_moe(path="aligned")` on random
 routed inputs (softmax top-k over random router logits), timed with CUDA events after warm-up (median of
@@ -12,12 +13,13 @@ bf16 rounding). Prints, per token count, the default config's time, the best tim
 rows to paste into `TUNED` (consecutive token counts with the same best config merged), each token count's row
 covering up to the next one. `--no-aligned-search` times the table's config only.
 
-Decode path, at the token counts of `--tokens` that `use_decode_path` sends to it: every config of `DECODE_SPACE`,
-and the aligned path's best, timed as device time in CUDA graphs (each graph holds `GRAPH_CALLS` calls on different
-routings, so the experts of one call are not still in L2 for the next, as across the layers of a model); the decode
-config with the least total time over those token counts is printed as the `DECODE_TUNED` entry. Beside them, the
-routing of the same logits: `select_experts_torch` (the torch form) against the routing kernel, in graphs too.
-Writes a JSON record (--out, or $OUT/tune_fused_moe.json when OUT is set).
+Decode path, at the token counts of `--tokens` that `use_decode_path` sends to it (every one with `--compare-all`, to
+check where the threshold should be): every config of `DECODE_SPACE`, and the aligned path's best, timed as device
+time in CUDA graphs (each graph holds `GRAPH_CALLS` calls on different routings, so the experts of one call are not
+still in L2 for the next, as across the layers of a model); the decode config with the least total time at the token
+counts that take the decode path is printed as the `DECODE_TUNED` entry. Beside them, the routing of the same
+logits: `select_experts_torch` (the torch form) against the routing kernel, in graphs too. Writes a JSON record
+(--out, or $OUT/tune_fused_moe.json when OUT is set).
 """
 
 from __future__ import annotations
@@ -95,6 +97,8 @@ def main() -> None:
     parser.add_argument("--tokens", default="1,2,4,8,16,32,64,128,256,512,1024,2048,4096")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--no-aligned-search", action="store_true", help="time the aligned path's table config only")
+    parser.add_argument("--compare-all", action="store_true",
+                        help="set the decode path against the aligned one at every token count, to check the threshold")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "benchmarks/results"),
                                                       "tune_fused_moe.json"))
     args = parser.parse_args()
@@ -168,7 +172,8 @@ def compare_decode_path(args: argparse.Namespace, rows: list[dict], inputs: dict
     from radixserve.model_runner.moe.routing import select_experts_torch
 
     E, I, H, k = args.experts, args.intermediate, args.hidden, args.top_k
-    token_counts = [row["tokens"] for row in rows if use_decode_path(row["tokens"], k, E)]
+    decode_counts = [row["tokens"] for row in rows if use_decode_path(row["tokens"], k, E)]
+    token_counts = [row["tokens"] for row in rows] if args.compare_all else decode_counts
     if not token_counts:
         return {}
     generator = torch.Generator(device="cuda").manual_seed(1)
@@ -205,7 +210,8 @@ def compare_decode_path(args: argparse.Namespace, rows: list[dict], inputs: dict
     if not searched:
         print("no decode config ran and matched the aligned path")
         return {"default": default, "rows": []}
-    best = min(searched, key=lambda key: sum(searched[key].values()))
+    chosen_by = decode_counts or token_counts  # the config is picked for the sizes the decode path runs at
+    best = min(searched, key=lambda key: sum(searched[key][n] for n in chosen_by))
     print(f"\ndecode path against aligned, device time per call in CUDA graphs (us), {GRAPH_CALLS} routings a graph")
     print(f"{'tokens':>7} {'aligned':>8} {'decode':>8} {'tuned':>8} {'gain':>6}   {'routing torch':>13} "
           f"{'kernel':>7} {'gain':>6}")
