@@ -35,12 +35,16 @@ of one token visit distinct experts, so at one token nothing is read twice; with
 decode path rereads them (from L2 where they still are). A pair of routing weight 0 contributes nothing and the
 decode path skips it without reading its expert (expert parallelism routes other ranks' pairs so).
 
+If the decode kernels fail to compile on a device (met in the warm-up, before any CUDA graph is captured), `fused_moe`
+logs the reason once and the aligned path serves every later call.
+
 Without CUDA the kernels run only under the Triton interpreter (`TRITON_INTERPRET=1` set before `triton` is
 imported).
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Literal, NamedTuple, Optional
 
 import torch
@@ -48,6 +52,8 @@ import triton
 import triton.language as tl
 
 from radixserve.kernels.fused_moe_configs import BlockConfig, block_config, decode_config
+
+logger = logging.getLogger(__name__)
 
 
 class ExpertAlignment(NamedTuple):
@@ -298,7 +304,8 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     if has_bias:
         assert w13_bias.shape == (num_experts, 2 * intermediate) and w2_bias.shape == (num_experts, hidden_size)
         assert w13_bias.stride(-1) == 1 and w2_bias.stride(-1) == 1
-    if path == "auto":
+    chosen = path == "auto"
+    if chosen:
         path = "decode" if use_decode_path(num_tokens, top_k, num_experts) else "aligned"
     elif path not in ("aligned", "decode"):
         raise ValueError(f"unknown fused MoE path {path!r}: 'auto', 'aligned' or 'decode'")
@@ -310,10 +317,28 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
         config = config or decode_config(num_experts, intermediate, hidden_size, dtype_name)
     else:
         config = config or block_config(num_tokens, num_experts, intermediate, hidden_size, dtype_name)
-    run = _decode if path == "decode" else _aligned
-    run(hidden.contiguous(), w13, w2, topk_weights.reshape(-1).float().contiguous(),
-        topk_ids.reshape(-1).contiguous(), w13_bias, w2_bias, swiglu, config, out)
+    args = (hidden.contiguous(), w13, w2, topk_weights.reshape(-1).float().contiguous(),
+            topk_ids.reshape(-1).contiguous(), w13_bias, w2_bias, swiglu)
+    if path == "aligned":
+        _aligned(*args, config, out)
+        return out
+    try:
+        _decode(*args, config, out)
+    except Exception as exc:  # a Triton build or device that cannot compile the decode kernels
+        if not chosen or (hidden.is_cuda and torch.cuda.is_current_stream_capturing()):
+            raise
+        _turn_off_decode_path(exc)
+        _aligned(*args, block_config(num_tokens, num_experts, intermediate, hidden_size, dtype_name), out)
     return out
+
+
+def _turn_off_decode_path(exc: Exception) -> None:
+    """After the decode kernels failed here (first met in the warm-up before any CUDA graph capture), every later
+    call takes the aligned path; the reason is logged once."""
+    global DECODE_MAX_PAIRS
+    DECODE_MAX_PAIRS = 0
+    logger.warning("fused MoE: the decode path failed on this device (%s: %s); the aligned path serves every token "
+                   "count", type(exc).__name__, exc)
 
 
 def _aligned(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, pair_weights: torch.Tensor,

@@ -172,6 +172,28 @@ def test_path_choice_depends_on_the_pair_count_only():
         fused_moe(x, w13, w2, weights, ids, path="gemv")
 
 
+def test_a_decode_path_that_fails_to_compile_hands_over_to_the_aligned_path(monkeypatch, caplog):
+    """A device whose Triton cannot build the decode kernels: the chosen call still answers (aligned), the reason is
+    logged, and later calls choose the aligned path; a forced decode path raises."""
+    x, weights, ids = routed(1, 8, 2, 64, torch.float32)
+    w13, w2 = random_experts(8, 64, 32, torch.float32)
+    expected = fused_moe(x, w13, w2, weights, ids, path="aligned")
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("PTX assembly failed")
+
+    monkeypatch.setattr(fused_moe_triton, "_decode", no_compiler)
+    monkeypatch.setattr(fused_moe_triton, "DECODE_MAX_PAIRS", fused_moe_triton.DECODE_MAX_PAIRS)
+    with pytest.raises(RuntimeError, match="PTX"):
+        fused_moe(x, w13, w2, weights, ids, path="decode")
+    assert use_decode_path(1, 2, 8)
+    with caplog.at_level("WARNING"):
+        out = fused_moe(x, w13, w2, weights, ids)
+    assert torch.equal(out, expected)
+    assert "decode path failed" in caplog.text and "PTX assembly failed" in caplog.text
+    assert not use_decode_path(1, 2, 8)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device")
 @pytest.mark.parametrize("num_tokens,path", [(1, "decode"), (8, "decode"), (1, "aligned"), (8, "aligned"),
