@@ -1,10 +1,15 @@
 #!/usr/bin/env bash
 # Mixture-of-experts on the GPU host in one call (about 9 minutes), Qwen3-30B-A3B shape with dummy bf16 weights:
-#   tests:   the fused MoE Triton kernels against the float64 reference (bf16 at the Qwen3-30B-A3B layer shape, a CUDA
-#            graph replay), tests/ops/test_fused_moe_kernel.py;
+#   tests:   the fused MoE Triton kernels, aligned and decode paths, against the float64 reference (bf16 at the
+#            Qwen3-30B-A3B layer shape, CUDA graph replays) and the routing kernel against the torch form,
+#            tests/ops/test_fused_moe_kernel.py and tests/ops/test_moe_routing_kernel.py;
 #   decode:  benchmarks/one_batch.py, batch-1 (and 8, 64) decode steps at a 1024-token context in CUDA graphs, next to
 #            the floor: bytes of attention, router and the experts the batch visits (8 of 128 per layer at batch 1),
-#            plus KV, over the device-to-device bandwidth it measures;
+#            plus KV, over the device-to-device bandwidth it measures; then the top kernels of a batch-1 graph step.
+#            Batches 1 and 8 take the fused MoE's decode path and every batch the routing kernel;
+#   decode_aligned (not in the default STEPS): batches 1 and 8 again with both turned off (the module constants
+#            fused_moe_triton.DECODE_MAX_PAIRS and moe_routing.MAX_EXPERTS set to 0), i.e. the aligned path and the
+#            torch routing: STEPS="tests decode decode_aligned" gives the side-by-side in one call;
 #   offline: offline throughput, 1000 requests of 256 in / 256 out, Qwen3-30B-A3B and then Llama-3.1-8B (the dense
 #            baseline of about 2.4x the active parameters) in the same call, by output tokens/s.
 # STEPS selects (default: all), e.g. STEPS="tests decode" bash benchmarks/gpu_moe.sh. Needs .whl/ (see
@@ -25,12 +30,31 @@ for f in tokenizer.json tokenizer_config.json chat_template.jinja; do
 done
 
 if want tests; then
-    timeout 240 "$PY" -P -m pytest -p _srcpath -p no:cacheprovider -q tests/ops/test_fused_moe_kernel.py 2>&1 | tail -8
+    timeout 240 "$PY" -P -m pytest -p _srcpath -p no:cacheprovider -q tests/ops/test_fused_moe_kernel.py \
+        tests/ops/test_moe_routing_kernel.py 2>&1 | tail -8
 fi
 if want decode; then
     timeout 300 "$PY" benchmarks/one_batch.py --model-path "$MOE" --load-format dummy --dtype bfloat16 \
         --prefill-batch-sizes 1 --input-len 1024 --decode-batch-sizes 1,8,64 --context-len 1024 \
-        --eager-batch-sizes 1 --out "$OUT" --tag one_batch_qwen3_30b_a3b 2>&1 | grep -v Warning | tail -25
+        --eager-batch-sizes 1 --profile-batch-size 1 --out "$OUT" --tag one_batch_qwen3_30b_a3b 2>&1 \
+        | grep -v Warning | tail -50
+fi
+if want decode_aligned; then
+    timeout 240 "$PY" - --model-path "$MOE" --load-format dummy --dtype bfloat16 --prefill-batch-sizes "" \
+        --decode-batch-sizes 1,8 --context-len 1024 --eager-batch-sizes "" --profile-batch-size 1 --out "$OUT" \
+        --tag one_batch_qwen3_30b_a3b_aligned <<'EOF' 2>&1 | grep -v Warning | tail -40
+import runpy
+import sys
+
+import radixserve.kernels.fused_moe_triton as fused_moe_triton
+import radixserve.kernels.moe_routing as moe_routing
+
+fused_moe_triton.DECODE_MAX_PAIRS = 0  # every call takes the aligned path
+moe_routing.MAX_EXPERTS = 0  # select_experts keeps the torch form
+sys.argv[0] = "benchmarks/one_batch.py"
+sys.path.insert(0, "benchmarks")  # as running the script would
+runpy.run_path("benchmarks/one_batch.py", run_name="__main__")
+EOF
 fi
 OFFLINE=(--load-format dummy --dtype bfloat16 --dataset random --num-prompts 1000 --random-input-len 256
          --random-output-len 256 --cache on --skip-hf --output-json "$OUT/offline_moe.jsonl")

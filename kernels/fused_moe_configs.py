@@ -10,6 +10,12 @@ The defaults follow the shape of the problem: at decode sizes an expert sees a h
 wastes little on padding and a wide `BLOCK_K` streams the weight; at prefill sizes each expert's run fills taller tiles.
 Rows for a shape are measured by benchmarks/tune_fused_moe.py on the GPU their comment names, and kept only where the
 search matched the default config's output.
+
+The decode path (a few pairs, no alignment) has one config per layer shape, `DECODE_TUNED`, else `DECODE_DEFAULT`:
+`BLOCK_N` intermediate columns per gate/up program, `DOWN_BLOCK_N` hidden columns per down program, `BLOCK_K` of the
+reduced dimension for both. Its grids are pairs x I / BLOCK_N and tokens x H / DOWN_BLOCK_N, so at one token of
+Qwen3-30B-A3B (top-8, I 768, H 2048) the defaults give 384 and 256 programs, a few per SM, each streaming rows of
+`BLOCK_K` contiguous weights.
 """
 
 from __future__ import annotations
@@ -36,6 +42,17 @@ TUNED: dict[tuple[int, int, int, str], list[tuple[int, BlockConfig]]] = {
         (1 << 62, {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4}),
     ],
 }
+
+
+DECODE_DEFAULT: BlockConfig = {"BLOCK_N": 16, "DOWN_BLOCK_N": 8, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3}
+
+# (experts, intermediate per rank, hidden, dtype name) -> the decode path's config
+DECODE_TUNED: dict[tuple[int, int, int, str], BlockConfig] = {}
+
+
+def decode_config(num_experts: int, intermediate: int, hidden: int, dtype_name: str) -> BlockConfig:
+    """The decode path's config for this layer shape (a copy)."""
+    return dict(DECODE_TUNED.get((num_experts, intermediate, hidden, dtype_name), DECODE_DEFAULT))
 
 
 def block_config(num_tokens: int, num_experts: int, intermediate: int, hidden: int, dtype_name: str,

@@ -1,8 +1,11 @@
-"""The routed experts of a mixture-of-experts layer on the GPU: two Triton grouped GEMMs over tokens sorted by expert.
+"""The routed experts of a mixture-of-experts layer on the GPU: Triton kernels over the (token, expert) pairs.
 
-Every (token, slot) pair of the routing, `p = t * top_k + j`, is one row. `align_by_expert` sorts the pairs by expert
-and pads each expert's run to a multiple of `BLOCK_M`, so that every block of `BLOCK_M` sorted rows belongs to one
-expert (`block_expert`; -1 for the blocks past the last run). Then:
+Every (token, slot) pair of the routing, `p = t * top_k + j`, is one row. `fused_moe` runs one of two paths, chosen
+by the pair count alone (`use_decode_path`), so a CUDA graph captured for T tokens always replays the same one.
+
+The aligned path (prefill sizes). `align_by_expert` sorts the pairs by expert and pads each expert's run to a multiple
+of `BLOCK_M`, so that every block of `BLOCK_M` sorted rows belongs to one expert (`block_expert`; -1 for the blocks
+past the last run). Then:
 
 1. `_gate_up_kernel`: per block of rows and `BLOCK_N` intermediate columns, the rows' tokens times the expert's gate
    and up rows (two accumulators over the hidden dimension), `silu(gate) * up` in float32 (gpt-oss: biases added and
@@ -14,19 +17,43 @@ expert (`block_expert`; -1 for the blocks past the last run). Then:
 Padding rows carry the sentinel pair `T * top_k`: they load zeros and store nothing. Every shape the launch uses
 depends only on `(T, top_k, E, BLOCK_M)`, with no host synchronization, so the whole call can be captured in a CUDA
 graph. Block sizes come from the per-shape table in kernels/fused_moe_configs.py. float32 inputs multiply in IEEE
-float32 (no TF32), so a float32 model on the GPU keeps its precision. Without CUDA the kernels run only under the
-Triton interpreter (`TRITON_INTERPRET=1` set before `triton` is imported).
+float32 (no TF32), so a float32 model on the GPU keeps its precision.
+
+The decode path (a few pairs). No sorting, no padding: the pair's expert is read straight from `topk_ids`, and the
+products are matrix-vector products on the CUDA cores, each program streaming rows of one expert's weights with the
+reduced dimension contiguous (coalesced loads of `w13 [E, 2I, H]` and `w2 [E, H, I]` alike):
+
+1. `_decode_gate_up_kernel`: per pair and `BLOCK_N` intermediate columns, the expert's `[BLOCK_N, H]` gate and up
+   rows times the token's row, the same activation as the aligned path, stored as the pair's row of `[T * top_k, I]`;
+2. `_decode_down_kernel`: per token and `DOWN_BLOCK_N` hidden columns, the sum over the token's `top_k` slots, in
+   slot order, of the routing weight times the expert's down rows times the slot's activations (plus the weighted
+   down bias), in float32, stored once as the token's row of the output. Each output element is summed by one
+   program in a fixed order: no atomics, and the same result every run.
+
+The aligned path reads an expert's weights once per `BLOCK_M` rows of its run; the decode path once per pair. Pairs
+of one token visit distinct experts, so at one token nothing is read twice; with more tokens, experts repeat and the
+decode path rereads them (from L2 where they still are). A pair of routing weight 0 contributes nothing and the
+decode path skips it without reading its expert (expert parallelism routes other ranks' pairs so).
+
+If the decode kernels fail to compile on a device (met in the warm-up, before any CUDA graph is captured), `fused_moe`
+logs the reason once and the aligned path serves every later call.
+
+Without CUDA the kernels run only under the Triton interpreter (`TRITON_INTERPRET=1` set before `triton` is
+imported).
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+import logging
+from typing import Literal, NamedTuple, Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from radixserve.kernels.fused_moe_configs import BlockConfig, block_config
+from radixserve.kernels.fused_moe_configs import BlockConfig, block_config, decode_config
+
+logger = logging.getLogger(__name__)
 
 
 class ExpertAlignment(NamedTuple):
@@ -60,6 +87,18 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> E
     block_expert = torch.searchsorted(padded_end, block_starts, right=True)
     block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
     return ExpertAlignment(sorted_pairs, block_expert, block_m)
+
+
+@triton.jit
+def _activate(gate, up, swiglu_alpha, swiglu_limit, CLAMPED_SWIGLU: tl.constexpr):
+    """`silu(gate) * up` in float32, or gpt-oss's clamped SwiGLU (see `fused_moe`)."""
+    if CLAMPED_SWIGLU:
+        gate = tl.minimum(gate, swiglu_limit)
+        up = tl.minimum(tl.maximum(up, -swiglu_limit), swiglu_limit)
+        activated = gate / (1.0 + tl.exp(-swiglu_alpha * gate)) * (up + 1.0)
+    else:
+        activated = gate / (1.0 + tl.exp(-gate)) * up
+    return activated
 
 
 @triton.jit
@@ -100,12 +139,7 @@ def _gate_up_kernel(
         bias_ptrs = B13 + expert * stride_be + cols
         gate += tl.load(bias_ptrs, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         up += tl.load(bias_ptrs + intermediate, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    if CLAMPED_SWIGLU:
-        gate = tl.minimum(gate, swiglu_limit)
-        up = tl.minimum(tl.maximum(up, -swiglu_limit), swiglu_limit)
-        activated = gate / (1.0 + tl.exp(-swiglu_alpha * gate)) * (up + 1.0)
-    else:
-        activated = gate / (1.0 + tl.exp(-gate)) * up
+    activated = _activate(gate, up, swiglu_alpha, swiglu_limit, CLAMPED_SWIGLU)
     out_ptrs = Inter + pairs[:, None].to(tl.int64) * stride_inter + cols[None, :]
     tl.store(out_ptrs, activated.to(Inter.dtype.element_ty), mask=real[:, None] & col_ok[None, :])
 
@@ -148,39 +182,179 @@ def _down_kernel(
              mask=real[:, None] & col_ok[None, :])
 
 
+# The decode path runs up to this many (token, slot) pairs: 8 tokens of a top-8 model. Past it, the aligned path's
+# tensor-core tiles start to pay for its sorting, and the rereads below grow. 0 turns the decode path off (benchmarks
+# compare the two paths end to end that way).
+DECODE_MAX_PAIRS = 64
+
+
+def use_decode_path(num_tokens: int, top_k: int, num_experts: int) -> bool:
+    """Whether `fused_moe` takes the decode path for this call: up to `DECODE_MAX_PAIRS` pairs, and at most half as
+    many pairs as experts unless there is one token (its pairs visit distinct experts). n pairs routed evenly over E
+    experts visit about `E * (1 - exp(-n / E))` distinct ones; at `n = E / 2` that is 0.79 n, so the decode path reads
+    at most about 1.27x the aligned path's expert bytes (Qwen3-30B-A3B, 128 experts, top-8: up to 8 tokens; Mixtral, 8
+    experts, top-2: 1 and 2 tokens)."""
+    num_pairs = num_tokens * top_k
+    return num_pairs <= DECODE_MAX_PAIRS and (num_tokens == 1 or 2 * num_pairs <= num_experts)
+
+
+@triton.jit
+def _decode_gate_up_kernel(
+    X, W13, B13, Inter, TopkWeights, TopkIds,
+    top_k, hidden, intermediate, swiglu_alpha, swiglu_limit,
+    stride_x, stride_we, stride_wn, stride_wk, stride_be, stride_inter,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, CLAMPED_SWIGLU: tl.constexpr,
+):
+    """Program (pair, block of intermediate columns): the expert's `[BLOCK_N, H]` gate and up rows, streamed in
+    `BLOCK_K` chunks along H, times the token's row. The products accumulate elementwise in float32 tiles and are
+    reduced over K once, after the loop. A pair of routing weight 0 stores nothing (the down kernel skips it)."""
+    pair = tl.program_id(0)
+    if tl.load(TopkWeights + pair) == 0.0:
+        return
+    expert = tl.load(TopkIds + pair).to(tl.int64)
+    token = (pair // top_k).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < intermediate
+    ks = tl.arange(0, BLOCK_K)
+    x_ptrs = X + token * stride_x + ks
+    gate_ptrs = W13 + expert * stride_we + cols[:, None] * stride_wn + ks[None, :] * stride_wk
+    up_ptrs = gate_ptrs + intermediate * stride_wn
+    gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        k_ok = k0 + ks < hidden
+        x = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        w_mask = col_ok[:, None] & k_ok[None, :]
+        gate += tl.load(gate_ptrs, mask=w_mask, other=0.0).to(tl.float32) * x
+        up += tl.load(up_ptrs, mask=w_mask, other=0.0).to(tl.float32) * x
+        x_ptrs += BLOCK_K
+        gate_ptrs += BLOCK_K * stride_wk
+        up_ptrs += BLOCK_K * stride_wk
+    gate_sum = tl.sum(gate, axis=1)
+    up_sum = tl.sum(up, axis=1)
+    if HAS_BIAS:
+        bias_ptrs = B13 + expert * stride_be + cols
+        gate_sum += tl.load(bias_ptrs, mask=col_ok, other=0.0).to(tl.float32)
+        up_sum += tl.load(bias_ptrs + intermediate, mask=col_ok, other=0.0).to(tl.float32)
+    activated = _activate(gate_sum, up_sum, swiglu_alpha, swiglu_limit, CLAMPED_SWIGLU)
+    tl.store(Inter + pair.to(tl.int64) * stride_inter + cols, activated.to(Inter.dtype.element_ty), mask=col_ok)
+
+
+@triton.jit
+def _decode_down_kernel(
+    Inter, W2, B2, Out, TopkWeights, TopkIds,
+    top_k, hidden, intermediate,
+    stride_inter, stride_we, stride_wn, stride_wk, stride_be, stride_out,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+):
+    """Program (token, block of hidden columns): the sum over the token's slots, in slot order, of the routing weight
+    times the expert's `[BLOCK_N, I]` down rows times the slot's activations (and times its down bias, with
+    HAS_BIAS). One loop runs over (slot, K chunk), so the loads of every slot pipeline as one stream. Slots of weight 0
+    read nothing."""
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < hidden
+    ks = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    bias = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    chunks = tl.cdiv(intermediate, BLOCK_K)
+    for step in range(0, top_k * chunks):
+        slot = step // chunks
+        k_idx = (step % chunks) * BLOCK_K + ks
+        pair = token * top_k + slot
+        expert = tl.load(TopkIds + pair).to(tl.int64)
+        weight = tl.load(TopkWeights + pair)
+        k_ok = k_idx < tl.where(weight != 0.0, intermediate, 0)  # a slot of weight 0 has nothing to read
+        a = tl.load(Inter + pair * stride_inter + k_idx, mask=k_ok, other=0.0).to(tl.float32) * weight
+        w = tl.load(W2 + expert * stride_we + cols[:, None] * stride_wn + k_idx[None, :] * stride_wk,
+                    mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += w.to(tl.float32) * a[None, :]
+        if HAS_BIAS:
+            if step % chunks == 0:
+                bias_ok = cols < tl.where(weight != 0.0, hidden, 0)
+                bias += weight * tl.load(B2 + expert * stride_be + cols, mask=bias_ok, other=0.0).to(tl.float32)
+    out = tl.sum(acc, axis=1) + bias
+    tl.store(Out + token * stride_out + cols, out.to(Out.dtype.element_ty), mask=col_ok)
+
+
 def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, config: Optional[BlockConfig] = None, w13_bias: Optional[torch.Tensor] = None,
-              w2_bias: Optional[torch.Tensor] = None, swiglu: Optional[tuple[float, float]] = None) -> torch.Tensor:
+              w2_bias: Optional[torch.Tensor] = None, swiglu: Optional[tuple[float, float]] = None,
+              path: Literal["auto", "aligned", "decode"] = "auto") -> torch.Tensor:
     """`sum_j topk_weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t))` over each token's experts `e = topk_ids[t,
     j]`, as a new tensor `[T, H]` of hidden's dtype.
 
     `hidden [T, H]`; `w13 [E, 2I, H]` (each expert's gate rows, then its up rows); `w2 [E, H, I]`; `topk_weights
-    [T, k]` (float32) and `topk_ids [T, k]`. `config`: block sizes (default: kernels/fused_moe_configs.py's table).
-    gpt-oss's experts: `w13_bias [E, 2I]` and `w2_bias [E, H]` (both or neither) are added to their projections, and
-    `swiglu = (alpha, limit)` replaces the SiLU gate by `gate * sigmoid(alpha * gate) * (up + 1)` with the gate
-    clamped to at most `limit` and up to `[-limit, limit]`.
+    [T, k]` (float32) and `topk_ids [T, k]`. gpt-oss's experts: `w13_bias [E, 2I]` and `w2_bias [E, H]` (both or
+    neither) are added to their projections, and `swiglu = (alpha, limit)` replaces the SiLU gate by `gate *
+    sigmoid(alpha * gate) * (up + 1)` with the gate clamped to at most `limit` and up to `[-limit, limit]`.
+
+    `path`: "auto" chooses by `use_decode_path`; "aligned" or "decode" forces one (benchmarks and tests compare them).
+    `config`: the block sizes of the path that runs (default: kernels/fused_moe_configs.py's tables; the aligned
+    path's keys are `BLOCK_M`, `BLOCK_N`, `BLOCK_K`, the decode path's `BLOCK_N`, `DOWN_BLOCK_N`, `BLOCK_K`, both with
+    `num_warps` and `num_stages`).
     """
     num_tokens, hidden_size = hidden.shape
     num_experts, _, intermediate = w2.shape
     top_k = topk_ids.shape[1]
     assert w13.shape == (num_experts, 2 * intermediate, hidden_size), (w13.shape, w2.shape, hidden.shape)
-    out = torch.empty_like(hidden)
-    if num_tokens == 0:
-        return out
-    config = config or block_config(num_tokens, num_experts, intermediate, hidden_size,
-                                    str(hidden.dtype).removeprefix("torch."))
-    launch = {"num_warps": config["num_warps"], "num_stages": config["num_stages"]}
-    block_m, block_n, block_k = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
-    precision = "ieee" if hidden.dtype == torch.float32 else "tf32"
-    hidden = hidden.contiguous()
-    alignment = align_by_expert(topk_ids, num_experts, block_m)
-    num_blocks = alignment.block_expert.numel()
-    num_pairs = num_tokens * top_k
+    assert topk_weights.shape == topk_ids.shape == (num_tokens, top_k), (topk_weights.shape, topk_ids.shape)
     has_bias = w13_bias is not None
     assert (w2_bias is not None) == has_bias, "give both biases or neither"
     if has_bias:
         assert w13_bias.shape == (num_experts, 2 * intermediate) and w2_bias.shape == (num_experts, hidden_size)
         assert w13_bias.stride(-1) == 1 and w2_bias.stride(-1) == 1
+    chosen = path == "auto"
+    if chosen:
+        path = "decode" if use_decode_path(num_tokens, top_k, num_experts) else "aligned"
+    elif path not in ("aligned", "decode"):
+        raise ValueError(f"unknown fused MoE path {path!r}: 'auto', 'aligned' or 'decode'")
+    out = torch.empty(num_tokens, hidden_size, dtype=hidden.dtype, device=hidden.device)
+    if num_tokens == 0:
+        return out
+    dtype_name = str(hidden.dtype).removeprefix("torch.")
+    if path == "decode":
+        config = config or decode_config(num_experts, intermediate, hidden_size, dtype_name)
+    else:
+        config = config or block_config(num_tokens, num_experts, intermediate, hidden_size, dtype_name)
+    args = (hidden.contiguous(), w13, w2, topk_weights.reshape(-1).float().contiguous(),
+            topk_ids.reshape(-1).contiguous(), w13_bias, w2_bias, swiglu)
+    if path == "aligned":
+        _aligned(*args, config, out)
+        return out
+    try:
+        _decode(*args, config, out)
+    except Exception as exc:  # a Triton build or device that cannot compile the decode kernels
+        if not chosen or (hidden.is_cuda and torch.cuda.is_current_stream_capturing()):
+            raise
+        _turn_off_decode_path(exc)
+        _aligned(*args, block_config(num_tokens, num_experts, intermediate, hidden_size, dtype_name), out)
+    return out
+
+
+def _turn_off_decode_path(exc: Exception) -> None:
+    """After the decode kernels failed here (first met in the warm-up before any CUDA graph capture), every later
+    call takes the aligned path; the reason is logged once."""
+    global DECODE_MAX_PAIRS
+    DECODE_MAX_PAIRS = 0
+    logger.warning("fused MoE: the decode path failed on this device (%s: %s); the aligned path serves every token "
+                   "count", type(exc).__name__, exc)
+
+
+def _aligned(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, pair_weights: torch.Tensor,
+             pair_ids: torch.Tensor, w13_bias: Optional[torch.Tensor], w2_bias: Optional[torch.Tensor],
+             swiglu: Optional[tuple[float, float]], config: BlockConfig, out: torch.Tensor) -> None:
+    """The aligned path of `fused_moe` (module docstring) on `pair_weights`, `pair_ids` `[T * k]`, into `out`."""
+    num_tokens, hidden_size = hidden.shape
+    num_experts, _, intermediate = w2.shape
+    num_pairs = pair_ids.numel()
+    top_k = num_pairs // num_tokens
+    launch = {"num_warps": config["num_warps"], "num_stages": config["num_stages"]}
+    block_m, block_n, block_k = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
+    precision = "ieee" if hidden.dtype == torch.float32 else "tf32"
+    alignment = align_by_expert(pair_ids, num_experts, block_m)
+    num_blocks = alignment.block_expert.numel()
+    has_bias = w13_bias is not None
     alpha, limit = swiglu if swiglu is not None else (1.0, 0.0)
     inter = torch.empty(num_pairs, intermediate, dtype=hidden.dtype, device=hidden.device)
     _gate_up_kernel[(num_blocks, triton.cdiv(intermediate, block_n))](
@@ -193,10 +367,39 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     )
     pair_out = torch.empty(num_pairs, hidden_size, dtype=hidden.dtype, device=hidden.device)
     _down_kernel[(num_blocks, triton.cdiv(hidden_size, block_n))](
-        inter, w2, w2_bias if has_bias else w2, pair_out, topk_weights.reshape(-1).float().contiguous(),
+        inter, w2, w2_bias if has_bias else w2, pair_out, pair_weights,
         alignment.sorted_pairs, alignment.block_expert, num_pairs, hidden_size, intermediate,
         inter.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), w2_bias.stride(0) if has_bias else 0,
         pair_out.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, HAS_BIAS=has_bias, **launch,
     )
-    return out.copy_(pair_out.view(num_tokens, top_k, hidden_size).sum(dim=1, dtype=torch.float32))
+    out.copy_(pair_out.view(num_tokens, top_k, hidden_size).sum(dim=1, dtype=torch.float32))
+
+
+def _decode(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, pair_weights: torch.Tensor,
+            pair_ids: torch.Tensor, w13_bias: Optional[torch.Tensor], w2_bias: Optional[torch.Tensor],
+            swiglu: Optional[tuple[float, float]], config: BlockConfig, out: torch.Tensor) -> None:
+    """The decode path of `fused_moe` (module docstring) on `pair_weights`, `pair_ids` `[T * k]`, into `out`."""
+    num_tokens, hidden_size = hidden.shape
+    intermediate = w2.shape[2]
+    num_pairs = pair_ids.numel()
+    top_k = num_pairs // num_tokens
+    launch = {"num_warps": config["num_warps"], "num_stages": config["num_stages"]}
+    has_bias = w13_bias is not None
+    alpha, limit = swiglu if swiglu is not None else (1.0, 0.0)
+    inter = torch.empty(num_pairs, intermediate, dtype=hidden.dtype, device=hidden.device)
+    _decode_gate_up_kernel[(num_pairs, triton.cdiv(intermediate, config["BLOCK_N"]))](
+        hidden, w13, w13_bias if has_bias else w13, inter, pair_weights, pair_ids,
+        top_k, hidden_size, intermediate, float(alpha), float(limit),
+        hidden.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), w13_bias.stride(0) if has_bias else 0,
+        inter.stride(0),
+        BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"], HAS_BIAS=has_bias, CLAMPED_SWIGLU=swiglu is not None,
+        **launch,
+    )
+    _decode_down_kernel[(num_tokens, triton.cdiv(hidden_size, config["DOWN_BLOCK_N"]))](
+        inter, w2, w2_bias if has_bias else w2, out, pair_weights, pair_ids,
+        top_k, hidden_size, intermediate,
+        inter.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), w2_bias.stride(0) if has_bias else 0,
+        out.stride(0),
+        BLOCK_N=config["DOWN_BLOCK_N"], BLOCK_K=config["BLOCK_K"], HAS_BIAS=has_bias, **launch,
+    )

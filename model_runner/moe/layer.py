@@ -71,9 +71,9 @@ class FusedMoE(nn.Module):
             from radixserve.kernels.fused_moe_triton import fused_moe  # CPU-only processes never import triton
 
             if local_ids is not topk_ids:
-                # The fused kernel takes ids in [0, E_local): another rank's pairs run through local expert 0 with
-                # weight 0. Correct, at the cost of computing them; skipping them needs the kernel's alignment to
-                # drop an extra bucket, as the CPU path does.
+                # The fused kernels take ids in [0, E_local): another rank's pairs go to local expert 0 with weight
+                # 0. The decode path skips pairs of weight 0 unread; the aligned path computes them (skipping them
+                # there needs its alignment to drop an extra bucket, as the CPU path does).
                 topk_weights = topk_weights.masked_fill(elsewhere, 0.0)
                 local_ids = local_ids.masked_fill(elsewhere, 0)
             return fused_moe(hidden, self.w13_weight, self.w2_weight, topk_weights, local_ids, w13_bias=self.w13_bias,

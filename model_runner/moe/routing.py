@@ -9,18 +9,48 @@ Two rules cover the supported families (`MoEConfig.routing`):
   with renormalization up to rounding; it is the order the Mixtral paper writes.
 
 The weights come back in float32 whatever the logits' dtype: the expert kernels multiply in float32 before they sum
-the top-k outputs.
+the top-k outputs. On CUDA, both rules run as one Triton kernel (kernels/moe_routing.py: one launch a layer instead
+of the torch form's half dozen, which at decode sizes take a few microseconds each); the CPU keeps the torch form.
+The two agree on the ids wherever the logits are distinct, and on the weights to float32 rounding. Where the
+kernel fails to compile (a Triton build without this device), the failure is logged once and the torch form routes.
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
+
+logger = logging.getLogger(__name__)
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int, routing: str,
                    renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """`(weights [T, top_k] float32, expert ids [T, top_k] int64)` for router logits `[T, num_experts]`; each row of
     ids is ordered by decreasing weight."""
+    global _kernel_usable
+    if router_logits.is_cuda and _kernel_usable:
+        from radixserve.kernels.moe_routing import MAX_EXPERTS, route_topk  # CPU-only processes never import triton
+
+        if router_logits.shape[-1] <= MAX_EXPERTS and routing in ("softmax_topk", "topk_softmax"):
+            try:
+                return route_topk(router_logits, top_k, routing, renormalize)
+            except Exception as exc:  # a Triton build or device that cannot compile the kernel
+                if isinstance(exc, ValueError) or torch.cuda.is_current_stream_capturing():
+                    raise
+                _kernel_usable = False
+                logger.warning("MoE routing: the routing kernel failed on this device (%s: %s); torch ops route "
+                               "instead", type(exc).__name__, exc)
+    return select_experts_torch(router_logits, top_k, routing, renormalize)
+
+
+# False once the routing kernel failed to compile here (first met in the warm-up, before any CUDA graph capture).
+_kernel_usable = True
+
+
+def select_experts_torch(router_logits: torch.Tensor, top_k: int, routing: str,
+                         renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """`select_experts` in torch ops on any device (the CPU's form; on CUDA, what the kernel replaces)."""
     if routing == "topk_softmax":
         top_logits, ids = torch.topk(router_logits.float(), top_k, dim=-1)
         return torch.softmax(top_logits, dim=-1), ids

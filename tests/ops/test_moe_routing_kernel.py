@@ -1,0 +1,98 @@
+"""The routing kernel (kernels/moe_routing.py) against the torch form of each rule (`select_experts` on the CPU).
+
+Without a GPU it runs under the Triton interpreter (tests/conftest.py sets `TRITON_INTERPRET=1`). Logits are drawn
+distinct within each row, so that the top-k is unique and the ids must match exactly; exact ties are checked on their
+own against the kernel's documented rule (the lower expert id first). On a GPU, `select_experts` itself takes the
+kernel: it is checked there against the torch form, in bfloat16 and inside a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+ON_GPU = torch.cuda.is_available()
+if not ON_GPU and "triton" not in sys.modules:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+
+from radixserve.kernels.moe_routing import route_topk  # noqa: E402
+from radixserve.model_runner.moe.routing import select_experts, select_experts_torch  # noqa: E402
+
+DEVICE = "cuda" if ON_GPU else "cpu"
+RULES = [("softmax_topk", True), ("softmax_topk", False), ("topk_softmax", True)]
+
+
+def distinct_logits(num_tokens: int, num_experts: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    """Each row a permutation of `(i - E/2) / 16` for i < E: distinct and exact in bfloat16 as in float32 (up to 256
+    experts), spread as router logits are, from -E/32 to E/32."""
+    generator = torch.Generator().manual_seed(seed)
+    rows = [torch.randperm(num_experts, generator=generator) for _ in range(num_tokens)]
+    logits = (torch.stack(rows).float() - num_experts / 2) / 16
+    return logits.to(dtype)
+
+
+@pytest.mark.parametrize("routing,renormalize", RULES)
+@pytest.mark.parametrize("num_tokens,num_experts,top_k", [(1, 8, 2), (5, 60, 4), (3, 128, 8), (2, 8, 8), (4, 7, 1),
+                                                          (2, 256, 8)])
+def test_equals_the_torch_form(routing, renormalize, num_tokens, num_experts, top_k):
+    """Random float32 logits (distinct: checked) and, separately, distinct bfloat16 ones."""
+    generator = torch.Generator().manual_seed(num_tokens * num_experts + top_k)
+    random_logits = torch.randn(num_tokens, num_experts, generator=generator)
+    assert all(row.unique().numel() == num_experts for row in random_logits)
+    for logits in (random_logits, distinct_logits(num_tokens, num_experts, torch.bfloat16)):
+        weights, ids = route_topk(logits.to(DEVICE), top_k, routing, renormalize)
+        expected_weights, expected_ids = select_experts(logits, top_k, routing, renormalize)
+        assert weights.dtype == torch.float32 and ids.dtype == torch.int64
+        assert torch.equal(ids.cpu(), expected_ids)
+        torch.testing.assert_close(weights.cpu(), expected_weights, rtol=1e-6, atol=1e-7)
+
+
+def test_strided_logits_and_no_tokens():
+    logits = torch.randn(3, 32, generator=torch.Generator().manual_seed(1))
+    weights, ids = route_topk(logits[:, ::2].to(DEVICE), 3, "softmax_topk", True)
+    expected_weights, expected_ids = select_experts(logits[:, ::2], 3, "softmax_topk", True)
+    assert torch.equal(ids.cpu(), expected_ids)
+    torch.testing.assert_close(weights.cpu(), expected_weights, rtol=1e-6, atol=1e-7)
+    weights, ids = route_topk(torch.empty(0, 16, device=DEVICE), 2, "topk_softmax", True)
+    assert weights.shape == ids.shape == (0, 2)
+
+
+def test_exact_ties_take_the_lower_expert_first():
+    logits = torch.tensor([[0.0, 1.0, 1.0, 0.5, 1.0, 0.5], [2.0, 2.0, 2.0, 2.0, 2.0, 2.0]])
+    weights, ids = route_topk(logits.to(DEVICE), 4, "topk_softmax", True)
+    assert ids.tolist() == [[1, 2, 4, 3], [0, 1, 2, 3]]
+    assert torch.allclose(weights[1].cpu(), torch.full((4,), 0.25))
+
+
+def test_bad_arguments_are_refused():
+    logits = torch.randn(2, 8).to(DEVICE)
+    with pytest.raises(ValueError, match="unknown MoE routing"):
+        route_topk(logits, 2, "sigmoid", False)
+    with pytest.raises(ValueError, match="top_k 9"):
+        route_topk(logits, 9, "softmax_topk", False)
+    with pytest.raises(ValueError, match="top_k 0"):
+        route_topk(logits, 0, "softmax_topk", False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device")
+@pytest.mark.parametrize("routing,renormalize", RULES)
+@pytest.mark.parametrize("num_tokens", [1, 8, 512])
+def test_select_experts_on_cuda_takes_the_kernel_in_a_cuda_graph(routing, renormalize, num_tokens):
+    """Qwen3-30B-A3B's router (128 experts, top-8), bfloat16 logits, captured and replayed on new logits."""
+    logits = distinct_logits(num_tokens, 128, torch.bfloat16).cuda()
+    select_experts(logits, 8, routing, renormalize)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        weights, ids = select_experts(logits, 8, routing, renormalize)
+    new_logits = distinct_logits(num_tokens, 128, torch.bfloat16, seed=5)
+    logits.copy_(new_logits.cuda())
+    graph.replay()
+    for device in ("cpu", "cuda"):  # the torch form on either device
+        expected_weights, expected_ids = select_experts_torch(new_logits.to(device), 8, routing, renormalize)
+        assert torch.equal(ids.cpu(), expected_ids.cpu())
+        torch.testing.assert_close(weights.cpu(), expected_weights.cpu(), rtol=1e-5, atol=1e-6)
