@@ -313,7 +313,8 @@ class ModelRunner:
             if gguf_path is None or files.load_format == "dummy":
                 raise ValueError(f"quantization 'gguf' computes on a GGUF file's blocks; {files.source} is not a GGUF "
                                  "file loaded with its weights")
-            use_gguf_blocks(model, gguf_path, self.config.gguf_activations)  # before packing: the float linears left are packed as usual
+            # before packing: the float linears left (and those kept for prefill) are packed as usual
+            use_gguf_blocks(model, gguf_path, self.config.gguf_activations, keep_float=self.config.gguf_keep_float)
         if self.device.type == "cpu" and self.dtype == torch.bfloat16:
             # the weights are final now; see model_runner/cpu/packed.py. A model that only pools never runs its LM head.
             pack_cpu_linears(model, self.cpu_kernels, lm_head=self.pooling.is_generation)

@@ -72,6 +72,7 @@ class RunnerConfig:
     # (unasked, a GGUF model on an AVX-512 CPU runs on its blocks: model_runner/cpu/gguf_default.py)
     quantization: Optional[str] = None
     gguf_activations: str = "float32"  # the blocks' activations at decode rows: float32 or int8 (gguf_linear.py)
+    gguf_keep_float: bool = False  # blocks chosen by default keep the float projections for prefill rows
 
     # Hybrid models' state pool (model_runner/state_memory.py): total slots (None: sized from the budget) and the
     # recurrent state's dtype
@@ -88,6 +89,7 @@ class RunnerConfig:
         `args` (without converting anything)."""
         if model is None:
             model = locate_model(args.model_path, args.load_format, args.model_cache_dir)
+        quantization = resolved_quantization(args, model)
         return cls(
             model=model, device=args.resolved_device(), dtype=args.resolved_dtype(),
             kv_cache_dtype=args.kv_cache_dtype, context_length=args.context_length, random_seed=args.random_seed,
@@ -107,7 +109,8 @@ class RunnerConfig:
             is_embedding=args.is_embedding, pooling_method=args.pooling_method,
             deterministic=args.enable_deterministic_inference, cpu_thread_governor=not args.disable_cpu_thread_governor,
             dist_auth_secret_file=args.dist_auth_secret_file,
-            quantization=resolved_quantization(args, model), gguf_activations=args.gguf_activations,
+            quantization=quantization, gguf_activations=args.gguf_activations,
+            gguf_keep_float=quantization == "gguf" and args.quantization is None,
             max_mamba_cache_size=args.max_mamba_cache_size, mamba_ssm_dtype=args.mamba_ssm_dtype,
             swa_full_tokens_ratio=args.swa_full_tokens_ratio, disable_hybrid_swa_memory=args.disable_hybrid_swa_memory,
         )

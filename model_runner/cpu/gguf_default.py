@@ -1,12 +1,15 @@
-"""Which `--quantization` the runner applies when none was asked: a GGUF model on the CPU runs on its own blocks
-(`gguf`, model_runner/cpu/gguf_linear.py) on CPUs where that measured faster than the default path end to end and
-computes the same function, and on its float conversion everywhere else.
+"""Which `--quantization` the runner applies when none was asked: a GGUF model on the CPU decodes on its own blocks
+(`gguf`, model_runner/cpu/gguf_linear.py) on CPUs where that measured faster than the float path end to end and
+computes the same function, and runs on its float conversion everywhere else.
 
-The rule, by `cpu_isa()`: the blocks by default on CPUs with one of `GGUF_DEFAULT_ISA_FLAGS`. The table is empty
-today. On the AVX-512 BF16 CPU measured (docs/quantization.md), the embedded SmolLM2's Q4_1 blocks decode about twice
-as fast as float32 (the weights a decode step reads are 5/8 of a byte per value instead of 4) but no faster than
-bfloat16, and prefill two to four times slower than bfloat16, so time to first token would get worse; those figures
-were taken on a loaded machine. A flag joins the table once a quiet run shows the blocks faster on both.
+The rule, by `cpu_isa()`: the blocks by default on CPUs with one of `GGUF_DEFAULT_ISA_FLAGS`. Chosen by default, the
+blocks serve the decode rows only: each projection keeps its float32 linear for prefill rows (model_runner/cpu/
+gguf_linear.py, `keep_float`), so a prompt costs what it costs on the float path, and memory grows by the blocks
+alone. On the AVX-512 CPU measured (2-core AMD EPYC, avx512f and avx512_bf16; the embedded SmolLM2's Q4_1 blocks), side
+by side in one run: a 512-token prefill 671 ms against the float path's 667, a decode step at a 128-token context
+12.9 ms against 23.0 (1.8x), the float path's greedy ids kept (benchmarks/gguf_default.py). The blocks multiply
+float32 activations, so they compute the float path's function up to summation order. CPUs without AVX-512 keep the
+float path until measured.
 
 The float path stays wherever something asked for it or needs float weights: `--quantization none`, any `--dtype`
 but auto, `--cpu-kernels torch`, LoRA adapters, tensor parallelism, speculative decoding (the verify steps' packed
@@ -27,7 +30,7 @@ from radixserve.runtime.wire.server_args import ServerArgs
 logger = logging.getLogger(__name__)
 
 # `cpu_isa()` flags of the CPUs where a GGUF model runs on its blocks by default (see the module docstring).
-GGUF_DEFAULT_ISA_FLAGS: tuple[str, ...] = ()
+GGUF_DEFAULT_ISA_FLAGS: tuple[str, ...] = ("avx512f",)
 
 
 def blocks_by_default(args: ServerArgs, model: ModelFiles) -> bool:

@@ -19,7 +19,9 @@ blocks, and kernels/cpu_gguf_linear.cpp multiplies on them.
   kernel runs at every row count, take int8 activations at every row count.
 The model is loaded from the converted directory as for the float path, then `use_gguf_blocks` swaps each fused
 projection (qkv, gate/up, o, down) whose parts are stored in one block type for a `GGUFLinear` on the concatenated
-blocks, and the LM head (the embedding's matrix where tied) for one on its own; their float weights are dropped. The
+blocks, and the LM head (the embedding's matrix where tied) for one on its own. Asked for (`--quantization gguf`),
+their float weights are dropped. Chosen by default (model_runner/cpu/gguf_default.py), the projections keep their float
+linears for prefill rows, so that a prompt costs what it costs on the float path while decode reads the blocks. The
 embedding lookup, norms, attention and sampling are unchanged, in float32.
 """
 
@@ -41,6 +43,10 @@ logger = logging.getLogger(__name__)
 # Rows from which a call dequantizes the whole weight and runs `F.linear` (measured with benchmarks/cpu_gguf_linear.py
 # on the embedded model's shapes: the in-register kernel is ahead below 16-32 rows).
 DEQUANTIZE_FROM = 32
+# Rows from which a projection that kept its float linear (blocks chosen by default) runs it instead of the blocks:
+# from a few rows the float kernels' arithmetic outpaces the blocks' in-register dequantization, while below it the
+# blocks' smaller reads win (benchmarks/gguf_default.py --rows measures the crossover).
+DENSE_FROM = 8
 # The block types whose kernel takes the float32 activations (the K-quants round them to integers instead).
 FLOAT_ACTIVATION_TYPES = frozenset({2, 3, 8})
 # The K-quants' activations: 16 (14-bit integers in 16-bit multiply-adds) or 8 (llama.cpp's int8, VNNI's dot products).
@@ -58,9 +64,11 @@ _FUSED_PARTS = {
 
 
 class GGUFLinear(nn.Module):
-    """`x @ W.T (+ bias)` with W in llama.cpp's blocks: `x [..., in_features]` float32 on the CPU -> float32."""
+    """`x @ W.T (+ bias)` with W in llama.cpp's blocks: `x [..., in_features]` float32 on the CPU -> float32. With
+    `dense` (the float linear of the same weight, kept), rows from `DENSE_FROM` on run through it."""
 
-    def __init__(self, matrix: BlockMatrix, bias: Optional[torch.Tensor] = None, activations: str = "float32") -> None:
+    def __init__(self, matrix: BlockMatrix, bias: Optional[torch.Tensor] = None, activations: str = "float32",
+                 dense: Optional[nn.Module] = None) -> None:
         super().__init__()
         self.in_features, self.out_features = matrix.in_features, matrix.out_features
         self.ggml_type = matrix.ggml_type
@@ -69,8 +77,11 @@ class GGUFLinear(nn.Module):
         self.activation_bits = float_bits if matrix.ggml_type in FLOAT_ACTIVATION_TYPES else kquant_bits
         self.register_buffer("blocks", matrix.blocks, persistent=False)
         self.bias = bias
+        self.dense = dense  # a child module, so that the runner's CPU packing (small_batch.py) reaches it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dense is not None and x.numel() >= DENSE_FROM * self.in_features:
+            return self.dense(x)
         if self.ggml_type in FLOAT_ACTIVATION_TYPES and x.numel() >= DEQUANTIZE_FROM * self.in_features:
             return F.linear(x, torch.ops.radixserve_cpu.gguf_dequantize(self.blocks, self.ggml_type), self.bias)
         return torch.ops.radixserve_cpu.gguf_linear(x, self.blocks, self.ggml_type, self.bias, self.activation_bits)
@@ -89,10 +100,12 @@ def _stacked(parts: list[BlockMatrix]) -> Optional[BlockMatrix]:
     return BlockMatrix(parts[0].ggml_type, blocks.contiguous(), parts[0].in_features)
 
 
-def use_gguf_blocks(model: nn.Module, gguf_path: str, activations: str = "float32") -> int:
+def use_gguf_blocks(model: nn.Module, gguf_path: str, activations: str = "float32", keep_float: bool = False) -> int:
     """Swap `model`'s projections and LM head for `GGUFLinear`s on `gguf_path`'s blocks (those stored in a block
-    type; the others keep their float weights), multiplying `activations` (float32 or int8) at decode rows. Loads the
-    CPU kernels first (a RuntimeError where they cannot be built). Returns how many linears now read blocks."""
+    type; the others keep their float weights), multiplying `activations` (float32 or int8) at decode rows. With
+    `keep_float`, each swapped projection keeps its float linear for prefill rows (more memory: the float weights stay
+    beside the blocks). Loads the CPU kernels first (a RuntimeError where they cannot be built). Returns how many
+    linears now read blocks."""
     if activations not in ACTIVATION_BITS:
         raise ValueError(f"GGUF activations are {' or '.join(ACTIVATION_BITS)}, got {activations!r}")
     if not cpu_build.load():
@@ -115,7 +128,7 @@ def use_gguf_blocks(model: nn.Module, gguf_path: str, activations: str = "float3
                 raise ValueError(f"layer {index} {fused}: the GGUF blocks hold {matrix.out_features}x"
                                  f"{matrix.in_features} values, the model {tuple(current.weight.shape)}")
             bias = None if current.bias is None else current.bias.detach().float()
-            setattr(owner, attr, GGUFLinear(matrix, bias, activations))
+            setattr(owner, attr, GGUFLinear(matrix, bias, activations, dense=current if keep_float else None))
             swapped += 1
     head_name = "lm_head.weight" if "lm_head.weight" in matrices else "model.embed_tokens.weight"
     if head_name in matrices and model.config.tie_word_embeddings == (head_name != "lm_head.weight"):

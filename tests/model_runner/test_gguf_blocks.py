@@ -139,13 +139,41 @@ def test_the_gguf_default_follows_its_isa_table(default_model_dir, tiny_model_di
     def resolved(**kwargs):
         return RunnerConfig.from_server_args(ServerArgs(device="cpu", **kwargs)).quantization
 
+    def keeps_float(**kwargs):
+        return RunnerConfig.from_server_args(ServerArgs(device="cpu", **kwargs)).gguf_keep_float
+
+    monkeypatch.setattr(gguf_default, "GGUF_DEFAULT_ISA_FLAGS", ())
     assert resolved() is None
     monkeypatch.setattr(gguf_default, "GGUF_DEFAULT_ISA_FLAGS", tuple(cpu_build.cpu_isa().split(",")))
-    assert resolved() == "gguf"
-    assert resolved(quantization="gguf") == "gguf"
+    assert resolved() == "gguf" and keeps_float()  # chosen by default: the float projections stay for prefill
+    assert resolved(quantization="gguf") == "gguf" and not keeps_float(quantization="gguf")  # asked: blocks alone
     for kwargs in ({"quantization": "none"}, {"dtype": "float32"}, {"dtype": "bfloat16"}, {"cpu_kernels": "torch"},
                    {"enable_deterministic_inference": True}, {"model_path": tiny_model_dir("llama")}):
         assert resolved(**kwargs) is None, kwargs
+
+
+@pytest.mark.slow  # two runners of the embedded model generate 8 x 32 tokens
+def test_blocks_chosen_by_default_decode_on_blocks_and_prefill_on_the_float_linears(default_model_dir, monkeypatch):
+    """Where the ISA table picks the blocks, each projection keeps its float linear (packed as on the float path) for
+    prefill rows and reads the blocks at decode rows; the greedy ids are the float path's."""
+    from radixserve.model_runner.cpu import gguf_default
+    from radixserve.model_runner.cpu.small_batch import SmallBatchLinear
+
+    monkeypatch.setattr(gguf_default, "GGUF_DEFAULT_ISA_FLAGS", tuple(cpu_build.cpu_isa().split(",")))
+    runners = {quantization: ModelRunner(RunnerConfig.from_server_args(ServerArgs(
+        device="cpu", quantization=quantization, max_total_tokens=4096, max_running_requests=8)))
+        for quantization in (None, "none")}
+    layer = runners[None].model.model.layers[0]
+    for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+        assert isinstance(linear, GGUFLinear) and isinstance(linear.dense, SmallBatchLinear)
+    prefill_rows = torch.randn(40, layer.mlp.down_proj.in_features)
+    assert torch.equal(layer.mlp.down_proj(prefill_rows), layer.mlp.down_proj.dense(prefill_rows))
+
+    tokenizer = load_tokenizer(default_model_dir)
+    prompts = [tokenizer.encode(text) for text in PROMPTS[:8]]
+    ours, reference = (greedy_generate(runners[q], prompts, MAX_NEW_TOKENS, stop_token_ids=[]) for q in (None, "none"))
+    agree = sum(a == b for a, b in zip(ours, reference))
+    assert agree >= 7, f"{agree} of {len(prompts)} prompts keep the float path's greedy ids"
 
 
 @pytest.mark.parametrize("kwargs, message", [
