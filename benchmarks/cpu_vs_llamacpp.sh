@@ -5,7 +5,8 @@
 #   1. one stream: random 128 in / 128 out, one request at a time;
 #   2. 16 streams: random 256 in / 128 out, at most 16 in flight;
 #   3. the shared-prefix workload: 8 groups x 8 prompts of a 512-token shared prefix + 32, 32 out, all at once.
-# radixserve runs each cell in each of $RADIXSERVE_MODES (`gguf`: --quantization gguf, the linears on the file's own
+# radixserve runs each cell in each of $RADIXSERVE_MODES (`default`: no flag, what `radixserve serve` picks on this CPU;
+# `gguf`: --quantization gguf, the linears on the file's own
 # blocks; `gguf-int8`: the same with --gguf-activations int8, llama.cpp's int8 arithmetic at decode rows;
 # `float32`/`bfloat16`: --dtype, the converted weights); llama.cpp with $LLAMA_PARALLEL slots. Every server is
 # started fresh per cell, used, and stopped; only one runs at a time.
@@ -22,7 +23,7 @@ cd "$(dirname "$0")/.."
 
 PY=${PY:-.venv/bin/python}
 GGUF=${GGUF:-$($PY -c "from radixserve.runtime.wire.model_files import default_model_path; print(default_model_path())")}
-RADIXSERVE_MODES=${RADIXSERVE_MODES:-gguf float32 bfloat16}
+RADIXSERVE_MODES=${RADIXSERVE_MODES:-default gguf float32 bfloat16}
 CELLS=${CELLS:-single concurrent shared}
 SERVERS=${SERVERS:-radixserve llamacpp}
 LLAMA_PARALLEL=${LLAMA_PARALLEL:-16}
@@ -89,6 +90,7 @@ start_server() {  # start_server NAME MODE PORT LOG: start it in the background 
     local name=$1 mode=$2 port=$3 log=$4
     if [ "$name" = radixserve ]; then
         local flags=(--dtype "$mode")
+        [ "$mode" = default ] && flags=()
         [ "$mode" = gguf ] && flags=(--quantization gguf)
         [ "$mode" = gguf-int8 ] && flags=(--quantization gguf --gguf-activations int8)
         setsid .venv/bin/radixserve serve --model-path "$GGUF" "${flags[@]}" --host 127.0.0.1 --port "$port" \

@@ -78,6 +78,9 @@ class GGUFLinear(nn.Module):
         self.register_buffer("blocks", matrix.blocks, persistent=False)
         self.bias = bias
         self.dense = dense  # a child module, so that the runner's CPU packing (small_batch.py) reaches it
+        # A head whose float linear the CPU packing gives it (small_batch.py): the tied embedding's matrix, packed as
+        # the float path packs its head, for `DENSE_FROM` rows and more.
+        self.wants_dense = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.dense is not None and x.numel() >= DENSE_FROM * self.in_features:
@@ -103,8 +106,8 @@ def _stacked(parts: list[BlockMatrix]) -> Optional[BlockMatrix]:
 def use_gguf_blocks(model: nn.Module, gguf_path: str, activations: str = "float32", keep_float: bool = False) -> int:
     """Swap `model`'s projections and LM head for `GGUFLinear`s on `gguf_path`'s blocks (those stored in a block
     type; the others keep their float weights), multiplying `activations` (float32 or int8) at decode rows. With
-    `keep_float`, each swapped projection keeps its float linear for prefill rows (more memory: the float weights stay
-    beside the blocks). Loads the CPU kernels first (a RuntimeError where they cannot be built). Returns how many
+    `keep_float`, each swapped projection keeps its float linear for prefill rows, and the head is given the float
+    path's head for as many rows (more memory: the float weights stay beside the blocks). Loads the CPU kernels first (a RuntimeError where they cannot be built). Returns how many
     linears now read blocks."""
     if activations not in ACTIVATION_BITS:
         raise ValueError(f"GGUF activations are {' or '.join(ACTIVATION_BITS)}, got {activations!r}")
@@ -133,6 +136,7 @@ def use_gguf_blocks(model: nn.Module, gguf_path: str, activations: str = "float3
     head_name = "lm_head.weight" if "lm_head.weight" in matrices else "model.embed_tokens.weight"
     if head_name in matrices and model.config.tie_word_embeddings == (head_name != "lm_head.weight"):
         model.logits_head = GGUFLinear(matrices[head_name], activations=activations)
+        model.logits_head.wants_dense = keep_float
         swapped += 1
     logger.info("GGUF blocks: %d linears compute on %s's blocks (%s), %s activations", swapped, gguf_path,
                 ", ".join(sorted({m.type_name for m in matrices.values()})), activations)

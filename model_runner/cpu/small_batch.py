@@ -133,7 +133,13 @@ def pack_small_batch_linears(model: nn.Module, kernels: CpuKernels, packed: bool
     for parent, name, child in targets:
         setattr(parent, name, SmallBatchLinear(child.weight, child.bias, packed=packed, head=child is head,
                                                panel=panel, kernels=kernels))
-    if not lm_head or not hasattr(model, "logits_head") or not _single_rank(model) or model.logits_head is not None:
+    installed = getattr(model, "logits_head", None)
+    if lm_head and getattr(installed, "wants_dense", False) and installed.dense is None:
+        # the GGUF blocks' head, which keeps the float path's head for many rows (model_runner/cpu/gguf_linear.py)
+        installed.dense = SmallBatchLinear(model.lm_head_weight, None, packed=packed, head=True, panel=panel,
+                                           kernels=kernels)
+        return len(targets) + 1
+    if not lm_head or not hasattr(model, "logits_head") or not _single_rank(model) or installed is not None:
         return len(targets)  # (a head already installed: the GGUF blocks' own, model_runner/cpu/gguf_linear.py)
     head = getattr(model, "lm_head", None)  # the replacement, where an untied head was replaced above
     if isinstance(head, SmallBatchLinear):  # an untied head was replaced above

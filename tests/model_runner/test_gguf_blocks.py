@@ -166,6 +166,9 @@ def test_blocks_chosen_by_default_decode_on_blocks_and_prefill_on_the_float_line
     layer = runners[None].model.model.layers[0]
     for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
         assert isinstance(linear, GGUFLinear) and isinstance(linear.dense, SmallBatchLinear)
+    head = runners[None].model.logits_head  # the blocks at a few rows, the float path's head at many
+    assert isinstance(head, GGUFLinear) and isinstance(head.dense, SmallBatchLinear)
+    assert head.dense.weight is runners[None].model.lm_head_weight  # the embedding's matrix, not a copy
     prefill_rows = torch.randn(40, layer.mlp.down_proj.in_features)
     assert torch.equal(layer.mlp.down_proj(prefill_rows), layer.mlp.down_proj.dense(prefill_rows))
 
