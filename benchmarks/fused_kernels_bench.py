@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from _srcpath import ROOT  # importing it maps radixserve.<folder> onto the checkout
+from cuda_graph_timing import time_graph  # noqa: E402
 
 import torch  # noqa: E402  (torch does not import triton; the kernels are imported once the device is known)
 
@@ -149,24 +150,7 @@ def max_difference(first, second) -> float:
 
 def time_graph_us(fn: Callable, iters: int, repeats: int) -> float:
     """Median device time per call of `fn`, `iters` calls captured in one CUDA graph."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(iters):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000.0 / iters)
-    del graph
-    return statistics.median(times)
+    return time_graph([fn] * iters, repeats)
 
 
 def time_eager_us(fn: Callable, iters: int, repeats: int, on_gpu: bool) -> float:

@@ -31,6 +31,7 @@ import os
 import statistics
 
 from _srcpath import ROOT  # noqa: F401  (maps radixserve.<folder> onto the checkout)
+from cuda_graph_timing import time_graph
 
 SPACE = {"BLOCK_M": (16, 32, 64, 128), "BLOCK_N": (64, 128), "BLOCK_K": (64, 128), "num_warps": (4, 8),
          "num_stages": (3, 4)}
@@ -59,31 +60,6 @@ def time_config(fn, repeats: int) -> float:
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) * 1000.0)  # microseconds
-    return statistics.median(times)
-
-
-def time_graph(calls: list, repeats: int) -> float:
-    """Device time per call, in microseconds, of `calls` (zero-argument functions) captured in one CUDA graph and
-    replayed: the median over `repeats` replays, divided by the number of calls."""
-    import torch
-
-    for call in calls:  # compiles outside the capture
-        call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    for _ in range(3):
-        graph.replay()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000.0 / len(calls))
     return statistics.median(times)
 
 
