@@ -35,7 +35,7 @@ LLAMA_8B_SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
 def random_int4(n: int, k: int, group_size: int, act_order: bool, dtype: torch.dtype, seed: int = 0) -> Int4Weight:
     generator = torch.Generator().manual_seed(seed)
     q = torch.randint(0, 16, (k, n), generator=generator)
-    groups = k // group_size
+    groups = -(-k // group_size)  # a last, shorter group where K is not a multiple of it
     scales = (torch.rand(groups, n, generator=generator) * 0.02 + 0.001).to(dtype)
     zeros = torch.randint(0, 16, (groups, n), generator=generator).to(dtype)
     g_idx = None
