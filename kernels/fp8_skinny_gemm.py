@@ -15,8 +15,8 @@ multiply it:
 
 Both accumulate in float32; the weight's scales are applied per output column at the end (per channel; a per-tensor
 checkpoint's scale comes spread over the rows) or per K tile (128 x 128 blocks). Few output tiles split K over
-`split_k` programs per tile; each writes its float32 partial sums to its own slice of a scratch, and one reduction
-kernel adds them in split order and casts (kernels/split_k.py). Shapes depend only on (M, N, K), so calls can be
+`split_k` programs per tile; each writes its float32 partial sums to its own slice of a scratch, and the last to
+finish adds them in split order and casts, in the same launch (kernels/split_k.py). Shapes depend only on (M, N, K), so calls can be
 captured in CUDA graphs. Without CUDA the kernels run only under the Triton interpreter (`TRITON_INTERPRET=1` set
 before `triton` is imported).
 """
@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from radixserve.kernels.split_k import split_k_to_fill, sum_splits
+from radixserve.kernels.split_k import split_counters, split_k_to_fill, store_split
 
 # Up to this many rows a call takes these kernels (the tensor-core tile pads the rows to 16); more take the FP8
 # tensor-core GEMMs.
@@ -82,13 +82,13 @@ def _split_k_tiles(K, BLOCK_K: tl.constexpr):
 
 @triton.jit
 def _w8a16_fma_kernel(
-    X, W, Scale, Out, M, N, K,
+    X, W, Scale, Out, Partial, Counters, M, N, K,
     stride_xm, stride_wn, stride_sn, stride_os, stride_om,
     BLOCK_SCALES: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """Program (row, block of output columns, K split): writes split `program_id(2)`'s partial sums of one row to
-    `Out + split * stride_os` (with one split, the result in Out's dtype). The rows of a column block are adjacent
+    """Program (row, block of output columns, K split): one row's sums over split `program_id(2)`'s share of K, to
+    Out (or to Partial, the last split adding them up: kernels/split_k.py). The rows of a column block are adjacent
     programs, so a few rows read the weight from memory once and from L2 after."""
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -111,12 +111,14 @@ def _w8a16_fma_kernel(
             acc += part
     if not BLOCK_SCALES:
         acc *= tl.load(Scale + cols, mask=col_ok, other=0.0)
-    tl.store(Out + tl.program_id(2) * stride_os + row * stride_om + cols, acc.to(Out.dtype.element_ty), mask=col_ok)
+    offsets = row * stride_om + cols
+    store_split(acc, Out, offsets, Partial, offsets, stride_os, col_ok, Counters,
+                row * tl.num_programs(1) + tl.program_id(1), tl.num_programs(2))
 
 
 @triton.jit
 def _w8a16_dot_kernel(
-    X, W, Scale, Out, M, N, K,
+    X, W, Scale, Out, Partial, Counters, M, N, K,
     stride_xm, stride_wn, stride_sn, stride_os, stride_om,
     BLOCK_SCALES: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -146,8 +148,9 @@ def _w8a16_dot_kernel(
             acc += part
     if not BLOCK_SCALES:
         acc *= tl.load(Scale + cols, mask=col_ok, other=0.0)[None, :]
-    out = Out + tl.program_id(2) * stride_os + rows[:, None] * stride_om + cols[None, :]
-    tl.store(out, acc.to(Out.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    offsets = rows[:, None] * stride_om + cols[None, :]
+    store_split(acc, Out, offsets, Partial, offsets, stride_os, row_ok[:, None] & col_ok[None, :], Counters,
+                tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), tl.num_programs(2))
 
 
 def w8a16_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: Optional[tuple[int, int]],
@@ -164,10 +167,12 @@ def w8a16_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
     if block is not None and block[1] % config.block_k:
         raise ValueError(f"an FP8 K tile of {config.block_k} must lie inside one {block[0]}x{block[1]} scale block")
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    target = out if config.split_k == 1 else torch.empty(config.split_k, m, n, dtype=torch.float32, device=x.device)
-    args = (x, weight, scale, target, m, n, k, x.stride(0), weight.stride(0),
-            scale.stride(0) if block is not None else 0, target.stride(0) if config.split_k > 1 else 0,
-            target.stride(-2))
+    partial, counters = out, out  # read only with several splits
+    if config.split_k > 1:
+        partial = torch.empty(config.split_k, m, n, dtype=torch.float32, device=x.device)
+        counters = split_counters(x.device, m * triton.cdiv(n, config.block_n))
+    args = (x, weight, scale, out, partial, counters, m, n, k, x.stride(0), weight.stride(0),
+            scale.stride(0) if block is not None else 0, m * n, out.stride(0))
     scales = dict(BLOCK_SCALES=block is not None, GROUP_N=block[0] if block else 1, GROUP_K=block[1] if block else 1)
     launch = dict(BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps,
                   num_stages=config.num_stages)
@@ -177,4 +182,4 @@ def w8a16_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
                                 BLOCK_M=16, **launch)
     else:
         _w8a16_fma_kernel[(m, triton.cdiv(n, config.block_n), config.split_k)](*args, **scales, **launch)
-    return out if config.split_k == 1 else sum_splits(target, out)
+    return out

@@ -1,10 +1,20 @@
-"""Split-K for the skinny GEMMs (kernels/w4a16_gemm.py, kernels/fp8_skinny_gemm.py): how many K splits fill the GPU,
-and the kernel that adds the splits' partial sums.
+"""Split-K for the skinny GEMMs (kernels/w4a16_gemm.py, kernels/fp8_skinny_gemm.py, and the tiled W4A16 kernel at a
+few dozen rows): how many K splits fill the GPU, and how the splits' partial sums meet, in the same launch.
 
 At a few rows a GEMM has few output tiles (4096 columns in tiles of 64: 64 programs on 132 SMs), so each tile's K
-range is split over several programs. Each writes its float32 partial sums to its own slice of a `[splits, M, N]`
-scratch (no zero fill, no atomics), and one small kernel adds the slices in split order and casts to the output's
-dtype: two launches a call, and a result that does not depend on the order in which the programs ran.
+range is split over several programs. Each writes its float32 partial sums to its own slice of a `[splits, ...]`
+scratch and then counts itself in on the tile's counter; the program that arrives last reads every split's slice,
+adds them in split order (so the result does not depend on which program ran when), writes the output in its dtype and
+sets the counter back to zero. No zero fill, no atomics on the data, and no second kernel: a split product is one
+launch, like an unsplit one.
+
+The ordering is the grid-wide barrier's: every thread's stores, then a CTA barrier, then one thread's gpu-scope
+acquire-release increment (a fence before it, an L1 invalidation after); the last program's threads read the slices
+from L2 (`.cg`) after the barrier that hands them the count.
+
+The counters (`split_counters`) are one zeroed int32 buffer per device that every split call shares and leaves zeroed:
+calls on one stream (a model's forward, a CUDA graph's replay) follow each other, so each finds its tiles' counters at
+zero. Two split GEMMs running at once on two streams of one device would share them; nothing here does that.
 """
 
 from __future__ import annotations
@@ -14,6 +24,8 @@ import triton
 import triton.language as tl
 
 MAX_SPLIT_K = 16
+
+_counters: dict[torch.device, torch.Tensor] = {}
 
 
 def split_k_to_fill(tiles: int, k_tiles: int, num_sms: int, min_k_tiles: int = 2, waves: int = 2) -> int:
@@ -25,22 +37,33 @@ def split_k_to_fill(tiles: int, k_tiles: int, num_sms: int, min_k_tiles: int = 2
     return split
 
 
+def split_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """At least `tiles` zeroed int32 counters on `device`, the same buffer for every call that fits in it (see the
+    module docstring). Allocated at a call's first use of the size, normally outside a CUDA graph's capture (the
+    warm-up call before it); allocated inside one, its zero fill is captured and replayed, which is harmless."""
+    counters = _counters.get(device)
+    if counters is None or counters.numel() < tiles:
+        counters = torch.zeros(max(tiles, 1 << 16), dtype=torch.int32, device=device)
+        _counters[device] = counters
+    return counters
+
+
 @triton.jit
-def _sum_splits_kernel(Partial, Out, numel, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
-    """Program (block of the flattened output): the splits' partial sums added in split order, cast to Out's dtype."""
-    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = offsets < numel
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for split in tl.static_range(SPLIT_K):
-        acc += tl.load(Partial + split * numel + offsets, mask=ok, other=0.0)
-    tl.store(Out + offsets, acc.to(Out.dtype.element_ty), mask=ok)
-
-
-def sum_splits(partial: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """`out[...] = partial.sum(0)` for a contiguous float32 `partial [splits, *out.shape]` and a contiguous `out`."""
-    assert partial.is_contiguous() and out.is_contiguous() and partial.shape[1:] == out.shape, (partial.shape,
-                                                                                                 out.shape)
-    numel, block = out.numel(), 1024
-    _sum_splits_kernel[(triton.cdiv(numel, block),)](partial, out, numel, SPLIT_K=partial.shape[0], BLOCK=block,
-                                                     num_warps=4)
-    return out
+def store_split(acc, Out, out_offsets, Partial, partial_offsets, stride_split, mask, Counters, counter,
+                num_splits):
+    """Store a program's `acc` (float32): with one split, to `Out + out_offsets` in Out's dtype; with several, to
+    its split's slice `Partial + split * stride_split + partial_offsets` (split = `program_id(2)`), and, if this
+    program is the tile's last to arrive on `Counters + counter`, the sum of all slices in split order to Out."""
+    if num_splits == 1:
+        tl.store(Out + out_offsets, acc.to(Out.dtype.element_ty), mask=mask)
+    else:
+        tl.store(Partial + tl.program_id(2) * stride_split + partial_offsets, acc, mask=mask)
+        tl.debug_barrier()  # every thread's partial sums are stored before the program counts itself in
+        arrived = tl.atomic_add(Counters + counter, 1, sem="acq_rel", scope="gpu")
+        if arrived == num_splits - 1:
+            total = tl.zeros_like(acc)
+            for split in range(num_splits):
+                total += tl.load(Partial + split * stride_split + partial_offsets, mask=mask, other=0.0,
+                                 cache_modifier=".cg")
+            tl.store(Out + out_offsets, total.to(Out.dtype.element_ty), mask=mask)
+            tl.store(Counters + counter, 0)  # for the next call: a later launch, which sees it

@@ -14,7 +14,8 @@ Two kernels, by row count:
   group, so the zero point and scale are applied per tile and column, not per weight. With FMAs (`use_dot` off) a
   program multiplies one row and keeps its sums per word row until the end; on the tensor cores (`use_dot`) the
   unpacked tile goes to `tl.dot` with up to 16 rows (its values are exact in 16 bits). K is split over `split_k`
-  programs per column block when the blocks alone would leave the SMs short of loads in flight (kernels/split_k.py).
+  programs per column block when the blocks alone would leave the SMs short of loads in flight; the last split to
+  finish adds the partial sums, in the same launch (kernels/split_k.py).
 - tiled (prefill). Each program dequantizes a `[BLOCK_K, BLOCK_N]` tile in float32 (shift, mask, subtract,
   multiply) and multiplies it on the tensor cores with a `[BLOCK_M, BLOCK_K]` tile of the activations.
 
@@ -31,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from radixserve.kernels.split_k import split_k_to_fill, sum_splits
+from radixserve.kernels.split_k import split_counters, split_k_to_fill, store_split
 
 PACK_FACTOR = 8  # 4-bit values per int32 word
 # Up to this many rows a call takes the skinny kernel.
@@ -129,13 +130,13 @@ def _split_k_tiles(K, BLOCK_K: tl.constexpr):
 
 @triton.jit
 def _w4a16_fma_kernel(
-    X, QWeight, Scales, Zeros, GIdx, Out,
+    X, QWeight, Scales, Zeros, GIdx, Out, Partial, Counters,
     M, N, K,
     stride_xm, stride_qk, stride_sg, stride_os, stride_om,
     HAS_G_IDX: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """Program (row, block of output columns, K split): writes split `program_id(2)`'s partial sums of one row to
-    `Out + split * stride_os` (with one split, the result in Out's dtype). The rows of a column block are adjacent
+    """Program (row, block of output columns, K split): one row's sums over split `program_id(2)`'s share of K, to
+    Out (or to Partial, the last split adding them up: kernels/split_k.py). The rows of a column block are adjacent
     programs, so a few rows read the weight from memory once and from L2 after.
 
     Nibble j of the tile's word rows is input features `8 * word + j`: the loop over j reads those activations (a
@@ -176,13 +177,14 @@ def _w4a16_fma_kernel(
             scale = tl.load(Scales + group_offset + cols, mask=col_ok, other=0.0).to(tl.float32)
             zero = tl.load(Zeros + group_offset + cols, mask=col_ok, other=0.0).to(tl.float32)
             acc += plus_16 * (16.0 * scale)[None, :] - x_sum[:, None] * ((16.0 + zero) * scale)[None, :]
-    out = tl.sum(acc, axis=0)
-    tl.store(Out + tl.program_id(2) * stride_os + row * stride_om + cols, out.to(Out.dtype.element_ty), mask=col_ok)
+    offsets = row * stride_om + cols
+    store_split(tl.sum(acc, axis=0), Out, offsets, Partial, offsets, stride_os, col_ok, Counters,
+                row * tl.num_programs(1) + tl.program_id(1), tl.num_programs(2))
 
 
 @triton.jit
 def _w4a16_dot_kernel(
-    X, QWeight, Scales, Zeros, GIdx, Out,
+    X, QWeight, Scales, Zeros, GIdx, Out, Partial, Counters,
     M, N, K,
     stride_xm, stride_qk, stride_sg, stride_os, stride_om,
     HAS_G_IDX: tl.constexpr, GROUP_SIZE: tl.constexpr, PRECISION: tl.constexpr,
@@ -229,20 +231,21 @@ def _w4a16_dot_kernel(
             scale = tl.load(Scales + group_offset + cols, mask=col_ok, other=0.0).to(tl.float32)
             zero = tl.load(Zeros + group_offset + cols, mask=col_ok, other=0.0).to(tl.float32)
             acc += x_plus_16 * (16.0 * scale)[None, :] - x_sum[:, None] * ((16.0 + zero) * scale)[None, :]
-    out_offsets = tl.program_id(2) * stride_os + rows[:, None] * stride_om + cols[None, :]
-    tl.store(Out + out_offsets, acc.to(Out.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    offsets = rows[:, None] * stride_om + cols[None, :]
+    store_split(acc, Out, offsets, Partial, offsets, stride_os, row_ok[:, None] & col_ok[None, :], Counters,
+                tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), tl.num_programs(2))
 
 
 @triton.jit
 def _w4a16_tiled_kernel(
-    X, QWeight, Scales, Zeros, GIdx, Out,
+    X, QWeight, Scales, Zeros, GIdx, Out, Partial, Counters,
     M, N, K,
     stride_xm, stride_qk, stride_sg, stride_os, stride_om, group_size,
     HAS_G_IDX: tl.constexpr, SPLIT_K: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """Program (block of rows, block of output columns, K split): K tiles `split, split + SPLIT_K, ...`; writes its
-    split's partial sums to `Out + split * stride_os` (with one split, the result in Out's dtype)."""
+    """Program (block of rows, block of output columns, K split): K tiles `split, split + SPLIT_K, ...`; the output
+    as in `_w4a16_fma_kernel`."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     split = tl.program_id(2)
@@ -269,8 +272,9 @@ def _w4a16_tiled_kernel(
             zero = tl.load(Zeros + offsets, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         w = ((q - zero) * scale).to(x.dtype)
         acc += tl.dot(x, w, input_precision=PRECISION)
-    out_offsets = split * stride_os + rows[:, None].to(tl.int64) * stride_om + cols[None, :]
-    tl.store(Out + out_offsets, acc.to(Out.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    offsets = rows[:, None].to(tl.int64) * stride_om + cols[None, :]
+    store_split(acc, Out, offsets, Partial, offsets, stride_os, row_ok[:, None] & col_ok[None, :], Counters,
+                tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), SPLIT_K)
 
 
 def w4a16_gemm(
@@ -297,9 +301,12 @@ def w4a16_gemm(
     if g_idx is None and group_size % config.block_k:
         raise ValueError(f"a W4A16 K tile of {config.block_k} must lie inside one group of {group_size}")
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    target = out if config.split_k == 1 else torch.empty(config.split_k, m, n, dtype=torch.float32, device=x.device)
-    args = (x, qweight, scales, zeros, g_idx if g_idx is not None else qweight, target, m, n, k, x.stride(0), qweight.stride(0), scales.stride(0), target.stride(0) if config.split_k > 1 else 0,
-            target.stride(-2))
+    partial, counters = out, out  # read only with several splits
+    if config.split_k > 1:
+        partial = torch.empty(config.split_k, m, n, dtype=torch.float32, device=x.device)
+        counters = split_counters(x.device, m * triton.cdiv(n, config.block_n))
+    args = (x, qweight, scales, zeros, g_idx if g_idx is not None else qweight, out, partial, counters, m, n, k,
+            x.stride(0), qweight.stride(0), scales.stride(0), m * n, out.stride(0))
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     has_g_idx = g_idx is not None
     if isinstance(config, SkinnyConfig):
@@ -315,4 +322,4 @@ def w4a16_gemm(
         _w4a16_tiled_kernel[grid](*args, group_size, HAS_G_IDX=has_g_idx, SPLIT_K=config.split_k,
                                   PRECISION=precision, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
                                   BLOCK_K=config.block_k, num_warps=config.num_warps, num_stages=config.num_stages)
-    return out if config.split_k == 1 else sum_splits(target, out)
+    return out
