@@ -84,7 +84,7 @@ def _split_k_tiles(K, BLOCK_K: tl.constexpr):
 def _w8a16_fma_kernel(
     X, W, Scale, Out, Partial, Counters, M, N, K,
     stride_xm, stride_wn, stride_sn, stride_os, stride_om,
-    BLOCK_SCALES: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
+    BLOCK_SCALES: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """Program (row, block of output columns, K split): one row's sums over split `program_id(2)`'s share of K, to
@@ -100,9 +100,13 @@ def _w8a16_fma_kernel(
     for tile in range(first, last):
         k = tile * BLOCK_K + ks
         k_ok = k < K
-        w = tl.load(W + cols[:, None].to(tl.int64) * stride_wn + k[None, :], mask=col_ok[:, None] & k_ok[None, :],
-                    other=0.0)
-        x = tl.load(x_row + k, mask=k_ok, other=0.0).to(tl.float32)
+        if EVEN_K:  # no K tail: masks by column only (none on the activations)
+            w = tl.load(W + cols[:, None].to(tl.int64) * stride_wn + k[None, :], mask=col_ok[:, None], other=0.0)
+            x = tl.load(x_row + k).to(tl.float32)
+        else:
+            w = tl.load(W + cols[:, None].to(tl.int64) * stride_wn + k[None, :],
+                        mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+            x = tl.load(x_row + k, mask=k_ok, other=0.0).to(tl.float32)
         part = tl.sum(w.to(tl.float16).to(tl.float32) * x[None, :], axis=1)  # exact: e4m3 fits in half precision
         if BLOCK_SCALES:  # a K tile lies inside one scale block (the wrapper checks)
             acc += part * tl.load(Scale + (cols // GROUP_N) * stride_sn + (tile * BLOCK_K) // GROUP_K, mask=col_ok,
@@ -181,5 +185,6 @@ def w8a16_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
         _w8a16_dot_kernel[grid](*args, **scales, PRECISION="ieee" if x.dtype == torch.float32 else None,
                                 BLOCK_M=16, **launch)
     else:
-        _w8a16_fma_kernel[(m, triton.cdiv(n, config.block_n), config.split_k)](*args, **scales, **launch)
+        _w8a16_fma_kernel[(m, triton.cdiv(n, config.block_n), config.split_k)](
+            *args, **scales, EVEN_K=k % config.block_k == 0, **launch)
     return out

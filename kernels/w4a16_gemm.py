@@ -133,7 +133,8 @@ def _w4a16_fma_kernel(
     X, QWeight, Scales, Zeros, GIdx, Out, Partial, Counters,
     M, N, K,
     stride_xm, stride_qk, stride_sg, stride_os, stride_om,
-    HAS_G_IDX: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_G_IDX: tl.constexpr, GROUP_SIZE: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """Program (row, block of output columns, K split): one row's sums over split `program_id(2)`'s share of K, to
     Out (or to Partial, the last split adding them up: kernels/split_k.py). The rows of a column block are adjacent
@@ -170,7 +171,10 @@ def _w4a16_fma_kernel(
             plus_16 = tl.zeros((WORDS, BLOCK_N), dtype=tl.float32)
             x_sum = tl.zeros((WORDS,), dtype=tl.float32)
             for j in tl.static_range(8):
-                x = tl.load(x_row + word_rows * 8 + j, mask=word_ok, other=0.0).to(tl.float32)
+                if EVEN_K:  # no K tail: the activations' loads need no mask (nor the zeroing a mask costs)
+                    x = tl.load(x_row + word_rows * 8 + j).to(tl.float32)
+                else:
+                    x = tl.load(x_row + word_rows * 8 + j, mask=word_ok, other=0.0).to(tl.float32)
                 plus_16 += x[:, None] * _nibble_plus_16(packed, j)
                 x_sum += x
             group_offset = (tile * BLOCK_K) // GROUP_SIZE * stride_sg  # groups * N: far below 2^31
@@ -314,7 +318,7 @@ def w4a16_gemm(
         row_blocks = triton.cdiv(m, 16) if config.use_dot else m
         grid = (row_blocks, triton.cdiv(n, config.block_n), config.split_k)
         kernel = _w4a16_dot_kernel if config.use_dot else _w4a16_fma_kernel
-        options = dict(PRECISION=precision, BLOCK_M=16) if config.use_dot else {}
+        options = dict(PRECISION=precision, BLOCK_M=16) if config.use_dot else dict(EVEN_K=k % config.block_k == 0)
         kernel[grid](*args, HAS_G_IDX=has_g_idx, GROUP_SIZE=group_size, BLOCK_N=config.block_n,
                      BLOCK_K=config.block_k, num_warps=config.num_warps, num_stages=config.num_stages, **options)
     else:
