@@ -16,9 +16,9 @@ multiply it:
 Both accumulate in float32; the weight's scales are applied per output column at the end (per channel; a per-tensor
 checkpoint's scale comes spread over the rows) or per K tile (128 x 128 blocks). Few output tiles split K over
 `split_k` programs per tile; each writes its float32 partial sums to its own slice of a scratch, and the last to
-finish adds them in split order and casts, in the same launch (kernels/split_k.py). Shapes depend only on (M, N, K), so calls can be
-captured in CUDA graphs. Without CUDA the kernels run only under the Triton interpreter (`TRITON_INTERPRET=1` set
-before `triton` is imported).
+finish adds them in split order and casts, in the same launch (kernels/split_k.py). Shapes depend only on (M, N, K),
+so calls can be captured in CUDA graphs. Without CUDA the kernels run only under the Triton interpreter
+(`TRITON_INTERPRET=1` set before `triton` is imported).
 """
 
 from __future__ import annotations
@@ -85,6 +85,7 @@ def _w8a16_fma_kernel(
     X, W, Scale, Out, Partial, Counters, M, N, K,
     stride_xm, stride_wn, stride_sn, stride_os, stride_om,
     BLOCK_SCALES: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, EVEN_K: tl.constexpr,
+    SPLIT: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """Program (row, block of output columns, K split): one row's sums over split `program_id(2)`'s share of K, to
@@ -117,7 +118,7 @@ def _w8a16_fma_kernel(
         acc *= tl.load(Scale + cols, mask=col_ok, other=0.0)
     offsets = row * stride_om + cols
     store_split(acc, Out, offsets, Partial, offsets, stride_os, col_ok, Counters,
-                row * tl.num_programs(1) + tl.program_id(1), tl.num_programs(2))
+                row * tl.num_programs(1) + tl.program_id(1), tl.num_programs(2), SPLIT)
 
 
 @triton.jit
@@ -125,6 +126,7 @@ def _w8a16_dot_kernel(
     X, W, Scale, Out, Partial, Counters, M, N, K,
     stride_xm, stride_wn, stride_sn, stride_os, stride_om,
     BLOCK_SCALES: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """Program (block of 16 rows, block of output columns, K split) on the tensor cores; output as in
@@ -154,7 +156,7 @@ def _w8a16_dot_kernel(
         acc *= tl.load(Scale + cols, mask=col_ok, other=0.0)[None, :]
     offsets = rows[:, None] * stride_om + cols[None, :]
     store_split(acc, Out, offsets, Partial, offsets, stride_os, row_ok[:, None] & col_ok[None, :], Counters,
-                tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), tl.num_programs(2))
+                tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), tl.num_programs(2), SPLIT)
 
 
 def w8a16_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: Optional[tuple[int, int]],
@@ -177,7 +179,8 @@ def w8a16_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
         counters = split_counters(x.device, m * triton.cdiv(n, config.block_n))
     args = (x, weight, scale, out, partial, counters, m, n, k, x.stride(0), weight.stride(0),
             scale.stride(0) if block is not None else 0, m * n, out.stride(0))
-    scales = dict(BLOCK_SCALES=block is not None, GROUP_N=block[0] if block else 1, GROUP_K=block[1] if block else 1)
+    scales = dict(BLOCK_SCALES=block is not None, GROUP_N=block[0] if block else 1, GROUP_K=block[1] if block else 1,
+                  SPLIT=config.split_k > 1)
     launch = dict(BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps,
                   num_stages=config.num_stages)
     if config.use_dot:

@@ -50,11 +50,12 @@ def split_counters(device: torch.device, tiles: int) -> torch.Tensor:
 
 @triton.jit
 def store_split(acc, Out, out_offsets, Partial, partial_offsets, stride_split, mask, Counters, counter,
-                num_splits):
-    """Store a program's `acc` (float32): with one split, to `Out + out_offsets` in Out's dtype; with several, to
-    its split's slice `Partial + split * stride_split + partial_offsets` (split = `program_id(2)`), and, if this
-    program is the tile's last to arrive on `Counters + counter`, the sum of all slices in split order to Out."""
-    if num_splits == 1:
+                num_splits, SPLIT: tl.constexpr):
+    """Store a program's `acc` (float32): without `SPLIT` (one split), to `Out + out_offsets` in Out's dtype; with
+    it, to its split's slice `Partial + split * stride_split + partial_offsets` (split = `program_id(2)`), and, if
+    this program is the tile's last of `num_splits` to arrive on `Counters + counter`, the sum of all slices in split
+    order to Out. A constexpr, so that an unsplit call compiles without the counters."""
+    if not SPLIT:
         tl.store(Out + out_offsets, acc.to(Out.dtype.element_ty), mask=mask)
     else:
         tl.store(Partial + tl.program_id(2) * stride_split + partial_offsets, acc, mask=mask)

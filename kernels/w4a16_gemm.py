@@ -55,7 +55,7 @@ class W4A16Config(NamedTuple):
 
 class SkinnyConfig(NamedTuple):
     """The skinny (decode) kernel's tile: `block_n` output columns, `block_k` input features a K step, `split_k`
-    programs a column block, FMAs over the real rows or (`use_dot`) the tensor cores on 16 rows."""
+    programs a column block, FMAs for one row a program or (`use_dot`) the tensor cores on 16 rows."""
 
     block_n: int
     block_k: int
@@ -133,7 +133,7 @@ def _w4a16_fma_kernel(
     X, QWeight, Scales, Zeros, GIdx, Out, Partial, Counters,
     M, N, K,
     stride_xm, stride_qk, stride_sg, stride_os, stride_om,
-    HAS_G_IDX: tl.constexpr, GROUP_SIZE: tl.constexpr, EVEN_K: tl.constexpr,
+    HAS_G_IDX: tl.constexpr, GROUP_SIZE: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """Program (row, block of output columns, K split): one row's sums over split `program_id(2)`'s share of K, to
@@ -183,7 +183,7 @@ def _w4a16_fma_kernel(
             acc += plus_16 * (16.0 * scale)[None, :] - x_sum[:, None] * ((16.0 + zero) * scale)[None, :]
     offsets = row * stride_om + cols
     store_split(tl.sum(acc, axis=0), Out, offsets, Partial, offsets, stride_os, col_ok, Counters,
-                row * tl.num_programs(1) + tl.program_id(1), tl.num_programs(2))
+                row * tl.num_programs(1) + tl.program_id(1), tl.num_programs(2), SPLIT)
 
 
 @triton.jit
@@ -191,7 +191,7 @@ def _w4a16_dot_kernel(
     X, QWeight, Scales, Zeros, GIdx, Out, Partial, Counters,
     M, N, K,
     stride_xm, stride_qk, stride_sg, stride_os, stride_om,
-    HAS_G_IDX: tl.constexpr, GROUP_SIZE: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_G_IDX: tl.constexpr, GROUP_SIZE: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """Program (block of 16 rows, block of output columns, K split) on the tensor cores; output as in
@@ -237,7 +237,7 @@ def _w4a16_dot_kernel(
             acc += x_plus_16 * (16.0 * scale)[None, :] - x_sum[:, None] * ((16.0 + zero) * scale)[None, :]
     offsets = rows[:, None] * stride_om + cols[None, :]
     store_split(acc, Out, offsets, Partial, offsets, stride_os, row_ok[:, None] & col_ok[None, :], Counters,
-                tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), tl.num_programs(2))
+                tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), tl.num_programs(2), SPLIT)
 
 
 @triton.jit
@@ -278,7 +278,7 @@ def _w4a16_tiled_kernel(
         acc += tl.dot(x, w, input_precision=PRECISION)
     offsets = rows[:, None].to(tl.int64) * stride_om + cols[None, :]
     store_split(acc, Out, offsets, Partial, offsets, stride_os, row_ok[:, None] & col_ok[None, :], Counters,
-                tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), SPLIT_K)
+                tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), SPLIT_K, SPLIT_K > 1)
 
 
 def w4a16_gemm(
@@ -319,8 +319,9 @@ def w4a16_gemm(
         grid = (row_blocks, triton.cdiv(n, config.block_n), config.split_k)
         kernel = _w4a16_dot_kernel if config.use_dot else _w4a16_fma_kernel
         options = dict(PRECISION=precision, BLOCK_M=16) if config.use_dot else dict(EVEN_K=k % config.block_k == 0)
-        kernel[grid](*args, HAS_G_IDX=has_g_idx, GROUP_SIZE=group_size, BLOCK_N=config.block_n,
-                     BLOCK_K=config.block_k, num_warps=config.num_warps, num_stages=config.num_stages, **options)
+        kernel[grid](*args, HAS_G_IDX=has_g_idx, GROUP_SIZE=group_size, SPLIT=config.split_k > 1,
+                     BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps,
+                     num_stages=config.num_stages, **options)
     else:
         grid = (triton.cdiv(m, config.block_m), triton.cdiv(n, config.block_n), config.split_k)
         _w4a16_tiled_kernel[grid](*args, group_size, HAS_G_IDX=has_g_idx, SPLIT_K=config.split_k,
