@@ -46,7 +46,7 @@ GROUP_SIZE = 128
 # a few minutes compiles and times: the FMA loop's loads are not software-pipelined, so its stages stay fixed; a 16-row
 # tensor-core tile keeps four warps busy. "small" is for checking the script without a GPU.
 SPACES = {
-    "full": {"fma": {"block_n": (32, 64, 128, 256), "block_k": (64, 128, 256), "num_warps": (4, 8),
+    "full": {"fma": {"block_n": (32, 64, 128, 256), "block_k": (64, 128, 256, 512), "num_warps": (4, 8),
                      "num_stages": (3,)},
              "dot": {"block_n": (32, 64, 128), "block_k": (64, 128, 256), "num_warps": (4,),
                      "num_stages": (3, 4)},
@@ -57,9 +57,10 @@ SPACES = {
 }
 
 
-def candidates(space: dict, m: int, k: int, max_block_k: int, fp8: bool) -> list:
+def candidates(space: dict, m: int, k: int, max_block_k: dict, fp8: bool) -> list:
     """The configs worth timing at m rows: FMAs only up to 4 rows (an FMA program dequantizes for one row), a K step
-    within the group or scale block, at least two K tiles per split."""
+    up to `max_block_k[kernel]` (the group or scale block where a tile must lie in one), at least two K tiles per
+    split."""
     from radixserve.kernels.fp8_skinny_gemm import Fp8SkinnyConfig
     from radixserve.kernels.w4a16_gemm import SkinnyConfig
 
@@ -68,7 +69,7 @@ def candidates(space: dict, m: int, k: int, max_block_k: int, fp8: bool) -> list
     for kernel in (("fma", "dot") if m <= 4 else ("dot",)):
         axes = space[kernel]
         for block_n, block_k, warps, stages, split_k in itertools.product(*axes.values(), space["split_k"]):
-            if block_k <= max_block_k and -(-k // block_k) >= 2 * split_k:
+            if block_k <= max_block_k[kernel] and -(-k // block_k) >= 2 * split_k:
                 found.append(make(block_n, block_k, split_k, kernel == "dot", warps, stages))
     return found
 
@@ -183,12 +184,12 @@ def main() -> None:
         for n, k in shapes:
             dense_weight = torch.randn(n, k, device=device, dtype=dtype)
             for m in row_counts:
-                if fmt == "w4a16":
+                if fmt == "w4a16":  # the W4A16 FMA kernel reads scales per word row: its K tiles may span groups
                     case = w4a16_case(m, n, k, args.act_order, device, dtype, num_sms)
-                    max_block_k = 256 if args.act_order else GROUP_SIZE
+                    max_block_k = {"fma": 512, "dot": 256 if args.act_order else GROUP_SIZE}
                 else:
                     case = fp8_case(m, n, k, fmt.split("_")[1], device, dtype, num_sms)
-                    max_block_k = 128 if fmt == "fp8_block" else 256
+                    max_block_k = dict.fromkeys(("fma", "dot"), 128 if fmt == "fp8_block" else 256)
                 run, reference, default, weight_bytes, tiled, x = case
                 tolerance = 2e-2 * float(reference.abs().max()) + 1e-3
                 tried, failed, best_us, best, default_us = 0, [], float("inf"), None, float("nan")

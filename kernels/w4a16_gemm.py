@@ -10,8 +10,8 @@ Two kernels, by row count:
 - skinny (up to `SKINNY_MAX_ROWS` rows: decode). A product of one row is the weight's bytes over the memory bandwidth,
   and the dequantization's instructions are what can keep it from there: each program loads its
   `[BLOCK_K / 8, BLOCK_N]` packed words once and unpacks the eight nibbles of a word in registers, a nibble becoming
-  a float by a bit trick, not a conversion instruction (`_nibble_plus_16`). Without `g_idx` a K tile lies in one
-  group, so the zero point and scale are applied per tile and column, not per weight. With FMAs (`use_dot` off) a
+  a float by a bit trick, not a conversion instruction (`_nibble_plus_16`). Without `g_idx` the zero point and scale
+  are applied per word row or per tile and column, not per weight. With FMAs (`use_dot` off) a
   program multiplies one row and keeps its sums per word row until the end; on the tensor cores (`use_dot`) the
   unpacked tile goes to `tl.dot` with up to 16 rows (its values are exact in 16 bits). K is split over `split_k`
   programs per column block when the blocks alone would leave the SMs short of loads in flight; the last split to
@@ -89,7 +89,7 @@ def skinny_config(m: int, n: int, k: int, group_size: int, has_g_idx: bool, num_
     if rows:
         return next((config for max_rows, config in rows if m <= max_rows), rows[-1][1])
     use_dot = m > FMA_MAX_ROWS
-    block_n, block_k = 64, _tile_k(group_size, has_g_idx, 128)
+    block_n, block_k = 64, _tile_k(group_size, has_g_idx, 128) if use_dot else 128
     programs = triton.cdiv(n, block_n) * (triton.cdiv(m, 16) if use_dot else m)
     split_k = split_k_to_fill(programs, triton.cdiv(k, block_k), num_sms, min_k_tiles=2, waves=4)
     return SkinnyConfig(block_n, block_k, split_k, use_dot, num_warps=4, num_stages=3)
@@ -144,7 +144,8 @@ def _w4a16_fma_kernel(
     strided slice, from cache) and multiplies them with the nibbles where the words were loaded, keeping the sums per
     word row until the end. Without `g_idx` the nibbles are taken as `1 + q / 16` (see `_nibble_plus_16`), so per
     word row `t = sum_j x_j (1 + q_j / 16)` and `sum_j x_j (q_j - z) s = 16 s t - (16 + z) s sum_j x_j`: the zero
-    point and scale cost two FMAs per word, not per weight."""
+    point and scale cost a few operations per word, not per weight, and a K tile may span groups (the scale and
+    zero point are read per word row, from cache)."""
     WORDS: tl.constexpr = BLOCK_K // 8
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -177,10 +178,12 @@ def _w4a16_fma_kernel(
                     x = tl.load(x_row + word_rows * 8 + j, mask=word_ok, other=0.0).to(tl.float32)
                 plus_16 += x[:, None] * _nibble_plus_16(packed, j)
                 x_sum += x
-            group_offset = (tile * BLOCK_K) // GROUP_SIZE * stride_sg  # groups * N: far below 2^31
-            scale = tl.load(Scales + group_offset + cols, mask=col_ok, other=0.0).to(tl.float32)
-            zero = tl.load(Zeros + group_offset + cols, mask=col_ok, other=0.0).to(tl.float32)
-            acc += plus_16 * (16.0 * scale)[None, :] - x_sum[:, None] * ((16.0 + zero) * scale)[None, :]
+            # Each word row's group (a word's eight features share one): a tile may span several groups.
+            offsets = ((word_rows * 8) // GROUP_SIZE * stride_sg)[:, None] + cols[None, :]
+            mask = word_ok[:, None] & col_ok[None, :]
+            scale = tl.load(Scales + offsets, mask=mask, other=0.0).to(tl.float32)
+            zero = tl.load(Zeros + offsets, mask=mask, other=0.0).to(tl.float32)
+            acc += plus_16 * (16.0 * scale) - x_sum[:, None] * ((16.0 + zero) * scale)
     offsets = row * stride_om + cols
     store_split(tl.sum(acc, axis=0), Out, offsets, Partial, offsets, stride_os, col_ok, Counters,
                 row * tl.num_programs(1) + tl.program_id(1), tl.num_programs(2), SPLIT)
@@ -302,8 +305,10 @@ def w4a16_gemm(
         num_sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
         pick = skinny_config if m <= SKINNY_MAX_ROWS else w4a16_config
         config = pick(m, n, k, group_size, g_idx is not None, num_sms)
-    if g_idx is None and group_size % config.block_k:
-        raise ValueError(f"a W4A16 K tile of {config.block_k} must lie inside one group of {group_size}")
+    fma = isinstance(config, SkinnyConfig) and not config.use_dot
+    if g_idx is None and (group_size % PACK_FACTOR if fma else group_size % config.block_k):
+        raise ValueError(f"W4A16 groups of {group_size} do not fit the kernel's K tile of {config.block_k}: a tile "
+                         f"on the tensor cores must lie inside one group, a word of 8 features in any")
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     partial, counters = out, out  # read only with several splits
     if config.split_k > 1:

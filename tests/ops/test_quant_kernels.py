@@ -104,10 +104,19 @@ def test_w4a16_skinny_kernels_match_float64(m, use_dot, n, k, group_size, act_or
     product, K split unevenly (3 splits of a K not divisible by them) so that the partial sums are added."""
     weight = random_int4(n, k, group_size, act_order, torch.float32, seed=n)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(DEVICE)
-    config = SkinnyConfig(block_n=32, block_k=32 if group_size == 32 else 64, split_k=3, use_dot=use_dot,
+    # A tensor-core tile lies in one group; an FMA tile of 64 features spans two groups of 32.
+    config = SkinnyConfig(block_n=32, block_k=32 if group_size == 32 and use_dot else 64, split_k=3, use_dot=use_dot,
                           num_warps=4, num_stages=2)
     out = w4a16_gemm(x, weight.qweight, weight.scales, weight.zeros, group_size, weight.g_idx, config)
     assert out.dtype == torch.float32 and out.shape == (m, n)
+    assert_close(out, reference_int4(x, weight), 1e-5)
+
+
+def test_w4a16_fma_kernel_takes_groups_that_are_not_a_power_of_two():
+    """One group over all 200 input features (a per-channel checkpoint): the FMA kernel's 128-feature tiles span it."""
+    weight = random_int4(48, 200, 200, False, torch.float32, seed=5)
+    x = torch.randn(1, 200, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    out = w4a16_gemm(x, weight.qweight, weight.scales, weight.zeros, 200, None)
     assert_close(out, reference_int4(x, weight), 1e-5)
 
 
