@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from radixserve.kernels.split_k import split_counters, split_k_to_fill, store_split
+from radixserve.kernels.split_k import split_counters, split_k_tiles, split_k_to_fill, store_split
 
 # Up to this many rows a call takes these kernels (the tensor-core tile pads the rows to 16); more take the FP8
 # tensor-core GEMMs.
@@ -40,7 +40,7 @@ FMA_MAX_ROWS = 1
 
 
 class Fp8SkinnyConfig(NamedTuple):
-    """A tile of `block_n` output columns by `block_k` input features, `split_k` programs per column block, FMAs over
+    """A tile of `block_n` output columns by `block_k` input features, `split_k` programs per column block, FMAs for
     one row a program or (`use_dot`) the tensor cores on 16 rows."""
 
     block_n: int
@@ -72,15 +72,6 @@ def fp8_skinny_config(m: int, n: int, k: int, block: Optional[tuple[int, int]], 
 
 
 @triton.jit
-def _split_k_tiles(K, BLOCK_K: tl.constexpr):
-    """This program's K tiles `[first, last)`: split `program_id(2)`'s contiguous share of `num_programs(2)`."""
-    k_tiles = tl.cdiv(K, BLOCK_K)
-    per_split = tl.cdiv(k_tiles, tl.num_programs(2))
-    first = tl.program_id(2) * per_split
-    return first, tl.minimum(first + per_split, k_tiles)
-
-
-@triton.jit
 def _w8a16_fma_kernel(
     X, W, Scale, Out, Partial, Counters, M, N, K,
     stride_xm, stride_wn, stride_sn, stride_os, stride_om,
@@ -95,7 +86,7 @@ def _w8a16_fma_kernel(
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     ks = tl.arange(0, BLOCK_K)
-    first, last = _split_k_tiles(K, BLOCK_K)
+    first, last = split_k_tiles(K, BLOCK_K)
     x_row = X + row.to(tl.int64) * stride_xm
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for tile in range(first, last):
@@ -136,7 +127,7 @@ def _w8a16_dot_kernel(
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     ks = tl.arange(0, BLOCK_K)
-    first, last = _split_k_tiles(K, BLOCK_K)
+    first, last = split_k_tiles(K, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for tile in range(first, last):
         k = tile * BLOCK_K + ks

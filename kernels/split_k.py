@@ -49,6 +49,15 @@ def split_counters(device: torch.device, tiles: int) -> torch.Tensor:
 
 
 @triton.jit
+def split_k_tiles(K, BLOCK_K: tl.constexpr):
+    """This program's K tiles `[first, last)`: split `program_id(2)`'s contiguous share of `num_programs(2)`."""
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    per_split = tl.cdiv(k_tiles, tl.num_programs(2))
+    first = tl.program_id(2) * per_split
+    return first, tl.minimum(first + per_split, k_tiles)
+
+
+@triton.jit
 def store_split(acc, Out, out_offsets, Partial, partial_offsets, stride_split, mask, Counters, counter,
                 num_splits, SPLIT: tl.constexpr):
     """Store a program's `acc` (float32): without `SPLIT` (one split), to `Out + out_offsets` in Out's dtype; with

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from radixserve.kernels.split_k import split_counters, split_k_to_fill, store_split
+from radixserve.kernels.split_k import split_counters, split_k_tiles, split_k_to_fill, store_split
 
 PACK_FACTOR = 8  # 4-bit values per int32 word
 # Up to this many rows a call takes the skinny kernel.
@@ -120,15 +120,6 @@ def _nibble_plus_16(packed, j: tl.constexpr):
 
 
 @triton.jit
-def _split_k_tiles(K, BLOCK_K: tl.constexpr):
-    """This program's K tiles `[first, last)`: split `program_id(2)`'s contiguous share of `num_programs(2)`."""
-    k_tiles = tl.cdiv(K, BLOCK_K)
-    per_split = tl.cdiv(k_tiles, tl.num_programs(2))
-    first = tl.program_id(2) * per_split
-    return first, tl.minimum(first + per_split, k_tiles)
-
-
-@triton.jit
 def _w4a16_fma_kernel(
     X, QWeight, Scales, Zeros, GIdx, Out, Partial, Counters,
     M, N, K,
@@ -151,7 +142,7 @@ def _w4a16_fma_kernel(
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     words = tl.arange(0, WORDS)
-    first, last = _split_k_tiles(K, BLOCK_K)
+    first, last = split_k_tiles(K, BLOCK_K)
     x_row = X + row.to(tl.int64) * stride_xm
     acc = tl.zeros((WORDS, BLOCK_N), dtype=tl.float32)
     for tile in range(first, last):
@@ -211,7 +202,7 @@ def _w4a16_dot_kernel(
     nibble_shifts = 19 - 4 * tl.arange(0, 8)  # per nibble: to bits 19-22, left (>= 0) or right
     left = tl.maximum(nibble_shifts, 0)[None, :, None].to(tl.uint32)
     right = tl.maximum(-nibble_shifts, 0)[None, :, None].to(tl.uint32)
-    first, last = _split_k_tiles(K, BLOCK_K)
+    first, last = split_k_tiles(K, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for tile in range(first, last):
         word_rows = tile * WORDS + words
