@@ -6,9 +6,14 @@
 #            bf16, FP8 per tensor (--quantization fp8) and per channel (w8a8_fp8: row-wise torch._scaled_mm), FP8 in
 #            128x128 blocks (a fine-grained FP8 config: the Triton block GEMM) and W4A16 (a GPTQ config, groups of
 #            128: the Triton W4A16 GEMM); random weights are quantized into each layout as they load;
-#   offline: offline throughput, 1000 requests of 256 in / 256 out, bf16, FP8 per channel and W4A16, by output tok/s.
-# STEPS selects (default: all), e.g. STEPS="tests decode" bash benchmarks/gpu_quant.sh. Needs .whl/ (see
-# ../shared/gpu/README.md) and .gpu-assets/llama-3.1-8b-dummy/ (config.json + a tokenizer) carried; the quantized
+#   offline: offline throughput, 1000 requests of 256 in / 256 out, bf16, FP8 per channel and W4A16, by output tok/s;
+#   tune:    (not in the default STEPS; sized for a call of its own, not yet run there) benchmarks/tune_w4a16.py,
+#            the skinny W4A16 and FP8 kernels' tiles at M = 1, 4, 16 on Llama-3.1-8B's projections, in two runs
+#            (W4A16, at most 240 s; FP8 per channel, per tensor and in blocks, at most 300 s): a table per run, the
+#            estimated batch-1 GEMM time of a step, the rows for the kernels' tables, and $OUT/tune_w4a16.json,
+#            $OUT/tune_fp8_skinny.json (written after every case, so a run cut by its limit keeps what it measured).
+# STEPS selects (default: tests decode offline), e.g. STEPS="tests decode" bash benchmarks/gpu_quant.sh. Needs .whl/
+# (see ../shared/gpu/README.md) and .gpu-assets/llama-3.1-8b-dummy/ (config.json + a tokenizer) carried; the quantized
 # variants are made beside it, the same config plus a quantization_config.
 set -u
 . "$(dirname "$0")/gpu_env.sh"  # the checkout ($ROOT), $OUT, $PY, want; wheels, project, FlashInfer cache
@@ -31,6 +36,11 @@ W4A16=$(variant_dir w4a16 '{"quant_method": "gptq", "bits": 4, "group_size": 128
 
 if want tests; then
     timeout 300 "$PY" -P -m pytest -p _srcpath -p no:cacheprovider -q tests/ops/test_quant_kernels.py 2>&1 | tail -8
+fi
+if want tune; then
+    timeout 240 "$PY" benchmarks/tune_w4a16.py --formats w4a16 --out "$OUT/tune_w4a16.json" 2>&1 | grep -v Warning
+    timeout 300 "$PY" benchmarks/tune_w4a16.py --formats fp8_channel,fp8_tensor,fp8_block \
+        --out "$OUT/tune_fp8_skinny.json" 2>&1 | grep -v Warning
 fi
 DECODE=(--load-format dummy --dtype bfloat16 --prefill-batch-sizes 1 --input-len 1024 --decode-batch-sizes 1,64
         --context-len 1024 --eager-batch-sizes 1)

@@ -3,121 +3,182 @@
 At one row a product reads its weight once and does two flops per byte of FP8: its time is the weight's bytes over
 the memory bandwidth. cuBLASLt's FP8 GEMM is built for the other end (128 x 128 tiles of quantized activations); at one
 row on an H200 it streams Llama-3.1-8B's FP8 projections at about 1.8 TB/s, and the activations' quantization costs
-a kernel per call on top. Here each program reads a `BLOCK_N x BLOCK_K` tile of the FP8 weight, widens it to the
-activations' dtype and multiplies it on the tensor cores with the unquantized activations (rows padded to 16),
-accumulating in float32; the weight's scales are applied per output column at the end (per channel) or per K tile
-(128 x 128 blocks). The product is the dequantized weight's, as Hugging Face computes it, with no activation
-rounding.
+a kernel per call on top. Here the activations stay unquantized and the product is the dequantized weight's, as
+Hugging Face computes it, with no activation rounding. Each program loads a `BLOCK_N x BLOCK_K` tile of the FP8
+weight once, 16 bytes a thread along K (the weight's contiguous dimension), and widens it in registers; two kernels
+multiply it:
 
-Few output tiles split K over `split_k` programs per tile; each writes its partial sums to a float32 scratch row, and
-one reduction kernel adds them in split order and casts (so the result does not depend on the programs' timing).
-Shapes depend only on (M, N, K), so calls can be captured in CUDA graphs. Without CUDA the kernels run only under the
-Triton interpreter (`TRITON_INTERPRET=1` set before `triton` is imported).
+- FMA (`use_dot` off): one row a program; the FP8 bytes widen to float32 through half precision (two values an
+  instruction, then a full-rate half-to-single add, where a direct FP8-to-bfloat16 conversion takes a quarter-rate
+  instruction per value), and each thread multiplies its run of K and reduces it with its neighbours';
+- tensor cores (`use_dot`): up to 16 rows on one 16-row tile, the weight widened to the activations' dtype.
+
+Both accumulate in float32; the weight's scales are applied per output column at the end (per channel; a per-tensor
+checkpoint's scale comes spread over the rows) or per K tile (128 x 128 blocks). Few output tiles split K over
+`split_k` programs per tile; each writes its float32 partial sums to its own slice of a scratch, and the last to
+finish adds them in split order and casts, in the same launch (kernels/split_k.py). Shapes depend only on (M, N, K),
+so calls can be captured in CUDA graphs. Without CUDA the kernels run only under the Triton interpreter
+(`TRITON_INTERPRET=1` set before `triton` is imported).
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import triton
 import triton.language as tl
 
-# Up to this many rows a call takes this kernel (its tiles pad the rows to 16); more take the FP8 tensor-core GEMMs.
+from radixserve.kernels.split_k import split_counters, split_k_tiles, split_k_to_fill, store_split
+
+# Up to this many rows a call takes these kernels (the tensor-core tile pads the rows to 16); more take the FP8
+# tensor-core GEMMs.
 MAX_ROWS = 16
-BLOCK_M = 16
-BLOCK_N = 64
-BLOCK_K = 128
+# Up to this many rows the FMA kernel serves by default: it widens the weight once per row, the tensor-core kernel
+# once per 16 rows.
+FMA_MAX_ROWS = 1
+
+
+class Fp8SkinnyConfig(NamedTuple):
+    """A tile of `block_n` output columns by `block_k` input features, `split_k` programs per column block, FMAs for
+    one row a program or (`use_dot`) the tensor cores on 16 rows."""
+
+    block_n: int
+    block_k: int
+    split_k: int
+    use_dot: bool
+    num_warps: int
+    num_stages: int
+
+
+# Measured configs, pasted from benchmarks/tune_w4a16.py's output (which also tunes this kernel) on the GPU its
+# comment names: (N, K, block scales or None) -> rows (max_rows, config) in increasing max_rows; a call with M rows
+# takes the first row with M <= max_rows (the last row beyond). Shapes absent take `fp8_skinny_config`'s defaults.
+TUNED: dict[tuple[int, int, Optional[tuple[int, int]]], list[tuple[int, Fp8SkinnyConfig]]] = {}
+
+
+def fp8_skinny_config(m: int, n: int, k: int, block: Optional[tuple[int, int]], num_sms: int) -> Fp8SkinnyConfig:
+    """The config for an (m, n, k) product: the measured one where `TUNED` has the shape, else one row on FMAs and
+    more on the tensor cores, in tiles of 64 columns by 128 features (8 KiB), with K split until each SM has about
+    four programs loading their tiles."""
+    rows = TUNED.get((n, k, block))
+    if rows:
+        return next((config for max_rows, config in rows if m <= max_rows), rows[-1][1])
+    use_dot = m > FMA_MAX_ROWS
+    block_n, block_k = 64, 128 if block is None else min(128, block[1])
+    programs = triton.cdiv(n, block_n) * (1 if use_dot else m)
+    split_k = split_k_to_fill(programs, triton.cdiv(k, block_k), num_sms, min_k_tiles=2, waves=4)
+    return Fp8SkinnyConfig(block_n, block_k, split_k, use_dot, num_warps=4, num_stages=4 if use_dot else 3)
 
 
 @triton.jit
-def _w8a16_kernel(
-    X, W, Scale, Out, M, N, K,
+def _w8a16_fma_kernel(
+    X, W, Scale, Out, Partial, Counters, M, N, K,
     stride_xm, stride_wn, stride_sn, stride_os, stride_om,
-    BLOCK_SCALES: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_SCALES: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, EVEN_K: tl.constexpr,
+    SPLIT: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """Program (block of output columns, K split): its share of K tiles, contiguous; writes split `split`'s partial
-    sums (or, with one split, the result in Out's dtype)."""
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    split = tl.program_id(1)
-    rows = tl.arange(0, BLOCK_M)
-    ks = tl.arange(0, BLOCK_K)
-    row_ok = rows < M
+    """Program (row, block of output columns, K split): one row's sums over split `program_id(2)`'s share of K, to
+    Out (or to Partial, the last split adding them up: kernels/split_k.py). The rows of a column block are adjacent
+    programs, so a few rows read the weight from memory once and from L2 after."""
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
-    k_tiles = tl.cdiv(K, BLOCK_K)
-    per_split = tl.cdiv(k_tiles, SPLIT_K)
-    first = split * per_split
-    last = tl.minimum(first + per_split, k_tiles)
+    ks = tl.arange(0, BLOCK_K)
+    first, last = split_k_tiles(K, BLOCK_K)
+    x_row = X + row.to(tl.int64) * stride_xm
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for tile in range(first, last):
+        k = tile * BLOCK_K + ks
+        k_ok = k < K
+        if EVEN_K:  # no K tail: masks by column only (none on the activations)
+            w = tl.load(W + cols[:, None].to(tl.int64) * stride_wn + k[None, :], mask=col_ok[:, None], other=0.0)
+            x = tl.load(x_row + k).to(tl.float32)
+        else:
+            w = tl.load(W + cols[:, None].to(tl.int64) * stride_wn + k[None, :],
+                        mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+            x = tl.load(x_row + k, mask=k_ok, other=0.0).to(tl.float32)
+        part = tl.sum(w.to(tl.float16).to(tl.float32) * x[None, :], axis=1)  # exact: e4m3 fits in half precision
+        if BLOCK_SCALES:  # a K tile lies inside one scale block (the wrapper checks)
+            acc += part * tl.load(Scale + (cols // GROUP_N) * stride_sn + (tile * BLOCK_K) // GROUP_K, mask=col_ok,
+                                  other=0.0)
+        else:
+            acc += part
+    if not BLOCK_SCALES:
+        acc *= tl.load(Scale + cols, mask=col_ok, other=0.0)
+    offsets = row * stride_om + cols
+    store_split(acc, Out, offsets, Partial, offsets, stride_os, col_ok, Counters,
+                row * tl.num_programs(1) + tl.program_id(1), tl.num_programs(2), SPLIT)
+
+
+@triton.jit
+def _w8a16_dot_kernel(
+    X, W, Scale, Out, Partial, Counters, M, N, K,
+    stride_xm, stride_wn, stride_sn, stride_os, stride_om,
+    BLOCK_SCALES: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """Program (block of 16 rows, block of output columns, K split) on the tensor cores; output as in
+    `_w8a16_fma_kernel`."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    ks = tl.arange(0, BLOCK_K)
+    first, last = split_k_tiles(K, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for tile in range(first, last):
-        k0 = tile * BLOCK_K
-        k_ok = k0 + ks < K
-        x = tl.load(X + rows[:, None] * stride_xm + (k0 + ks)[None, :], mask=row_ok[:, None] & k_ok[None, :],
+        k = tile * BLOCK_K + ks
+        k_ok = k < K
+        x = tl.load(X + rows[:, None].to(tl.int64) * stride_xm + k[None, :], mask=row_ok[:, None] & k_ok[None, :],
                     other=0.0)
-        w = tl.load(W + cols[None, :].to(tl.int64) * stride_wn + (k0 + ks)[:, None],
-                    mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        part = tl.dot(x, w.to(x.dtype), input_precision=PRECISION)
-        if BLOCK_SCALES:  # a K tile lies inside one scale block (the wrapper checks)
-            scale = tl.load(Scale + (cols // GROUP_N) * stride_sn + k0 // GROUP_K, mask=col_ok, other=0.0)
+        w = tl.load(W + cols[:, None].to(tl.int64) * stride_wn + k[None, :], mask=col_ok[:, None] & k_ok[None, :],
+                    other=0.0)
+        part = tl.dot(x, tl.trans(w.to(tl.float16).to(x.dtype)), input_precision=PRECISION)
+        if BLOCK_SCALES:
+            scale = tl.load(Scale + (cols // GROUP_N) * stride_sn + (tile * BLOCK_K) // GROUP_K, mask=col_ok,
+                            other=0.0)
             acc += part * scale[None, :]
         else:
             acc += part
     if not BLOCK_SCALES:
         acc *= tl.load(Scale + cols, mask=col_ok, other=0.0)[None, :]
-    out = Out + split * stride_os + rows[:, None] * stride_om + cols[None, :]
-    tl.store(out, acc.to(Out.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
-
-
-@triton.jit
-def _sum_splits_kernel(Partial, Out, N, stride_ps, stride_pm, stride_om, SPLIT_K: tl.constexpr,
-                       BLOCK_N: tl.constexpr):
-    """Program (row, block of columns): the splits' partial sums added in split order, cast to Out's dtype."""
-    row = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < N
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for split in range(SPLIT_K):
-        acc += tl.load(Partial + split * stride_ps + row * stride_pm + cols, mask=col_ok, other=0.0)
-    tl.store(Out + row * stride_om + cols, acc.to(Out.dtype.element_ty), mask=col_ok)
-
-
-def split_k_for(n: int, k: int, num_sms: int) -> int:
-    """K splits that bring the programs near two per SM, keeping at least two K tiles per split."""
-    tiles, k_tiles = triton.cdiv(n, BLOCK_N), triton.cdiv(k, BLOCK_K)
-    split = 1
-    while tiles * split < 2 * num_sms and split * 2 <= k_tiles // 2 and split < 16:
-        split *= 2
-    return split
+    offsets = rows[:, None] * stride_om + cols[None, :]
+    store_split(acc, Out, offsets, Partial, offsets, stride_os, row_ok[:, None] & col_ok[None, :], Counters,
+                tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), tl.num_programs(2), SPLIT)
 
 
 def w8a16_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: Optional[tuple[int, int]],
-               split_k: Optional[int] = None) -> torch.Tensor:
+               config: Optional[Fp8SkinnyConfig] = None) -> torch.Tensor:
     """`x [M, K] @ (weight * scale).T -> [M, N]` in x's dtype, for M <= MAX_ROWS: `weight [N, K]` float8_e4m3fn,
     `scale` float32 `[N]` per output channel or `[ceil(N / bn), ceil(K / bk)]` for `block = (bn, bk)`."""
     m, k = x.shape
     n = weight.shape[0]
     assert m <= MAX_ROWS and weight.shape[1] == k and weight.stride(1) == 1, (x.shape, weight.shape)
     x = x.contiguous()
-    block_k = BLOCK_K
-    if block is not None:
-        block_k = min(BLOCK_K, block[1])
-        assert block[1] % block_k == 0, "a K tile must lie inside one scale block"
-    if split_k is None:
+    if config is None:
         num_sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
-        split_k = split_k_for(n, k, num_sms)
+        config = fp8_skinny_config(m, n, k, block, num_sms)
+    if block is not None and block[1] % config.block_k:
+        raise ValueError(f"an FP8 K tile of {config.block_k} must lie inside one {block[0]}x{block[1]} scale block")
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    target = out if split_k == 1 else torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
-    _w8a16_kernel[(triton.cdiv(n, BLOCK_N), split_k)](
-        x, weight, scale, target, m, n, k,
-        x.stride(0), weight.stride(0), scale.stride(0) if block is not None else 0,
-        target.stride(0) if split_k > 1 else 0, target.stride(-2),
-        BLOCK_SCALES=block is not None, GROUP_N=block[0] if block else 1, GROUP_K=block[1] if block else 1,
-        SPLIT_K=split_k, PRECISION="ieee" if x.dtype == torch.float32 else None,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=block_k, num_warps=4, num_stages=4,
-    )
-    if split_k > 1:
-        _sum_splits_kernel[(m, triton.cdiv(n, 256))](
-            target, out, n, target.stride(0), target.stride(1), out.stride(0), SPLIT_K=split_k, BLOCK_N=256,
-        )
+    partial, counters = out, out  # read only with several splits
+    if config.split_k > 1:
+        partial = torch.empty(config.split_k, m, n, dtype=torch.float32, device=x.device)
+        counters = split_counters(x.device, m * triton.cdiv(n, config.block_n))
+    args = (x, weight, scale, out, partial, counters, m, n, k, x.stride(0), weight.stride(0),
+            scale.stride(0) if block is not None else 0, m * n, out.stride(0))
+    scales = dict(BLOCK_SCALES=block is not None, GROUP_N=block[0] if block else 1, GROUP_K=block[1] if block else 1,
+                  SPLIT=config.split_k > 1)
+    launch = dict(BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps,
+                  num_stages=config.num_stages)
+    if config.use_dot:
+        grid = (triton.cdiv(m, 16), triton.cdiv(n, config.block_n), config.split_k)
+        _w8a16_dot_kernel[grid](*args, **scales, PRECISION="ieee" if x.dtype == torch.float32 else None,
+                                BLOCK_M=16, **launch)
+    else:
+        _w8a16_fma_kernel[(m, triton.cdiv(n, config.block_n), config.split_k)](
+            *args, **scales, EVEN_K=k % config.block_k == 0, **launch)
     return out

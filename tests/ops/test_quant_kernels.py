@@ -1,6 +1,7 @@
-"""The quantized GEMMs against float64 references of their dequantized operands: the Triton W4A16 GEMM
-(kernels/w4a16_gemm.py), the Triton block-scaled FP8 GEMM (kernels/fp8_block_gemm.py), and the FP8 products of
-model_runner/quantization/fp8.py (`torch._scaled_mm` on CUDA, the float reference elsewhere).
+"""The quantized GEMMs against float64 references of their dequantized operands: the Triton W4A16 GEMMs
+(kernels/w4a16_gemm.py: the skinny decode kernels on FMAs and on the tensor cores, and the tiled one), the skinny FP8
+GEMMs (kernels/fp8_skinny_gemm.py), the Triton block-scaled FP8 GEMM (kernels/fp8_block_gemm.py), and the FP8 products
+of model_runner/quantization/fp8.py (`torch._scaled_mm` on CUDA, the float reference elsewhere).
 
 Without a GPU the Triton kernels run under the Triton interpreter (`TRITON_INTERPRET=1`, set before anything imports
 triton) at small shapes; on a GPU they are compiled and also checked in bfloat16 at Llama-3.1-8B's projection shapes
@@ -21,8 +22,9 @@ if not ON_GPU and "triton" not in sys.modules:
 import pytest  # noqa: E402
 
 from radixserve.kernels.fp8_block_gemm import fp8_block_gemm  # noqa: E402
-from radixserve.kernels.w4a16_gemm import W4A16Config, w4a16_gemm  # noqa: E402
-from radixserve.kernels.fp8_skinny_gemm import MAX_ROWS, w8a16_gemm  # noqa: E402
+from radixserve.kernels.fp8_skinny_gemm import MAX_ROWS, Fp8SkinnyConfig, fp8_skinny_config, w8a16_gemm  # noqa: E402
+from radixserve.kernels.w4a16_gemm import (SKINNY_MAX_ROWS as W4A16_SKINNY_MAX_ROWS, SkinnyConfig,  # noqa: E402
+                                           W4A16Config, skinny_config, w4a16_gemm)
 from radixserve.model_runner.quantization.fp8 import (FP8_DTYPE, SKINNY_MAX_ROWS, ActivationScheme,  # noqa: E402
                                                       Fp8Weight, fp8_linear, quantize_per_row)
 from radixserve.model_runner.quantization.int4 import Int4Weight, pack_rows  # noqa: E402
@@ -35,7 +37,7 @@ LLAMA_8B_SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
 def random_int4(n: int, k: int, group_size: int, act_order: bool, dtype: torch.dtype, seed: int = 0) -> Int4Weight:
     generator = torch.Generator().manual_seed(seed)
     q = torch.randint(0, 16, (k, n), generator=generator)
-    groups = k // group_size
+    groups = -(-k // group_size)  # a last, shorter group where K is not a multiple of it
     scales = (torch.rand(groups, n, generator=generator) * 0.02 + 0.001).to(dtype)
     zeros = torch.randint(0, 16, (groups, n), generator=generator).to(dtype)
     g_idx = None
@@ -77,12 +79,75 @@ def test_w4a16_gemm_matches_float64(m, act_order, group_size):
 
 
 def test_w4a16_gemm_split_k_adds_partial_sums():
-    n, k, m = 64, 512, 3
+    n, k, m = 64, 512, 20
     weight = random_int4(n, k, 128, False, torch.float32)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(0)).to(DEVICE)
     config = W4A16Config(block_m=16, block_n=32, block_k=64, split_k=4, num_warps=4, num_stages=2)
     out = w4a16_gemm(x, weight.qweight, weight.scales, weight.zeros, 128, None, config)
     assert_close(out, reference_int4(x, weight), 1e-5)
+
+
+# (N, K, group size, act-order): N not a multiple of the column block; K not a multiple of the K tile (act-order
+# only: without g_idx a K tile lies in one group, so K is whole tiles) and groups of 32, 64 and 128.
+SKINNY_W4A16_SHAPES = [(100, 320, 64, False), (72, 256, 32, False), (96, 256, 128, True), (70, 200, 128, True)]
+
+
+# (rows, tensor cores): an FMA program takes one row, so 16 rows on FMAs (slow under the interpreter) run at one shape.
+SKINNY_ROWS = [(1, False), (3, False), (1, True), (3, True), (16, True)]
+
+
+@pytest.mark.parametrize("m, use_dot, n, k, group_size, act_order",
+                         [rows + shape for shape in SKINNY_W4A16_SHAPES for rows in SKINNY_ROWS]
+                         + [(16, False) + SKINNY_W4A16_SHAPES[0], (16, False) + SKINNY_W4A16_SHAPES[2]])
+def test_w4a16_skinny_kernels_match_float64(m, use_dot, n, k, group_size, act_order):
+    """Both skinny W4A16 kernels (FMAs, one row a program; tensor cores, 16 rows a program) against the float64
+    product, K split unevenly (3 splits of a K not divisible by them) so that the partial sums are added."""
+    weight = random_int4(n, k, group_size, act_order, torch.float32, seed=n)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(DEVICE)
+    # A tensor-core tile lies in one group; an FMA tile of 64 features spans two groups of 32.
+    config = SkinnyConfig(block_n=32, block_k=32 if group_size == 32 and use_dot else 64, split_k=3, use_dot=use_dot,
+                          num_warps=4, num_stages=2)
+    out = w4a16_gemm(x, weight.qweight, weight.scales, weight.zeros, group_size, weight.g_idx, config)
+    assert out.dtype == torch.float32 and out.shape == (m, n)
+    assert_close(out, reference_int4(x, weight), 1e-5)
+
+
+def test_w4a16_fma_kernel_takes_groups_that_are_not_a_power_of_two():
+    """One group over all 200 input features (a per-channel checkpoint): the FMA kernel's 128-feature tiles span it."""
+    weight = random_int4(48, 200, 200, False, torch.float32, seed=5)
+    x = torch.randn(1, 200, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    out = w4a16_gemm(x, weight.qweight, weight.scales, weight.zeros, 200, None)
+    assert_close(out, reference_int4(x, weight), 1e-5)
+
+
+@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize("act_order", [False, True])
+def test_w4a16_skinny_default_configs_match_float64(m, act_order):
+    """The configs a call picks by itself (one split or several, FMAs at one row, tensor cores above), with zero
+    points off the integers (the per-tile zero-point correction assumes nothing of them)."""
+    n, k = 96, 1024
+    weight = random_int4(n, k, 128, act_order, torch.float32, seed=m)
+    weight.zeros += 0.5
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(DEVICE)
+    out = w4a16_gemm(x, weight.qweight, weight.scales, weight.zeros, 128, weight.g_idx)
+    assert_close(out, reference_int4(x, weight), 1e-5)
+
+
+def test_skinny_configs_split_k_to_fill_the_gpu_at_llama_8b_shapes():
+    """At one row each SM gets about four programs (column blocks times splits), each split keeping at least two K
+    tiles; the column-rich gate/up projection splits least. FMAs at one row, tensor cores from two rows."""
+    for n, k in LLAMA_8B_SHAPES:
+        for m in (1, 2, 16):
+            w4 = skinny_config(m, n, k, 128, False, num_sms=132)
+            fp8 = fp8_skinny_config(m, n, k, None, num_sms=132)
+            for config in (w4, fp8):
+                assert config.use_dot == (m > 1)
+                programs = -(-n // config.block_n) * (1 if config.use_dot else m) * config.split_k
+                assert programs >= 4 * 132 or config.split_k == 16 or -(-k // config.block_k) < 4 * config.split_k
+                assert -(-k // config.block_k) >= 2 * config.split_k
+    gate_up, o = (skinny_config(1, n, 4096, 128, False, num_sms=132).split_k for n in (28672, 4096))
+    assert gate_up < o
+    assert W4A16_SKINNY_MAX_ROWS == 16
 
 
 def test_int4_layout_dequantizes_and_narrows_as_the_kernel_reads_it():
@@ -118,20 +183,67 @@ def test_fp8_block_gemm_matches_float64(m, n, k):
     assert_close(out, expected.to(DEVICE), 1e-3 if ON_GPU else 1e-5)
 
 
-@pytest.mark.parametrize("m, n, k, block, split_k", [(1, 200, 384, None, 1), (5, 130, 512, None, 3),
-                                                     (16, 256, 384, (128, 128), 2), (3, 96, 256, (64, 64), 1)])
-def test_w8a16_gemm_matches_float64(m, n, k, block, split_k):
-    """The skinny FP8 kernel against the float64 product of the unquantized activations and the dequantized weight,
+def test_split_k_sums_in_one_launch_the_same_every_time_and_leaves_its_counters_at_zero():
+    """The last split of a tile adds the partial sums in split order, so repeated calls give the same bits (on a GPU,
+    200 calls at Llama-3.1-8B's o_proj shape, where a split reading another's slice before it is written would show),
+    and each call hands the shared counters back at zero for the next."""
+    from radixserve.kernels.split_k import split_counters
+
+    n, k, repeats = (4096, 4096, 200) if ON_GPU else (96, 512, 3)
+    dtype = torch.bfloat16 if ON_GPU else torch.float32
+    int4 = random_int4(n, k, 128, False, dtype)
+    fp8 = Fp8Weight.quantize(torch.randn(n, k) * 0.05, (128, 128))
+    fp8 = Fp8Weight(fp8.weight.to(DEVICE), fp8.scale.to(DEVICE), fp8.block)
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(0)).to(dtype).to(DEVICE)
+    calls = []
+    for use_dot in (False, True):
+        int4_config = SkinnyConfig(64, 128, 8 if ON_GPU else 3, use_dot, 4, 3)
+        fp8_config = Fp8SkinnyConfig(64, 128, 8 if ON_GPU else 3, use_dot, 4, 3)
+        calls += [lambda c=int4_config: w4a16_gemm(x, int4.qweight, int4.scales, int4.zeros, 128, None, c),
+                  lambda c=fp8_config: w8a16_gemm(x, fp8.weight, fp8.scale, fp8.block, c)]
+    for call in calls:
+        first = call()
+        assert_close(first, reference_int4(x, int4) if call in calls[::2] else
+                     x.double() @ fp8.dequantize().double().T, 1e-5 if dtype == torch.float32 else 1e-2)
+        for _ in range(repeats):
+            assert torch.equal(call(), first)
+        assert split_counters(x.device, 1).count_nonzero().item() == 0
+
+
+# (N, K, block scales): per channel (a per-tensor checkpoint's scale arrives spread the same way) with N and K off
+# the tiles, and 128 x 128 and 64 x 64 blocks with a last, partial block in each dimension.
+SKINNY_FP8_SHAPES = [(200, 384, None), (130, 300, None), (256, 384, (128, 128)), (96, 320, (64, 64))]
+
+
+@pytest.mark.parametrize("m, use_dot, split_k, n, k, block",
+                         [rows + (split_k,) + shape for shape in SKINNY_FP8_SHAPES for rows in SKINNY_ROWS
+                          for split_k in (1, 3)] + [(16, False, 3) + SKINNY_FP8_SHAPES[2]])
+def test_w8a16_gemm_matches_float64(m, use_dot, split_k, n, k, block):
+    """Both skinny FP8 kernels against the float64 product of the unquantized activations and the dequantized weight,
     per channel and per block, with one split and several (partial sums added by the reduction kernel)."""
     generator = torch.Generator().manual_seed(m)
     x = torch.randn(m, k, generator=generator)
     weight = Fp8Weight.quantize(torch.randn(n, k, generator=generator) * 0.05, block)
+    weight.weight[0, :5] = torch.tensor([2.0**-9, -(2.0**-8), 3 * 2.0**-9, 448.0, -448.0]).to(FP8_DTYPE)  # subnormals
     expected = x.double() @ weight.dequantize().double().T
     dtype = torch.bfloat16 if ON_GPU else torch.float32
-    out = w8a16_gemm(x.to(dtype).to(DEVICE), weight.weight.to(DEVICE), weight.scale.to(DEVICE), block, split_k)
+    config = Fp8SkinnyConfig(block_n=32, block_k=64, split_k=split_k, use_dot=use_dot, num_warps=4, num_stages=2)
+    out = w8a16_gemm(x.to(dtype).to(DEVICE), weight.weight.to(DEVICE), weight.scale.to(DEVICE), block, config)
     assert out.dtype == dtype and out.shape == (m, n)
     assert_close(out, expected.to(DEVICE), 1e-5 if dtype == torch.float32 else 1e-2)
     assert SKINNY_MAX_ROWS == MAX_ROWS
+
+
+@pytest.mark.parametrize("m", [1, 16])
+def test_w8a16_gemm_default_configs_match_float64(m):
+    generator = torch.Generator().manual_seed(m)
+    n, k = 160, 1024
+    x = torch.randn(m, k, generator=generator)
+    for block in (None, (128, 128)):
+        weight = Fp8Weight.quantize(torch.randn(n, k, generator=generator) * 0.05, block)
+        dtype = torch.bfloat16 if ON_GPU else torch.float32
+        out = w8a16_gemm(x.to(dtype).to(DEVICE), weight.weight.to(DEVICE), weight.scale.to(DEVICE), block)
+        assert_close(out, (x.double() @ weight.dequantize().double().T).to(DEVICE), 1e-5 if not ON_GPU else 1e-2)
 
 
 def test_fp8_quantization_round_trips_within_e4m3_precision():
@@ -184,6 +296,29 @@ def test_gpu_kernels_at_llama_8b_shapes(m, n, k):
     if m <= SKINNY_MAX_ROWS:  # the unquantized activations times the weight dequantized in registers
         expected = x.double() @ channel.dequantize().double().T
     assert_close(fp8_linear(x, channel, ActivationScheme.TOKEN, None), expected, 1e-2)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="bfloat16 at Llama-3.1-8B shapes needs a GPU")
+@pytest.mark.parametrize("use_dot", [False, True])
+@pytest.mark.parametrize("n, k", LLAMA_8B_SHAPES)
+def test_gpu_skinny_kernels_at_llama_8b_shapes(use_dot, n, k):
+    """Each skinny kernel, compiled, in bfloat16 at 1, 4 and 16 rows: W4A16 in groups of 128 with and without
+    act-order, FP8 per channel and in 128 x 128 blocks; the default split for the shape."""
+    num_sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
+    for act_order in (False, True):
+        weight = random_int4(n, k, 128, act_order, torch.bfloat16)
+        for m in (1, 4, 16):
+            x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
+            config = skinny_config(m, n, k, 128, act_order, num_sms)._replace(use_dot=use_dot)
+            out = w4a16_gemm(x, weight.qweight, weight.scales, weight.zeros, 128, weight.g_idx, config)
+            assert_close(out, reference_int4(x, weight), 1e-2)
+    for block in (None, (128, 128)):
+        weight = Fp8Weight.quantize(torch.randn(n, k, device=DEVICE) * 0.05, block)
+        for m in (1, 4, 16):
+            x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
+            config = fp8_skinny_config(m, n, k, block, num_sms)._replace(use_dot=use_dot)
+            out = w8a16_gemm(x, weight.weight, weight.scale, block, config)
+            assert_close(out, x.double() @ weight.dequantize().double().T, 1e-2)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
