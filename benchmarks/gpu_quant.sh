@@ -7,7 +7,7 @@
 #            128x128 blocks (a fine-grained FP8 config: the Triton block GEMM) and W4A16 (a GPTQ config, groups of
 #            128: the Triton W4A16 GEMM); random weights are quantized into each layout as they load;
 #   offline: offline throughput, 1000 requests of 256 in / 256 out, bf16, FP8 per channel and W4A16, by output tok/s;
-#   tune:    (not in the default STEPS; sized for a call of its own, not yet run there) benchmarks/tune_w4a16.py,
+#   tune:    (not in the default STEPS; sized for a call of its own) benchmarks/tune_w4a16.py,
 #            the skinny W4A16 and FP8 kernels' tiles at M = 1, 4, 16 on Llama-3.1-8B's projections, in two runs
 #            (W4A16, at most 240 s; FP8 per channel, per tensor and in blocks, at most 300 s): a table per run, the
 #            estimated batch-1 GEMM time of a step, the rows for the kernels' tables, and $OUT/tune_w4a16.json,

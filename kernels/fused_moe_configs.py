@@ -47,7 +47,10 @@ TUNED: dict[tuple[int, int, int, str], list[tuple[int, BlockConfig]]] = {
 DECODE_DEFAULT: BlockConfig = {"BLOCK_N": 16, "DOWN_BLOCK_N": 8, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3}
 
 # (experts, intermediate per rank, hidden, dtype name) -> the decode path's config
-DECODE_TUNED: dict[tuple[int, int, int, str], BlockConfig] = {}
+DECODE_TUNED: dict[tuple[int, int, int, str], BlockConfig] = {
+    # NVIDIA H100 80GB HBM3: Qwen3-30B-A3B's layer, 1 token 42.4 -> 38.4 us a call in CUDA graphs
+    (128, 768, 2048, "bfloat16"): {"BLOCK_N": 16, "DOWN_BLOCK_N": 4, "BLOCK_K": 512, "num_warps": 4, "num_stages": 3},
+}
 
 
 def decode_config(num_experts: int, intermediate: int, hidden: int, dtype_name: str) -> BlockConfig:

@@ -69,7 +69,17 @@ class SkinnyConfig(NamedTuple):
 # a projection without g_idx -> rows (max_rows, config) in increasing max_rows; a call with M rows takes the first row
 # with M <= max_rows (the last row beyond). The split is the measured one, for that GPU's SM count. Shapes absent
 # take `skinny_config`'s defaults.
-TUNED_SKINNY: dict[tuple[int, int, int], list[tuple[int, SkinnyConfig]]] = {}
+TUNED_SKINNY: dict[tuple[int, int, int], list[tuple[int, SkinnyConfig]]] = {
+    # NVIDIA H100 80GB HBM3, 132 SMs: Llama-3.1-8B's projections (qkv, o, gate_up, down), groups of 128
+    (6144, 4096, 128): [(1, SkinnyConfig(64, 512, 4, False, 4, 3)), (4, SkinnyConfig(128, 128, 8, True, 4, 3)),
+                        (16, SkinnyConfig(128, 128, 8, True, 4, 4))],
+    (4096, 4096, 128): [(1, SkinnyConfig(32, 256, 4, False, 8, 3)), (4, SkinnyConfig(128, 128, 8, True, 4, 4)),
+                        (16, SkinnyConfig(128, 128, 8, True, 4, 3))],
+    (28672, 4096, 128): [(1, SkinnyConfig(128, 128, 4, False, 4, 3)), (4, SkinnyConfig(128, 64, 4, True, 4, 3)),
+                         (16, SkinnyConfig(128, 64, 4, True, 4, 4))],
+    (4096, 14336, 128): [(1, SkinnyConfig(64, 256, 8, False, 8, 3)), (4, SkinnyConfig(128, 128, 8, True, 4, 3)),
+                         (16, SkinnyConfig(128, 64, 16, True, 4, 3))],
+}
 
 
 def _tile_k(group_size: int, has_g_idx: bool, largest: int) -> int:

@@ -175,8 +175,8 @@ def test_path_choice_depends_on_the_pair_count_only():
 def test_a_decode_path_that_fails_to_compile_hands_over_to_the_aligned_path(monkeypatch, caplog):
     """A device whose Triton cannot build the decode kernels: the chosen call still answers (aligned), the reason is
     logged, and later calls choose the aligned path; a forced decode path raises."""
-    x, weights, ids = routed(1, 8, 2, 64, torch.float32)
-    w13, w2 = random_experts(8, 64, 32, torch.float32)
+    x, weights, ids = (t.to(DEVICE) for t in routed(1, 8, 2, 64, torch.float32))
+    w13, w2 = (w.to(DEVICE) for w in random_experts(8, 64, 32, torch.float32))
     expected = fused_moe(x, w13, w2, weights, ids, path="aligned")
 
     def no_compiler(*args, **kwargs):

@@ -21,6 +21,7 @@ if not ON_GPU and "triton" not in sys.modules:
 
 import pytest  # noqa: E402
 
+import radixserve.kernels.w4a16_gemm as w4a16_module  # noqa: E402
 from radixserve.kernels.fp8_block_gemm import fp8_block_gemm  # noqa: E402
 from radixserve.kernels.fp8_skinny_gemm import MAX_ROWS, Fp8SkinnyConfig, fp8_skinny_config, w8a16_gemm  # noqa: E402
 from radixserve.kernels.w4a16_gemm import (SKINNY_MAX_ROWS as W4A16_SKINNY_MAX_ROWS, SkinnyConfig,  # noqa: E402
@@ -133,9 +134,11 @@ def test_w4a16_skinny_default_configs_match_float64(m, act_order):
     assert_close(out, reference_int4(x, weight), 1e-5)
 
 
-def test_skinny_configs_split_k_to_fill_the_gpu_at_llama_8b_shapes():
-    """At one row each SM gets about four programs (column blocks times splits), each split keeping at least two K
-    tiles; the column-rich gate/up projection splits least. FMAs at one row, tensor cores from two rows."""
+def test_skinny_configs_split_k_to_fill_the_gpu_at_llama_8b_shapes(monkeypatch):
+    """The defaults (no measured rows): at one row each SM gets about four programs (column blocks times splits),
+    each split keeping at least two K tiles; the column-rich gate/up projection splits least. FMAs at one row, tensor
+    cores from two rows."""
+    monkeypatch.setattr(w4a16_module, "TUNED_SKINNY", {})
     for n, k in LLAMA_8B_SHAPES:
         for m in (1, 2, 16):
             w4 = skinny_config(m, n, k, 128, False, num_sms=132)
@@ -148,6 +151,18 @@ def test_skinny_configs_split_k_to_fill_the_gpu_at_llama_8b_shapes():
     gate_up, o = (skinny_config(1, n, 4096, 128, False, num_sms=132).split_k for n in (28672, 4096))
     assert gate_up < o
     assert W4A16_SKINNY_MAX_ROWS == 16
+
+
+def test_measured_skinny_rows_are_taken_by_row_count(monkeypatch):
+    """A shape in `TUNED_SKINNY` takes the first row whose max_rows covers M, the last beyond them; another group
+    size and act-order weights keep the defaults."""
+    rows = w4a16_module.TUNED_SKINNY[(4096, 4096, 128)]
+    picks = [skinny_config(m, 4096, 4096, 128, False, num_sms=132) for m in (1, 3, 16, 40)]
+    assert picks == [rows[0][1], rows[1][1], rows[2][1], rows[-1][1]]
+    untuned = [skinny_config(1, 4096, 4096, 64, False, 132), skinny_config(1, 4096, 4096, 128, True, 132)]
+    monkeypatch.setattr(w4a16_module, "TUNED_SKINNY", {})
+    assert untuned == [skinny_config(1, 4096, 4096, 64, False, 132), skinny_config(1, 4096, 4096, 128, True, 132)]
+    assert skinny_config(1, 4096, 4096, 128, False, 132) != rows[0][1]
 
 
 def test_int4_layout_dequantizes_and_narrows_as_the_kernel_reads_it():
