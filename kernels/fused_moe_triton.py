@@ -44,7 +44,6 @@ imported).
 
 from __future__ import annotations
 
-import logging
 from typing import Literal, NamedTuple, Optional
 
 import torch
@@ -52,8 +51,7 @@ import triton
 import triton.language as tl
 
 from radixserve.kernels.fused_moe_configs import BlockConfig, block_config, decode_config
-
-logger = logging.getLogger(__name__)
+from radixserve.kernels.guard import KernelGuard
 
 
 class ExpertAlignment(NamedTuple):
@@ -186,6 +184,8 @@ def _down_kernel(
 # tensor-core tiles start to pay for its sorting, and the rereads below grow. 0 turns the decode path off (benchmarks
 # compare the two paths end to end that way).
 DECODE_MAX_PAIRS = 64
+# Off for the process once the decode kernels failed to compile here: the aligned path then serves every call.
+_decode_guard = KernelGuard("the fused MoE's decode path", "the aligned path serves every token count")
 
 
 def use_decode_path(num_tokens: int, top_k: int, num_experts: int) -> bool:
@@ -195,7 +195,7 @@ def use_decode_path(num_tokens: int, top_k: int, num_experts: int) -> bool:
     at most about 1.27x the aligned path's expert bytes (Qwen3-30B-A3B, 128 experts, top-8: up to 8 tokens; Mixtral, 8
     experts, top-2: 1 and 2 tokens)."""
     num_pairs = num_tokens * top_k
-    return num_pairs <= DECODE_MAX_PAIRS and (num_tokens == 1 or 2 * num_pairs <= num_experts)
+    return _decode_guard.usable and num_pairs <= DECODE_MAX_PAIRS and (num_tokens == 1 or 2 * num_pairs <= num_experts)
 
 
 @triton.jit
@@ -325,20 +325,10 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     try:
         _decode(*args, config, out)
     except Exception as exc:  # a Triton build or device that cannot compile the decode kernels
-        if not chosen or (hidden.is_cuda and torch.cuda.is_current_stream_capturing()):
+        if not chosen or not _decode_guard.absorb(exc):
             raise
-        _turn_off_decode_path(exc)
         _aligned(*args, block_config(num_tokens, num_experts, intermediate, hidden_size, dtype_name), out)
     return out
-
-
-def _turn_off_decode_path(exc: Exception) -> None:
-    """After the decode kernels failed here (first met in the warm-up before any CUDA graph capture), every later
-    call takes the aligned path; the reason is logged once."""
-    global DECODE_MAX_PAIRS
-    DECODE_MAX_PAIRS = 0
-    logger.warning("fused MoE: the decode path failed on this device (%s: %s); the aligned path serves every token "
-                   "count", type(exc).__name__, exc)
 
 
 def _aligned(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, pair_weights: torch.Tensor,

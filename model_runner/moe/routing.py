@@ -17,35 +17,29 @@ kernel fails to compile (a Triton build without this device), the failure is log
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
-logger = logging.getLogger(__name__)
+from radixserve.kernels.guard import KernelGuard
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int, routing: str,
                    renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """`(weights [T, top_k] float32, expert ids [T, top_k] int64)` for router logits `[T, num_experts]`; each row of
     ids is ordered by decreasing weight."""
-    global _kernel_usable
-    if router_logits.is_cuda and _kernel_usable:
+    if router_logits.is_cuda and _kernel.usable:
         from radixserve.kernels.moe_routing import MAX_EXPERTS, route_topk  # CPU-only processes never import triton
 
         if router_logits.shape[-1] <= MAX_EXPERTS and routing in ("softmax_topk", "topk_softmax"):
             try:
                 return route_topk(router_logits, top_k, routing, renormalize)
             except Exception as exc:  # a Triton build or device that cannot compile the kernel
-                if isinstance(exc, ValueError) or torch.cuda.is_current_stream_capturing():
+                if not _kernel.absorb(exc):
                     raise
-                _kernel_usable = False
-                logger.warning("MoE routing: the routing kernel failed on this device (%s: %s); torch ops route "
-                               "instead", type(exc).__name__, exc)
     return select_experts_torch(router_logits, top_k, routing, renormalize)
 
 
-# False once the routing kernel failed to compile here (first met in the warm-up, before any CUDA graph capture).
-_kernel_usable = True
+# kernels/moe_routing.py, turned off once it failed to compile here (first met in the warm-up, before any capture).
+_kernel = KernelGuard("MoE routing's kernel", "torch ops route", errors_of_the_caller=(ValueError,))
 
 
 def select_experts_torch(router_logits: torch.Tensor, top_k: int, routing: str,

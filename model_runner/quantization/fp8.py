@@ -17,13 +17,12 @@ the weight is dequantized in registers (kernels/fp8_skinny_gemm.py), the product
 from __future__ import annotations
 
 import enum
-import logging
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-logger = logging.getLogger(__name__)
+from radixserve.kernels.guard import KernelGuard
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
@@ -140,27 +139,8 @@ class Fp8Weight:
         return Fp8Weight(q.contiguous(), scale, block)
 
 
-class _SkinnyKernel:
-    """kernels/fp8_skinny_gemm.py, or (once it failed to compile for this device, with the reason logged) nothing:
-    the FP8 GEMMs below then serve every row count."""
-
-    def __init__(self) -> None:
-        self.usable = True
-
-    def __call__(self, x: torch.Tensor, weight: Fp8Weight) -> Optional[torch.Tensor]:
-        try:
-            from radixserve.kernels.fp8_skinny_gemm import w8a16_gemm
-
-            return w8a16_gemm(x, weight.weight, weight.scale, weight.block)
-        except Exception as exc:  # a Triton build without this device's FP8 conversions: a compile error
-            if torch.cuda.is_current_stream_capturing():
-                raise
-            self.usable = False
-            logger.warning("FP8 decode rows take the FP8 GEMMs: the skinny FP8 kernel failed here (%s)", exc)
-            return None
-
-
-_skinny = _SkinnyKernel()
+# kernels/fp8_skinny_gemm.py, turned off (the reason logged) once it fails to compile for this device.
+_skinny = KernelGuard("the skinny FP8 kernel", "the FP8 GEMMs serve every row count")
 
 
 def fp8_linear(x: torch.Tensor, weight: Fp8Weight, activation: ActivationScheme,
@@ -170,9 +150,13 @@ def fp8_linear(x: torch.Tensor, weight: Fp8Weight, activation: ActivationScheme,
     unquantized activations with the weight dequantized in registers instead (kernels/fp8_skinny_gemm.py): there
     the weight's bytes are the whole cost."""
     if x.is_cuda and x.shape[0] <= SKINNY_MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16) and _skinny.usable:
-        out = _skinny(x, weight)
-        if out is not None:
-            return out
+        from radixserve.kernels.fp8_skinny_gemm import w8a16_gemm  # CPU-only processes never import triton
+
+        try:
+            return w8a16_gemm(x, weight.weight, weight.scale, weight.block)
+        except Exception as exc:  # a Triton build without this device's FP8 conversions: a compile error
+            if not _skinny.absorb(exc):
+                raise
     if weight.block is not None:
         bk = weight.block[1]
         if activation is ActivationScheme.TOKEN:  # one scale per row is a group scale repeated over the groups

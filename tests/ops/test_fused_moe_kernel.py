@@ -183,7 +183,7 @@ def test_a_decode_path_that_fails_to_compile_hands_over_to_the_aligned_path(monk
         raise RuntimeError("PTX assembly failed")
 
     monkeypatch.setattr(fused_moe_triton, "_decode", no_compiler)
-    monkeypatch.setattr(fused_moe_triton, "DECODE_MAX_PAIRS", fused_moe_triton.DECODE_MAX_PAIRS)
+    monkeypatch.setattr(fused_moe_triton._decode_guard, "usable", True)  # on again after the test
     with pytest.raises(RuntimeError, match="PTX"):
         fused_moe(x, w13, w2, weights, ids, path="decode")
     assert use_decode_path(1, 2, 8)
