@@ -256,6 +256,15 @@ class ServerArgs:
               "hicache_storage_dir and hicache_size need enable_hierarchical_cache")
         check(self.attention_backend is None or self.attention_backend in ATTENTION_BACKENDS,
               f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if self.resolved_device() == "cpu":  # refused here, before any process starts and loads the model
+            check(self.attention_backend != "flashinfer",
+                  "the flashinfer attention backend needs a CUDA device; use the cpu or torch_native attention backend")
+            check(self.attention_backend != "triton" or os.environ.get("TRITON_INTERPRET") == "1",
+                  "the triton attention backend needs a CUDA device, and this server runs on the cpu; use the cpu or "
+                  "torch_native attention backend")
+        else:
+            check(self.attention_backend != "cpu",
+                  "the cpu attention backend runs on the CPU; use flashinfer, triton or torch_native")
         check(self.prefill_attention_backend in (None, *PREFILL_ATTENTION_BACKENDS),
               f"prefill_attention_backend must be flashinfer (FlashInfer's FA2 kernels for every extend) or fa3 "
               f"(its FA3 kernels, Hopper GPUs), got {self.prefill_attention_backend!r}")

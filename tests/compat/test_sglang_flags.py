@@ -144,6 +144,18 @@ def test_prefill_attention_backend_is_refused_where_flashinfer_does_not_run(tiny
             prefill_attention_backend="fa3")))
 
 
+def test_an_attention_backend_for_another_device_is_refused_before_anything_starts(monkeypatch):
+    """The server arguments refuse it, so a server fails at once instead of after loading the model."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    for backend, device, refusal in (("flashinfer", "cpu", "flashinfer attention backend needs a CUDA device"),
+                                     ("triton", "cpu", "triton attention backend needs a CUDA device"),
+                                     ("cpu", "cuda", "cpu attention backend runs on the CPU")):
+        with pytest.raises(ValueError, match=refusal):
+            ServerArgs(device=device, attention_backend=backend)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # Triton's interpreter runs it on the CPU (the suite's kernel tests)
+    assert ServerArgs(device="cpu", attention_backend="triton").attention_backend == "triton"
+
+
 def test_hybrid_swa_memory_flags():
     """SGLang's sliding-window memory flags (docs/sliding_window.md): the ratio of window slots to full slots, or one
     slot space for every layer."""
