@@ -3,7 +3,7 @@
     python benchmarks/tune_w4a16.py                  # Llama-3.1-8B's projections, M = 1, 4, 16, W4A16 and FP8
     python benchmarks/tune_w4a16.py --formats w4a16 --rows 1 --shapes 4096x4096
 
-For each (format, shape N x K, rows M), every candidate tile (`SkinnyConfig` / `Fp8SkinnyConfig`: columns, K step, K
+For each (format, shape N x K, rows M), every candidate tile (`SkinnyConfig`: columns, K step, K
 split, FMAs or tensor cores, warps, stages) runs on random operands and is checked against the product of the
 activations and the dequantized weight in bfloat16 (torch's matmul); the ones within bfloat16 rounding are timed with
 `triton.testing.do_bench` (median; the L2 cache is flushed before each call, as a decode step's weights are cold), and
@@ -57,20 +57,18 @@ SPACES = {
 }
 
 
-def candidates(space: dict, m: int, k: int, max_block_k: dict, fp8: bool) -> list:
+def candidates(space: dict, m: int, k: int, max_block_k: dict) -> list:
     """The configs worth timing at m rows: FMAs only up to 4 rows (an FMA program dequantizes for one row), a K step
     up to `max_block_k[kernel]` (the group or scale block where a tile must lie in one), at least two K tiles per
     split."""
-    from radixserve.kernels.fp8_skinny_gemm import Fp8SkinnyConfig
-    from radixserve.kernels.w4a16_gemm import SkinnyConfig
+    from radixserve.kernels.split_k import SkinnyConfig
 
-    make = Fp8SkinnyConfig if fp8 else SkinnyConfig
     found = []
     for kernel in (("fma", "dot") if m <= 4 else ("dot",)):
         axes = space[kernel]
         for block_n, block_k, warps, stages, split_k in itertools.product(*axes.values(), space["split_k"]):
             if block_k <= max_block_k[kernel] and -(-k // block_k) >= 2 * split_k:
-                found.append(make(block_n, block_k, split_k, kernel == "dot", warps, stages))
+                found.append(SkinnyConfig(block_n, block_k, split_k, kernel == "dot", warps, stages))
     return found
 
 
@@ -197,7 +195,7 @@ def main() -> None:
                     # The per-channel kernel with other scale values: its best config is checked and timed here.
                     space = [dict(tables[("fp8_channel", n, k)])[m]]
                 else:
-                    space = candidates(SPACES[args.space], m, k, max_block_k, fmt != "w4a16")
+                    space = candidates(SPACES[args.space], m, k, max_block_k)
                 for config in [default] + [c for c in space if c != default]:
                     try:
                         error = float((run(config).float() - reference.float()).abs().max())
@@ -241,12 +239,11 @@ def main() -> None:
     for (fmt, n, k), best_by_rows in tables.items():
         covers = [(m if following is not None else 16, config) for (m, config), following
                   in zip(best_by_rows, best_by_rows[1:] + [None])]
-        config_type = "SkinnyConfig" if fmt == "w4a16" else "Fp8SkinnyConfig"
         key = ((n, k, GROUP_SIZE) if fmt == "w4a16" else (n, k, (128, 128) if fmt == "fp8_block" else None))
         table = "TUNED_SKINNY" if fmt == "w4a16" else "TUNED"
         if fmt == "fp8_tensor":  # the same kernel and key as per channel: its row is a check, not a table entry
             continue
-        print(f"{table}[{key}] = [" + ", ".join(f"({cover}, {config_type}{tuple(config)})"
+        print(f"{table}[{key}] = [" + ", ".join(f"({cover}, SkinnyConfig{tuple(config)})"
                                                  for cover, config in covers) + "]")
     print(f"wrote {args.out}")
 

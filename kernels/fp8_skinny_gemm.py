@@ -23,13 +23,13 @@ so calls can be captured in CUDA graphs. Without CUDA the kernels run only under
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from radixserve.kernels.split_k import split_counters, split_k_tiles, split_k_to_fill, store_split
+from radixserve.kernels.split_k import SkinnyConfig, split_counters, split_k_tiles, split_k_to_fill, store_split
 
 # Up to this many rows a call takes these kernels (the tensor-core tile pads the rows to 16); more take the FP8
 # tensor-core GEMMs.
@@ -39,25 +39,13 @@ MAX_ROWS = 16
 FMA_MAX_ROWS = 1
 
 
-class Fp8SkinnyConfig(NamedTuple):
-    """A tile of `block_n` output columns by `block_k` input features, `split_k` programs per column block, FMAs for
-    one row a program or (`use_dot`) the tensor cores on 16 rows."""
-
-    block_n: int
-    block_k: int
-    split_k: int
-    use_dot: bool
-    num_warps: int
-    num_stages: int
-
-
 # Measured configs, pasted from benchmarks/tune_w4a16.py's output (which also tunes this kernel) on the GPU its
 # comment names: (N, K, block scales or None) -> rows (max_rows, config) in increasing max_rows; a call with M rows
 # takes the first row with M <= max_rows (the last row beyond). Shapes absent take `fp8_skinny_config`'s defaults.
-TUNED: dict[tuple[int, int, Optional[tuple[int, int]]], list[tuple[int, Fp8SkinnyConfig]]] = {}
+TUNED: dict[tuple[int, int, Optional[tuple[int, int]]], list[tuple[int, SkinnyConfig]]] = {}
 
 
-def fp8_skinny_config(m: int, n: int, k: int, block: Optional[tuple[int, int]], num_sms: int) -> Fp8SkinnyConfig:
+def fp8_skinny_config(m: int, n: int, k: int, block: Optional[tuple[int, int]], num_sms: int) -> SkinnyConfig:
     """The config for an (m, n, k) product: the measured one where `TUNED` has the shape, else one row on FMAs and
     more on the tensor cores, in tiles of 64 columns by 128 features (8 KiB), with K split until each SM has about
     four programs loading their tiles."""
@@ -68,7 +56,7 @@ def fp8_skinny_config(m: int, n: int, k: int, block: Optional[tuple[int, int]], 
     block_n, block_k = 64, 128 if block is None else min(128, block[1])
     programs = triton.cdiv(n, block_n) * (1 if use_dot else m)
     split_k = split_k_to_fill(programs, triton.cdiv(k, block_k), num_sms, min_k_tiles=2, waves=4)
-    return Fp8SkinnyConfig(block_n, block_k, split_k, use_dot, num_warps=4, num_stages=4 if use_dot else 3)
+    return SkinnyConfig(block_n, block_k, split_k, use_dot, num_warps=4, num_stages=4 if use_dot else 3)
 
 
 @triton.jit
@@ -151,7 +139,7 @@ def _w8a16_dot_kernel(
 
 
 def w8a16_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: Optional[tuple[int, int]],
-               config: Optional[Fp8SkinnyConfig] = None) -> torch.Tensor:
+               config: Optional[SkinnyConfig] = None) -> torch.Tensor:
     """`x [M, K] @ (weight * scale).T -> [M, N]` in x's dtype, for M <= MAX_ROWS: `weight [N, K]` float8_e4m3fn,
     `scale` float32 `[N]` per output channel or `[ceil(N / bn), ceil(K / bk)]` for `block = (bn, bk)`."""
     m, k = x.shape

@@ -19,11 +19,25 @@ zero. Two split GEMMs running at once on two streams of one device would share t
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
 MAX_SPLIT_K = 16
+
+
+class SkinnyConfig(NamedTuple):
+    """A skinny kernel's tile (W4A16 or FP8 weights): `block_n` output columns, `block_k` input features a K step,
+    `split_k` programs a column block, FMAs for one row a program or (`use_dot`) the tensor cores on 16 rows."""
+
+    block_n: int
+    block_k: int
+    split_k: int
+    use_dot: bool
+    num_warps: int
+    num_stages: int
 
 _counters: dict[torch.device, torch.Tensor] = {}
 

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from radixserve.kernels.split_k import split_counters, split_k_tiles, split_k_to_fill, store_split
+from radixserve.kernels.split_k import SkinnyConfig, split_counters, split_k_tiles, split_k_to_fill, store_split
 
 PACK_FACTOR = 8  # 4-bit values per int32 word
 # Up to this many rows a call takes the skinny kernel.
@@ -49,18 +49,6 @@ class W4A16Config(NamedTuple):
     block_n: int
     block_k: int
     split_k: int
-    num_warps: int
-    num_stages: int
-
-
-class SkinnyConfig(NamedTuple):
-    """The skinny (decode) kernel's tile: `block_n` output columns, `block_k` input features a K step, `split_k`
-    programs a column block, FMAs for one row a program or (`use_dot`) the tensor cores on 16 rows."""
-
-    block_n: int
-    block_k: int
-    split_k: int
-    use_dot: bool
     num_warps: int
     num_stages: int
 

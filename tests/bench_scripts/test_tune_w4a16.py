@@ -31,4 +31,4 @@ def test_tune_w4a16_checks_candidates_and_prints_table_rows(tmp_path):
         assert row["failed"] == [] and row["tried"] >= 2 and row["best_us"] <= row["default_us"]
         assert row["best"][3] in (False, True) and len(row["best"]) == 6
     assert "TUNED_SKINNY[(64, 256, 128)] = [(1, SkinnyConfig(" in result.stdout
-    assert "TUNED[(64, 256, (128, 128))] = [(1, Fp8SkinnyConfig(" in result.stdout
+    assert "TUNED[(64, 256, (128, 128))] = [(1, SkinnyConfig(" in result.stdout

@@ -23,7 +23,7 @@ import pytest  # noqa: E402
 
 import radixserve.kernels.w4a16_gemm as w4a16_module  # noqa: E402
 from radixserve.kernels.fp8_block_gemm import fp8_block_gemm  # noqa: E402
-from radixserve.kernels.fp8_skinny_gemm import MAX_ROWS, Fp8SkinnyConfig, fp8_skinny_config, w8a16_gemm  # noqa: E402
+from radixserve.kernels.fp8_skinny_gemm import MAX_ROWS, fp8_skinny_config, w8a16_gemm  # noqa: E402
 from radixserve.kernels.w4a16_gemm import (SKINNY_MAX_ROWS as W4A16_SKINNY_MAX_ROWS, SkinnyConfig,  # noqa: E402
                                            W4A16Config, skinny_config, w4a16_gemm)
 from radixserve.model_runner.quantization.fp8 import (FP8_DTYPE, SKINNY_MAX_ROWS, ActivationScheme,  # noqa: E402
@@ -213,7 +213,7 @@ def test_split_k_sums_in_one_launch_the_same_every_time_and_leaves_its_counters_
     calls = []
     for use_dot in (False, True):
         int4_config = SkinnyConfig(64, 128, 8 if ON_GPU else 3, use_dot, 4, 3)
-        fp8_config = Fp8SkinnyConfig(64, 128, 8 if ON_GPU else 3, use_dot, 4, 3)
+        fp8_config = SkinnyConfig(64, 128, 8 if ON_GPU else 3, use_dot, 4, 3)
         calls += [lambda c=int4_config: w4a16_gemm(x, int4.qweight, int4.scales, int4.zeros, 128, None, c),
                   lambda c=fp8_config: w8a16_gemm(x, fp8.weight, fp8.scale, fp8.block, c)]
     for call in calls:
@@ -242,7 +242,7 @@ def test_w8a16_gemm_matches_float64(m, use_dot, split_k, n, k, block):
     weight.weight[0, :5] = torch.tensor([2.0**-9, -(2.0**-8), 3 * 2.0**-9, 448.0, -448.0]).to(FP8_DTYPE)  # subnormals
     expected = x.double() @ weight.dequantize().double().T
     dtype = torch.bfloat16 if ON_GPU else torch.float32
-    config = Fp8SkinnyConfig(block_n=32, block_k=64, split_k=split_k, use_dot=use_dot, num_warps=4, num_stages=2)
+    config = SkinnyConfig(block_n=32, block_k=64, split_k=split_k, use_dot=use_dot, num_warps=4, num_stages=2)
     out = w8a16_gemm(x.to(dtype).to(DEVICE), weight.weight.to(DEVICE), weight.scale.to(DEVICE), block, config)
     assert out.dtype == dtype and out.shape == (m, n)
     assert_close(out, expected.to(DEVICE), 1e-5 if dtype == torch.float32 else 1e-2)
