@@ -161,7 +161,9 @@ def main() -> None:
     on_gpu = torch.cuda.is_available()
     device = "cuda" if on_gpu else "cpu"
     dtype = torch.bfloat16 if on_gpu else torch.float32  # the interpreter has no bfloat16 dot
-    num_sms = torch.cuda.get_device_properties(0).multi_processor_count if on_gpu else 4
+    from radixserve.kernels.split_k import num_sms as sm_count
+
+    num_sms = sm_count(torch.device(device))
     gpu = torch.cuda.get_device_name() if on_gpu else "none (Triton interpreter, wall clock)"
     time_us = timer(on_gpu, args.repeats)
     bandwidth = copy_bandwidth(device, time_us)

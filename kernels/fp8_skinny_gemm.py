@@ -29,7 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from radixserve.kernels.split_k import SkinnyConfig, split_counters, split_k_tiles, split_k_to_fill, store_split
+from radixserve.kernels.split_k import (SkinnyConfig, num_sms, split_buffers, split_k_tiles, split_k_to_fill,
+                                        store_split)
 
 # Up to this many rows a call takes these kernels (the tensor-core tile pads the rows to 16); more take the FP8
 # tensor-core GEMMs.
@@ -96,8 +97,7 @@ def _w8a16_fma_kernel(
     if not BLOCK_SCALES:
         acc *= tl.load(Scale + cols, mask=col_ok, other=0.0)
     offsets = row * stride_om + cols
-    store_split(acc, Out, offsets, Partial, offsets, stride_os, col_ok, Counters,
-                row * tl.num_programs(1) + tl.program_id(1), tl.num_programs(2), SPLIT)
+    store_split(acc, Out, Partial, offsets, stride_os, col_ok, Counters, SPLIT)
 
 
 @triton.jit
@@ -134,8 +134,7 @@ def _w8a16_dot_kernel(
     if not BLOCK_SCALES:
         acc *= tl.load(Scale + cols, mask=col_ok, other=0.0)[None, :]
     offsets = rows[:, None] * stride_om + cols[None, :]
-    store_split(acc, Out, offsets, Partial, offsets, stride_os, row_ok[:, None] & col_ok[None, :], Counters,
-                tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), tl.num_programs(2), SPLIT)
+    store_split(acc, Out, Partial, offsets, stride_os, row_ok[:, None] & col_ok[None, :], Counters, SPLIT)
 
 
 def w8a16_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: Optional[tuple[int, int]],
@@ -147,15 +146,11 @@ def w8a16_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
     assert m <= MAX_ROWS and weight.shape[1] == k and weight.stride(1) == 1, (x.shape, weight.shape)
     x = x.contiguous()
     if config is None:
-        num_sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
-        config = fp8_skinny_config(m, n, k, block, num_sms)
+        config = fp8_skinny_config(m, n, k, block, num_sms(x.device))
     if block is not None and block[1] % config.block_k:
         raise ValueError(f"an FP8 K tile of {config.block_k} must lie inside one {block[0]}x{block[1]} scale block")
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    partial, counters = out, out  # read only with several splits
-    if config.split_k > 1:
-        partial = torch.empty(config.split_k, m, n, dtype=torch.float32, device=x.device)
-        counters = split_counters(x.device, m * triton.cdiv(n, config.block_n))
+    partial, counters = split_buffers(out, config.split_k, m * triton.cdiv(n, config.block_n))
     args = (x, weight, scale, out, partial, counters, m, n, k, x.stride(0), weight.stride(0),
             scale.stride(0) if block is not None else 0, m * n, out.stride(0))
     scales = dict(BLOCK_SCALES=block is not None, GROUP_N=block[0] if block else 1, GROUP_K=block[1] if block else 1,

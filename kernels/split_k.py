@@ -39,6 +39,7 @@ class SkinnyConfig(NamedTuple):
     num_warps: int
     num_stages: int
 
+
 _counters: dict[torch.device, torch.Tensor] = {}
 
 
@@ -62,6 +63,19 @@ def split_counters(device: torch.device, tiles: int) -> torch.Tensor:
     return counters
 
 
+def split_buffers(out: torch.Tensor, split_k: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(partial, counters)` for a call writing `out [M, N]` in `split_k` splits over `tiles` output tiles: a float32
+    `[split_k, M, N]` scratch and the shared counters; with one split, `out` twice (the kernel reads neither)."""
+    if split_k == 1:
+        return out, out
+    return torch.empty(split_k, *out.shape, dtype=torch.float32, device=out.device), split_counters(out.device, tiles)
+
+
+def num_sms(device: torch.device) -> int:
+    """The device's SM count, which the split heuristics fill; 4 off CUDA (the interpreter's tests)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
 @triton.jit
 def split_k_tiles(K, BLOCK_K: tl.constexpr):
     """This program's K tiles `[first, last)`: split `program_id(2)`'s contiguous share of `num_programs(2)`."""
@@ -72,22 +86,23 @@ def split_k_tiles(K, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def store_split(acc, Out, out_offsets, Partial, partial_offsets, stride_split, mask, Counters, counter,
-                num_splits, SPLIT: tl.constexpr):
-    """Store a program's `acc` (float32): without `SPLIT` (one split), to `Out + out_offsets` in Out's dtype; with
-    it, to its split's slice `Partial + split * stride_split + partial_offsets` (split = `program_id(2)`), and, if
-    this program is the tile's last of `num_splits` to arrive on `Counters + counter`, the sum of all slices in split
-    order to Out. A constexpr, so that an unsplit call compiles without the counters."""
+def store_split(acc, Out, Partial, offsets, stride_split, mask, Counters, SPLIT: tl.constexpr):
+    """Store a program's `acc` (float32) at `offsets` of its output tile. Without `SPLIT` (one split), to `Out` in
+    Out's dtype; with it, to its split's slice `Partial + split * stride_split` (split = `program_id(2)`, of
+    `num_programs(2)`), and, if this program is the last of its tile's splits to arrive on the tile's counter (tile =
+    `(program_id(0), program_id(1))`), the sum of all slices in split order to Out. `Partial` has Out's layout per
+    split. A constexpr, so that an unsplit call compiles without the counters."""
     if not SPLIT:
-        tl.store(Out + out_offsets, acc.to(Out.dtype.element_ty), mask=mask)
+        tl.store(Out + offsets, acc.to(Out.dtype.element_ty), mask=mask)
     else:
-        tl.store(Partial + tl.program_id(2) * stride_split + partial_offsets, acc, mask=mask)
+        num_splits = tl.num_programs(2)
+        counter = Counters + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+        tl.store(Partial + tl.program_id(2) * stride_split + offsets, acc, mask=mask)
         tl.debug_barrier()  # every thread's partial sums are stored before the program counts itself in
-        arrived = tl.atomic_add(Counters + counter, 1, sem="acq_rel", scope="gpu")
+        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
         if arrived == num_splits - 1:
             total = tl.zeros_like(acc)
             for split in range(num_splits):
-                total += tl.load(Partial + split * stride_split + partial_offsets, mask=mask, other=0.0,
-                                 cache_modifier=".cg")
-            tl.store(Out + out_offsets, total.to(Out.dtype.element_ty), mask=mask)
-            tl.store(Counters + counter, 0)  # for the next call: a later launch, which sees it
+                total += tl.load(Partial + split * stride_split + offsets, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(Out + offsets, total.to(Out.dtype.element_ty), mask=mask)
+            tl.store(counter, 0)  # for the next call: a later launch, which sees it

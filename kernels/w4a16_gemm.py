@@ -32,7 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
-from radixserve.kernels.split_k import SkinnyConfig, split_counters, split_k_tiles, split_k_to_fill, store_split
+from radixserve.kernels.split_k import (SkinnyConfig, num_sms, split_buffers, split_k_tiles, split_k_to_fill,
+                                        store_split)
 
 PACK_FACTOR = 8  # 4-bit values per int32 word
 # Up to this many rows a call takes the skinny kernel.
@@ -174,8 +175,7 @@ def _w4a16_fma_kernel(
             zero = tl.load(Zeros + offsets, mask=mask, other=0.0).to(tl.float32)
             acc += plus_16 * (16.0 * scale) - x_sum[:, None] * ((16.0 + zero) * scale)
     offsets = row * stride_om + cols
-    store_split(tl.sum(acc, axis=0), Out, offsets, Partial, offsets, stride_os, col_ok, Counters,
-                row * tl.num_programs(1) + tl.program_id(1), tl.num_programs(2), SPLIT)
+    store_split(tl.sum(acc, axis=0), Out, Partial, offsets, stride_os, col_ok, Counters, SPLIT)
 
 
 @triton.jit
@@ -228,8 +228,7 @@ def _w4a16_dot_kernel(
             zero = tl.load(Zeros + group_offset + cols, mask=col_ok, other=0.0).to(tl.float32)
             acc += x_plus_16 * (16.0 * scale)[None, :] - x_sum[:, None] * ((16.0 + zero) * scale)[None, :]
     offsets = rows[:, None] * stride_om + cols[None, :]
-    store_split(acc, Out, offsets, Partial, offsets, stride_os, row_ok[:, None] & col_ok[None, :], Counters,
-                tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), tl.num_programs(2), SPLIT)
+    store_split(acc, Out, Partial, offsets, stride_os, row_ok[:, None] & col_ok[None, :], Counters, SPLIT)
 
 
 @triton.jit
@@ -269,8 +268,7 @@ def _w4a16_tiled_kernel(
         w = ((q - zero) * scale).to(x.dtype)
         acc += tl.dot(x, w, input_precision=PRECISION)
     offsets = rows[:, None].to(tl.int64) * stride_om + cols[None, :]
-    store_split(acc, Out, offsets, Partial, offsets, stride_os, row_ok[:, None] & col_ok[None, :], Counters,
-                tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), SPLIT_K, SPLIT_K > 1)
+    store_split(acc, Out, Partial, offsets, stride_os, row_ok[:, None] & col_ok[None, :], Counters, SPLIT_K > 1)
 
 
 def w4a16_gemm(
@@ -291,18 +289,14 @@ def w4a16_gemm(
     assert scales.shape == zeros.shape and scales.shape[1] == n and scales.stride(1) == 1 and zeros.stride(1) == 1
     x = x.contiguous()
     if config is None:
-        num_sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
         pick = skinny_config if m <= SKINNY_MAX_ROWS else w4a16_config
-        config = pick(m, n, k, group_size, g_idx is not None, num_sms)
+        config = pick(m, n, k, group_size, g_idx is not None, num_sms(x.device))
     fma = isinstance(config, SkinnyConfig) and not config.use_dot
     if g_idx is None and (group_size % PACK_FACTOR if fma else group_size % config.block_k):
         raise ValueError(f"W4A16 groups of {group_size} do not fit the kernel's K tile of {config.block_k}: a tile "
                          f"on the tensor cores must lie inside one group, a word of 8 features in any")
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    partial, counters = out, out  # read only with several splits
-    if config.split_k > 1:
-        partial = torch.empty(config.split_k, m, n, dtype=torch.float32, device=x.device)
-        counters = split_counters(x.device, m * triton.cdiv(n, config.block_n))
+    partial, counters = split_buffers(out, config.split_k, m * triton.cdiv(n, config.block_n))
     args = (x, qweight, scales, zeros, g_idx if g_idx is not None else qweight, out, partial, counters, m, n, k,
             x.stride(0), qweight.stride(0), scales.stride(0), m * n, out.stride(0))
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
