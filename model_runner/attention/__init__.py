@@ -6,15 +6,14 @@ FlashInfer.
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING
 
 from radixserve.model_runner.attention.base import AttentionBackend
+from radixserve.runtime.wire.attention_backends import ATTENTION_BACKENDS, device_refusal
 
 if TYPE_CHECKING:
     from radixserve.model_runner.runner_parts import RunnerParts
 
-BACKEND_NAMES = ("torch_native", "cpu", "triton", "flashinfer")
 # Deterministic inference: a shared prefix this long never occurs, so every request is a group of its own.
 BATCH_INVARIANT_PREFIX = 1 << 62
 
@@ -29,8 +28,8 @@ def create_attention_backend(name: str, runner: "RunnerParts | None" = None) -> 
         from radixserve.model_runner.attention.torch_native import TorchNativeAttention
 
         return TorchNativeAttention()
-    if name not in BACKEND_NAMES:
-        raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(BACKEND_NAMES)}")
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(ATTENTION_BACKENDS)}")
     if runner is None:
         raise ValueError(f"the {name} attention backend is built for a ModelRunner; none was given")
     config = runner.model_config
@@ -40,9 +39,10 @@ def create_attention_backend(name: str, runner: "RunnerParts | None" = None) -> 
                          "layers differ; use the triton or torch_native attention backend")
     if config.layer_kv_shapes:  # the Triton scratch holds the widest layer's heads
         shape = (shape[0], shape[1], max(head_dim for _, head_dim in config.layer_kv_shapes))
+    refusal = device_refusal(name, runner.device.type)
+    if refusal is not None:
+        raise ValueError(refusal)
     if name == "cpu":
-        if runner.device.type != "cpu":
-            raise ValueError("the cpu attention backend runs on the CPU; use flashinfer, triton or torch_native")
         from radixserve.model_runner.attention.cpu_backend import CpuAttentionBackend
 
         if runner.cpu_kernels.batch_invariant:  # every request alone (no shared-prefix group that depends on the
@@ -51,11 +51,6 @@ def create_attention_backend(name: str, runner: "RunnerParts | None" = None) -> 
                                        row_invariant=True)
         return CpuAttentionBackend(amx=runner.cpu_kernels.amx_attention)
     if name == "triton":
-        # Triton compiles for a GPU; off one it runs only under its interpreter (far too slow to serve with),
-        # and without that it fails on the first batch for want of a driver.
-        if runner.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise ValueError(f"the triton attention backend needs a CUDA device, and this server runs on the "
-                             f"{runner.device.type}; use the cpu or torch_native attention backend")
         try:
             from radixserve.model_runner.attention.triton_backend import TritonAttentionBackend
         except ImportError as exc:
@@ -63,8 +58,6 @@ def create_attention_backend(name: str, runner: "RunnerParts | None" = None) -> 
         return TritonAttentionBackend(*shape, runner.device, max_batch_size=runner.req_to_token_pool.size,
                                       row_invariant=runner.config.deterministic)
     # flashinfer
-    if runner.device.type != "cuda":
-        raise ValueError("the flashinfer attention backend needs a CUDA device; use torch_native or triton")
     try:
         from radixserve.kernels.flashinfer_wrappers import DEFAULT_WORKSPACE_BYTES
         from radixserve.model_runner.attention.flashinfer_backend import FlashInferAttentionBackend
@@ -83,4 +76,4 @@ def create_attention_backend(name: str, runner: "RunnerParts | None" = None) -> 
         raise ValueError(f"the flashinfer attention backend is not available: {exc}") from exc
 
 
-__all__ = ["AttentionBackend", "BACKEND_NAMES", "create_attention_backend"]
+__all__ = ["AttentionBackend", "ATTENTION_BACKENDS", "create_attention_backend"]

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
 from radixserve.runtime.wire import sglang_flags
+from radixserve.runtime.wire.attention_backends import ATTENTION_BACKENDS, PREFILL_ATTENTION_BACKENDS, device_refusal
 from radixserve.runtime.wire.cpu_kernels import CPU_KERNEL_NAMES, parse_cpu_kernels
 from radixserve.runtime.wire.dist_secret import SECRET_ENV, load_dist_secret
 from radixserve.runtime.wire.heap import parse_gc_threshold
@@ -23,8 +24,6 @@ from radixserve.runtime.wire.quantization import check_quantization
 from radixserve.runtime.wire.speculative_args import check_speculative_args, resolved_num_draft_tokens  # noqa: F401
 
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
-ATTENTION_BACKENDS = ("torch_native", "cpu", "triton", "flashinfer")
-PREFILL_ATTENTION_BACKENDS = ("flashinfer", "fa3")  # SGLang's names; FlashInfer's FA2 and FA3 extend kernels
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # SGLang's (and vLLM's) other names
@@ -256,15 +255,8 @@ class ServerArgs:
               "hicache_storage_dir and hicache_size need enable_hierarchical_cache")
         check(self.attention_backend is None or self.attention_backend in ATTENTION_BACKENDS,
               f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
-        if self.resolved_device() == "cpu":  # refused here, before any process starts and loads the model
-            check(self.attention_backend != "flashinfer",
-                  "the flashinfer attention backend needs a CUDA device; use the cpu or torch_native attention backend")
-            check(self.attention_backend != "triton" or os.environ.get("TRITON_INTERPRET") == "1",
-                  "the triton attention backend needs a CUDA device, and this server runs on the cpu; use the cpu or "
-                  "torch_native attention backend")
-        else:
-            check(self.attention_backend != "cpu",
-                  "the cpu attention backend runs on the CPU; use flashinfer, triton or torch_native")
+        refusal = device_refusal(self.attention_backend, "cpu" if self.resolved_device() == "cpu" else "cuda")
+        check(refusal is None, refusal)  # here, before any process starts and loads the model
         check(self.prefill_attention_backend in (None, *PREFILL_ATTENTION_BACKENDS),
               f"prefill_attention_backend must be flashinfer (FlashInfer's FA2 kernels for every extend) or fa3 "
               f"(its FA3 kernels, Hopper GPUs), got {self.prefill_attention_backend!r}")
