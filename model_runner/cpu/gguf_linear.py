@@ -107,8 +107,8 @@ def use_gguf_blocks(model: nn.Module, gguf_path: str, activations: str = "float3
     """Swap `model`'s projections and LM head for `GGUFLinear`s on `gguf_path`'s blocks (those stored in a block
     type; the others keep their float weights), multiplying `activations` (float32 or int8) at decode rows. With
     `keep_float`, each swapped projection keeps its float linear for prefill rows, and the head is given the float
-    path's head for as many rows (more memory: the float weights stay beside the blocks). Loads the CPU kernels first (a RuntimeError where they cannot be built). Returns how many
-    linears now read blocks."""
+    path's head for as many rows (more memory: the float weights stay beside the blocks). Loads the CPU kernels
+    first (a RuntimeError where they cannot be built). Returns how many linears now read blocks."""
     if activations not in ACTIVATION_BITS:
         raise ValueError(f"GGUF activations are {' or '.join(ACTIVATION_BITS)}, got {activations!r}")
     if not cpu_build.load():
