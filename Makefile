@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 TORCH_SPEC ?= torch==2.13.0
 PROMPT ?= Write a haiku about the sea.
 
-.PHONY: setup serve test test-fast generate clean browser lint-imports
+.PHONY: setup serve test test-all test-fast generate clean browser lint-imports
 
 setup: $(STAMP)
 
@@ -40,7 +40,13 @@ lint-imports: $(STAMP)
 	$(PY) -m pip install -q --no-deps --no-compile --no-build-isolation --target build/lint . 2>/dev/null
 	cd build && PYTHONPATH=$(CURDIR)/build/lint PYTHONSAFEPATH=1 $(CURDIR)/$(VENV)/bin/lint-imports --config $(CURDIR)/pyproject.toml
 
+# Every feature's tests except the cases marked `slow` (each feature keeps its core unmarked): what CI runs.
 test: $(STAMP) browser lint-imports
+	$(VENV)/bin/radixserve check-env
+	$(VENV)/bin/pytest -q -m "not slow" tests
+
+# The whole suite, slow cases included (about half as long again).
+test-all: $(STAMP) browser lint-imports
 	$(VENV)/bin/radixserve check-env
 	$(VENV)/bin/pytest -q tests
 

@@ -18,7 +18,7 @@ import pytest
 
 from http_fixtures import ServerProcess
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # a server of its own; generations
+pytestmark = [pytest.mark.timeout(900)]  # a server of its own: one core case runs in `make test`, the rest are slow
 
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 # The tool of SGLang's test_function_calling_format: "int" is not a JSON Schema type.
@@ -69,6 +69,7 @@ def test_any_model_name_runs_the_served_model(client, model):
         assert completion.choices[0].text and completion.model == model
 
 
+@pytest.mark.slow
 def test_a_name_that_picks_an_adapter_not_loaded_is_a_404(client, model):
     with pytest.raises(openai.NotFoundError) as info:
         client.chat.completions.create(model=f"{model}:no-such-adapter", messages=MESSAGES, max_tokens=4)
@@ -79,6 +80,7 @@ def test_a_name_that_picks_an_adapter_not_loaded_is_a_404(client, model):
 
 # ---- 2. tool schemas passed through -----------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_a_schema_the_grammar_cannot_compile_passes_where_nothing_compiles_it(client):
     """After SGLang's test_function_calling_format (test/srt/openai_server/function_call/
     test_openai_function_calling.py, sgl-project/sglang commit 0b396b3): its `{"type": "int"}` tool, its model
@@ -101,6 +103,7 @@ def test_a_schema_the_grammar_cannot_compile_passes_where_nothing_compiles_it(cl
 
 # ---- 3. vLLM's fields -------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_vllm_structured_outputs(client, model):
     """vLLM's structured_outputs forms, as its test_structured_outputs_choice_chat, _json_chat, _regex_chat and
     _type_error send them (tests/entrypoints/openai/chat_completion/test_chat.py, vllm-project/vllm); the
@@ -131,6 +134,7 @@ def test_vllm_structured_outputs(client, model):
     assert "structured_outputs" in info.value.message  # guided_json: the message names the alternative
 
 
+@pytest.mark.slow
 def test_vllm_spaces_between_special_tokens(client, model):
     """A fast tokenizer (the only kind here, and vLLM's default) joins special tokens the same either way."""
     outputs = [client.completions.create(model=model, prompt="<|im_start|>user\nHi<|im_end|>\n", max_tokens=6,
@@ -140,6 +144,7 @@ def test_vllm_spaces_between_special_tokens(client, model):
     assert outputs[0].choices[0].text == outputs[1].choices[0].text
 
 
+@pytest.mark.slow
 def test_vllm_chat_echo(client, model):
     """After vLLM's test_chat_session_with_echo_and_continue_final_message (tests/entrypoints/openai/
     chat_completion/test_chat_echo.py, vllm-project/vllm commit 41c5903), both cases: with echo the reply holds
@@ -164,6 +169,7 @@ def test_vllm_chat_echo(client, model):
 
 # ---- 4. launch spellings ----------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_chatml_renders_chatml(server, default_model_dir):
     """`--chat-template chatml` (the launch line above): the conversation's ids are ChatML's, token for token."""
     from radixserve.runtime.model_files import load_tokenizer
@@ -186,6 +192,7 @@ def test_triton_attention_on_a_cpu_is_refused_at_start(monkeypatch):
 
 # ---- 5. native streams with logprobs ----------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_native_stream_with_logprobs_reports_their_length(server):
     """The shape SGLang's test_stream_logprobs reads: every chunk's meta_info has output_token_logprobs_length,
     the number of output logprobs so far (here: the chunk's cumulative list)."""
@@ -206,6 +213,7 @@ def test_native_stream_with_logprobs_reports_their_length(server):
 
 # ---- 7. vLLM-only shapes ----------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_custom_chat_roles_reach_the_template(server, client, model):
     """After vLLM's test_custom_role (tests/entrypoints/openai/chat_completion/test_chat.py, vllm-project/vllm):
     a `my-custom-role` message, as a string or as text parts, gives the same answer; the role is in the rendered
@@ -219,6 +227,7 @@ def test_custom_chat_roles_reach_the_template(server, client, model):
                                                              "add_special_tokens": False}).json()["tokens"][:4]
 
 
+@pytest.mark.slow
 def test_top_k_zero_is_no_limit(client, model):
     """vLLM's top_k 0 on its routes is SGLang's -1 (off): a seeded sample is the same under both."""
     texts = {top_k: client.completions.create(model=model, prompt="Once upon a time", max_tokens=8, seed=7,
@@ -227,6 +236,7 @@ def test_top_k_zero_is_no_limit(client, model):
     assert texts[0] == texts[-1]
 
 
+@pytest.mark.slow
 def test_vllm_tokenize_chat(server, model, default_model_dir):
     """After vLLM's test_tokenize_chat and test_tokenize_chat_with_tools (tests/entrypoints/openai/
     test_tokenization.py, vllm-project/vllm commit 0091c95): every combination of add_generation_prompt,
@@ -259,6 +269,7 @@ def test_vllm_tokenize_chat(server, model, default_model_dir):
                     assert result["token_strs"] is None
 
 
+@pytest.mark.slow
 def test_vllm_utility_routes(server, model, default_model_dir):
     """After vLLM's test_tokenize_completions, test_tokenize_with_return_token_strs and test_detokenize
     (tests/entrypoints/openai/test_tokenization.py, vllm-project/vllm commit 0091c95), and its /version and
@@ -286,6 +297,7 @@ def test_vllm_utility_routes(server, model, default_model_dir):
 
 # ---- 8. a streamed tool call cut by max_tokens ------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_a_streamed_call_cut_by_max_tokens_comes_out_as_a_call(client, model):
     """The name streams as a tool-call delta as soon as it is written, the arguments as they come; the raw
     `<tool_call>` text never appears as content."""

@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
+pytestmark = [pytest.mark.timeout(900)]
 MAX_NEW_TOKENS = 8
 
 
@@ -68,6 +68,7 @@ def test_outputs_do_not_depend_on_the_batch(tiny_model_dir):
         assert [in_batch[i] for i in range(16)] == alone
 
 
+@pytest.mark.slow
 def test_outputs_do_not_depend_on_the_cache_or_chunking(tiny_model_dir):
     with _engine(tiny_model_dir, chunked_prefill_size=32) as engine:
         prompts = _prompts(16, seed=1, vocab=engine.model_info.vocab_size)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytestmark = [pytest.mark.slow]  # each starts an Engine (20-60 s on a loaded 2-core machine)
 MAX_NEW_TOKENS = 6
 GREEDY = {"temperature": 0.0, "max_new_tokens": MAX_NEW_TOKENS}
 
@@ -86,6 +85,7 @@ def test_update_weights_from_tensor_serves_the_new_weights(tiny_model_dir, arch)
         assert again["meta_info"]["cached_tokens"] > 0 and again["meta_info"]["weight_version"] == "step-2"
 
 
+@pytest.mark.slow
 def test_a_bad_update_changes_nothing(tiny_model_dir):
     from radixserve import Engine
 
@@ -107,6 +107,7 @@ def test_a_bad_update_changes_nothing(tiny_model_dir):
             engine.get_weights_by_name("model.layers.9.mlp.up_proj.weight")
 
 
+@pytest.mark.slow
 def test_update_weights_from_disk(tiny_model_dir, tmp_path):
     """A checkpoint of the same shapes replaces every weight; one of another architecture is refused."""
     from radixserve import Engine

@@ -20,7 +20,7 @@ from radixserve.runtime.http.openai.protocol import ChatCompletionRequest
 from radixserve.runtime.http.openai.reasoning import get_reasoning_parser
 from radixserve.runtime.http.openai.tool_calling import ChatOutputPlan
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.timeout(900)]
 
 KEY = "sk-anthropic-test"
 GREEDY = {"temperature": 0.0}  # the current SDK takes sampling values through extra_body
@@ -66,6 +66,7 @@ def test_message_answers_as_the_chat_route_does(client, server, model):
     assert counted.input_tokens == chat.usage.prompt_tokens
 
 
+@pytest.mark.slow
 def test_stream_accumulates_to_the_same_message(client, model):
     request = dict(model=model, max_tokens=20, messages=[{"role": "user", "content": "Say hello to Ana."}],
                    extra_body=GREEDY)
@@ -83,6 +84,7 @@ def test_stream_accumulates_to_the_same_message(client, model):
         assert "".join(stream.text_stream) == whole.content[0].text
 
 
+@pytest.mark.slow
 def test_tool_use_round_trip(client, model):
     question = {"role": "user", "content": "What's the weather like in Paris today?"}
     first = client.messages.create(model=model, max_tokens=120, tools=[WEATHER], messages=[question],
@@ -107,6 +109,7 @@ def test_tool_use_round_trip(client, model):
     assert answer.usage.cache_read_input_tokens > 0  # the first turn's prompt is still in the radix cache
 
 
+@pytest.mark.slow
 def test_stop_sequence(client, model):
     request = dict(model=model, max_tokens=24, messages=[{"role": "user", "content": "Count from one to ten."}],
                    extra_body=GREEDY)
@@ -117,6 +120,7 @@ def test_stop_sequence(client, model):
     assert word not in stopped.content[0].text and text.startswith(stopped.content[0].text)
 
 
+@pytest.mark.slow
 def test_assistant_prefill_is_continued(client, model):
     prefix = "The capital of France is"
     whole = client.messages.create(model=model, max_tokens=12, extra_body=GREEDY,
@@ -125,6 +129,7 @@ def test_assistant_prefill_is_continued(client, model):
     assert not whole.content[0].text.startswith(prefix)  # the answer goes on from the prefill, it does not repeat it
 
 
+@pytest.mark.slow
 def test_errors_are_the_sdks_exception_classes(client, server, model):
     one = [{"role": "user", "content": "hi"}]
     with pytest.raises(anthropic.NotFoundError) as error:  # any other name serves the one base model, as SGLang does
@@ -149,6 +154,7 @@ def test_errors_are_the_sdks_exception_classes(client, server, model):
             list(stream)
 
 
+@pytest.mark.slow
 def test_thinking_and_tool_use_blocks_of_a_stream():
     """The block events of a streamed output with thinking, text and a call (no model needed for the framing)."""
     from radixserve.runtime.http.openai.tool_parsers import get_tool_parser

@@ -19,7 +19,7 @@ import pytest
 from http_fixtures import ServerProcess
 from radixserve.runtime.tenancy import load_tenants
 
-pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
+pytestmark = [pytest.mark.timeout(600)]
 KEY_A, KEY_B, ADMIN = "sk-flood", "sk-light", "sk-admin-fair"
 
 
@@ -46,6 +46,7 @@ def generate(server, key: str, text: str, max_new_tokens: int = 16, **fields) ->
                       timeout=300.0)
 
 
+@pytest.mark.slow
 def test_a_flooding_tenant_does_not_delay_a_light_one(server):
     finished: list[str] = []
     lock = threading.Lock()
@@ -75,6 +76,7 @@ def test_a_flooding_tenant_does_not_delay_a_light_one(server):
     assert tenants["flood"]["tokens_computed"] > 10 * tenants["light"]["tokens_computed"] > 0
 
 
+@pytest.mark.slow
 def test_priority_is_accepted_on_every_route_and_checked(server):
     assert generate(server, KEY_B, "Hello", 2, priority=7).status_code == 200
     assert generate(server, KEY_B, "Hello", 2, priority=None).status_code == 200

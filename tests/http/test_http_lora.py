@@ -20,7 +20,7 @@ import pytest
 from http_fixtures import ServerProcess
 from lora_adapters import make_adapter, merged_greedy
 
-pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
+pytestmark = [pytest.mark.timeout(900)]
 PROMPTS = ["The capital of France is", "Write a short poem about the moon:", "def fibonacci(n):"]
 
 
@@ -68,6 +68,7 @@ def test_a_mixed_batch_matches_merged_hugging_face(server, adapters, default_mod
     assert outputs[1] != base_of_alpha  # the adapter really changes the output
 
 
+@pytest.mark.slow
 def test_the_same_prompt_under_another_adapter_reuses_no_kv(server):
     body = {"text": "A long shared prompt about tenants and adapters, " * 4,
             "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
@@ -79,6 +80,7 @@ def test_the_same_prompt_under_another_adapter_reuses_no_kv(server):
     assert other["cached_tokens"] == 0 and base["cached_tokens"] == 0
 
 
+@pytest.mark.slow
 def test_adapters_are_models_of_the_openai_routes(server):
     models = httpx.get(server.url + "/v1/models", timeout=30).json()["data"]
     served = models[0]["id"]
@@ -97,6 +99,7 @@ def test_adapters_are_models_of_the_openai_routes(server):
     assert chat.status_code == 200 and chat.json()["model"] in (served, "alpha")
 
 
+@pytest.mark.slow
 def test_unknown_adapters_and_bad_loads_are_400s(server, adapters, tmp_path):
     unknown = post(server, "/generate", {"text": "Hi", "lora_path": "nope"})
     assert unknown.status_code == 400 and "nope" in unknown.json()["error"]["message"]
@@ -115,6 +118,7 @@ def test_unknown_adapters_and_bad_loads_are_400s(server, adapters, tmp_path):
     assert post(server, "/load_lora_adapter", {"lora_name": "x"}).status_code == 400  # lora_path missing
 
 
+@pytest.mark.slow
 def test_adapters_load_only_from_under_the_adapter_folder(server, adapters, tmp_path):
     outside = tmp_path / "outside"
     outside.mkdir()
@@ -130,6 +134,7 @@ def test_adapters_load_only_from_under_the_adapter_folder(server, adapters, tmp_
     assert post(server, "/unload_lora_adapter", {"lora_name": "x"}).status_code == 400  # nothing was loaded
 
 
+@pytest.mark.slow
 def test_hot_load_and_unload_while_requests_run(server, adapters):
     failures: list[str] = []
 

@@ -15,7 +15,7 @@ import pytest
 
 from http_fixtures import KEY_A, KEY_B, ServerProcess, tenants_file
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.timeout(900)]
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "Current weather of a city", "parameters": {
     "type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
@@ -55,6 +55,7 @@ def test_response_answers_as_the_chat_route_does(client, model):
     assert response.instructions == "Answer briefly." and response.max_output_tokens == 24
 
 
+@pytest.mark.slow
 def test_stream_accumulates_to_the_same_response(client, model):
     request = dict(model=model, input="Say hello to Ana.", max_output_tokens=200, temperature=0.0)
     whole = client.responses.create(**request)
@@ -103,6 +104,7 @@ def _chain(client, last_id):
     return ids
 
 
+@pytest.mark.slow
 def test_function_call_round_trip(client, model):
     call_response = client.responses.create(model=model, input="What's the weather like in Paris today?",
                                             tools=[WEATHER], tool_choice="required", parallel_tool_calls=False,
@@ -136,6 +138,7 @@ def test_function_call_round_trip(client, model):
         client.responses.retrieve(replayed.id)
 
 
+@pytest.mark.slow
 def test_retrieve_and_delete_are_the_tenants_own(client, server, model):
     response = client.responses.create(model=model, input="Hi", max_output_tokens=4)
     other = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY_B, max_retries=0)
@@ -153,6 +156,7 @@ def test_retrieve_and_delete_are_the_tenants_own(client, server, model):
         client.responses.create(model=model, input="Go on", previous_response_id=response.id, max_output_tokens=4)
 
 
+@pytest.mark.slow
 def test_text_format_json_schema(client, model):
     schema = {"type": "object", "properties": {"fruit": {"type": "string", "maxLength": 20}}, "required": ["fruit"],
               "additionalProperties": False}
@@ -162,6 +166,7 @@ def test_text_format_json_schema(client, model):
     jsonschema.validate(json.loads(response.output_text), schema)
 
 
+@pytest.mark.slow
 def test_bad_requests_are_400s(client, model):
     bad = [dict(input="x", temperature=3.0), dict(input="x", tools=[{"type": "web_search"}]),
            dict(input="x", background=True), dict(input="x", truncation="auto"),

@@ -13,7 +13,7 @@ import pytest
 
 from http_fixtures import ADMIN_KEY, KEY_A, KEY_B, ServerProcess, tenants_file
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.timeout(900)]
 
 POOL_TOKENS = 1024
 
@@ -62,6 +62,7 @@ def test_a_retained_session_outlives_kv_pressure(server):
     assert own["retained_tokens"] >= len(turn2)
 
 
+@pytest.mark.slow
 def test_without_retention_the_cache_is_plain_lru(server):
     rng = random.Random(1)
     turn1 = [rng.randrange(100, 20000) for _ in range(200)]
@@ -72,12 +73,14 @@ def test_without_retention_the_cache_is_plain_lru(server):
     assert second["meta_info"]["cached_tokens"] == 0
 
 
+@pytest.mark.slow
 def test_retention_needs_a_key(server):
     response = httpx.post(server.url + "/generate", headers=server.headers(KEY_A), json={
         "input_ids": [1, 2, 3], "prompt_cache_retention": 60.0})
     assert response.status_code == 400 and response.json()["error"]["param"] == "prompt_cache_key"
 
 
+@pytest.mark.slow
 def test_responses_chain_with_retention(server):
     client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY_A, max_retries=0, timeout=300.0)
     model = client.models.list().data[0].id

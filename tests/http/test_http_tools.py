@@ -21,7 +21,7 @@ from tool_cases import (  # noqa: F401  (client, model: fixtures)
 
 from radixserve.runtime.http.openai.tool_grammar import MAX_PARALLEL_CALLS
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
+pytestmark = [pytest.mark.timeout(1800)]
 
 
 @pytest.fixture(scope="module")
@@ -35,14 +35,17 @@ def test_required_and_named_calls_always_validate(client, model):
     check_required_and_named_calls(client, model)
 
 
+@pytest.mark.slow
 def test_auto_answers_are_prose_or_valid_calls(client, model):
     check_auto_answers(client, model)
 
 
+@pytest.mark.slow
 def test_auto_call_once_started_is_well_formed(client, model):
     check_auto_call_once_started(client, model, "<tool_call>")
 
 
+@pytest.mark.slow
 def test_parallel_calls_end_after_a_bounded_number(client, model):
     get_time = TOOLS[9]
     response = client.chat.completions.create(
@@ -55,6 +58,7 @@ def test_parallel_calls_end_after_a_bounded_number(client, model):
         check_call(call, [get_time])
 
 
+@pytest.mark.slow
 def test_streamed_call_accumulates_to_the_same_call(client, model):
     tools, choice, _ = call_case(2)
     request = dict(model=model, messages=[{"role": "user", "content": PROMPTS[2]}], tools=tools, tool_choice=choice,
@@ -74,6 +78,7 @@ def test_streamed_call_accumulates_to_the_same_call(client, model):
     assert json.loads(arguments[0]) == json.loads(whole.function.arguments)
 
 
+@pytest.mark.slow
 def test_two_turn_tool_conversation_reuses_the_first_turn(client, model):
     tools = [TOOLS[0]]
     messages = [{"role": "user", "content": PROMPTS[0]}]
@@ -89,6 +94,7 @@ def test_two_turn_tool_conversation_reuses_the_first_turn(client, model):
     assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens
 
 
+@pytest.mark.slow
 def test_tool_errors_are_400s(client, model):
     def bad(messages=({"role": "user", "content": "hi"},), **kwargs) -> openai.BadRequestError:
         with pytest.raises(openai.BadRequestError) as info:

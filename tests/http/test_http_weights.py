@@ -15,7 +15,7 @@ import pytest
 from http_fixtures import ServerProcess
 from test_weight_updates import _prompts, hf_greedy, hf_model, perturbed_state
 
-pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
+pytestmark = [pytest.mark.timeout(600)]
 ADMIN, USER = "sk-admin-rl", "sk-user-rl"
 MAX_NEW_TOKENS = 6
 
@@ -74,6 +74,7 @@ def test_update_weights_from_tensor_over_http(server, model_dir):
     assert values == pytest.approx(state["model.norm.weight"].tolist())
 
 
+@pytest.mark.slow
 def test_bad_requests_are_refused(server):
     response = post(server, "/update_weights_from_tensor", {"serialized_named_tensors": ["gASV"]})
     assert response.status_code == 400 and "unpickle" in response.json()["error"]["message"]
@@ -86,6 +87,7 @@ def test_bad_requests_are_refused(server):
     assert response.status_code == 400
 
 
+@pytest.mark.slow
 def test_pause_continue_and_memory_release_keep_outputs(server, model_dir):
     prompts = _prompts(1000, lengths=(7, 12))
     expected = [r["output_ids"] for r in generate(server, prompts)]

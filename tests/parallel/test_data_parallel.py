@@ -12,7 +12,6 @@ import pytest
 
 from radixserve import Engine
 
-pytestmark = pytest.mark.slow
 
 NUM_GROUPS, PER_GROUP = 8, 8
 GREEDY = {"max_new_tokens": 4, "temperature": 0}
@@ -73,6 +72,7 @@ def test_cache_aware_routing_keeps_the_hit_rate_of_one_replica(single):
     test_cache_aware_routing_keeps_the_hit_rate_of_one_replica.rate = rate
 
 
+@pytest.mark.slow
 def test_round_robin_loses_hits(single):
     single_texts, single_info = single
     texts, info = run(dp_size=2, load_balance_method="round_robin")

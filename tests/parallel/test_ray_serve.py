@@ -26,7 +26,6 @@ from http_fixtures import free_port
 
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
-pytestmark = pytest.mark.slow
 
 ENGINE_ARGS = {"log_level": "warning", "skip_server_warmup": True}
 REPLICA_CLASS = "ServeReplica:radixserve:EngineReplica"
@@ -116,6 +115,7 @@ def test_openai_client_through_the_ingress(affinity):
     assert finished and float(finished.group(1)) >= 2, metrics[:2000]
 
 
+@pytest.mark.slow
 def test_lora_loading_is_refused_through_the_ingress(affinity):
     """Replicas serve the adapters they started with; one loaded through the ingress would be missing from a replica
     Ray starts later, so the ingress refuses it with a clear error instead of failing (here already because the
@@ -175,6 +175,7 @@ def run_shared_prefix_workload(url: str) -> tuple[int, int]:
     return after["matched_tokens"] - before["matched_tokens"], ideal
 
 
+@pytest.mark.slow
 def test_affinity_router_keeps_the_shared_prefix_hits(affinity):
     matched, ideal = run_shared_prefix_workload(affinity)
     print(f"affinity router: matched {matched} of ideal {ideal} ({matched / ideal:.0%})")
@@ -182,6 +183,7 @@ def test_affinity_router_keeps_the_shared_prefix_hits(affinity):
     test_affinity_router_keeps_the_shared_prefix_hits.matched = matched
 
 
+@pytest.mark.slow
 def test_a_replica_whose_engine_dies_fails_its_requests_and_is_replaced(affinity):
     import psutil
 
@@ -214,6 +216,7 @@ def test_a_replica_whose_engine_dies_fails_its_requests_and_is_replaced(affinity
     wait_for_replicas(2, replaced=victim)  # the failed health check makes Ray replace it
 
 
+@pytest.mark.slow
 def test_a_killed_replica_is_replaced_and_requests_go_on(affinity):
     victim = replica_actors()[0]
     ray.kill(ray.get_actor(victim["Name"], namespace="serve"), no_restart=True)
@@ -235,6 +238,7 @@ def test_a_killed_replica_is_replaced_and_requests_go_on(affinity):
     assert info.get("dp_size") == 2 and len(info["replicas"]) == 2, (response.status_code, response.text[:500])
 
 
+@pytest.mark.slow
 def test_pow2_router_loses_hits(affinity):
     deploy(affinity, "pow2")
     matched, ideal = run_shared_prefix_workload(affinity)
@@ -243,6 +247,7 @@ def test_pow2_router_loses_hits(affinity):
     assert matched < affinity_matched, (matched, affinity_matched, ideal)
 
 
+@pytest.mark.slow
 def test_serve_ray_command_deploys_onto_the_running_cluster(affinity):
     command = [sys.executable, "-m", "radixserve", "serve-ray", "--address", ray.get_runtime_context().gcs_address,
                "--num-replicas", "2", "--served-model-name", "from-the-cli", "--skip-server-warmup",

@@ -17,7 +17,6 @@ import pytest
 from http_fixtures import ADMIN_KEY, ServerProcess, _die_with_parent, free_port
 
 pytest.importorskip("sglang_router")
-pytestmark = pytest.mark.slow
 
 WORDS = ("river stone light garden paper window silver market engine orbit signal forest harbor lantern "
          "meadow copper violet thunder canyon pillar").split()
@@ -76,6 +75,7 @@ def test_openai_chat_through_the_router(cluster):
     assert streamed == reply.choices[0].message.content
 
 
+@pytest.mark.slow
 def test_native_generate_through_the_router(cluster):
     router, _ = cluster
     response = httpx.post(router.url + "/generate", json={
@@ -101,6 +101,7 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
+@pytest.mark.slow
 def test_shared_prefix_hit_rate_through_the_cache_aware_router(cluster):
     from radixserve.runtime.model_files import load_tokenizer
 
@@ -131,6 +132,7 @@ def test_shared_prefix_hit_rate_through_the_cache_aware_router(cluster):
     assert matched >= 0.8 * ideal_matched, (matched, ideal_matched, total)
 
 
+@pytest.mark.slow
 def test_a_killed_worker_does_not_fail_the_following_requests(cluster):
     router, workers = cluster
     workers[1].process.kill()

@@ -43,7 +43,6 @@ def hf_greedy(model_dir: str, prompts: list[list[int]], eos_ids: list[int]) -> l
     return outputs
 
 
-@pytest.mark.slow
 def test_greedy_equals_hugging_face_and_drafts_are_accepted(engine, default_model_dir):
     ids = [engine.tokenizer.encode(p) for p in PROMPTS]
     results = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": MAX_NEW_TOKENS, "temperature": 0})
