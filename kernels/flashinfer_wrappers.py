@@ -56,10 +56,15 @@ def make_decode_wrapper(workspace: torch.Tensor, use_tensor_cores: bool) -> Any:
     return flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=use_tensor_cores)
 
 
-def fa3_available(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether FlashInfer's FA3 prefill kernels run here: Hopper (compute capability 9.x), 16-bit activations."""
+# The head sizes FlashInfer's FA3 (Hopper) prefill kernels are built for; FA2 takes any other.
+FA3_HEAD_DIMS = (64, 128, 256)
+
+
+def fa3_available(device: torch.device, dtype: torch.dtype, head_dim: int = 128) -> bool:
+    """Whether FlashInfer's FA3 prefill kernels run here: Hopper (compute capability 9.x), 16-bit activations and a
+    head size of `FA3_HEAD_DIMS` (its kernels for others do not compile)."""
     return (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
-            and dtype in (torch.bfloat16, torch.float16))
+            and dtype in (torch.bfloat16, torch.float16) and head_dim in FA3_HEAD_DIMS)
 
 
 def make_prefill_wrapper(workspace: torch.Tensor, backend: str = "fa2") -> Any:

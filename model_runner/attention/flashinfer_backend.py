@@ -109,11 +109,13 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._decode_wrapper = fi.make_decode_wrapper(self._workspace, decode_use_tensor_cores)
         if prefill_backend not in ("auto", "fa2", "fa3"):
             raise ValueError(f"prefill_backend must be auto, fa2 or fa3, not {prefill_backend!r}")
-        if prefill_backend == "fa3" and not fi.fa3_available(self.device, dtype):
-            raise ValueError("FlashInfer's fa3 prefill kernels need a Hopper GPU and 16-bit activations")
+        fa3 = fi.fa3_available(self.device, dtype, head_dim)
+        if prefill_backend == "fa3" and not fa3:
+            raise ValueError(f"FlashInfer's fa3 prefill kernels need a Hopper GPU, 16-bit activations and a head size "
+                             f"of {', '.join(map(str, fi.FA3_HEAD_DIMS))} (this model's is {head_dim})")
         self._prefill_wrapper = fi.make_prefill_wrapper(self._workspace, "fa2")
         self._fa3_prefill_wrapper = None
-        if prefill_backend == "fa3" or (prefill_backend == "auto" and fi.fa3_available(self.device, dtype)):
+        if prefill_backend == "fa3" or (prefill_backend == "auto" and fa3):
             self._fa3_prefill_wrapper = fi.make_prefill_wrapper(self._workspace, "fa3")
         self.fa3_min_mean_extend = 0 if prefill_backend == "fa3" else FA3_MIN_MEAN_EXTEND
         self._planned: Optional[torch.cuda.Event] = None  # recorded after the latest plan's copies

@@ -134,3 +134,13 @@ def test_window_layer_reads_and_writes_window_slots(mode):
     error = (out.double() - expected).abs().max().item()
     assert error < BF16_ATOL, f"max abs error vs float64 reference: {error}"
     assert kv_written(case)
+
+
+@needs_fa3
+def test_a_head_size_without_fa3_kernels_prefills_on_fa2():
+    """FA3's prefill kernels exist for head sizes 64, 128 and 256 only: a model of another (16 here) prefills on FA2
+    under "auto", and asking for fa3 is refused before anything compiles."""
+    backend = FlashInferAttentionBackend(4, 4, 16, torch.bfloat16, "cuda", page_size=1)
+    assert backend._fa3_prefill_wrapper is None
+    with pytest.raises(ValueError, match="head size"):
+        FlashInferAttentionBackend(4, 4, 16, torch.bfloat16, "cuda", page_size=1, prefill_backend="fa3")
