@@ -4,7 +4,7 @@
 #            reference at gpt-oss's head_dim of 64 and GQA of 8 (tests/ops/test_attention_sinks.py),
 #            and the fused MoE Triton kernels with gpt-oss's biases and clamped SwiGLU
 #            (tests/ops/test_fused_moe_kernel.py);
-#            then the tiny gpt-oss model on the GPU: Triton in float32 against transformers' greedy ids, FlashInfer in
+#            then the tiny gpt-oss model on the GPU: Triton in float32 against the CPU path's greedy ids, FlashInfer in
 #            bfloat16 against torch_native's (tests/model_runner/test_gpt_oss.py -k gpu);
 #   decode:  benchmarks/one_batch.py on benchmarks/configs/gpt-oss-20b.json (24 layers, 32 experts top-4, windows of
 #            128 on every other layer), prefill of 1 and 8 x 1024 tokens and decode at batch 1, 8 and 64 at a 1024-token
