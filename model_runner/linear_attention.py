@@ -27,7 +27,7 @@ from radixserve.model_runner.gated_delta import (causal_conv1d, causal_conv1d_st
                                                  fla_kernels, l2_normalize, recurrent_gated_delta_rule)
 
 if TYPE_CHECKING:
-    from radixserve.model_runner.model_config import LinearAttentionConfig
+    from radixserve.model_runner.layer_configs import LinearAttentionConfig
     from radixserve.radix_cache.state_pool import StatePool
 
 

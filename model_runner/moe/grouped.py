@@ -24,8 +24,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from radixserve.model_runner.layer_configs import ExpertActivation
 from radixserve.model_runner.layers import silu_and_mul
-from radixserve.model_runner.model_config import ExpertActivation
 
 SILU = ExpertActivation()
 

@@ -28,8 +28,8 @@ from typing import Optional
 import torch
 from torch import nn
 
+from radixserve.model_runner.layer_configs import ExpertActivation, MoEConfig
 from radixserve.model_runner.layers import silu_and_mul
-from radixserve.model_runner.model_config import ExpertActivation, MoEConfig
 from radixserve.model_runner.moe.grouped import SILU, grouped_experts
 from radixserve.model_runner.moe.routing import select_experts
 from radixserve.model_runner.parallel import ExpertShard, TPGroup, split_size

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from radixserve.model_runner.model_config import ExpertActivation, MoEConfig
+from radixserve.model_runner.layer_configs import ExpertActivation, MoEConfig
 from radixserve.model_runner.moe import SparseMoeBlock, select_experts
 from radixserve.model_runner.moe.grouped import grouped_experts, sort_by_expert
 from radixserve.model_runner.parallel import TPGroup
