@@ -5,7 +5,8 @@ A model file is input like a request: a file downloaded from a hub can declare a
 safetensors library) then fail deep inside with an IndexError or an overflow, or allocate what the header asks for.
 `check_gguf` and `check_safetensors` walk the header with every count, length, dimension and offset bounded by the
 bytes the file really has, and raise ModelFileError naming the file and its defect; a file they pass is one the
-readers can lay out without reading past its end.
+readers can lay out without reading past its end. `check_gguf` also returns what it read (`GGUFHeader`), which the
+GGUF block layers load from.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import math
 import mmap
 import os
 import struct
+from dataclasses import dataclass
+from typing import Any
 
 GGUF_MAGIC = b"GGUF"
 GGUF_VERSIONS = (2, 3)  # version 1 used 32-bit counts and is not read by the gguf package either
@@ -39,6 +42,26 @@ class ModelFileError(ValueError):
         super().__init__(f"{path}: {defect}")
         self.path = path
         self.defect = defect
+
+
+@dataclass(frozen=True)
+class GGUFTensorInfo:
+    name: str
+    dims: tuple[int, ...]  # innermost first, as the file lists them
+    ggml_type: int
+    offset: int  # from the start of the data section
+
+
+@dataclass(frozen=True)
+class GGUFHeader:
+    """A GGUF file's header as `check_gguf` read it: the scalar and string metadata (arrays, the tokenizer's
+    vocabulary among them, are stepped over unread), the tensor table in file order and where the tensor data
+    starts."""
+
+    metadata: dict[str, Any]
+    tensors: list[GGUFTensorInfo]
+    data_start: int
+    endian: str  # struct's "<" or ">"
 
 
 class _Cursor:
@@ -76,9 +99,9 @@ class _Cursor:
             raise self.fail(f"{what} is not UTF-8") from None
 
 
-def check_gguf(path: str) -> None:
+def check_gguf(path: str) -> GGUFHeader:
     """Raise ModelFileError unless `path` is a GGUF file whose header (metadata, tensor table) and tensor data fit
-    in the file; reads the header only."""
+    in the file; reads the header only, and returns it."""
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
     size = os.path.getsize(path)
@@ -103,14 +126,18 @@ def check_gguf(path: str) -> None:
         if num_tensors * 24 > cursor.left:
             raise cursor.fail(f"{num_tensors} tensors cannot fit in the {cursor.left} bytes left")
         alignment = GGUF_DEFAULT_ALIGNMENT
+        metadata: dict[str, Any] = {}
         for _ in range(num_fields):
             key = cursor.string("a metadata key")
             value = _gguf_value(cursor, int(cursor.scalar("I", f"the type of {key!r}")), key, depth=0)
+            if value is not None:
+                metadata[key] = value
             if key == "general.alignment":
                 if isinstance(value, bool) or not isinstance(value, int) or value <= 0 or value & (value - 1):
                     raise cursor.fail(f"general.alignment must be a positive power of two, got {value!r}")
                 alignment = value
         tensors: dict[str, tuple[int, int]] = {}  # name -> (offset, bytes)
+        infos: list[GGUFTensorInfo] = []
         for _ in range(num_tensors):
             name = cursor.string("a tensor name")
             if name in tensors:
@@ -133,11 +160,13 @@ def check_gguf(path: str) -> None:
                 raise cursor.fail(f"tensor {name!r} ({dims}, {num_bytes} bytes at offset {offset}) does not fit in "
                                   f"a {size}-byte file with {alignment}-byte alignment")
             tensors[name] = (offset, num_bytes)
+            infos.append(GGUFTensorInfo(name, tuple(dims), type_id, offset))
         data_start = -(-cursor.pos // alignment) * alignment
         for name, (offset, num_bytes) in tensors.items():
             if data_start + offset + num_bytes > size:
                 raise ModelFileError(path, f"not a valid GGUF file: tensor {name!r} ends at byte "
                                            f"{data_start + offset + num_bytes}, past the file's end ({size})")
+    return GGUFHeader(metadata, infos, data_start, cursor.endian)
 
 
 def _gguf_value(cursor: _Cursor, type_id: int, key: str, depth: int) -> object:

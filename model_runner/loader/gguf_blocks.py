@@ -11,15 +11,14 @@ converter does for the float values (a row is whole blocks, so permuting rows pe
 from __future__ import annotations
 
 import json
-import mmap
 import os
-import struct
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
 import numpy as np
 import torch
 
+from radixserve.model_runner.loader.file_checks import check_gguf
 from radixserve.model_runner.loader.gguf_convert import hf_tensor_name, unpermute_rotary_rows
 
 # GGML type id -> (name, values per block, bytes per block): the block formats kernels/cpu_gguf_linear.cpp computes on.
@@ -58,7 +57,9 @@ class BlockMatrix:
 def read_block_matrices(gguf_path: str) -> dict[str, BlockMatrix]:
     """Every matrix of `gguf_path` stored in one of `BLOCK_TYPES`, by Hugging Face name (tensors of other types,
     the float norms for one, are left out)."""
-    header = read_gguf_header(gguf_path)
+    header = check_gguf(gguf_path)
+    if header.endian != "<":
+        raise ValueError(f"{gguf_path} is a big-endian GGUF; its blocks are read little-endian only")
     architecture = header.metadata.get("general.architecture")
     permute_qk = architecture == "llama"
     if permute_qk:
@@ -83,100 +84,6 @@ def read_block_matrices(gguf_path: str) -> dict[str, BlockMatrix]:
             blocks = unpermute_rotary_rows(blocks, num_kv_heads)
         matrices[name] = BlockMatrix(tensor.ggml_type, blocks.contiguous(), in_features)
     return matrices
-
-
-@dataclass(frozen=True)
-class GGUFTensorInfo:
-    name: str
-    dims: tuple[int, ...]  # innermost first, as the file lists them
-    ggml_type: int
-    offset: int  # from the start of the data section
-
-
-@dataclass(frozen=True)
-class GGUFHeader:
-    """A GGUF file's scalar metadata (arrays, the tokenizer's vocabulary among them, are skipped unread), its tensors
-    and where their data starts."""
-
-    metadata: dict[str, Any]
-    tensors: list[GGUFTensorInfo]
-    data_start: int
-
-
-# GGUF metadata value types: the fixed-size scalars as struct codes; 8 is a string, 9 an array.
-_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
-_STRING, _ARRAY = 8, 9
-
-
-def read_gguf_header(gguf_path: str) -> GGUFHeader:
-    """The header of a GGUF file (version 2 or 3, little-endian), read in one pass. gguf-py's `GGUFReader` builds an
-    object per element of every metadata array, which takes seconds on a 49k-token vocabulary; the block layers need
-    a few scalars and the tensor table only."""
-    with open(gguf_path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-        view = memoryview(mapped)
-        try:
-            return _parse_header(view, gguf_path)
-        finally:
-            view.release()
-
-
-def _parse_header(view: memoryview, gguf_path: str) -> GGUFHeader:
-    if bytes(view[:4]) != b"GGUF":
-        raise ValueError(f"{gguf_path} is not a GGUF file")
-    version, num_tensors, num_kv = struct.unpack_from("<IQQ", view, 4)
-    if version not in (2, 3):
-        raise ValueError(f"{gguf_path}: GGUF version {version} is not supported (2 and 3 are)")
-    pos = 24
-    metadata: dict[str, Any] = {}
-    for _ in range(num_kv):
-        key, pos = _string(view, pos)
-        (value_type,), pos = struct.unpack_from("<I", view, pos), pos + 4
-        value, pos = _value(view, pos, value_type)
-        if value is not _SKIPPED:
-            metadata[key] = value
-    tensors = []
-    for _ in range(num_tensors):
-        name, pos = _string(view, pos)
-        (num_dims,), pos = struct.unpack_from("<I", view, pos), pos + 4
-        dims = struct.unpack_from(f"<{num_dims}Q", view, pos)
-        pos += 8 * num_dims
-        ggml_type, offset = struct.unpack_from("<IQ", view, pos)
-        pos += 12
-        tensors.append(GGUFTensorInfo(name, tuple(dims), ggml_type, offset))
-    alignment = int(metadata.get("general.alignment", 32))
-    return GGUFHeader(metadata, tensors, -(-pos // alignment) * alignment)
-
-
-_SKIPPED = object()
-
-
-def _string(view: memoryview, pos: int) -> tuple[str, int]:
-    (length,) = struct.unpack_from("<Q", view, pos)
-    pos += 8
-    return bytes(view[pos:pos + length]).decode("utf-8"), pos + length
-
-
-def _value(view: memoryview, pos: int, value_type: int) -> tuple[Any, int]:
-    """A scalar or string value, or `_SKIPPED` for an array (the position moves past it either way)."""
-    if value_type in _SCALARS:
-        code = _SCALARS[value_type]
-        return struct.unpack_from("<" + code, view, pos)[0], pos + struct.calcsize(code)
-    if value_type == _STRING:
-        return _string(view, pos)
-    if value_type != _ARRAY:
-        raise ValueError(f"unknown GGUF metadata value type {value_type}")
-    element_type, count = struct.unpack_from("<IQ", view, pos)
-    pos += 12
-    if element_type in _SCALARS:
-        return _SKIPPED, pos + count * struct.calcsize(_SCALARS[element_type])
-    if element_type == _STRING:
-        for _ in range(count):
-            (length,) = struct.unpack_from("<Q", view, pos)
-            pos += 8 + length
-        return _SKIPPED, pos
-    for _ in range(count):  # an array of arrays
-        _, pos = _value(view, pos, element_type)
-    return _SKIPPED, pos
 
 
 def source_gguf(model_dir: str) -> Optional[str]:

@@ -18,7 +18,8 @@ from gguf_kquants import write_llama_gguf
 
 from radixserve.kernels import cpu_build
 from radixserve.model_runner.cpu.gguf_linear import GGUFLinear
-from radixserve.model_runner.loader.gguf_blocks import read_block_matrices, read_gguf_header, source_gguf
+from radixserve.model_runner.loader.file_checks import check_gguf
+from radixserve.model_runner.loader.gguf_blocks import read_block_matrices, source_gguf
 from radixserve.model_runner.model_runner import ModelRunner
 from radixserve.model_runner.runner_config import RunnerConfig
 from radixserve.model_runner.static_generate import greedy_generate
@@ -102,12 +103,12 @@ def kquant_gguf(tiny_model_dir, default_model_dir, tmp_path_factory) -> tuple[st
 
 @pytest.mark.parametrize("which", ["embedded", "kquants"])
 def test_header_reader_agrees_with_gguf_py(default_model_dir, kquant_gguf, which):
-    """`read_gguf_header` (one pass, arrays skipped) lists the tensors and the scalar metadata gguf-py's reader does,
-    and its data start is where gguf-py finds the first tensor's bytes."""
+    """The header `check_gguf` returns (one pass, arrays skipped) lists the tensors and the scalar metadata gguf-py's
+    reader does, and its data start is where gguf-py finds the first tensor's bytes."""
     from gguf import GGUFReader, GGUFValueType
 
     path = source_gguf(default_model_dir) if which == "embedded" else kquant_gguf[0]
-    header, reader = read_gguf_header(path), GGUFReader(path)
+    header, reader = check_gguf(path), GGUFReader(path)
     assert [(t.name, t.dims, t.ggml_type) for t in header.tensors] == [
         (t.name, tuple(int(d) for d in t.shape), int(t.tensor_type)) for t in reader.tensors]
     assert header.data_start + header.tensors[0].offset == reader.tensors[0].data_offset
