@@ -56,7 +56,8 @@ def make_decode_wrapper(workspace: torch.Tensor, use_tensor_cores: bool) -> Any:
     return flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=use_tensor_cores)
 
 
-# The head sizes FlashInfer's FA3 (Hopper) prefill kernels are built for; FA2 takes any other.
+# The head sizes FlashInfer's FA3 (Hopper) prefill kernels are built for; other sizes prefill on FA2 (whose own
+# kernels start at 64).
 FA3_HEAD_DIMS = (64, 128, 256)
 
 
