@@ -17,6 +17,7 @@ from radixserve.kernels import cpu_build
 from radixserve.model_runner.attention import AttentionBackend, create_attention_backend
 from radixserve.model_runner.batch_invariant import check_gpu_deterministic, use_batch_invariant_linears
 from radixserve.model_runner.cpu import dispatch
+from radixserve.model_runner.fused_decode import use_fused_decode_layers
 from radixserve.model_runner.cpu.gguf_linear import use_gguf_blocks
 from radixserve.model_runner.cpu.packed import pack_cpu_linears
 from radixserve.model_runner.loader.gguf_blocks import source_gguf
@@ -324,6 +325,8 @@ class ModelRunner:
                                      lm_head=self.pooling.is_generation)
         elif self.device.type == "cuda" and self.config.deterministic:
             use_batch_invariant_linears(model)  # see model_runner/batch_invariant.py
+        if self.config.quantization == "gguf" and use_fused_decode_layers(model):
+            logger.info("decode batches of a few tokens run every layer in one call (model_runner/fused_decode.py)")
         return model
 
     def _size_memory(self) -> tuple[int, int]:

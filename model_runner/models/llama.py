@@ -11,7 +11,7 @@ into one `gate_up_proj`, so each layer runs two matmuls where HF runs five.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable, Optional
+from typing import TYPE_CHECKING, Callable, Iterable, Optional
 
 import torch
 from torch import nn
@@ -143,6 +143,9 @@ class LlamaModel(nn.Module):
         rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta, config.rope_scaling)
         self.layers = nn.ModuleList(layer_class(config, i, rotary, tp) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # Every layer in one call for the batches it takes, else None: `(positions, hidden, batch, attn_backend) ->
+        # (mlp_out, residual) or None` (model_runner/fused_decode.py installs it on GGUF blocks).
+        self.fused_decode: Optional[Callable] = None
 
     def forward(
         self,
@@ -155,6 +158,11 @@ class LlamaModel(nn.Module):
         """Final-norm hidden states of every new token, or of `rows` only: the last layer's feed-forward then runs on
         those rows alone (an earlier layer's every output feeds the next layer's K/V)."""
         hidden = self.embed_tokens(input_ids)
+        if self.fused_decode is not None and rows is None:
+            fused = self.fused_decode(positions, hidden, batch, attn_backend)
+            if fused is not None:
+                hidden, _ = self.norm(*fused)
+                return hidden
         residual = None
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):

@@ -1,0 +1,100 @@
+"""A Llama model's decoder layers in one C++ call for decode batches on GGUF blocks (kernels/cpu_decode_layers.cpp).
+
+On two cores a decode step of the embedded SmolLM2 spends as long in the layers' Python around its kernels
+(splits, views, the attention backend's checks, about 300 calls through torch's dispatcher) as in its attention and
+norms together. `FusedDecodeLayers` runs the same kernels in the same order from C++, so its output equals the
+layers' bit for bit (tests/model_runner/test_fused_decode.py), and the Python is paid once a step.
+
+`use_fused_decode_layers` installs it on a model whose every layer is plain Llama (LlamaDecoderLayer with
+LlamaAttention and LlamaMLP: no biases, q/k norms, sinks or sliding windows) with all four projections on GGUF
+blocks (model_runner/cpu/gguf_linear.py), on one rank. A batch takes it when it has fewer than `DENSE_FROM` tokens
+(below that the blocks compute every projection; from there the float linears kept for prefill take over), asks for
+every token's hidden state, and the CPU attention backend planned it for its kernel; any other batch runs the layers.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional
+
+import torch
+from torch import nn
+
+from radixserve.kernels import cpu_build
+from radixserve.model_runner.attention.cpu_backend import CpuAttentionBackend, CpuAttentionPlan
+from radixserve.model_runner.cpu.gguf_linear import DENSE_FROM, GGUFLinear
+from radixserve.model_runner.forward_batch import ForwardBatch
+from radixserve.model_runner.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
+
+if TYPE_CHECKING:
+    from radixserve.model_runner.attention.base import AttentionBackend
+
+
+class FusedDecodeLayers:
+    """Callable `(positions, hidden, batch, attn_backend) -> (mlp_out, residual)` of the last layer, or None where
+    the batch must run the layers (see the module docstring)."""
+
+    def __init__(self, layers: nn.ModuleList) -> None:
+        first = layers[0].self_attn
+        self.num_heads, self.num_kv_heads, self.head_dim = first.num_heads, first.num_kv_heads, first.head_dim
+        self.scaling = first.scaling
+        self.rotary = first.rotary
+        self.eps = layers[0].input_layernorm.eps
+        self.layer_ids = [layer.self_attn.layer_id for layer in layers]
+        self.weights: list[torch.Tensor] = []
+        self.types: list[int] = []
+        self.activation_bits: list[int] = []
+        for layer in layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            self.weights += [layer.input_layernorm.weight, attn.qkv_proj.blocks, attn.o_proj.blocks,
+                             layer.post_attention_layernorm.weight, mlp.gate_up_proj.blocks, mlp.down_proj.blocks]
+            for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+                self.types.append(linear.ggml_type)
+                self.activation_bits.append(linear.activation_bits)
+
+    def __call__(self, positions: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch,
+                 attn_backend: "AttentionBackend") -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        plan = batch.attn_metadata
+        pool = batch.token_to_kv_pool
+        if (hidden.shape[0] >= DENSE_FROM or hidden.dtype != torch.float32
+                or not isinstance(attn_backend, CpuAttentionBackend) or not isinstance(plan, CpuAttentionPlan)
+                or pool.k_buffer[0].dtype != torch.float32):
+            return None
+        buffers = [pool.get_kv_buffer(layer_id) for layer_id in self.layer_ids]
+        if self.rotary.cos.device != positions.device:
+            self.rotary.cos, self.rotary.sin = self.rotary.cos.to(positions.device), self.rotary.sin.to(positions.device)
+        hidden, residual = torch.ops.radixserve_cpu.decode_layers(
+            hidden, positions, self.weights, self.types, self.activation_bits, self.rotary.cos, self.rotary.sin,
+            [k for k, _ in buffers], [v for _, v in buffers],
+            [plan.out_cache_loc, plan.items, plan.group_member_indptr, plan.group_kv_indptr, plan.member_q_start,
+             plan.member_q_len, plan.member_q_pos0, plan.member_kv_indptr, plan.member_kv_pos0, plan.kv_slots],
+            self.scaling, self.eps, self.num_heads, self.num_kv_heads, self.head_dim, attn_backend.amx,
+            attn_backend.row_invariant)
+        return hidden, residual
+
+
+def _plain_llama_on_blocks(layer: nn.Module) -> bool:
+    if type(layer) is not LlamaDecoderLayer or type(layer.self_attn) is not LlamaAttention:
+        return False
+    attn, mlp = layer.self_attn, layer.mlp
+    if type(mlp) is not LlamaMLP or attn.sliding_window is not None:
+        return False
+    linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    return all(type(linear) is GGUFLinear and linear.bias is None for linear in linears)
+
+
+def use_fused_decode_layers(model: nn.Module) -> bool:
+    """Install `FusedDecodeLayers` on `model` (`model.model.fused_decode`) where it applies (see the module
+    docstring); returns whether it did."""
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if (layers is None or len(layers) == 0 or not hasattr(inner, "fused_decode") or model.tp.size != 1
+            or not all(_plain_llama_on_blocks(layer) for layer in layers) or not cpu_build.ready()):
+        return False
+    first = layers[0].self_attn
+    if any((layer.self_attn.num_heads, layer.self_attn.num_kv_heads, layer.self_attn.head_dim,
+            layer.self_attn.rotary, layer.input_layernorm.eps, layer.post_attention_layernorm.eps)
+           != (first.num_heads, first.num_kv_heads, first.head_dim, first.rotary, layers[0].input_layernorm.eps,
+               layers[0].input_layernorm.eps) for layer in layers):
+        return False
+    inner.fused_decode = FusedDecodeLayers(layers)
+    return True

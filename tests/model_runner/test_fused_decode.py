@@ -1,0 +1,85 @@
+"""Every decoder layer in one C++ call (model_runner/fused_decode.py, kernels/cpu_decode_layers.cpp): on the
+embedded SmolLM2's GGUF blocks, batches of a few tokens give the logits of the Python layers bit for bit, and
+batches of `DENSE_FROM` tokens or more run the layers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from radixserve.kernels import cpu_build
+from radixserve.model_runner.fused_decode import FusedDecodeLayers, use_fused_decode_layers
+from radixserve.model_runner.cpu.gguf_linear import DENSE_FROM
+from radixserve.model_runner.model_runner import ModelRunner
+from radixserve.model_runner.runner_config import RunnerConfig
+from radixserve.model_runner.static_generate import greedy_generate
+from radixserve.runtime.model_files import load_tokenizer
+from radixserve.runtime.wire.server_args import ServerArgs
+
+pytestmark = pytest.mark.skipif(not cpu_build.load(), reason="the C++ CPU kernels do not build here")
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):\n", "Once upon a time, in a small village by the sea,",
+           "1, 1, 2, 3, 5, 8,", "Water boils at", "The quick brown fox", "In 1492, Columbus", "SELECT * FROM",
+           "Dear Sir or Madam,"]
+
+
+def runner_on_blocks(activations: str = "float32") -> ModelRunner:
+    return ModelRunner(RunnerConfig.from_server_args(ServerArgs(
+        device="cpu", quantization="gguf", gguf_activations=activations, max_total_tokens=4096,
+        max_running_requests=16)))
+
+
+def logits_of_each_step(runner: ModelRunner, prompts: list[list[int]], new_tokens: int) -> list[torch.Tensor]:
+    steps = []
+    forward = runner.forward
+
+    def recording(batch):
+        logits = forward(batch)
+        steps.append(logits.clone())
+        return logits
+
+    runner.forward = recording
+    try:
+        greedy_generate(runner, prompts, new_tokens)
+    finally:
+        runner.forward = forward
+    return steps
+
+
+@pytest.mark.parametrize("activations", ["float32", "int8"])
+def test_fused_layers_give_the_python_layers_logits_bit_for_bit(default_model_dir, activations):
+    runner = runner_on_blocks(activations)
+    fused = runner.model.model.fused_decode
+    assert isinstance(fused, FusedDecodeLayers)
+    taken = []
+
+    def counting(positions, hidden, batch, attn_backend):
+        out = fused(positions, hidden, batch, attn_backend)
+        taken.append((hidden.shape[0], out is not None))
+        return out
+
+    tokenizer = load_tokenizer(default_model_dir)
+    prompts = [tokenizer.encode(text) for text in PROMPTS]
+    for group in (prompts[:1], prompts[1:4], prompts[:DENSE_FROM + 1]):
+        taken.clear()
+        runner.model.model.fused_decode = counting
+        with_fused = logits_of_each_step(runner, group, 12)
+        runner.model.model.fused_decode = None
+        layers = logits_of_each_step(runner, group, 12)
+        assert len(with_fused) == len(layers) == 12
+        for step, (a, b) in enumerate(zip(with_fused, layers)):
+            assert torch.equal(a, b), f"{len(group)} prompts, step {step}: max diff {(a - b).abs().max().item()}"
+        # a batch of fewer than DENSE_FROM tokens (a short prompt's prefill too) takes the fused call, others not
+        assert [tokens for tokens, _ in taken] == [sum(map(len, group))] + [len(group)] * 11
+        assert all(took == (tokens < DENSE_FROM) for tokens, took in taken)
+    runner.model.model.fused_decode = fused
+
+
+def test_models_the_fused_layers_do_not_cover_keep_their_layers(default_model_dir, tiny_model_dir):
+    float_path = ModelRunner(RunnerConfig.from_server_args(ServerArgs(
+        device="cpu", quantization="none", max_total_tokens=1024, max_running_requests=4)))
+    assert float_path.model.model.fused_decode is None  # float linears, not blocks
+    assert not use_fused_decode_layers(float_path.model)
+    qwen = ModelRunner(RunnerConfig.from_server_args(ServerArgs(
+        model_path=tiny_model_dir("qwen3"), device="cpu", max_total_tokens=1024, max_running_requests=4)))
+    assert not use_fused_decode_layers(qwen.model)  # not a GGUF, and its layers have q/k norms
