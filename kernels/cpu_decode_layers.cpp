@@ -1,4 +1,5 @@
-// Every decoder layer of a Llama model on GGUF blocks in one call, for batches of a few tokens (decode): the same
+// Every decoder layer of a Llama-family model (Llama, Qwen2's q/k/v biases, Qwen3's per-head q/k norms) on GGUF
+// blocks in one call, for batches of a few tokens (decode): the same
 // kernels the Python layers call (rms_norm, gguf_linear, rotary, paged_attention, silu_and_mul of this library), in
 // the same order on the same tensors, reached through the dispatcher from C++ (each typed as its kernel is declared). A decode step of a small model on
 // two cores spends about as long in the layers' Python around its kernels (argument checks, splits and views, the
@@ -20,7 +21,9 @@ c10::TypedOperatorHandle<Signature> find_op(const char* name) {
 }
 
 using Pair = std::tuple<at::Tensor, at::Tensor>;
-constexpr int64_t kWeightsPerLayer = 6;  // input norm, qkv, o, post-attention norm, gate_up, down
+// input norm, qkv, qkv bias, o, post-attention norm, gate_up, down, q norm, k norm; an empty tensor for a bias or
+// q/k norms the model does not have
+constexpr int64_t kWeightsPerLayer = 9;
 constexpr int64_t kLinearsPerLayer = 4;  // qkv, o, gate_up, down
 constexpr int64_t kPlanTensors = 10;     // out_cache_loc, items, then the plan's eight index tensors
 
@@ -76,18 +79,23 @@ Pair decode_layers(const at::Tensor& hidden_in, const at::Tensor& positions, at:
     } else {
       std::tie(x, residual) = add_rms_norm.call(hidden, residual, w[0], eps);
     }
-    const at::Tensor qkv = linear.call(x, w[1], t[0], no_bias, bits[0]);
-    const at::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, num_heads, head_dim});
-    const at::Tensor k = qkv.narrow(1, q_size, kv_size).view({tokens, num_kv_heads, head_dim});
+    const at::Tensor qkv = linear.call(x, w[1], t[0], w[2].numel() ? std::optional<at::Tensor>(w[2]) : no_bias,
+                                       bits[0]);
+    at::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, num_heads, head_dim});
+    at::Tensor k = qkv.narrow(1, q_size, kv_size).view({tokens, num_kv_heads, head_dim});
     const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, num_kv_heads, head_dim});
+    if (w[7].numel()) {
+      q = rms_norm.call(q, w[7], eps);
+      k = rms_norm.call(k, w[8], eps);
+    }
     const auto [q_rot, k_rot] = rotary.call(positions, q, k, cos, sin);
     const at::Tensor out = attention.call(q_rot, k_buffers[l], v_buffers[l], k_rot, v, plan[0], plan[1], plan[2], plan[3],
                                           plan[4], plan[5], plan[6], plan[7], plan[8], plan[9], scale, lse, amx,
                                           row_invariant);
-    const at::Tensor o = linear.call(out.reshape({tokens, q_size}), w[2], t[1], no_bias, bits[1]);
-    std::tie(x, residual) = add_rms_norm.call(o, residual, w[3], eps);
-    const at::Tensor gate_up = linear.call(x, w[4], t[2], no_bias, bits[2]);
-    hidden = linear.call(silu_and_mul.call(gate_up), w[5], t[3], no_bias, bits[3]);
+    const at::Tensor o = linear.call(out.reshape({tokens, q_size}), w[3], t[1], no_bias, bits[1]);
+    std::tie(x, residual) = add_rms_norm.call(o, residual, w[4], eps);
+    const at::Tensor gate_up = linear.call(x, w[5], t[2], no_bias, bits[2]);
+    hidden = linear.call(silu_and_mul.call(gate_up), w[6], t[3], no_bias, bits[3]);
   }
   return {hidden, residual};
 }

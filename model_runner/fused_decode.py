@@ -1,13 +1,14 @@
-"""A Llama model's decoder layers in one C++ call for decode batches on GGUF blocks (kernels/cpu_decode_layers.cpp).
+"""A Llama-family model's decoder layers in one C++ call for decode batches on GGUF blocks
+(kernels/cpu_decode_layers.cpp).
 
 On two cores a decode step of the embedded SmolLM2 spends as long in the layers' Python around its kernels
 (splits, views, the attention backend's checks, about 300 calls through torch's dispatcher) as in its attention and
 norms together. `FusedDecodeLayers` runs the same kernels in the same order from C++, so its output equals the
 layers' bit for bit (tests/model_runner/test_fused_decode.py), and the Python is paid once a step.
 
-`use_fused_decode_layers` installs it on a model whose every layer is plain Llama (LlamaDecoderLayer with
-LlamaAttention and LlamaMLP: no biases, q/k norms, sinks or sliding windows) with all four projections on GGUF
-blocks (model_runner/cpu/gguf_linear.py), on one rank. A batch takes it when it has fewer than `DENSE_FROM` tokens
+`use_fused_decode_layers` installs it on a model whose every layer is a Llama, Qwen2 (q/k/v biases) or Qwen3 (per-head
+q/k norms) decoder layer with the gated MLP, no sinks and no sliding window, with all four projections on GGUF blocks
+(model_runner/cpu/gguf_linear.py), on one rank. A batch takes it when it has fewer than `DENSE_FROM` tokens
 (below that the blocks compute every projection; from there the float linears kept for prefill take over), asks for
 every token's hidden state, and the CPU attention backend planned it for its kernel; any other batch runs the layers.
 """
@@ -24,9 +25,15 @@ from radixserve.model_runner.attention.cpu_backend import CpuAttentionBackend, C
 from radixserve.model_runner.cpu.gguf_linear import DENSE_FROM, GGUFLinear
 from radixserve.model_runner.forward_batch import ForwardBatch
 from radixserve.model_runner.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
+from radixserve.model_runner.models.qwen2 import Qwen2Attention, Qwen2DecoderLayer
+from radixserve.model_runner.models.qwen3 import Qwen3Attention, Qwen3DecoderLayer
 
 if TYPE_CHECKING:
     from radixserve.model_runner.attention.base import AttentionBackend
+
+# the decoder layers the C++ loop computes exactly: (layer class, its attention class)
+_COVERED = {LlamaDecoderLayer: LlamaAttention, Qwen2DecoderLayer: Qwen2Attention, Qwen3DecoderLayer: Qwen3Attention}
+_NONE = torch.empty(0)  # a bias or q/k norm weight the model does not have
 
 
 class FusedDecodeLayers:
@@ -45,8 +52,11 @@ class FusedDecodeLayers:
         self.activation_bits: list[int] = []
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
-            self.weights += [layer.input_layernorm.weight, attn.qkv_proj.blocks, attn.o_proj.blocks,
-                             layer.post_attention_layernorm.weight, mlp.gate_up_proj.blocks, mlp.down_proj.blocks]
+            qk_norms = [attn.q_norm.weight, attn.k_norm.weight] if hasattr(attn, "q_norm") else [_NONE, _NONE]
+            qkv_bias = attn.qkv_proj.bias if attn.qkv_proj.bias is not None else _NONE
+            self.weights += [layer.input_layernorm.weight, attn.qkv_proj.blocks, qkv_bias, attn.o_proj.blocks,
+                             layer.post_attention_layernorm.weight, mlp.gate_up_proj.blocks, mlp.down_proj.blocks,
+                             *qk_norms]
             for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
                 self.types.append(linear.ggml_type)
                 self.activation_bits.append(linear.activation_bits)
@@ -72,14 +82,21 @@ class FusedDecodeLayers:
         return hidden, residual
 
 
-def _plain_llama_on_blocks(layer: nn.Module) -> bool:
-    if type(layer) is not LlamaDecoderLayer or type(layer.self_attn) is not LlamaAttention:
+def _covered_layer_on_blocks(layer: nn.Module) -> bool:
+    if _COVERED.get(type(layer)) is not type(layer.self_attn):
         return False
     attn, mlp = layer.self_attn, layer.mlp
     if type(mlp) is not LlamaMLP or attn.sliding_window is not None:
         return False
     linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-    return all(type(linear) is GGUFLinear and linear.bias is None for linear in linears)
+    return (all(type(linear) is GGUFLinear for linear in linears) and attn.o_proj.bias is None
+            and mlp.gate_up_proj.bias is None and mlp.down_proj.bias is None)
+
+
+def _eps(layer: nn.Module) -> set[float]:
+    norms = [layer.input_layernorm, layer.post_attention_layernorm]
+    norms += [layer.self_attn.q_norm, layer.self_attn.k_norm] if hasattr(layer.self_attn, "q_norm") else []
+    return {norm.eps for norm in norms}
 
 
 def use_fused_decode_layers(model: nn.Module) -> bool:
@@ -88,13 +105,13 @@ def use_fused_decode_layers(model: nn.Module) -> bool:
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
     if (layers is None or len(layers) == 0 or not hasattr(inner, "fused_decode") or model.tp.size != 1
-            or not all(_plain_llama_on_blocks(layer) for layer in layers) or not cpu_build.ready()):
+            or not all(_covered_layer_on_blocks(layer) for layer in layers) or not cpu_build.ready()):
         return False
     first = layers[0].self_attn
-    if any((layer.self_attn.num_heads, layer.self_attn.num_kv_heads, layer.self_attn.head_dim,
-            layer.self_attn.rotary, layer.input_layernorm.eps, layer.post_attention_layernorm.eps)
-           != (first.num_heads, first.num_kv_heads, first.head_dim, first.rotary, layers[0].input_layernorm.eps,
-               layers[0].input_layernorm.eps) for layer in layers):
+    if any((layer.self_attn.num_heads, layer.self_attn.num_kv_heads, layer.self_attn.head_dim, layer.self_attn.rotary)
+           != (first.num_heads, first.num_kv_heads, first.head_dim, first.rotary) for layer in layers):
+        return False
+    if len(set().union(*(_eps(layer) for layer in layers))) != 1:  # the loop takes one epsilon for every norm
         return False
     inner.fused_decode = FusedDecodeLayers(layers)
     return True

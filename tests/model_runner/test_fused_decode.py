@@ -1,15 +1,20 @@
 """Every decoder layer in one C++ call (model_runner/fused_decode.py, kernels/cpu_decode_layers.cpp): on the
 embedded SmolLM2's GGUF blocks, batches of a few tokens give the logits of the Python layers bit for bit, and
-batches of `DENSE_FROM` tokens or more run the layers."""
+batches of `DENSE_FROM` tokens or more run the layers; so do tiny Qwen2 (q/k/v biases) and Qwen3 (per-head q/k norms)
+models whose projections are put on Q8_0 blocks."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import quantize
 
 from radixserve.kernels import cpu_build
 from radixserve.model_runner.fused_decode import FusedDecodeLayers, use_fused_decode_layers
-from radixserve.model_runner.cpu.gguf_linear import DENSE_FROM
+from radixserve.model_runner.cpu.gguf_linear import DENSE_FROM, GGUFLinear
+from radixserve.model_runner.loader.gguf_blocks import BlockMatrix
 from radixserve.model_runner.model_runner import ModelRunner
 from radixserve.model_runner.runner_config import RunnerConfig
 from radixserve.model_runner.static_generate import greedy_generate
@@ -73,6 +78,42 @@ def test_fused_layers_give_the_python_layers_logits_bit_for_bit(default_model_di
         assert [tokens for tokens, _ in taken] == [sum(map(len, group))] + [len(group)] * 11
         assert all(took == (tokens < DENSE_FROM) for tokens, took in taken)
     runner.model.model.fused_decode = fused
+
+
+def on_q8_0_blocks(runner: ModelRunner) -> None:
+    """Swap each layer's four projections for `GGUFLinear`s on Q8_0 blocks of their float weights (gguf-py's
+    quantizer), biases kept."""
+    for layer in runner.model.model.layers:
+        for owner, name in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"), (layer.mlp, "gate_up_proj"),
+                            (layer.mlp, "down_proj")):
+            linear = getattr(owner, name)
+            weight = linear.weight.detach().float().numpy()
+            blocks = torch.from_numpy(np.ascontiguousarray(quantize(weight, GGMLQuantizationType.Q8_0)))
+            bias = None if linear.bias is None else linear.bias.detach().float()
+            setattr(owner, name, GGUFLinear(BlockMatrix(int(GGMLQuantizationType.Q8_0), blocks, weight.shape[1]), bias))
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_qwen_layers_on_blocks_give_the_python_layers_logits_bit_for_bit(tiny_model_dir, arch):
+    runner = ModelRunner(RunnerConfig.from_server_args(ServerArgs(
+        model_path=tiny_model_dir(arch), device="cpu", dtype="float32", max_total_tokens=1024,
+        max_running_requests=8)))
+    on_q8_0_blocks(runner)
+    attn = runner.model.model.layers[0].self_attn
+    assert (attn.qkv_proj.bias is not None) == (arch == "qwen2") and hasattr(attn, "q_norm") == (arch == "qwen3")
+    assert use_fused_decode_layers(runner.model)
+    fused = runner.model.model.fused_decode
+    prompts = [[int(t) for t in torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(n))]
+               for n in (3, 11, 6)]
+    taken = []
+    runner.model.model.fused_decode = lambda *args: taken.append(fused(*args)) or taken[-1]
+    with_fused = logits_of_each_step(runner, prompts, 10)
+    assert sum(out is not None for out in taken) == 9  # every decode step (3 tokens), not the 20-token prefill
+    runner.model.model.fused_decode = None
+    layers = logits_of_each_step(runner, prompts, 10)
+    runner.model.model.fused_decode = fused
+    for step, (a, b) in enumerate(zip(with_fused, layers)):
+        assert torch.equal(a, b), f"step {step}: max diff {(a - b).abs().max().item()}"
 
 
 def test_models_the_fused_layers_do_not_cover_keep_their_layers(default_model_dir, tiny_model_dir):
