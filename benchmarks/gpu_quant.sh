@@ -7,6 +7,8 @@
 #            128x128 blocks (a fine-grained FP8 config: the Triton block GEMM) and W4A16 (a GPTQ config, groups of
 #            128: the Triton W4A16 GEMM); random weights are quantized into each layout as they load;
 #   offline: offline throughput, 1000 requests of 256 in / 256 out, bf16, FP8 per channel and W4A16, by output tok/s;
+#   prefill: (not in the default STEPS) benchmarks/w4a16_prefill.py, W4A16 at 64 to 4096 rows: the tiled kernel against
+#            the dequantized weight on cuBLAS (the path from DEQUANTIZE_FROM_ROWS), beside bf16 cuBLAS;
 #   tune:    (not in the default STEPS; sized for a call of its own) benchmarks/tune_w4a16.py,
 #            the skinny W4A16 and FP8 kernels' tiles at M = 1, 4, 16 on Llama-3.1-8B's projections, in two runs
 #            (W4A16, at most 240 s; FP8 per channel, per tensor and in blocks, at most 300 s): a table per run, the
@@ -41,6 +43,9 @@ if want tune; then
     timeout 240 "$PY" benchmarks/tune_w4a16.py --formats w4a16 --out "$OUT/tune_w4a16.json" 2>&1 | grep -v Warning
     timeout 300 "$PY" benchmarks/tune_w4a16.py --formats fp8_channel,fp8_tensor,fp8_block \
         --out "$OUT/tune_fp8_skinny.json" 2>&1 | grep -v Warning
+fi
+if want prefill; then
+    timeout 150 "$PY" benchmarks/w4a16_prefill.py --out "$OUT/w4a16_prefill.json" 2>&1 | grep -v Warning
 fi
 DECODE=(--load-format dummy --dtype bfloat16 --prefill-batch-sizes 1 --input-len 1024 --decode-batch-sizes 1,64
         --context-len 1024 --eager-batch-sizes 1)

@@ -18,6 +18,10 @@ Two kernels, by row count:
   finish adds the partial sums, in the same launch (kernels/split_k.py).
 - tiled (prefill). Each program dequantizes a `[BLOCK_K, BLOCK_N]` tile in float32 (shift, mask, subtract,
   multiply) and multiplies it on the tensor cores with a `[BLOCK_M, BLOCK_K]` tile of the activations.
+- dequantized (from `DEQUANTIZE_FROM_ROWS` rows in 16-bit: prefill chunks and large decode batches). The whole weight
+  is written out in the activations' dtype (`w4a16_dequantize`, one pass over it) and multiplied by cuBLAS: the
+  write costs about what cuBLAS takes for a few hundred rows, and from there the tiled kernel, which unpacks every
+  tile once per row block, is 1.3-3x slower than the two together.
 
 Both accumulate in float32; float32 activations multiply in IEEE float32. Shapes depend only on (M, N, K), so a call
 can be captured in a CUDA graph. Without CUDA the kernels run only under the Triton interpreter (`TRITON_INTERPRET=1`
@@ -38,6 +42,10 @@ from radixserve.kernels.split_k import (SkinnyConfig, num_sms, split_buffers, sp
 PACK_FACTOR = 8  # 4-bit values per int32 word
 # Up to this many rows a call takes the skinny kernel.
 SKINNY_MAX_ROWS = 16
+# From this many rows a 16-bit call dequantizes the weight and runs cuBLAS. Measured against the tiled kernel on an H100
+# (benchmarks/w4a16_prefill.py, Llama-3.1-8B's four projections summed): 0.46 against 0.32 ms at 64 rows, 0.50 against
+# 0.69 at 256, 0.87 against 2.23 at 1024, 2.73 against 8.14 at 4096 (bf16 cuBLAS alone: 2.52).
+DEQUANTIZE_FROM_ROWS = 256
 # Up to this many rows the skinny kernel multiplies with FMAs by default, above it on the tensor cores: an FMA
 # program dequantizes its tile for one row, a tensor-core program for 16.
 FMA_MAX_ROWS = 1
@@ -271,6 +279,41 @@ def _w4a16_tiled_kernel(
     store_split(acc, Out, Partial, offsets, stride_os, row_ok[:, None] & col_ok[None, :], Counters, SPLIT_K > 1)
 
 
+@triton.jit
+def _w4a16_dequantize_kernel(
+    QWeight, Scales, Zeros, GIdx, Out, N, K, stride_qk, stride_sg, stride_ok, group_size,
+    HAS_G_IDX: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Program (block of K, block of N): `Out[k, n] = (q[k, n] - zeros[g(k), n]) * scales[g(k), n]`, W's transpose,
+    laid out as `qweight` is (N contiguous), so that loads and stores both run along N."""
+    ks = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (ks < K)[:, None] & (cols < N)[None, :]
+    packed = tl.load(QWeight + (ks // 8)[:, None].to(tl.int64) * stride_qk + cols[None, :], mask=mask, other=0)
+    q = ((packed >> ((ks % 8) * 4)[:, None]) & 0xF).to(tl.float32)
+    if HAS_G_IDX:
+        groups = tl.load(GIdx + ks, mask=ks < K, other=0).to(tl.int64)
+    else:
+        groups = (ks // group_size).to(tl.int64)
+    offsets = groups[:, None] * stride_sg + cols[None, :]
+    scale = tl.load(Scales + offsets, mask=mask, other=0.0).to(tl.float32)
+    zero = tl.load(Zeros + offsets, mask=mask, other=0.0).to(tl.float32)
+    w = (q - zero) * scale
+    tl.store(Out + ks[:, None].to(tl.int64) * stride_ok + cols[None, :], w.to(Out.dtype.element_ty), mask=mask)
+
+
+def w4a16_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+                     g_idx: Optional[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """The weight's transpose `W.T [K, N]` in `dtype`, dequantized as the GEMMs read it (see `w4a16_gemm`)."""
+    k, n = qweight.shape[0] * PACK_FACTOR, qweight.shape[1]
+    out = torch.empty(k, n, dtype=dtype, device=qweight.device)
+    grid = (triton.cdiv(k, 64), triton.cdiv(n, 128))
+    _w4a16_dequantize_kernel[grid](qweight, scales, zeros, g_idx if g_idx is not None else qweight, out, n, k,
+                                   qweight.stride(0), scales.stride(0), out.stride(0), group_size,
+                                   HAS_G_IDX=g_idx is not None, BLOCK_K=64, BLOCK_N=128)
+    return out
+
+
 def w4a16_gemm(
     x: torch.Tensor,
     qweight: torch.Tensor,
@@ -282,11 +325,14 @@ def w4a16_gemm(
 ) -> torch.Tensor:
     """`x [M, K] @ W.T -> [M, N]` in x's dtype, for `qweight [K / 8, N]` int32, `scales` and `zeros` `[groups, N]`
     (zeros in the unsigned 4-bit domain, any float dtype), `g_idx [K]` int32 or None (see the module docstring).
-    `config` picks the kernel (a `SkinnyConfig` needs M <= SKINNY_MAX_ROWS); by default the rows decide."""
+    `config` picks the kernel (a `SkinnyConfig` needs M <= SKINNY_MAX_ROWS); by default the rows decide, and a 16-bit
+    call of `DEQUANTIZE_FROM_ROWS` rows or more multiplies the dequantized weight on cuBLAS."""
     m, k = x.shape
     n = qweight.shape[1]
     assert qweight.dtype == torch.int32 and qweight.shape[0] * PACK_FACTOR == k, (qweight.shape, x.shape)
     assert scales.shape == zeros.shape and scales.shape[1] == n and scales.stride(1) == 1 and zeros.stride(1) == 1
+    if config is None and m >= DEQUANTIZE_FROM_ROWS and x.dtype in (torch.bfloat16, torch.float16):
+        return x @ w4a16_dequantize(qweight, scales, zeros, group_size, g_idx, x.dtype)
     x = x.contiguous()
     if config is None:
         pick = skinny_config if m <= SKINNY_MAX_ROWS else w4a16_config

@@ -25,7 +25,7 @@ import radixserve.kernels.w4a16_gemm as w4a16_module  # noqa: E402
 from radixserve.kernels.fp8_block_gemm import fp8_block_gemm  # noqa: E402
 from radixserve.kernels.fp8_skinny_gemm import MAX_ROWS, fp8_skinny_config, w8a16_gemm  # noqa: E402
 from radixserve.kernels.w4a16_gemm import (SKINNY_MAX_ROWS as W4A16_SKINNY_MAX_ROWS, SkinnyConfig,  # noqa: E402
-                                           W4A16Config, skinny_config, w4a16_gemm)
+                                           W4A16Config, skinny_config, w4a16_dequantize, w4a16_gemm)
 from radixserve.model_runner.quantization.fp8 import (FP8_DTYPE, SKINNY_MAX_ROWS, ActivationScheme,  # noqa: E402
                                                       Fp8Weight, fp8_linear, quantize_per_row)
 from radixserve.model_runner.quantization.int4 import Int4Weight, pack_rows  # noqa: E402
@@ -165,6 +165,38 @@ def test_measured_skinny_rows_are_taken_by_row_count(monkeypatch):
     assert skinny_config(1, 4096, 4096, 128, False, 132) != rows[0][1]
 
 
+@pytest.mark.parametrize("act_order", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_w4a16_dequantize_writes_the_weight_the_gemms_read(act_order, dtype):
+    """`w4a16_dequantize` (the large-row path's weight) against the float64 dequantization, within one rounding to
+    `dtype` (one ulp: the Triton interpreter's float32 to bfloat16 conversion truncates where the GPU's rounds)."""
+    n, k = 160, 384
+    weight = random_int4(n, k, 64, act_order, dtype)
+    eye = torch.eye(k, device=DEVICE, dtype=torch.float64)
+    expected = reference_int4(eye, weight)  # [K, N]: W.T in float64
+    out = w4a16_dequantize(weight.qweight, weight.scales, weight.zeros, 64, weight.g_idx, dtype)
+    assert out.shape == (k, n) and out.dtype == dtype
+    torch.testing.assert_close(out.double(), expected, rtol=2**-23 if dtype == torch.float32 else 2**-7, atol=0)
+
+
+def test_w4a16_gemm_multiplies_the_dequantized_weight_from_its_row_threshold(monkeypatch):
+    """16-bit calls from `DEQUANTIZE_FROM_ROWS` rows take the dequantized weight (the product equals `x @ W.T` on
+    the weight `w4a16_dequantize` writes); fewer rows and float32 calls keep the Triton kernels."""
+    n, k, dtype = 64, 256, torch.bfloat16
+    weight = random_int4(n, k, 128, False, dtype)
+    monkeypatch.setattr(w4a16_module, "DEQUANTIZE_FROM_ROWS", 4)
+    x = torch.randn(5, k, device=DEVICE).to(dtype)
+    dense = w4a16_dequantize(weight.qweight, weight.scales, weight.zeros, 128, None, dtype)
+    torch.testing.assert_close(w4a16_gemm(x, weight.qweight, weight.scales, weight.zeros, 128), x @ dense,
+                               rtol=0, atol=0)
+    assert_close(w4a16_gemm(x, weight.qweight, weight.scales, weight.zeros, 128), reference_int4(x, weight), 2e-2)
+    calls = []
+    monkeypatch.setattr(w4a16_module, "w4a16_dequantize", lambda *args: calls.append(args))
+    w4a16_gemm(x[:3], weight.qweight, weight.scales, weight.zeros, 128)
+    w4a16_gemm(x.float(), weight.qweight, weight.scales.float(), weight.zeros.float(), 128)
+    assert calls == []
+
+
 def test_int4_layout_dequantizes_and_narrows_as_the_kernel_reads_it():
     weight = random_int4(64, 256, 64, False, torch.float32)
     x = torch.randn(2, 256, generator=torch.Generator().manual_seed(3)).to(DEVICE)
@@ -294,7 +326,7 @@ def test_fp8_linear_per_channel_matches_its_quantized_operands(activation):
 
 
 @pytest.mark.skipif(not ON_GPU, reason="bfloat16 at Llama-3.1-8B shapes and CUDA graphs need a GPU")
-@pytest.mark.parametrize("m", [1, 16, 256])
+@pytest.mark.parametrize("m", [1, 16, 256, 1024])
 @pytest.mark.parametrize("n, k", LLAMA_8B_SHAPES)
 def test_gpu_kernels_at_llama_8b_shapes(m, n, k):
     x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
