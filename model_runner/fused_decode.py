@@ -9,8 +9,9 @@ layers' bit for bit (tests/model_runner/test_fused_decode.py), and the Python is
 `use_fused_decode_layers` installs it on a model whose every layer is a Llama, Qwen2 (q/k/v biases) or Qwen3 (per-head
 q/k norms) decoder layer with the gated MLP, no sinks and no sliding window, with all four projections on GGUF blocks
 (model_runner/cpu/gguf_linear.py), on one rank. A batch takes it when it has fewer than `DENSE_FROM` tokens
-(below that the blocks compute every projection; from there the float linears kept for prefill take over), asks for
-every token's hidden state, and the CPU attention backend planned it for its kernel; any other batch runs the layers.
+(below that the blocks compute every projection, on the default's path as with `--quantization gguf`; from there the
+default's float linears take over), asks for every token's hidden state, and the CPU attention backend planned it for
+its kernel; any other batch runs the layers.
 """
 
 from __future__ import annotations
