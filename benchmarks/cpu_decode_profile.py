@@ -9,7 +9,8 @@ prompt tokens decoding `--output-len` tokens greedily, as the one-stream cell of
 
 Two passes of the same request: the first untimed inside (the step's wall time alone), the second with a timer around
 every part, whose own cost (a few microseconds per call, ~250 calls a step) shows as the difference of the two step
-times. Each part is reported per decode step in milliseconds, medians over the steps. The server adds the ZMQ hops
+times. Where the model runs every layer in one C++ call (GGUF blocks, model_runner/fused_decode.py), the first pass
+runs as served, and a second untimed pass and the timed one run the layers one by one, so that the parts show. Each part is reported per decode step in milliseconds, medians over the steps. The server adds the ZMQ hops
 and the detokenizer on top: compare `step` with the server's ITL (`cpu_vs_llamacpp.sh`).
 """
 
@@ -149,10 +150,17 @@ def main() -> None:
     decode_steps(driver, prompt, 8, None)  # warm-up
 
     plain = decode_steps(driver, prompt, args.output_len, None)
+    # The parts are timed on the layers one by one: a model that runs them in one C++ call
+    # (model_runner/fused_decode.py) has that turned off for the other passes, whose untimed step is reported beside.
+    inner = driver.runner.model.model
+    fused, inner.fused_decode = getattr(inner, "fused_decode", None), None
+    layers_plain = decode_steps(driver, prompt, args.output_len, None) if fused is not None else plain
     timers = PartTimers()
     instrument(driver, timers)
     timed = decode_steps(driver, prompt, args.output_len, timers)
     timers.restore()
+    if fused is not None:
+        inner.fused_decode = fused
     with profiled(args.top):
         decode_steps(driver, prompt, min(args.output_len, 32), None)
     driver.close()
@@ -167,7 +175,9 @@ def main() -> None:
         "mode": args.mode, "cpu_isa": cpu_build.cpu_isa(), "load_average": os.getloadavg(),
         "threads": statistics.median(s["threads"] for s in timed), "input_len": args.input_len,
         "output_len": args.output_len,
-        "step_ms": median_ms(plain, "step"), "timed_step_ms": median_ms(timed, "step"), "forward_ms": forward,
+        "fused_decode": fused is not None, "step_ms": median_ms(plain, "step"),
+        "layers_step_ms": median_ms(layers_plain, "step"), "timed_step_ms": median_ms(timed, "step"),
+        "forward_ms": forward,
         "parts_ms": parts, "forward_other_ms": forward - inside,
         "outside_forward_ms": median_ms(timed, "step") - forward - parts["sampling"],
     }
@@ -175,8 +185,10 @@ def main() -> None:
           f"load average {' '.join(f'{x:.2f}' for x in record['load_average'])}; {args.mode}, {args.input_len} in / "
           f"{args.output_len} out, medians per decode step")
     print(f"{'part':<60}{'ms':>8}")
-    rows = [("step, untimed", record["step_ms"]), ("step, timed", record["timed_step_ms"]),
-            ("  forward", forward)]
+    rows = [("step, untimed" + (" (every layer in one C++ call)" if fused is not None else ""), record["step_ms"])]
+    if fused is not None:
+        rows.append(("step, untimed, the layers one by one (split below)", record["layers_step_ms"]))
+    rows += [("step, timed", record["timed_step_ms"]), ("  forward", forward)]
     names = {"linears": "linears (projections)", "lm_head": "LM head (logits)", "attention_plan": "attention plan"}
     rows += [(f"    {names.get(part, part)}", parts[part]) for part in PARTS[:-1]]
     rows += [("    rest of the forward (the layers' Python, splits, views)", record["forward_other_ms"]),
