@@ -56,9 +56,11 @@ def make_decode_wrapper(workspace: torch.Tensor, use_tensor_cores: bool) -> Any:
     return flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=use_tensor_cores)
 
 
-# The head sizes FlashInfer's FA3 (Hopper) prefill kernels are built for; other sizes prefill on FA2 (whose own
-# kernels start at 64).
+# The head sizes FlashInfer's FA3 (Hopper) prefill kernels are built for; other sizes prefill on FA2.
 FA3_HEAD_DIMS = (64, 128, 256)
+# FA2's smallest head size: below it its prefill finds no valid tile (fewer than four 16-wide MMA columns a head) and
+# fails at its first plan with "Invalid configuration".
+MIN_HEAD_DIM = 64
 
 
 def fa3_available(device: torch.device, dtype: torch.dtype, head_dim: int = 128) -> bool:

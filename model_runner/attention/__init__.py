@@ -37,6 +37,12 @@ def create_attention_backend(name: str, runner: "RunnerParts | None" = None) -> 
     if config.layer_kv_shapes and name == "flashinfer":
         raise ValueError("the flashinfer attention backend plans one KV shape for every layer, and this model's "
                          "layers differ; use the triton or torch_native attention backend")
+    if name == "flashinfer":
+        from radixserve.kernels.flashinfer_wrappers import MIN_HEAD_DIM
+
+        if config.head_dim < MIN_HEAD_DIM:
+            raise ValueError(f"the flashinfer attention backend has no kernels for this model's head size of "
+                             f"{config.head_dim} (its smallest is {MIN_HEAD_DIM}); use the triton attention backend")
     if config.layer_kv_shapes:  # the Triton scratch holds the widest layer's heads
         shape = (shape[0], shape[1], max(head_dim for _, head_dim in config.layer_kv_shapes))
     refusal = device_refusal(name, runner.device.type)

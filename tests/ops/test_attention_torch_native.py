@@ -137,3 +137,21 @@ def test_factory():
         create_attention_backend("no_such_backend", None)
     with pytest.raises(ValueError, match="ModelRunner"):
         create_attention_backend("flashinfer", None)
+
+
+def test_flashinfer_refuses_a_head_size_below_its_kernels(tiny_model_dir):
+    """FlashInfer's kernels start at a head size of 64: a model with smaller heads is refused by name, before the
+    device is looked at; at 64 the refusal left on a CPU is the device's."""
+    from radixserve.model_runner.model_runner import ModelRunner
+    from radixserve.model_runner.runner_config import RunnerConfig
+    from radixserve.runtime.wire.server_args import ServerArgs
+
+    def runner(head_dim: int) -> ModelRunner:
+        return ModelRunner(RunnerConfig.from_server_args(ServerArgs(
+            model_path=tiny_model_dir("llama", head_dim=head_dim), device="cpu", max_total_tokens=256,
+            max_running_requests=2)))
+
+    with pytest.raises(ValueError, match="head size of 16 .its smallest is 64.; use the triton attention backend"):
+        create_attention_backend("flashinfer", runner(16))
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        create_attention_backend("flashinfer", runner(64))

@@ -324,7 +324,8 @@ needs_two_gpus = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.
 def test_sharded_tiny_models_on_two_gpus_equal_transformers(tiny_model_dir):
     """NCCL: the sharded runners on two GPUs (eager) give Hugging Face's greedy ids."""
     dirs = [tiny_model_dir(arch, **overrides) for arch, overrides in TINY_CONFIGS.values()]
-    sharded = _run_group(2, dirs, device="cuda")
+    # Triton attention: FlashInfer has neither float32 nor kernels for the tiny models' head size of 16.
+    sharded = _run_group(2, dirs, device="cuda", attention_backend="triton")
     for name, model_dir, tp2 in zip(TINY_CONFIGS, dirs, sharded):
         assert tp2 == _hf_greedy(model_dir, _prompts(_config_vocab(model_dir))), name
 
