@@ -10,8 +10,9 @@ prompt tokens decoding `--output-len` tokens greedily, as the one-stream cell of
 Two passes of the same request: the first untimed inside (the step's wall time alone), the second with a timer around
 every part, whose own cost (a few microseconds per call, ~250 calls a step) shows as the difference of the two step
 times. Where the model runs every layer in one C++ call (GGUF blocks, model_runner/fused_decode.py), the first pass
-runs as served, and a second untimed pass and the timed one run the layers one by one, so that the parts show. Each part is reported per decode step in milliseconds, medians over the steps. The server adds the ZMQ hops
-and the detokenizer on top: compare `step` with the server's ITL (`cpu_vs_llamacpp.sh`).
+runs as served, and a second untimed pass and the timed one run the layers one by one, so that the parts show. Each
+part is reported per decode step in milliseconds, medians over the steps. The server adds the ZMQ hops and the
+detokenizer on top: compare `step` with the server's ITL (`cpu_vs_llamacpp.sh`).
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 // Every decoder layer of a Llama-family model (Llama, Qwen2's q/k/v biases, Qwen3's per-head q/k norms) on GGUF
-// blocks in one call, for batches of a few tokens (decode): the same
-// kernels the Python layers call (rms_norm, gguf_linear, rotary, paged_attention, silu_and_mul of this library), in
-// the same order on the same tensors, reached through the dispatcher from C++ (each typed as its kernel is declared). A decode step of a small model on
-// two cores spends about as long in the layers' Python around its kernels (argument checks, splits and views, the
-// attention backend's bookkeeping) as in its attention and norms together; here that is one call per step.
+// blocks in one call, for batches of a few tokens (decode): the same kernels the Python layers call (rms_norm,
+// gguf_linear, rotary, paged_attention, silu_and_mul of this library), in the same order on the same tensors, reached
+// through the dispatcher from C++ (each typed as its kernel is declared). A decode step of a small model on two cores
+// spends about as long in the layers' Python around its kernels (argument checks, splits and views, the attention
+// backend's bookkeeping) as in its attention and norms together; here that is one call per step.
 // model_runner/fused_decode.py decides when a batch may take it; its output equals the layers' bit for bit.
 
 #include <ATen/ATen.h>
@@ -89,9 +89,9 @@ Pair decode_layers(const at::Tensor& hidden_in, const at::Tensor& positions, at:
       k = rms_norm.call(k, w[8], eps);
     }
     const auto [q_rot, k_rot] = rotary.call(positions, q, k, cos, sin);
-    const at::Tensor out = attention.call(q_rot, k_buffers[l], v_buffers[l], k_rot, v, plan[0], plan[1], plan[2], plan[3],
-                                          plan[4], plan[5], plan[6], plan[7], plan[8], plan[9], scale, lse, amx,
-                                          row_invariant);
+    const at::Tensor out = attention.call(q_rot, k_buffers[l], v_buffers[l], k_rot, v, plan[0], plan[1], plan[2],
+                                          plan[3], plan[4], plan[5], plan[6], plan[7], plan[8], plan[9], scale, lse,
+                                          amx, row_invariant);
     const at::Tensor o = linear.call(out.reshape({tokens, q_size}), w[3], t[1], no_bias, bits[1]);
     std::tie(x, residual) = add_rms_norm.call(o, residual, w[4], eps);
     const at::Tensor gate_up = linear.call(x, w[5], t[2], no_bias, bits[2]);

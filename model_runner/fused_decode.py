@@ -71,8 +71,6 @@ class FusedDecodeLayers:
                 or pool.k_buffer[0].dtype != torch.float32):
             return None
         buffers = [pool.get_kv_buffer(layer_id) for layer_id in self.layer_ids]
-        if self.rotary.cos.device != positions.device:
-            self.rotary.cos, self.rotary.sin = self.rotary.cos.to(positions.device), self.rotary.sin.to(positions.device)
         hidden, residual = torch.ops.radixserve_cpu.decode_layers(
             hidden, positions, self.weights, self.types, self.activation_bits, self.rotary.cos, self.rotary.sin,
             [k for k, _ in buffers], [v for _, v in buffers],

@@ -34,12 +34,12 @@ def create_attention_backend(name: str, runner: "RunnerParts | None" = None) -> 
         raise ValueError(f"the {name} attention backend is built for a ModelRunner; none was given")
     config = runner.model_config
     shape = (runner.head_layout.num_heads, runner.head_layout.num_kv_heads, config.head_dim)  # this rank's heads
-    if config.layer_kv_shapes and name == "flashinfer":
-        raise ValueError("the flashinfer attention backend plans one KV shape for every layer, and this model's "
-                         "layers differ; use the triton or torch_native attention backend")
     if name == "flashinfer":
         from radixserve.kernels.flashinfer_wrappers import MIN_HEAD_DIM
 
+        if config.layer_kv_shapes:
+            raise ValueError("the flashinfer attention backend plans one KV shape for every layer, and this model's "
+                             "layers differ; use the triton or torch_native attention backend")
         if config.head_dim < MIN_HEAD_DIM:
             raise ValueError(f"the flashinfer attention backend has no kernels for this model's head size of "
                              f"{config.head_dim} (its smallest is {MIN_HEAD_DIM}); use the triton attention backend")
