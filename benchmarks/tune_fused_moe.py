@@ -37,8 +37,8 @@ SPACE = {"BLOCK_M": (16, 32, 64, 128), "BLOCK_N": (64, 128), "BLOCK_K": (64, 128
          "num_stages": (3, 4)}
 # The matrix-vector loops feed no tl.dot, which Triton's software pipelining stages loads for: their bytes in flight
 # come mostly from BLOCK_K and the number of programs (BLOCK_N), which the space varies rather than num_stages.
-DECODE_SPACE = {"BLOCK_N": (8, 16, 32), "DOWN_BLOCK_N": (4, 8, 16), "BLOCK_K": (128, 256, 512), "num_warps": (4, 8),
-                "num_stages": (3,)}
+DECODE_SPACE = {"BLOCK_N": (8, 16, 32), "BLOCK_K": (128, 256, 512), "DOWN_BLOCK_N": (2, 4, 8),
+                "DOWN_BLOCK_K": (128, 256), "num_warps": (4, 8), "num_stages": (3,)}
 GRAPH_CALLS = 8
 
 

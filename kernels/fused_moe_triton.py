@@ -25,10 +25,11 @@ reduced dimension contiguous (coalesced loads of `w13 [E, 2I, H]` and `w2 [E, H,
 
 1. `_decode_gate_up_kernel`: per pair and `BLOCK_N` intermediate columns, the expert's `[BLOCK_N, H]` gate and up
    rows times the token's row, the same activation as the aligned path, stored as the pair's row of `[T * top_k, I]`;
-2. `_decode_down_kernel`: per token and `DOWN_BLOCK_N` hidden columns, the sum over the token's `top_k` slots, in
-   slot order, of the routing weight times the expert's down rows times the slot's activations (plus the weighted
-   down bias), in float32, stored once as the token's row of the output. Each output element is summed by one
-   program in a fixed order: no atomics, and the same result every run.
+2. `_decode_down_kernel`: per token and `DOWN_BLOCK_N` hidden columns, the sum over the token's `top_k` slots of
+   the routing weight times the expert's down rows times the slot's activations (plus the weighted down bias), in
+   float32, stored once as the token's row of the output. Every slot's rows stream together, `DOWN_BLOCK_K` of the
+   intermediate dimension at a time. Each output element is summed by one program in a fixed order: no atomics, and
+   the same result every run.
 
 The aligned path reads an expert's weights once per `BLOCK_M` rows of its run; the decode path once per pair. Pairs
 of one token visit distinct experts, so at one token nothing is read twice; with more tokens, experts repeat and the
@@ -243,37 +244,40 @@ def _decode_gate_up_kernel(
 @triton.jit
 def _decode_down_kernel(
     Inter, W2, B2, Out, TopkWeights, TopkIds,
-    top_k, hidden, intermediate,
+    hidden, intermediate,
     stride_inter, stride_we, stride_wn, stride_wk, stride_be, stride_out,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+    TOP_K: tl.constexpr, SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):
-    """Program (token, block of hidden columns): the sum over the token's slots, in slot order, of the routing weight
-    times the expert's `[BLOCK_N, I]` down rows times the slot's activations (and times its down bias, with
-    HAS_BIAS). One loop runs over (slot, K chunk), so the loads of every slot pipeline as one stream. Slots of weight 0
-    read nothing."""
+    """Program (token, block of hidden columns): the sum over the token's slots of the routing weight times the
+    expert's `[BLOCK_N, I]` down rows times the slot's activations (and times its down bias, with HAS_BIAS). Each
+    iteration loads one `BLOCK_K` chunk of every slot at once, a `[SLOTS, BLOCK_N, BLOCK_K]` tile (`SLOTS`: `TOP_K`
+    rounded up to a power of two), so the loads of all the token's experts are in flight together; the per-slot sums
+    are weighted and added once, after the loop. Slots of weight 0 read nothing."""
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < hidden
+    slots = tl.arange(0, SLOTS)
+    pairs = token * TOP_K + slots
+    slot_ok = slots < TOP_K
+    experts = tl.load(TopkIds + pairs, mask=slot_ok, other=0).to(tl.int64)
+    weights = tl.load(TopkWeights + pairs, mask=slot_ok, other=0.0)
+    live = slot_ok & (weights != 0.0)  # a slot of weight 0 has nothing to read
     ks = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    bias = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    chunks = tl.cdiv(intermediate, BLOCK_K)
-    for step in range(0, top_k * chunks):
-        slot = step // chunks
-        k_idx = (step % chunks) * BLOCK_K + ks
-        pair = token * top_k + slot
-        expert = tl.load(TopkIds + pair).to(tl.int64)
-        weight = tl.load(TopkWeights + pair)
-        k_ok = k_idx < tl.where(weight != 0.0, intermediate, 0)  # a slot of weight 0 has nothing to read
-        a = tl.load(Inter + pair * stride_inter + k_idx, mask=k_ok, other=0.0).to(tl.float32) * weight
-        w = tl.load(W2 + expert * stride_we + cols[:, None] * stride_wn + k_idx[None, :] * stride_wk,
-                    mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-        acc += w.to(tl.float32) * a[None, :]
-        if HAS_BIAS:
-            if step % chunks == 0:
-                bias_ok = cols < tl.where(weight != 0.0, hidden, 0)
-                bias += weight * tl.load(B2 + expert * stride_be + cols, mask=bias_ok, other=0.0).to(tl.float32)
-    out = tl.sum(acc, axis=1) + bias
+    a_ptrs = Inter + pairs[:, None] * stride_inter + ks[None, :]
+    w_ptrs = W2 + experts[:, None, None] * stride_we + cols[None, :, None] * stride_wn + ks[None, None, :] * stride_wk
+    rows_ok = live[:, None, None] & col_ok[None, :, None]
+    per_slot = tl.zeros((SLOTS, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, intermediate, BLOCK_K):
+        k_ok = k0 + ks < intermediate
+        a = tl.load(a_ptrs, mask=live[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        w = tl.load(w_ptrs, mask=rows_ok & k_ok[None, None, :], other=0.0).to(tl.float32)
+        per_slot += tl.sum(w * a[:, None, :], axis=2)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K * stride_wk
+    if HAS_BIAS:
+        per_slot += tl.load(B2 + experts[:, None] * stride_be + cols[None, :], mask=live[:, None] & col_ok[None, :],
+                            other=0.0).to(tl.float32)
+    out = tl.sum(per_slot * weights[:, None], axis=0)
     tl.store(Out + token * stride_out + cols, out.to(Out.dtype.element_ty), mask=col_ok)
 
 
@@ -291,8 +295,8 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
 
     `path`: "auto" chooses by `use_decode_path`; "aligned" or "decode" forces one (benchmarks and tests compare them).
     `config`: the block sizes of the path that runs (default: kernels/fused_moe_configs.py's tables; the aligned
-    path's keys are `BLOCK_M`, `BLOCK_N`, `BLOCK_K`, the decode path's `BLOCK_N`, `DOWN_BLOCK_N`, `BLOCK_K`, both with
-    `num_warps` and `num_stages`).
+    path's keys are `BLOCK_M`, `BLOCK_N`, `BLOCK_K`, the decode path's `BLOCK_N`, `BLOCK_K`, `DOWN_BLOCK_N`,
+    `DOWN_BLOCK_K`, both with `num_warps` and `num_stages`).
     """
     num_tokens, hidden_size = hidden.shape
     num_experts, _, intermediate = w2.shape
@@ -388,8 +392,9 @@ def _decode(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, pair_weig
     )
     _decode_down_kernel[(num_tokens, triton.cdiv(hidden_size, config["DOWN_BLOCK_N"]))](
         inter, w2, w2_bias if has_bias else w2, out, pair_weights, pair_ids,
-        top_k, hidden_size, intermediate,
+        hidden_size, intermediate,
         inter.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), w2_bias.stride(0) if has_bias else 0,
         out.stride(0),
-        BLOCK_N=config["DOWN_BLOCK_N"], BLOCK_K=config["BLOCK_K"], HAS_BIAS=has_bias, **launch,
+        TOP_K=top_k, SLOTS=triton.next_power_of_2(top_k), BLOCK_N=config["DOWN_BLOCK_N"],
+        BLOCK_K=config["DOWN_BLOCK_K"], HAS_BIAS=has_bias, **launch,
     )

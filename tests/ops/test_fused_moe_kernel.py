@@ -99,7 +99,7 @@ def test_default_block_sizes_run_and_the_table_is_consulted():
     assert fused_moe_configs.block_config(1, 8, 32, 64, "bfloat16", table)["BLOCK_M"] == 16  # the defaults
 
 
-DECODE_CONFIG = {"BLOCK_N": 16, "DOWN_BLOCK_N": 16, "BLOCK_K": 16, "num_warps": 4, "num_stages": 2}
+DECODE_CONFIG = {"BLOCK_N": 16, "BLOCK_K": 16, "DOWN_BLOCK_N": 16, "DOWN_BLOCK_K": 16, "num_warps": 4, "num_stages": 2}
 
 
 def routed_with_shared_experts(num_tokens: int, num_experts: int, top_k: int, hidden: int, seed: int):
