@@ -147,5 +147,5 @@ class PrefixCache(ABC):
         return None
 
     def lower_tiers(self) -> Optional[Any]:
-        """Host and disk tier figures (`hiradix.LowerTierInfo`); None when the cache has no lower tier."""
+        """Host and disk tier figures (`stats.LowerTierInfo`); None when the cache has no lower tier."""
         return None

@@ -11,7 +11,7 @@ import torch
 
 from radixserve.radix_cache.disk_store import DiskRef
 from radixserve.radix_cache.eviction import EvictionQueue
-from radixserve.radix_cache.tree import TreeNode
+from radixserve.radix_cache.node import TreeNode
 
 
 class HiTreeNode(TreeNode):

@@ -28,8 +28,9 @@ from typing import Any, Optional
 import torch
 
 from radixserve.radix_cache.base import MatchResult
+from radixserve.radix_cache.node import TreeNode
 from radixserve.radix_cache.state_pool import StatePool
-from radixserve.radix_cache.tree import RadixCache, TreeNode
+from radixserve.radix_cache.tree import RadixCache
 
 NO_SNAPSHOT = -1
 

@@ -35,8 +35,8 @@ from radixserve.radix_cache.hinode import HiTreeNode
 from radixserve.radix_cache.hiradix import HiRadixCache
 from radixserve.radix_cache.host_pool import HostKVPool
 from radixserve.radix_cache.hybrid import NO_SNAPSHOT, HybridRadixCache
+from radixserve.radix_cache.node import TreeNode
 from radixserve.radix_cache.state_pool import HostStatePool, StatePool
-from radixserve.radix_cache.tree import TreeNode
 
 
 class HybridHiTreeNode(HiTreeNode):

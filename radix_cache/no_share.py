@@ -12,8 +12,8 @@ from typing import Any
 import torch
 
 from radixserve.radix_cache.base import MatchResult, PrefixCache
+from radixserve.radix_cache.node import TreeNode
 from radixserve.radix_cache.stats import CacheStats
-from radixserve.radix_cache.tree import TreeNode
 
 
 class NoShareCache(PrefixCache):

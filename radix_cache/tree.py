@@ -9,7 +9,7 @@ whole number of pages, so with `page_size > 1` only whole pages are ever matched
 Ownership. The tree owns the slots of its nodes and frees them (on eviction and `reset`). A caller that inserts
 keeps ownership of the slots of the tokens that were already present (the return value of `insert`) and of any
 unaligned tail, and must free those itself; `cache_finished_req` and `cache_unfinished_req` do that on behalf of a
-request.
+request (tree_requests.py).
 
 Locking. A running request locks the last node of its prefix with `inc_lock_ref`, which raises `lock_ref` on
 every node up to the namespace root; locked nodes are never evicted. Tokens in nodes with `lock_ref == 0` count
@@ -27,40 +27,17 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from radixserve.radix_cache.base import MatchResult, PrefixCache
+from radixserve.radix_cache.base import MatchResult
 from radixserve.radix_cache.continuation import tree_continuation
 from radixserve.radix_cache.eviction import EvictionQueue
 from radixserve.radix_cache.keys import common_prefix_length
+from radixserve.radix_cache.node import TreeNode
 from radixserve.radix_cache.stats import CacheStats
+from radixserve.radix_cache.tree_check import check_tree
+from radixserve.radix_cache.tree_requests import RequestCaching
 
 
-class TreeNode:
-    """A run of tokens and their KV slots. Roots (the global one and each namespace's) have an empty key."""
-
-    __slots__ = ("children", "parent", "key", "value", "namespace", "lock_ref", "last_access", "hit_count", "heap_seq",
-                 "last_access_time")
-
-    def __init__(self, key: list, value: torch.Tensor, parent: Optional["TreeNode"], namespace: Optional[tuple]):
-        self.children: dict[Any, TreeNode] = {}
-        self.parent = parent
-        self.key = key
-        self.value = value
-        self.namespace = namespace
-        self.lock_ref = 0
-        self.last_access = 0  # logical clock: orders accesses exactly (LRU)
-        self.last_access_time = 0.0  # Unix time of that access, for people (tree_summary.py)
-        self.hit_count = 0  # matches through this node; a parent has at least its children's count
-        self.heap_seq = -1  # sequence number of this node's live entry in the eviction queue
-
-    def is_evictable_leaf(self) -> bool:
-        # `parent is None` on a non-root means the node was deleted.
-        return bool(self.key) and self.lock_ref == 0 and not self.children and self.parent is not None
-
-    def __repr__(self) -> str:
-        return f"TreeNode(len={len(self.key)}, lock_ref={self.lock_ref}, children={len(self.children)})"
-
-
-class RadixCache(PrefixCache):
+class RadixCache(RequestCaching):
     """Prefix cache over paged KV slots. See the module docstring for ownership and locking rules."""
 
     node_class = TreeNode  # the hierarchical cache's nodes also record their lower tiers
@@ -336,137 +313,10 @@ class RadixCache(PrefixCache):
         if self.eviction_listener is not None:
             self.eviction_listener.reset()
 
-    # ---- request-level operations --------------------------------------------------------------------
-    def cache_finished_req(self, req: Any, token_ids: list[int]) -> None:
-        """Hand a finished (or aborted, or retracted) request's KV to the tree and release its lock.
-
-        `token_ids` are the tokens whose KV is in `req_to_token[req.req_pool_idx, :len(token_ids)]`, the first
-        `len(req.prefix_indices)` of them the tree's slots (locked through `req.last_node`), the rest the request's
-        own. The page-aligned part is inserted; the request's own slots for tokens the tree already had, and its
-        unaligned tail page, are freed here. The request row itself is not freed. Call once per request.
-        """
-        own_start, num_aligned, row = self._request_slots(req, token_ids)
-        present = own_start
-        if num_aligned > 0:
-            present = self._insert(self._namespace_root(req.namespace, create=True), token_ids, num_aligned, row)
-            self._check_prefix_held(req, present, own_start)
-        self.allocator.free(torch.cat([row[own_start:present], row[num_aligned:]]))
-        self.dec_lock_ref(req.last_node)
-
-    def cache_unfinished_req(self, req: Any, token_ids: list[int]) -> None:
-        """Cache the KV a still-running request has computed so far (chunked prefill), keeping it locked.
-
-        Same inputs as `cache_finished_req`. Inserts the page-aligned part, frees the request's copies of tokens
-        the tree already had and writes the tree's slots into the request's row in their place, moves the lock to
-        the new last node, and sets `req.prefix_indices` (the tree's slots, length = the aligned part) and
-        `req.last_node`. The unaligned tail, `req_to_token[row, len(req.prefix_indices):len(token_ids)]`, stays
-        owned by the request.
-        """
-        own_start, num_aligned, row = self._request_slots(req, token_ids)
-        if num_aligned == own_start:
-            return  # no whole page beyond what the request already holds through the tree
-        ns_root = self._namespace_root(req.namespace, create=True)
-        present = self._insert(ns_root, token_ids, num_aligned, row)
-        self._check_prefix_held(req, present, own_start)
-        match = self._match(ns_root, token_ids, num_aligned, touch=False)
-        assert match.length == num_aligned, "an insert must be matchable right after it"
-        self._adopt_duplicates(row[own_start:present], match.indices[own_start:present])
-        self._free_duplicates(row[own_start:present])
-        req_row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
-        req_row[own_start:present] = match.indices[own_start:present].to(req_row.dtype)
-        self.inc_lock_ref(match.last_node)
-        self.dec_lock_ref(req.last_node)
-        req.prefix_indices = match.indices
-        req.last_node = match.last_node
-
-    def _adopt_duplicates(self, own_slots: torch.Tensor, tree_slots: torch.Tensor) -> None:
-        """Before a chunk's own copies of cached tokens are freed: what of them the tree's slots lack, the tree takes
-        (the window KV of a sliding-window model, radix_cache/swa.py); nothing here."""
-
-    def _free_duplicates(self, slots: torch.Tensor) -> None:
-        """Free a chunk's own slots for tokens the tree already had. The batch being built still writes them, which
-        is harmless: any later user of a freed slot is a later batch (the hierarchical cache defers these)."""
-        self.allocator.free(slots)
-
-    def _request_slots(self, req: Any, token_ids: list[int]) -> tuple[int, int, torch.Tensor]:
-        num_tokens = len(token_ids)
-        own_start = len(req.prefix_indices)
-        if own_start > num_tokens or own_start % self.page_size:
-            raise ValueError(f"prefix of {own_start} tokens does not fit {num_tokens} tokens in whole pages")
-        row = self.req_to_token_pool.req_to_token[req.req_pool_idx, :num_tokens].to(torch.int64, copy=True)
-        return own_start, num_tokens - num_tokens % self.page_size, row
-
-    @staticmethod
-    def _check_prefix_held(req: Any, present: int, own_start: int) -> None:
-        # The request's prefix is locked, hence still in the tree: anything else means its prefix_indices,
-        # last_node or namespace do not describe the same tokens, and freeing would corrupt ownership.
-        if present < own_start:
-            raise AssertionError(f"request prefix of {own_start} tokens is not in the tree (found {present})")
-
     # ---- invariants ----------------------------------------------------------------------------------
     def check_invariants(self, held_slots: int = 0) -> None:
-        """Raise AssertionError unless the tree and the slot accounting are consistent.
-
-        `held_slots`: slots owned only by running requests (their own pages, in whole pages, not in the tree).
-        Checks `allocator.size == free + evictable + protected + held`, lock counts, key/value shapes, links,
-        the evictable/protected counters and the eviction queue against a full recomputation.
-        """
-        def require(ok: bool, message: str) -> None:
-            if not ok:
-                raise AssertionError(f"radix cache invariant violated: {message}")
-
-        page_size = self.page_size
-        root = self.root
-        require(root.parent is None and not root.key and root.lock_ref == 0, "malformed global root")
-        evictable = protected = num_nodes = 0
-        values, evictable_leaves = [], set()
-        for namespace, ns_root in root.children.items():
-            require(type(namespace) is tuple, f"namespace key {namespace!r} is not a tuple")
-            require(ns_root.parent is root and ns_root.namespace == namespace and not ns_root.key,
-                    f"malformed root of namespace {namespace!r}")
-            require(ns_root.lock_ref == 0, f"root of namespace {namespace!r} is locked")
-            require(bool(ns_root.children), f"namespace {namespace!r} is empty but still in the tree")
-            stack = [ns_root]
-            while stack:
-                parent = stack.pop()
-                for first, node in parent.children.items():
-                    num_nodes += 1
-                    stack.append(node)
-                    key_len = len(node.key)
-                    require(node.parent is parent, f"{node!r} does not point back to its parent")
-                    require(node.namespace == namespace, f"{node!r} is tagged with another namespace")
-                    require(key_len > 0 and key_len % page_size == 0, f"key of {key_len} tokens is not whole pages")
-                    require(len(node.value) == key_len, f"{node!r} has {len(node.value)} slots for {key_len} tokens")
-                    expected = node.key[0] if page_size == 1 else tuple(node.key[:page_size])
-                    require(first == expected, f"{node!r} is filed under {first!r}, not its first page")
-                    require(node.lock_ref >= 0, f"{node!r} has a negative lock_ref")
-                    require(not parent.key or parent.lock_ref >= node.lock_ref,
-                            f"{node!r} is locked more often than its parent")
-                    if node.lock_ref:
-                        protected += key_len
-                    else:
-                        evictable += key_len
-                    if node.is_evictable_leaf():
-                        evictable_leaves.add(node)
-                    values.append(node.value)
-        require(num_nodes == self._num_nodes, f"node count {self._num_nodes} != {num_nodes} found")
-        require(evictable == self._evictable, f"evictable_size {self._evictable} != {evictable} recomputed")
-        require(protected == self._protected, f"protected_size {self._protected} != {protected} recomputed")
-        queued = self._queue.live_nodes()
-        require(len(queued) == len(set(queued)) and set(queued) == evictable_leaves,
-                "eviction queue does not hold exactly the evictable leaves")
-        if values:
-            slots = torch.cat(values).cpu()
-            require(int(slots.min()) >= page_size, "the tree holds a slot of the dummy page")
-            require(len(torch.unique(slots)) == len(slots), "a KV slot is held twice in the tree")
-            if page_size > 1:
-                pages = slots.view(-1, page_size)
-                require(bool((pages[:, 0] % page_size == 0).all()) and bool((pages.diff(dim=1) == 1).all()),
-                        "a node value is not made of whole pages")
-        free = self.allocator.available_size()
-        require(self.allocator.size == free + evictable + protected + held_slots,
-                f"slot accounting: size {self.allocator.size} != free {free} + evictable {evictable} "
-                f"+ protected {protected} + held {held_slots}")
+        """The tree and the slot accounting; see tree_check.py."""
+        check_tree(self, held_slots)
 
     # ---- helpers -------------------------------------------------------------------------------------
     def _namespace_root(self, namespace: tuple, create: bool) -> Optional[TreeNode]:

@@ -22,7 +22,7 @@ from typing import Any, Iterator, NamedTuple, Optional
 from radixserve.radix_cache.keys import common_prefix_length
 from radixserve.runtime.wire.cache_tree import CacheTier, CacheTreeNode, NamespaceTree, namespace_name
 
-TreeNode = Any  # radix_cache.tree.TreeNode (duck-typed so the no-share cache's bare root works too)
+TreeNode = Any  # radix_cache.node.TreeNode (duck-typed so the no-share cache's bare root works too)
 
 
 
