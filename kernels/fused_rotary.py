@@ -7,6 +7,11 @@ and every product and sum is rounded to it too (no fused multiply-adds), so the 
 bit. One launch replaces the torch path's two table gathers, two casts and the fourteen elementwise
 kernels of the two rotations.
 
+With `norms` (Qwen3's per-head q and k norms), each head is first normalized as kernels/fused_norm.py normalizes
+a row (float32 statistics, the normed value rounded to the activation dtype before the weight product, the product
+rounded too) and then rotated, in the same launch: a decoder layer's three launches (q norm, k norm, rotation) become
+one, and q and k are read once.
+
 The launch shape depends only on the tensor shapes and positions stay on the device, so the kernel can be
 captured in a CUDA graph. Without CUDA it runs only under the Triton interpreter (`TRITON_INTERPRET=1` set
 before `triton` is first imported).
@@ -23,17 +28,26 @@ import triton.language as tl
 
 @triton.jit
 def _rotate_heads(
-    X, Out, stride_head, stride_out_head, cos, sin,
+    X, Out, stride_head, stride_out_head, cos, sin, NormWeight, eps,
     NUM_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    HAS_NORM: tl.constexpr,
 ):
-    """Rotate the NUM_HEADS heads of one token (X and Out point at the token's first head)."""
+    """Rotate the NUM_HEADS heads of one token (X and Out point at the token's first head), each normalized first
+    with HAS_NORM."""
     heads = tl.arange(0, BLOCK_H)
     dims = tl.arange(0, BLOCK_HALF)
-    mask = (heads < NUM_HEADS)[:, None] & (dims < HALF)[None, :]
+    dim_ok = dims < HALF
+    mask = (heads < NUM_HEADS)[:, None] & dim_ok[None, :]
     first = X + heads[:, None] * stride_head + dims[None, :]
     x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(first + HALF, mask=mask, other=0.0).to(tl.float32)
     dtype = Out.dtype.element_ty
+    if HAS_NORM:
+        rstd = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps)[:, None]
+        w1 = tl.load(NormWeight + dims, mask=dim_ok, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(NormWeight + HALF + dims, mask=dim_ok, other=0.0).to(tl.float32)[None, :]
+        x1 = ((x1 * rstd).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
+        x2 = ((x2 * rstd).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
     # Each product is rounded before the sum, as the torch path's separate kernels round it.
     out1 = ((x1 * cos).to(dtype).to(tl.float32) - (x2 * sin).to(dtype).to(tl.float32)).to(dtype)
     out2 = ((x2 * cos).to(dtype).to(tl.float32) + (x1 * sin).to(dtype).to(tl.float32)).to(dtype)
@@ -44,12 +58,12 @@ def _rotate_heads(
 
 @triton.jit
 def _rotary_kernel(
-    Positions, Cos, Sin, Q, K, Q_out, K_out,
+    Positions, Cos, Sin, Q, K, Q_out, K_out, QNormWeight, KNormWeight, eps,
     stride_q_token, stride_q_head, stride_k_token, stride_k_head,
     stride_qo_token, stride_qo_head, stride_ko_token, stride_ko_head,
     stride_table_row,
     NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, HALF: tl.constexpr,
-    BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr, HAS_NORM: tl.constexpr,
 ):
     """One program per token: all of its q heads and k heads. A program reads everything it rotates
     before writing it, and tokens never share rows, so the outputs may alias the inputs."""
@@ -63,9 +77,9 @@ def _rotary_kernel(
     cos = cos.to(act_dtype).to(tl.float32)[None, :]
     sin = sin.to(act_dtype).to(tl.float32)[None, :]
     _rotate_heads(Q + token * stride_q_token, Q_out + token * stride_qo_token, stride_q_head, stride_qo_head,
-                  cos, sin, NUM_Q_HEADS, HALF, BLOCK_QH, BLOCK_HALF)
+                  cos, sin, QNormWeight, eps, NUM_Q_HEADS, HALF, BLOCK_QH, BLOCK_HALF, HAS_NORM)
     _rotate_heads(K + token * stride_k_token, K_out + token * stride_ko_token, stride_k_head, stride_ko_head,
-                  cos, sin, NUM_K_HEADS, HALF, BLOCK_KH, BLOCK_HALF)
+                  cos, sin, KNormWeight, eps, NUM_K_HEADS, HALF, BLOCK_KH, BLOCK_HALF, HAS_NORM)
 
 
 def apply_rotary(
@@ -77,9 +91,13 @@ def apply_rotary(
     *,
     out_q: Optional[torch.Tensor] = None,
     out_k: Optional[torch.Tensor] = None,
+    norms: Optional[tuple[torch.Tensor, torch.Tensor, float]] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate `q [T, Hq, D]` and `k [T, Hk, D]` by the angles of `positions [T]` (int32 or int64, each
     below the tables' row count; not checked on the device).
+
+    `norms = (q_weight, k_weight, eps)`: each head of q and of k is RMS-normalized over D with that weight `[D]`
+    (of q's dtype) before it rotates (see the module docstring).
 
     `cos`, `sin`: float32 `[max_positions, D // 2]` tables with a contiguous last dimension, on q's device.
     q and k may be strided views (e.g. slices of a fused qkv output) as long as their last dimension is
@@ -108,13 +126,18 @@ def apply_rotary(
     block_qh = triton.next_power_of_2(num_q_heads)
     block_kh = triton.next_power_of_2(num_k_heads)
     num_warps = 4 if block_qh * block_half <= 2048 else 8
+    q_weight, k_weight, eps = norms if norms is not None else (q, k, 0.0)  # the tensors are never read without norms
+    if norms is not None:
+        assert q_weight.shape == k_weight.shape == (head_dim,) and q_weight.dtype == k_weight.dtype == q.dtype
+        assert q_weight.is_contiguous() and k_weight.is_contiguous()
     _rotary_kernel[(num_tokens,)](
-        positions, cos, sin, q, k, out_q, out_k,
+        positions, cos, sin, q, k, out_q, out_k, q_weight, k_weight, float(eps),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         out_q.stride(0), out_q.stride(1), out_k.stride(0), out_k.stride(1),
         cos.stride(0),
         NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=num_k_heads, HALF=half,
-        BLOCK_QH=block_qh, BLOCK_KH=block_kh, BLOCK_HALF=block_half, num_warps=num_warps,
+        BLOCK_QH=block_qh, BLOCK_KH=block_kh, BLOCK_HALF=block_half, HAS_NORM=norms is not None,
+        num_warps=num_warps,
         # Left to itself the compiler contracts a product and the following sum into one fused multiply-add,
         # dropping the product's rounding; without that every step rounds as the torch path's kernels do.
         enable_fp_fusion=False,

@@ -55,6 +55,14 @@ def _torch_rotary(
     return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
+def _torch_head_norm_rotary(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor,
+    q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _torch_rotary(positions, _torch_rms_norm(q, q_weight, eps), _torch_rms_norm(k, k_weight, eps), cos_table,
+                         sin_table)
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     # Equals `x * [cos, cos] + rotate_half(x) * [sin, sin]` bit for bit (a + (-b) == a - b in IEEE).
     x1, x2 = x.chunk(2, dim=-1)
@@ -70,15 +78,19 @@ class Ops(NamedTuple):
     - `silu_and_mul(gate_up)`: `silu(gate) * up` for `gate_up = [..., 2 * I]` laid out `[gate | up]`.
     - `rotary(positions, q, k, cos_table, sin_table)`: neox rotation of `q [T, Hq, D]`, `k [T, Hk, D]` by
       float32 tables `[max_positions, D/2]` indexed by `positions [T]`; returns `(q_rot, k_rot)`.
+    - `head_norm_rotary(positions, q, k, cos_table, sin_table, q_weight, k_weight, eps)`: `rotary` of
+      `rms_norm(q, q_weight, eps)` and `rms_norm(k, k_weight, eps)` over each head (Qwen3's q and k norms), weights
+      `[D]` of q's dtype.
     """
 
     rms_norm: Callable[..., torch.Tensor]
     add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
     rotary: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    head_norm_rotary: Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
-TORCH_OPS = Ops(_torch_rms_norm, _torch_add_rms_norm, _torch_silu_and_mul, _torch_rotary)
+TORCH_OPS = Ops(_torch_rms_norm, _torch_add_rms_norm, _torch_silu_and_mul, _torch_rotary, _torch_head_norm_rotary)
 
 
 @functools.cache
@@ -86,16 +98,24 @@ def fused_ops() -> Ops:
     """The Triton implementation (imported on first use, so CPU-only processes never import triton)."""
     from radixserve.kernels import fused_activation, fused_norm, fused_rotary
 
+    def head_norm_rotary(positions, q, k, cos, sin, q_weight, k_weight, eps):
+        return fused_rotary.apply_rotary(positions, q, k, cos, sin, norms=(q_weight, k_weight, eps))
+
     return Ops(fused_norm.rms_norm, fused_norm.fused_add_rms_norm, fused_activation.silu_and_mul,
-               fused_rotary.apply_rotary)
+               fused_rotary.apply_rotary, head_norm_rotary)
 
 
 @functools.cache
 def cpu_kernel_ops() -> Ops:
     """The C++ implementation (`torch.ops.radixserve_cpu`, loaded by `kernels/cpu_build.py`)."""
     ops = torch.ops.radixserve_cpu
+
+    def head_norm_rotary(positions, q, k, cos, sin, q_weight, k_weight, eps):
+        return tuple(ops.rotary(positions, ops.rms_norm(q, q_weight, eps), ops.rms_norm(k, k_weight, eps), cos, sin))
+
     return Ops(ops.rms_norm, lambda x, residual, weight, eps: tuple(ops.add_rms_norm(x, residual, weight, eps)),
-               ops.silu_and_mul, lambda positions, q, k, cos, sin: tuple(ops.rotary(positions, q, k, cos, sin)))
+               ops.silu_and_mul, lambda positions, q, k, cos, sin: tuple(ops.rotary(positions, q, k, cos, sin)),
+               head_norm_rotary)
 
 
 def ops_for(x: torch.Tensor) -> Ops:
@@ -269,7 +289,19 @@ class RotaryEmbedding:
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate `q [T, Hq, D]` and `k [T, Hk, D]` by the angles of `positions [T]`."""
-        if self.cos.device != positions.device:
-            self.cos = self.cos.to(positions.device)
-            self.sin = self.sin.to(positions.device)
+        self._tables_to(positions.device)
         return ops_for(q).rotary(positions, q, k, self.cos, self.sin)
+
+    def with_head_norms(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_norm: RMSNorm,
+                        k_norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """`self(positions, q_norm(q), k_norm(k))`, the norms over each head (one launch on CUDA)."""
+        if q_norm.eps != k_norm.eps or not q_norm.weight.dtype == k_norm.weight.dtype == q.dtype:
+            return self(positions, q_norm(q), k_norm(k))
+        self._tables_to(positions.device)
+        return ops_for(q).head_norm_rotary(positions, q, k, self.cos, self.sin, q_norm.weight, k_norm.weight,
+                                           q_norm.eps)
+
+    def _tables_to(self, device: torch.device) -> None:
+        if self.cos.device != device:
+            self.cos = self.cos.to(device)
+            self.sin = self.sin.to(device)

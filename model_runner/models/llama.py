@@ -42,8 +42,8 @@ class LlamaMLP(nn.Module):
 class LlamaAttention(nn.Module):
     """Self-attention with a fused QKV projection, RoPE, GQA and paged KV.
 
-    Subclasses change `qkv_bias` / `o_bias` or override `normalize_qk` (Qwen3's per-head norms) or `sink_logits`
-    (gpt-oss's attention sinks).
+    Subclasses change `qkv_bias` / `o_bias` or override `normalize_qk` (Gemma 3's per-head norms), `rotate_qk`
+    (Qwen3's per-head norms fused with RoPE) or `sink_logits` (gpt-oss's attention sinks).
     """
 
     qkv_bias_override: Optional[bool] = None  # None: follow config.attention_bias
@@ -70,6 +70,11 @@ class LlamaAttention(nn.Module):
         """Hook applied to `q [T, H, D]`, `k [T, Hkv, D]` before RoPE; identity for Llama."""
         return q, k
 
+    def rotate_qk(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k as attention reads them: `normalize_qk`, then RoPE (a subclass may fuse the two)."""
+        return self.rotary(positions, *self.normalize_qk(q, k))
+
     def sink_logits(self) -> Optional[torch.Tensor]:
         """Hook: each head's attention-sink logit (float32 `[heads]`, gpt-oss), None for Llama (no sinks)."""
         return None
@@ -88,8 +93,7 @@ class LlamaAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.normalize_qk(q, k)
-        q, k = self.rotary(positions, q, k)
+        q, k = self.rotate_qk(positions, q, k)
         out = attn_backend.forward(q, k, v, self.layer_id, self.scaling, batch, self.sliding_window,
                                    self.sink_logits())
         out = out.reshape(-1, self.q_size)

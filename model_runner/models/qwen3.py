@@ -1,4 +1,5 @@
-"""Qwen3 (dense): the Llama decoder plus an RMSNorm over each head of q and of k, applied before RoPE.
+"""Qwen3 (dense): the Llama decoder plus an RMSNorm over each head of q and of k, applied before RoPE (one launch
+with it on CUDA, `RotaryEmbedding.with_head_norms`).
 
 The projection biases follow `config.attention_bias` (false in released checkpoints).
 """
@@ -25,6 +26,10 @@ class Qwen3Attention(LlamaAttention):
 
     def normalize_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.q_norm(q), self.k_norm(k)
+
+    def rotate_qk(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rotary.with_head_norms(positions, q, k, self.q_norm, self.k_norm)
 
 
 class Qwen3DecoderLayer(LlamaDecoderLayer):

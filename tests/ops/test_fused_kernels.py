@@ -24,7 +24,7 @@ import triton.language as tl  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from radixserve.kernels import fused_activation, fused_norm, fused_rotary, kv_store  # noqa: E402
-from radixserve.model_runner.layers import TORCH_OPS, RotaryEmbedding, fused_ops, ops_for  # noqa: E402
+from radixserve.model_runner.layers import TORCH_OPS, RMSNorm, RotaryEmbedding, fused_ops, ops_for  # noqa: E402
 
 RUNS_HERE = ON_GPU or all(
     isinstance(fn, InterpretedFunction)
@@ -171,6 +171,47 @@ def test_rotary_in_place(dtype):
     _assert_rotary_close(q, expected_q, dtype)
     _assert_rotary_close(k, expected_k, dtype)
     assert torch.equal(v, v_before)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(6, 2, 40), (4, 4, 16), (5, 1, 64)])
+def test_rotary_with_head_norms_matches_norms_then_rotary(dtype, num_heads, num_kv_heads, head_dim):
+    """Qwen3's per-head q and k norms in the rotation's launch: against the torch reference (each norm, then the
+    rotation) and against the two Triton kernels run one after the other, on strided views of a fused qkv. The
+    norm's sum of squares runs in another order than the row kernel's, which may move a rounded value by one unit in
+    the last place, and the rotation then carries that unit."""
+    rotary = RotaryEmbedding(head_dim, max_positions=300, base=10000.0)
+    cos, sin = rotary.cos.to(DEVICE), rotary.sin.to(DEVICE)
+    _, q, k, _ = _qkv_views(7, num_heads, num_kv_heads, head_dim, dtype, seed=14)
+    q, k = q * 3, k * 3
+    q_weight, k_weight = _randn(head_dim, dtype=dtype, seed=15), _randn(head_dim, dtype=dtype, seed=16)
+    positions = torch.tensor([0, 1, 299, 17, 17, 128, 5], device=DEVICE)
+    eps = 1e-6
+    q_out, k_out = fused_ops().head_norm_rotary(positions, q, k, cos, sin, q_weight, k_weight, eps)
+    assert q_out.dtype == k_out.dtype == dtype and q_out.shape == q.shape and k_out.shape == k.shape
+    expected_q, expected_k = TORCH_OPS.head_norm_rotary(positions, q, k, cos, sin, q_weight, k_weight, eps)
+    _assert_close(q_out, expected_q, dtype)
+    _assert_close(k_out, expected_k, dtype)
+    two_q, two_k = fused_rotary.apply_rotary(positions, fused_norm.rms_norm(q, q_weight, eps),
+                                             fused_norm.rms_norm(k, k_weight, eps), cos, sin)
+    _assert_close(q_out, two_q, dtype)
+    _assert_close(k_out, two_k, dtype)
+    if dtype == torch.float32:  # nothing to round between the steps: equal up to the sums' order
+        torch.testing.assert_close(q_out, two_q, rtol=1e-6, atol=1e-6)
+
+
+def test_rotary_with_head_norms_of_other_eps_runs_each_norm():
+    """Norms of different eps (or weights of another dtype than q) take each norm's own call, then the rotation."""
+    rotary = RotaryEmbedding(16, max_positions=32, base=10000.0)
+    _, q, k, _ = _qkv_views(3, 4, 2, 16, torch.float32, seed=17)
+    q_norm, k_norm = RMSNorm(16, eps=1e-6).to(DEVICE), RMSNorm(16, eps=1e-5).to(DEVICE)
+    with torch.no_grad():
+        q_norm.weight.copy_(_randn(16, dtype=torch.float32, seed=18))
+        k_norm.weight.copy_(_randn(16, dtype=torch.float32, seed=19))
+    positions = torch.tensor([2, 30, 7], device=DEVICE)
+    q_out, k_out = rotary.with_head_norms(positions, q, k, q_norm, k_norm)
+    expected_q, expected_k = rotary(positions, q_norm(q), k_norm(k))
+    assert torch.equal(q_out, expected_q) and torch.equal(k_out, expected_k)
 
 
 # ---- KV store ----------------------------------------------------------------------------------
