@@ -16,11 +16,13 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any, Optional, Protocol
 
+from radixserve.runtime.wire.cache_info import (
+    CacheInfo, HiCacheInfo, LowerTierMemory, MemoryInfo, NamespaceCounters, TreeCounters,
+)
 from radixserve.runtime.wire.cache_tree import namespace_name
 from radixserve.runtime.wire.server_args import ServerArgs
 from radixserve.runtime.wire.server_info import (
-    CacheInfo, FairShareInfo, HiCacheInfo, LowerTierMemory, MemoryInfo, ModelInfo, NamespaceCounters, SchedulerCounters,
-    RetentionInfo, ServerInfo, SpecInfo, TenantShare, TensorParallelLayout, TreeCounters,
+    FairShareInfo, ModelInfo, RetentionInfo, SchedulerCounters, ServerInfo, SpecInfo, TenantShare, TensorParallelLayout,
 )
 from radixserve.scheduler.speculative import NoSpeculation
 

@@ -33,8 +33,8 @@ import torch
 
 from radixserve.kernels import cpu_build
 from radixserve.model_runner.attention.base import AttentionBackend, apply_sinks
-from radixserve.model_runner.attention.torch_native import (TorchNativeAttention, TorchNativeMetadata,
-                                                            find_shared_prefixes)
+from radixserve.model_runner.attention.torch_native import TorchNativeAttention
+from radixserve.model_runner.attention.torch_native_plan import TorchNativeMetadata, find_shared_prefixes
 from radixserve.model_runner.forward_batch import ForwardBatch
 
 QUERY_BLOCK = 16  # query tokens per work item of a lone request

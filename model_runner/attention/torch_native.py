@@ -33,19 +33,23 @@ batch whose sequences all fit in W runs the full layers' plan.
 Causality: new token j of request i sits at position `prefix_lens[i] + j` and attends to key positions
 `<= prefix_lens[i] + j`; in a batch with `causal=False` (an encoder's) it attends to every key of its sequence. Padded key columns point at slot 0 (the pool's dummy page) and are masked out;
 padded query rows see the whole sequence (so no row is empty) and their output is dropped.
+
+This module holds the backend and its limits; the plan's types and builders are in torch_native_plan.py, the
+attention arithmetic (gather, grouped-query folding, SDPA with log-sum-exp, the merge) in torch_native_sdpa.py.
 """
 
 from __future__ import annotations
 
 import math
-from collections import defaultdict
-from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
 from radixserve.model_runner.attention.base import AttentionBackend, apply_sinks
+from radixserve.model_runner.attention.torch_native_plan import (AttentionChunk, TorchNativeMetadata, _plan_chunk,
+                                                                 _window_blocks, find_shared_prefixes)
+from radixserve.model_runner.attention.torch_native_sdpa import (_attend_chunk, _attend_shared,
+                                                                 merge_partial_attention)
 from radixserve.model_runner.forward_batch import ForwardBatch
 
 # Chunk limits per device type: (max padded (query, key) pairs per chunk, max padding waste). CPU values
@@ -56,54 +60,6 @@ CHUNK_LIMITS = {"cpu": (2048, 2.0), "cuda": (1 << 24, 4.0)}
 # Shortest shared prefix attended once per group, per device type (inf: never). Below it, the extra call
 # and the merge cost more than the gathers they save.
 MIN_SHARED_PREFIX = {"cpu": 32, "cuda": math.inf}
-
-
-@dataclass
-class AttentionChunk:
-    """Consecutive requests attended in one call. Their new tokens are `[token_start, token_end)` of the
-    batch (tokens are concatenated in request order)."""
-
-    token_start: int
-    token_end: int
-    num_requests: int
-    max_extend_len: int
-    kv_indices: torch.Tensor  # [requests, max_keys] int64 KV slots; padding -> slot 0
-    mask: torch.Tensor  # [requests, 1, max_extend_len, max_keys] bool, True = attend
-    # Row of each new token in the [requests * max_extend_len] query grid; None when no padding is needed.
-    query_slots: Optional[torch.Tensor]
-    _masks: dict = field(default_factory=dict, repr=False)
-
-    def grouped_mask(self, group: int, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-        """The mask with each query row repeated `group` times (see `_group_queries`), built once; boolean,
-        or additive (0 / -inf) in `dtype`."""
-        key = (group, dtype)
-        if key not in self._masks:
-            # One mask row broadcasts over the group's query rows when each request has one query.
-            mask = self.mask if self.max_extend_len == 1 else self.mask.repeat_interleave(group, dim=2)
-            if dtype is not None:
-                mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, -math.inf)
-            self._masks[key] = mask
-        return self._masks[key]
-
-
-@dataclass
-class SharedPrefix:
-    """Requests whose first `kv_indices.numel()` KV slots are the same, all before any of their queries."""
-
-    token_index: torch.Tensor  # [tokens] int64: the members' new tokens, as positions in the batch
-    kv_indices: torch.Tensor  # [length] int64: the shared KV slots
-    # The first slot when the slots are consecutive (the usual case: a prefix prefilled in one piece from a
-    # sorted free list), so the prefix's K/V is a view of the pool instead of a gathered copy.
-    first_slot: Optional[int] = None
-    members: tuple[int, ...] = ()  # the requests of the group, as batch indices
-
-
-@dataclass
-class TorchNativeMetadata:
-    chunks: list[AttentionChunk]
-    shared: list[SharedPrefix] = field(default_factory=list)
-    shared_token_index: Optional[torch.Tensor] = None  # the groups' token_index, concatenated
-    windowed: dict[int, "TorchNativeMetadata"] = field(default_factory=dict)  # window -> its plan, made at first use
 
 
 class TorchNativeAttention(AttentionBackend):
@@ -256,212 +212,3 @@ class TorchNativeAttention(AttentionBackend):
         out[index] = merge_partial_attention(out[index], own_lse, prefix_out, prefix_lse)
         lse[index] = torch.logaddexp(own_lse, prefix_lse)
         return out, lse
-
-
-def find_shared_prefixes(batch: ForwardBatch, min_len: int) -> tuple[list[SharedPrefix], list[int]]:
-    """Groups of at least two requests sharing the KV slots of a cached prefix of `min_len` or more tokens,
-    and per request the first key position its chunk still attends (the group's shared length, or 0)."""
-    prefix_lens = batch.prefix_lens_cpu
-    key_starts = [0] * batch.batch_size
-    candidates = [i for i, length in enumerate(prefix_lens) if length >= min_len]
-    if len(candidates) < 2:
-        return [], key_starts
-    device = batch.req_pool_indices.device
-    pool_rows = batch.req_pool_indices[torch.tensor(candidates, device=device)]
-    rows = batch.req_to_token_pool.req_to_token[pool_rows, :max(prefix_lens[i] for i in candidates)].to(torch.int64)
-    by_first_slot = defaultdict(list)
-    for position, slot in enumerate(rows[:, 0].tolist()):
-        by_first_slot[slot].append(position)
-    token_starts = [0]
-    for extend_len in batch.extend_lens_cpu:
-        token_starts.append(token_starts[-1] + extend_len)
-    groups = []
-    for positions in by_first_slot.values():
-        if len(positions) < 2:
-            continue
-        members = [candidates[p] for p in positions]
-        block = rows[positions, :min(prefix_lens[m] for m in members)]
-        differs = (block != block[:1]).any(dim=0)
-        length = int(differs.to(torch.int8).argmax()) if bool(differs.any()) else block.shape[1]
-        if length < min_len:
-            continue
-        tokens = [t for m in members for t in range(token_starts[m], token_starts[m + 1])]
-        slots = block[0, :length]
-        first, last = slots[[0, -1]].tolist()
-        consecutive = last - first == length - 1 and bool((slots[1:] - slots[:-1] == 1).all())
-        groups.append(SharedPrefix(torch.tensor(tokens, dtype=torch.int64, device=device), slots,
-                                   first if consecutive else None, tuple(members)))
-        for m in members:
-            key_starts[m] = length
-    return groups, key_starts
-
-
-@dataclass
-class _QueryBlocks:
-    """A batch's requests cut into blocks of consecutive new tokens, each planned as a request of its own (its
-    "prefix" the positions before the block): the attributes of ForwardBatch that planning reads."""
-
-    req_pool_indices: torch.Tensor
-    seq_lens: torch.Tensor
-    prefix_lens: torch.Tensor
-    seq_lens_cpu: list[int]
-    prefix_lens_cpu: list[int]
-    extend_lens_cpu: list[int]
-    req_to_token_pool: object
-    causal: bool = True
-
-
-def _window_blocks(batch: ForwardBatch, window: int) -> "ForwardBatch | _QueryBlocks":
-    """`batch` with every extend longer than `window` cut into blocks of `window` queries, so a block attends to at
-    most 2 * window keys instead of its request's whole sequence; `batch` itself when no extend is that long."""
-    if max(batch.extend_lens_cpu) <= window:
-        return batch
-    rows, prefixes, extends = [], [], []
-    for i, (prefix, extend) in enumerate(zip(batch.prefix_lens_cpu, batch.extend_lens_cpu)):
-        for start in range(0, extend, window):
-            rows.append(i)
-            prefixes.append(prefix + start)
-            extends.append(min(window, extend - start))
-    device = batch.req_pool_indices.device
-    seqs = [p + e for p, e in zip(prefixes, extends)]
-    return _QueryBlocks(batch.req_pool_indices[torch.tensor(rows, device=device)],
-                        torch.tensor(seqs, dtype=torch.int64, device=device),
-                        torch.tensor(prefixes, dtype=torch.int64, device=device), seqs, prefixes, extends,
-                        batch.req_to_token_pool, batch.causal)
-
-
-def _plan_chunk(batch: ForwardBatch, first: int, last: int, token_start: int, key_starts: list[int],
-                window: Optional[int] = None) -> AttentionChunk:
-    device = batch.req_pool_indices.device
-    extend_lens = batch.extend_lens_cpu[first:last]
-    seq_lens = batch.seq_lens[first:last]
-    max_ext = max(extend_lens)
-    max_keys = max(seq - start for seq, start in zip(batch.seq_lens_cpu[first:last], key_starts))
-    req_to_token = batch.req_to_token_pool.req_to_token
-    offsets = torch.arange(max_keys, device=device)
-    if any(key_starts):
-        starts = torch.tensor(key_starts, dtype=torch.int64, device=device)
-        key_pos = starts[:, None] + offsets[None, :]  # [n, max_keys]
-        columns = key_pos.clamp(max=req_to_token.shape[1] - 1)
-        rows = req_to_token[batch.req_pool_indices[first:last, None], columns].to(torch.int64)
-    else:
-        key_pos = offsets[None, :]
-        rows = req_to_token[batch.req_pool_indices[first:last], :max_keys].to(torch.int64)
-    in_seq = key_pos < seq_lens[:, None]
-    kv_indices = torch.where(in_seq, rows, torch.zeros_like(rows))
-    query_pos = batch.prefix_lens[first:last, None] + torch.arange(max_ext, device=device)[None, :]
-    causal = key_pos[:, None, :] <= query_pos[:, :, None]  # [n, max_ext, max_keys]
-    if not batch.causal:  # an encoder: every query sees its whole sequence
-        causal = torch.ones_like(causal)
-    if window is not None:  # padded query rows take their request's last position, so no row is empty
-        last_pos = torch.minimum(query_pos, seq_lens[:, None] - 1)
-        causal &= key_pos[:, None, :] > last_pos[:, :, None] - window
-    mask = (causal & in_seq[:, None, :])[:, None]
-    query_slots = None
-    if any(e != max_ext for e in extend_lens):
-        slots = [r * max_ext + j for r, e in enumerate(extend_lens) for j in range(e)]
-        query_slots = torch.tensor(slots, dtype=torch.int64, device=device)
-    return AttentionChunk(
-        token_start, token_start + sum(extend_lens), last - first, max_ext, kv_indices, mask, query_slots
-    )
-
-
-def _attend_chunk(q, k_buffer, v_buffer, chunk: AttentionChunk, scaling: float, with_lse: bool):
-    """Attention output `[chunk tokens, H, D]` for the chunk's new queries `q`, and with `with_lse` the
-    log-sum-exp of each row's scores `[chunk tokens, H]` (float32), else None."""
-    num_heads, head_dim = q.shape[1], q.shape[2]
-    num_kv_heads = k_buffer.shape[1]
-    n, queries = chunk.num_requests, chunk.max_extend_len
-    keys = _gather(k_buffer, chunk.kv_indices, q.dtype).transpose(1, 2)  # [n, Hkv, max_keys, D]
-    values = _gather(v_buffer, chunk.kv_indices, q.dtype).transpose(1, 2)
-    if chunk.query_slots is None:
-        grid = q
-    else:
-        grid = q.new_zeros(n * queries, num_heads, head_dim)
-        grid[chunk.query_slots] = q
-    grouped = _group_queries(grid.view(n, queries, num_heads, head_dim), num_kv_heads)
-    group = num_heads // num_kv_heads
-    if q.device.type == "cpu":  # an additive mask, built once per chunk, spares a conversion per call
-        out, lse = _sdpa(grouped, keys, values, chunk.grouped_mask(group, q.dtype), scaling, with_lse)
-    else:
-        out, lse = _sdpa(grouped, keys, values, chunk.grouped_mask(group), scaling, with_lse)
-    out = _ungroup_queries(out, queries).reshape(n * queries, num_heads, head_dim)  # from [n, Hkv, Q * G, D]
-    if lse is not None:
-        lse = _ungroup_queries(lse.unsqueeze(-1), queries).reshape(n * queries, num_heads)
-    if chunk.query_slots is not None:
-        out = out[chunk.query_slots]
-        lse = None if lse is None else lse[chunk.query_slots]
-    return out, lse
-
-
-def _attend_shared(q, k_buffer, v_buffer, group: SharedPrefix, scaling: float):
-    """All of a group's new queries `q [T, H, D]` against its shared prefix (no mask: every shared key
-    precedes every query): output `[T, H, D]` and log-sum-exp `[T, H]`."""
-    tokens, num_heads, head_dim = q.shape
-    if group.first_slot is not None:
-        rows = slice(group.first_slot, group.first_slot + group.kv_indices.numel())
-        keys, values = k_buffer[rows].to(q.dtype), v_buffer[rows].to(q.dtype)
-    else:
-        keys, values = _gather(k_buffer, group.kv_indices, q.dtype), _gather(v_buffer, group.kv_indices, q.dtype)
-    keys, values = keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
-    grouped = _group_queries(q.view(1, tokens, num_heads, head_dim), keys.shape[1])
-    out, lse = _sdpa(grouped, keys, values, None, scaling, with_lse=True)
-    out = _ungroup_queries(out, tokens).reshape(tokens, num_heads, head_dim)
-    return out, _ungroup_queries(lse.unsqueeze(-1), tokens).reshape(tokens, num_heads)
-
-
-def merge_partial_attention(
-    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
-) -> torch.Tensor:
-    """Attention over the union of two disjoint key sets from each set's output `[T, H, D]` and log-sum-exp
-    `[T, H]`: the outputs weighted by their share of the total softmax mass."""
-    compute = torch.promote_types(out_a.dtype, torch.float32)
-    top = torch.maximum(lse_a, lse_b)
-    weight_a, weight_b = torch.exp(lse_a - top), torch.exp(lse_b - top)
-    total = weight_a + weight_b
-    merged = (out_a.to(compute) * (weight_a / total).unsqueeze(-1)
-              + out_b.to(compute) * (weight_b / total).unsqueeze(-1))
-    return merged.to(out_a.dtype)
-
-
-def _sdpa(q, k, v, mask, scale: float, with_lse: bool):
-    """Scaled-dot-product attention `[B, Hkv, rows, D]`; returns `(out, lse [B, Hkv, rows] float32 or None)`.
-    `mask` is None, or additive in q's dtype on the CPU (its flash kernel takes no other), boolean (True =
-    attend) elsewhere."""
-    if q.device.type == "cpu":
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, False, attn_mask=mask, scale=scale
-        )
-        return out, (lse if with_lse else None)
-    if not with_lse:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale), None
-    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
-    if mask is not None:
-        scores = scores.masked_fill(~mask, -math.inf)
-    lse = torch.logsumexp(scores, dim=-1)
-    out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v.float()).to(q.dtype)
-    return out, lse
-
-
-def _group_queries(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
-    """`[B, Q, H, D]` -> `[B, Hkv, Q * G, D]`: the G query heads sharing a KV head become extra query rows
-    (row `j * G + g`), so attention runs once per KV head without repeating K and V G times."""
-    b, queries, num_heads, head_dim = q.shape
-    group = num_heads // num_kv_heads
-    grouped = q.view(b, queries, num_kv_heads, group, head_dim).permute(0, 2, 1, 3, 4)
-    return grouped.reshape(b, num_kv_heads, queries * group, head_dim)
-
-
-def _ungroup_queries(out: torch.Tensor, queries: int) -> torch.Tensor:
-    """Inverse of `_group_queries`: `[B, Hkv, Q * G, D]` -> `[B, Q, H, D]` (H = Hkv * G)."""
-    b, num_kv_heads, rows, head_dim = out.shape
-    group = rows // queries
-    ungrouped = out.view(b, num_kv_heads, queries, group, head_dim).permute(0, 2, 1, 3, 4)
-    return ungrouped.reshape(b, queries, num_kv_heads * group, head_dim)
-
-
-def _gather(buffer: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """`buffer[slots]` as `[*slots.shape, Hkv, D]`; index_select is several times faster than advanced
-    indexing on CPU for these row sizes."""
-    rows = buffer.index_select(0, slots.reshape(-1)).view(*slots.shape, *buffer.shape[1:])
-    return rows.to(dtype)

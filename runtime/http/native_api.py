@@ -29,10 +29,11 @@ from radixserve.runtime.http.access import Access, access_router
 from radixserve.runtime.http.state import ServerState, caller, caller_tenant
 from radixserve.runtime.pooling import embed_request
 from radixserve.runtime.tenancy import Caller
+from radixserve.runtime.wire.cache_info import NamespaceCounters
 from radixserve.runtime.wire.compat import UnsupportedFieldError
 from radixserve.runtime.wire.request import GenerateRequest, NormalizedRequest, RequestFieldError, normalize
 from radixserve.runtime.wire.request_body import decode_json
-from radixserve.runtime.wire.server_info import NamespaceCounters, ReplicaView
+from radixserve.runtime.wire.server_info import ReplicaView
 
 HEALTH_GENERATE_TIMEOUT_SECONDS = 30.0
 Rid = Annotated[str, Field(min_length=1, max_length=256)]

@@ -1,5 +1,7 @@
 """What a scheduler reports about itself: its start-up facts (`ModelInfo`, in its ProcessReady) and its live state
 (`ServerInfo`, the GetServerInfoReq reply, built by scheduler/info.py), and one report from several replicas'.
+The report's KV-memory and prefix-cache parts are in cache_info.py; the merge helpers every part uses, in
+replica_merge.py.
 
 `ServerInfo.to_dict()` is the JSON of `/get_server_info` and `Engine.get_server_info()`: SGLang's flat shape (the
 model's facts and the scheduler's counters at the top level), whose keys clients read.
@@ -18,16 +20,13 @@ ingress's replicas). Each field is merged by what it means:
 
 from __future__ import annotations
 
-import logging
-from typing import Any, Optional, Sequence, TypeVar
+from typing import Any, Optional, Sequence
 
 import msgspec
 
+from radixserve.runtime.wire.cache_info import CacheInfo, MemoryInfo
+from radixserve.runtime.wire.replica_merge import _kept_once, _sum, _summed
 from radixserve.runtime.wire.sampling_params import RequestLimits
-
-logger = logging.getLogger(__name__)
-
-S = TypeVar("S", bound=msgspec.Struct)
 
 
 class ModelInfo(msgspec.Struct, kw_only=True):
@@ -93,127 +92,6 @@ class SchedulerCounters(msgspec.Struct, kw_only=True):
     partial_chunks: int
     forced_syncs: int
     generated_tokens: int
-
-
-class LowerTierMemory(msgspec.Struct, kw_only=True):
-    """The hierarchical cache's host and disk tiers, in tokens (`host_total == host_free + host_used`)."""
-
-    host_total_tokens: int
-    host_used_tokens: int
-    host_free_tokens: int
-    host_bytes_per_token: int  # kept once
-    disk_used_tokens: int  # 0 without a disk tier
-    disk_capacity_tokens: Optional[int]  # None: unbounded, or no disk tier
-
-    @classmethod
-    def merge(cls, parts: Sequence["LowerTierMemory"]) -> "LowerTierMemory":
-        capacities = [p.disk_capacity_tokens for p in parts]
-        return cls(host_total_tokens=_sum(parts, "host_total_tokens"), host_used_tokens=_sum(parts, "host_used_tokens"),
-                   host_free_tokens=_sum(parts, "host_free_tokens"),
-                   host_bytes_per_token=_kept_once([p.host_bytes_per_token for p in parts], "host_bytes_per_token"),
-                   disk_used_tokens=_sum(parts, "disk_used_tokens"),
-                   disk_capacity_tokens=None if None in capacities else sum(capacities))
-
-
-class MemoryInfo(msgspec.Struct, kw_only=True):
-    """KV token slots: `free + evictable + protected + held by running requests == total`."""
-
-    total_tokens: int
-    free_tokens: int
-    evictable_tokens: int
-    protected_tokens: int
-    lower_tiers: Optional[LowerTierMemory] = None  # with the hierarchical cache
-
-    @property
-    def token_usage(self) -> float:
-        """The share of slots that neither are free nor could be freed by eviction."""
-        used = self.total_tokens - self.free_tokens - self.evictable_tokens
-        return used / self.total_tokens if self.total_tokens else 0.0
-
-    def to_dict(self) -> dict[str, Any]:
-        """The slot counts, the lower tiers' figures beside them."""
-        out = msgspec.structs.asdict(self)
-        tiers = out.pop("lower_tiers")
-        return out if tiers is None else {**out, **msgspec.structs.asdict(tiers)}
-
-    @classmethod
-    def merge(cls, parts: Sequence["MemoryInfo"]) -> "MemoryInfo":
-        tiers = [p.lower_tiers for p in parts if p.lower_tiers is not None]
-        return cls(total_tokens=_sum(parts, "total_tokens"), free_tokens=_sum(parts, "free_tokens"),
-                   evictable_tokens=_sum(parts, "evictable_tokens"), protected_tokens=_sum(parts, "protected_tokens"),
-                   lower_tiers=LowerTierMemory.merge(tiers) if tiers else None)
-
-
-class NamespaceCounters(msgspec.Struct, kw_only=True):
-    """One namespace's prefix-cache counters (radix_cache/stats.py); every field is a count."""
-
-    queried_tokens: int = 0  # tokens looked up in the tree
-    matched_tokens: int = 0  # of those, found (the hits)
-    inserted_tokens: int = 0
-    evicted_tokens: int = 0
-
-    @property
-    def hit_rate(self) -> float:
-        return self.matched_tokens / self.queried_tokens if self.queried_tokens else 0.0
-
-    def to_dict(self) -> dict[str, Any]:
-        return {**msgspec.structs.asdict(self), "hit_rate": self.hit_rate}
-
-
-class TreeCounters(NamespaceCounters, kw_only=True):
-    """The tree's counters over every namespace, those dropped from the per-namespace table included."""
-
-    dropped_namespaces: int = 0
-
-
-class HiCacheInfo(msgspec.Struct, kw_only=True):
-    """The hierarchical cache's moves between tiers, in tokens (cumulative), and its write policy (kept once)."""
-
-    write_policy: str
-    backed_up_tokens: int
-    loaded_from_host_tokens: int
-    written_to_disk_tokens: int
-    loaded_from_disk_tokens: int
-    dropped_tokens: int
-
-    @classmethod
-    def merge(cls, parts: Sequence["HiCacheInfo"]) -> "HiCacheInfo":
-        policy = _kept_once([p.write_policy for p in parts], "write_policy")
-        return _summed(cls, parts, write_policy=policy)
-
-
-class CacheInfo(msgspec.Struct, kw_only=True):
-    """`matched_tokens` / `queried_tokens`: prompt tokens at each request's first admission and those served from
-    the cache (the server's hit rate); `tree`: every match query; `namespaces`: the same per namespace (named by
-    `cache_tree.namespace_name`, the most recently used ones)."""
-
-    matched_tokens: int
-    queried_tokens: int
-    tree: TreeCounters
-    namespaces: dict[str, NamespaceCounters]
-    hicache: Optional[HiCacheInfo] = None
-
-    @property
-    def hit_rate(self) -> float:
-        return self.matched_tokens / self.queried_tokens if self.queried_tokens else 0.0
-
-    def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"hit_rate": self.hit_rate, "matched_tokens": self.matched_tokens,
-                               "queried_tokens": self.queried_tokens, "tree": self.tree.to_dict(),
-                               "namespaces": {name: c.to_dict() for name, c in self.namespaces.items()}}
-        if self.hicache is not None:
-            out["hicache"] = msgspec.structs.asdict(self.hicache)
-        return out
-
-    @classmethod
-    def merge(cls, parts: Sequence["CacheInfo"]) -> "CacheInfo":
-        names = dict.fromkeys(name for p in parts for name in p.namespaces)
-        namespaces = {name: _summed(NamespaceCounters, [p.namespaces[name] for p in parts if name in p.namespaces])
-                      for name in names}
-        hicache = [p.hicache for p in parts if p.hicache is not None]
-        return cls(matched_tokens=_sum(parts, "matched_tokens"), queried_tokens=_sum(parts, "queried_tokens"),
-                   tree=_summed(TreeCounters, [p.tree for p in parts]), namespaces=namespaces,
-                   hicache=HiCacheInfo.merge(hicache) if hicache else None)
 
 
 class TensorParallelLayout(msgspec.Struct, kw_only=True):
@@ -414,29 +292,3 @@ class ServerInfo(msgspec.Struct, kw_only=True):
             num_pending_requests_in_tokenizer_manager=None if None in pending else sum(pending),
             retention=RetentionInfo.merge([p.retention for p in parts if p.retention is not None]),
         )
-
-
-def _sum(parts: Sequence[Any], name: str) -> Any:
-    return sum(getattr(part, name) for part in parts)
-
-
-def _summed(cls: type[S], parts: Sequence[S], **kept: Any) -> S:
-    """A `cls` whose fields are the sums of the parts' (except those given in `kept`)."""
-    return cls(**{name: _sum(parts, name) for name in cls.__struct_fields__ if name not in kept}, **kept)
-
-
-def _kept_once(values: Sequence[Any], what: str = "", exclude: Sequence[str] = ()) -> Any:
-    """The first value, after checking that the others equal it (structs: field by field, but those in
-    `exclude`). A disagreement is logged, not raised: a report must still be given while replicas of two
-    deployments serve side by side."""
-    first = values[0]
-    if isinstance(first, msgspec.Struct) and exclude:
-        for name in first.__struct_fields__:
-            if name not in exclude:
-                _kept_once([getattr(value, name) for value in values], name)
-        return first
-    differing = [value for value in values[1:] if value != first]
-    if differing:
-        logger.warning("replicas report different %s (%r and %r); showing the first replica's", what or "values",
-                       first, differing[0])
-    return first

@@ -11,10 +11,12 @@ import msgspec
 import pytest
 
 from radixserve.runtime.http.metrics import ServerMetrics
+from radixserve.runtime.wire.cache_info import (
+    CacheInfo, HiCacheInfo, LowerTierMemory, MemoryInfo, NamespaceCounters, TreeCounters,
+)
 from radixserve.runtime.wire.messages import GetServerInfoReqOutput, decode, encode
 from radixserve.runtime.wire.server_info import (
-    CacheInfo, FairShareInfo, HiCacheInfo, LowerTierMemory, MemoryInfo, ModelInfo, NamespaceCounters,
-    SchedulerCounters, ServerInfo, SpecInfo, TenantShare, TensorParallelLayout, TreeCounters,
+    FairShareInfo, ModelInfo, SchedulerCounters, ServerInfo, SpecInfo, TenantShare, TensorParallelLayout,
 )
 from scheduler_driver import SchedulerDriver
 
@@ -170,7 +172,7 @@ def test_lower_tiers_and_tenants_merge_by_meaning():
 
 
 def test_a_replica_that_disagrees_is_logged_and_the_first_kept(caplog):
-    with caplog.at_level(logging.WARNING, logger="radixserve.runtime.wire.server_info"):
+    with caplog.at_level(logging.WARNING, logger="radixserve.runtime.wire.replica_merge"):
         merged = ServerInfo.merge([report(1, matched=0, queried=0, throughput=0.0, model_path="new"),
                                    report(0, matched=0, queried=0, throughput=0.0, model_path="old")])
     assert merged.model.model_path == "old"  # the lowest rank's

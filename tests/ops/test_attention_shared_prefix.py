@@ -11,7 +11,8 @@ import math
 import pytest
 import torch
 
-from radixserve.model_runner.attention.torch_native import TorchNativeAttention, merge_partial_attention
+from radixserve.model_runner.attention.torch_native import TorchNativeAttention
+from radixserve.model_runner.attention.torch_native_sdpa import merge_partial_attention
 from radixserve.model_runner.forward_batch import ForwardMode
 from radixserve.model_runner.static_generate import assign_kv_slots, make_forward_batch
 from radixserve.radix_cache.pool import KVAllocator, ReqToTokenPool, TokenToKVPool

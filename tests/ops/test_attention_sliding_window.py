@@ -19,7 +19,8 @@ from attention_cases import (kv_written, make_case, poison_outside_windows, refe
                              with_window_slots)
 from radixserve.kernels import cpu_build
 from radixserve.model_runner.attention.cpu_backend import CpuAttentionBackend, CpuAttentionPlan
-from radixserve.model_runner.attention.torch_native import TorchNativeAttention, TorchNativeMetadata
+from radixserve.model_runner.attention.torch_native import TorchNativeAttention
+from radixserve.model_runner.attention.torch_native_plan import TorchNativeMetadata
 from radixserve.model_runner.forward_batch import ForwardMode
 
 # (mode, prefix_lens, extend_lens, window): windows shorter than the prefixes, than the extends, and longer than
