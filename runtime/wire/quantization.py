@@ -15,6 +15,10 @@ ServerArgs and by the runner).
 The last five run the attention and MLP projections through model_runner/quantization/ (cuBLASLt and Triton kernels
 on CUDA, a float reference on the CPU); a checkpoint's own `quantization_config` picks its format without the flag.
 
+SGLang's `awq_marlin` and `gptq_marlin` name AWQ and GPTQ checkpoints run on the Marlin kernels: the same weights and
+the same function, another kernel. ServerArgs reads them as `awq` and `gptq` (`QUANTIZATION_ALIASES`), which run that
+function on radixserve's own W4A16 kernels.
+
 Every other SGLang value is refused with the reason, never ignored: a checkpoint quantized in one of those formats
 would otherwise load as something it is not.
 """
@@ -26,12 +30,14 @@ from typing import Optional
 QUANTIZATION_METHODS = ("gguf", "fp8", "w8a8_fp8", "compressed-tensors", "awq", "gptq")
 NO_QUANTIZATION = "none"  # asked for the model's dtype: the runner chooses no quantization on its own
 
+# SGLang's names of a checkpoint format run on another kernel -> the format radixserve runs (module docstring).
+QUANTIZATION_ALIASES = {"awq_marlin": "awq", "gptq_marlin": "gptq"}
+
 _NO_GPU_KERNEL = "need GPU GEMM kernels that radixserve does not have yet"
 # SGLang 0.5's --quantization values that radixserve recognizes but does not run, with the reason.
 UNSUPPORTED_QUANTIZATION: dict[str, str] = {
-    "awq_marlin": "Marlin kernels are not part of radixserve; AWQ checkpoints run with --quantization awq",
-    "gptq_marlin": "Marlin kernels are not part of radixserve; GPTQ checkpoints run with --quantization gptq",
-    "marlin": f"Marlin weights {_NO_GPU_KERNEL}",
+    "marlin": f"Marlin-serialized weights {_NO_GPU_KERNEL} (AWQ and GPTQ checkpoints run with awq_marlin / "
+              "gptq_marlin, read as awq / gptq)",
     "mxfp4": ("MXFP4 experts of a gpt-oss checkpoint load without the flag, dequantized to the model's dtype; keeping "
               f"them packed would {_NO_GPU_KERNEL}"),
     "w8a8_int8": f"W8A8 INT8 checkpoints {_NO_GPU_KERNEL}",
@@ -55,7 +61,7 @@ def check_quantization(method: Optional[str], device: str, dtype: str, tp_size: 
         raise ValueError(f"quantization {method!r} is not supported: {UNSUPPORTED_QUANTIZATION[method]} "
                          f"(supported: {', '.join(QUANTIZATION_METHODS)})")
     if method not in QUANTIZATION_METHODS:
-        known = ", ".join((*QUANTIZATION_METHODS, *UNSUPPORTED_QUANTIZATION))
+        known = ", ".join((*QUANTIZATION_METHODS, *QUANTIZATION_ALIASES, *UNSUPPORTED_QUANTIZATION))
         raise ValueError(f"unknown quantization {method!r}; SGLang's names are {known} "
                          f"(radixserve runs: {', '.join(QUANTIZATION_METHODS)})")
     if method != "gguf":

@@ -20,7 +20,7 @@ from radixserve.runtime.wire.heap import parse_gc_threshold
 from radixserve.runtime.wire.lora import parse_lora_paths
 from radixserve.runtime.wire.pooling import POOLING_METHODS
 from radixserve.runtime.wire.sampling_params import RequestLimits
-from radixserve.runtime.wire.quantization import check_quantization
+from radixserve.runtime.wire.quantization import QUANTIZATION_ALIASES, check_quantization
 from radixserve.runtime.wire.speculative_args import check_speculative_args, resolved_num_draft_tokens  # noqa: F401
 
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
@@ -364,6 +364,7 @@ class ServerArgs:
         check(self.lora_adapter_dir is None or os.path.isdir(self.lora_adapter_dir),
               f"lora_adapter_dir {self.lora_adapter_dir!r} is not a folder")
         # Quantized weights
+        self.quantization = QUANTIZATION_ALIASES.get(self.quantization, self.quantization)
         check_quantization(self.quantization, self.resolved_device(), self.resolved_dtype(), self.tp_size,
                            True if self.model_path is None or self.model_path.endswith(".gguf") else None)
         check(self.quantization != "gguf" or self.cpu_kernels != "torch",

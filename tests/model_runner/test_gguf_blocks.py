@@ -202,7 +202,7 @@ def test_blocks_chosen_by_default_decode_on_blocks_and_prefill_on_the_float_line
 @pytest.mark.parametrize("kwargs, message", [
     ({"quantization": "int3"}, "unknown quantization 'int3'; SGLang's names are gguf, fp8"),
     ({"quantization": "mxfp4"}, "quantization 'mxfp4' is not supported: MXFP4 experts .* GPU GEMM kernels"),
-    ({"quantization": "awq_marlin"}, "quantization 'awq_marlin' is not supported: Marlin kernels .* --quantization awq"),
+    ({"quantization": "marlin"}, "quantization 'marlin' is not supported: Marlin-serialized weights .* awq_marlin"),
     ({"quantization": "gguf", "dtype": "bfloat16"}, "computes in float32 around its blocks; drop --dtype bfloat16"),
     ({"quantization": "gguf", "tp_size": 2}, "runs on one rank"),
     ({"quantization": "gguf", "cpu_kernels": "torch"}, "cpu_kernels 'torch' turns off"),

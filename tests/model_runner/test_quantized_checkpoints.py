@@ -172,7 +172,10 @@ def test_online_fp8_quantizes_a_16_bit_checkpoint(fp8_base_dir, flag):
         assert agree >= 12, agree
 
 
-def test_random_weights_load_in_a_checkpoints_quantized_layout(tmp_path, base_dir):
+@pytest.mark.parametrize("flag", [None, "gptq", "gptq_marlin"])
+def test_random_weights_load_in_a_checkpoints_quantized_layout(tmp_path, base_dir, flag):
+    """A GPTQ layout from the checkpoint's config alone, or with SGLang's flags for it: `gptq_marlin` (Marlin's
+    kernels in SGLang) reads as `gptq`, the same weights and function on radixserve's W4A16 kernels."""
     import json
     import shutil
 
@@ -183,7 +186,7 @@ def test_random_weights_load_in_a_checkpoints_quantized_layout(tmp_path, base_di
     config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False,
                                      "sym": True}
     (model_dir / "config.json").write_text(json.dumps(config))
-    runner = make_runner(str(model_dir), load_format="dummy")
+    runner = make_runner(str(model_dir), load_format="dummy", quantization=flag)
     layer = runner.model.model.layers[0].mlp.down_proj
     assert isinstance(layer, QuantizedLinear) and layer.weight_value.qweight.dtype == torch.int32
     prompts = random_prompts(TINY_QUANT_LLAMA["vocab_size"], [7, 9], seed=3)
