@@ -12,7 +12,7 @@ stacked and installed. Raw tensors are dropped as soon as their linear is conver
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -23,10 +23,12 @@ from radixserve.model_runner.quantization.methods import LinearMethod, Quantized
 # Tensors some checkpoints carry beside a linear's required ones, which the layout does not need (or which a method
 # that needs them lists among its suffixes).
 OPTIONAL_SUFFIXES = ("weight_shape", "g_idx", "weight_g_idx", "input_scale")
-# Suffixes that exist only on quantized linears: meeting one outside them means a layer radixserve keeps in 16 bits
-# was quantized (the experts of a mixture of experts).
+# Suffixes that exist only on quantized linears: meeting one outside the quantized projections means a linear radixserve
+# runs in 16 bits was quantized (the experts of a mixture of experts), and the loader dequantizes it.
 _QUANTIZED_ONLY = ("weight_scale", "weight_scale_inv", "weight_packed", "weight_zero_point", "qweight", "qzeros",
                    "scales", "g_idx", "input_scale")
+# safetensors' names of the FP8 dtypes: a `weight` stored so belongs to a quantized linear.
+_FP8_STORAGE = ("F8_E4M3", "F8_E5M2")
 
 
 def checkpoint_parts(model: nn.Module) -> dict[str, list[str]]:
@@ -49,7 +51,11 @@ def quantize_model(model: nn.Module, method: LinearMethod) -> list[str]:
 
 class QuantizedWeightLoader:
     """Loads a checkpoint into a model prepared by `quantize_model`. With `dense`, the quantized linears' tensors are
-    16-bit weights (`--quantization fp8` on a 16-bit checkpoint, or random weights) that the method quantizes."""
+    16-bit weights (`--quantization fp8` on a 16-bit checkpoint, or random weights) that the method quantizes.
+
+    A quantized checkpoint linear outside the quantized projections (the experts of a mixture of experts, whose
+    grouped kernels take 16-bit weights) is read in the method's format, dequantized, and loaded as its `weight`, in
+    the model's dtype: the model computes with the dequantized values, and holds them in 16 bits."""
 
     def __init__(self, model: nn.Module, method: LinearMethod, dense: bool, device: torch.device) -> None:
         self.model, self.method, self.device = model, method, device
@@ -60,6 +66,7 @@ class QuantizedWeightLoader:
         self.part_of = {hf: (name, index) for name in self.layers for index, hf in enumerate(parts[name])}
         self.num_parts = {name: len(parts[name]) for name in self.layers}
         self.raw: dict[str, dict[str, torch.Tensor]] = {}  # checkpoint linear -> its tensors so far
+        self.unprojected: dict[str, dict[str, torch.Tensor]] = {}  # the same, for quantized linears run in 16 bits
         self.converted: dict[str, dict[int, QuantizedWeight]] = {}  # projection -> its converted parts
 
     def load(self, weights: Iterable[tuple[str, Any]]) -> None:
@@ -74,10 +81,11 @@ class QuantizedWeightLoader:
         for name, tensor in weights:
             hf_linear, _, suffix = name.rpartition(".")
             if hf_linear not in self.part_of or suffix == "bias":
-                if suffix in _QUANTIZED_ONLY and not self.dense:
-                    raise ValueError(f"{self.method.name}: {name} belongs to a quantized layer that radixserve runs in "
-                                     "16 bits (the experts of a mixture of experts, or a module outside the "
-                                     "attention and MLP projections); such checkpoints are not supported yet")
+                if not self.dense and (suffix in _QUANTIZED_ONLY or (suffix == "weight" and _stored_fp8(tensor))):
+                    dense = self._unprojected(hf_linear, suffix, tensor)
+                    if dense is not None:
+                        yield f"{hf_linear}.weight", dense
+                    continue
                 yield name, tensor
                 continue
             if suffix not in self.required and suffix not in OPTIONAL_SUFFIXES:
@@ -87,6 +95,24 @@ class QuantizedWeightLoader:
             tensors[suffix] = tensor if isinstance(tensor, torch.Tensor) else tensor[:]
             if all(s in tensors for s in self.required) and self._has_extras(tensors):
                 self._convert(hf_linear, self.raw.pop(hf_linear))
+        if self.unprojected:  # before the model's loader reports the weights they would have given as missing
+            name, tensors = next(iter(self.unprojected.items()))
+            raise ValueError(f"{self.method.name}: the checkpoint has {', '.join(sorted(tensors))} of {name} but not "
+                             f"all of {', '.join(self.required)}" + (f" (and {len(self.unprojected) - 1} more such "
+                                                                     "linears)" if len(self.unprojected) > 1 else ""))
+
+    def _unprojected(self, hf_linear: str, suffix: str, tensor: Any) -> Optional[torch.Tensor]:
+        """Collect one tensor of a quantized linear run in 16 bits; its dequantized weight (float32, on the loader's
+        device) once all of the method's tensors are in, else None."""
+        if suffix not in self.required and suffix not in OPTIONAL_SUFFIXES:
+            raise ValueError(f"{self.method.name}: unexpected tensor {hf_linear}.{suffix} (a {self.method.name} linear "
+                             f"holds {', '.join(self.required)})")
+        tensors = self.unprojected.setdefault(hf_linear, {})
+        tensors[suffix] = tensor if isinstance(tensor, torch.Tensor) else tensor[:]
+        if not (all(s in tensors for s in self.required) and self._has_extras(tensors)):
+            return None
+        return self.method.from_checkpoint({k: v.to(self.device) for k, v in self.unprojected.pop(hf_linear).items()}
+                                           ).dequantize()
 
     def _has_extras(self, tensors: dict[str, torch.Tensor]) -> bool:
         # An act-order checkpoint's g_idx must be in before the weight converts; others do not need it.
@@ -122,6 +148,14 @@ class QuantizedWeightLoader:
         meta = torch.empty(layer.out_features, layer.in_features, device="meta")
         start, end = self.model._fused_rows(leaf, index, meta)
         return end - start, layer.in_features
+
+
+def _stored_fp8(tensor: Any) -> bool:
+    """Whether a checkpoint tensor (a tensor, or safetensors' lazy slice) is stored in an FP8 dtype."""
+    if isinstance(tensor, torch.Tensor):
+        return tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    get_dtype = getattr(tensor, "get_dtype", None)
+    return get_dtype is not None and get_dtype() in _FP8_STORAGE
 
 
 def _contiguous(weight: QuantizedWeight) -> QuantizedWeight:

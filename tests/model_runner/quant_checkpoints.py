@@ -1,4 +1,4 @@
-"""Quantized test checkpoints made from a tiny random Llama, each beside the float32 Hugging Face model whose weights
+"""Quantized test checkpoints made from a tiny random Llama (or mixture of experts), each beside the float32 Hugging Face model whose weights
 are the checkpoint's dequantized values (the reference the runner is compared with).
 
 compressed-tensors checkpoints are written by the `compressed-tensors` package itself (its `ModelCompressor`, from
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import torch
 from safetensors.torch import save_file
@@ -241,3 +242,39 @@ def quantize_projection_inputs(model: torch.nn.Module, group: int | str | None) 
     for _, module in _linears(model):
         module.register_forward_pre_hook(round_input)
     return model
+
+
+# ---- quantized experts ----------------------------------------------------------------------------------------
+
+def hf_fp8_experts_checkpoint(model_dir: str, out_dir: str, reference_dir: str) -> None:
+    """A mixture of experts' checkpoint (`mlp.experts.<e>.<projection>.weight` tensors) with every expert's projections
+    in Hugging Face's fine-grained FP8 (128x128 blocks, `weight_scale_inv`) and the attention projections listed in
+    `modules_to_not_convert`, written from the model's safetensors; the reference holds the dequantized values."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(os.path.join(model_dir, "model.safetensors"))
+    quantized, reference = {}, {}
+    for name, value in tensors.items():
+        if ".experts." not in name or not name.endswith("_proj.weight"):
+            quantized[name] = reference[name] = value.contiguous()
+            continue
+        w = value.double()
+        n, k = w.shape
+        blocks = w.view(n // 128, 128, k // 128, 128)
+        scale_inv = blocks.abs().amax((1, 3)) / 448.0
+        q = (blocks / scale_inv[:, None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn).view(n, k)
+        scale_inv = scale_inv.float()
+        quantized[name] = q.contiguous()
+        quantized[name.removesuffix("weight") + "weight_scale_inv"] = scale_inv.contiguous()
+        expanded = scale_inv.repeat_interleave(128, 0).repeat_interleave(128, 1)
+        reference[name] = (q.double() * expanded.double()).to(value.dtype).contiguous()
+    for out, values, quantization_config in ((out_dir, quantized, {
+            "quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
+            "modules_to_not_convert": ["self_attn", "lm_head"]}), (reference_dir, reference, None)):
+        os.makedirs(out, exist_ok=True)
+        for extra in os.listdir(model_dir):
+            if extra != "model.safetensors" and os.path.isfile(os.path.join(model_dir, extra)):
+                shutil.copy(os.path.join(model_dir, extra), out)
+        save_file(values, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+        if quantization_config is not None:
+            _copy_config(model_dir, out, quantization_config)

@@ -19,7 +19,8 @@ from radixserve.model_runner.forward_batch import ForwardMode
 from radixserve.model_runner.static_generate import assign_kv_slots, greedy_generate, make_forward_batch
 from test_model_forward import MAX_NEW_TOKENS, hf_greedy, hf_model, make_runner, random_prompts
 from quant_checkpoints import (TINY_QUANT_LLAMA, compressed_tensors_checkpoint, hf_fp8_block_checkpoint,
-                               int4_checkpoint, quantize_projection_inputs, scaled_projections)
+                               hf_fp8_experts_checkpoint, int4_checkpoint, quantize_projection_inputs,
+                               scaled_projections)
 
 NUM_PROMPTS = 16
 
@@ -191,3 +192,42 @@ def test_random_weights_load_in_a_checkpoints_quantized_layout(tmp_path, base_di
     assert isinstance(layer, QuantizedLinear) and layer.weight_value.qweight.dtype == torch.int32
     prompts = random_prompts(TINY_QUANT_LLAMA["vocab_size"], [7, 9], seed=3)
     assert all(len(tokens) == 4 for tokens in greedy_generate(runner, prompts, 4))
+
+
+def test_fp8_experts_of_a_mixture_of_experts_load_dequantized(tmp_path_factory, tiny_model_dir):
+    """A Qwen3-MoE checkpoint whose experts are fine-grained FP8 (as Qwen3-30B-A3B-FP8 ships them): the experts load
+    as their dequantized values, the other layers as stored, and the model gives Hugging Face's greedy ids on the
+    dequantized checkpoint."""
+    from safetensors.torch import load_file
+
+    base = tiny_model_dir("qwen3_moe", **TINY_QUANT_LLAMA, moe_intermediate_size=128)
+    out, reference = str(tmp_path_factory.mktemp("q-moe-fp8")), str(tmp_path_factory.mktemp("ref-moe-fp8"))
+    hf_fp8_experts_checkpoint(base, out, reference)
+    runner = make_runner(out)
+    assert not any(isinstance(m, QuantizedLinear) for m in runner.model.modules())  # the attention is not converted
+    expected = load_file(f"{reference}/model.safetensors")
+    experts = runner.model.model.layers[1].mlp.experts
+    for e in (0, 5):
+        gate, up = experts.w13_weight[e].split(128)
+        assert torch.equal(gate, expected[f"model.layers.1.mlp.experts.{e}.gate_proj.weight"])
+        assert torch.equal(up, expected[f"model.layers.1.mlp.experts.{e}.up_proj.weight"])
+        assert torch.equal(experts.w2_weight[e], expected[f"model.layers.1.mlp.experts.{e}.down_proj.weight"])
+    prompts = random_prompts(TINY_QUANT_LLAMA["vocab_size"], [5 + 3 * i for i in range(8)], seed=1)
+    ours = greedy_generate(runner, prompts, MAX_NEW_TOKENS)
+    hf = hf_model(reference)
+    agree = sum(tokens == hf_greedy(hf, prompt, MAX_NEW_TOKENS, []) for prompt, tokens in zip(prompts, ours))
+    assert agree >= 7, f"{agree} of {len(prompts)} prompts give Hugging Face's greedy ids"
+
+
+def test_a_quantized_expert_missing_its_scale_is_named(tmp_path_factory, tiny_model_dir):
+    from safetensors.torch import load_file, save_file
+
+    base = tiny_model_dir("qwen3_moe", **TINY_QUANT_LLAMA, moe_intermediate_size=128)
+    out, reference = str(tmp_path_factory.mktemp("q-moe-noscale")), str(tmp_path_factory.mktemp("ref-moe-noscale"))
+    hf_fp8_experts_checkpoint(base, out, reference)
+    tensors = load_file(f"{out}/model.safetensors")
+    del tensors["model.layers.0.mlp.experts.2.down_proj.weight_scale_inv"]
+    save_file(tensors, f"{out}/model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"weight of model\.layers\.0\.mlp\.experts\.2\.down_proj but not all of "
+                                         r"weight, weight_scale_inv"):
+        make_runner(out)
