@@ -246,35 +246,48 @@ def quantize_projection_inputs(model: torch.nn.Module, group: int | str | None) 
 
 # ---- quantized experts ----------------------------------------------------------------------------------------
 
-def hf_fp8_experts_checkpoint(model_dir: str, out_dir: str, reference_dir: str) -> None:
-    """A mixture of experts' checkpoint (`mlp.experts.<e>.<projection>.weight` tensors) with every expert's projections
-    in Hugging Face's fine-grained FP8 (128x128 blocks, `weight_scale_inv`) and the attention projections listed in
-    `modules_to_not_convert`, written from the model's safetensors; the reference holds the dequantized values."""
+def experts_checkpoint(model_dir: str, out_dir: str, reference_dir: str, fmt: str) -> None:
+    """A mixture of experts' checkpoint (`mlp.experts.<e>.<projection>.weight` tensors) written from the model's
+    safetensors, the reference holding the dequantized values. `fmt` "hf-fp8": every expert's projections in Hugging
+    Face's fine-grained FP8 (128x128 blocks, `weight_scale_inv`, as Qwen3-30B-A3B-FP8 ships them), the attention
+    projections listed in `modules_to_not_convert`; "gptq": every projection, the experts' and the attention's, in
+    GPTQ's v1 layout (groups of 128, asymmetric)."""
     from safetensors.torch import load_file
 
     tensors = load_file(os.path.join(model_dir, "model.safetensors"))
     quantized, reference = {}, {}
     for name, value in tensors.items():
-        if ".experts." not in name or not name.endswith("_proj.weight"):
+        is_expert = ".experts." in name
+        if not name.endswith("_proj.weight") or not (is_expert or fmt == "gptq"):
             quantized[name] = reference[name] = value.contiguous()
             continue
+        linear = name.removesuffix(".weight")
         w = value.double()
         n, k = w.shape
-        blocks = w.view(n // 128, 128, k // 128, 128)
-        scale_inv = blocks.abs().amax((1, 3)) / 448.0
-        q = (blocks / scale_inv[:, None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn).view(n, k)
-        scale_inv = scale_inv.float()
-        quantized[name] = q.contiguous()
-        quantized[name.removesuffix("weight") + "weight_scale_inv"] = scale_inv.contiguous()
-        expanded = scale_inv.repeat_interleave(128, 0).repeat_interleave(128, 1)
-        reference[name] = (q.double() * expanded.double()).to(value.dtype).contiguous()
-    for out, values, quantization_config in ((out_dir, quantized, {
-            "quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
-            "modules_to_not_convert": ["self_attn", "lm_head"]}), (reference_dir, reference, None)):
+        if fmt == "hf-fp8":
+            blocks = w.view(n // 128, 128, k // 128, 128)
+            scale_inv = blocks.abs().amax((1, 3)) / 448.0
+            q = (blocks / scale_inv[:, None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn).view(n, k)
+            scale_inv = scale_inv.float()
+            quantized.update({f"{linear}.weight": q, f"{linear}.weight_scale_inv": scale_inv})
+            dequantized = q.double() * scale_inv.double().repeat_interleave(128, 0).repeat_interleave(128, 1)
+        else:
+            g_idx = torch.arange(k) // 128
+            q, scales, zeros = _quantize_groups(w, 128, g_idx)
+            quantized.update({f"{linear}.qweight": _pack_along_rows(q.T.contiguous()),
+                              f"{linear}.qzeros": _pack_along_columns((zeros - 1).T.contiguous() & 0xF, range(8)),
+                              f"{linear}.scales": scales.T.half().contiguous(), f"{linear}.g_idx": g_idx.to(torch.int32)})
+            dequantized = (q.double() - zeros[:, g_idx].double()) * scales[:, g_idx]
+        reference[name] = dequantized.to(value.dtype)
+    quantization_config = ({"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
+                            "modules_to_not_convert": ["self_attn", "lm_head"]} if fmt == "hf-fp8" else
+                           {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": False,
+                            "checkpoint_format": "gptq"})
+    for out, values in ((out_dir, quantized), (reference_dir, reference)):
         os.makedirs(out, exist_ok=True)
         for extra in os.listdir(model_dir):
             if extra != "model.safetensors" and os.path.isfile(os.path.join(model_dir, extra)):
                 shutil.copy(os.path.join(model_dir, extra), out)
-        save_file(values, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
-        if quantization_config is not None:
-            _copy_config(model_dir, out, quantization_config)
+        save_file({k: v.contiguous() for k, v in values.items()}, os.path.join(out, "model.safetensors"),
+                  metadata={"format": "pt"})
+    _copy_config(model_dir, out_dir, quantization_config)

@@ -19,7 +19,7 @@ from radixserve.model_runner.forward_batch import ForwardMode
 from radixserve.model_runner.static_generate import assign_kv_slots, greedy_generate, make_forward_batch
 from test_model_forward import MAX_NEW_TOKENS, hf_greedy, hf_model, make_runner, random_prompts
 from quant_checkpoints import (TINY_QUANT_LLAMA, compressed_tensors_checkpoint, hf_fp8_block_checkpoint,
-                               hf_fp8_experts_checkpoint, int4_checkpoint, quantize_projection_inputs,
+                               experts_checkpoint, int4_checkpoint, quantize_projection_inputs,
                                scaled_projections)
 
 NUM_PROMPTS = 16
@@ -194,17 +194,20 @@ def test_random_weights_load_in_a_checkpoints_quantized_layout(tmp_path, base_di
     assert all(len(tokens) == 4 for tokens in greedy_generate(runner, prompts, 4))
 
 
-def test_fp8_experts_of_a_mixture_of_experts_load_dequantized(tmp_path_factory, tiny_model_dir):
-    """A Qwen3-MoE checkpoint whose experts are fine-grained FP8 (as Qwen3-30B-A3B-FP8 ships them): the experts load
-    as their dequantized values, the other layers as stored, and the model gives Hugging Face's greedy ids on the
+@pytest.mark.parametrize("fmt", ["hf-fp8", "gptq"])
+def test_quantized_experts_of_a_mixture_of_experts_load_dequantized(tmp_path_factory, tiny_model_dir, fmt):
+    """A Qwen3-MoE checkpoint whose experts are quantized (fine-grained FP8 as Qwen3-30B-A3B-FP8 ships them, or GPTQ
+    with the attention too): the experts load as their dequantized values, the attention as the format's linears (or
+    as stored, where the FP8 checkpoint leaves it out), and the model gives Hugging Face's greedy ids on the
     dequantized checkpoint."""
     from safetensors.torch import load_file
 
     base = tiny_model_dir("qwen3_moe", **TINY_QUANT_LLAMA, moe_intermediate_size=128)
-    out, reference = str(tmp_path_factory.mktemp("q-moe-fp8")), str(tmp_path_factory.mktemp("ref-moe-fp8"))
-    hf_fp8_experts_checkpoint(base, out, reference)
+    out, reference = str(tmp_path_factory.mktemp(f"q-moe-{fmt}")), str(tmp_path_factory.mktemp(f"ref-moe-{fmt}"))
+    experts_checkpoint(base, out, reference, fmt)
     runner = make_runner(out)
-    assert not any(isinstance(m, QuantizedLinear) for m in runner.model.modules())  # the attention is not converted
+    converted = [m for m in runner.model.modules() if isinstance(m, QuantizedLinear)]
+    assert len(converted) == (0 if fmt == "hf-fp8" else 2 * TINY_QUANT_LLAMA.get("num_hidden_layers", 2))
     expected = load_file(f"{reference}/model.safetensors")
     experts = runner.model.model.layers[1].mlp.experts
     for e in (0, 5):
@@ -224,7 +227,7 @@ def test_a_quantized_expert_missing_its_scale_is_named(tmp_path_factory, tiny_mo
 
     base = tiny_model_dir("qwen3_moe", **TINY_QUANT_LLAMA, moe_intermediate_size=128)
     out, reference = str(tmp_path_factory.mktemp("q-moe-noscale")), str(tmp_path_factory.mktemp("ref-moe-noscale"))
-    hf_fp8_experts_checkpoint(base, out, reference)
+    experts_checkpoint(base, out, reference, "hf-fp8")
     tensors = load_file(f"{out}/model.safetensors")
     del tensors["model.layers.0.mlp.experts.2.down_proj.weight_scale_inv"]
     save_file(tensors, f"{out}/model.safetensors", metadata={"format": "pt"})
