@@ -222,6 +222,21 @@ def test_quantized_experts_of_a_mixture_of_experts_load_dequantized(tmp_path_fac
     assert agree >= 7, f"{agree} of {len(prompts)} prompts give Hugging Face's greedy ids"
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("ep_size", [1, 2])
+def test_quantized_experts_shard_over_two_ranks(tmp_path_factory, tiny_model_dir, ep_size):
+    """Fine-grained FP8 experts, dequantized at load, over two gloo ranks: each expert's intermediate dimension split
+    (ep 1) or whole experts per rank (ep 2); the greedy ids equal one rank's."""
+    from test_tensor_parallel import _run_group
+
+    base = tiny_model_dir("qwen3_moe", **TINY_QUANT_LLAMA, moe_intermediate_size=128)
+    out, reference = str(tmp_path_factory.mktemp("q-moe-tp")), str(tmp_path_factory.mktemp("ref-moe-tp"))
+    experts_checkpoint(base, out, reference, "hf-fp8")
+    prompts = random_prompts(TINY_QUANT_LLAMA["vocab_size"], [5, 9, 14], seed=4)
+    [two_ranks] = _run_group(2, [out], prompts=prompts, max_new_tokens=16, ep_size=ep_size)
+    assert two_ranks == greedy_generate(make_runner(out), prompts, 16)
+
+
 def test_a_quantized_expert_missing_its_scale_is_named(tmp_path_factory, tiny_model_dir):
     from safetensors.torch import load_file, save_file
 
