@@ -5,7 +5,8 @@ which flag radixserve cannot honour. Each of SGLang's flags falls into one of th
 
 - radixserve's own flag of the same name (most of the common ones), or one of SGLang's other spellings of it
   (`ALIASES`);
-- flags that ask for what radixserve always does (`ALWAYS`). They are accepted and logged with what they mean here;
+- flags that ask for what radixserve always does (`ALWAYS`), or take a value that does (`ALWAYS_VALUES`, for example
+  `--moe-runner-backend triton`). They are accepted and logged with what they mean here; another value is refused;
 - everything else (`sglang_flags.txt`, taken from SGLang 0.5.23's parser: hardware-specific kernels, all-to-all
   expert dispatch, pipeline parallelism, disaggregation, multimodal inputs, ...). These are
   recognized, and their use is refused with the flag's name and, where one is known, the reason (`REASONS`), never
@@ -36,6 +37,17 @@ ALIASES: dict[str, tuple[str, ...]] = {
 ALWAYS: dict[str, str] = {
     "--enable-cache-report": "the OpenAI usage always reports cached prompt tokens (prompt_tokens_details)",
     "--disable-custom-all-reduce": "tensor parallelism always all-reduces through torch.distributed (NCCL or gloo)",
+}
+
+# SGLang value flags some of whose values ask for radixserve's only behaviour: flag -> (those values, what they amount
+# to). Any other value is refused by name, as the flags of sglang_flags.txt are.
+ALWAYS_VALUES: dict[str, tuple[tuple[str, ...], str]] = {
+    "--moe-runner-backend": (("auto", "triton"), "mixtures of experts run on radixserve's fused Triton kernels on a "
+                                                 "GPU (grouped GEMMs on the CPU)"),
+    "--moe-a2a-backend": (("none",), "tokens reach their experts through the tensor-parallel all-reduce, with no "
+                                     "all-to-all dispatch"),
+    "--fp8-gemm-backend": (("auto",), "FP8 products take cuBLASLt or radixserve's Triton kernels by shape"),
+    "--ep-num-redundant-experts": (("0",), "each expert lives on one expert-parallel rank"),
 }
 
 REASONS: dict[str, str] = {
@@ -73,31 +85,57 @@ class _Record(argparse.Action):
         setattr(namespace, self.dest, [*used, option_string])
 
 
+class _RecordValue(argparse.Action):
+    """Remembers each (flag, value) of `ALWAYS_VALUES` the command line used (in `dest`, a list)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: Any = None) -> None:
+        used = getattr(namespace, self.dest, None) or []
+        setattr(namespace, self.dest, [*used, (option_string, str(values))])
+
+
 def add_cli_args(parser: argparse.ArgumentParser, taken: set[str]) -> None:
     """Register SGLang's flags that `parser` does not already have (`taken`)."""
     for flag in ALWAYS:
         parser.add_argument(flag, nargs=0, action=_Record, dest="sglang_always", default=None,
                             help=f"accepted: {ALWAYS[flag]}")
+    for flag, (values, meaning) in ALWAYS_VALUES.items():
+        if flag not in taken:
+            parser.add_argument(flag, action=_RecordValue, dest="sglang_values", default=None,
+                                help=f"accepted as {' or '.join(values)}: {meaning}")
     nargs = {"flag": 0, "value": None, "list": "*"}
     for flag, kind in unsupported_flags().items():
-        if flag not in taken and flag not in ALWAYS:
+        if flag not in taken and flag not in ALWAYS and flag not in ALWAYS_VALUES:
             parser.add_argument(flag, nargs=nargs[kind], action=_Record, dest="sglang_unsupported", default=None,
                                 help=argparse.SUPPRESS)
 
 
 def check_cli_args(args: argparse.Namespace) -> None:
     """Raise ValueError naming the unsupported SGLang flags the command line used; log the accepted ones."""
-    refused = getattr(args, "sglang_unsupported", None)
+    refused = list(getattr(args, "sglang_unsupported", None) or [])
+    given = getattr(args, "sglang_values", None) or []
+    refused += [f"{flag} {value}" for flag, value in given if value not in ALWAYS_VALUES[flag][0]]
     if refused:
         raise ValueError(refusal(refused))
     for flag in getattr(args, "sglang_always", None) or []:
         logger.info("%s: %s", flag, ALWAYS[flag])
+    for flag, value in given:
+        logger.info("%s %s: %s", flag, value, ALWAYS_VALUES[flag][1])
 
 
 def refusal(flags: Sequence[str]) -> str:
-    parts = [f"{flag} ({REASONS[flag]})" if flag in REASONS else flag for flag in dict.fromkeys(flags)]
+    """The message refusing `flags` (each a flag, or `flag value` for a refused value of `ALWAYS_VALUES`)."""
+    parts = [f"{flag} ({_reason(flag)})" if _reason(flag) else flag for flag in dict.fromkeys(flags)]
     return (f"SGLang's {', '.join(parts)} {'is' if len(parts) == 1 else 'are'} not supported by radixserve; "
             "remove it (`radixserve serve --help` lists the flags radixserve takes)")
+
+
+def _reason(flag: str) -> str:
+    name = flag.split(" ", 1)[0]
+    if name in ALWAYS_VALUES and name != flag:
+        values, meaning = ALWAYS_VALUES[name]
+        return f"{meaning}; it takes {' or '.join(values)}"
+    return REASONS.get(flag, "")
 
 
 def flag_of(name: str) -> str:
@@ -109,10 +147,16 @@ def check_keywords(kwargs: dict[str, Any], known: set[str]) -> dict[str, Any]:
     """`Engine(**kwargs)`'s counterpart of `check_cli_args`: the keywords without the accepted SGLang ones (logged);
     raises ValueError naming the unsupported SGLang options among those not in `known`."""
     extra = [name for name in kwargs if name not in known]
-    refused = sorted(flag_of(name) for name in extra if flag_of(name) in unsupported_flags())
+    refused = sorted(flag_of(name) for name in extra
+                     if flag_of(name) in unsupported_flags() and flag_of(name) not in ALWAYS_VALUES)
+    refused += [f"{flag_of(name)} {kwargs[name]}" for name in extra if flag_of(name) in ALWAYS_VALUES
+                and str(kwargs[name]) not in ALWAYS_VALUES[flag_of(name)][0]]
     if refused:
         raise ValueError(refusal(refused))
     for name in extra:
         if flag_of(name) in ALWAYS:
             logger.info("%s: %s", name, ALWAYS[flag_of(name)])
-    return {name: value for name, value in kwargs.items() if flag_of(name) not in ALWAYS or name in known}
+        elif flag_of(name) in ALWAYS_VALUES:
+            logger.info("%s=%s: %s", name, kwargs[name], ALWAYS_VALUES[flag_of(name)][1])
+    accepted = set(ALWAYS) | set(ALWAYS_VALUES)
+    return {name: value for name, value in kwargs.items() if flag_of(name) not in accepted or name in known}

@@ -80,6 +80,23 @@ def test_every_other_sglang_flag_is_refused_by_name():
         _parse("--revision", "main", "--enable-torch-compile")
 
 
+def test_sglang_value_flags_that_name_radixserves_behaviour():
+    """`--moe-runner-backend triton` (or auto), `--moe-a2a-backend none`, `--fp8-gemm-backend auto` and
+    `--ep-num-redundant-experts 0` ask for what radixserve does: accepted; another value is refused by name, with the
+    values that are taken."""
+    args = _parse("--moe-runner-backend", "triton", "--moe-a2a-backend", "none", "--fp8-gemm-backend", "auto",
+                  "--ep-num-redundant-experts", "0")
+    assert args.tp_size == 1
+    with pytest.raises(ValueError, match=r"--moe-runner-backend deep_gemm \(mixtures of experts run on radixserve's "
+                                         r"fused Triton kernels .*; it takes auto or triton\)"):
+        _parse("--moe-runner-backend", "deep_gemm")
+    with pytest.raises(ValueError, match=r"--moe-a2a-backend deepep .*it takes none"):
+        _parse("--moe-a2a-backend", "deepep")
+    assert make_server_args(moe_runner_backend="auto", moe_a2a_backend="none").tp_size == 1
+    with pytest.raises(ValueError, match=r"--ep-num-redundant-experts 8 .*it takes 0"):
+        make_server_args(ep_num_redundant_experts=8)
+
+
 def test_engine_keywords_follow_the_same_rules():
     with pytest.raises(ValueError, match="--enable-torch-compile .decode runs under CUDA graphs"):
         make_server_args(enable_torch_compile=True)
