@@ -1,10 +1,10 @@
 """The TokenizerManager: the main process's side of the pipeline, on one asyncio event loop.
 
     generate_request(obj)  -> normalize (runtime/wire/request.py) unless the caller did, tokenize (on the
-                              TokenizerWorker's thread) + check the whole batch (ValueError: nothing was sent),
-                              send one TokenizedGenerateReq per prompt and sample, then yield chunks
-                              (stream=True) or the final result(s)
-    _recv_loop             -> BatchTextOut from the detokenizer, routed to each request's ReqState
+                              TokenizerWorker's thread) + check the whole batch (request_checks.py; ValueError:
+                              nothing was sent), send one TokenizedGenerateReq per prompt and sample, then yield
+                              chunks (stream=True) or the final result(s)
+    _recv_loop             -> BatchTextOut from the detokenizer, routed to each request's ReqState (outputs.py)
     abort / flush_cache / get_server_info / post_training (weights, pause, memory) / mark_dead
 
 Every method runs on the loop that called `start()`; other threads reach it through the Engine's bridge.
@@ -40,13 +40,15 @@ from radixserve.runtime.wire.messages import (
     encode,
     options_of,
 )
-from radixserve.runtime.wire.errors import EngineDeadError, request_failed
+from radixserve.runtime.wire.errors import EngineDeadError
 from radixserve.runtime.wire.lora import LoadLoRAAdapterReq, LoRAAdapterReqOutput, UnloadLoRAAdapterReq
-from radixserve.runtime.wire.request import GenerateRequest, NormalizedRequest, located, normalize
+from radixserve.runtime.wire.request import GenerateRequest, NormalizedRequest, normalize
 from radixserve.runtime.wire.sampling_params import LengthLimits, SamplingParams
 from radixserve.runtime.wire.server_info import ServerInfo
 from radixserve.runtime.wire.weights import CONTROL_REQUESTS, ControlReqOutput, GetWeightsByNameReqOutput
+from radixserve.tokenizer_manager.outputs import handle_text_out, raise_if_failed
 from radixserve.tokenizer_manager.replicas import merge_replies
+from radixserve.tokenizer_manager.request_checks import tokenize_and_check
 from radixserve.tokenizer_manager.state import ReqGroup, ReqState
 from radixserve.tokenizer_manager.tokenize import TokenizerWorker
 
@@ -113,7 +115,7 @@ class TokenizerManager:
         self._check_alive()
         arrived = time.monotonic()  # the request's latencies (ttft, e2e) count its wait for the tokenizer too
         request = obj if isinstance(obj, NormalizedRequest) else normalize(obj, self.model_info)
-        tokenized = await self._tokenize_and_check(request)
+        tokenized = await tokenize_and_check(self, request)
         self._check_alive()
         return self._submit(request, tokenized, arrived)
 
@@ -127,40 +129,18 @@ class TokenizerManager:
             if request.stream:
                 while True:
                     for state in await group.wait():
-                        _raise_if_failed(state)
+                        raise_if_failed(state)
                         yield state.take_chunk(token_text, incremental)
                     if group.all_finished and not group.dirty:
                         return
             else:
                 while not group.all_finished:
                     for state in await group.wait():
-                        _raise_if_failed(state)
+                        raise_if_failed(state)
                 results = [state.result(token_text) for state in group.states]
                 yield results[0] if request.single and len(results) == 1 else results
         finally:
             self.release(group)
-
-    async def _tokenize_and_check(self, request: NormalizedRequest) -> list[tuple[tuple[int, ...], SamplingParams]]:
-        """Each prompt's token ids and its sampling parameters under the length rule (`fit_context`), once its
-        length is known; and what the tokens or the engine's present state decide (logprob_start_len, the
-        adapter)."""
-        checked = []
-        for prompt in request.prompts:
-            try:
-                input_ids = prompt.input_ids
-                if input_ids is None:
-                    input_ids = tuple(await self.encode(prompt.text))  # a tuple, as split_prompts makes them
-                sampling = prompt.sampling_params.fit_context(len(input_ids), self.limits)
-                lora_name = prompt.options.lora_name
-                if lora_name is not None and lora_name not in self.lora_adapters:
-                    raise ValueError(_unknown_adapter(lora_name, self.model_info.lora_enabled))
-                start_len = prompt.options.logprob_start_len
-                if not -1 <= start_len <= len(input_ids):
-                    raise ValueError(f"logprob_start_len must be -1 or in [0, {len(input_ids)}], got {start_len}")
-            except ValueError as exc:
-                raise located(exc, prompt.index, prompt.input_ids is not None, request.single) from None
-            checked.append((input_ids, sampling))
-        return checked
 
     def _submit(self, request: NormalizedRequest, tokenized: list[tuple[tuple[int, ...], SamplingParams]],
                 arrived: float) -> ReqGroup:
@@ -290,7 +270,7 @@ class TokenizerManager:
             while True:
                 message = decode(await self.recv_socket.recv())
                 if isinstance(message, BatchTextOut):
-                    self._handle_text_out(message)
+                    handle_text_out(self, message)
                 elif isinstance(message, (FlushCacheReqOutput, GetServerInfoReqOutput, CacheTreeReqOutput,
                                           LoRAAdapterReqOutput, ControlReqOutput, GetWeightsByNameReqOutput)):
                     self._rpc_reply(message)
@@ -313,46 +293,6 @@ class TokenizerManager:
         replies.append(message)
         if len(replies) == self.num_replicas:
             future.set_result(merge_replies(replies))
-
-    def _handle_text_out(self, out: BatchTextOut) -> None:
-        with_logprobs = len(out.output_token_logprobs) == len(out.rids)
-        with_input_logprobs = len(out.input_token_logprobs) == len(out.rids)
-        for i, rid in enumerate(out.rids):
-            entry = self.rid_to_state.get(rid)
-            if entry is None:
-                continue  # its caller went away; the abort is on its way
-            state, group = entry
-            if state.finished:
-                continue
-            if with_logprobs and state.return_logprob:
-                state.output_token_logprobs.extend(out.output_token_logprobs[i])
-                if len(out.output_top_logprobs) == len(out.rids):
-                    state.output_top_logprobs.extend(out.output_top_logprobs[i])
-            if with_input_logprobs and out.input_token_logprobs[i] is not None:
-                state.input_token_logprobs = out.input_token_logprobs[i]
-                if len(out.input_top_logprobs) == len(out.rids):
-                    state.input_top_logprobs = out.input_top_logprobs[i]
-            state.append(out.text_deltas[i], out.new_token_ids[i], out.finish_reasons[i],
-                         out.prompt_tokens[i], out.completion_tokens[i], out.cached_tokens[i],
-                         out.queue_times[i] if out.queue_times else None)
-            if out.spec:
-                state.spec = out.spec[i]
-            if out.embeddings:
-                state.embedding = out.embeddings[i]
-            state.weight_version = out.weight_version
-            group.notify(state.index)
-            if state.finished:
-                self._observe(state)
-
-    def _observe(self, state: ReqState) -> None:
-        if self.request_observer is None:
-            return
-        try:
-            # The observer also learns the request's tenant (meta_info itself never carries it).
-            meta = {**state.meta_info(lambda token_id: None), "tenant": state.tenant}
-            self.request_observer(meta, list(state.token_times))
-        except Exception:
-            logger.exception("request_observer failed")
 
     # ---- failure ---------------------------------------------------------------------------------
 
@@ -398,21 +338,8 @@ class TokenizerManager:
         self.send_socket.close(linger=0)
 
 
-def _raise_if_failed(state: ReqState) -> None:
-    """A request that finished with an error (not a plain abort) raises its typed exception to the caller."""
-    if state.error_status is not None:
-        raise request_failed(state.finish_reason.get("message") or "the request failed", state.error_status)
-
-
 def engine_rid(tenant: Optional[str], rid: str) -> str:
     """The id a request has inside the engine: the caller's rid within its tenant, so equal rids of two
     tenants never collide (and a collision never tells one tenant of the other's requests). Tenant ids hold
     no "/", so the pair is recoverable; requests without a tenant keep their rid."""
     return rid if tenant is None else f"{tenant}/{rid}"
-
-
-def _unknown_adapter(name: str, lora_enabled: bool) -> str:
-    if not lora_enabled:
-        return (f"lora_path: this server serves no LoRA adapters (start it with --enable-lora or --lora-paths); "
-                f"got {name!r}")
-    return f"lora_path: no LoRA adapter named {name!r} is loaded"

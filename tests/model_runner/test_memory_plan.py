@@ -102,7 +102,7 @@ def test_the_default_plan_holds_the_largest_steps(tiny_model_dir, caplog):
     from radixserve.model_runner.forward_batch import ForwardMode
 
     model_dir = tiny_model_dir("llama", **GPU_MODEL)
-    with caplog.at_level(logging.INFO, logger="radixserve.model_runner.model_runner"):
+    with caplog.at_level(logging.INFO, logger="radixserve.model_runner.memory_sizing"):
         runner = ModelRunner(RunnerConfig.from_server_args(ServerArgs(model_path=model_dir, device="cuda",
             dtype="bfloat16", chunked_prefill_size=4096, max_running_requests=512)))
     plan = runner.memory_plan
