@@ -82,37 +82,34 @@ class QuantizedWeightLoader:
             hf_linear, _, suffix = name.rpartition(".")
             if hf_linear not in self.part_of or suffix == "bias":
                 if not self.dense and (suffix in _QUANTIZED_ONLY or (suffix == "weight" and _stored_fp8(tensor))):
-                    dense = self._unprojected(hf_linear, suffix, tensor)
-                    if dense is not None:
-                        yield f"{hf_linear}.weight", dense
+                    tensors = self._collect(self.unprojected, hf_linear, suffix, tensor)
+                    if tensors is not None:  # a quantized linear run in 16 bits: its dequantized (float32) weight
+                        yield f"{hf_linear}.weight", self.method.from_checkpoint(
+                            {k: v.to(self.device) for k, v in tensors.items()}).dequantize()
                     continue
                 yield name, tensor
                 continue
-            if suffix not in self.required and suffix not in OPTIONAL_SUFFIXES:
-                raise ValueError(f"{self.method.name}: unexpected tensor {name} (a {self.method.name} linear holds "
-                                 f"{', '.join(self.required)})")
-            tensors = self.raw.setdefault(hf_linear, {})
-            tensors[suffix] = tensor if isinstance(tensor, torch.Tensor) else tensor[:]
-            if all(s in tensors for s in self.required) and self._has_extras(tensors):
-                self._convert(hf_linear, self.raw.pop(hf_linear))
+            tensors = self._collect(self.raw, hf_linear, suffix, tensor)
+            if tensors is not None:
+                self._convert(hf_linear, tensors)
         if self.unprojected:  # before the model's loader reports the weights they would have given as missing
             name, tensors = next(iter(self.unprojected.items()))
             raise ValueError(f"{self.method.name}: the checkpoint has {', '.join(sorted(tensors))} of {name} but not "
                              f"all of {', '.join(self.required)}" + (f" (and {len(self.unprojected) - 1} more such "
                                                                      "linears)" if len(self.unprojected) > 1 else ""))
 
-    def _unprojected(self, hf_linear: str, suffix: str, tensor: Any) -> Optional[torch.Tensor]:
-        """Collect one tensor of a quantized linear run in 16 bits; its dequantized weight (float32, on the loader's
-        device) once all of the method's tensors are in, else None."""
+    def _collect(self, store: dict[str, dict[str, torch.Tensor]], hf_linear: str, suffix: str,
+                 tensor: Any) -> Optional[dict[str, torch.Tensor]]:
+        """Add one tensor of checkpoint linear `hf_linear` to `store`; the linear's tensors, taken out of `store`,
+        once all that the method needs are in, else None."""
         if suffix not in self.required and suffix not in OPTIONAL_SUFFIXES:
             raise ValueError(f"{self.method.name}: unexpected tensor {hf_linear}.{suffix} (a {self.method.name} linear "
                              f"holds {', '.join(self.required)})")
-        tensors = self.unprojected.setdefault(hf_linear, {})
+        tensors = store.setdefault(hf_linear, {})
         tensors[suffix] = tensor if isinstance(tensor, torch.Tensor) else tensor[:]
-        if not (all(s in tensors for s in self.required) and self._has_extras(tensors)):
-            return None
-        return self.method.from_checkpoint({k: v.to(self.device) for k, v in self.unprojected.pop(hf_linear).items()}
-                                           ).dequantize()
+        if all(s in tensors for s in self.required) and self._has_extras(tensors):
+            return store.pop(hf_linear)
+        return None
 
     def _has_extras(self, tensors: dict[str, torch.Tensor]) -> bool:
         # An act-order checkpoint's g_idx must be in before the weight converts; others do not need it.

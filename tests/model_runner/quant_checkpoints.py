@@ -1,5 +1,5 @@
-"""Quantized test checkpoints made from a tiny random Llama (or mixture of experts), each beside the float32 Hugging Face model whose weights
-are the checkpoint's dequantized values (the reference the runner is compared with).
+"""Quantized test checkpoints made from a tiny random Llama (or mixture of experts), each beside the float32 Hugging
+Face model whose weights are the checkpoint's dequantized values (the reference the runner is compared with).
 
 compressed-tensors checkpoints are written by the `compressed-tensors` package itself (its `ModelCompressor`, from
 scales computed here with its `calculate_qparams`), and dequantized by it too. AWQ, GPTQ and Hugging Face's
@@ -147,6 +147,14 @@ def _pack_along_rows(values: torch.Tensor) -> torch.Tensor:
     return _pack_along_columns(values.T.contiguous(), range(8)).T.contiguous()
 
 
+def _gptq_v1(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+             g_idx: torch.Tensor) -> dict[str, torch.Tensor]:
+    """One linear's tensors in GPTQ's v1 layout (rows packed, zero points minus one), from `_quantize_groups`."""
+    return {"qweight": _pack_along_rows(q.T.contiguous()),
+            "qzeros": _pack_along_columns((zeros - 1).T.contiguous() & 0xF, range(8)),
+            "scales": scales.T.half().contiguous(), "g_idx": g_idx.to(torch.int32)}
+
+
 def int4_checkpoint(model_dir: str, out_dir: str, reference_dir: str, fmt: str, act_order: bool = False,
                     seed: int = 0) -> None:
     """`fmt`: "awq" (GEMM layout) or "gptq" (v1, optionally act-order: one random column order per input, shared by
@@ -173,9 +181,7 @@ def int4_checkpoint(model_dir: str, out_dir: str, reference_dir: str, fmt: str, 
                               "qzeros": _pack_along_columns(zeros.T.contiguous(), AWQ_ORDER),
                               "scales": scales.T.half().contiguous()}
         else:
-            replaced[name] = {"qweight": _pack_along_rows(q.T.contiguous()),
-                              "qzeros": _pack_along_columns((zeros - 1).T.contiguous() & 0xF, range(8)),
-                              "scales": scales.T.half().contiguous(), "g_idx": g_idx.to(torch.int32)}
+            replaced[name] = _gptq_v1(q, scales, zeros, g_idx)
     os.makedirs(out_dir, exist_ok=True)
     _save_tensors(model, replaced, out_dir)
     if fmt == "awq":
@@ -189,20 +195,26 @@ def int4_checkpoint(model_dir: str, out_dir: str, reference_dir: str, fmt: str, 
 
 # ---- Hugging Face fine-grained FP8 ----------------------------------------------------------------------------
 
+def _fp8_blocks(w: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """One linear `w [N, K]` (multiples of 128) as `weight` float8_e4m3fn and `weight_scale_inv` float32 per 128x128
+    block (value = weight * scale_inv), and its dequantized values in float64."""
+    w = w.double()
+    n, k = w.shape
+    blocks = w.view(n // 128, 128, k // 128, 128)
+    scale_inv = blocks.abs().amax((1, 3)) / 448.0
+    q = (blocks / scale_inv[:, None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn).view(n, k)
+    scale_inv = scale_inv.float()
+    expanded = scale_inv.repeat_interleave(128, 0).repeat_interleave(128, 1)
+    return {"weight": q, "weight_scale_inv": scale_inv}, q.double() * expanded.double()
+
+
 def hf_fp8_block_checkpoint(model_dir: str, out_dir: str, reference_dir: str) -> None:
     """`weight` float8_e4m3fn and `weight_scale_inv` float32 per 128x128 block (value = weight * scale_inv)."""
     model = _load(model_dir)
     replaced, dequantized = {}, {}
     for name, module in _linears(model):
-        w = module.weight.detach().double()
-        n, k = w.shape
-        blocks = w.view(n // 128, 128, k // 128, 128)
-        scale_inv = blocks.abs().amax((1, 3)) / 448.0
-        q = (blocks / scale_inv[:, None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn).view(n, k)
-        scale_inv = scale_inv.float()
-        replaced[name] = {"weight": q, "weight_scale_inv": scale_inv}
-        expanded = scale_inv.repeat_interleave(128, 0).repeat_interleave(128, 1)
-        dequantized[name] = (q.double() * expanded.double()).float()
+        replaced[name], values = _fp8_blocks(module.weight.detach())
+        dequantized[name] = values.float()
     os.makedirs(out_dir, exist_ok=True)
     _save_tensors(model, replaced, out_dir)
     _copy_config(model_dir, out_dir, {"quant_method": "fp8", "activation_scheme": "dynamic",
@@ -261,23 +273,15 @@ def experts_checkpoint(model_dir: str, out_dir: str, reference_dir: str, fmt: st
         if not name.endswith("_proj.weight") or not (is_expert or fmt == "gptq"):
             quantized[name] = reference[name] = value.contiguous()
             continue
-        linear = name.removesuffix(".weight")
-        w = value.double()
-        n, k = w.shape
         if fmt == "hf-fp8":
-            blocks = w.view(n // 128, 128, k // 128, 128)
-            scale_inv = blocks.abs().amax((1, 3)) / 448.0
-            q = (blocks / scale_inv[:, None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn).view(n, k)
-            scale_inv = scale_inv.float()
-            quantized.update({f"{linear}.weight": q, f"{linear}.weight_scale_inv": scale_inv})
-            dequantized = q.double() * scale_inv.double().repeat_interleave(128, 0).repeat_interleave(128, 1)
+            parts, dequantized = _fp8_blocks(value)
         else:
-            g_idx = torch.arange(k) // 128
-            q, scales, zeros = _quantize_groups(w, 128, g_idx)
-            quantized.update({f"{linear}.qweight": _pack_along_rows(q.T.contiguous()),
-                              f"{linear}.qzeros": _pack_along_columns((zeros - 1).T.contiguous() & 0xF, range(8)),
-                              f"{linear}.scales": scales.T.half().contiguous(), f"{linear}.g_idx": g_idx.to(torch.int32)})
+            g_idx = torch.arange(value.shape[1]) // 128
+            q, scales, zeros = _quantize_groups(value, 128, g_idx)
+            parts = _gptq_v1(q, scales, zeros, g_idx)
             dequantized = (q.double() - zeros[:, g_idx].double()) * scales[:, g_idx]
+        linear = name.removesuffix(".weight")
+        quantized.update({f"{linear}.{suffix}": part for suffix, part in parts.items()})
         reference[name] = dequantized.to(value.dtype)
     quantization_config = ({"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
                             "modules_to_not_convert": ["self_attn", "lm_head"]} if fmt == "hf-fp8" else
