@@ -222,6 +222,29 @@ def test_quantized_experts_of_a_mixture_of_experts_load_dequantized(tmp_path_fac
     assert agree >= 7, f"{agree} of {len(prompts)} prompts give Hugging Face's greedy ids"
 
 
+def test_quantized_experts_keep_hugging_faces_ids_through_the_scheduler(tmp_path_factory, tiny_model_dir):
+    """The FP8-expert model through a scheduler with chunked prefill of 16 and the radix cache off, then on (with
+    every prompt again as a hit of all but its last token): Hugging Face's greedy ids on the dequantized checkpoint."""
+    from scheduler_driver import SchedulerDriver
+    from test_moe_models import check_batches_and_radix_hits
+
+    base = tiny_model_dir("qwen3_moe", **TINY_QUANT_LLAMA, moe_intermediate_size=128)
+    out, reference = str(tmp_path_factory.mktemp("q-moe-sched")), str(tmp_path_factory.mktemp("ref-moe-sched"))
+    experts_checkpoint(base, out, reference, "hf-fp8")
+    head = random_prompts(TINY_QUANT_LLAMA["vocab_size"], [20], seed=11)[0]
+    prompts = [head + p if i % 2 == 0 else p
+               for i, p in enumerate(random_prompts(TINY_QUANT_LLAMA["vocab_size"], [6, 11, 17, 9], seed=5))]
+    hf = hf_model(reference)
+    expected = [hf_greedy(hf, p, MAX_NEW_TOKENS, []) for p in prompts]
+    driver = SchedulerDriver(out, max_total_tokens=4096, chunked_prefill_size=16, disable_radix_cache=True)
+    for i, prompt in enumerate(prompts):
+        driver.submit(f"r{i}", prompt, max_new_tokens=MAX_NEW_TOKENS)
+    driver.run_until_idle()
+    assert driver.outputs() == expected and driver.scheduler.stats.cached_tokens == 0
+    driver.close()
+    check_batches_and_radix_hits(out, prompts, expected, "chunk-16")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("ep_size", [1, 2])
 def test_quantized_experts_shard_over_two_ranks(tmp_path_factory, tiny_model_dir, ep_size):
