@@ -19,22 +19,16 @@ depends only on `(T, top_k, E, BLOCK_M)`, with no host synchronization, so the w
 graph. Block sizes come from the per-shape table in kernels/fused_moe_configs.py. float32 inputs multiply in IEEE
 float32 (no TF32), so a float32 model on the GPU keeps its precision.
 
-The decode path (a few pairs). No sorting, no padding: the pair's expert is read straight from `topk_ids`, and the
-products are matrix-vector products on the CUDA cores, each program streaming rows of one expert's weights with the
-reduced dimension contiguous (coalesced loads of `w13 [E, 2I, H]` and `w2 [E, H, I]` alike):
-
-1. `_decode_gate_up_kernel`: per pair and `BLOCK_N` intermediate columns, the expert's `[BLOCK_N, H]` gate and up
-   rows times the token's row, the same activation as the aligned path, stored as the pair's row of `[T * top_k, I]`;
-2. `_decode_down_kernel`: per token and `DOWN_BLOCK_N` hidden columns, the sum over the token's `top_k` slots of
-   the routing weight times the expert's down rows times the slot's activations (plus the weighted down bias), in
-   float32, stored once as the token's row of the output. Every slot's rows stream together, `DOWN_BLOCK_K` of the
-   intermediate dimension at a time. Each output element is summed by one program in a fixed order: no atomics, and
-   the same result every run.
+The decode path (a few pairs; kernels/fused_moe_decode.py) reads each pair's expert straight from `topk_ids`, with no
+sorting or padding, and runs matrix-vector products on the CUDA cores.
 
 The aligned path reads an expert's weights once per `BLOCK_M` rows of its run; the decode path once per pair. Pairs
 of one token visit distinct experts, so at one token nothing is read twice; with more tokens, experts repeat and the
 decode path rereads them (from L2 where they still are). A pair of routing weight 0 contributes nothing and the
 decode path skips it without reading its expert (expert parallelism routes other ranks' pairs so).
+
+FP8 experts (float8_e4m3fn weights with block scales, `ExpertScales`) run on both paths with the scales applied in
+registers (kernels/fused_moe_decode.py says how).
 
 If the decode kernels fail to compile on a device (met in the warm-up, before any CUDA graph is captured), `fused_moe`
 logs the reason once and the aligned path serves every later call.
@@ -52,6 +46,8 @@ import triton
 import triton.language as tl
 
 from radixserve.kernels.fused_moe_configs import BlockConfig, block_config, decode_config
+from radixserve.kernels.fused_moe_decode import ExpertScales, _activate, reduced_tile, scale_args
+from radixserve.kernels.fused_moe_decode import decode as _decode
 from radixserve.kernels.guard import KernelGuard
 
 
@@ -89,27 +85,17 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> E
 
 
 @triton.jit
-def _activate(gate, up, swiglu_alpha, swiglu_limit, CLAMPED_SWIGLU: tl.constexpr):
-    """`silu(gate) * up` in float32, or gpt-oss's clamped SwiGLU (see `fused_moe`)."""
-    if CLAMPED_SWIGLU:
-        gate = tl.minimum(gate, swiglu_limit)
-        up = tl.minimum(tl.maximum(up, -swiglu_limit), swiglu_limit)
-        activated = gate / (1.0 + tl.exp(-swiglu_alpha * gate)) * (up + 1.0)
-    else:
-        activated = gate / (1.0 + tl.exp(-gate)) * up
-    return activated
-
-
-@triton.jit
 def _gate_up_kernel(
-    X, W13, B13, Inter, SortedPairs, BlockExpert,
-    num_pairs, top_k, hidden, intermediate, swiglu_alpha, swiglu_limit,
-    stride_x, stride_we, stride_wn, stride_wk, stride_be, stride_inter,
+    X, W13, B13, S13, Inter, SortedPairs, BlockExpert,
+    num_pairs, top_k, hidden, intermediate, swiglu_alpha, swiglu_limit, up_scale_row,
+    stride_x, stride_we, stride_wn, stride_wk, stride_be, stride_se, stride_sn, stride_sk, stride_inter,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-    HAS_BIAS: tl.constexpr, CLAMPED_SWIGLU: tl.constexpr,
+    HAS_BIAS: tl.constexpr, CLAMPED_SWIGLU: tl.constexpr, HAS_SCALE: tl.constexpr, SCALE_N: tl.constexpr,
+    SCALE_K: tl.constexpr,
 ):
     """Program (block of sorted rows, block of intermediate columns). With HAS_BIAS, the expert's gate and up biases
-    (`B13 [E, 2I]`) join the accumulators; CLAMPED_SWIGLU applies gpt-oss's activation in place of SiLU."""
+    (`B13 [E, 2I]`) join the accumulators; CLAMPED_SWIGLU applies gpt-oss's activation in place of SiLU; with
+    HAS_SCALE, each tile's product with the FP8 rows is scaled by their block scales (`S13`) as it joins."""
     block = tl.program_id(0)
     expert = tl.load(BlockExpert + block).to(tl.int64)
     if expert < 0:
@@ -123,14 +109,25 @@ def _gate_up_kernel(
     x_ptrs = X + tokens[:, None] * stride_x + ks[None, :]
     gate_ptrs = W13 + expert * stride_we + cols[None, :] * stride_wn + ks[:, None] * stride_wk
     up_ptrs = gate_ptrs + intermediate * stride_wn
+    gate_scale_ptrs = S13 + expert * stride_se + (cols // SCALE_N) * stride_sn
+    up_scale_ptrs = gate_scale_ptrs + up_scale_row * stride_sn
     gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
         k_ok = k0 + ks < hidden
         x = tl.load(x_ptrs, mask=real[:, None] & k_ok[None, :], other=0.0)
         w_mask = k_ok[:, None] & col_ok[None, :]
-        gate = tl.dot(x, tl.load(gate_ptrs, mask=w_mask, other=0.0), gate, input_precision=PRECISION)
-        up = tl.dot(x, tl.load(up_ptrs, mask=w_mask, other=0.0), up, input_precision=PRECISION)
+        if HAS_SCALE:
+            w_gate = tl.load(gate_ptrs, mask=w_mask, other=0.0).to(X.dtype.element_ty)
+            w_up = tl.load(up_ptrs, mask=w_mask, other=0.0).to(X.dtype.element_ty)
+            scale_k = (k0 // SCALE_K) * stride_sk
+            gate_scale = tl.load(gate_scale_ptrs + scale_k, mask=col_ok, other=0.0)
+            up_scale = tl.load(up_scale_ptrs + scale_k, mask=col_ok, other=0.0)
+            gate += tl.dot(x, w_gate, input_precision=PRECISION) * gate_scale[None, :]
+            up += tl.dot(x, w_up, input_precision=PRECISION) * up_scale[None, :]
+        else:
+            gate = tl.dot(x, tl.load(gate_ptrs, mask=w_mask, other=0.0), gate, input_precision=PRECISION)
+            up = tl.dot(x, tl.load(up_ptrs, mask=w_mask, other=0.0), up, input_precision=PRECISION)
         x_ptrs += BLOCK_K
         gate_ptrs += BLOCK_K * stride_wk
         up_ptrs += BLOCK_K * stride_wk
@@ -145,14 +142,15 @@ def _gate_up_kernel(
 
 @triton.jit
 def _down_kernel(
-    Inter, W2, B2, Out, PairWeights, SortedPairs, BlockExpert,
+    Inter, W2, B2, S2, Out, PairWeights, SortedPairs, BlockExpert,
     num_pairs, hidden, intermediate,
-    stride_inter, stride_we, stride_wn, stride_wk, stride_be, stride_out,
+    stride_inter, stride_we, stride_wn, stride_wk, stride_be, stride_se, stride_sn, stride_sk, stride_out,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr,
 ):
     """Program (block of sorted rows, block of hidden columns). With HAS_BIAS, the expert's down bias (`B2 [E, H]`)
-    is added before the routing weight scales the row."""
+    is added before the routing weight scales the row; with HAS_SCALE, the FP8 rows' block scales (`S2`) scale each
+    tile's product."""
     block = tl.program_id(0)
     expert = tl.load(BlockExpert + block).to(tl.int64)
     if expert < 0:
@@ -165,12 +163,17 @@ def _down_kernel(
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = Inter + rows[:, None] * stride_inter + ks[None, :]
     w_ptrs = W2 + expert * stride_we + cols[None, :] * stride_wn + ks[:, None] * stride_wk
+    scale_ptrs = S2 + expert * stride_se + (cols // SCALE_N) * stride_sn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, intermediate, BLOCK_K):
         k_ok = k0 + ks < intermediate
         a = tl.load(a_ptrs, mask=real[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        acc = tl.dot(a, w, acc, input_precision=PRECISION)
+        if HAS_SCALE:
+            scale = tl.load(scale_ptrs + (k0 // SCALE_K) * stride_sk, mask=col_ok, other=0.0)
+            acc += tl.dot(a, w.to(Inter.dtype.element_ty), input_precision=PRECISION) * scale[None, :]
+        else:
+            acc = tl.dot(a, w, acc, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K * stride_wk
     if HAS_BIAS:
@@ -199,99 +202,20 @@ def use_decode_path(num_tokens: int, top_k: int, num_experts: int) -> bool:
     return _decode_guard.usable and num_pairs <= DECODE_MAX_PAIRS and (num_tokens == 1 or 2 * num_pairs <= num_experts)
 
 
-@triton.jit
-def _decode_gate_up_kernel(
-    X, W13, B13, Inter, TopkWeights, TopkIds,
-    top_k, hidden, intermediate, swiglu_alpha, swiglu_limit,
-    stride_x, stride_we, stride_wn, stride_wk, stride_be, stride_inter,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, CLAMPED_SWIGLU: tl.constexpr,
-):
-    """Program (pair, block of intermediate columns): the expert's `[BLOCK_N, H]` gate and up rows, streamed in
-    `BLOCK_K` chunks along H, times the token's row. The products accumulate elementwise in float32 tiles and are
-    reduced over K once, after the loop. A pair of routing weight 0 stores nothing (the down kernel skips it)."""
-    pair = tl.program_id(0)
-    if tl.load(TopkWeights + pair) == 0.0:
-        return
-    expert = tl.load(TopkIds + pair).to(tl.int64)
-    token = (pair // top_k).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < intermediate
-    ks = tl.arange(0, BLOCK_K)
-    x_ptrs = X + token * stride_x + ks
-    gate_ptrs = W13 + expert * stride_we + cols[:, None] * stride_wn + ks[None, :] * stride_wk
-    up_ptrs = gate_ptrs + intermediate * stride_wn
-    gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, hidden, BLOCK_K):
-        k_ok = k0 + ks < hidden
-        x = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-        w_mask = col_ok[:, None] & k_ok[None, :]
-        gate += tl.load(gate_ptrs, mask=w_mask, other=0.0).to(tl.float32) * x
-        up += tl.load(up_ptrs, mask=w_mask, other=0.0).to(tl.float32) * x
-        x_ptrs += BLOCK_K
-        gate_ptrs += BLOCK_K * stride_wk
-        up_ptrs += BLOCK_K * stride_wk
-    gate_sum = tl.sum(gate, axis=1)
-    up_sum = tl.sum(up, axis=1)
-    if HAS_BIAS:
-        bias_ptrs = B13 + expert * stride_be + cols
-        gate_sum += tl.load(bias_ptrs, mask=col_ok, other=0.0).to(tl.float32)
-        up_sum += tl.load(bias_ptrs + intermediate, mask=col_ok, other=0.0).to(tl.float32)
-    activated = _activate(gate_sum, up_sum, swiglu_alpha, swiglu_limit, CLAMPED_SWIGLU)
-    tl.store(Inter + pair.to(tl.int64) * stride_inter + cols, activated.to(Inter.dtype.element_ty), mask=col_ok)
-
-
-@triton.jit
-def _decode_down_kernel(
-    Inter, W2, B2, Out, TopkWeights, TopkIds,
-    hidden, intermediate,
-    stride_inter, stride_we, stride_wn, stride_wk, stride_be, stride_out,
-    TOP_K: tl.constexpr, SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-):
-    """Program (token, block of hidden columns): the sum over the token's slots of the routing weight times the
-    expert's `[BLOCK_N, I]` down rows times the slot's activations (and times its down bias, with HAS_BIAS). Each
-    iteration loads one `BLOCK_K` chunk of every slot at once, a `[SLOTS, BLOCK_N, BLOCK_K]` tile (`SLOTS`: `TOP_K`
-    rounded up to a power of two), so the loads of all the token's experts are in flight together; the per-slot sums
-    are weighted and added once, after the loop. Slots of weight 0 read nothing."""
-    token = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < hidden
-    slots = tl.arange(0, SLOTS)
-    pairs = token * TOP_K + slots
-    slot_ok = slots < TOP_K
-    experts = tl.load(TopkIds + pairs, mask=slot_ok, other=0).to(tl.int64)
-    weights = tl.load(TopkWeights + pairs, mask=slot_ok, other=0.0)
-    live = slot_ok & (weights != 0.0)  # a slot of weight 0 has nothing to read
-    ks = tl.arange(0, BLOCK_K)
-    a_ptrs = Inter + pairs[:, None] * stride_inter + ks[None, :]
-    w_ptrs = W2 + experts[:, None, None] * stride_we + cols[None, :, None] * stride_wn + ks[None, None, :] * stride_wk
-    rows_ok = live[:, None, None] & col_ok[None, :, None]
-    per_slot = tl.zeros((SLOTS, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, intermediate, BLOCK_K):
-        k_ok = k0 + ks < intermediate
-        a = tl.load(a_ptrs, mask=live[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        w = tl.load(w_ptrs, mask=rows_ok & k_ok[None, None, :], other=0.0).to(tl.float32)
-        per_slot += tl.sum(w * a[:, None, :], axis=2)
-        a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K * stride_wk
-    if HAS_BIAS:
-        per_slot += tl.load(B2 + experts[:, None] * stride_be + cols[None, :], mask=live[:, None] & col_ok[None, :],
-                            other=0.0).to(tl.float32)
-    out = tl.sum(per_slot * weights[:, None], axis=0)
-    tl.store(Out + token * stride_out + cols, out.to(Out.dtype.element_ty), mask=col_ok)
-
-
 def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, config: Optional[BlockConfig] = None, w13_bias: Optional[torch.Tensor] = None,
               w2_bias: Optional[torch.Tensor] = None, swiglu: Optional[tuple[float, float]] = None,
-              path: Literal["auto", "aligned", "decode"] = "auto") -> torch.Tensor:
+              path: Literal["auto", "aligned", "decode"] = "auto", w13_scales: Optional[ExpertScales] = None,
+              w2_scales: Optional[ExpertScales] = None) -> torch.Tensor:
     """`sum_j topk_weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t))` over each token's experts `e = topk_ids[t,
     j]`, as a new tensor `[T, H]` of hidden's dtype.
 
     `hidden [T, H]`; `w13 [E, 2I, H]` (each expert's gate rows, then its up rows); `w2 [E, H, I]`; `topk_weights
     [T, k]` (float32) and `topk_ids [T, k]`. gpt-oss's experts: `w13_bias [E, 2I]` and `w2_bias [E, H]` (both or
     neither) are added to their projections, and `swiglu = (alpha, limit)` replaces the SiLU gate by `gate *
-    sigmoid(alpha * gate) * (up + 1)` with the gate clamped to at most `limit` and up to `[-limit, limit]`.
+    sigmoid(alpha * gate) * (up + 1)` with the gate clamped to at most `limit` and up to `[-limit, limit]`. FP8
+    experts: `w13` and `w2` in float8_e4m3fn with `w13_scales` and `w2_scales` (both or neither), the product of the
+    dequantized weights.
 
     `path`: "auto" chooses by `use_decode_path`; "aligned" or "decode" forces one (benchmarks and tests compare them).
     `config`: the block sizes of the path that runs (default: kernels/fused_moe_configs.py's tables; the aligned
@@ -308,6 +232,7 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     if has_bias:
         assert w13_bias.shape == (num_experts, 2 * intermediate) and w2_bias.shape == (num_experts, hidden_size)
         assert w13_bias.stride(-1) == 1 and w2_bias.stride(-1) == 1
+    assert (w13_scales is None) == (w2_scales is None), "give both experts' scales or neither"
     chosen = path == "auto"
     if chosen:
         path = "decode" if use_decode_path(num_tokens, top_k, num_experts) else "aligned"
@@ -322,7 +247,7 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     else:
         config = config or block_config(num_tokens, num_experts, intermediate, hidden_size, dtype_name)
     args = (hidden.contiguous(), w13, w2, topk_weights.reshape(-1).float().contiguous(),
-            topk_ids.reshape(-1).contiguous(), w13_bias, w2_bias, swiglu)
+            topk_ids.reshape(-1).contiguous(), w13_bias, w2_bias, swiglu, (w13_scales, w2_scales))
     if path == "aligned":
         _aligned(*args, config, out)
         return out
@@ -337,7 +262,8 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
 
 def _aligned(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, pair_weights: torch.Tensor,
              pair_ids: torch.Tensor, w13_bias: Optional[torch.Tensor], w2_bias: Optional[torch.Tensor],
-             swiglu: Optional[tuple[float, float]], config: BlockConfig, out: torch.Tensor) -> None:
+             swiglu: Optional[tuple[float, float]], scales: tuple[Optional[ExpertScales], Optional[ExpertScales]],
+             config: BlockConfig, out: torch.Tensor) -> None:
     """The aligned path of `fused_moe` (module docstring) on `pair_weights`, `pair_ids` `[T * k]`, into `out`."""
     num_tokens, hidden_size = hidden.shape
     num_experts, _, intermediate = w2.shape
@@ -350,51 +276,27 @@ def _aligned(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, pair_wei
     num_blocks = alignment.block_expert.numel()
     has_bias = w13_bias is not None
     alpha, limit = swiglu if swiglu is not None else (1.0, 0.0)
+    w13_scales, w2_scales = scales
+    (s13, *s13_strides), s13_consts = scale_args(w13_scales, w13)
+    (s2, *s2_strides), s2_consts = scale_args(w2_scales, w2)
+    up_scale_row = triton.cdiv(intermediate, w13_scales.block_n) if w13_scales is not None else 0
     inter = torch.empty(num_pairs, intermediate, dtype=hidden.dtype, device=hidden.device)
     _gate_up_kernel[(num_blocks, triton.cdiv(intermediate, block_n))](
-        hidden, w13, w13_bias if has_bias else w13, inter, alignment.sorted_pairs, alignment.block_expert,
-        num_pairs, top_k, hidden_size, intermediate, float(alpha), float(limit),
+        hidden, w13, w13_bias if has_bias else w13, s13, inter, alignment.sorted_pairs, alignment.block_expert,
+        num_pairs, top_k, hidden_size, intermediate, float(alpha), float(limit), up_scale_row,
         hidden.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), w13_bias.stride(0) if has_bias else 0,
-        inter.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, HAS_BIAS=has_bias,
-        CLAMPED_SWIGLU=swiglu is not None, **launch,
+        *s13_strides, inter.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=reduced_tile(block_k, w13_scales, hidden_size),
+        PRECISION=precision, HAS_BIAS=has_bias, CLAMPED_SWIGLU=swiglu is not None, **s13_consts, **launch,
     )
     pair_out = torch.empty(num_pairs, hidden_size, dtype=hidden.dtype, device=hidden.device)
     _down_kernel[(num_blocks, triton.cdiv(hidden_size, block_n))](
-        inter, w2, w2_bias if has_bias else w2, pair_out, pair_weights,
+        inter, w2, w2_bias if has_bias else w2, s2, pair_out, pair_weights,
         alignment.sorted_pairs, alignment.block_expert, num_pairs, hidden_size, intermediate,
         inter.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), w2_bias.stride(0) if has_bias else 0,
-        pair_out.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, HAS_BIAS=has_bias, **launch,
+        *s2_strides, pair_out.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=reduced_tile(block_k, w2_scales, intermediate),
+        PRECISION=precision, HAS_BIAS=has_bias, **s2_consts, **launch,
     )
     out.copy_(pair_out.view(num_tokens, top_k, hidden_size).sum(dim=1, dtype=torch.float32))
 
-
-def _decode(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, pair_weights: torch.Tensor,
-            pair_ids: torch.Tensor, w13_bias: Optional[torch.Tensor], w2_bias: Optional[torch.Tensor],
-            swiglu: Optional[tuple[float, float]], config: BlockConfig, out: torch.Tensor) -> None:
-    """The decode path of `fused_moe` (module docstring) on `pair_weights`, `pair_ids` `[T * k]`, into `out`."""
-    num_tokens, hidden_size = hidden.shape
-    intermediate = w2.shape[2]
-    num_pairs = pair_ids.numel()
-    top_k = num_pairs // num_tokens
-    launch = {"num_warps": config["num_warps"], "num_stages": config["num_stages"]}
-    has_bias = w13_bias is not None
-    alpha, limit = swiglu if swiglu is not None else (1.0, 0.0)
-    inter = torch.empty(num_pairs, intermediate, dtype=hidden.dtype, device=hidden.device)
-    _decode_gate_up_kernel[(num_pairs, triton.cdiv(intermediate, config["BLOCK_N"]))](
-        hidden, w13, w13_bias if has_bias else w13, inter, pair_weights, pair_ids,
-        top_k, hidden_size, intermediate, float(alpha), float(limit),
-        hidden.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), w13_bias.stride(0) if has_bias else 0,
-        inter.stride(0),
-        BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"], HAS_BIAS=has_bias, CLAMPED_SWIGLU=swiglu is not None,
-        **launch,
-    )
-    _decode_down_kernel[(num_tokens, triton.cdiv(hidden_size, config["DOWN_BLOCK_N"]))](
-        inter, w2, w2_bias if has_bias else w2, out, pair_weights, pair_ids,
-        hidden_size, intermediate,
-        inter.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), w2_bias.stride(0) if has_bias else 0,
-        out.stride(0),
-        TOP_K=top_k, SLOTS=triton.next_power_of_2(top_k), BLOCK_N=config["DOWN_BLOCK_N"],
-        BLOCK_K=config["DOWN_BLOCK_K"], HAS_BIAS=has_bias, **launch,
-    )

@@ -1,0 +1,209 @@
+"""The fused MoE's decode path (a few (token, slot) pairs), the activation both paths share, and the FP8 experts' scales.
+
+`fused_moe` (kernels/fused_moe_triton.py) runs this path up to `DECODE_MAX_PAIRS` pairs: no sorting, no padding, the
+pair's expert read straight from `topk_ids`, and matrix-vector products on the CUDA cores, each program streaming rows
+of one expert's weights with the reduced dimension contiguous (coalesced loads of `w13 [E, 2I, H]` and `w2 [E, H, I]`):
+
+1. `_decode_gate_up_kernel`: per pair and `BLOCK_N` intermediate columns, the expert's `[BLOCK_N, H]` gate and up
+   rows times the token's row, then the activation, stored as the pair's row of `[T * top_k, I]`;
+2. `_decode_down_kernel`: per token and `DOWN_BLOCK_N` hidden columns, the sum over the token's `top_k` slots of
+   the routing weight times the expert's down rows times the slot's activations (plus the weighted down bias), in
+   float32, stored once as the token's row of the output. Every slot's rows stream together, `DOWN_BLOCK_K` of the
+   intermediate dimension at a time. Each output element is summed by one program in a fixed order: no atomics, and
+   the same result every run.
+
+FP8 experts. The weights may be float8_e4m3fn with float32 scales per block of `(block_n, block_k)` (`ExpertScales`:
+128 x 128 in fine-grained checkpoints; `(1, K)` is one scale per output row). Both paths load the FP8 weights, so an
+expert costs one byte a value to read, and apply the scales in registers: a tile of `BLOCK_K <= block_k` reduced
+features meets one scale per output column, which multiplies the tile's partial sums (the aligned path's tensor-core
+product of the bf16-converted FP8 tile, exact since e4m3 fits in bf16; the decode path's float32 products). The result
+is the product with the dequantized weight `w * scale`, up to summation order.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from radixserve.kernels.fused_moe_configs import BlockConfig
+
+
+class ExpertScales(NamedTuple):
+    """The scales of FP8 experts: `scale [E, ceil(N / block_n) (twice for w13: gate's, then up's), ceil(K / block_k)]`
+    float32 for weights `[E, N, K]` (w13: N = 2I, each of gate and up scaled on its own rows)."""
+
+    scale: torch.Tensor
+    block_n: int
+    block_k: int
+
+
+def reduced_tile(block_k: int, scales: Optional[ExpertScales], reduced: int) -> int:
+    """The `BLOCK_K` a kernel reducing `reduced` features runs with: the config's, narrowed for FP8 experts so that a
+    tile never spans two scale blocks (a power of two that divides `block_k`, unless one block covers every feature)."""
+    if scales is None or scales.block_k >= reduced:
+        return block_k
+    tile = 1 << (min(block_k, scales.block_k).bit_length() - 1)
+    while scales.block_k % tile:
+        tile //= 2
+    return max(tile, 1)
+
+
+@triton.jit
+def _activate(gate, up, swiglu_alpha, swiglu_limit, CLAMPED_SWIGLU: tl.constexpr):
+    """`silu(gate) * up` in float32, or gpt-oss's clamped SwiGLU (see `fused_moe`)."""
+    if CLAMPED_SWIGLU:
+        gate = tl.minimum(gate, swiglu_limit)
+        up = tl.minimum(tl.maximum(up, -swiglu_limit), swiglu_limit)
+        activated = gate / (1.0 + tl.exp(-swiglu_alpha * gate)) * (up + 1.0)
+    else:
+        activated = gate / (1.0 + tl.exp(-gate)) * up
+    return activated
+
+
+@triton.jit
+def _decode_gate_up_kernel(
+    X, W13, B13, S13, Inter, TopkWeights, TopkIds,
+    top_k, hidden, intermediate, swiglu_alpha, swiglu_limit, up_scale_row,
+    stride_x, stride_we, stride_wn, stride_wk, stride_be, stride_se, stride_sn, stride_sk, stride_inter,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, CLAMPED_SWIGLU: tl.constexpr,
+    HAS_SCALE: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr,
+):
+    """Program (pair, block of intermediate columns): the expert's `[BLOCK_N, H]` gate and up rows, streamed in
+    `BLOCK_K` chunks along H, times the token's row. The products accumulate elementwise in float32 tiles and are
+    reduced over K once, after the loop. A pair of routing weight 0 stores nothing (the down kernel skips it). With
+    HAS_SCALE, the FP8 rows' block scales (`S13`, up's from scale row `up_scale_row`) weight the token's row."""
+    pair = tl.program_id(0)
+    if tl.load(TopkWeights + pair) == 0.0:
+        return
+    expert = tl.load(TopkIds + pair).to(tl.int64)
+    token = (pair // top_k).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < intermediate
+    ks = tl.arange(0, BLOCK_K)
+    x_ptrs = X + token * stride_x + ks
+    gate_ptrs = W13 + expert * stride_we + cols[:, None] * stride_wn + ks[None, :] * stride_wk
+    up_ptrs = gate_ptrs + intermediate * stride_wn
+    gate_scale_ptrs = S13 + expert * stride_se + (cols // SCALE_N) * stride_sn
+    up_scale_ptrs = gate_scale_ptrs + up_scale_row * stride_sn
+    gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        k_ok = k0 + ks < hidden
+        x = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        w_mask = col_ok[:, None] & k_ok[None, :]
+        if HAS_SCALE:
+            scale_k = (k0 // SCALE_K) * stride_sk
+            gate_scale = tl.load(gate_scale_ptrs + scale_k, mask=col_ok, other=0.0)
+            up_scale = tl.load(up_scale_ptrs + scale_k, mask=col_ok, other=0.0)
+            gate += tl.load(gate_ptrs, mask=w_mask, other=0.0).to(tl.float32) * (x * gate_scale[:, None])
+            up += tl.load(up_ptrs, mask=w_mask, other=0.0).to(tl.float32) * (x * up_scale[:, None])
+        else:
+            gate += tl.load(gate_ptrs, mask=w_mask, other=0.0).to(tl.float32) * x
+            up += tl.load(up_ptrs, mask=w_mask, other=0.0).to(tl.float32) * x
+        x_ptrs += BLOCK_K
+        gate_ptrs += BLOCK_K * stride_wk
+        up_ptrs += BLOCK_K * stride_wk
+    gate_sum = tl.sum(gate, axis=1)
+    up_sum = tl.sum(up, axis=1)
+    if HAS_BIAS:
+        bias_ptrs = B13 + expert * stride_be + cols
+        gate_sum += tl.load(bias_ptrs, mask=col_ok, other=0.0).to(tl.float32)
+        up_sum += tl.load(bias_ptrs + intermediate, mask=col_ok, other=0.0).to(tl.float32)
+    activated = _activate(gate_sum, up_sum, swiglu_alpha, swiglu_limit, CLAMPED_SWIGLU)
+    tl.store(Inter + pair.to(tl.int64) * stride_inter + cols, activated.to(Inter.dtype.element_ty), mask=col_ok)
+
+
+@triton.jit
+def _decode_down_kernel(
+    Inter, W2, B2, S2, Out, TopkWeights, TopkIds,
+    hidden, intermediate,
+    stride_inter, stride_we, stride_wn, stride_wk, stride_be, stride_se, stride_sn, stride_sk, stride_out,
+    TOP_K: tl.constexpr, SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HAS_SCALE: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr,
+):
+    """Program (token, block of hidden columns): the sum over the token's slots of the routing weight times the
+    expert's `[BLOCK_N, I]` down rows times the slot's activations (and times its down bias, with HAS_BIAS). Each
+    iteration loads one `BLOCK_K` chunk of every slot at once, a `[SLOTS, BLOCK_N, BLOCK_K]` tile (`SLOTS`: `TOP_K`
+    rounded up to a power of two), so the loads of all the token's experts are in flight together; the per-slot sums
+    are weighted and added once, after the loop. Slots of weight 0 read nothing. With HAS_SCALE, each chunk's sums
+    are scaled by the FP8 rows' block scales (`S2`) before they join the slot's."""
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < hidden
+    slots = tl.arange(0, SLOTS)
+    pairs = token * TOP_K + slots
+    slot_ok = slots < TOP_K
+    experts = tl.load(TopkIds + pairs, mask=slot_ok, other=0).to(tl.int64)
+    weights = tl.load(TopkWeights + pairs, mask=slot_ok, other=0.0)
+    live = slot_ok & (weights != 0.0)  # a slot of weight 0 has nothing to read
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = Inter + pairs[:, None] * stride_inter + ks[None, :]
+    w_ptrs = W2 + experts[:, None, None] * stride_we + cols[None, :, None] * stride_wn + ks[None, None, :] * stride_wk
+    scale_ptrs = S2 + experts[:, None] * stride_se + (cols // SCALE_N)[None, :] * stride_sn
+    rows_ok = live[:, None, None] & col_ok[None, :, None]
+    per_slot = tl.zeros((SLOTS, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, intermediate, BLOCK_K):
+        k_ok = k0 + ks < intermediate
+        a = tl.load(a_ptrs, mask=live[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        w = tl.load(w_ptrs, mask=rows_ok & k_ok[None, None, :], other=0.0).to(tl.float32)
+        if HAS_SCALE:
+            scale = tl.load(scale_ptrs + (k0 // SCALE_K) * stride_sk, mask=live[:, None] & col_ok[None, :], other=0.0)
+            per_slot += tl.sum(w * a[:, None, :], axis=2) * scale
+        else:
+            per_slot += tl.sum(w * a[:, None, :], axis=2)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K * stride_wk
+    if HAS_BIAS:
+        per_slot += tl.load(B2 + experts[:, None] * stride_be + cols[None, :], mask=live[:, None] & col_ok[None, :],
+                            other=0.0).to(tl.float32)
+    out = tl.sum(per_slot * weights[:, None], axis=0)
+    tl.store(Out + token * stride_out + cols, out.to(Out.dtype.element_ty), mask=col_ok)
+
+
+def scale_args(scales: Optional[ExpertScales], weight: torch.Tensor) -> tuple:
+    """A kernel's scale arguments: the tensor (the weight stands in without scales), its three strides, and the
+    `HAS_SCALE`, `SCALE_N`, `SCALE_K` constants."""
+    if scales is None:
+        return (weight, 0, 0, 0), {"HAS_SCALE": False, "SCALE_N": 1, "SCALE_K": 1}
+    scale = scales.scale
+    return ((scale, scale.stride(0), scale.stride(1), scale.stride(2)),
+            {"HAS_SCALE": True, "SCALE_N": scales.block_n, "SCALE_K": scales.block_k})
+
+
+def decode(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, pair_weights: torch.Tensor,
+           pair_ids: torch.Tensor, w13_bias: Optional[torch.Tensor], w2_bias: Optional[torch.Tensor],
+           swiglu: Optional[tuple[float, float]], scales: tuple[Optional[ExpertScales], Optional[ExpertScales]],
+           config: BlockConfig, out: torch.Tensor) -> None:
+    """The decode path of `fused_moe` (module docstring) on `pair_weights`, `pair_ids` `[T * k]`, into `out`."""
+    num_tokens, hidden_size = hidden.shape
+    intermediate = w2.shape[2]
+    num_pairs = pair_ids.numel()
+    top_k = num_pairs // num_tokens
+    launch = {"num_warps": config["num_warps"], "num_stages": config["num_stages"]}
+    has_bias = w13_bias is not None
+    alpha, limit = swiglu if swiglu is not None else (1.0, 0.0)
+    w13_scales, w2_scales = scales
+    (s13, *s13_strides), s13_consts = scale_args(w13_scales, w13)
+    (s2, *s2_strides), s2_consts = scale_args(w2_scales, w2)
+    up_scale_row = triton.cdiv(intermediate, w13_scales.block_n) if w13_scales is not None else 0
+    inter = torch.empty(num_pairs, intermediate, dtype=hidden.dtype, device=hidden.device)
+    _decode_gate_up_kernel[(num_pairs, triton.cdiv(intermediate, config["BLOCK_N"]))](
+        hidden, w13, w13_bias if has_bias else w13, s13, inter, pair_weights, pair_ids,
+        top_k, hidden_size, intermediate, float(alpha), float(limit), up_scale_row,
+        hidden.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), w13_bias.stride(0) if has_bias else 0,
+        *s13_strides, inter.stride(0),
+        BLOCK_N=config["BLOCK_N"], BLOCK_K=reduced_tile(config["BLOCK_K"], w13_scales, hidden_size),
+        HAS_BIAS=has_bias, CLAMPED_SWIGLU=swiglu is not None, **s13_consts, **launch,
+    )
+    _decode_down_kernel[(num_tokens, triton.cdiv(hidden_size, config["DOWN_BLOCK_N"]))](
+        inter, w2, w2_bias if has_bias else w2, s2, out, pair_weights, pair_ids,
+        hidden_size, intermediate,
+        inter.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), w2_bias.stride(0) if has_bias else 0,
+        *s2_strides, out.stride(0),
+        TOP_K=top_k, SLOTS=triton.next_power_of_2(top_k), BLOCK_N=config["DOWN_BLOCK_N"],
+        BLOCK_K=reduced_tile(config["DOWN_BLOCK_K"], w2_scales, intermediate), HAS_BIAS=has_bias, **s2_consts,
+        **launch,
+    )
