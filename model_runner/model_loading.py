@@ -11,7 +11,7 @@ model_runner/loader/.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
@@ -31,7 +31,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def load_model(runner: Any, files: ModelFiles) -> torch.nn.Module:
+def load_model(runner: Any, files: ModelFiles, fp8_experts: Optional[bool] = None) -> torch.nn.Module:
+    """The runner's model, built and loaded. `fp8_experts`: whether an FP8 method keeps a mixture of experts' experts
+    in FP8 (default: on CUDA, where the fused MoE kernels read them; model_runner/quantization/loader.py)."""
     model_class = get_model_class(runner.model_config.architecture)
     # Build on the meta device (no memory, no random init), then allocate on the target device once.
     with torch.device("meta"):
@@ -39,7 +41,7 @@ def load_model(runner: Any, files: ModelFiles) -> torch.nn.Module:
     model = model.to(runner.dtype)
     method = quantization_method(runner.config.quantization, runner.model_config.hf_config, runner.dtype)
     if method is not None:  # FP8 / 4-bit linears (model_runner/quantization/), swapped in before allocation
-        quantize_model(model, method)
+        quantize_model(model, method, runner.device.type == "cuda" if fp8_experts is None else fp8_experts)
         logger.info("quantized linears: %s", method.describe())
     model = model.to_empty(device=runner.device)
     if files.load_format == "dummy":

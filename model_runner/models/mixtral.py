@@ -23,6 +23,7 @@ class MixtralDecoderLayer(LlamaDecoderLayer):    make_mlp = staticmethod(sparse_
 
 class MixtralForCausalLM(MoEForCausalLM):
     layer_class = MixtralDecoderLayer
+    checkpoint_renames = CHECKPOINT_RENAMES
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], strict: bool = True) -> None:
         super().load_weights(rename_tensors(weights, CHECKPOINT_RENAMES), strict)

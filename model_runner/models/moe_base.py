@@ -4,7 +4,9 @@ block and a dense MLP, and loading each expert's checkpoint tensors into the sta
 Checkpoints store one tensor per expert and projection (`mlp.experts.<e>.gate_proj.weight`, ...); `FusedMoE` holds
 `w13_weight [E, 2I, H]` (gate rows, then up rows) and `w2_weight [E, H, I]`. Under tensor parallelism each rank
 copies only its slice of every expert's intermediate dimension (read lazily from the safetensors file); under expert
-parallelism only its own experts (`FusedMoE.shard`): another rank's expert tensors are passed over unread.
+parallelism only its own experts (`FusedMoE.shard`): another rank's expert tensors are passed over unread. FP8
+experts (`FusedMoE.keep_fp8`) load their FP8 weights as they are and their scales as `<...>.weight_scale` (per block
+or per output row, in the rows x features layout `FusedMoE` holds), sliced in blocks as the weights are in values.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from radixserve.model_runner.parallel import TPGroup, full_shape, narrow_source
 if TYPE_CHECKING:
     from radixserve.model_runner.model_config import ModelConfig
 
-_EXPERT_TENSOR = re.compile(r"^(.+\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_EXPERT_TENSOR = re.compile(r"^(.+\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|weight_scale)$")
 
 
 def sparse_or_dense_mlp(config: "ModelConfig", layer_id: int, tp: TPGroup) -> nn.Module:
@@ -37,8 +39,18 @@ class MoEForCausalLM(LlamaForCausalLM):
 
     Shard ids of the stacked parameters (for the loader's completeness check), by the model's expert ids: `w13_weight`
     shard `2e` is expert e's gate, `2e + 1` its up; `w2_weight` shard `e` is expert e's down. A rank expects the
-    shards of the experts it holds.
+    shards of the experts it holds (and of their scales, for FP8 experts).
     """
+
+    # The quantized loader may keep FP8 experts in FP8 (model_runner/quantization/loader.py): this loader takes them.
+    loads_fp8_experts = True
+    checkpoint_renames: tuple[tuple[str, str], ...] = ()  # the family's checkpoint names -> the names loaded here
+
+    def expert_of(self, hf_name: str) -> Optional[tuple[str, int, str]]:
+        """`expert_tensor_parts` of a checkpoint tensor's name as the checkpoint spells it."""
+        for old, new in self.checkpoint_renames:
+            hf_name = hf_name.replace(old, new)
+        return expert_tensor_parts(hf_name)
 
     def _expected_shards(self, params: dict[str, nn.Parameter]) -> set[tuple[str, int]]:
         expected = super()._expected_shards(params)
@@ -46,8 +58,11 @@ class MoEForCausalLM(LlamaForCausalLM):
             if isinstance(module, FusedMoE):
                 experts = range(module.shard.first_expert, module.shard.first_expert + module.shard.num_local_experts)
                 expected -= {(f"{name}.w13_weight", -1), (f"{name}.w2_weight", -1)}
-                expected.update((f"{name}.w13_weight", 2 * e + part) for e in experts for part in (0, 1))
-                expected.update((f"{name}.w2_weight", e) for e in experts)
+                stacked = ("weight",) if module.scale_blocks is None else ("weight", "weight_scale")
+                expected -= {(f"{name}.w13_weight_scale", -1), (f"{name}.w2_weight_scale", -1)}
+                for tensor in stacked:
+                    expected.update((f"{name}.w13_{tensor}", 2 * e + part) for e in experts for part in (0, 1))
+                    expected.update((f"{name}.w2_{tensor}", e) for e in experts)
         return expected
 
     def _load_tensor(self, hf_name: str, tensor, params: dict[str, nn.Parameter]) -> tuple[str, int]:
@@ -63,7 +78,8 @@ class MoEForCausalLM(LlamaForCausalLM):
 
 def expert_tensor_parts(name: str) -> Optional[tuple[str, int, str]]:
     """(the experts' module path, expert id, projection) of one expert's checkpoint tensor
-    (`<prefix>.experts.<e>.<gate_proj|up_proj|down_proj>.weight`); None for any other name."""
+    (`<prefix>.experts.<e>.<gate_proj|up_proj|down_proj>.weight`, or `.weight_scale` for FP8 experts); None for any
+    other name."""
     match = _EXPERT_TENSOR.match(name)
     return None if match is None else (match.group(1), int(match.group(2)), match.group(3))
 
@@ -76,14 +92,19 @@ def load_expert_tensor(experts: FusedMoE, hf_name: str, expert: int, projection:
         raise ValueError(f"checkpoint tensor {hf_name!r} names expert {expert} of {experts.num_experts}")
     layout = experts.shard
     local = layout.intermediate_size
+    is_scale = hf_name.endswith(".weight_scale")
+    suffix = "weight_scale" if is_scale else "weight"
     if projection == "down_proj":
-        target, shard, dim = "w2_weight", expert, 1
+        target, shard, dim = f"w2_{suffix}", expert, 1
     else:
         part = 0 if projection == "gate_proj" else 1
-        target, shard, dim = "w13_weight", 2 * expert + part, 0
+        target, shard, dim = f"w13_{suffix}", 2 * expert + part, 0
     if not layout.holds(expert):
         return target, shard  # another expert-parallel rank's: its lazy slice is never indexed, so never read
     index = expert - layout.first_expert
+    if is_scale or experts.scale_blocks is not None:
+        _load_fp8_expert_tensor(experts, hf_name, index, projection, is_scale, tensor)
+        return target, shard
     if projection == "down_proj":
         destination = experts.w2_weight.data[index]
     else:
@@ -95,6 +116,36 @@ def load_expert_tensor(experts: FusedMoE, hf_name: str, expert: int, projection:
                          f"model expects {tuple(whole)}")
     destination.copy_(narrow_source(tensor, dim, layout.intermediate_start, local))
     return target, shard
+
+
+def _load_fp8_expert_tensor(experts: FusedMoE, hf_name: str, index: int, projection: str, is_scale: bool,
+                            tensor) -> None:
+    """`load_expert_tensor` for FP8 experts: the FP8 weight, or its scales, cut to this rank's slice."""
+    if experts.scale_blocks is None:
+        raise ValueError(f"checkpoint tensor {hf_name!r} is an FP8 expert's scale, but the experts load in 16 bits")
+    layout = experts.shard
+    down = projection == "down_proj"
+    block = experts.scale_blocks[1 if down else 0]
+    unit = (block[1] if down else block[0]) if is_scale else 1  # values of the sliced dimension per element
+    if is_scale:
+        stacked = experts.w2_weight_scale if down else experts.w13_weight_scale
+    else:
+        stacked = experts.w2_weight if down else experts.w13_weight
+    if down:
+        destination, dim = stacked.data[index], 1
+    else:
+        rows = stacked.shape[1] // 2
+        part = 0 if projection == "gate_proj" else 1
+        destination, dim = stacked.data[index, part * rows:(part + 1) * rows], 0
+    whole = list(destination.shape)
+    whole[dim] = -(-layout.intermediate_size * layout.num_slices // unit)
+    if tuple(whole) != full_shape(tensor):
+        raise ValueError(f"shape mismatch for {hf_name!r}: checkpoint {full_shape(tensor)}, model expects "
+                         f"{tuple(whole)}")
+    source = narrow_source(tensor, dim, layout.intermediate_start // unit, destination.shape[dim])
+    if source.dtype != destination.dtype:  # an FP8 weight, a float32 scale: never converted here
+        raise ValueError(f"{hf_name!r} is {source.dtype}, the FP8 experts hold {destination.dtype}")
+    destination.copy_(source)
 
 
 def rename_tensors(weights, renames: tuple[tuple[str, str], ...]):

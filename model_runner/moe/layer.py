@@ -19,6 +19,11 @@ reads (each rank reads E/ep experts, whole, instead of a slice of all E). The al
 dispatch and combine) would have each rank send each token only to the ranks of its top-k experts and receive
 only its own rows back, about `k/ep` of the tokens per rank instead of all of them, which pays once attention is
 data-parallel and the hidden states are no longer replicated.
+
+FP8 experts (`keep_fp8`): an FP8 checkpoint's experts (or a 16-bit one's under `--quantization fp8`) can stay in
+float8_e4m3fn, with float32 scales per block or per output row in `w13_weight_scale` / `w2_weight_scale`, for the
+fused kernel to multiply where it reads them (one byte a value instead of two). The loader asks for it on CUDA; the
+CPU's grouped GEMMs take 16-bit weights, so there the experts are dequantized at load.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ from typing import Optional
 
 import torch
 from torch import nn
+
+from radixserve.model_runner.quantization.fp8 import FP8_DTYPE
 
 from radixserve.model_runner.layer_configs import ExpertActivation, MoEConfig
 from radixserve.model_runner.layers import silu_and_mul
@@ -58,6 +65,34 @@ class FusedMoE(nn.Module):
         if bias:
             self.w13_bias = nn.Parameter(torch.empty(local_experts, 2 * local))
             self.w2_bias = nn.Parameter(torch.empty(local_experts, hidden_size))
+        # FP8 experts (`keep_fp8`): the scales, and the (rows, features) each of their values covers in w13 and w2
+        self.w13_weight_scale: Optional[nn.Parameter] = None
+        self.w2_weight_scale: Optional[nn.Parameter] = None
+        self.scale_blocks: Optional[tuple[tuple[int, int], tuple[int, int]]] = None
+
+    def keep_fp8(self, block: Optional[tuple[int, int]]) -> bool:
+        """Hold the experts in FP8 with a float32 scale per `block` (rows, features) of each expert's gate, up and
+        down, or per output row where `block` is None (before the weights load). False, and nothing changed, where
+        this rank's slice of the intermediate dimension (tensor parallelism) would cut a scale block."""
+        shard, (local_experts, hidden, _) = self.shard, self.w2_weight.shape
+        local, whole = shard.intermediate_size, shard.intermediate_size * shard.num_slices
+        if block is not None and shard.num_slices > 1 and any(
+                shard.intermediate_start % size or local % size for size in block):
+            return False
+        w13_block, w2_block = (block, block) if block is not None else ((1, hidden), (1, whole))
+        device = self.w2_weight.device
+
+        def empty(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+            return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+        self.w13_weight = empty(local_experts, 2 * local, hidden, dtype=FP8_DTYPE)
+        self.w2_weight = empty(local_experts, hidden, local, dtype=FP8_DTYPE)
+        self.w13_weight_scale = empty(local_experts, 2 * _blocks(local, w13_block[0]), _blocks(hidden, w13_block[1]),
+                                      dtype=torch.float32)
+        self.w2_weight_scale = empty(local_experts, _blocks(hidden, w2_block[0]), _blocks(local, w2_block[1]),
+                                     dtype=torch.float32)
+        self.scale_blocks = (w13_block, w2_block)
+        return True
 
     def forward(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """`hidden [T, H]`, `topk_weights [T, k]` float32, `topk_ids [T, k]` (the model's expert ids) -> `[T, H]` in
@@ -67,8 +102,9 @@ class FusedMoE(nn.Module):
             local_ids = topk_ids - self.shard.first_expert
             elsewhere = (local_ids < 0) | (local_ids >= self.shard.num_local_experts)
             local_ids = local_ids.masked_fill(elsewhere, self.shard.num_local_experts)
-        if hidden.is_cuda:
-            from radixserve.kernels.fused_moe_triton import fused_moe  # CPU-only processes never import triton
+        if hidden.is_cuda or self.scale_blocks is not None:  # FP8 experts run on the Triton kernels only
+            # (CPU-only processes never import triton; a CPU test runs them under the Triton interpreter)
+            from radixserve.kernels.fused_moe_triton import ExpertScales, fused_moe
 
             if local_ids is not topk_ids:
                 # The fused kernels take ids in [0, E_local): another rank's pairs go to local expert 0 with weight
@@ -76,8 +112,13 @@ class FusedMoE(nn.Module):
                 # there needs its alignment to drop an extra bucket, as the CPU path does).
                 topk_weights = topk_weights.masked_fill(elsewhere, 0.0)
                 local_ids = local_ids.masked_fill(elsewhere, 0)
+            scales = {}
+            if self.scale_blocks is not None:
+                (w13_block, w2_block) = self.scale_blocks
+                scales = {"w13_scales": ExpertScales(self.w13_weight_scale, *w13_block),
+                          "w2_scales": ExpertScales(self.w2_weight_scale, *w2_block)}
             return fused_moe(hidden, self.w13_weight, self.w2_weight, topk_weights, local_ids, w13_bias=self.w13_bias,
-                             w2_bias=self.w2_bias, swiglu=self._swiglu_args())
+                             w2_bias=self.w2_bias, swiglu=self._swiglu_args(), **scales)
         return grouped_experts(hidden, self.w13_weight, self.w2_weight, topk_weights, local_ids, self.w13_bias,
                                self.w2_bias, self.activation)
 
@@ -90,8 +131,13 @@ class FusedMoE(nn.Module):
     def extra_repr(self) -> str:
         experts, gate_up, hidden = self.w13_weight.shape
         first = self.shard.first_expert
+        fp8 = "" if self.scale_blocks is None else f", fp8 scales per {self.scale_blocks[0]} / {self.scale_blocks[1]}"
         return (f"experts={first}..{first + experts - 1} of {self.num_experts}, hidden={hidden}, "
-                f"intermediate_per_rank={gate_up // 2}")
+                f"intermediate_per_rank={gate_up // 2}{fp8}")
+
+
+def _blocks(size: int, block: int) -> int:
+    return -(-size // block)
 
 
 class SharedExpert(nn.Module):

@@ -7,6 +7,12 @@ to the model's own `load_weights`. When a linear's tensors are all in, the metho
 this rank's shard is cut in the layout's own coordinates (output features for column-parallel parts, input features
 for row-parallel ones; the model's `_shard_of` says where), and when every part of a fused projection is in, they are
 stacked and installed. Raw tensors are dropped as soon as their linear is converted.
+
+The experts of a mixture of experts are not projections: the model stacks them itself (models/moe_base.py). Asked to
+(`quantize_model(..., fp8_experts=True)`, on CUDA, where the fused MoE kernels read FP8), an FP8 method keeps them in
+FP8: each expert's checkpoint tensors (or its 16-bit weight, quantized here) become its FP8 weight and its scales,
+handed to the model's loader under `.weight` and `.weight_scale`. Otherwise quantized experts are dequantized here
+and load as 16-bit weights. Either way an expert another expert-parallel rank holds is passed over unread.
 """
 
 from __future__ import annotations
@@ -17,8 +23,9 @@ from typing import Any, Iterable, Iterator, Optional
 import torch
 from torch import nn
 
+from radixserve.model_runner.quantization.fp8 import Fp8Weight
 from radixserve.model_runner.quantization.linear import QUANTIZED_PROJECTIONS, QuantizedLinear, swap_quantized_linears
-from radixserve.model_runner.quantization.methods import LinearMethod, QuantizedWeight
+from radixserve.model_runner.quantization.methods import Fp8Method, LinearMethod, QuantizedWeight
 
 # Tensors some checkpoints carry beside a linear's required ones, which the layout does not need (or which a method
 # that needs them lists among its suffixes).
@@ -44,9 +51,17 @@ def checkpoint_parts(model: nn.Module) -> dict[str, list[str]]:
     return parts
 
 
-def quantize_model(model: nn.Module, method: LinearMethod) -> list[str]:
-    """Swap the projections the method quantizes (the model on the meta device, before `to_empty`)."""
-    return swap_quantized_linears(model, method, checkpoint_parts(model))
+def quantize_model(model: nn.Module, method: LinearMethod, fp8_experts: bool = False) -> list[str]:
+    """Swap the projections the method quantizes (the model on the meta device, before `to_empty`). With
+    `fp8_experts`, an FP8 method also keeps the experts of a model whose loader takes FP8 experts in FP8, where
+    this rank's slice of them falls on whole scale blocks (see the module docstring)."""
+    swapped = swap_quantized_linears(model, method, checkpoint_parts(model))
+    if fp8_experts and isinstance(method, Fp8Method) and getattr(model, "loads_fp8_experts", False):
+        for name, module in model.named_modules():
+            quantized = hasattr(module, "keep_fp8") and method.quantizes(f"{name}.0.gate_proj")
+            if quantized and module.keep_fp8(method.block):
+                swapped.append(name)
+    return swapped
 
 
 class QuantizedWeightLoader:
@@ -78,8 +93,17 @@ class QuantizedWeightLoader:
                              + (f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""))
 
     def _route(self, weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+        expert_of = getattr(self.model, "expert_of", None)
         for name, tensor in weights:
             hf_linear, _, suffix = name.rpartition(".")
+            expert = expert_of(f"{hf_linear}.weight") if expert_of is not None and suffix != "bias" else None
+            if expert is not None:
+                experts = self.model.get_submodule(expert[0])
+                if not experts.shard.holds(expert[1]):
+                    continue  # another expert-parallel rank's: neither read nor converted here
+                if experts.scale_blocks is not None:
+                    yield from self._fp8_expert(hf_linear, suffix, tensor)
+                    continue
             if hf_linear not in self.part_of or suffix == "bias":
                 if not self.dense and (suffix in _QUANTIZED_ONLY or (suffix == "weight" and _stored_fp8(tensor))):
                     tensors = self._collect(self.unprojected, hf_linear, suffix, tensor)
@@ -97,6 +121,23 @@ class QuantizedWeightLoader:
             raise ValueError(f"{self.method.name}: the checkpoint has {', '.join(sorted(tensors))} of {name} but not "
                              f"all of {', '.join(self.required)}" + (f" (and {len(self.unprojected) - 1} more such "
                                                                      "linears)" if len(self.unprojected) > 1 else ""))
+
+    def _fp8_expert(self, hf_linear: str, suffix: str, tensor: Any) -> Iterator[tuple[str, Any]]:
+        """An expert linear kept in FP8: once its tensors are in (or its 16-bit weight, quantized), its FP8 weight and
+        its scales as the model's loader takes them (`[N, 1]` for one scale per row)."""
+        if self.dense:
+            weight = self.method.from_dense(tensor[:].to(self.device))
+        else:
+            if suffix == "weight" and not _stored_fp8(tensor):
+                raise ValueError(f"{self.method.name}: expert weight {hf_linear}.weight is stored in 16 bits, but the "
+                                 "checkpoint's FP8 experts were expected")
+            tensors = self._collect(self.unprojected, hf_linear, suffix, tensor)
+            if tensors is None:
+                return
+            weight = self.method.from_checkpoint({k: v.to(self.device) for k, v in tensors.items()})
+        assert isinstance(weight, Fp8Weight)
+        yield f"{hf_linear}.weight", weight.weight
+        yield f"{hf_linear}.weight_scale", weight.scale if weight.block is not None else weight.scale[:, None]
 
     def _collect(self, store: dict[str, dict[str, torch.Tensor]], hf_linear: str, suffix: str,
                  tensor: Any) -> Optional[dict[str, torch.Tensor]]:
