@@ -40,9 +40,12 @@ def load_model(runner: Any, files: ModelFiles, fp8_experts: Optional[bool] = Non
         model = model_class(runner.model_config, max_positions=runner.context_len, tp=runner.tp)
     model = model.to(runner.dtype)
     method = quantization_method(runner.config.quantization, runner.model_config.hf_config, runner.dtype)
+    fp8_experts = runner.device.type == "cuda" if fp8_experts is None else fp8_experts
     if method is not None:  # FP8 / 4-bit linears (model_runner/quantization/), swapped in before allocation
-        quantize_model(model, method, runner.device.type == "cuda" if fp8_experts is None else fp8_experts)
+        quantize_model(model, method, fp8_experts)
         logger.info("quantized linears: %s", method.describe())
+    elif fp8_experts and hasattr(model, "keep_experts_fp8") and model.keep_experts_fp8(runner.model_config.hf_config):
+        logger.info("MXFP4 experts held in FP8 with a scale per 32 values")
     model = model.to_empty(device=runner.device)
     if files.load_format == "dummy":
         shapes = model.hf_weight_shapes() if hasattr(model, "hf_weight_shapes") else None

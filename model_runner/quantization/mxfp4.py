@@ -3,6 +3,10 @@
 A checkpoint stores each quantized tensor `W [..., rows, K]` as two uint8 tensors: `<name>_blocks [..., rows, K/32,
 16]`, two FP4 (e2m1) codes a byte, the element of even index in the low nibble, and `<name>_scales [..., rows, K/32]`,
 one e8m0 exponent (the scale 2^(s - 127)) for each block of 32 consecutive values of a row.
+
+Every e2m1 value (0, 0.5, ..., 6, and their negatives) is exact in FP8 e4m3, and each block's scale is a power of two:
+`mxfp4_as_fp8` rewrites the blocks, exactly, as FP8 values with a float32 scale per block of 32, the layout the fused
+MoE kernels read (1.125 bytes a value where a 16-bit copy takes 2).
 """
 
 from __future__ import annotations
@@ -15,10 +19,8 @@ BLOCK_SIZE = 32
 _E8M0_BIAS = 127
 
 
-def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """`[..., rows, K]` in `dtype` from `blocks [..., rows, K/32, 16]` and `scales [..., rows, K/32]` (uint8).
-
-    Exact in float32 (a code times a power of two); rounded once to `dtype`. ValueError on mismatched shapes."""
+def _unpack(blocks: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(values [..., groups, 32] float32, exponents [..., groups] int32)` of checked MXFP4 tensors."""
     if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
         raise ValueError(f"MXFP4 blocks and scales are uint8, got {blocks.dtype} and {scales.dtype}")
     if blocks.dim() < 2 or blocks.shape[-1] != BLOCK_SIZE // 2 or blocks.shape[:-1] != scales.shape:
@@ -26,7 +28,22 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
                          f"blocks [..., groups, {BLOCK_SIZE // 2}] and scales [..., groups]")
     table = torch.tensor(FP4_E2M1_VALUES, dtype=torch.float32, device=blocks.device)
     codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).to(torch.int64)  # [..., groups, 16, 2]: low, high
-    values = table[codes].reshape(*scales.shape, BLOCK_SIZE)
-    exponents = scales.to(torch.int32) - _E8M0_BIAS
+    return table[codes].reshape(*scales.shape, BLOCK_SIZE), scales.to(torch.int32) - _E8M0_BIAS
+
+
+def mxfp4_as_fp8(blocks: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(values [..., rows, K] float8_e4m3fn, scale [..., rows, K/32] float32)` from `blocks [..., rows, K/32, 16]`
+    and `scales [..., rows, K/32]`: `values * scale` (each block's 32 values times its scale) is exactly the MXFP4
+    tensor's value."""
+    values, exponents = _unpack(blocks, scales)
+    values = values.reshape(*scales.shape[:-1], scales.shape[-1] * BLOCK_SIZE).to(torch.float8_e4m3fn)
+    return values, torch.ldexp(torch.ones_like(exponents, dtype=torch.float32), exponents.to(torch.float32))
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`[..., rows, K]` in `dtype` from `blocks [..., rows, K/32, 16]` and `scales [..., rows, K/32]` (uint8).
+
+    Exact in float32 (a code times a power of two); rounded once to `dtype`. ValueError on mismatched shapes."""
+    values, exponents = _unpack(blocks, scales)
     values = torch.ldexp(values, exponents.unsqueeze(-1).to(torch.float32))
     return values.reshape(*scales.shape[:-1], scales.shape[-1] * BLOCK_SIZE).to(dtype)

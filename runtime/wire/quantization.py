@@ -11,8 +11,10 @@ ServerArgs and by the runner).
     w8a8_fp8            a 16-bit checkpoint quantized to FP8 at load per output channel, activations per token
     compressed-tensors  FP8 (per tensor, channel or block, dynamic per-token activations) and W4A16 pack-quantized
     awq, gptq           4-bit grouped weights (AWQ's GEMM layout; GPTQ with or without act-order), 16-bit activations
+    mxfp4               gpt-oss's MXFP4 experts (the checkpoint's own format, read without the flag too): held exactly
+                        as FP8 with a scale per 32 values on CUDA, dequantized to the model's dtype on the CPU
 
-The last five run the attention and MLP projections through model_runner/quantization/ (cuBLASLt and Triton kernels
+The five from fp8 to gptq run the attention and MLP projections through model_runner/quantization/ (cuBLASLt and Triton kernels
 on CUDA, a float reference on the CPU); a checkpoint's own `quantization_config` picks its format without the flag.
 
 SGLang's `awq_marlin` and `gptq_marlin` name AWQ and GPTQ checkpoints run on the Marlin kernels: the same weights and
@@ -27,7 +29,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-QUANTIZATION_METHODS = ("gguf", "fp8", "w8a8_fp8", "compressed-tensors", "awq", "gptq")
+QUANTIZATION_METHODS = ("gguf", "fp8", "w8a8_fp8", "compressed-tensors", "awq", "gptq", "mxfp4")
 NO_QUANTIZATION = "none"  # asked for the model's dtype: the runner chooses no quantization on its own
 
 # SGLang's names of a checkpoint format run on another kernel -> the format radixserve runs (module docstring).
@@ -38,8 +40,6 @@ _NO_GPU_KERNEL = "need GPU GEMM kernels that radixserve does not have yet"
 UNSUPPORTED_QUANTIZATION: dict[str, str] = {
     "marlin": f"Marlin-serialized weights {_NO_GPU_KERNEL} (AWQ and GPTQ checkpoints run with awq_marlin / "
               "gptq_marlin, read as awq / gptq)",
-    "mxfp4": ("MXFP4 experts of a gpt-oss checkpoint load without the flag, dequantized to the model's dtype; keeping "
-              f"them packed would {_NO_GPU_KERNEL}"),
     "w8a8_int8": f"W8A8 INT8 checkpoints {_NO_GPU_KERNEL}",
     "modelopt": f"ModelOpt checkpoints {_NO_GPU_KERNEL}",
     "modelopt_fp4": f"ModelOpt FP4 checkpoints {_NO_GPU_KERNEL}",

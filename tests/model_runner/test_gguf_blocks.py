@@ -201,7 +201,7 @@ def test_blocks_chosen_by_default_decode_on_blocks_and_prefill_on_the_float_line
 
 @pytest.mark.parametrize("kwargs, message", [
     ({"quantization": "int3"}, "unknown quantization 'int3'; SGLang's names are gguf, fp8"),
-    ({"quantization": "mxfp4"}, "quantization 'mxfp4' is not supported: MXFP4 experts .* GPU GEMM kernels"),
+    ({"quantization": "w8a8_int8"}, "quantization 'w8a8_int8' is not supported: W8A8 INT8 .* GPU GEMM kernels"),
     ({"quantization": "marlin"}, "quantization 'marlin' is not supported: Marlin-serialized weights .* awq_marlin"),
     ({"quantization": "gguf", "dtype": "bfloat16"}, "computes in float32 around its blocks; drop --dtype bfloat16"),
     ({"quantization": "gguf", "tp_size": 2}, "runs on one rank"),

@@ -193,6 +193,12 @@ def test_mxfp4_round_trip_of_the_test_quantizer():
     from radixserve.model_runner.quantization.mxfp4 import dequantize_mxfp4
 
     assert torch.equal(dequantize_mxfp4(blocks, scales, torch.float64), decoded)
+    # And as FP8 values with a scale per block of 32, exactly.
+    from radixserve.model_runner.quantization.mxfp4 import mxfp4_as_fp8
+
+    values, block_scales = mxfp4_as_fp8(blocks, scales)
+    assert values.dtype == torch.float8_e4m3fn and block_scales.shape == scales.shape
+    assert torch.equal(values.double() * block_scales.double().repeat_interleave(32, -1), decoded)
 
 
 @pytest.fixture(scope="module")
@@ -239,6 +245,55 @@ def test_mxfp4_checkpoint_loads_the_decoded_weights_and_generates_as_transformer
     reference = hf_model(decoded_dir)
     assert greedy_generate(runner, prompts, MAX_NEW_TOKENS) == [
         hf_greedy(reference, p, MAX_NEW_TOKENS, []) for p in prompts]
+
+
+def test_mxfp4_experts_held_in_fp8_generate_as_transformers(mxfp4_dirs, model_dir, prompts):
+    """Loaded as on CUDA (`fp8_experts`, the fused kernels under the Triton interpreter): the experts hold FP8 values
+    and a scale per 32 whose products are the decoded weights bit for bit, and generate as Hugging Face on those
+    weights. A 16-bit checkpoint keeps 16-bit experts."""
+    from test_fp8_experts import dequantized, with_fp8_experts
+
+    mxfp4_dir, decoded_dir, decoded = mxfp4_dirs
+    runner = with_fp8_experts(mxfp4_dir)
+    for layer_id, layer in enumerate(runner.model.model.layers):
+        experts = layer.mlp.experts
+        assert experts.w13_weight.dtype == torch.float8_e4m3fn and experts.scale_blocks == ((1, 32), (1, 32))
+        gate_up = decoded[f"model.layers.{layer_id}.mlp.experts.gate_up_proj"]
+        w13, w2 = dequantized(experts)
+        assert torch.equal(w13.double(), torch.cat([gate_up[:, 0::2], gate_up[:, 1::2]], dim=1))
+        assert torch.equal(w2.double(), decoded[f"model.layers.{layer_id}.mlp.experts.down_proj"])
+    reference = hf_model(decoded_dir)
+    assert greedy_generate(runner, prompts[:4], 16) == [hf_greedy(reference, p, 16, []) for p in prompts[:4]]
+    assert with_fp8_experts(model_dir).model.model.layers[0].mlp.experts.scale_blocks is None
+
+
+def test_16_bit_experts_under_an_mxfp4_config_are_quantized_per_32(mxfp4_dirs, tmp_path):
+    """16-bit expert tensors (random weights for an MXFP4 config, as the GPU benchmarks load) become FP8 with one
+    scale per 32 values, as `Fp8Weight.quantize` makes them."""
+    from safetensors.torch import load_file
+
+    from radixserve.model_runner.quantization.fp8 import Fp8Weight
+    from test_fp8_experts import dequantized, with_fp8_experts
+
+    mxfp4_dir, decoded_dir, _ = mxfp4_dirs
+    shutil.copytree(decoded_dir, tmp_path / "m")
+    shutil.copy(Path(mxfp4_dir) / "config.json", tmp_path / "m" / "config.json")
+    runner = with_fp8_experts(str(tmp_path / "m"))
+    down = load_file(str(tmp_path / "m" / "model.safetensors"))["model.layers.1.mlp.experts.down_proj"]  # [E, in, out]
+    _, w2 = dequantized(runner.model.model.layers[1].mlp.experts)
+    for e in range(down.shape[0]):
+        assert torch.equal(w2[e], Fp8Weight.quantize(down[e].t().float(), (1, 32)).dequantize())
+    assert all(len(ids) == 4 for ids in greedy_generate(runner, [[1, 2, 3]], 4))
+
+
+def test_quantization_flag_mxfp4_names_the_checkpoints_format(mxfp4_dirs, model_dir):
+    """SGLang's `--quantization mxfp4` on an MXFP4 checkpoint loads it as without the flag; on a 16-bit one it is
+    refused, naming what is missing."""
+    mxfp4_dir, _, decoded = mxfp4_dirs
+    experts = make_runner(mxfp4_dir, quantization="mxfp4").model.model.layers[0].mlp.experts
+    assert torch.equal(experts.w2_weight.double(), decoded["model.layers.0.mlp.experts.down_proj"])
+    with pytest.raises(ValueError, match="quantization 'mxfp4' loads checkpoints in that format"):
+        make_runner(model_dir, quantization="mxfp4")
 
 
 def test_mxfp4_checkpoint_on_two_ranks(mxfp4_dirs, prompts):
