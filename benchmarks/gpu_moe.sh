@@ -13,7 +13,7 @@
 #   offline: offline throughput, 1000 requests of 256 in / 256 out, Qwen3-30B-A3B and then Llama-3.1-8B (the dense
 #            baseline of about 2.4x the active parameters) in the same call, by output tokens/s;
 #   fp8:     (not in the default STEPS) Qwen3-30B-A3B-FP8's layout, the same config with fine-grained FP8 (128x128
-#            blocks): tests/ops/test_fused_moe_fp8.py, batch-1/8/64 decode steps with the experts held in FP8 (the
+#            blocks): tests/ops/test_fused_moe_quantized.py, batch-1/8/64 decode steps with the experts held in FP8 (the
 #            fused kernels' FP8 variant) and the attention on the FP8 GEMMs, and the offline figure above; about 30 GB
 #            of weights, so an H100 keeps room for the KV pool.
 # STEPS selects (default: all), e.g. STEPS="tests decode" bash benchmarks/gpu_moe.sh. Needs .whl/ (see
@@ -71,7 +71,7 @@ if want offline; then
     timeout 200 "$PY" benchmarks/offline_throughput.py --model "$DENSE" "${OFFLINE[@]}" 2>&1 | grep -v Warning | tail -8
 fi
 if want fp8; then
-    timeout 200 "$PY" -P -m pytest -p _srcpath -p no:cacheprovider -q tests/ops/test_fused_moe_fp8.py 2>&1 | tail -4
+    timeout 200 "$PY" -P -m pytest -p _srcpath -p no:cacheprovider -q tests/ops/test_fused_moe_quantized.py 2>&1 | tail -4
     timeout 240 "$PY" benchmarks/one_batch.py --model-path "$MOE_FP8" --load-format dummy --dtype bfloat16 \
         --prefill-batch-sizes "" --decode-batch-sizes 1,8,64 --context-len 1024 --eager-batch-sizes "" \
         --profile-batch-size 1 --out "$OUT" --tag one_batch_qwen3_30b_a3b_fp8 2>&1 | grep -v Warning | tail -36

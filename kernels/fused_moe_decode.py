@@ -18,6 +18,13 @@ expert costs one byte a value to read, and apply the scales in registers: a tile
 features meets one scale per output column, which multiplies the tile's partial sums (the aligned path's tensor-core
 product of the bf16-converted FP8 tile, exact since e4m3 fits in bf16; the decode path's float32 products). The result
 is the product with the dequantized weight `w * scale`, up to summation order.
+
+4-bit experts (AWQ, GPTQ, compressed-tensors W4A16) stay in `Int4Weight`'s layout, eight values a 32-bit word along
+the reduced features, with a scale and a zero point per group of `block_k` features and output column: a tile unpacks
+its words in registers (each word loaded once per value it holds, from L1 after the first). The aligned path
+multiplies the 4-bit values, exact in bf16, on the tensor cores and corrects each tile's partial sums by the zero
+points (`(x . q - zero * sum(x)) * scale`); the decode path subtracts them before its float32 products. Half a byte a
+value: Qwen3-30B-A3B's experts in about 15 GB.
 """
 
 from __future__ import annotations
@@ -32,17 +39,39 @@ from radixserve.kernels.fused_moe_configs import BlockConfig
 
 
 class ExpertScales(NamedTuple):
-    """The scales of FP8 experts: `scale [E, ceil(N / block_n) (twice for w13: gate's, then up's), ceil(K / block_k)]`
-    float32 for weights `[E, N, K]` (w13: N = 2I, each of gate and up scaled on its own rows)."""
+    """The scales of quantized experts.
+
+    FP8 (`zeros` None): weights `[E, N, K]` float8_e4m3fn (w13: N = 2I), `scale [E, ceil(N / block_n) (twice for w13:
+    gate's rows, then up's), ceil(K / block_k)]` float32, value `w * scale`.
+
+    4-bit (`zeros` given): weights `[E, K / 8, N]` int32, eight consecutive reduced features a word (feature k at bits
+    `4 * (k % 8)`: `Int4Weight`'s layout, model_runner/quantization/int4.py), `scale` and `zeros` `[E, K / block_k, N]`
+    per group of `block_k` features (`block_n` 1), value `(q - zero) * scale`."""
 
     scale: torch.Tensor
     block_n: int
     block_k: int
+    zeros: Optional[torch.Tensor] = None
+
+
+def expert_layout(w13: torch.Tensor, w2: torch.Tensor, scales: Optional[ExpertScales]) -> tuple[int, int, int]:
+    """(experts, intermediate, hidden) of stacked expert weights, plain or quantized as `scales` says."""
+    if scales is not None and scales.zeros is not None:
+        return w2.shape[0], w2.shape[1] * 8, w2.shape[2]
+    return w2.shape[0], w2.shape[2], w2.shape[1]
+
+
+def weight_strides(weight: torch.Tensor, scales: Optional[ExpertScales]) -> tuple[int, int, int]:
+    """A stacked weight's strides along (expert, output feature, reduced feature; in words for 4-bit experts)."""
+    if scales is not None and scales.zeros is not None:
+        return weight.stride(0), weight.stride(2), weight.stride(1)
+    return weight.stride(0), weight.stride(1), weight.stride(2)
 
 
 def reduced_tile(block_k: int, scales: Optional[ExpertScales], reduced: int) -> int:
-    """The `BLOCK_K` a kernel reducing `reduced` features runs with: the config's, narrowed for FP8 experts so that a
-    tile never spans two scale blocks (a power of two that divides `block_k`, unless one block covers every feature)."""
+    """The `BLOCK_K` a kernel reducing `reduced` features runs with: the config's, narrowed for quantized experts so
+    that a tile never spans two scale blocks (a power of two that divides `block_k`, unless one block covers every
+    feature)."""
     if scales is None or scales.block_k >= reduced:
         return block_k
     tile = 1 << (min(block_k, scales.block_k).bit_length() - 1)
@@ -64,17 +93,27 @@ def _activate(gate, up, swiglu_alpha, swiglu_limit, CLAMPED_SWIGLU: tl.constexpr
 
 
 @triton.jit
+def _int4_values(row_ptrs, features, stride_wk, mask):
+    """The 4-bit values (float32) of a tile of 4-bit expert weights: `row_ptrs` addresses each element's row (and
+    column) of words, `features` its reduced feature, broadcast alike; feature k sits at bits `4 * (k % 8)` of word
+    `k // 8`."""
+    words = tl.load(row_ptrs + (features // 8) * stride_wk, mask=mask, other=0)
+    return ((words >> ((features % 8) * 4)) & 0xF).to(tl.float32)
+
+
+@triton.jit
 def _decode_gate_up_kernel(
-    X, W13, B13, S13, Inter, TopkWeights, TopkIds,
+    X, W13, B13, S13, Z13, Inter, TopkWeights, TopkIds,
     top_k, hidden, intermediate, swiglu_alpha, swiglu_limit, up_scale_row,
     stride_x, stride_we, stride_wn, stride_wk, stride_be, stride_se, stride_sn, stride_sk, stride_inter,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, CLAMPED_SWIGLU: tl.constexpr,
-    HAS_SCALE: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr,
+    HAS_SCALE: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, INT4: tl.constexpr,
 ):
     """Program (pair, block of intermediate columns): the expert's `[BLOCK_N, H]` gate and up rows, streamed in
     `BLOCK_K` chunks along H, times the token's row. The products accumulate elementwise in float32 tiles and are
     reduced over K once, after the loop. A pair of routing weight 0 stores nothing (the down kernel skips it). With
-    HAS_SCALE, the FP8 rows' block scales (`S13`, up's from scale row `up_scale_row`) weight the token's row."""
+    HAS_SCALE, the rows' scales (`S13`, up's from scale row `up_scale_row`) weight the token's row; with INT4, the
+    rows are 4-bit values less their zero points (`Z13`, laid out as the scales)."""
     pair = tl.program_id(0)
     if tl.load(TopkWeights + pair) == 0.0:
         return
@@ -84,10 +123,11 @@ def _decode_gate_up_kernel(
     col_ok = cols < intermediate
     ks = tl.arange(0, BLOCK_K)
     x_ptrs = X + token * stride_x + ks
-    gate_ptrs = W13 + expert * stride_we + cols[:, None] * stride_wn + ks[None, :] * stride_wk
+    gate_rows = W13 + expert * stride_we + cols[:, None] * stride_wn
+    gate_ptrs = gate_rows + ks[None, :] * stride_wk
     up_ptrs = gate_ptrs + intermediate * stride_wn
-    gate_scale_ptrs = S13 + expert * stride_se + (cols // SCALE_N) * stride_sn
-    up_scale_ptrs = gate_scale_ptrs + up_scale_row * stride_sn
+    gate_scales = expert * stride_se + (cols // SCALE_N) * stride_sn
+    up_scales = gate_scales + up_scale_row * stride_sn
     gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
@@ -96,10 +136,20 @@ def _decode_gate_up_kernel(
         w_mask = col_ok[:, None] & k_ok[None, :]
         if HAS_SCALE:
             scale_k = (k0 // SCALE_K) * stride_sk
-            gate_scale = tl.load(gate_scale_ptrs + scale_k, mask=col_ok, other=0.0)
-            up_scale = tl.load(up_scale_ptrs + scale_k, mask=col_ok, other=0.0)
-            gate += tl.load(gate_ptrs, mask=w_mask, other=0.0).to(tl.float32) * (x * gate_scale[:, None])
-            up += tl.load(up_ptrs, mask=w_mask, other=0.0).to(tl.float32) * (x * up_scale[:, None])
+            gate_scale = tl.load(S13 + gate_scales + scale_k, mask=col_ok, other=0.0).to(tl.float32)
+            up_scale = tl.load(S13 + up_scales + scale_k, mask=col_ok, other=0.0).to(tl.float32)
+            if INT4:
+                features = (k0 + ks)[None, :]
+                gate_zero = tl.load(Z13 + gate_scales + scale_k, mask=col_ok, other=0.0).to(tl.float32)
+                up_zero = tl.load(Z13 + up_scales + scale_k, mask=col_ok, other=0.0).to(tl.float32)
+                gate_w = _int4_values(gate_rows, features, stride_wk, w_mask) - gate_zero[:, None]
+                up_rows = gate_rows + intermediate * stride_wn
+                up_w = _int4_values(up_rows, features, stride_wk, w_mask) - up_zero[:, None]
+            else:
+                gate_w = tl.load(gate_ptrs, mask=w_mask, other=0.0).to(tl.float32)
+                up_w = tl.load(up_ptrs, mask=w_mask, other=0.0).to(tl.float32)
+            gate += gate_w * (x * gate_scale[:, None])
+            up += up_w * (x * up_scale[:, None])
         else:
             gate += tl.load(gate_ptrs, mask=w_mask, other=0.0).to(tl.float32) * x
             up += tl.load(up_ptrs, mask=w_mask, other=0.0).to(tl.float32) * x
@@ -118,18 +168,19 @@ def _decode_gate_up_kernel(
 
 @triton.jit
 def _decode_down_kernel(
-    Inter, W2, B2, S2, Out, TopkWeights, TopkIds,
+    Inter, W2, B2, S2, Z2, Out, TopkWeights, TopkIds,
     hidden, intermediate,
     stride_inter, stride_we, stride_wn, stride_wk, stride_be, stride_se, stride_sn, stride_sk, stride_out,
     TOP_K: tl.constexpr, SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-    HAS_SCALE: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr,
+    HAS_SCALE: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, INT4: tl.constexpr,
 ):
     """Program (token, block of hidden columns): the sum over the token's slots of the routing weight times the
     expert's `[BLOCK_N, I]` down rows times the slot's activations (and times its down bias, with HAS_BIAS). Each
     iteration loads one `BLOCK_K` chunk of every slot at once, a `[SLOTS, BLOCK_N, BLOCK_K]` tile (`SLOTS`: `TOP_K`
     rounded up to a power of two), so the loads of all the token's experts are in flight together; the per-slot sums
     are weighted and added once, after the loop. Slots of weight 0 read nothing. With HAS_SCALE, each chunk's sums
-    are scaled by the FP8 rows' block scales (`S2`) before they join the slot's."""
+    are scaled by the rows' scales (`S2`) before they join the slot's; with INT4, the rows are 4-bit values less their
+    zero points (`Z2`)."""
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < hidden
@@ -141,18 +192,26 @@ def _decode_down_kernel(
     live = slot_ok & (weights != 0.0)  # a slot of weight 0 has nothing to read
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = Inter + pairs[:, None] * stride_inter + ks[None, :]
-    w_ptrs = W2 + experts[:, None, None] * stride_we + cols[None, :, None] * stride_wn + ks[None, None, :] * stride_wk
-    scale_ptrs = S2 + experts[:, None] * stride_se + (cols // SCALE_N)[None, :] * stride_sn
+    w_rows = W2 + experts[:, None, None] * stride_we + cols[None, :, None] * stride_wn
+    w_ptrs = w_rows + ks[None, None, :] * stride_wk
+    scales = experts[:, None] * stride_se + (cols // SCALE_N)[None, :] * stride_sn
     rows_ok = live[:, None, None] & col_ok[None, :, None]
     per_slot = tl.zeros((SLOTS, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, intermediate, BLOCK_K):
         k_ok = k0 + ks < intermediate
         a = tl.load(a_ptrs, mask=live[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        w = tl.load(w_ptrs, mask=rows_ok & k_ok[None, None, :], other=0.0).to(tl.float32)
         if HAS_SCALE:
-            scale = tl.load(scale_ptrs + (k0 // SCALE_K) * stride_sk, mask=live[:, None] & col_ok[None, :], other=0.0)
+            scale_at = scales + (k0 // SCALE_K) * stride_sk
+            scale = tl.load(S2 + scale_at, mask=live[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+            if INT4:
+                zero = tl.load(Z2 + scale_at, mask=live[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+                w = _int4_values(w_rows, (k0 + ks)[None, None, :], stride_wk, rows_ok & k_ok[None, None, :])
+                w = w - zero[:, :, None]
+            else:
+                w = tl.load(w_ptrs, mask=rows_ok & k_ok[None, None, :], other=0.0).to(tl.float32)
             per_slot += tl.sum(w * a[:, None, :], axis=2) * scale
         else:
+            w = tl.load(w_ptrs, mask=rows_ok & k_ok[None, None, :], other=0.0).to(tl.float32)
             per_slot += tl.sum(w * a[:, None, :], axis=2)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K * stride_wk
@@ -164,13 +223,15 @@ def _decode_down_kernel(
 
 
 def scale_args(scales: Optional[ExpertScales], weight: torch.Tensor) -> tuple:
-    """A kernel's scale arguments: the tensor (the weight stands in without scales), its three strides, and the
-    `HAS_SCALE`, `SCALE_N`, `SCALE_K` constants."""
+    """A kernel's scale arguments: the scales and the zero points (the weight stands in for what is absent), their
+    strides along (expert, output feature, reduced feature), and the `HAS_SCALE`, `SCALE_N`, `SCALE_K`, `INT4`
+    constants."""
     if scales is None:
-        return (weight, 0, 0, 0), {"HAS_SCALE": False, "SCALE_N": 1, "SCALE_K": 1}
-    scale = scales.scale
-    return ((scale, scale.stride(0), scale.stride(1), scale.stride(2)),
-            {"HAS_SCALE": True, "SCALE_N": scales.block_n, "SCALE_K": scales.block_k})
+        return (weight, weight, 0, 0, 0), {"HAS_SCALE": False, "SCALE_N": 1, "SCALE_K": 1, "INT4": False}
+    scale, int4 = scales.scale, scales.zeros is not None
+    strides = (scale.stride(0), scale.stride(2), scale.stride(1)) if int4 else scale.stride()
+    return ((scale, scales.zeros if int4 else scale, *strides),
+            {"HAS_SCALE": True, "SCALE_N": scales.block_n, "SCALE_K": scales.block_k, "INT4": int4})
 
 
 def decode(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, pair_weights: torch.Tensor,
@@ -179,29 +240,29 @@ def decode(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, pair_weigh
            config: BlockConfig, out: torch.Tensor) -> None:
     """The decode path of `fused_moe` (module docstring) on `pair_weights`, `pair_ids` `[T * k]`, into `out`."""
     num_tokens, hidden_size = hidden.shape
-    intermediate = w2.shape[2]
+    w13_scales, w2_scales = scales
+    _, intermediate, _ = expert_layout(w13, w2, w2_scales)
     num_pairs = pair_ids.numel()
     top_k = num_pairs // num_tokens
     launch = {"num_warps": config["num_warps"], "num_stages": config["num_stages"]}
     has_bias = w13_bias is not None
     alpha, limit = swiglu if swiglu is not None else (1.0, 0.0)
-    w13_scales, w2_scales = scales
-    (s13, *s13_strides), s13_consts = scale_args(w13_scales, w13)
-    (s2, *s2_strides), s2_consts = scale_args(w2_scales, w2)
+    (s13, z13, *s13_strides), s13_consts = scale_args(w13_scales, w13)
+    (s2, z2, *s2_strides), s2_consts = scale_args(w2_scales, w2)
     up_scale_row = triton.cdiv(intermediate, w13_scales.block_n) if w13_scales is not None else 0
     inter = torch.empty(num_pairs, intermediate, dtype=hidden.dtype, device=hidden.device)
     _decode_gate_up_kernel[(num_pairs, triton.cdiv(intermediate, config["BLOCK_N"]))](
-        hidden, w13, w13_bias if has_bias else w13, s13, inter, pair_weights, pair_ids,
+        hidden, w13, w13_bias if has_bias else w13, s13, z13, inter, pair_weights, pair_ids,
         top_k, hidden_size, intermediate, float(alpha), float(limit), up_scale_row,
-        hidden.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), w13_bias.stride(0) if has_bias else 0,
+        hidden.stride(0), *weight_strides(w13, w13_scales), w13_bias.stride(0) if has_bias else 0,
         *s13_strides, inter.stride(0),
         BLOCK_N=config["BLOCK_N"], BLOCK_K=reduced_tile(config["BLOCK_K"], w13_scales, hidden_size),
         HAS_BIAS=has_bias, CLAMPED_SWIGLU=swiglu is not None, **s13_consts, **launch,
     )
     _decode_down_kernel[(num_tokens, triton.cdiv(hidden_size, config["DOWN_BLOCK_N"]))](
-        inter, w2, w2_bias if has_bias else w2, s2, out, pair_weights, pair_ids,
+        inter, w2, w2_bias if has_bias else w2, s2, z2, out, pair_weights, pair_ids,
         hidden_size, intermediate,
-        inter.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), w2_bias.stride(0) if has_bias else 0,
+        inter.stride(0), *weight_strides(w2, w2_scales), w2_bias.stride(0) if has_bias else 0,
         *s2_strides, out.stride(0),
         TOP_K=top_k, SLOTS=triton.next_power_of_2(top_k), BLOCK_N=config["DOWN_BLOCK_N"],
         BLOCK_K=reduced_tile(config["DOWN_BLOCK_K"], w2_scales, intermediate), HAS_BIAS=has_bias, **s2_consts,

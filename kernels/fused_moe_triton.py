@@ -46,7 +46,8 @@ import triton
 import triton.language as tl
 
 from radixserve.kernels.fused_moe_configs import BlockConfig, block_config, decode_config
-from radixserve.kernels.fused_moe_decode import ExpertScales, _activate, reduced_tile, scale_args
+from radixserve.kernels.fused_moe_decode import (ExpertScales, _activate, _int4_values, expert_layout, reduced_tile,
+                                                 scale_args, weight_strides)
 from radixserve.kernels.fused_moe_decode import decode as _decode
 from radixserve.kernels.guard import KernelGuard
 
@@ -86,16 +87,17 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> E
 
 @triton.jit
 def _gate_up_kernel(
-    X, W13, B13, S13, Inter, SortedPairs, BlockExpert,
+    X, W13, B13, S13, Z13, Inter, SortedPairs, BlockExpert,
     num_pairs, top_k, hidden, intermediate, swiglu_alpha, swiglu_limit, up_scale_row,
     stride_x, stride_we, stride_wn, stride_wk, stride_be, stride_se, stride_sn, stride_sk, stride_inter,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
     HAS_BIAS: tl.constexpr, CLAMPED_SWIGLU: tl.constexpr, HAS_SCALE: tl.constexpr, SCALE_N: tl.constexpr,
-    SCALE_K: tl.constexpr,
+    SCALE_K: tl.constexpr, INT4: tl.constexpr,
 ):
     """Program (block of sorted rows, block of intermediate columns). With HAS_BIAS, the expert's gate and up biases
     (`B13 [E, 2I]`) join the accumulators; CLAMPED_SWIGLU applies gpt-oss's activation in place of SiLU; with
-    HAS_SCALE, each tile's product with the FP8 rows is scaled by their block scales (`S13`) as it joins."""
+    HAS_SCALE, each tile's product with the quantized rows is scaled by their scales (`S13`) as it joins, after the
+    zero points' share (`Z13`) is taken off for 4-bit rows (INT4)."""
     block = tl.program_id(0)
     expert = tl.load(BlockExpert + block).to(tl.int64)
     if expert < 0:
@@ -107,10 +109,11 @@ def _gate_up_kernel(
     col_ok = cols < intermediate
     ks = tl.arange(0, BLOCK_K)
     x_ptrs = X + tokens[:, None] * stride_x + ks[None, :]
-    gate_ptrs = W13 + expert * stride_we + cols[None, :] * stride_wn + ks[:, None] * stride_wk
+    gate_rows = W13 + expert * stride_we + cols[None, :] * stride_wn
+    gate_ptrs = gate_rows + ks[:, None] * stride_wk
     up_ptrs = gate_ptrs + intermediate * stride_wn
-    gate_scale_ptrs = S13 + expert * stride_se + (cols // SCALE_N) * stride_sn
-    up_scale_ptrs = gate_scale_ptrs + up_scale_row * stride_sn
+    gate_scales = expert * stride_se + (cols // SCALE_N) * stride_sn
+    up_scales = gate_scales + up_scale_row * stride_sn
     gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
@@ -118,13 +121,26 @@ def _gate_up_kernel(
         x = tl.load(x_ptrs, mask=real[:, None] & k_ok[None, :], other=0.0)
         w_mask = k_ok[:, None] & col_ok[None, :]
         if HAS_SCALE:
-            w_gate = tl.load(gate_ptrs, mask=w_mask, other=0.0).to(X.dtype.element_ty)
-            w_up = tl.load(up_ptrs, mask=w_mask, other=0.0).to(X.dtype.element_ty)
             scale_k = (k0 // SCALE_K) * stride_sk
-            gate_scale = tl.load(gate_scale_ptrs + scale_k, mask=col_ok, other=0.0)
-            up_scale = tl.load(up_scale_ptrs + scale_k, mask=col_ok, other=0.0)
-            gate += tl.dot(x, w_gate, input_precision=PRECISION) * gate_scale[None, :]
-            up += tl.dot(x, w_up, input_precision=PRECISION) * up_scale[None, :]
+            gate_scale = tl.load(S13 + gate_scales + scale_k, mask=col_ok, other=0.0).to(tl.float32)
+            up_scale = tl.load(S13 + up_scales + scale_k, mask=col_ok, other=0.0).to(tl.float32)
+            if INT4:
+                features = (k0 + ks)[:, None]
+                w_gate = _int4_values(gate_rows, features, stride_wk, w_mask).to(X.dtype.element_ty)
+                w_up = _int4_values(gate_rows + intermediate * stride_wn, features, stride_wk, w_mask)
+                w_up = w_up.to(X.dtype.element_ty)
+                x_sum = tl.sum(x.to(tl.float32), axis=1)[:, None]
+                gate_zero = tl.load(Z13 + gate_scales + scale_k, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+                up_zero = tl.load(Z13 + up_scales + scale_k, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+                gate_part = tl.dot(x, w_gate, input_precision=PRECISION) - x_sum * gate_zero
+                up_part = tl.dot(x, w_up, input_precision=PRECISION) - x_sum * up_zero
+            else:
+                w_gate = tl.load(gate_ptrs, mask=w_mask, other=0.0).to(X.dtype.element_ty)
+                w_up = tl.load(up_ptrs, mask=w_mask, other=0.0).to(X.dtype.element_ty)
+                gate_part = tl.dot(x, w_gate, input_precision=PRECISION)
+                up_part = tl.dot(x, w_up, input_precision=PRECISION)
+            gate += gate_part * gate_scale[None, :]
+            up += up_part * up_scale[None, :]
         else:
             gate = tl.dot(x, tl.load(gate_ptrs, mask=w_mask, other=0.0), gate, input_precision=PRECISION)
             up = tl.dot(x, tl.load(up_ptrs, mask=w_mask, other=0.0), up, input_precision=PRECISION)
@@ -142,15 +158,16 @@ def _gate_up_kernel(
 
 @triton.jit
 def _down_kernel(
-    Inter, W2, B2, S2, Out, PairWeights, SortedPairs, BlockExpert,
+    Inter, W2, B2, S2, Z2, Out, PairWeights, SortedPairs, BlockExpert,
     num_pairs, hidden, intermediate,
     stride_inter, stride_we, stride_wn, stride_wk, stride_be, stride_se, stride_sn, stride_sk, stride_out,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr,
+    INT4: tl.constexpr,
 ):
     """Program (block of sorted rows, block of hidden columns). With HAS_BIAS, the expert's down bias (`B2 [E, H]`)
-    is added before the routing weight scales the row; with HAS_SCALE, the FP8 rows' block scales (`S2`) scale each
-    tile's product."""
+    is added before the routing weight scales the row; with HAS_SCALE, the quantized rows' scales (`S2`) scale each
+    tile's product, less the zero points' share (`Z2`) for 4-bit rows (INT4)."""
     block = tl.program_id(0)
     expert = tl.load(BlockExpert + block).to(tl.int64)
     if expert < 0:
@@ -162,18 +179,28 @@ def _down_kernel(
     col_ok = cols < hidden
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = Inter + rows[:, None] * stride_inter + ks[None, :]
-    w_ptrs = W2 + expert * stride_we + cols[None, :] * stride_wn + ks[:, None] * stride_wk
-    scale_ptrs = S2 + expert * stride_se + (cols // SCALE_N) * stride_sn
+    w_rows = W2 + expert * stride_we + cols[None, :] * stride_wn
+    w_ptrs = w_rows + ks[:, None] * stride_wk
+    scales = expert * stride_se + (cols // SCALE_N) * stride_sn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, intermediate, BLOCK_K):
         k_ok = k0 + ks < intermediate
         a = tl.load(a_ptrs, mask=real[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        w_mask = k_ok[:, None] & col_ok[None, :]
         if HAS_SCALE:
-            scale = tl.load(scale_ptrs + (k0 // SCALE_K) * stride_sk, mask=col_ok, other=0.0)
-            acc += tl.dot(a, w.to(Inter.dtype.element_ty), input_precision=PRECISION) * scale[None, :]
+            scale_at = scales + (k0 // SCALE_K) * stride_sk
+            scale = tl.load(S2 + scale_at, mask=col_ok, other=0.0).to(tl.float32)
+            if INT4:
+                w = _int4_values(w_rows, (k0 + ks)[:, None], stride_wk, w_mask).to(Inter.dtype.element_ty)
+                zero = tl.load(Z2 + scale_at, mask=col_ok, other=0.0).to(tl.float32)
+                a_sum = tl.sum(a.to(tl.float32), axis=1)[:, None]
+                part = tl.dot(a, w, input_precision=PRECISION) - a_sum * zero[None, :]
+            else:
+                w = tl.load(w_ptrs, mask=w_mask, other=0.0)
+                part = tl.dot(a, w.to(Inter.dtype.element_ty), input_precision=PRECISION)
+            acc += part * scale[None, :]
         else:
-            acc = tl.dot(a, w, acc, input_precision=PRECISION)
+            acc = tl.dot(a, tl.load(w_ptrs, mask=w_mask, other=0.0), acc, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K * stride_wk
     if HAS_BIAS:
@@ -213,9 +240,9 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     `hidden [T, H]`; `w13 [E, 2I, H]` (each expert's gate rows, then its up rows); `w2 [E, H, I]`; `topk_weights
     [T, k]` (float32) and `topk_ids [T, k]`. gpt-oss's experts: `w13_bias [E, 2I]` and `w2_bias [E, H]` (both or
     neither) are added to their projections, and `swiglu = (alpha, limit)` replaces the SiLU gate by `gate *
-    sigmoid(alpha * gate) * (up + 1)` with the gate clamped to at most `limit` and up to `[-limit, limit]`. FP8
-    experts: `w13` and `w2` in float8_e4m3fn with `w13_scales` and `w2_scales` (both or neither), the product of the
-    dequantized weights.
+    sigmoid(alpha * gate) * (up + 1)` with the gate clamped to at most `limit` and up to `[-limit, limit]`. Quantized
+    experts: `w13` and `w2` in FP8 or packed 4 bits with `w13_scales` and `w2_scales` (both or neither; `ExpertScales`
+    gives the layouts), the product of the dequantized weights.
 
     `path`: "auto" chooses by `use_decode_path`; "aligned" or "decode" forces one (benchmarks and tests compare them).
     `config`: the block sizes of the path that runs (default: kernels/fused_moe_configs.py's tables; the aligned
@@ -223,9 +250,12 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     `DOWN_BLOCK_K`, both with `num_warps` and `num_stages`).
     """
     num_tokens, hidden_size = hidden.shape
-    num_experts, _, intermediate = w2.shape
+    num_experts, intermediate, _ = expert_layout(w13, w2, w2_scales)
     top_k = topk_ids.shape[1]
-    assert w13.shape == (num_experts, 2 * intermediate, hidden_size), (w13.shape, w2.shape, hidden.shape)
+    if w13_scales is not None and w13_scales.zeros is not None:  # 4 bits: [E, H / 8, 2I]
+        assert w13.shape == (num_experts, hidden_size // 8, 2 * intermediate), (w13.shape, w2.shape, hidden.shape)
+    else:
+        assert w13.shape == (num_experts, 2 * intermediate, hidden_size), (w13.shape, w2.shape, hidden.shape)
     assert topk_weights.shape == topk_ids.shape == (num_tokens, top_k), (topk_weights.shape, topk_ids.shape)
     has_bias = w13_bias is not None
     assert (w2_bias is not None) == has_bias, "give both biases or neither"
@@ -266,7 +296,8 @@ def _aligned(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, pair_wei
              config: BlockConfig, out: torch.Tensor) -> None:
     """The aligned path of `fused_moe` (module docstring) on `pair_weights`, `pair_ids` `[T * k]`, into `out`."""
     num_tokens, hidden_size = hidden.shape
-    num_experts, _, intermediate = w2.shape
+    w13_scales, w2_scales = scales
+    num_experts, intermediate, _ = expert_layout(w13, w2, w2_scales)
     num_pairs = pair_ids.numel()
     top_k = num_pairs // num_tokens
     launch = {"num_warps": config["num_warps"], "num_stages": config["num_stages"]}
@@ -276,24 +307,23 @@ def _aligned(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, pair_wei
     num_blocks = alignment.block_expert.numel()
     has_bias = w13_bias is not None
     alpha, limit = swiglu if swiglu is not None else (1.0, 0.0)
-    w13_scales, w2_scales = scales
-    (s13, *s13_strides), s13_consts = scale_args(w13_scales, w13)
-    (s2, *s2_strides), s2_consts = scale_args(w2_scales, w2)
+    (s13, z13, *s13_strides), s13_consts = scale_args(w13_scales, w13)
+    (s2, z2, *s2_strides), s2_consts = scale_args(w2_scales, w2)
     up_scale_row = triton.cdiv(intermediate, w13_scales.block_n) if w13_scales is not None else 0
     inter = torch.empty(num_pairs, intermediate, dtype=hidden.dtype, device=hidden.device)
     _gate_up_kernel[(num_blocks, triton.cdiv(intermediate, block_n))](
-        hidden, w13, w13_bias if has_bias else w13, s13, inter, alignment.sorted_pairs, alignment.block_expert,
+        hidden, w13, w13_bias if has_bias else w13, s13, z13, inter, alignment.sorted_pairs, alignment.block_expert,
         num_pairs, top_k, hidden_size, intermediate, float(alpha), float(limit), up_scale_row,
-        hidden.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), w13_bias.stride(0) if has_bias else 0,
+        hidden.stride(0), *weight_strides(w13, w13_scales), w13_bias.stride(0) if has_bias else 0,
         *s13_strides, inter.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=reduced_tile(block_k, w13_scales, hidden_size),
         PRECISION=precision, HAS_BIAS=has_bias, CLAMPED_SWIGLU=swiglu is not None, **s13_consts, **launch,
     )
     pair_out = torch.empty(num_pairs, hidden_size, dtype=hidden.dtype, device=hidden.device)
     _down_kernel[(num_blocks, triton.cdiv(hidden_size, block_n))](
-        inter, w2, w2_bias if has_bias else w2, s2, pair_out, pair_weights,
+        inter, w2, w2_bias if has_bias else w2, s2, z2, pair_out, pair_weights,
         alignment.sorted_pairs, alignment.block_expert, num_pairs, hidden_size, intermediate,
-        inter.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), w2_bias.stride(0) if has_bias else 0,
+        inter.stride(0), *weight_strides(w2, w2_scales), w2_bias.stride(0) if has_bias else 0,
         *s2_strides, pair_out.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=reduced_tile(block_k, w2_scales, intermediate),
         PRECISION=precision, HAS_BIAS=has_bias, **s2_consts, **launch,

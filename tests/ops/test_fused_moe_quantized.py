@@ -1,6 +1,7 @@
-"""FP8 experts in the fused MoE kernels (kernels/fused_moe_decode.py, kernels/fused_moe_triton.py): float8_e4m3fn
-weights with float32 scales per block, per output row, or with partial blocks at the ends, on both paths, against the
-float64 product of the dequantized weights.
+"""Quantized experts in the fused MoE kernels (kernels/fused_moe_decode.py, kernels/fused_moe_triton.py), on both paths,
+against the float64 product of the dequantized weights: FP8 (float8_e4m3fn weights with float32 scales per block, per
+output row, or with partial blocks at the ends) and 4 bits (`Int4Weight`'s packing, a scale and a zero point per
+group).
 
 Without a GPU they run under the Triton interpreter (tests/conftest.py sets `TRITON_INTERPRET=1`) at tiny shapes; on a
 GPU they are compiled and also checked in bfloat16 at Qwen3-30B-A3B's layer shape in 128 x 128 blocks.
@@ -22,6 +23,7 @@ import pytest  # noqa: E402
 from radixserve.kernels.fused_moe_decode import ExpertScales, reduced_tile  # noqa: E402
 from radixserve.kernels.fused_moe_triton import fused_moe  # noqa: E402
 from radixserve.model_runner.quantization.fp8 import Fp8Weight  # noqa: E402
+from radixserve.model_runner.quantization.int4 import pack_rows  # noqa: E402
 from test_fused_moe_kernel import DECODE_CONFIG, routed_with_shared_experts  # noqa: E402
 from test_moe_layer import random_experts, reference_experts  # noqa: E402
 
@@ -128,6 +130,71 @@ def test_bfloat16_fp8_experts_at_qwen3_30b_a3b_shape(num_tokens, path):
     x, weights, ids = routed_with_shared_experts(num_tokens, num_experts, top_k, hidden, seed=num_tokens)
     out = fused_moe(*on_device(x.bfloat16(), w13_q, w2_q, weights, ids), path=path,
                     w13_scales=scales_on_device(w13_scales), w2_scales=scales_on_device(w2_scales))
+    expected = reference_experts(x.bfloat16().float(), w13_d, w2_d, weights, ids)
+    error = ((out.cpu().double() - expected).abs().max() / expected.abs().max()).item()
+    assert out.dtype == torch.bfloat16 and error < 3e-2, error
+
+
+def int4_part(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One `[N, K]` projection in 4 bits, asymmetric per group of `group` reduced features: (qweight `[K / 8, N]`,
+    scales and zeros `[K / group, N]`, the float64 values `(q - zero) * scale` `[N, K]`)."""
+    n, k = weight.shape
+    groups = weight.double().view(n, k // group, group)
+    low, high = groups.amin(-1), groups.amax(-1)
+    scale = ((high - low) / 15).clamp_min(1e-8)
+    zero = torch.round(-low / scale).clamp(0, 15)
+    q = torch.clamp(torch.round(groups / scale[..., None] + zero[..., None]), 0, 15)
+    values = ((q - zero[..., None]) * scale[..., None]).view(n, k)
+    return pack_rows(q.view(n, k).t().to(torch.int32)), scale.t().float(), zero.t().float(), values
+
+
+def int4_experts(w13: torch.Tensor, w2: torch.Tensor, group: int):
+    """Each expert's gate, up and down in 4 bits: the stacked packed weights `[E, K / 8, N]`, their `ExpertScales`,
+    and the dequantized float64 values."""
+    intermediate = w2.shape[2]
+    parts = {"w13": [], "w2": []}
+    for e in range(w13.shape[0]):
+        parts["w13"].append([int4_part(w13[e, :intermediate], group), int4_part(w13[e, intermediate:], group)])
+        parts["w2"].append([int4_part(w2[e], group)])
+    stacked = {}
+    for name, per_expert in parts.items():
+        q, scale, zero, values = ([torch.cat([p[i] for p in expert], dim=1 if i < 3 else 0) for expert in per_expert]
+                                  for i in range(4))
+        stacked[name] = (torch.stack(q), ExpertScales(torch.stack(scale), 1, group, torch.stack(zero)),
+                         torch.stack(values))
+    return stacked["w13"], stacked["w2"]
+
+
+@pytest.mark.parametrize("path,num_tokens,top_k", [("aligned", 1, 2), ("aligned", 21, 4), ("decode", 1, 8),
+                                                   ("decode", 5, 2)])
+def test_4bit_experts_equal_float64(path, num_tokens, top_k):
+    """Hidden 64 and intermediate 48 in groups of 16 (four and three groups): tiles wider than a group are narrowed,
+    and the zero points' share of each tile is taken off."""
+    hidden, intermediate, num_experts = 64, 48, 16
+    w13, w2 = random_experts(num_experts, hidden, intermediate, torch.float32, seed=6)
+    (w13_q, w13_scales, w13_d), (w2_q, w2_scales, w2_d) = int4_experts(w13, w2, group=16)
+    x, weights, ids = routed_with_shared_experts(num_tokens, num_experts, top_k, hidden, seed=num_tokens + 7)
+    config = ALIGNED_CONFIG if path == "aligned" else dict(DECODE_CONFIG, BLOCK_K=32, DOWN_BLOCK_K=32)
+    scales = {name: s._replace(scale=s.scale.to(DEVICE), zeros=s.zeros.to(DEVICE))
+              for name, s in (("w13_scales", w13_scales), ("w2_scales", w2_scales))}
+    out = fused_moe(*on_device(x, w13_q, w2_q, weights, ids), config, path=path, **scales)
+    expected = reference_experts(x, w13_d, w2_d, weights, ids)
+    error = ((out.cpu().double() - expected).abs().max() / expected.abs().max()).item()
+    assert out.shape == (num_tokens, hidden) and error < 1e-5, error
+
+
+@pytest.mark.skipif(not ON_GPU, reason="bfloat16 at Qwen3-30B-A3B's layer shape: compiled kernels on a GPU")
+@pytest.mark.parametrize("num_tokens,path", [(1, "decode"), (8, "decode"), (64, "aligned"), (512, "aligned")])
+def test_bfloat16_4bit_experts_at_qwen3_30b_a3b_shape(num_tokens, path):
+    """128 experts of 768, hidden 2048, top-8, groups of 128 (Qwen3-30B-A3B's GPTQ / AWQ checkpoints), default
+    configs."""
+    num_experts, hidden, intermediate, top_k = 128, 2048, 768, 8
+    w13, w2 = random_experts(num_experts, hidden, intermediate, torch.float32, seed=5)
+    (w13_q, w13_scales, w13_d), (w2_q, w2_scales, w2_d) = int4_experts(w13, w2, group=128)
+    x, weights, ids = routed_with_shared_experts(num_tokens, num_experts, top_k, hidden, seed=num_tokens)
+    scales = {name: s._replace(scale=s.scale.to(DEVICE).bfloat16(), zeros=s.zeros.to(DEVICE).bfloat16())
+              for name, s in (("w13_scales", w13_scales), ("w2_scales", w2_scales))}
+    out = fused_moe(*on_device(x.bfloat16(), w13_q, w2_q, weights, ids), path=path, **scales)
     expected = reference_experts(x.bfloat16().float(), w13_d, w2_d, weights, ids)
     error = ((out.cpu().double() - expected).abs().max() / expected.abs().max()).item()
     assert out.dtype == torch.bfloat16 and error < 3e-2, error
