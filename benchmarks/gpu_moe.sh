@@ -12,10 +12,13 @@
 #            torch routing: STEPS="tests decode decode_aligned" gives the side-by-side in one call;
 #   offline: offline throughput, 1000 requests of 256 in / 256 out, Qwen3-30B-A3B and then Llama-3.1-8B (the dense
 #            baseline of about 2.4x the active parameters) in the same call, by output tokens/s;
-#   fp8:     (not in the default STEPS) Qwen3-30B-A3B-FP8's layout, the same config with fine-grained FP8 (128x128
-#            blocks): tests/ops/test_fused_moe_quantized.py, batch-1/8/64 decode steps with the experts held in FP8 (the
-#            fused kernels' FP8 variant) and the attention on the FP8 GEMMs, and the offline figure above; about 30 GB
-#            of weights, so an H100 keeps room for the KV pool.
+#   quantized experts (none in the default STEPS): the same config with a quantization_config, the experts held
+#            quantized by the fused kernels' variants and the attention on the quantized GEMMs:
+#            quant_tests  tests/ops/test_fused_moe_quantized.py (FP8 and 4-bit experts against float64, bf16 at the
+#                         Qwen3-30B-A3B layer shape);
+#            fp8, fp8_offline      Qwen3-30B-A3B-FP8's layout (fine-grained FP8, 128x128 blocks, about 30 GB of
+#                         weights): batch-1/8/64 decode steps, then the offline figure above;
+#            w4a16, w4a16_offline  a GPTQ layout (4 bits, groups of 128, about 16 GB): the same two.
 # STEPS selects (default: all), e.g. STEPS="tests decode" bash benchmarks/gpu_moe.sh. Needs .whl/ (see
 # ../shared/gpu/README.md) and .gpu-assets/llama-3.1-8b-dummy/ (config.json + a tokenizer) carried; the Qwen3-30B-A3B
 # folder is made beside it from benchmarks/configs/qwen3-30b-a3b.json and the same tokenizer files (random weights emit
@@ -27,15 +30,22 @@ STEPS=${STEPS:-tests decode offline}
 
 DENSE=$ROOT/.gpu-assets/llama-3.1-8b-dummy
 MOE=$ROOT/.gpu-assets/qwen3-30b-a3b-dummy
-MOE_FP8=$ROOT/.gpu-assets/qwen3-30b-a3b-fp8-dummy
-mkdir -p "$MOE" "$MOE_FP8"
+mkdir -p "$MOE"
 cp benchmarks/configs/qwen3-30b-a3b.json "$MOE/config.json"
-"$PY" -c "import json, sys; c = json.load(open(sys.argv[1])); c['quantization_config'] = {'quant_method': 'fp8', \
-'activation_scheme': 'dynamic', 'weight_block_size': [128, 128]}; json.dump(c, open(sys.argv[2], 'w'), indent=2)" \
-    "$MOE/config.json" "$MOE_FP8/config.json"
 for f in tokenizer.json tokenizer_config.json chat_template.jinja; do
-    [ -f "$DENSE/$f" ] && cp "$DENSE/$f" "$MOE/" && cp "$DENSE/$f" "$MOE_FP8/"
+    [ -f "$DENSE/$f" ] && cp "$DENSE/$f" "$MOE/"
 done
+# quantized_dir NAME QUANTIZATION_CONFIG_JSON: the MoE folder plus a quantization_config, with the same tokenizer.
+quantized_dir() {
+    local dir=$ROOT/.gpu-assets/qwen3-30b-a3b-$1-dummy
+    mkdir -p "$dir"
+    cp "$MOE"/tokenizer* "$MOE"/chat_template.jinja "$dir/" 2>/dev/null
+    "$PY" -c "import json, sys; c = json.load(open(sys.argv[1])); c['quantization_config'] = json.loads(sys.argv[2]); \
+json.dump(c, open(sys.argv[3], 'w'), indent=2)" "$MOE/config.json" "$2" "$dir/config.json"
+    echo "$dir"
+}
+MOE_FP8=$(quantized_dir fp8 '{"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}')
+MOE_W4A16=$(quantized_dir w4a16 '{"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": false, "sym": true}')
 
 if want tests; then
     timeout 240 "$PY" -P -m pytest -p _srcpath -p no:cacheprovider -q tests/ops/test_fused_moe_kernel.py \
@@ -70,11 +80,17 @@ if want offline; then
     timeout 300 "$PY" benchmarks/offline_throughput.py --model "$MOE" "${OFFLINE[@]}" 2>&1 | grep -v Warning | tail -8
     timeout 200 "$PY" benchmarks/offline_throughput.py --model "$DENSE" "${OFFLINE[@]}" 2>&1 | grep -v Warning | tail -8
 fi
-if want fp8; then
+if want quant_tests; then
     timeout 200 "$PY" -P -m pytest -p _srcpath -p no:cacheprovider -q tests/ops/test_fused_moe_quantized.py 2>&1 | tail -4
-    timeout 240 "$PY" benchmarks/one_batch.py --model-path "$MOE_FP8" --load-format dummy --dtype bfloat16 \
-        --prefill-batch-sizes "" --decode-batch-sizes 1,8,64 --context-len 1024 --eager-batch-sizes "" \
-        --profile-batch-size 1 --out "$OUT" --tag one_batch_qwen3_30b_a3b_fp8 2>&1 | grep -v Warning | tail -36
-    timeout 200 "$PY" benchmarks/offline_throughput.py --model "$MOE_FP8" "${OFFLINE[@]}" 2>&1 | grep -v Warning \
-        | tail -8
 fi
+for variant in "fp8 $MOE_FP8" "w4a16 $MOE_W4A16"; do
+    set -- $variant
+    if want "$1"; then
+        timeout 240 "$PY" benchmarks/one_batch.py --model-path "$2" --load-format dummy --dtype bfloat16 \
+            --prefill-batch-sizes "" --decode-batch-sizes 1,8,64 --context-len 1024 --eager-batch-sizes "" \
+            --profile-batch-size 1 --out "$OUT" --tag "one_batch_qwen3_30b_a3b_$1" 2>&1 | grep -v Warning | tail -36
+    fi
+    if want "$1_offline"; then
+        timeout 200 "$PY" benchmarks/offline_throughput.py --model "$2" "${OFFLINE[@]}" 2>&1 | grep -v Warning | tail -8
+    fi
+done

@@ -31,20 +31,22 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def load_model(runner: Any, files: ModelFiles, fp8_experts: Optional[bool] = None) -> torch.nn.Module:
-    """The runner's model, built and loaded. `fp8_experts`: whether an FP8 method keeps a mixture of experts' experts
-    in FP8 (default: on CUDA, where the fused MoE kernels read them; model_runner/quantization/loader.py)."""
+def load_model(runner: Any, files: ModelFiles, quantized_experts: Optional[bool] = None) -> torch.nn.Module:
+    """The runner's model, built and loaded. `quantized_experts`: whether a quantized checkpoint's experts (of a
+    mixture of experts) stay quantized (default: on CUDA, where the fused MoE kernels read them;
+    model_runner/quantization/loader.py)."""
     model_class = get_model_class(runner.model_config.architecture)
     # Build on the meta device (no memory, no random init), then allocate on the target device once.
     with torch.device("meta"):
         model = model_class(runner.model_config, max_positions=runner.context_len, tp=runner.tp)
     model = model.to(runner.dtype)
     method = quantization_method(runner.config.quantization, runner.model_config.hf_config, runner.dtype)
-    fp8_experts = runner.device.type == "cuda" if fp8_experts is None else fp8_experts
+    quantized_experts = runner.device.type == "cuda" if quantized_experts is None else quantized_experts
     if method is not None:  # FP8 / 4-bit linears (model_runner/quantization/), swapped in before allocation
-        quantize_model(model, method, fp8_experts)
+        quantize_model(model, method, quantized_experts)
         logger.info("quantized linears: %s", method.describe())
-    elif fp8_experts and hasattr(model, "keep_experts_fp8") and model.keep_experts_fp8(runner.model_config.hf_config):
+    elif quantized_experts and hasattr(model, "keep_experts_fp8") and model.keep_experts_fp8(
+            runner.model_config.hf_config):
         logger.info("MXFP4 experts held in FP8 with a scale per 32 values")
     model = model.to_empty(device=runner.device)
     if files.load_format == "dummy":

@@ -4,9 +4,11 @@ block and a dense MLP, and loading each expert's checkpoint tensors into the sta
 Checkpoints store one tensor per expert and projection (`mlp.experts.<e>.gate_proj.weight`, ...); `FusedMoE` holds
 `w13_weight [E, 2I, H]` (gate rows, then up rows) and `w2_weight [E, H, I]`. Under tensor parallelism each rank
 copies only its slice of every expert's intermediate dimension (read lazily from the safetensors file); under expert
-parallelism only its own experts (`FusedMoE.shard`): another rank's expert tensors are passed over unread. FP8
-experts (`FusedMoE.keep_fp8`) load their FP8 weights as they are and their scales as `<...>.weight_scale` (per block
-or per output row, in the rows x features layout `FusedMoE` holds), sliced in blocks as the weights are in values.
+parallelism only its own experts (`FusedMoE.shard`): another rank's expert tensors are passed over unread. Quantized
+experts load as the quantized loader hands them over (model_runner/quantization/loader.py): FP8 (`FusedMoE.keep_fp8`)
+as `<...>.weight` and its scales `<...>.weight_scale`, in the layout `FusedMoE` holds; 4-bit (`FusedMoE.keep_int4`) as
+`Int4Weight`'s `qweight`, scales and zero points under `.weight`, `.weight_scale`, `.weight_zeros`. Each is cut to the
+rank's slice in its own units.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from radixserve.model_runner.parallel import TPGroup, full_shape, narrow_source
 if TYPE_CHECKING:
     from radixserve.model_runner.model_config import ModelConfig
 
-_EXPERT_TENSOR = re.compile(r"^(.+\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|weight_scale)$")
+_EXPERT_TENSOR = re.compile(
+    r"^(.+\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|weight_scale|weight_zeros)$")
 
 
 def sparse_or_dense_mlp(config: "ModelConfig", layer_id: int, tp: TPGroup) -> nn.Module:
@@ -42,8 +45,8 @@ class MoEForCausalLM(LlamaForCausalLM):
     shards of the experts it holds (and of their scales, for FP8 experts).
     """
 
-    # The quantized loader may keep FP8 experts in FP8 (model_runner/quantization/loader.py): this loader takes them.
-    loads_fp8_experts = True
+    # The quantized loader may keep the experts quantized (model_runner/quantization/loader.py): this loader takes them.
+    loads_quantized_experts = True
     checkpoint_renames: tuple[tuple[str, str], ...] = ()  # the family's checkpoint names -> the names loaded here
 
     def expert_of(self, hf_name: str) -> Optional[tuple[str, int, str]]:
@@ -58,8 +61,10 @@ class MoEForCausalLM(LlamaForCausalLM):
             if isinstance(module, FusedMoE):
                 experts = range(module.shard.first_expert, module.shard.first_expert + module.shard.num_local_experts)
                 expected -= {(f"{name}.w13_weight", -1), (f"{name}.w2_weight", -1)}
-                stacked = ("weight",) if module.scale_blocks is None else ("weight", "weight_scale")
-                expected -= {(f"{name}.w13_weight_scale", -1), (f"{name}.w2_weight_scale", -1)}
+                stacked = ["weight"] + (["weight_scale"] if module.scale_blocks is not None else []) + (
+                    ["weight_zeros"] if module.is_int4 else [])
+                expected -= {(f"{name}.{w}_{tensor}", -1) for w in ("w13", "w2")
+                             for tensor in ("weight_scale", "weight_zeros")}
                 for tensor in stacked:
                     expected.update((f"{name}.w13_{tensor}", 2 * e + part) for e in experts for part in (0, 1))
                     expected.update((f"{name}.w2_{tensor}", e) for e in experts)
@@ -78,8 +83,8 @@ class MoEForCausalLM(LlamaForCausalLM):
 
 def expert_tensor_parts(name: str) -> Optional[tuple[str, int, str]]:
     """(the experts' module path, expert id, projection) of one expert's checkpoint tensor
-    (`<prefix>.experts.<e>.<gate_proj|up_proj|down_proj>.weight`, or `.weight_scale` for FP8 experts); None for any
-    other name."""
+    (`<prefix>.experts.<e>.<gate_proj|up_proj|down_proj>.weight`, or `.weight_scale` / `.weight_zeros` for quantized
+    experts); None for any other name."""
     match = _EXPERT_TENSOR.match(name)
     return None if match is None else (match.group(1), int(match.group(2)), match.group(3))
 
@@ -92,8 +97,7 @@ def load_expert_tensor(experts: FusedMoE, hf_name: str, expert: int, projection:
         raise ValueError(f"checkpoint tensor {hf_name!r} names expert {expert} of {experts.num_experts}")
     layout = experts.shard
     local = layout.intermediate_size
-    is_scale = hf_name.endswith(".weight_scale")
-    suffix = "weight_scale" if is_scale else "weight"
+    suffix = hf_name.rsplit(".", 1)[-1]
     if projection == "down_proj":
         target, shard, dim = f"w2_{suffix}", expert, 1
     else:
@@ -102,8 +106,8 @@ def load_expert_tensor(experts: FusedMoE, hf_name: str, expert: int, projection:
     if not layout.holds(expert):
         return target, shard  # another expert-parallel rank's: its lazy slice is never indexed, so never read
     index = expert - layout.first_expert
-    if is_scale or experts.scale_blocks is not None:
-        _load_fp8_expert_tensor(experts, hf_name, index, projection, is_scale, tensor)
+    if suffix != "weight" or experts.scale_blocks is not None:
+        _load_quantized_expert_tensor(experts, hf_name, index, projection, suffix, tensor)
         return target, shard
     if projection == "down_proj":
         destination = experts.w2_weight.data[index]
@@ -118,33 +122,38 @@ def load_expert_tensor(experts: FusedMoE, hf_name: str, expert: int, projection:
     return target, shard
 
 
-def _load_fp8_expert_tensor(experts: FusedMoE, hf_name: str, index: int, projection: str, is_scale: bool,
-                            tensor) -> None:
-    """`load_expert_tensor` for FP8 experts: the FP8 weight, or its scales, cut to this rank's slice."""
-    if experts.scale_blocks is None:
-        raise ValueError(f"checkpoint tensor {hf_name!r} is an FP8 expert's scale, but the experts load in 16 bits")
-    layout = experts.shard
-    down = projection == "down_proj"
-    block = experts.scale_blocks[1 if down else 0]
-    unit = (block[1] if down else block[0]) if is_scale else 1  # values of the sliced dimension per element
-    if is_scale:
-        stacked = experts.w2_weight_scale if down else experts.w13_weight_scale
-    else:
-        stacked = experts.w2_weight if down else experts.w13_weight
-    if down:
-        destination, dim = stacked.data[index], 1
-    else:
-        rows = stacked.shape[1] // 2
-        part = 0 if projection == "gate_proj" else 1
-        destination, dim = stacked.data[index, part * rows:(part + 1) * rows], 0
+def _load_quantized_expert_tensor(experts: FusedMoE, hf_name: str, index: int, projection: str, suffix: str,
+                                  tensor) -> None:
+    """`load_expert_tensor` for quantized experts: the weight, its scales or its zero points (`suffix`), cut to this
+    rank's slice in their own units (values, words of 8, scale blocks or groups)."""
+    stacked = getattr(experts, f"{'w2' if projection == 'down_proj' else 'w13'}_{suffix}")
+    if stacked is None:
+        raise ValueError(f"checkpoint tensor {hf_name!r} belongs to quantized experts, but the experts load in 16 bits")
+    layout, down = experts.shard, projection == "down_proj"
+    part = 1 if projection == "up_proj" else 0
+    if experts.is_int4:  # [E, K / 8 or groups, N]: gate and up side by side along N, down cut along K
+        if down:
+            unit = 8 if suffix == "weight" else experts.scale_blocks[1][1]
+            destination, dim = stacked.data[index], 0
+        else:
+            columns = stacked.shape[2] // 2
+            destination, dim, unit = stacked.data[index, :, part * columns:(part + 1) * columns], 1, 1
+    else:  # FP8 [E, N, K] and its scales [E, N / bn, K / bk]: gate's rows, then up's; down cut along K
+        block = experts.scale_blocks[1 if down else 0]
+        unit = (block[1] if down else block[0]) if suffix == "weight_scale" else 1
+        if down:
+            destination, dim = stacked.data[index], 1
+        else:
+            rows = stacked.shape[1] // 2
+            destination, dim = stacked.data[index, part * rows:(part + 1) * rows], 0
     whole = list(destination.shape)
     whole[dim] = -(-layout.intermediate_size * layout.num_slices // unit)
     if tuple(whole) != full_shape(tensor):
         raise ValueError(f"shape mismatch for {hf_name!r}: checkpoint {full_shape(tensor)}, model expects "
                          f"{tuple(whole)}")
     source = narrow_source(tensor, dim, layout.intermediate_start // unit, destination.shape[dim])
-    if source.dtype != destination.dtype:  # an FP8 weight, a float32 scale: never converted here
-        raise ValueError(f"{hf_name!r} is {source.dtype}, the FP8 experts hold {destination.dtype}")
+    if source.dtype != destination.dtype:  # quantized values and their scales are never converted here
+        raise ValueError(f"{hf_name!r} is {source.dtype}, the quantized experts hold {destination.dtype}")
     destination.copy_(source)
 
 

@@ -20,10 +20,12 @@ dispatch and combine) would have each rank send each token only to the ranks of 
 only its own rows back, about `k/ep` of the tokens per rank instead of all of them, which pays once attention is
 data-parallel and the hidden states are no longer replicated.
 
-FP8 experts (`keep_fp8`): an FP8 checkpoint's experts (or a 16-bit one's under `--quantization fp8`) can stay in
-float8_e4m3fn, with float32 scales per block or per output row in `w13_weight_scale` / `w2_weight_scale`, for the
-fused kernel to multiply where it reads them (one byte a value instead of two). The loader asks for it on CUDA; the
-CPU's grouped GEMMs take 16-bit weights, so there the experts are dequantized at load.
+Quantized experts: an FP8 checkpoint's experts (or a 16-bit one's under `--quantization fp8`) can stay in
+float8_e4m3fn (`keep_fp8`), with float32 scales per block or per output row in `w13_weight_scale` / `w2_weight_scale`,
+and a 4-bit checkpoint's (AWQ, GPTQ without act-order, compressed-tensors W4A16) in packed 4 bits (`keep_int4`), with
+scales and zero points per group, for the fused kernel to multiply where it reads them (one byte, or half a byte, a
+value instead of two). The loader asks for it on CUDA; the CPU's grouped GEMMs take 16-bit weights, so there the
+experts are dequantized at load.
 """
 
 from __future__ import annotations
@@ -65,9 +67,12 @@ class FusedMoE(nn.Module):
         if bias:
             self.w13_bias = nn.Parameter(torch.empty(local_experts, 2 * local))
             self.w2_bias = nn.Parameter(torch.empty(local_experts, hidden_size))
-        # FP8 experts (`keep_fp8`): the scales, and the (rows, features) each of their values covers in w13 and w2
+        # Quantized experts (`keep_fp8`, `keep_int4`): the scales (and 4-bit zero points), and the (rows, features)
+        # each of their values covers in w13 and w2
         self.w13_weight_scale: Optional[nn.Parameter] = None
         self.w2_weight_scale: Optional[nn.Parameter] = None
+        self.w13_weight_zeros: Optional[nn.Parameter] = None
+        self.w2_weight_zeros: Optional[nn.Parameter] = None
         self.scale_blocks: Optional[tuple[tuple[int, int], tuple[int, int]]] = None
 
     def keep_fp8(self, block: Optional[tuple[int, int]]) -> bool:
@@ -94,6 +99,37 @@ class FusedMoE(nn.Module):
         self.scale_blocks = (w13_block, w2_block)
         return True
 
+    @property
+    def is_int4(self) -> bool:
+        return self.w13_weight_zeros is not None
+
+    def keep_int4(self, group_size: int) -> bool:
+        """Hold the experts in 4 bits, `Int4Weight`'s layout stacked (w13 `[E, H / 8, 2I]`, w2 `[E, I / 8, H]` int32;
+        scales and zero points per group of `group_size` reduced features, `[E, groups, N]` in the model's dtype;
+        `group_size` <= 0: one group per row), before the weights load. False, and nothing changed, where the reduced
+        features do not pack in words or this rank's slice of each expert's down would cut a group."""
+        shard, (local_experts, hidden, _) = self.shard, self.w2_weight.shape
+        local, whole = shard.intermediate_size, shard.intermediate_size * shard.num_slices
+        w13_group = group_size if 0 < group_size < hidden else hidden
+        w2_group = group_size if 0 < group_size < whole else whole
+        cuts_group = shard.num_slices > 1 and w2_group < whole and (shard.intermediate_start % w2_group or
+                                                                    local % w2_group)
+        if hidden % 8 or local % 8 or shard.intermediate_start % 8 or hidden % w13_group or cuts_group:
+            return False
+        dtype, device = self.w2_weight.dtype, self.w2_weight.device
+
+        def empty(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+            return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+        self.w13_weight = empty(local_experts, hidden // 8, 2 * local, dtype=torch.int32)
+        self.w2_weight = empty(local_experts, local // 8, hidden, dtype=torch.int32)
+        self.w13_weight_scale = empty(local_experts, hidden // w13_group, 2 * local, dtype=dtype)
+        self.w13_weight_zeros = empty(local_experts, hidden // w13_group, 2 * local, dtype=dtype)
+        self.w2_weight_scale = empty(local_experts, _blocks(local, w2_group), hidden, dtype=dtype)
+        self.w2_weight_zeros = empty(local_experts, _blocks(local, w2_group), hidden, dtype=dtype)
+        self.scale_blocks = ((1, w13_group), (1, w2_group))
+        return True
+
     def forward(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """`hidden [T, H]`, `topk_weights [T, k]` float32, `topk_ids [T, k]` (the model's expert ids) -> `[T, H]` in
         hidden's dtype: the sum over the pairs whose expert this rank holds."""
@@ -102,7 +138,7 @@ class FusedMoE(nn.Module):
             local_ids = topk_ids - self.shard.first_expert
             elsewhere = (local_ids < 0) | (local_ids >= self.shard.num_local_experts)
             local_ids = local_ids.masked_fill(elsewhere, self.shard.num_local_experts)
-        if hidden.is_cuda or self.scale_blocks is not None:  # FP8 experts run on the Triton kernels only
+        if hidden.is_cuda or self.scale_blocks is not None:  # quantized experts run on the Triton kernels only
             # (CPU-only processes never import triton; a CPU test runs them under the Triton interpreter)
             from radixserve.kernels.fused_moe_triton import ExpertScales, fused_moe
 
@@ -115,8 +151,8 @@ class FusedMoE(nn.Module):
             scales = {}
             if self.scale_blocks is not None:
                 (w13_block, w2_block) = self.scale_blocks
-                scales = {"w13_scales": ExpertScales(self.w13_weight_scale, *w13_block),
-                          "w2_scales": ExpertScales(self.w2_weight_scale, *w2_block)}
+                scales = {"w13_scales": ExpertScales(self.w13_weight_scale, *w13_block, self.w13_weight_zeros),
+                          "w2_scales": ExpertScales(self.w2_weight_scale, *w2_block, self.w2_weight_zeros)}
             return fused_moe(hidden, self.w13_weight, self.w2_weight, topk_weights, local_ids, w13_bias=self.w13_bias,
                              w2_bias=self.w2_bias, swiglu=self._swiglu_args(), **scales)
         return grouped_experts(hidden, self.w13_weight, self.w2_weight, topk_weights, local_ids, self.w13_bias,
@@ -129,11 +165,13 @@ class FusedMoE(nn.Module):
         return self.activation.alpha, self.activation.limit
 
     def extra_repr(self) -> str:
-        experts, gate_up, hidden = self.w13_weight.shape
+        experts, rows, cols = self.w2_weight.shape
+        hidden, local = (cols, rows * 8) if self.is_int4 else (rows, cols)
         first = self.shard.first_expert
-        fp8 = "" if self.scale_blocks is None else f", fp8 scales per {self.scale_blocks[0]} / {self.scale_blocks[1]}"
+        quantized = "" if self.scale_blocks is None else (
+            f", {'4-bit' if self.is_int4 else 'fp8'} scales per {self.scale_blocks[0]} / {self.scale_blocks[1]}")
         return (f"experts={first}..{first + experts - 1} of {self.num_experts}, hidden={hidden}, "
-                f"intermediate_per_rank={gate_up // 2}{fp8}")
+                f"intermediate_per_rank={local}{quantized}")
 
 
 def _blocks(size: int, block: int) -> int:

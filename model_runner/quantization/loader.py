@@ -9,10 +9,11 @@ for row-parallel ones; the model's `_shard_of` says where), and when every part 
 stacked and installed. Raw tensors are dropped as soon as their linear is converted.
 
 The experts of a mixture of experts are not projections: the model stacks them itself (models/moe_base.py). Asked to
-(`quantize_model(..., fp8_experts=True)`, on CUDA, where the fused MoE kernels read FP8), an FP8 method keeps them in
-FP8: each expert's checkpoint tensors (or its 16-bit weight, quantized here) become its FP8 weight and its scales,
-handed to the model's loader under `.weight` and `.weight_scale`. Otherwise quantized experts are dequantized here
-and load as 16-bit weights. Either way an expert another expert-parallel rank holds is passed over unread.
+(`quantize_model(..., quantized_experts=True)`, on CUDA, where the fused MoE kernels read FP8 and 4 bits), an FP8
+method, or a 4-bit one without act-order, keeps them quantized: each expert's checkpoint tensors (or its 16-bit weight,
+quantized here) become the method's layout, handed to the model's loader under `.weight`, `.weight_scale` (and
+`.weight_zeros` for 4 bits). Otherwise quantized experts are dequantized here and load as 16-bit weights. Either way
+an expert another expert-parallel rank holds is passed over unread.
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ import torch
 from torch import nn
 
 from radixserve.model_runner.quantization.fp8 import Fp8Weight
+from radixserve.model_runner.quantization.int4 import Int4Weight
 from radixserve.model_runner.quantization.linear import QUANTIZED_PROJECTIONS, QuantizedLinear, swap_quantized_linears
-from radixserve.model_runner.quantization.methods import Fp8Method, LinearMethod, QuantizedWeight
+from radixserve.model_runner.quantization.methods import Fp8Method, Int4Method, LinearMethod, QuantizedWeight
 
 # Tensors some checkpoints carry beside a linear's required ones, which the layout does not need (or which a method
 # that needs them lists among its suffixes).
@@ -51,16 +53,22 @@ def checkpoint_parts(model: nn.Module) -> dict[str, list[str]]:
     return parts
 
 
-def quantize_model(model: nn.Module, method: LinearMethod, fp8_experts: bool = False) -> list[str]:
+def quantize_model(model: nn.Module, method: LinearMethod, quantized_experts: bool = False) -> list[str]:
     """Swap the projections the method quantizes (the model on the meta device, before `to_empty`). With
-    `fp8_experts`, an FP8 method also keeps the experts of a model whose loader takes FP8 experts in FP8, where
-    this rank's slice of them falls on whole scale blocks (see the module docstring)."""
+    `quantized_experts`, the experts of a model whose loader takes them quantized stay in the method's format where
+    the fused kernels read it and this rank's slice of them falls on whole blocks (see the module docstring)."""
     swapped = swap_quantized_linears(model, method, checkpoint_parts(model))
-    if fp8_experts and isinstance(method, Fp8Method) and getattr(model, "loads_fp8_experts", False):
-        for name, module in model.named_modules():
-            quantized = hasattr(module, "keep_fp8") and method.quantizes(f"{name}.0.gate_proj")
-            if quantized and module.keep_fp8(method.block):
-                swapped.append(name)
+    if not quantized_experts or not getattr(model, "loads_quantized_experts", False):
+        return swapped
+    for name, module in model.named_modules():
+        if not hasattr(module, "keep_fp8") or not method.quantizes(f"{name}.0.gate_proj"):
+            continue
+        if isinstance(method, Fp8Method):
+            kept = module.keep_fp8(method.block)
+        else:
+            kept = isinstance(method, Int4Method) and not method.act_order and module.keep_int4(method.group_size)
+        if kept:
+            swapped.append(name)
     return swapped
 
 
@@ -102,7 +110,7 @@ class QuantizedWeightLoader:
                 if not experts.shard.holds(expert[1]):
                     continue  # another expert-parallel rank's: neither read nor converted here
                 if experts.scale_blocks is not None:
-                    yield from self._fp8_expert(hf_linear, suffix, tensor)
+                    yield from self._quantized_expert(hf_linear, suffix, tensor)
                     continue
             if hf_linear not in self.part_of or suffix == "bias":
                 if not self.dense and (suffix in _QUANTIZED_ONLY or (suffix == "weight" and _stored_fp8(tensor))):
@@ -122,19 +130,29 @@ class QuantizedWeightLoader:
                              f"all of {', '.join(self.required)}" + (f" (and {len(self.unprojected) - 1} more such "
                                                                      "linears)" if len(self.unprojected) > 1 else ""))
 
-    def _fp8_expert(self, hf_linear: str, suffix: str, tensor: Any) -> Iterator[tuple[str, Any]]:
-        """An expert linear kept in FP8: once its tensors are in (or its 16-bit weight, quantized), its FP8 weight and
-        its scales as the model's loader takes them (`[N, 1]` for one scale per row)."""
+    def _quantized_expert(self, hf_linear: str, suffix: str, tensor: Any) -> Iterator[tuple[str, Any]]:
+        """An expert linear kept quantized: once its tensors are in (or its 16-bit weight, quantized), its weight, its
+        scales (and zero points) as the model's loader takes them: FP8 `[N, K]` with scales per block or `[N, 1]` per
+        row; 4 bits as `Int4Weight` holds them."""
         if self.dense:
             weight = self.method.from_dense(tensor[:].to(self.device))
         else:
             if suffix == "weight" and not _stored_fp8(tensor):
                 raise ValueError(f"{self.method.name}: expert weight {hf_linear}.weight is stored in 16 bits, but the "
-                                 "checkpoint's FP8 experts were expected")
+                                 f"checkpoint's {self.method.name} experts were expected")
             tensors = self._collect(self.unprojected, hf_linear, suffix, tensor)
             if tensors is None:
                 return
             weight = self.method.from_checkpoint({k: v.to(self.device) for k, v in tensors.items()})
+        if isinstance(weight, Int4Weight):
+            weight = weight.finalized()
+            if weight.g_idx is not None:
+                raise ValueError(f"{self.method.name}: expert {hf_linear} orders its groups (act-order), which the "
+                                 "4-bit experts' kernels do not")
+            yield f"{hf_linear}.weight", weight.qweight
+            yield f"{hf_linear}.weight_scale", weight.scales
+            yield f"{hf_linear}.weight_zeros", weight.zeros
+            return
         assert isinstance(weight, Fp8Weight)
         yield f"{hf_linear}.weight", weight.weight
         yield f"{hf_linear}.weight_scale", weight.scale if weight.block is not None else weight.scale[:, None]

@@ -248,13 +248,13 @@ def test_mxfp4_checkpoint_loads_the_decoded_weights_and_generates_as_transformer
 
 
 def test_mxfp4_experts_held_in_fp8_generate_as_transformers(mxfp4_dirs, model_dir, prompts):
-    """Loaded as on CUDA (`fp8_experts`, the fused kernels under the Triton interpreter): the experts hold FP8 values
+    """Loaded as on CUDA (`quantized_experts`, the fused kernels under the Triton interpreter): the experts hold FP8 values
     and a scale per 32 whose products are the decoded weights bit for bit, and generate as Hugging Face on those
     weights. A 16-bit checkpoint keeps 16-bit experts."""
-    from test_fp8_experts import dequantized, with_fp8_experts
+    from test_quantized_experts import dequantized, with_quantized_experts
 
     mxfp4_dir, decoded_dir, decoded = mxfp4_dirs
-    runner = with_fp8_experts(mxfp4_dir)
+    runner = with_quantized_experts(mxfp4_dir)
     for layer_id, layer in enumerate(runner.model.model.layers):
         experts = layer.mlp.experts
         assert experts.w13_weight.dtype == torch.float8_e4m3fn and experts.scale_blocks == ((1, 32), (1, 32))
@@ -264,7 +264,7 @@ def test_mxfp4_experts_held_in_fp8_generate_as_transformers(mxfp4_dirs, model_di
         assert torch.equal(w2.double(), decoded[f"model.layers.{layer_id}.mlp.experts.down_proj"])
     reference = hf_model(decoded_dir)
     assert greedy_generate(runner, prompts[:4], 16) == [hf_greedy(reference, p, 16, []) for p in prompts[:4]]
-    assert with_fp8_experts(model_dir).model.model.layers[0].mlp.experts.scale_blocks is None
+    assert with_quantized_experts(model_dir).model.model.layers[0].mlp.experts.scale_blocks is None
 
 
 def test_16_bit_experts_under_an_mxfp4_config_are_quantized_per_32(mxfp4_dirs, tmp_path):
@@ -273,12 +273,12 @@ def test_16_bit_experts_under_an_mxfp4_config_are_quantized_per_32(mxfp4_dirs, t
     from safetensors.torch import load_file
 
     from radixserve.model_runner.quantization.fp8 import Fp8Weight
-    from test_fp8_experts import dequantized, with_fp8_experts
+    from test_quantized_experts import dequantized, with_quantized_experts
 
     mxfp4_dir, decoded_dir, _ = mxfp4_dirs
     shutil.copytree(decoded_dir, tmp_path / "m")
     shutil.copy(Path(mxfp4_dir) / "config.json", tmp_path / "m" / "config.json")
-    runner = with_fp8_experts(str(tmp_path / "m"))
+    runner = with_quantized_experts(str(tmp_path / "m"))
     down = load_file(str(tmp_path / "m" / "model.safetensors"))["model.layers.1.mlp.experts.down_proj"]  # [E, in, out]
     _, w2 = dequantized(runner.model.model.layers[1].mlp.experts)
     for e in range(down.shape[0]):
