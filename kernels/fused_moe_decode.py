@@ -29,6 +29,7 @@ value: Qwen3-30B-A3B's experts in about 15 GB.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
 import torch
@@ -234,37 +235,67 @@ def scale_args(scales: Optional[ExpertScales], weight: torch.Tensor) -> tuple:
             {"HAS_SCALE": True, "SCALE_N": scales.block_n, "SCALE_K": scales.block_k, "INT4": int4})
 
 
+@dataclass
+class ExpertCall:
+    """What the launchers of both paths derive from one `fused_moe` call: sizes, launch options, the activation's
+    constants, and each weight's scale arguments (`scale_args`)."""
+
+    num_tokens: int
+    hidden_size: int
+    num_experts: int
+    intermediate: int
+    num_pairs: int
+    top_k: int
+    launch: dict
+    has_bias: bool
+    alpha: float
+    limit: float
+    w13_scales: tuple  # (scales, zeros, stride_e, stride_n, stride_k)
+    w13_consts: dict
+    w2_scales: tuple
+    w2_consts: dict
+    up_scale_row: int  # w13's first scale row of up
+
+
+def expert_call(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, pair_ids: torch.Tensor,
+                w13_bias: Optional[torch.Tensor], swiglu: Optional[tuple[float, float]],
+                scales: tuple[Optional[ExpertScales], Optional[ExpertScales]], config: BlockConfig) -> ExpertCall:
+    num_tokens, hidden_size = hidden.shape
+    w13_scales, w2_scales = scales
+    num_experts, intermediate, _ = expert_layout(w13, w2, w2_scales)
+    num_pairs = pair_ids.numel()
+    alpha, limit = swiglu if swiglu is not None else (1.0, 0.0)
+    w13_args, w13_consts = scale_args(w13_scales, w13)
+    w2_args, w2_consts = scale_args(w2_scales, w2)
+    return ExpertCall(num_tokens, hidden_size, num_experts, intermediate, num_pairs, num_pairs // num_tokens,
+                      {"num_warps": config["num_warps"], "num_stages": config["num_stages"]}, w13_bias is not None,
+                      float(alpha), float(limit), w13_args, w13_consts, w2_args, w2_consts,
+                      triton.cdiv(intermediate, w13_scales.block_n) if w13_scales is not None else 0)
+
+
 def decode(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, pair_weights: torch.Tensor,
            pair_ids: torch.Tensor, w13_bias: Optional[torch.Tensor], w2_bias: Optional[torch.Tensor],
            swiglu: Optional[tuple[float, float]], scales: tuple[Optional[ExpertScales], Optional[ExpertScales]],
            config: BlockConfig, out: torch.Tensor) -> None:
     """The decode path of `fused_moe` (module docstring) on `pair_weights`, `pair_ids` `[T * k]`, into `out`."""
-    num_tokens, hidden_size = hidden.shape
+    c = expert_call(hidden, w13, w2, pair_ids, w13_bias, swiglu, scales, config)
     w13_scales, w2_scales = scales
-    _, intermediate, _ = expert_layout(w13, w2, w2_scales)
-    num_pairs = pair_ids.numel()
-    top_k = num_pairs // num_tokens
-    launch = {"num_warps": config["num_warps"], "num_stages": config["num_stages"]}
-    has_bias = w13_bias is not None
-    alpha, limit = swiglu if swiglu is not None else (1.0, 0.0)
-    (s13, z13, *s13_strides), s13_consts = scale_args(w13_scales, w13)
-    (s2, z2, *s2_strides), s2_consts = scale_args(w2_scales, w2)
-    up_scale_row = triton.cdiv(intermediate, w13_scales.block_n) if w13_scales is not None else 0
-    inter = torch.empty(num_pairs, intermediate, dtype=hidden.dtype, device=hidden.device)
-    _decode_gate_up_kernel[(num_pairs, triton.cdiv(intermediate, config["BLOCK_N"]))](
-        hidden, w13, w13_bias if has_bias else w13, s13, z13, inter, pair_weights, pair_ids,
-        top_k, hidden_size, intermediate, float(alpha), float(limit), up_scale_row,
-        hidden.stride(0), *weight_strides(w13, w13_scales), w13_bias.stride(0) if has_bias else 0,
+    (s13, z13, *s13_strides), (s2, z2, *s2_strides) = c.w13_scales, c.w2_scales
+    inter = torch.empty(c.num_pairs, c.intermediate, dtype=hidden.dtype, device=hidden.device)
+    _decode_gate_up_kernel[(c.num_pairs, triton.cdiv(c.intermediate, config["BLOCK_N"]))](
+        hidden, w13, w13_bias if c.has_bias else w13, s13, z13, inter, pair_weights, pair_ids,
+        c.top_k, c.hidden_size, c.intermediate, c.alpha, c.limit, c.up_scale_row,
+        hidden.stride(0), *weight_strides(w13, w13_scales), w13_bias.stride(0) if c.has_bias else 0,
         *s13_strides, inter.stride(0),
-        BLOCK_N=config["BLOCK_N"], BLOCK_K=reduced_tile(config["BLOCK_K"], w13_scales, hidden_size),
-        HAS_BIAS=has_bias, CLAMPED_SWIGLU=swiglu is not None, **s13_consts, **launch,
+        BLOCK_N=config["BLOCK_N"], BLOCK_K=reduced_tile(config["BLOCK_K"], w13_scales, c.hidden_size),
+        HAS_BIAS=c.has_bias, CLAMPED_SWIGLU=swiglu is not None, **c.w13_consts, **c.launch,
     )
-    _decode_down_kernel[(num_tokens, triton.cdiv(hidden_size, config["DOWN_BLOCK_N"]))](
-        inter, w2, w2_bias if has_bias else w2, s2, z2, out, pair_weights, pair_ids,
-        hidden_size, intermediate,
-        inter.stride(0), *weight_strides(w2, w2_scales), w2_bias.stride(0) if has_bias else 0,
+    _decode_down_kernel[(c.num_tokens, triton.cdiv(c.hidden_size, config["DOWN_BLOCK_N"]))](
+        inter, w2, w2_bias if c.has_bias else w2, s2, z2, out, pair_weights, pair_ids,
+        c.hidden_size, c.intermediate,
+        inter.stride(0), *weight_strides(w2, w2_scales), w2_bias.stride(0) if c.has_bias else 0,
         *s2_strides, out.stride(0),
-        TOP_K=top_k, SLOTS=triton.next_power_of_2(top_k), BLOCK_N=config["DOWN_BLOCK_N"],
-        BLOCK_K=reduced_tile(config["DOWN_BLOCK_K"], w2_scales, intermediate), HAS_BIAS=has_bias, **s2_consts,
-        **launch,
+        TOP_K=c.top_k, SLOTS=triton.next_power_of_2(c.top_k), BLOCK_N=config["DOWN_BLOCK_N"],
+        BLOCK_K=reduced_tile(config["DOWN_BLOCK_K"], w2_scales, c.intermediate), HAS_BIAS=c.has_bias,
+        **c.w2_consts, **c.launch,
     )

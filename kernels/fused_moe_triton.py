@@ -46,8 +46,8 @@ import triton
 import triton.language as tl
 
 from radixserve.kernels.fused_moe_configs import BlockConfig, block_config, decode_config
-from radixserve.kernels.fused_moe_decode import (ExpertScales, _activate, _int4_values, expert_layout, reduced_tile,
-                                                 scale_args, weight_strides)
+from radixserve.kernels.fused_moe_decode import (ExpertScales, _activate, _int4_values, expert_call, expert_layout,
+                                                 reduced_tile, weight_strides)
 from radixserve.kernels.fused_moe_decode import decode as _decode
 from radixserve.kernels.guard import KernelGuard
 
@@ -295,38 +295,29 @@ def _aligned(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, pair_wei
              swiglu: Optional[tuple[float, float]], scales: tuple[Optional[ExpertScales], Optional[ExpertScales]],
              config: BlockConfig, out: torch.Tensor) -> None:
     """The aligned path of `fused_moe` (module docstring) on `pair_weights`, `pair_ids` `[T * k]`, into `out`."""
-    num_tokens, hidden_size = hidden.shape
+    c = expert_call(hidden, w13, w2, pair_ids, w13_bias, swiglu, scales, config)
     w13_scales, w2_scales = scales
-    num_experts, intermediate, _ = expert_layout(w13, w2, w2_scales)
-    num_pairs = pair_ids.numel()
-    top_k = num_pairs // num_tokens
-    launch = {"num_warps": config["num_warps"], "num_stages": config["num_stages"]}
+    (s13, z13, *s13_strides), (s2, z2, *s2_strides) = c.w13_scales, c.w2_scales
     block_m, block_n, block_k = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
     precision = "ieee" if hidden.dtype == torch.float32 else "tf32"
-    alignment = align_by_expert(pair_ids, num_experts, block_m)
+    alignment = align_by_expert(pair_ids, c.num_experts, block_m)
     num_blocks = alignment.block_expert.numel()
-    has_bias = w13_bias is not None
-    alpha, limit = swiglu if swiglu is not None else (1.0, 0.0)
-    (s13, z13, *s13_strides), s13_consts = scale_args(w13_scales, w13)
-    (s2, z2, *s2_strides), s2_consts = scale_args(w2_scales, w2)
-    up_scale_row = triton.cdiv(intermediate, w13_scales.block_n) if w13_scales is not None else 0
-    inter = torch.empty(num_pairs, intermediate, dtype=hidden.dtype, device=hidden.device)
-    _gate_up_kernel[(num_blocks, triton.cdiv(intermediate, block_n))](
-        hidden, w13, w13_bias if has_bias else w13, s13, z13, inter, alignment.sorted_pairs, alignment.block_expert,
-        num_pairs, top_k, hidden_size, intermediate, float(alpha), float(limit), up_scale_row,
-        hidden.stride(0), *weight_strides(w13, w13_scales), w13_bias.stride(0) if has_bias else 0,
+    inter = torch.empty(c.num_pairs, c.intermediate, dtype=hidden.dtype, device=hidden.device)
+    _gate_up_kernel[(num_blocks, triton.cdiv(c.intermediate, block_n))](
+        hidden, w13, w13_bias if c.has_bias else w13, s13, z13, inter, alignment.sorted_pairs, alignment.block_expert,
+        c.num_pairs, c.top_k, c.hidden_size, c.intermediate, c.alpha, c.limit, c.up_scale_row,
+        hidden.stride(0), *weight_strides(w13, w13_scales), w13_bias.stride(0) if c.has_bias else 0,
         *s13_strides, inter.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=reduced_tile(block_k, w13_scales, hidden_size),
-        PRECISION=precision, HAS_BIAS=has_bias, CLAMPED_SWIGLU=swiglu is not None, **s13_consts, **launch,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=reduced_tile(block_k, w13_scales, c.hidden_size),
+        PRECISION=precision, HAS_BIAS=c.has_bias, CLAMPED_SWIGLU=swiglu is not None, **c.w13_consts, **c.launch,
     )
-    pair_out = torch.empty(num_pairs, hidden_size, dtype=hidden.dtype, device=hidden.device)
-    _down_kernel[(num_blocks, triton.cdiv(hidden_size, block_n))](
-        inter, w2, w2_bias if has_bias else w2, s2, z2, pair_out, pair_weights,
-        alignment.sorted_pairs, alignment.block_expert, num_pairs, hidden_size, intermediate,
-        inter.stride(0), *weight_strides(w2, w2_scales), w2_bias.stride(0) if has_bias else 0,
+    pair_out = torch.empty(c.num_pairs, c.hidden_size, dtype=hidden.dtype, device=hidden.device)
+    _down_kernel[(num_blocks, triton.cdiv(c.hidden_size, block_n))](
+        inter, w2, w2_bias if c.has_bias else w2, s2, z2, pair_out, pair_weights,
+        alignment.sorted_pairs, alignment.block_expert, c.num_pairs, c.hidden_size, c.intermediate,
+        inter.stride(0), *weight_strides(w2, w2_scales), w2_bias.stride(0) if c.has_bias else 0,
         *s2_strides, pair_out.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=reduced_tile(block_k, w2_scales, intermediate),
-        PRECISION=precision, HAS_BIAS=has_bias, **s2_consts, **launch,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=reduced_tile(block_k, w2_scales, c.intermediate),
+        PRECISION=precision, HAS_BIAS=c.has_bias, **c.w2_consts, **c.launch,
     )
-    out.copy_(pair_out.view(num_tokens, top_k, hidden_size).sum(dim=1, dtype=torch.float32))
-
+    out.copy_(pair_out.view(c.num_tokens, c.top_k, c.hidden_size).sum(dim=1, dtype=torch.float32))

@@ -57,6 +57,27 @@ def dequantized(experts: FusedMoE) -> tuple[torch.Tensor, torch.Tensor]:
     return w13, w2
 
 
+def checkpoint_with_quantized_experts(tmp_path_factory, tiny_model_dir, fmt: str):
+    """A tiny Qwen3-MoE written in `fmt` (quant_checkpoints.experts_checkpoint), loaded with its experts kept
+    quantized: (the runner, the dequantized reference's directory, the stored tensors, the reference's tensors)."""
+    from safetensors.torch import load_file
+
+    base = tiny_model_dir("qwen3_moe", **TINY_QUANT_LLAMA, moe_intermediate_size=128)
+    out, reference = str(tmp_path_factory.mktemp(f"{fmt}-experts")), str(tmp_path_factory.mktemp(f"{fmt}-ref"))
+    experts_checkpoint(base, out, reference, fmt)
+    return (with_quantized_experts(out), reference, load_file(f"{out}/model.safetensors"),
+            load_file(f"{reference}/model.safetensors"))
+
+
+def assert_hugging_faces_ids(runner, reference_dir: str) -> None:
+    """Greedy ids over 32 tokens for 8 prompts equal Hugging Face's on the dequantized checkpoint for at least 7."""
+    prompts = random_prompts(TINY_QUANT_LLAMA["vocab_size"], [5 + 3 * i for i in range(8)], seed=1)
+    ours = greedy_generate(runner, prompts, MAX_NEW_TOKENS)
+    hf = hf_model(reference_dir)
+    agree = sum(tokens == hf_greedy(hf, prompt, MAX_NEW_TOKENS, []) for prompt, tokens in zip(prompts, ours))
+    assert agree >= 7, f"{agree} of {len(prompts)} prompts give Hugging Face's greedy ids"
+
+
 def int4_values(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int) -> torch.Tensor:
     """One expert's `[N, K]` float64 values from `Int4Weight`'s `qweight [K / 8, N]`, scales and zeros `[K / group,
     N]`."""
@@ -69,16 +90,10 @@ def test_fp8_checkpoint_experts_stay_fp8_and_give_hugging_faces_ids(tmp_path_fac
     """Qwen3-MoE with every expert in 128 x 128 FP8 blocks (Qwen3-30B-A3B-FP8's layout): the experts hold the stored
     bytes and scales, their values are the checkpoint's dequantized ones, and greedy ids over 32 tokens match Hugging
     Face's on the dequantized checkpoint."""
-    from safetensors.torch import load_file
-
-    base = tiny_model_dir("qwen3_moe", **TINY_QUANT_LLAMA, moe_intermediate_size=128)
-    out, reference = str(tmp_path_factory.mktemp("fp8-experts")), str(tmp_path_factory.mktemp("fp8-experts-ref"))
-    experts_checkpoint(base, out, reference, "hf-fp8")
-    runner = with_quantized_experts(out)
+    runner, reference, stored, expected = checkpoint_with_quantized_experts(tmp_path_factory, tiny_model_dir, "hf-fp8")
     experts = runner.model.model.layers[1].mlp.experts
     assert experts.w13_weight.dtype == experts.w2_weight.dtype == FP8_DTYPE
     assert experts.scale_blocks == ((128, 128), (128, 128))
-    stored, expected = load_file(f"{out}/model.safetensors"), load_file(f"{reference}/model.safetensors")
     w13, w2 = dequantized(experts)
     for e in (0, 5):
         down = f"model.layers.1.mlp.experts.{e}.down_proj"
@@ -88,11 +103,7 @@ def test_fp8_checkpoint_experts_stay_fp8_and_give_hugging_faces_ids(tmp_path_fac
         assert torch.equal(gate, expected[f"model.layers.1.mlp.experts.{e}.gate_proj.weight"])
         assert torch.equal(up, expected[f"model.layers.1.mlp.experts.{e}.up_proj.weight"])
         assert torch.equal(w2[e], expected[f"{down}.weight"])
-    prompts = random_prompts(TINY_QUANT_LLAMA["vocab_size"], [5 + 3 * i for i in range(8)], seed=1)
-    ours = greedy_generate(runner, prompts, MAX_NEW_TOKENS)
-    hf = hf_model(reference)
-    agree = sum(tokens == hf_greedy(hf, prompt, MAX_NEW_TOKENS, []) for prompt, tokens in zip(prompts, ours))
-    assert agree >= 7, f"{agree} of {len(prompts)} prompts give Hugging Face's greedy ids"
+    assert_hugging_faces_ids(runner, reference)
 
 
 def test_online_fp8_quantizes_every_expert(tiny_model_dir):
@@ -182,15 +193,9 @@ def test_gptq_experts_stay_4bit_and_give_hugging_faces_ids(tmp_path_factory, tin
     """Qwen3-MoE in GPTQ (groups of 128, asymmetric, every projection): the experts hold the packed words, scales and
     zero points, their values are the checkpoint's dequantized ones, and greedy ids over 32 tokens match Hugging
     Face's on the dequantized checkpoint."""
-    from safetensors.torch import load_file
-
-    base = tiny_model_dir("qwen3_moe", **TINY_QUANT_LLAMA, moe_intermediate_size=128)
-    out, reference = str(tmp_path_factory.mktemp("int4-experts")), str(tmp_path_factory.mktemp("int4-experts-ref"))
-    experts_checkpoint(base, out, reference, "gptq")
-    runner = with_quantized_experts(out)
+    runner, reference, stored, expected = checkpoint_with_quantized_experts(tmp_path_factory, tiny_model_dir, "gptq")
     experts = runner.model.model.layers[1].mlp.experts
     assert experts.is_int4 and experts.w13_weight.dtype == torch.int32 and experts.scale_blocks == ((1, 128), (1, 128))
-    stored, expected = load_file(f"{out}/model.safetensors"), load_file(f"{reference}/model.safetensors")
     assert torch.equal(experts.w2_weight[3], stored["model.layers.1.mlp.experts.3.down_proj.qweight"])
     w13, w2 = dequantized(experts)
     for e in (0, 5):
@@ -198,11 +203,7 @@ def test_gptq_experts_stay_4bit_and_give_hugging_faces_ids(tmp_path_factory, tin
         torch.testing.assert_close(gate, expected[f"model.layers.1.mlp.experts.{e}.gate_proj.weight"])
         torch.testing.assert_close(up, expected[f"model.layers.1.mlp.experts.{e}.up_proj.weight"])
         torch.testing.assert_close(w2[e], expected[f"model.layers.1.mlp.experts.{e}.down_proj.weight"])
-    prompts = random_prompts(TINY_QUANT_LLAMA["vocab_size"], [5 + 3 * i for i in range(8)], seed=1)
-    ours = greedy_generate(runner, prompts, MAX_NEW_TOKENS)
-    hf = hf_model(reference)
-    agree = sum(tokens == hf_greedy(hf, prompt, MAX_NEW_TOKENS, []) for prompt, tokens in zip(prompts, ours))
-    assert agree >= 7, f"{agree} of {len(prompts)} prompts give Hugging Face's greedy ids"
+    assert_hugging_faces_ids(runner, reference)
 
 
 def test_a_tensor_parallel_rank_takes_its_slice_of_4bit_experts():
