@@ -189,11 +189,15 @@ def test_fp8_experts_are_refused_where_a_rank_would_cut_a_scale_block_and_other_
         load_expert_tensor(whole, "experts.2.down_proj.weight", 2, "down_proj", torch.zeros(256, 128))
 
 
-def test_gptq_experts_stay_4bit_and_give_hugging_faces_ids(tmp_path_factory, tiny_model_dir):
+@pytest.fixture(scope="module")
+def gptq_experts(tmp_path_factory, tiny_model_dir):
+    return checkpoint_with_quantized_experts(tmp_path_factory, tiny_model_dir, "gptq")
+
+
+def test_gptq_experts_stay_4bit(gptq_experts):
     """Qwen3-MoE in GPTQ (groups of 128, asymmetric, every projection): the experts hold the packed words, scales and
-    zero points, their values are the checkpoint's dequantized ones, and greedy ids over 32 tokens match Hugging
-    Face's on the dequantized checkpoint."""
-    runner, reference, stored, expected = checkpoint_with_quantized_experts(tmp_path_factory, tiny_model_dir, "gptq")
+    zero points, and their values are the checkpoint's dequantized ones."""
+    runner, _, stored, expected = gptq_experts
     experts = runner.model.model.layers[1].mlp.experts
     assert experts.is_int4 and experts.w13_weight.dtype == torch.int32 and experts.scale_blocks == ((1, 128), (1, 128))
     assert torch.equal(experts.w2_weight[3], stored["model.layers.1.mlp.experts.3.down_proj.qweight"])
@@ -203,6 +207,13 @@ def test_gptq_experts_stay_4bit_and_give_hugging_faces_ids(tmp_path_factory, tin
         torch.testing.assert_close(gate, expected[f"model.layers.1.mlp.experts.{e}.gate_proj.weight"])
         torch.testing.assert_close(up, expected[f"model.layers.1.mlp.experts.{e}.up_proj.weight"])
         torch.testing.assert_close(w2[e], expected[f"model.layers.1.mlp.experts.{e}.down_proj.weight"])
+
+
+@pytest.mark.slow
+def test_gptq_experts_give_hugging_faces_ids(gptq_experts):
+    """The 4-bit experts through the fused kernels (interpreted): greedy ids over 32 tokens match Hugging Face's on the
+    dequantized checkpoint (the FP8 experts' test above runs the same comparison among the fast tests)."""
+    runner, reference, _, _ = gptq_experts
     assert_hugging_faces_ids(runner, reference)
 
 
