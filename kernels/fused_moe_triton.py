@@ -211,6 +211,10 @@ def _down_kernel(
              mask=real[:, None] & col_ok[None, :])
 
 
+# Pipeline stages of the aligned path's kernels on 4-bit experts, whose weight tiles load as 32-bit words: with the
+# tables' 4, Qwen3-30B-A3B's 512-token tiles (32 x 64, 128 deep) asked 254 KB of shared memory on an H100, which has
+# 227 KB.
+INT4_MAX_STAGES = 2
 # The decode path runs up to this many (token, slot) pairs: 8 tokens of a top-8 model. Past it, the aligned path's
 # tensor-core tiles start to pay for its sorting, and the rereads below grow. 0 turns the decode path off (benchmarks
 # compare the two paths end to end that way).
@@ -300,6 +304,9 @@ def _aligned(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, pair_wei
     (s13, z13, *s13_strides), (s2, z2, *s2_strides) = c.w13_scales, c.w2_scales
     block_m, block_n, block_k = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
     precision = "ieee" if hidden.dtype == torch.float32 else "tf32"
+    launch = c.launch
+    if c.w13_consts["INT4"]:  # each 4-bit value arrives in its 32-bit word: twice a bf16 tile's shared memory a stage
+        launch = dict(launch, num_stages=min(launch["num_stages"], INT4_MAX_STAGES))
     alignment = align_by_expert(pair_ids, c.num_experts, block_m)
     num_blocks = alignment.block_expert.numel()
     inter = torch.empty(c.num_pairs, c.intermediate, dtype=hidden.dtype, device=hidden.device)
@@ -309,7 +316,7 @@ def _aligned(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, pair_wei
         hidden.stride(0), *weight_strides(w13, w13_scales), w13_bias.stride(0) if c.has_bias else 0,
         *s13_strides, inter.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=reduced_tile(block_k, w13_scales, c.hidden_size),
-        PRECISION=precision, HAS_BIAS=c.has_bias, CLAMPED_SWIGLU=swiglu is not None, **c.w13_consts, **c.launch,
+        PRECISION=precision, HAS_BIAS=c.has_bias, CLAMPED_SWIGLU=swiglu is not None, **c.w13_consts, **launch,
     )
     pair_out = torch.empty(c.num_pairs, c.hidden_size, dtype=hidden.dtype, device=hidden.device)
     _down_kernel[(num_blocks, triton.cdiv(c.hidden_size, block_n))](
@@ -318,6 +325,6 @@ def _aligned(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, pair_wei
         inter.stride(0), *weight_strides(w2, w2_scales), w2_bias.stride(0) if c.has_bias else 0,
         *s2_strides, pair_out.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=reduced_tile(block_k, w2_scales, c.intermediate),
-        PRECISION=precision, HAS_BIAS=c.has_bias, **c.w2_consts, **c.launch,
+        PRECISION=precision, HAS_BIAS=c.has_bias, **c.w2_consts, **launch,
     )
     out.copy_(pair_out.view(c.num_tokens, c.top_k, c.hidden_size).sum(dim=1, dtype=torch.float32))
