@@ -13,11 +13,13 @@ of one expert's weights with the reduced dimension contiguous (coalesced loads o
    the same result every run.
 
 FP8 experts. The weights may be float8_e4m3fn with float32 scales per block of `(block_n, block_k)` (`ExpertScales`:
-128 x 128 in fine-grained checkpoints; `(1, K)` is one scale per output row). Both paths load the FP8 weights, so an
-expert costs one byte a value to read, and apply the scales in registers: a tile of `BLOCK_K <= block_k` reduced
-features meets one scale per output column, which multiplies the tile's partial sums (the aligned path's tensor-core
-product of the bf16-converted FP8 tile, exact since e4m3 fits in bf16; the decode path's float32 products). The result
-is the product with the dequantized weight `w * scale`, up to summation order.
+128 x 128 in fine-grained checkpoints; `(1, 32)` for gpt-oss's MXFP4 held in FP8; `(1, K)` is one scale per output
+row). Both paths load the FP8 weights, so an expert costs one byte a value to read, and apply the scales in
+registers. The aligned path narrows its `BLOCK_K` so that a tile never spans two scale blocks, and scales each tile's
+partial sums once per output column (its tensor-core product of the bf16-converted FP8 tile, exact since e4m3 fits in
+bf16). The decode path keeps its `BLOCK_K` wide and splits each step into `GROUPS` runs of `GROUP_K` features, one
+scale per row and run (`scale_groups`), so its loads stay as wide as the 16-bit path's. The result is the product with
+the dequantized weight `w * scale`, up to summation order.
 
 4-bit experts (AWQ, GPTQ, compressed-tensors W4A16) stay in `Int4Weight`'s layout, eight values a 32-bit word along
 the reduced features, with a scale and a zero point per group of `block_k` features and output column: a tile unpacks
@@ -69,6 +71,13 @@ def weight_strides(weight: torch.Tensor, scales: Optional[ExpertScales]) -> tupl
     return weight.stride(0), weight.stride(1), weight.stride(2)
 
 
+def scale_groups(block_k: int, scales: Optional[ExpertScales], reduced: int) -> dict:
+    """The decode kernels' `GROUPS` x `GROUP_K` split of a `block_k` step: runs that each meet one scale (or group)
+    per row, as many as keep the step `block_k` wide."""
+    group_k = reduced_tile(block_k, scales, reduced)
+    return {"GROUPS": block_k // group_k, "GROUP_K": group_k}
+
+
 def reduced_tile(block_k: int, scales: Optional[ExpertScales], reduced: int) -> int:
     """The `BLOCK_K` a kernel reducing `reduced` features runs with: the config's, narrowed for quantized experts so
     that a tile never spans two scale blocks (a power of two that divides `block_k`, unless one block covers every
@@ -103,18 +112,55 @@ def _int4_values(row_ptrs, features, stride_wk, mask):
 
 
 @triton.jit
+def _quantized_gate_up(x_row, gate_rows, up_rows, S, Z, gate_scales, up_scales, hidden, col_ok, stride_wk,
+                       stride_sk, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, GROUP_K: tl.constexpr,
+                       SCALE_K: tl.constexpr, INT4: tl.constexpr):
+    """The quantized gate and up rows (`[BLOCK_N, 1]` pointers; their scales' offsets `[BLOCK_N]`) times the token's
+    row `x_row`, summed over H: `[BLOCK_N]` float32 each. Each step streams `GROUPS` chunks of `GROUP_K` features, a
+    `[BLOCK_N, GROUPS, GROUP_K]` tile whose chunks each meet one scale per row, so a step stays as wide as the 16-bit
+    path's however small the scale blocks or groups are."""
+    groups = tl.arange(0, GROUPS)
+    js = tl.arange(0, GROUP_K)
+    gate = tl.zeros((BLOCK_N, GROUPS, GROUP_K), dtype=tl.float32)
+    up = tl.zeros((BLOCK_N, GROUPS, GROUP_K), dtype=tl.float32)
+    gate_rows, up_rows = gate_rows[:, :, None], up_rows[:, :, None]
+    for k0 in range(0, hidden, GROUPS * GROUP_K):
+        starts = k0 + groups * GROUP_K
+        features = starts[:, None] + js[None, :]
+        k_ok = features < hidden
+        x = tl.load(x_row + features, mask=k_ok, other=0.0).to(tl.float32)[None, :, :]
+        w_mask = col_ok[:, None, None] & k_ok[None, :, :]
+        scale_at = (starts // SCALE_K)[None, :] * stride_sk
+        scale_mask = col_ok[:, None] & (starts < hidden)[None, :]
+        gate_scale = tl.load(S + gate_scales[:, None] + scale_at, mask=scale_mask, other=0.0).to(tl.float32)
+        up_scale = tl.load(S + up_scales[:, None] + scale_at, mask=scale_mask, other=0.0).to(tl.float32)
+        if INT4:
+            gate_zero = tl.load(Z + gate_scales[:, None] + scale_at, mask=scale_mask, other=0.0).to(tl.float32)
+            up_zero = tl.load(Z + up_scales[:, None] + scale_at, mask=scale_mask, other=0.0).to(tl.float32)
+            gate_w = _int4_values(gate_rows, features[None, :, :], stride_wk, w_mask) - gate_zero[:, :, None]
+            up_w = _int4_values(up_rows, features[None, :, :], stride_wk, w_mask) - up_zero[:, :, None]
+        else:
+            gate_w = tl.load(gate_rows + features[None, :, :] * stride_wk, mask=w_mask, other=0.0).to(tl.float32)
+            up_w = tl.load(up_rows + features[None, :, :] * stride_wk, mask=w_mask, other=0.0).to(tl.float32)
+        gate += gate_w * (x * gate_scale[:, :, None])
+        up += up_w * (x * up_scale[:, :, None])
+    return tl.sum(tl.sum(gate, axis=2), axis=1), tl.sum(tl.sum(up, axis=2), axis=1)
+
+
+@triton.jit
 def _decode_gate_up_kernel(
     X, W13, B13, S13, Z13, Inter, TopkWeights, TopkIds,
     top_k, hidden, intermediate, swiglu_alpha, swiglu_limit, up_scale_row,
     stride_x, stride_we, stride_wn, stride_wk, stride_be, stride_se, stride_sn, stride_sk, stride_inter,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, CLAMPED_SWIGLU: tl.constexpr,
     HAS_SCALE: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, INT4: tl.constexpr,
+    GROUPS: tl.constexpr, GROUP_K: tl.constexpr,
 ):
     """Program (pair, block of intermediate columns): the expert's `[BLOCK_N, H]` gate and up rows, streamed in
     `BLOCK_K` chunks along H, times the token's row. The products accumulate elementwise in float32 tiles and are
     reduced over K once, after the loop. A pair of routing weight 0 stores nothing (the down kernel skips it). With
-    HAS_SCALE, the rows' scales (`S13`, up's from scale row `up_scale_row`) weight the token's row; with INT4, the
-    rows are 4-bit values less their zero points (`Z13`, laid out as the scales)."""
+    HAS_SCALE, quantized rows (`_quantized_gate_up`: their scales `S13`, up's from scale row `up_scale_row`; with
+    INT4, 4-bit values less their zero points `Z13`, laid out as the scales)."""
     pair = tl.program_id(0)
     if tl.load(TopkWeights + pair) == 0.0:
         return
@@ -122,43 +168,31 @@ def _decode_gate_up_kernel(
     token = (pair // top_k).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < intermediate
-    ks = tl.arange(0, BLOCK_K)
-    x_ptrs = X + token * stride_x + ks
     gate_rows = W13 + expert * stride_we + cols[:, None] * stride_wn
-    gate_ptrs = gate_rows + ks[None, :] * stride_wk
-    up_ptrs = gate_ptrs + intermediate * stride_wn
-    gate_scales = expert * stride_se + (cols // SCALE_N) * stride_sn
-    up_scales = gate_scales + up_scale_row * stride_sn
-    gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, hidden, BLOCK_K):
-        k_ok = k0 + ks < hidden
-        x = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-        w_mask = col_ok[:, None] & k_ok[None, :]
-        if HAS_SCALE:
-            scale_k = (k0 // SCALE_K) * stride_sk
-            gate_scale = tl.load(S13 + gate_scales + scale_k, mask=col_ok, other=0.0).to(tl.float32)
-            up_scale = tl.load(S13 + up_scales + scale_k, mask=col_ok, other=0.0).to(tl.float32)
-            if INT4:
-                features = (k0 + ks)[None, :]
-                gate_zero = tl.load(Z13 + gate_scales + scale_k, mask=col_ok, other=0.0).to(tl.float32)
-                up_zero = tl.load(Z13 + up_scales + scale_k, mask=col_ok, other=0.0).to(tl.float32)
-                gate_w = _int4_values(gate_rows, features, stride_wk, w_mask) - gate_zero[:, None]
-                up_rows = gate_rows + intermediate * stride_wn
-                up_w = _int4_values(up_rows, features, stride_wk, w_mask) - up_zero[:, None]
-            else:
-                gate_w = tl.load(gate_ptrs, mask=w_mask, other=0.0).to(tl.float32)
-                up_w = tl.load(up_ptrs, mask=w_mask, other=0.0).to(tl.float32)
-            gate += gate_w * (x * gate_scale[:, None])
-            up += up_w * (x * up_scale[:, None])
-        else:
+    if HAS_SCALE:
+        gate_scales = expert * stride_se + (cols // SCALE_N) * stride_sn
+        gate_sum, up_sum = _quantized_gate_up(
+            X + token * stride_x, gate_rows, gate_rows + intermediate * stride_wn, S13, Z13, gate_scales,
+            gate_scales + up_scale_row * stride_sn, hidden, col_ok, stride_wk, stride_sk, BLOCK_N, GROUPS, GROUP_K,
+            SCALE_K, INT4)
+    else:
+        ks = tl.arange(0, BLOCK_K)
+        x_ptrs = X + token * stride_x + ks
+        gate_ptrs = gate_rows + ks[None, :] * stride_wk
+        up_ptrs = gate_ptrs + intermediate * stride_wn
+        gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, hidden, BLOCK_K):
+            k_ok = k0 + ks < hidden
+            x = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+            w_mask = col_ok[:, None] & k_ok[None, :]
             gate += tl.load(gate_ptrs, mask=w_mask, other=0.0).to(tl.float32) * x
             up += tl.load(up_ptrs, mask=w_mask, other=0.0).to(tl.float32) * x
-        x_ptrs += BLOCK_K
-        gate_ptrs += BLOCK_K * stride_wk
-        up_ptrs += BLOCK_K * stride_wk
-    gate_sum = tl.sum(gate, axis=1)
-    up_sum = tl.sum(up, axis=1)
+            x_ptrs += BLOCK_K
+            gate_ptrs += BLOCK_K * stride_wk
+            up_ptrs += BLOCK_K * stride_wk
+        gate_sum = tl.sum(gate, axis=1)
+        up_sum = tl.sum(up, axis=1)
     if HAS_BIAS:
         bias_ptrs = B13 + expert * stride_be + cols
         gate_sum += tl.load(bias_ptrs, mask=col_ok, other=0.0).to(tl.float32)
@@ -174,14 +208,15 @@ def _decode_down_kernel(
     stride_inter, stride_we, stride_wn, stride_wk, stride_be, stride_se, stride_sn, stride_sk, stride_out,
     TOP_K: tl.constexpr, SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_SCALE: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, INT4: tl.constexpr,
+    GROUPS: tl.constexpr, GROUP_K: tl.constexpr,
 ):
     """Program (token, block of hidden columns): the sum over the token's slots of the routing weight times the
     expert's `[BLOCK_N, I]` down rows times the slot's activations (and times its down bias, with HAS_BIAS). Each
     iteration loads one `BLOCK_K` chunk of every slot at once, a `[SLOTS, BLOCK_N, BLOCK_K]` tile (`SLOTS`: `TOP_K`
     rounded up to a power of two), so the loads of all the token's experts are in flight together; the per-slot sums
-    are weighted and added once, after the loop. Slots of weight 0 read nothing. With HAS_SCALE, each chunk's sums
-    are scaled by the rows' scales (`S2`) before they join the slot's; with INT4, the rows are 4-bit values less their
-    zero points (`Z2`)."""
+    are weighted and added once, after the loop. Slots of weight 0 read nothing. With HAS_SCALE, a chunk is `GROUPS`
+    runs of `GROUP_K` features, each run's sums scaled by the rows' scale for it (`S2`) before they join the slot's;
+    with INT4, the rows are 4-bit values less their zero points (`Z2`)."""
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < hidden
@@ -191,31 +226,43 @@ def _decode_down_kernel(
     experts = tl.load(TopkIds + pairs, mask=slot_ok, other=0).to(tl.int64)
     weights = tl.load(TopkWeights + pairs, mask=slot_ok, other=0.0)
     live = slot_ok & (weights != 0.0)  # a slot of weight 0 has nothing to read
-    ks = tl.arange(0, BLOCK_K)
-    a_ptrs = Inter + pairs[:, None] * stride_inter + ks[None, :]
     w_rows = W2 + experts[:, None, None] * stride_we + cols[None, :, None] * stride_wn
-    w_ptrs = w_rows + ks[None, None, :] * stride_wk
-    scales = experts[:, None] * stride_se + (cols // SCALE_N)[None, :] * stride_sn
     rows_ok = live[:, None, None] & col_ok[None, :, None]
     per_slot = tl.zeros((SLOTS, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, intermediate, BLOCK_K):
-        k_ok = k0 + ks < intermediate
-        a = tl.load(a_ptrs, mask=live[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        if HAS_SCALE:
-            scale_at = scales + (k0 // SCALE_K) * stride_sk
-            scale = tl.load(S2 + scale_at, mask=live[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+    if HAS_SCALE:
+        groups = tl.arange(0, GROUPS)
+        js = tl.arange(0, GROUP_K)
+        scales = experts[:, None, None] * stride_se + (cols // SCALE_N)[None, :, None] * stride_sn
+        scale_ok = live[:, None, None] & col_ok[None, :, None]
+        for k0 in range(0, intermediate, GROUPS * GROUP_K):
+            starts = k0 + groups * GROUP_K
+            features = starts[:, None] + js[None, :]  # [GROUPS, GROUP_K]
+            k_ok = features < intermediate
+            a = tl.load(Inter + pairs[:, None, None] * stride_inter + features[None, :, :],
+                        mask=live[:, None, None] & k_ok[None, :, :], other=0.0).to(tl.float32)
+            w_mask = rows_ok[:, :, :, None] & k_ok[None, None, :, :]
+            scale_at = scales + (starts // SCALE_K)[None, None, :] * stride_sk  # [SLOTS, BLOCK_N, GROUPS]
+            scale_mask = scale_ok & (starts < intermediate)[None, None, :]
+            scale = tl.load(S2 + scale_at, mask=scale_mask, other=0.0).to(tl.float32)
             if INT4:
-                zero = tl.load(Z2 + scale_at, mask=live[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
-                w = _int4_values(w_rows, (k0 + ks)[None, None, :], stride_wk, rows_ok & k_ok[None, None, :])
-                w = w - zero[:, :, None]
+                zero = tl.load(Z2 + scale_at, mask=scale_mask, other=0.0).to(tl.float32)
+                w = _int4_values(w_rows[:, :, :, None], features[None, None, :, :], stride_wk, w_mask)
+                w = w - zero[:, :, :, None]
             else:
-                w = tl.load(w_ptrs, mask=rows_ok & k_ok[None, None, :], other=0.0).to(tl.float32)
-            per_slot += tl.sum(w * a[:, None, :], axis=2) * scale
-        else:
+                w = tl.load(w_rows[:, :, :, None] + features[None, None, :, :] * stride_wk, mask=w_mask,
+                            other=0.0).to(tl.float32)
+            per_slot += tl.sum(tl.sum(w * a[:, None, :, :], axis=3) * scale, axis=2)
+    else:
+        ks = tl.arange(0, BLOCK_K)
+        a_ptrs = Inter + pairs[:, None] * stride_inter + ks[None, :]
+        w_ptrs = w_rows + ks[None, None, :] * stride_wk
+        for k0 in range(0, intermediate, BLOCK_K):
+            k_ok = k0 + ks < intermediate
+            a = tl.load(a_ptrs, mask=live[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
             w = tl.load(w_ptrs, mask=rows_ok & k_ok[None, None, :], other=0.0).to(tl.float32)
             per_slot += tl.sum(w * a[:, None, :], axis=2)
-        a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K * stride_wk
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K * stride_wk
     if HAS_BIAS:
         per_slot += tl.load(B2 + experts[:, None] * stride_be + cols[None, :], mask=live[:, None] & col_ok[None, :],
                             other=0.0).to(tl.float32)
@@ -287,8 +334,8 @@ def decode(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, pair_weigh
         c.top_k, c.hidden_size, c.intermediate, c.alpha, c.limit, c.up_scale_row,
         hidden.stride(0), *weight_strides(w13, w13_scales), w13_bias.stride(0) if c.has_bias else 0,
         *s13_strides, inter.stride(0),
-        BLOCK_N=config["BLOCK_N"], BLOCK_K=reduced_tile(config["BLOCK_K"], w13_scales, c.hidden_size),
-        HAS_BIAS=c.has_bias, CLAMPED_SWIGLU=swiglu is not None, **c.w13_consts, **c.launch,
+        BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"], HAS_BIAS=c.has_bias, CLAMPED_SWIGLU=swiglu is not None,
+        **scale_groups(config["BLOCK_K"], w13_scales, c.hidden_size), **c.w13_consts, **c.launch,
     )
     _decode_down_kernel[(c.num_tokens, triton.cdiv(c.hidden_size, config["DOWN_BLOCK_N"]))](
         inter, w2, w2_bias if c.has_bias else w2, s2, z2, out, pair_weights, pair_ids,
@@ -296,6 +343,6 @@ def decode(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, pair_weigh
         inter.stride(0), *weight_strides(w2, w2_scales), w2_bias.stride(0) if c.has_bias else 0,
         *s2_strides, out.stride(0),
         TOP_K=c.top_k, SLOTS=triton.next_power_of_2(c.top_k), BLOCK_N=config["DOWN_BLOCK_N"],
-        BLOCK_K=reduced_tile(config["DOWN_BLOCK_K"], w2_scales, c.intermediate), HAS_BIAS=c.has_bias,
-        **c.w2_consts, **c.launch,
+        BLOCK_K=config["DOWN_BLOCK_K"], HAS_BIAS=c.has_bias,
+        **scale_groups(config["DOWN_BLOCK_K"], w2_scales, c.intermediate), **c.w2_consts, **c.launch,
     )
