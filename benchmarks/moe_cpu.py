@@ -1,6 +1,5 @@
-"""The routed experts of one mixture-of-experts layer on the CPU: the grouped path the runtime uses
-(model_runner/moe/grouped.py) against Hugging Face's per-expert loop and against gathering each pair's expert weights
-for one batched matmul.
+"""The routed experts of one mixture-of-experts layer on the CPU: the runtime's two paths (model_runner/moe/grouped.py)
+against Hugging Face's per-expert loop and against gathering each pair's expert weights for one batched matmul.
 
     python benchmarks/moe_cpu.py --threads 2
     python benchmarks/moe_cpu.py --threads 1 --shapes qwen3-30b-a3b --tokens 1 4 16 --dtypes bfloat16 --out moe.json
@@ -13,7 +12,10 @@ call, per path (each round calls every path once, so a busy machine's slow spell
   Hugging Face's reference, a Python loop of up to E iterations);
 - `gather`: `index_select` every (token, slot) pair's expert weights and one `bmm` per projection (copies T*k experts'
   weights; skipped past `--gather-max-pairs` pairs, where the copy alone takes seconds);
-- `grouped`: the runtime's path, pairs sorted by expert and one `F.grouped_mm` per projection on the stacked weights.
+- `grouped`: the runtime's path from `SMALL_MAX_PAIRS` pairs, pairs sorted by expert and one `F.grouped_mm` per
+  projection on the stacked weights;
+- `small`: the runtime's path up to `SMALL_MAX_PAIRS` pairs (`--gather-max-pairs` here), one C++ call
+  (`radixserve_cpu::small_experts`) running each visited expert on the small-row linear kernel.
 
 Routing is drawn at random (uniform logits), so the experts visited follow the count a real router spreads over. Every
 path's output is checked against `grouped`'s before timing. Prints a table and writes a JSON record (`--out`).
@@ -31,7 +33,8 @@ import _srcpath  # noqa: F401
 import torch
 import torch.nn.functional as F
 
-from radixserve.model_runner.moe.grouped import grouped_experts
+from radixserve.kernels import cpu_build
+from radixserve.model_runner.moe.grouped import grouped_gemm_experts
 from radixserve.model_runner.moe.routing import select_experts
 
 # name: (hidden, experts' intermediate, experts, top-k), from the models' published configs.
@@ -65,8 +68,12 @@ def gathered_experts(hidden, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
     return (down.float().view(num_tokens, top_k, -1) * topk_weights.unsqueeze(-1)).sum(1).to(hidden.dtype)
 
 
+def small_experts(hidden, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
+    return torch.ops.radixserve_cpu.small_experts(hidden, w13, w2, topk_weights, topk_ids)
+
+
 PATHS: dict[str, Callable[..., torch.Tensor]] = {"loop": loop_experts, "gather": gathered_experts,
-                                                 "grouped": grouped_experts}
+                                                 "grouped": grouped_gemm_experts, "small": small_experts}
 
 
 def best_ms(calls: dict[str, Callable[[], torch.Tensor]], repeats: int) -> dict[str, float]:
@@ -92,12 +99,12 @@ def run_shape(name: str, dtype: torch.dtype, tokens: list[int], args) -> list[di
         hidden = torch.randn(num_tokens, hidden_size, generator=generator).to(dtype)
         weights, ids = select_experts(torch.randn(num_tokens, num_experts, generator=generator), top_k,
                                       "softmax_topk", True)
-        reference = grouped_experts(hidden, w13, w2, weights, ids).float()
+        reference = grouped_gemm_experts(hidden, w13, w2, weights, ids).float()
         record = {"shape": name, "dtype": str(dtype).removeprefix("torch."), "tokens": num_tokens,
                   "experts_hit": int(ids.unique().numel()), "ms": {}}
         calls = {}
         for path in args.paths:
-            if path == "gather" and num_tokens * top_k > args.gather_max_pairs:
+            if path in ("gather", "small") and num_tokens * top_k > args.gather_max_pairs:
                 continue
             fn = PATHS[path]
             out = fn(hidden, w13, w2, weights, ids).float()
@@ -107,9 +114,10 @@ def run_shape(name: str, dtype: torch.dtype, tokens: list[int], args) -> list[di
         record["ms"] = best_ms(calls, args.repeats)
         records.append(record)
         times = "  ".join(f"{p} {record['ms'][p]:9.3f}" for p in args.paths if p in record["ms"])
-        speedup = record["ms"]["loop"] / record["ms"]["grouped"] if {"loop", "grouped"} <= set(record["ms"]) else 0
+        fastest = "small" if "small" in record["ms"] else "grouped"
+        speedup = record["ms"]["loop"] / record["ms"][fastest] if {"loop", fastest} <= set(record["ms"]) else 0
         print(f"{name:>18} {record['dtype']:>8} T={num_tokens:<4} hit {record['experts_hit']:>3}/{num_experts:<3} "
-              f"{times}   loop/grouped {speedup:5.2f}x", flush=True)
+              f"{times}   loop/{fastest} {speedup:5.2f}x", flush=True)
     return records
 
 
@@ -125,7 +133,9 @@ def main() -> None:
     parser.add_argument("--out", help="write the JSON record here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, {args.threads} thread(s), CPU capability "
+    if "small" in args.paths and not cpu_build.load():
+        raise SystemExit("the small path needs radixserve's C++ CPU kernels, which could not be built here")
+    print(f"CPU ISA {cpu_build.cpu_isa()}; torch {torch.__version__}, {args.threads} thread(s), CPU capability "
           f"{torch.backends.cpu.get_cpu_capability()}; milliseconds per call (best of {args.repeats} rounds)")
     records = []
     with torch.inference_mode():
@@ -134,7 +144,7 @@ def main() -> None:
                 records += run_shape(name, getattr(torch, dtype_name), args.tokens, args)
     if args.out:
         Path(args.out).write_text(json.dumps({"threads": args.threads, "torch": torch.__version__,
-                                              "records": records}, indent=2))
+                                              "cpu_isa": cpu_build.cpu_isa(), "records": records}, indent=2))
 
 
 if __name__ == "__main__":

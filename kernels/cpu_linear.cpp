@@ -20,6 +20,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <optional>
@@ -227,8 +228,81 @@ at::Tensor small_linear(const at::Tensor& x_in, const at::Tensor& weight, const 
   return y;
 }
 
+// The routed experts of a mixture-of-experts layer at a few tokens: out[t] = sum_j weights[t, j] * down_e(silu(gate_e(
+// x_t)) * up_e(x_t)) over the pairs whose expert e = ids[t, j] this rank holds (ids in [0, E]; E marks another rank's
+// expert, skipped, as are pairs of weight 0). The pairs are grouped by expert, in expert order; each visited expert
+// runs as the two small linears above on its rows, so a layer costs reading the visited experts' weights once. The
+// activation is rounded to the weights' dtype, as the 16-bit path rounds it; each token sums its rows in expert order
+// in float32, as model_runner/moe/grouped.py does.
+template <typename W>
+void experts_typed(const float* x, const W* w13, const W* w2, const int64_t* ids, const float* weights, int64_t T,
+                   int64_t k, int64_t E, int64_t H, int64_t I, float* out) {
+  std::vector<std::vector<int64_t>> pairs_of(E);
+  for (int64_t p = 0; p < T * k; ++p)
+    if (ids[p] >= 0 && ids[p] < E && weights[p] != 0.0f) pairs_of[ids[p]].push_back(p);
+  std::vector<float> rows, act;
+  std::vector<W> gate_up, down;
+  for (int64_t e = 0; e < E; ++e) {
+    const std::vector<int64_t>& pairs = pairs_of[e];
+    const int64_t n = static_cast<int64_t>(pairs.size());
+    if (n == 0) continue;
+    rows.resize(n * H);
+    for (int64_t r = 0; r < n; ++r) std::memcpy(&rows[r * H], x + (pairs[r] / k) * H, H * sizeof(float));
+    gate_up.resize(n * 2 * I);
+    linear_typed(w13 + e * 2 * I * H, rows.data(), nullptr, n, 2 * I, H, gate_up.data());
+    act.resize(n * I);
+    for (int64_t r = 0; r < n; ++r) {
+      const W* gu = &gate_up[r * 2 * I];
+      for (int64_t i = 0; i < I; ++i) {
+        const float gate = static_cast<float>(gu[i]), up = static_cast<float>(gu[I + i]);
+        act[r * I + i] = static_cast<float>(from_float<W>(gate / (1.0f + std::exp(-gate)) * up));
+      }
+    }
+    down.resize(n * H);
+    linear_typed(w2 + e * H * I, act.data(), nullptr, n, H, I, down.data());
+    for (int64_t r = 0; r < n; ++r) {
+      float* o = out + (pairs[r] / k) * H;
+      const float weight = weights[pairs[r]];
+      for (int64_t h = 0; h < H; ++h) o[h] += weight * static_cast<float>(down[r * H + h]);
+    }
+  }
+}
+
+at::Tensor small_experts(const at::Tensor& x_in, const at::Tensor& w13, const at::Tensor& w2,
+                         const at::Tensor& topk_weights, const at::Tensor& topk_ids) {
+  TORCH_CHECK(w13.dim() == 3 && w2.dim() == 3 && w13.is_contiguous() && w2.is_contiguous(),
+              "small_experts: contiguous w13 [E, 2I, H] and w2 [E, H, I]");
+  TORCH_CHECK(w13.scalar_type() == w2.scalar_type() &&
+              (w13.scalar_type() == at::kFloat || w13.scalar_type() == at::kBFloat16),
+              "small_experts: float32 or bfloat16 experts, got ", w13.scalar_type(), " and ", w2.scalar_type());
+  const int64_t E = w13.size(0), H = w13.size(2), I = w2.size(2);
+  TORCH_CHECK(w13.size(1) == 2 * I && w2.size(0) == E && w2.size(1) == H, "small_experts: w13 ", w13.sizes(),
+              " and w2 ", w2.sizes(), " are not one layer's experts");
+  TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == H, "small_experts: hidden states [T, ", H, "], got ", x_in.sizes());
+  TORCH_CHECK(topk_ids.dim() == 2 && topk_ids.size(0) == x_in.size(0) && topk_weights.sizes() == topk_ids.sizes(),
+              "small_experts: routing [T, k] for T = ", x_in.size(0));
+  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  const at::Tensor ids = topk_ids.to(at::kLong).contiguous();
+  const at::Tensor weights = topk_weights.to(at::kFloat).contiguous();
+  const int64_t T = x.size(0), k = ids.size(1);
+  at::Tensor out = at::zeros({T, H}, x.options());
+  if (w13.scalar_type() == at::kFloat)
+    experts_typed(x.data_ptr<float>(), w13.data_ptr<float>(), w2.data_ptr<float>(), ids.data_ptr<int64_t>(),
+                  weights.data_ptr<float>(), T, k, E, H, I, out.data_ptr<float>());
+  else
+    experts_typed(x.data_ptr<float>(), w13.data_ptr<c10::BFloat16>(), w2.data_ptr<c10::BFloat16>(),
+                  ids.data_ptr<int64_t>(), weights.data_ptr<float>(), T, k, E, H, I, out.data_ptr<float>());
+  return out.to(x_in.scalar_type());
+}
+
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(radixserve_cpu, m) { m.def("small_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor"); }
+TORCH_LIBRARY_FRAGMENT(radixserve_cpu, m) {
+  m.def("small_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("small_experts(Tensor x, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids) -> Tensor");
+}
 
-TORCH_LIBRARY_IMPL(radixserve_cpu, CPU, m) { m.impl("small_linear", &small_linear); }
+TORCH_LIBRARY_IMPL(radixserve_cpu, CPU, m) {
+  m.impl("small_linear", &small_linear);
+  m.impl("small_experts", &small_experts);
+}

@@ -16,7 +16,8 @@ import torch.nn.functional as F
 
 from radixserve.model_runner.layer_configs import ExpertActivation, MoEConfig
 from radixserve.model_runner.moe import SparseMoeBlock, select_experts
-from radixserve.model_runner.moe.grouped import grouped_experts, sort_by_expert
+from radixserve.kernels import cpu_build
+from radixserve.model_runner.moe.grouped import grouped_experts, grouped_gemm_experts, sort_by_expert
 from radixserve.model_runner.parallel import TPGroup
 
 
@@ -111,11 +112,36 @@ def test_grouped_experts_equal_float64(dtype, tolerance, num_tokens, num_experts
     hidden = torch.randn(num_tokens, hidden_size, generator=generator).to(dtype)
     weights, ids = select_experts(torch.randn(num_tokens, num_experts, generator=generator), top_k, "softmax_topk",
                                   True)
-    out = grouped_experts(hidden, w13, w2, weights, ids)
+    out = grouped_gemm_experts(hidden, w13, w2, weights, ids)
     assert out.dtype == dtype and out.shape == hidden.shape
     expected = reference_experts(hidden, w13, w2, weights, ids)
     error = ((out.double() - expected).abs().max() / expected.abs().max()).item()
     assert error < tolerance, error
+
+
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 2e-6), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("num_tokens,num_experts,top_k", [(1, 8, 2), (5, 8, 2), (3, 64, 8), (8, 16, 8)])
+def test_small_experts_kernel_equals_float64(dtype, tolerance, num_tokens, num_experts, top_k):
+    """The C++ call that runs a few pairs (`small_experts`), with pairs of another expert-parallel rank (id E) and of
+    weight 0 among them, which contribute nothing; `grouped_experts` hands it these calls."""
+    if not cpu_build.load():
+        pytest.skip("the C++ CPU kernels could not be built here")
+    hidden_size, intermediate = 64, 48
+    w13, w2 = random_experts(num_experts, hidden_size, intermediate, dtype, seed=num_tokens)
+    generator = torch.Generator().manual_seed(num_tokens)
+    hidden = torch.randn(num_tokens, hidden_size, generator=generator).to(dtype)
+    weights, ids = select_experts(torch.randn(num_tokens, num_experts, generator=generator), top_k, "softmax_topk",
+                                  True)
+    ids[0, 0] = num_experts  # another rank's expert
+    if num_tokens > 1:
+        weights[-1, -1] = 0.0
+    out = torch.ops.radixserve_cpu.small_experts(hidden, w13, w2, weights, ids)
+    assert out.dtype == dtype and out.shape == hidden.shape
+    held = ids < num_experts
+    expected = reference_experts(hidden, w13, w2, weights * held, ids.masked_fill(~held, 0))
+    error = ((out.double() - expected).abs().max() / expected.abs().max()).item()
+    assert error < tolerance, error
+    assert torch.equal(grouped_experts(hidden, w13, w2, weights, ids), out)
 
 
 @pytest.mark.parametrize("num_tokens,num_experts,top_k", [(1, 8, 2), (17, 8, 4), (40, 32, 4)])
