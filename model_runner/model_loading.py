@@ -23,6 +23,7 @@ from radixserve.model_runner.fused_decode import use_fused_decode_layers
 from radixserve.model_runner.loader import dummy_weights, iter_weights
 from radixserve.model_runner.loader.gguf_blocks import source_gguf
 from radixserve.model_runner.models import get_model_class
+from radixserve.model_runner.moe import use_batch_invariant_experts
 from radixserve.model_runner.quantization import QuantizedWeightLoader, quantization_method, quantize_model
 
 if TYPE_CHECKING:
@@ -79,6 +80,8 @@ def load_model(runner: Any, files: ModelFiles, quantized_experts: Optional[bool]
                                  lm_head=runner.pooling.is_generation)
     elif runner.device.type == "cuda" and runner.config.deterministic:
         use_batch_invariant_linears(model)  # see model_runner/batch_invariant.py
+    if runner.device.type == "cpu" and runner.config.deterministic:
+        use_batch_invariant_experts(model)  # see model_runner/moe/grouped.py
     if runner.config.quantization == "gguf" and use_fused_decode_layers(model):
         logger.info("decode batches of a few tokens run every layer in one call (model_runner/fused_decode.py)")
     return model

@@ -18,7 +18,9 @@ At a few pairs (`SMALL_MAX_PAIRS`), SiLU experts without biases run in one C++ c
 (`radixserve_cpu::small_experts`, kernels/cpu_linear.cpp): the pairs grouped by expert there, each visited expert's two
 projections on the small-row linear kernel, which streams a weight about twice as fast as `F.linear` and
 `F.grouped_mm` do at one row on the 2-core EPYC (30.6 against 16.5 GB/s, float32). Same sums, in the same expert
-order; the activation rounded to the weights' dtype.
+order; the activation rounded to the weights' dtype. That kernel sums each row alone, so under
+`--enable-deterministic-inference` (`FusedMoE.batch_invariant`) the C++ call takes every number of pairs, and a
+token's output does not depend on its batch.
 """
 
 from __future__ import annotations
@@ -60,7 +62,8 @@ def sort_by_expert(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tens
 
 def grouped_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                     topk_ids: torch.Tensor, w13_bias: Optional[torch.Tensor] = None,
-                    w2_bias: Optional[torch.Tensor] = None, activation: ExpertActivation = SILU) -> torch.Tensor:
+                    w2_bias: Optional[torch.Tensor] = None, activation: ExpertActivation = SILU,
+                    small_max_pairs: Optional[int] = SMALL_MAX_PAIRS) -> torch.Tensor:
     """`sum_j topk_weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t))` over each token's experts `e =
     topk_ids[t, j]`, in hidden's dtype (with `activation` in place of the SiLU gate, and each projection's bias
     `w13_bias [E, 2I]` / `w2_bias [E, H]` added where given).
@@ -68,15 +71,25 @@ def grouped_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
     `hidden [T, H]`; `w13 [E, 2I, H]` (each expert's gate rows, then its up rows); `w2 [E, H, I]`;
     `topk_weights [T, k]` (float32) and `topk_ids [T, k]`, in `[0, E]`: id E marks a pair whose expert another
     expert-parallel rank holds, which is skipped (it contributes nothing here).
+
+    Up to `small_max_pairs` pairs (None: any number, the batch-invariant mode) the C++ call runs them where it can
+    (`runs_small`), else the grouped GEMMs.
     """
     num_tokens, top_k = topk_ids.shape
     if num_tokens == 0:
         return torch.empty_like(hidden)
-    if (num_tokens * top_k <= SMALL_MAX_PAIRS and w13_bias is None and w2_bias is None and activation.kind == "silu"
-            and w13.dtype in (torch.float32, torch.bfloat16) and cpu_build.ready()):
+    small = small_max_pairs is None or num_tokens * top_k <= small_max_pairs
+    if small and runs_small(w13, w13_bias, w2_bias, activation) and cpu_build.ready():
         return torch.ops.radixserve_cpu.small_experts(hidden, w13.contiguous(), w2.contiguous(), topk_weights,
                                                       topk_ids)
     return grouped_gemm_experts(hidden, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, activation)
+
+
+def runs_small(w13: torch.Tensor, w13_bias: Optional[torch.Tensor], w2_bias: Optional[torch.Tensor],
+               activation: ExpertActivation) -> bool:
+    """Whether the C++ call can run these experts: SiLU, no biases, float32 or bfloat16 weights."""
+    return w13_bias is None and w2_bias is None and activation.kind == "silu" and w13.dtype in (torch.float32,
+                                                                                                torch.bfloat16)
 
 
 def grouped_gemm_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,

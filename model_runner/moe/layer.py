@@ -39,7 +39,7 @@ from radixserve.model_runner.quantization.fp8 import FP8_DTYPE
 
 from radixserve.model_runner.layer_configs import ExpertActivation, MoEConfig
 from radixserve.model_runner.layers import silu_and_mul
-from radixserve.model_runner.moe.grouped import SILU, grouped_experts
+from radixserve.model_runner.moe.grouped import SILU, SMALL_MAX_PAIRS, grouped_experts, runs_small
 from radixserve.model_runner.moe.routing import select_experts
 from radixserve.model_runner.parallel import ExpertShard, TPGroup, split_size
 
@@ -74,6 +74,9 @@ class FusedMoE(nn.Module):
         self.w13_weight_zeros: Optional[nn.Parameter] = None
         self.w2_weight_zeros: Optional[nn.Parameter] = None
         self.scale_blocks: Optional[tuple[tuple[int, int], tuple[int, int]]] = None
+        # CPU deterministic inference: every call on the C++ experts, whose sums do not depend on the batch
+        # (model_runner/moe/grouped.py)
+        self.batch_invariant = False
 
     def keep_fp8(self, block: Optional[tuple[int, int]]) -> bool:
         """Hold the experts in FP8 with a float32 scale per `block` (rows, features) of each expert's gate, up and
@@ -156,7 +159,8 @@ class FusedMoE(nn.Module):
             return fused_moe(hidden, self.w13_weight, self.w2_weight, topk_weights, local_ids, w13_bias=self.w13_bias,
                              w2_bias=self.w2_bias, swiglu=self._swiglu_args(), **scales)
         return grouped_experts(hidden, self.w13_weight, self.w2_weight, topk_weights, local_ids, self.w13_bias,
-                               self.w2_bias, self.activation)
+                               self.w2_bias, self.activation,
+                               small_max_pairs=None if self.batch_invariant else SMALL_MAX_PAIRS)
 
     def _swiglu_args(self) -> Optional[tuple[float, float]]:
         """The fused kernel's clamped SwiGLU `(alpha, limit)`; None for SiLU."""
@@ -220,3 +224,16 @@ class SparseMoeBlock(nn.Module):
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(hidden)) * self.shared_expert(hidden)
         return self.tp.all_reduce(out)
+
+
+def use_batch_invariant_experts(model: nn.Module) -> None:
+    """CPU deterministic inference: every `FusedMoE` of `model` runs each call on the C++ experts (whatever its pair
+    count), whose sums do not depend on the batch. ValueError for experts that call cannot run (gpt-oss's biased,
+    clamped ones), which the grouped GEMMs would make batch-dependent."""
+    for module in model.modules():
+        if isinstance(module, FusedMoE):
+            if not runs_small(module.w13_weight, module.w13_bias, module.w2_bias, module.activation):
+                raise ValueError("--enable-deterministic-inference on the CPU runs a mixture of experts' experts "
+                                 "on a kernel for SiLU experts without biases in float32 or bfloat16; this model's "
+                                 "experts are not, and their grouped GEMMs depend on the batch")
+            module.batch_invariant = True

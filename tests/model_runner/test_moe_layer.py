@@ -264,3 +264,28 @@ def test_a_rank_whose_experts_no_token_visits_contributes_zeros():
     ids = torch.tensor([[0, 3], [1, 2]])
     out = experts(torch.randn(2, 16), torch.full((2, 2), 0.5), ids)
     assert torch.equal(out, torch.zeros(2, 16))
+
+
+def test_batch_invariant_experts_give_a_token_the_same_bits_in_any_batch():
+    """CPU deterministic inference (`use_batch_invariant_experts`): 40 tokens of top-4 (160 pairs, past the C++ call's
+    usual 64) still run on it, and each token's row equals, bit for bit, the token run alone. Experts the call cannot
+    run (gpt-oss's, biased) are refused."""
+    from radixserve.model_runner.moe import FusedMoE, use_batch_invariant_experts
+
+    if not cpu_build.load():
+        pytest.skip("the C++ CPU kernels could not be built here")
+    experts = FusedMoE(16, 64, 48, TPGroup.single())
+    w13, w2 = random_experts(16, 64, 48, torch.float32, seed=9)
+    experts.w13_weight.data.copy_(w13)
+    experts.w2_weight.data.copy_(w2)
+    use_batch_invariant_experts(torch.nn.Sequential(experts))
+    generator = torch.Generator().manual_seed(9)
+    hidden = torch.randn(40, 64, generator=generator)
+    weights, ids = select_experts(torch.randn(40, 16, generator=generator), 4, "softmax_topk", True)
+    batch = experts(hidden, weights, ids)
+    for t in (0, 17, 39):
+        assert torch.equal(experts(hidden[t:t + 1], weights[t:t + 1], ids[t:t + 1])[0], batch[t])
+    gpt_oss = FusedMoE(4, 64, 48, TPGroup.single(), bias=True,
+                       activation=ExpertActivation("clamped_swiglu", alpha=1.702, limit=7.0))
+    with pytest.raises(ValueError, match="SiLU experts without biases"):
+        use_batch_invariant_experts(gpt_oss)
