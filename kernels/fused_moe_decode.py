@@ -1,4 +1,4 @@
-"""The fused MoE's decode path (a few (token, slot) pairs), the activation both paths share, the FP8 experts' scales.
+"""The fused MoE's decode path (a few (token, slot) pairs), the activation both paths share, quantized experts.
 
 `fused_moe` (kernels/fused_moe_triton.py) runs this path up to `DECODE_MAX_PAIRS` pairs: no sorting, no padding, the
 pair's expert read straight from `topk_ids`, and matrix-vector products on the CUDA cores, each program streaming rows
