@@ -96,36 +96,22 @@ def load_expert_tensor(experts: FusedMoE, hf_name: str, expert: int, projection:
     if expert >= experts.num_experts:
         raise ValueError(f"checkpoint tensor {hf_name!r} names expert {expert} of {experts.num_experts}")
     layout = experts.shard
-    local = layout.intermediate_size
     suffix = hf_name.rsplit(".", 1)[-1]
     if projection == "down_proj":
-        target, shard, dim = f"w2_{suffix}", expert, 1
+        target, shard = f"w2_{suffix}", expert
     else:
-        part = 0 if projection == "gate_proj" else 1
-        target, shard, dim = f"w13_{suffix}", 2 * expert + part, 0
+        target, shard = f"w13_{suffix}", 2 * expert + (0 if projection == "gate_proj" else 1)
     if not layout.holds(expert):
         return target, shard  # another expert-parallel rank's: its lazy slice is never indexed, so never read
-    index = expert - layout.first_expert
-    if suffix != "weight" or experts.scale_blocks is not None:
-        _load_quantized_expert_tensor(experts, hf_name, index, projection, suffix, tensor)
-        return target, shard
-    if projection == "down_proj":
-        destination = experts.w2_weight.data[index]
-    else:
-        destination = experts.w13_weight.data[index, part * local:(part + 1) * local]
-    whole = list(destination.shape)
-    whole[dim] = local * layout.num_slices
-    if tuple(whole) != full_shape(tensor):
-        raise ValueError(f"shape mismatch for {hf_name!r}: checkpoint {full_shape(tensor)}, "
-                         f"model expects {tuple(whole)}")
-    destination.copy_(narrow_source(tensor, dim, layout.intermediate_start, local))
+    _copy_expert_tensor(experts, hf_name, expert - layout.first_expert, projection, suffix, tensor)
     return target, shard
 
 
-def _load_quantized_expert_tensor(experts: FusedMoE, hf_name: str, index: int, projection: str, suffix: str,
-                                  tensor) -> None:
-    """`load_expert_tensor` for quantized experts: the weight, its scales or its zero points (`suffix`), cut to this
-    rank's slice in their own units (values, words of 8, scale blocks or groups)."""
+def _copy_expert_tensor(experts: FusedMoE, hf_name: str, index: int, projection: str, suffix: str,
+                        tensor) -> None:
+    """Copy this rank's slice of one expert tensor into local expert `index`: a 16-bit weight (converted to the
+    model's dtype), or a quantized one's weight, scales or zero points (`suffix`, never converted), each cut in its own
+    units (values, words of 8, scale blocks or groups)."""
     stacked = getattr(experts, f"{'w2' if projection == 'down_proj' else 'w13'}_{suffix}")
     if stacked is None:
         raise ValueError(f"checkpoint tensor {hf_name!r} belongs to quantized experts, but the experts load in 16 bits")
@@ -138,9 +124,11 @@ def _load_quantized_expert_tensor(experts: FusedMoE, hf_name: str, index: int, p
         else:
             columns = stacked.shape[2] // 2
             destination, dim, unit = stacked.data[index, :, part * columns:(part + 1) * columns], 1, 1
-    else:  # FP8 [E, N, K] and its scales [E, N / bn, K / bk]: gate's rows, then up's; down cut along K
-        block = experts.scale_blocks[1 if down else 0]
-        unit = (block[1] if down else block[0]) if suffix == "weight_scale" else 1
+    else:  # 16-bit or FP8 [E, N, K] (FP8 scales [E, N / bn, K / bk]): gate's rows, then up's; down cut along K
+        unit = 1
+        if suffix == "weight_scale":
+            block = experts.scale_blocks[1 if down else 0]
+            unit = block[1] if down else block[0]
         if down:
             destination, dim = stacked.data[index], 1
         else:
@@ -152,7 +140,7 @@ def _load_quantized_expert_tensor(experts: FusedMoE, hf_name: str, index: int, p
         raise ValueError(f"shape mismatch for {hf_name!r}: checkpoint {full_shape(tensor)}, model expects "
                          f"{tuple(whole)}")
     source = narrow_source(tensor, dim, layout.intermediate_start // unit, destination.shape[dim])
-    if source.dtype != destination.dtype:  # quantized values and their scales are never converted here
+    if experts.scale_blocks is not None and source.dtype != destination.dtype:
         raise ValueError(f"{hf_name!r} is {source.dtype}, the quantized experts hold {destination.dtype}")
     destination.copy_(source)
 
