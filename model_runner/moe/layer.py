@@ -35,13 +35,12 @@ from typing import Optional
 import torch
 from torch import nn
 
-from radixserve.model_runner.quantization.fp8 import FP8_DTYPE
-
 from radixserve.model_runner.layer_configs import ExpertActivation, MoEConfig
 from radixserve.model_runner.layers import silu_and_mul
 from radixserve.model_runner.moe.grouped import SILU, SMALL_MAX_PAIRS, grouped_experts, runs_small
 from radixserve.model_runner.moe.routing import select_experts
 from radixserve.model_runner.parallel import ExpertShard, TPGroup, split_size
+from radixserve.model_runner.quantization.fp8 import FP8_DTYPE
 
 
 class FusedMoE(nn.Module):
@@ -88,11 +87,7 @@ class FusedMoE(nn.Module):
                 shard.intermediate_start % size or local % size for size in block):
             return False
         w13_block, w2_block = (block, block) if block is not None else ((1, hidden), (1, whole))
-        device = self.w2_weight.device
-
-        def empty(*shape: int, dtype: torch.dtype) -> nn.Parameter:
-            return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
-
+        empty = self._empty_like_weights
         self.w13_weight = empty(local_experts, 2 * local, hidden, dtype=FP8_DTYPE)
         self.w2_weight = empty(local_experts, hidden, local, dtype=FP8_DTYPE)
         self.w13_weight_scale = empty(local_experts, 2 * _blocks(local, w13_block[0]), _blocks(hidden, w13_block[1]),
@@ -101,6 +96,10 @@ class FusedMoE(nn.Module):
                                      dtype=torch.float32)
         self.scale_blocks = (w13_block, w2_block)
         return True
+
+    def _empty_like_weights(self, *shape: int, dtype: torch.dtype) -> nn.Parameter:
+        """A fresh parameter on the experts' device (meta before allocation), for `keep_fp8` / `keep_int4`."""
+        return nn.Parameter(torch.empty(*shape, dtype=dtype, device=self.w2_weight.device), requires_grad=False)
 
     @property
     def is_int4(self) -> bool:
@@ -119,11 +118,7 @@ class FusedMoE(nn.Module):
                                                                     local % w2_group)
         if hidden % 8 or local % 8 or shard.intermediate_start % 8 or hidden % w13_group or cuts_group:
             return False
-        dtype, device = self.w2_weight.dtype, self.w2_weight.device
-
-        def empty(*shape: int, dtype: torch.dtype) -> nn.Parameter:
-            return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
-
+        dtype, empty = self.w2_weight.dtype, self._empty_like_weights
         self.w13_weight = empty(local_experts, hidden // 8, 2 * local, dtype=torch.int32)
         self.w2_weight = empty(local_experts, local // 8, hidden, dtype=torch.int32)
         self.w13_weight_scale = empty(local_experts, hidden // w13_group, 2 * local, dtype=dtype)
