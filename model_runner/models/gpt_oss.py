@@ -216,11 +216,18 @@ def _copy_experts(experts: FusedMoE, projection: str, is_bias: bool, tensor: Any
             matrix = tensor.expert(first + index, destination.dtype, destination.device)  # [out, in]
         else:
             matrix = _take(tensor, first + index)[0].to(destination.dtype).t()  # [in, out] -> [out, in]
-        if projection == "down_proj":
-            destination[index].copy_(matrix[:, mine])
-        else:
-            destination[index, :local].copy_(matrix[0::2][mine])
-            destination[index, local:].copy_(matrix[1::2][mine])
+        _place(destination[index], projection, matrix, mine, mine)
+
+
+def _place(destination: torch.Tensor, projection: str, matrix: torch.Tensor, rows: slice, columns: slice) -> None:
+    """One expert's `[out, in]` matrix (or its scales) into its FusedMoE slot: down's `columns` of this rank's slice;
+    gate/up's interleaved rows de-interleaved into `[gate rows | up rows]`, `rows` of each."""
+    if projection == "down_proj":
+        destination.copy_(matrix[:, columns])
+    else:
+        local = destination.shape[0] // 2
+        destination[:local].copy_(matrix[0::2][rows])
+        destination[local:].copy_(matrix[1::2][rows])
 
 
 def _copy_fp8_experts(experts: FusedMoE, projection: str, tensor: Any, destination: torch.Tensor) -> None:
@@ -237,11 +244,5 @@ def _copy_fp8_experts(experts: FusedMoE, projection: str, tensor: Any, destinati
             matrix16 = _take(tensor, first + index)[0].to(destination.device).float().t()  # [in, out] -> [out, in]
             quantized = Fp8Weight.quantize(matrix16, (1, BLOCK_SIZE))
             matrix, scale = quantized.weight, quantized.scale
-        if projection == "down_proj":
-            destination[index].copy_(matrix[:, mine])
-            scales[index].copy_(scale[:, start // BLOCK_SIZE:(start + local) // BLOCK_SIZE])
-        else:
-            destination[index, :local].copy_(matrix[0::2][mine])
-            destination[index, local:].copy_(matrix[1::2][mine])
-            scales[index, :local].copy_(scale[0::2][mine])
-            scales[index, local:].copy_(scale[1::2][mine])
+        _place(destination[index], projection, matrix, mine, mine)
+        _place(scales[index], projection, scale, mine, slice(start // BLOCK_SIZE, (start + local) // BLOCK_SIZE))
