@@ -1,6 +1,7 @@
 """The CPU's default for a GGUF model, side by side in one process: the float path (`--quantization none`), the blocks
-chosen by default (decode rows on the blocks, prefill rows on the kept float linears) and the blocks asked for
-(`--quantization gguf`: blocks alone, prefill on weights dequantized per call).
+chosen by default and the blocks asked for (`--quantization gguf`). Where the blocks are interleaved (AVX-512 VNNI)
+both run every row count on them; elsewhere the default runs prefill rows on the float linears it keeps, and the
+blocks asked for on weights dequantized per call.
 
 For each, on the embedded model (or `--model-path`): the time of a prefill of `--prefill-len` tokens (one new token)
 and of a decode step at a `--context-len` context (generating `--decode-tokens` tokens, less the time of the first),
@@ -9,8 +10,8 @@ The blocks are the default where `model_runner/cpu/gguf_default.py`'s ISA table 
 CPU in the table so it always measures that configuration.
 
 With `--rows`, also every projection of the model (120 on the embedded one, cold in the caches as in a decode
-step) at each row count on the blocks against the kept float linear, which places `DENSE_FROM`
-(model_runner/cpu/gguf_linear.py).
+step) at each row count on the default's blocks against the float path's linear of the same name (packed as that
+path packs it), which places `DENSE_FROM` for blocks that are not interleaved (model_runner/cpu/gguf_linear.py).
 
     python benchmarks/gguf_default.py --rows 1,2,4,8,16,32 --json docs/results/gguf_default_cpu.json
 """
@@ -27,6 +28,7 @@ import torch
 
 from radixserve.kernels import cpu_build
 from radixserve.model_runner.cpu import gguf_default
+from radixserve.model_runner.cpu.gguf_linear import GGUFLinear
 from radixserve.model_runner.model_runner import ModelRunner
 from radixserve.model_runner.runner_config import RunnerConfig
 from radixserve.model_runner.static_generate import greedy_generate
@@ -36,22 +38,24 @@ from radixserve.runtime.wire.server_args import ServerArgs
 CONFIGS = {"float path": "none", "blocks by default": None, "blocks asked": "gguf"}
 
 
-def projections_at(runner: ModelRunner, rows: int, repeats: int) -> dict:
-    """Every block projection of `runner` (kept float linears) once at `rows` rows, on its blocks and on its float
-    linear, in alternating order: medians in ms."""
-    linears = [module for module in runner.model.modules() if getattr(module, "dense", None) is not None]
-    inputs = {linear.in_features: torch.randn(rows, linear.in_features) for linear in linears}
+def projections_at(runner: ModelRunner, float_runner: ModelRunner, rows: int, repeats: int) -> dict:
+    """Every block projection of `runner` once at `rows` rows, on its blocks and on `float_runner`'s linear of the
+    same name, in alternating order: medians in ms."""
+    float_modules = dict(float_runner.model.named_modules())
+    pairs = [(module, float_modules[name]) for name, module in runner.model.named_modules()
+             if isinstance(module, GGUFLinear) and name in float_modules and name != "logits_head"]
+    inputs = {linear.in_features: torch.randn(rows, linear.in_features) for linear, _ in pairs}
     blocks_op = torch.ops.radixserve_cpu.gguf_linear
     times: dict[str, list[float]] = {"blocks": [], "float": []}
     for repeat in range(2 * repeats + 1):
         for kind in ("blocks", "float") if repeat % 2 else ("float", "blocks"):
             start = time.perf_counter()
-            for linear in linears:
+            for linear, dense in pairs:
                 x = inputs[linear.in_features]
                 if kind == "blocks":
-                    blocks_op(x, linear.blocks, linear.ggml_type, linear.bias, linear.activation_bits)
+                    blocks_op(x, linear.blocks, linear.kernel_type, linear.bias, linear.activation_bits)
                 else:
-                    linear.dense(x)
+                    dense(x)
             times[kind].append(time.perf_counter() - start)
     return {"rows": rows, "blocks_ms": 1e3 * statistics.median(times["blocks"][1:]),
             "float_ms": 1e3 * statistics.median(times["float"][1:])}
@@ -104,7 +108,8 @@ def main() -> None:
                      "prefill_ms_each": [round(1e3 * t, 1) for t in times[label]["prefill"]],
                      "decode_step_ms_each": [round(1e3 * t, 2) for t in times[label]["decode"]]})
 
-    crossover = [projections_at(runners["blocks by default"], int(m), args.repeats) for m in args.rows.split(",") if m]
+    crossover = [projections_at(runners["blocks by default"], runners["float path"], int(m), args.repeats)
+                 for m in args.rows.split(",") if m]
     record = {"benchmark": "gguf default", "cpu_isa": cpu_build.cpu_isa(), "threads": torch.get_num_threads(),
               "load_average": os.getloadavg(), "args": vars(args), "rows": rows, "crossover": crossover}
     print(f"CPU ISA {record['cpu_isa']}; {record['threads']} threads; load average "

@@ -38,8 +38,8 @@ SOURCES = [Path(__file__).with_name(name) for name in (
     "cpu_attention.cpp", "cpu_elementwise.cpp", "cpu_linear.cpp", "cpu_amx_linear.cpp",
     "cpu_argmax.cpp", "cpu_panel_linear.cpp", "cpu_gguf_linear.cpp", "cpu_decode_layers.cpp")]
 HEADERS = [Path(__file__).with_name(name) for name in (
-    "cpu_vec.h", "cpu_gguf_kquants.h", "cpu_gguf_q8.h", "cpu_attention_amx.h", "cpu_attention_dots.h",
-    "cpu_attention_lanes.h")]
+    "cpu_vec.h", "cpu_gguf_kquants.h", "cpu_gguf_q8.h", "cpu_gguf_x16.h", "cpu_attention_amx.h",
+    "cpu_attention_dots.h", "cpu_attention_lanes.h")]
 # -fopenmp: ATen's parallel_for is inline OpenMP; the library binds to the libgomp torch already loaded (same
 # soname), so there is one thread pool.
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]

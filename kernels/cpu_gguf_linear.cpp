@@ -31,6 +31,7 @@
 
 #include "cpu_gguf_kquants.h"
 #include "cpu_gguf_q8.h"
+#include "cpu_gguf_x16.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -286,15 +287,33 @@ void kquant_dequantize(const uint8_t* w, int64_t row_bytes, int64_t type, int64_
 
 bool is_kquant(int64_t type) { return kquants::super_block_bytes(type) != 0; }
 
-// (bytes, values) of one block of `type`.
+// An interleaved type's activation bits (16 for GGML type + x16::kFlag16, 8 for + x16::kFlag8), else 0.
+int interleaved_bits(int64_t type) {
+  for (const auto& [flag, bits] : {std::pair<int64_t, int>{x16::kFlag16, 16}, {x16::kFlag8, 8}}) {
+    const int64_t base = type - flag;
+    if (base == kQ4_0 || base == kQ4_1 || base == kQ8_0) return bits;
+  }
+  return 0;
+}
+
+bool is_interleaved(int64_t type) { return interleaved_bits(type) != 0; }
+
+int64_t base_type(int64_t type) {
+  const int bits = interleaved_bits(type);
+  return bits == 0 ? type : type - (bits == 16 ? x16::kFlag16 : x16::kFlag8);
+}
+
+// (bytes, values) of one block of `type` (an interleaved type: of its GGML type).
 std::pair<int64_t, int64_t> block_shape(int64_t type) {
+  type = base_type(type);
   switch (type) {
     case kQ8_0: return {Format<kQ8_0>::kBytes, kBlock};
     case kQ4_0: return {Format<kQ4_0>::kBytes, kBlock};
     case kQ4_1: return {Format<kQ4_1>::kBytes, kBlock};
     default:
       TORCH_CHECK(is_kquant(type), "gguf_linear: unsupported GGML type ", type,
-                  " (Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14)");
+                  " (Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14; interleaved Q4_0, Q4_1, Q8_0: ",
+                  x16::kFlag16, " or ", x16::kFlag8, " + the type)");
       return {kquants::super_block_bytes(type), kquants::kSuper};
   }
 }
@@ -306,21 +325,35 @@ std::pair<int64_t, int64_t> block_shape(int64_t type) {
     case kQ4_1: FN<kQ4_1>(__VA_ARGS__); break;                    \
   }
 
+// FN<GGML type, activation bits>(...) for an interleaved type
+#define DISPATCH_INTERLEAVED(type, FN, ...)                                      \
+  switch (type) {                                                                \
+    case x16::kFlag16 + kQ8_0: FN<x16::kQ8_0, 16>(__VA_ARGS__); break;           \
+    case x16::kFlag16 + kQ4_0: FN<x16::kQ4_0, 16>(__VA_ARGS__); break;           \
+    case x16::kFlag16 + kQ4_1: FN<x16::kQ4_1, 16>(__VA_ARGS__); break;           \
+    case x16::kFlag8 + kQ8_0: FN<x16::kQ8_0, 8>(__VA_ARGS__); break;             \
+    case x16::kFlag8 + kQ4_0: FN<x16::kQ4_0, 8>(__VA_ARGS__); break;             \
+    case x16::kFlag8 + kQ4_1: FN<x16::kQ4_1, 8>(__VA_ARGS__); break;             \
+  }
+
 // The weight's shape in values: (N, K), after checking it is whole blocks of `type`.
 std::pair<int64_t, int64_t> weight_shape(const at::Tensor& weight, int64_t type, const char* op) {
   TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.scalar_type() == at::kByte,
               op, ": the weight must be a contiguous uint8 [N, row bytes]");
   const auto [bytes, values] = block_shape(type);
   TORCH_CHECK(weight.size(1) % bytes == 0, op, ": a row of ", weight.size(1), " bytes is not whole blocks of ", bytes);
+  TORCH_CHECK(!is_interleaved(type) || weight.size(0) % x16::kRows == 0, op,
+              ": an interleaved weight has a multiple of ", x16::kRows, " rows, got ", weight.size(0));
   return {weight.size(0), weight.size(1) / bytes * values};
 }
 
 }  // namespace
 
-// x [..., K] float32; weight [N, K / block values * block bytes] uint8, llama.cpp's blocks of each row; type: the GGML
-// type id; activation_bits: 8, llama.cpp's int8 activations (the K-quants' per block of 256, Q8_K; the other types'
-// per block of 32, cpu_gguf_q8.h), or 16 (the K-quants' 14-bit integers; the other types multiply the float32
-// activations).
+// x [..., K] float32; weight [N, K / block values * block bytes] uint8, llama.cpp's blocks of each row (or, for an
+// interleaved type, `gguf_interleave`'s groups of 16 rows); type: the GGML type id (+ x16::kFlag16 or kFlag8 where
+// interleaved); activation_bits: 8, llama.cpp's int8 activations (the K-quants' per block of 256, Q8_K; the other
+// types' per block of 32, cpu_gguf_q8.h and cpu_gguf_x16.h), or 16 (the K-quants' 14-bit integers; interleaved
+// types' 16-bit integers; the other types multiply the float32 activations). An interleaved type names its own.
 at::Tensor gguf_linear(const at::Tensor& x_in, const at::Tensor& weight, int64_t type,
                        const std::optional<at::Tensor>& bias_in, int64_t activation_bits) {
   TORCH_CHECK(activation_bits == 8 || activation_bits == 16, "gguf_linear: activation_bits is 8 or 16, got ",
@@ -340,7 +373,12 @@ at::Tensor gguf_linear(const at::Tensor& x_in, const at::Tensor& weight, int64_t
   at::Tensor y = at::empty(shape, x_in.options());
   if (M == 0 || N == 0) return y;
   const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
-  if (is_kquant(type) && activation_bits == 8)
+  TORCH_CHECK(!is_interleaved(type) || activation_bits == interleaved_bits(type), "gguf_linear: blocks of type ", type,
+              " were interleaved for ", interleaved_bits(type), "-bit activations, not ", activation_bits);
+  if (is_interleaved(type))
+    DISPATCH_INTERLEAVED(type, x16::linear, weight.data_ptr<uint8_t>(), weight.size(1), x.data_ptr<float>(), bp, M, N,
+                         K, y.data_ptr<float>())
+  else if (is_kquant(type) && activation_bits == 8)
     kquant_linear<int8_t>(weight.data_ptr<uint8_t>(), weight.size(1), type, x.data_ptr<float>(), bp, M, N, K,
                           y.data_ptr<float>());
   else if (is_kquant(type))
@@ -359,7 +397,10 @@ at::Tensor gguf_linear(const at::Tensor& x_in, const at::Tensor& weight, int64_t
 at::Tensor gguf_dequantize(const at::Tensor& weight, int64_t type) {
   const auto [N, K] = weight_shape(weight, type, "gguf_dequantize");
   at::Tensor out = at::empty({N, K}, weight.options().dtype(at::kFloat));
-  if (is_kquant(type))
+  if (is_interleaved(type))
+    DISPATCH_INTERLEAVED(type, x16::dequantize, weight.data_ptr<uint8_t>(), weight.size(1), N, K,
+                         out.data_ptr<float>())
+  else if (is_kquant(type))
     kquant_dequantize(weight.data_ptr<uint8_t>(), weight.size(1), type, N, K, out.data_ptr<float>());
   else
     DISPATCH_GGML_TYPE(type, dequantize_typed, weight.data_ptr<uint8_t>(), weight.size(1), N, K,
@@ -367,12 +408,33 @@ at::Tensor gguf_dequantize(const at::Tensor& weight, int64_t type) {
   return out;
 }
 
+// The same weight re-laid in groups of 16 rows (cpu_gguf_x16.h) for activations of activation_bits (16 or 8), for
+// type + x16::kFlag16 or kFlag8; rows a multiple of 16.
+at::Tensor gguf_interleave(const at::Tensor& weight, int64_t type, int64_t activation_bits) {
+  TORCH_CHECK(type == kQ4_0 || type == kQ4_1 || type == kQ8_0,
+              "gguf_interleave: Q4_0 (2), Q4_1 (3) or Q8_0 (8) blocks, got type ", type);
+  TORCH_CHECK(activation_bits == 16 || activation_bits == 8, "gguf_interleave: activation_bits is 16 or 8, got ",
+              activation_bits);
+  const int64_t interleaved = type + (activation_bits == 16 ? x16::kFlag16 : x16::kFlag8);
+  weight_shape(weight, interleaved, "gguf_interleave");
+  at::Tensor out = at::empty_like(weight);
+  DISPATCH_INTERLEAVED(interleaved, x16::interleave, weight.data_ptr<uint8_t>(), weight.size(1), weight.size(0),
+                       out.data_ptr<uint8_t>());
+  return out;
+}
+
+// Whether interleaved blocks multiply in vector registers here (AVX-512 BW + VNNI); elsewhere value by value.
+bool gguf_interleaved_vectorized() { return x16::kVectorized; }
+
 TORCH_LIBRARY_FRAGMENT(radixserve_cpu, m) {
   m.def("gguf_linear(Tensor x, Tensor weight, int type, Tensor? bias, int activation_bits=16) -> Tensor");
   m.def("gguf_dequantize(Tensor weight, int type) -> Tensor");
+  m.def("gguf_interleave(Tensor weight, int type, int activation_bits=16) -> Tensor");
+  m.def("gguf_interleaved_vectorized() -> bool", &gguf_interleaved_vectorized);
 }
 
 TORCH_LIBRARY_IMPL(radixserve_cpu, CPU, m) {
   m.impl("gguf_linear", &gguf_linear);
   m.impl("gguf_dequantize", &gguf_dequantize);
+  m.impl("gguf_interleave", &gguf_interleave);
 }

@@ -1,15 +1,16 @@
 """Which `--quantization` the runner applies when none was asked: a GGUF model on the CPU decodes on its own blocks
 (`gguf`, model_runner/cpu/gguf_linear.py) on CPUs where that measured faster than the float path end to end and
-computes the same function, and runs on its float conversion everywhere else.
+keeps its greedy output, and runs on its float conversion everywhere else.
 
-The rule, by `cpu_isa()`: the blocks by default on CPUs with one of `GGUF_DEFAULT_ISA_FLAGS`. Chosen by default, the
-blocks serve the decode rows only: each projection keeps its float32 linear for prefill rows (model_runner/cpu/
-gguf_linear.py, `keep_float`), so a prompt costs what it costs on the float path, and memory grows by the blocks
-alone. On the AVX-512 CPU measured (2-core AMD EPYC, avx512f and avx512_bf16; the embedded SmolLM2's Q4_1 blocks), side
-by side in one run: a 512-token prefill 671 ms against the float path's 667, a decode step at a 128-token context
-12.9 ms against 23.0 (1.8x), the float path's greedy ids kept (benchmarks/gguf_default.py). The blocks multiply
-float32 activations, so they compute the float path's function up to summation order. CPUs without AVX-512 keep the
-float path until measured.
+The rule, by `cpu_isa()`: the blocks by default on CPUs with one of `GGUF_DEFAULT_ISA_FLAGS`. Where the CPU also has
+AVX-512 VNNI, Q4_0 / Q4_1 / Q8_0 blocks are interleaved (model_runner/cpu/gguf_linear.py) and serve every row count,
+faster than the float path at each, and no float weight stays. Other blocks serve the decode rows only: each such
+projection keeps its float32 linear for prefill rows (`keep_float`), so a prompt costs what it costs on the float path,
+and memory grows by the blocks alone. On the AVX-512 CPU measured (2-core AMD EPYC, avx512f, avx512_bf16 and
+avx512_vnni; the embedded SmolLM2's Q4_1 blocks, interleaved), side by side in one run: see docs/quantization.md
+("The CPU default for a GGUF model") and benchmarks/gguf_default.py. The interleaved blocks keep the float path's
+greedy ids on 15 of 16 prompts; the others multiply float32 activations, the float path's function up to summation
+order. CPUs without AVX-512 keep the float path until measured.
 
 The float path stays wherever something asked for it or needs float weights: `--quantization none`, any `--dtype`
 but auto, `--cpu-kernels torch`, LoRA adapters, tensor parallelism, speculative decoding (the verify steps' packed

@@ -1,7 +1,14 @@
 """Linear layers that compute on a GGUF file's own blocks (`--quantization gguf`, CPU): the weights stay in llama.cpp's
 blocks, and kernels/cpu_gguf_linear.cpp multiplies on them.
 
-- Q8_0 / Q4_0 / Q4_1: the blocks are dequantized in registers into float32 multiply-adds with the float32
+- Q8_0 / Q4_0 / Q4_1 on CPUs with AVX-512 BW and VNNI, rows a multiple of 16: the blocks are re-laid 16 rows at a
+  time at load (`gguf_interleave`, kernels/cpu_gguf_x16.h), so that one 512-bit integer multiply-add serves 16 rows;
+  the activations are rounded per block of 32 to 16-bit integers (1/65534 of the block's largest value) and meet the
+  blocks' integers exactly. On the embedded model's shapes this outpaces both the in-register kernel below (about
+  2x at one row) and the float32 GEMM (1.3x at 16 rows, 1.7x at 512: benchmarks/gguf_default.py), so it serves every
+  row count, prefill included, and no float weight is kept beside it. Against the float32 path it keeps the greedy
+  ids of 15 of 16 prompts (the 16th parts at a near tie; benchmarks/cpu_gguf_int8_agreement.py).
+- Q8_0 / Q4_0 / Q4_1 elsewhere: the blocks are dequantized in registers into float32 multiply-adds with the float32
   activations: the result is the float32 product of the dequantized weight, as Hugging Face computes it on the
   converted checkpoint. At a few decode rows a linear layer costs reading its weight, and a Q4_1 weight is 5/8 of a
   byte per value (float32: 4). From `DEQUANTIZE_FROM` rows on (prefill) the arithmetic dominates instead: the weight
@@ -12,17 +19,17 @@ blocks, and kernels/cpu_gguf_linear.cpp multiplies on them.
   tokens against the float product of the dequantized weights (0 of 16 prompts kept Hugging Face's 32 tokens on a
   tiny random llama), 14 bits keep them.
 - `--gguf-activations int8`: llama.cpp's arithmetic at decode rows, the activations rounded to int8 per block (32
-  values for Q8_0 / Q4_0 / Q4_1, kernels/cpu_gguf_q8.h; 256 for the K-quants) and multiplied in integers (AVX-512
-  VNNI's `vpdpbusd`, else AVX2). Faster, since a decode step then costs little more than reading the blocks, but a
-  different function: on the embedded SmolLM2 it keeps the float32 path's greedy tokens on 12 of 16 prompts
-  (docs/quantization.md). Prefill rows of Q8_0 / Q4_0 / Q4_1 stay on the dequantized float32 GEMM; the K-quants, whose
-  kernel runs at every row count, take int8 activations at every row count.
+  values for Q8_0 / Q4_0 / Q4_1: the interleaved blocks' int8 layout, `vpdpbusd`, else kernels/cpu_gguf_q8.h; 256 for
+  the K-quants) and multiplied in integers. Faster, but a different function: on the embedded SmolLM2 it keeps the
+  float32 path's greedy tokens on 12 of 16 prompts (docs/quantization.md). Prefill rows of Q8_0 / Q4_0 / Q4_1 stay on
+  the dequantized float32 GEMM (int8 there too kept 3 of 16 and served the shared-prefix workload only 1.14x
+  faster); the K-quants, whose kernel runs at every row count, take int8 activations at every row count.
 The model is loaded from the converted directory as for the float path, then `use_gguf_blocks` swaps each fused
 projection (qkv, gate/up, o, down) whose parts are stored in one block type for a `GGUFLinear` on the concatenated
 blocks, and the LM head (the embedding's matrix where tied) for one on its own. Asked for (`--quantization gguf`),
-their float weights are dropped. Chosen by default (model_runner/cpu/gguf_default.py), the projections keep their float
-linears for prefill rows, so that a prompt costs what it costs on the float path while decode reads the blocks. The
-embedding lookup, norms, attention and sampling are unchanged, in float32.
+their float weights are dropped. Chosen by default (model_runner/cpu/gguf_default.py), projections whose blocks are not
+interleaved keep their float linears for prefill rows, so that a prompt costs what it costs on the float path while
+decode reads the blocks. The embedding lookup, norms, attention and sampling are unchanged, in float32.
 """
 
 from __future__ import annotations
@@ -49,6 +56,11 @@ DEQUANTIZE_FROM = 32
 DENSE_FROM = 8
 # The block types whose kernel takes the float32 activations (the K-quants round them to integers instead).
 FLOAT_ACTIVATION_TYPES = frozenset({2, 3, 8})
+# The types whose blocks are re-laid 16 rows at a time (kernels/cpu_gguf_x16.h), where the kernel runs in vector
+# registers (AVX-512 BW + VNNI) and the rows are a multiple of `INTERLEAVED_ROWS`; the kernel's type id is the GGML
+# type's + `INTERLEAVED[activations]` (16-bit integer activations for `float32`, int8 for `int8`).
+INTERLEAVED_TYPES = frozenset({2, 3, 8})
+INTERLEAVED, INTERLEAVED_ROWS = {"float32": 256, "int8": 512}, 16
 # The K-quants' activations: 16 (14-bit integers in 16-bit multiply-adds) or 8 (llama.cpp's int8, VNNI's dot products).
 KQUANT_ACTIVATION_BITS = 16
 # `--gguf-activations` -> the kernel's activation_bits for (the Q8_0 / Q4_0 / Q4_1 blocks, the K-quants)
@@ -63,9 +75,17 @@ _FUSED_PARTS = {
 }
 
 
+def interleaves(matrix: BlockMatrix) -> bool:
+    """Whether `GGUFLinear` re-lays `matrix` 16 rows at a time (see `INTERLEAVED_TYPES`)."""
+    return (matrix.ggml_type in INTERLEAVED_TYPES and matrix.out_features % INTERLEAVED_ROWS == 0
+            and torch.ops.radixserve_cpu.gguf_interleaved_vectorized())
+
+
 class GGUFLinear(nn.Module):
     """`x @ W.T (+ bias)` with W in llama.cpp's blocks: `x [..., in_features]` float32 on the CPU -> float32. With
-    `dense` (the float linear of the same weight, kept), rows from `DENSE_FROM` on run through it."""
+    `dense` (the float linear of the same weight, kept), rows from `DENSE_FROM` on run through it. Blocks that
+    `interleaves` re-lays run every row count on their kernel with float32 activations (`every_row`: it outpaces the
+    float32 GEMM at any, and a `dense` given with them is not kept), decode rows with int8 ones."""
 
     def __init__(self, matrix: BlockMatrix, bias: Optional[torch.Tensor] = None, activations: str = "float32",
                  dense: Optional[nn.Module] = None) -> None:
@@ -75,7 +95,17 @@ class GGUFLinear(nn.Module):
         self.activations = activations
         float_bits, kquant_bits = ACTIVATION_BITS[activations]
         self.activation_bits = float_bits if matrix.ggml_type in FLOAT_ACTIVATION_TYPES else kquant_bits
-        self.register_buffer("blocks", matrix.blocks, persistent=False)
+        self.interleaved = interleaves(matrix)
+        blocks = matrix.blocks
+        if self.interleaved:
+            blocks = torch.ops.radixserve_cpu.gguf_interleave(blocks, matrix.ggml_type, self.activation_bits)
+            dense = None if activations == "float32" else dense
+        # the kernel's type id: the GGML type's, + INTERLEAVED[activations] for re-laid blocks
+        self.kernel_type = matrix.ggml_type + INTERLEAVED[activations] if self.interleaved else matrix.ggml_type
+        # whether the kernel serves every row count: interleaved blocks with the float path's accuracy; int8
+        # activations stay at decode rows, prefill rows multiplying the dequantized weight in float32
+        self.every_row = self.interleaved and activations == "float32"
+        self.register_buffer("blocks", blocks, persistent=False)
         self.bias = bias
         self.dense = dense  # a child module, so that the runner's CPU packing (small_batch.py) reaches it
         # A head whose float linear the CPU packing gives it (small_batch.py): the tied embedding's matrix, packed as
@@ -85,14 +115,15 @@ class GGUFLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.dense is not None and x.numel() >= DENSE_FROM * self.in_features:
             return self.dense(x)
-        if self.ggml_type in FLOAT_ACTIVATION_TYPES and x.numel() >= DEQUANTIZE_FROM * self.in_features:
-            return F.linear(x, torch.ops.radixserve_cpu.gguf_dequantize(self.blocks, self.ggml_type), self.bias)
-        return torch.ops.radixserve_cpu.gguf_linear(x, self.blocks, self.ggml_type, self.bias, self.activation_bits)
+        if (not self.every_row and self.ggml_type in FLOAT_ACTIVATION_TYPES
+                and x.numel() >= DEQUANTIZE_FROM * self.in_features):
+            return F.linear(x, torch.ops.radixserve_cpu.gguf_dequantize(self.blocks, self.kernel_type), self.bias)
+        return torch.ops.radixserve_cpu.gguf_linear(x, self.blocks, self.kernel_type, self.bias, self.activation_bits)
 
     def extra_repr(self) -> str:
         name = BlockMatrix(self.ggml_type, self.blocks, self.in_features).type_name
-        return (f"in_features={self.in_features}, out_features={self.out_features}, {name}, "
-                f"{self.activations} activations")
+        return (f"in_features={self.in_features}, out_features={self.out_features}, {name}"
+                f"{' interleaved' if self.interleaved else ''}, {self.activations} activations")
 
 
 def _stacked(parts: list[BlockMatrix]) -> Optional[BlockMatrix]:
@@ -136,7 +167,7 @@ def use_gguf_blocks(model: nn.Module, gguf_path: str, activations: str = "float3
     head_name = "lm_head.weight" if "lm_head.weight" in matrices else "model.embed_tokens.weight"
     if head_name in matrices and model.config.tie_word_embeddings == (head_name != "lm_head.weight"):
         model.logits_head = GGUFLinear(matrices[head_name], activations=activations)
-        model.logits_head.wants_dense = keep_float
+        model.logits_head.wants_dense = keep_float and not model.logits_head.every_row
         swapped += 1
     logger.info("GGUF blocks: %d linears compute on %s's blocks (%s), %s activations", swapped, gguf_path,
                 ", ".join(sorted({m.type_name for m in matrices.values()})), activations)

@@ -115,7 +115,10 @@ def test_fork_and_select_same_greedy_results_on_both_backends_with_the_prefix_co
     engine_out, http_out = outcomes["engine"], outcomes["http"]
     assert engine_out["tips"] == http_out["tips"] and engine_out["best"] == http_out["best"]
     assert engine_out["text"] == http_out["text"] and engine_out["messages"] == http_out["messages"]
-    assert engine_out["scores"] == pytest.approx(http_out["scores"], abs=1e-4)
+    # The two servers' radix caches hold different text by now, so a prompt's tokens may come from the cache in one and
+    # from a fresh prefill in the other: the embedded GGUF's blocks round activations to 16 bits, which carries those
+    # paths' last-bit differences into logprobs at the 1e-4 .. 1e-3 scale (docs/quantization.md).
+    assert engine_out["scores"] == pytest.approx(http_out["scores"], abs=2e-3)
     text = engine_out["text"]
     for i, tip in enumerate(engine_out["tips"]):
         assert f"Tip {i + 1}:{tip}\n" in text
@@ -181,14 +184,18 @@ def test_select_picks_paris_with_hugging_face_scores(engine, hf_model):
             for cond, uncond in zip(expected_logprobs, unconditional)
         ],
     }
+    # The engine serves the embedded GGUF on its blocks, which on AVX-512 VNNI CPUs round the activations to 16 bits:
+    # its logprobs sit within a few 1e-3 of the float weights' (docs/quantization.md: 0.0005 mean, 0.006 at most over
+    # 16 x 32 greedy tokens), the float path's within 1e-4.
+    tolerance = 5e-3
     for method, expected_scores in references.items():
         state = capital.run(method=method)
         meta = state.get_meta_info("city")
         assert meta["token_ids"] == expected_tokens
         for got, want in zip(meta["token_logprobs"], expected_logprobs):
-            assert got == pytest.approx(want, abs=2e-4)
-        assert meta["scores"] == pytest.approx(expected_scores, abs=2e-4), method
-        assert meta["normalized_logprobs"] == pytest.approx(means, abs=2e-4)
+            assert got == pytest.approx(want, abs=tolerance)
+        assert meta["scores"] == pytest.approx(expected_scores, abs=tolerance), method
+        assert meta["normalized_logprobs"] == pytest.approx(means, abs=tolerance)
         assert meta["decision"] == max(range(3), key=lambda i: expected_scores[i])
         assert state.text() == PREFIX + state["city"]
     assert capital.run(method=token_length_normalized)["city"] == "Paris"

@@ -56,7 +56,8 @@ def _check_graceful_shutdown(server) -> None:
     children = psutil.Process(server.process.pid).children(recursive=True)
     assert len(children) >= 2  # the scheduler and the detokenizer
     short, long = {}, {}
-    threads = [threading.Thread(target=_stream, args=(server, 12, short)),
+    # The short request must still be running when the long one starts: 48 tokens take a few hundred ms on two cores.
+    threads = [threading.Thread(target=_stream, args=(server, 48, short)),
                threading.Thread(target=_stream, args=(server, 5000, long))]
     for thread in threads:
         thread.start()

@@ -56,6 +56,8 @@ def test_fused_layers_give_the_python_layers_logits_bit_for_bit(default_model_di
     runner = runner_on_blocks(activations)
     fused = runner.model.model.fused_decode
     assert isinstance(fused, FusedDecodeLayers)
+    every_row = activations == "float32" and torch.ops.radixserve_cpu.gguf_interleaved_vectorized()
+    assert (fused.max_tokens is None) == every_row
     taken = []
 
     def counting(positions, hidden, batch, attn_backend):
@@ -74,9 +76,10 @@ def test_fused_layers_give_the_python_layers_logits_bit_for_bit(default_model_di
         assert len(with_fused) == len(layers) == 12
         for step, (a, b) in enumerate(zip(with_fused, layers)):
             assert torch.equal(a, b), f"{len(group)} prompts, step {step}: max diff {(a - b).abs().max().item()}"
-        # a batch of fewer than DENSE_FROM tokens (a short prompt's prefill too) takes the fused call, others not
+        # interleaved blocks: every batch takes the fused call; other blocks: a batch of fewer than DENSE_FROM tokens
+        # (a short prompt's prefill too), others not
         assert [tokens for tokens, _ in taken] == [sum(map(len, group))] + [len(group)] * 11
-        assert all(took == (tokens < DENSE_FROM) for tokens, took in taken)
+        assert all(took == (fused.max_tokens is None or tokens < DENSE_FROM) for tokens, took in taken)
     runner.model.model.fused_decode = fused
 
 
@@ -108,7 +111,8 @@ def test_qwen_layers_on_blocks_give_the_python_layers_logits_bit_for_bit(tiny_mo
     taken = []
     runner.model.model.fused_decode = lambda *args: taken.append(fused(*args)) or taken[-1]
     with_fused = logits_of_each_step(runner, prompts, 10)
-    assert sum(out is not None for out in taken) == 9  # every decode step (3 tokens), not the 20-token prefill
+    # every decode step (3 tokens); the 20-token prefill where the blocks are interleaved
+    assert sum(out is not None for out in taken) == (10 if fused.max_tokens is None else 9)
     runner.model.model.fused_decode = None
     layers = logits_of_each_step(runner, prompts, 10)
     runner.model.model.fused_decode = fused

@@ -66,23 +66,26 @@ def test_default_model_on_its_blocks_gives_transformers_greedy_ids(default_model
 
 def test_int8_activations_keep_most_of_the_float_paths_greedy_ids(default_model_dir):
     """`--gguf-activations int8` on the embedded model: every block linear rounds its activations to int8 at decode
-    rows, and the greedy ids stay those of the float32 activations on most prompts (12 of 16 over 32 tokens on the
-    AVX-512 VNNI CPU measured; int8 rounding is another function, so not all)."""
-    runners = {activations: ModelRunner(RunnerConfig.from_server_args(ServerArgs(
-        device="cpu", quantization="gguf", gguf_activations=activations, max_total_tokens=4096,
-        max_running_requests=16))) for activations in ("float32", "int8")}
+    rows, and the greedy ids stay those of the float path on many prompts (8 to 12 of 16 over 32 tokens on the AVX-512
+    VNNI CPU measured; int8 rounding is another function, so not all, and a change in the last bits of its input, as
+    another summation order makes, moves which ones). Both on the whole thread team: the prefill's float32 GEMM may
+    move in the last bits with the thread count."""
+    runners = {name: ModelRunner(RunnerConfig.from_server_args(ServerArgs(
+        device="cpu", max_total_tokens=4096, max_running_requests=16, disable_cpu_thread_governor=True, **kwargs)))
+        for name, kwargs in (("int8", {"quantization": "gguf", "gguf_activations": "int8"}),
+                             ("float path", {"quantization": "none"}))}
     layer = runners["int8"].model.model.layers[0]
     for linear in (layer.self_attn.qkv_proj, layer.mlp.down_proj, runners["int8"].model.logits_head):
         assert isinstance(linear, GGUFLinear) and linear.activation_bits == 8
-    assert runners["float32"].model.logits_head.activation_bits == 16
+        assert linear.interleaved == torch.ops.radixserve_cpu.gguf_interleaved_vectorized()
 
     tokenizer = load_tokenizer(default_model_dir)
     prompts = [tokenizer.encode(text) for text in PROMPTS]
     eos = runners["int8"].model_config.eos_token_ids
-    ours, reference = (greedy_generate(runners[a], prompts, MAX_NEW_TOKENS, stop_token_ids=eos)
-                       for a in ("int8", "float32"))
+    ours, reference = (greedy_generate(runners[name], prompts, MAX_NEW_TOKENS, stop_token_ids=eos)
+                       for name in ("int8", "float path"))
     agree = sum(a == b for a, b in zip(ours, reference))
-    assert agree >= 10, f"{agree} of {len(prompts)} prompts keep the float32 activations' greedy ids"
+    assert agree >= 6, f"{agree} of {len(prompts)} prompts keep the float path's greedy ids"
 
 
 KQUANT_LAYERS = [GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K]
@@ -175,7 +178,8 @@ def test_the_gguf_default_follows_its_isa_table(default_model_dir, tiny_model_di
 @pytest.mark.slow  # two runners of the embedded model generate 8 x 32 tokens
 def test_blocks_chosen_by_default_decode_on_blocks_and_prefill_on_the_float_linears(default_model_dir, monkeypatch):
     """Where the ISA table picks the blocks, each projection keeps its float linear (packed as on the float path) for
-    prefill rows and reads the blocks at decode rows; the greedy ids are the float path's."""
+    prefill rows and reads the blocks at decode rows, unless its blocks are interleaved (their kernel is ahead of the
+    float linear at every row count: none is kept); the greedy ids are the float path's."""
     from radixserve.model_runner.cpu import gguf_default
     from radixserve.model_runner.cpu.small_batch import SmallBatchLinear
 
@@ -183,14 +187,17 @@ def test_blocks_chosen_by_default_decode_on_blocks_and_prefill_on_the_float_line
     runners = {quantization: ModelRunner(RunnerConfig.from_server_args(ServerArgs(
         device="cpu", quantization=quantization, max_total_tokens=4096, max_running_requests=8)))
         for quantization in (None, "none")}
+    interleaved = torch.ops.radixserve_cpu.gguf_interleaved_vectorized()
     layer = runners[None].model.model.layers[0]
-    for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
-        assert isinstance(linear, GGUFLinear) and isinstance(linear.dense, SmallBatchLinear)
-    head = runners[None].model.logits_head  # the blocks at a few rows, the float path's head at many
-    assert isinstance(head, GGUFLinear) and isinstance(head.dense, SmallBatchLinear)
-    assert head.dense.weight is runners[None].model.lm_head_weight  # the embedding's matrix, not a copy
-    prefill_rows = torch.randn(40, layer.mlp.down_proj.in_features)
-    assert torch.equal(layer.mlp.down_proj(prefill_rows), layer.mlp.down_proj.dense(prefill_rows))
+    head = runners[None].model.logits_head
+    for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj,
+                   head):
+        assert isinstance(linear, GGUFLinear) and linear.interleaved == interleaved
+        assert linear.dense is None if interleaved else isinstance(linear.dense, SmallBatchLinear)
+    if not interleaved:  # the blocks at a few rows, the float path's head at many
+        assert head.dense.weight is runners[None].model.lm_head_weight  # the embedding's matrix, not a copy
+        prefill_rows = torch.randn(40, layer.mlp.down_proj.in_features)
+        assert torch.equal(layer.mlp.down_proj(prefill_rows), layer.mlp.down_proj.dense(prefill_rows))
 
     tokenizer = load_tokenizer(default_model_dir)
     prompts = [tokenizer.encode(text) for text in PROMPTS[:8]]
