@@ -10,13 +10,12 @@ activations.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType
-from gguf.quants import dequantize, quantize
+from gguf.quants import dequantize
 
-from radixserve.kernels import cpu_build
+from test_cpu_gguf_linear import kernels, quantized_weight  # noqa: F401 (kernels: the module's autouse fixture)
 
 TYPES = [GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1]
 INTERLEAVED = {16: 256, 8: 512}  # activation bits -> the type id's flag
@@ -25,18 +24,6 @@ BLOCK_BYTES = {GGMLQuantizationType.Q8_0: 34, GGMLQuantizationType.Q4_0: 18, GGM
 # (rows M, out features N, in features K): one decode row, two, three (the kernel's chains per row differ), a pass of
 # four and its rest, prefill rows over more than one sweep of 64; the embedded model's shapes
 SHAPES = [(1, 16, 32), (2, 48, 96), (3, 32, 160), (9, 64, 256), (70, 48, 64), (1, 960, 576), (5, 576, 1536)]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def kernels():
-    assert cpu_build.load(), "the CPU kernels failed to build (see the log)"
-
-
-def quantized_weight(ggml_type, n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(blocks [n, row bytes] uint8, the dequantized values [n, k] float64)."""
-    values = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)).numpy()
-    blocks = quantize(values, ggml_type)
-    return torch.from_numpy(np.array(blocks, copy=True)), torch.from_numpy(dequantize(blocks, ggml_type)).double()
 
 
 def rounded(x: torch.Tensor, bits: int) -> torch.Tensor:
