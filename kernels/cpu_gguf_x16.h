@@ -1,5 +1,5 @@
-// Q4_0 / Q4_1 / Q8_0 weights re-laid 16 rows at a time ("interleaved"), against activations rounded to 16-bit
-// integers per block of 32 (kernels/cpu_gguf_linear.cpp's type ids with `kFlag` set).
+// Q4_0 / Q4_1 / Q8_0 weights re-laid 16 rows at a time ("interleaved"), against activations rounded to 16-bit (or
+// int8) integers per block of 32 (kernels/cpu_gguf_linear.cpp's type ids + `kFlag16`, or + `kFlag8`).
 //
 // GGUF stores a weight row after row, block after block. Multiplying those blocks in registers converts every value to
 // float32 for one multiply-add with one activation: at one input row the embedded model's projections then take about
@@ -14,7 +14,10 @@
 //
 // so a chunk's words, masked and shifted (or sign-extended), are the weights of two consecutive k for the 16 rows, and
 // the matching activations are one 32-bit pair broadcast to every lane. A group of 16 rows is K / 32 tile-blocks, in
-// the bytes the 16 rows took before.
+// the bytes the 16 rows took before. The int8 layout (`vpdpbusd`: four byte pairs a lane) holds four consecutive k a
+// lane instead: Q4's chunk L has quad L in its bytes' low nibbles and quad L + 4 in their high ones (byte 4c + j: row
+// c, k = 4 quad + j); Q8_0's 8 chunks of 64 bytes hold quad p each, stored + 128 (unsigned, as `vpdpbusd` multiplies
+// its weights; the 128 * sum(xq) this adds is taken off in integers).
 //
 // The activations are rounded per block of 32 to 16-bit integers (xq = round(x / dx), dx = max|x| / 32767; or, for
 // `--gguf-activations int8`, to int8, dx = max|x| / 127, the layout then holding four consecutive k per lane for
@@ -51,7 +54,8 @@ constexpr int kPassRows = 4;      // input rows that share one pass over a group
 constexpr int64_t kChunkRows = 64;  // input rows per sweep over a thread's groups (their activations stay in L2)
 // How far ahead of the tile-block being multiplied the first pass over it prefetches its thread's weights: a group's
 // tile-blocks follow one another, so this is further along the same stream. At one row the embedded model's Q8_0 LM
-// head (30 MB) streamed at 29 GB/s without, 32 GB/s at 8 KB ahead (24-27 GB/s at 2 KB or 16-32 KB) on two threads.
+// head (30 MB) streamed at 29 GB/s without, 32 GB/s at 8 KB ahead on every pass (24-27 GB/s at 2 KB or 16-32 KB) and
+// 40 GB/s at 8 KB ahead on a chunk's first pass only, on two threads.
 constexpr int64_t kAheadBytes = 8192;
 
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
