@@ -22,6 +22,7 @@ from scheduler_driver import SchedulerDriver
 
 MATCHES_NOTHING = r"[^\s\S]"  # a character class that admits no character
 ONE_LETTER = "a"  # after "a" the grammar only allows EOS, which min_new_tokens=2 bans
+FORTY_LETTERS = "(ab){20}"  # the same dead end some tokens in, well after the first token has gone out
 SAMPLED = {"temperature": 1.0, "top_p": 0.9}
 
 
@@ -104,9 +105,10 @@ def test_over_http_the_request_gets_a_400_and_the_server_goes_on(server):
         error = response.json()["error"]
         assert error["type"] == "invalid_request_error" and "token" in error["message"]
         assert "Traceback" not in response.text
-    # Found mid-stream, after the first token was sent: the stream ends with the error event.
+    # Found mid-stream, after the first token was sent: the stream ends with the error event. (With ONE_LETTER the
+    # dead end comes one decode step after the first token, which a fast step can deliver together with it.)
     streamed = httpx.post(server.url + "/v1/chat/completions", headers=headers, timeout=60,
-                          json={**chat, "regex": ONE_LETTER, "min_tokens": 2, "stream": True})
+                          json={**chat, "max_tokens": 64, "regex": FORTY_LETTERS, "min_tokens": 63, "stream": True})
     events = [line[len("data: "):] for line in streamed.text.splitlines() if line.startswith("data: ")]
     assert streamed.status_code == 200 and events[-1] == "[DONE]"
     assert "no token satisfies" in json.loads(events[-2])["error"]["message"]
