@@ -56,10 +56,9 @@ DEQUANTIZE_FROM = 32
 DENSE_FROM = 8
 # The block types whose kernel takes the float32 activations (the K-quants round them to integers instead).
 FLOAT_ACTIVATION_TYPES = frozenset({2, 3, 8})
-# The types whose blocks are re-laid 16 rows at a time (kernels/cpu_gguf_x16.h), where the kernel runs in vector
+# Blocks of those types are re-laid 16 rows at a time (kernels/cpu_gguf_x16.h) where the kernel runs in vector
 # registers (AVX-512 BW + VNNI) and the rows are a multiple of `INTERLEAVED_ROWS`; the kernel's type id is the GGML
 # type's + `INTERLEAVED[activations]` (16-bit integer activations for `float32`, int8 for `int8`).
-INTERLEAVED_TYPES = frozenset({2, 3, 8})
 INTERLEAVED, INTERLEAVED_ROWS = {"float32": 256, "int8": 512}, 16
 # The K-quants' activations: 16 (14-bit integers in 16-bit multiply-adds) or 8 (llama.cpp's int8, VNNI's dot products).
 KQUANT_ACTIVATION_BITS = 16
@@ -76,8 +75,8 @@ _FUSED_PARTS = {
 
 
 def interleaves(matrix: BlockMatrix) -> bool:
-    """Whether `GGUFLinear` re-lays `matrix` 16 rows at a time (see `INTERLEAVED_TYPES`)."""
-    return (matrix.ggml_type in INTERLEAVED_TYPES and matrix.out_features % INTERLEAVED_ROWS == 0
+    """Whether `GGUFLinear` re-lays `matrix` 16 rows at a time (see `INTERLEAVED`)."""
+    return (matrix.ggml_type in FLOAT_ACTIVATION_TYPES and matrix.out_features % INTERLEAVED_ROWS == 0
             and torch.ops.radixserve_cpu.gguf_interleaved_vectorized())
 
 
