@@ -8,7 +8,8 @@ bfloat16 conversion (`--dtype bfloat16`), the other path that rounds what the fl
 Per path against the reference: the prompts whose 32 tokens are all the same, the mean length of the common prefix,
 and over the tokens of the common prefixes the distance of the chosen tokens' logprobs (mean and max |difference|).
 A real Scheduler and ModelRunner in this process (the tests' scheduler driver), the 16 requests decoding together
-(decode rows run the blocks' kernel, the prefill the dequantized GEMM, as in a server).
+(as in a server). The blocks keep keys and values in float16 by default; "gguf, float32 KV" is the same path with a
+float32 cache.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ PROMPTS = [
 PATHS = {
     "float32": {"dtype": "float32", "quantization": "none"},
     "bfloat16": {"dtype": "bfloat16", "quantization": "none"},  # for scale: the other approximate path
-    "gguf float32 activations": {"quantization": "gguf"},
+    "gguf float32 activations": {"quantization": "gguf"},  # keys and values in float16 (its default)
+    "gguf, float32 KV": {"quantization": "gguf", "kv_cache_dtype": "float32"},
     "gguf int8 activations": {"quantization": "gguf", "gguf_activations": "int8"},
 }
 NEW_TOKENS = 32

@@ -19,6 +19,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include "cpu_attention_dots.h"
@@ -55,6 +56,15 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 template <typename T>
 inline void to_float(const T* src, float* dst, int64_t n) {
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, c10::Half>) {  // F16C: 16 values an instruction (n is a multiple of 16 here)
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
+      _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))));
+    for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+    return;
+  }
+#endif
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
@@ -76,18 +86,21 @@ struct Item {
 };
 
 // Query rows of an item are laid out KV head major: row (h, t, g) = h * T * G + t * G + g for query token t of the
-// item and query head h * G + g, so the rows that read one KV head are contiguous.
-template <typename scalar_t>
+// item and query head h * G + g, so the rows that read one KV head are contiguous. The queries and the output are
+// scalar_t; the pool holds kv_t: the same type, or float16 beside float32 queries (each tile's keys and values
+// converted to float32 once, as for any pool that is not float32).
+template <typename scalar_t, typename kv_t = scalar_t>
 class ItemKernel {
   // bfloat16 keys are read in place by bfloat16 dot products where the CPU has them (cpu_attention_lanes.h).
-  static constexpr bool kKeysAsBf16 = std::is_same_v<scalar_t, c10::BFloat16> && radixserve_cpu::kBf16Dots;
+  static constexpr bool kKeysAsBf16 = std::is_same_v<scalar_t, c10::BFloat16> &&
+                                      std::is_same_v<kv_t, c10::BFloat16> && radixserve_cpu::kBf16Dots;
 
  public:
   ItemKernel(const at::Tensor& q, const at::Tensor& k_buffer, const at::Tensor& v_buffer, at::Tensor& out,
              float* lse, const Plan& plan, float scale, bool use_amx, bool row_invariant)
       : q_(q.data_ptr<scalar_t>()),
-        k_(k_buffer.data_ptr<scalar_t>()),
-        v_(v_buffer.data_ptr<scalar_t>()),
+        k_(k_buffer.data_ptr<kv_t>()),
+        v_(v_buffer.data_ptr<kv_t>()),
         out_(out.data_ptr<scalar_t>()),
         lse_(lse),
         plan_(plan),
@@ -234,7 +247,7 @@ class ItemKernel {
         for (int64_t k = 0; k < n; ++k) {
           if (h == h_begin_ && ahead + k < kv_end) prefetch_keys(ahead + k, ahead + k + 1, h_begin_, h_end_);
           const int64_t offset = plan_.kv_slots[t0 + k] * kv_stride_slot_ + h * D;
-          if constexpr (std::is_same_v<scalar_t, float>) {
+          if constexpr (std::is_same_v<kv_t, float>) {
             k_rows_[k] = k_ + offset;
             v_rows_[k] = v_ + offset;
           } else {
@@ -285,7 +298,7 @@ class ItemKernel {
   // The K/V rows (heads [h_begin, h_end)) of the keys kv_slots[begin, end), into the caches while other keys are
   // computed.
   void prefetch_keys(int64_t begin, int64_t end, int64_t h_begin, int64_t h_end) {
-    const int64_t bytes = (h_end - h_begin) * head_dim_ * static_cast<int64_t>(sizeof(scalar_t));
+    const int64_t bytes = (h_end - h_begin) * head_dim_ * static_cast<int64_t>(sizeof(kv_t));
     for (int64_t k = begin; k < end; ++k) {
       const int64_t offset = plan_.kv_slots[k] * kv_stride_slot_ + h_begin * head_dim_;
       const char* k_row = reinterpret_cast<const char*>(k_ + offset);
@@ -310,7 +323,7 @@ class ItemKernel {
       for (int64_t k = 0; k < n; ++k) {
         if (ahead + k < kv_end) prefetch_keys(ahead + k, ahead + k + 1, h_begin_, h_end_);
         const int64_t offset = plan_.kv_slots[t0 + k] * kv_stride_slot_;
-        if constexpr (std::is_same_v<scalar_t, float>) {
+        if constexpr (std::is_same_v<kv_t, float>) {
           k_rows_[k] = k_ + offset;
           v_rows_[k] = v_ + offset;
         } else if constexpr (kKeysAsBf16) {  // read in place
@@ -398,8 +411,8 @@ class ItemKernel {
 #endif
 
   const scalar_t* q_;
-  const scalar_t* k_;
-  const scalar_t* v_;
+  const kv_t* k_;
+  const kv_t* v_;
   scalar_t* out_;
   float* lse_;
   const Plan& plan_;
@@ -420,19 +433,44 @@ class ItemKernel {
   const float* v_rows_[kKeyTile];
 };
 
-template <typename scalar_t>
+// The new tokens' k/v (scalar_t) into the pool (kv_t) at their slots.
+template <typename scalar_t, typename kv_t>
 void store_kv(at::Tensor& k_buffer, at::Tensor& v_buffer, const at::Tensor& loc, const at::Tensor& k,
               const at::Tensor& v) {
   const int64_t tokens = loc.size(0), row = k_buffer.size(1) * k_buffer.size(2);
   const int64_t* slots = loc.data_ptr<int64_t>();
-  scalar_t* kb = k_buffer.data_ptr<scalar_t>();
-  scalar_t* vb = v_buffer.data_ptr<scalar_t>();
+  kv_t* kb = k_buffer.data_ptr<kv_t>();
+  kv_t* vb = v_buffer.data_ptr<kv_t>();
   const scalar_t* ks = k.data_ptr<scalar_t>();
   const scalar_t* vs = v.data_ptr<scalar_t>();
   for (int64_t t = 0; t < tokens; ++t) {
-    std::memcpy(kb + slots[t] * row, ks + t * row, row * sizeof(scalar_t));
-    std::memcpy(vb + slots[t] * row, vs + t * row, row * sizeof(scalar_t));
+    if constexpr (std::is_same_v<scalar_t, kv_t>) {
+      std::memcpy(kb + slots[t] * row, ks + t * row, row * sizeof(kv_t));
+      std::memcpy(vb + slots[t] * row, vs + t * row, row * sizeof(kv_t));
+    } else {
+      for (int64_t i = 0; i < row; ++i) {
+        kb[slots[t] * row + i] = static_cast<kv_t>(ks[t * row + i]);
+        vb[slots[t] * row + i] = static_cast<kv_t>(vs[t * row + i]);
+      }
+    }
   }
+}
+
+// Stores the new tokens and runs every unit, queries scalar_t and the pool kv_t.
+template <typename scalar_t, typename kv_t>
+void attend_units(const at::Tensor& q, at::Tensor& k_buffer, at::Tensor& v_buffer, const at::Tensor& loc,
+                  const at::Tensor& k_new, const at::Tensor& v_new, at::Tensor& out, float* lse, const Plan& plan,
+                  float scale, bool amx, bool row_invariant, const std::vector<Item>& units) {
+  store_kv<scalar_t, kv_t>(k_buffer, v_buffer, loc, k_new, v_new);
+  std::atomic<int64_t> next{0};
+  const int64_t num_units = static_cast<int64_t>(units.size());
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), num_units);
+  at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
+    ItemKernel<scalar_t, kv_t> kernel(q, k_buffer, v_buffer, out, lse, plan, scale, amx, row_invariant);
+    for (int64_t worker = begin; worker < end; ++worker) {
+      for (int64_t i = next.fetch_add(1); i < num_units; i = next.fetch_add(1)) kernel.run(units[i]);
+    }
+  });
 }
 
 void check_index(const at::Tensor& t, const char* name) {
@@ -456,8 +494,12 @@ at::Tensor paged_attention(const at::Tensor& q, at::Tensor k_buffer, at::Tensor 
                            at::Tensor lse, bool amx, bool row_invariant) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [tokens, heads, head_dim] with unit stride");
   TORCH_CHECK(k_buffer.is_contiguous() && v_buffer.is_contiguous(), "the KV buffers must be contiguous");
-  TORCH_CHECK(q.scalar_type() == k_buffer.scalar_type() && k.scalar_type() == k_buffer.scalar_type(),
-              "q, k, v and the KV buffers must share one dtype");
+  // One dtype for all, or float32 queries and new k/v over a float16 pool.
+  const bool half_pool = q.scalar_type() == at::kFloat && k_buffer.scalar_type() == at::kHalf;
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type() &&
+                  v_buffer.scalar_type() == k_buffer.scalar_type() &&
+                  (q.scalar_type() == k_buffer.scalar_type() || half_pool),
+              "q, k, v and the KV buffers must share one dtype (or be float32 over float16 buffers)");
   TORCH_CHECK(q.size(1) % k_buffer.size(1) == 0, "heads must be a multiple of KV heads");
   TORCH_CHECK(q.size(2) % 16 == 0 && q.size(2) <= 256, "head_dim must be a multiple of 16, at most 256");
   for (const auto* t : {&loc, &items, &group_member_indptr, &group_kv_indptr, &member_q_start, &member_q_len,
@@ -497,18 +539,14 @@ at::Tensor paged_attention(const at::Tensor& q, at::Tensor k_buffer, at::Tensor 
       units.push_back(Item{it[0], it[1], it[2], 0, kv_heads});
     }
   }
+  if (half_pool) {
+    attend_units<float, c10::Half>(q, k_buffer, v_buffer, loc, k_new, v_new, out, lse_ptr, plan,
+                                   static_cast<float>(scale), amx, row_invariant, units);
+    return out;
+  }
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "paged_attention", [&] {
-    store_kv<scalar_t>(k_buffer, v_buffer, loc, k_new, v_new);
-    std::atomic<int64_t> next{0};
-    const int64_t num_units = static_cast<int64_t>(units.size());
-    const int64_t workers = std::min<int64_t>(at::get_num_threads(), num_units);
-    at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
-      ItemKernel<scalar_t> kernel(q, k_buffer, v_buffer, out, lse_ptr, plan, static_cast<float>(scale), amx,
-                                      row_invariant);
-      for (int64_t worker = begin; worker < end; ++worker) {
-        for (int64_t i = next.fetch_add(1); i < num_units; i = next.fetch_add(1)) kernel.run(units[i]);
-      }
-    });
+    attend_units<scalar_t, scalar_t>(q, k_buffer, v_buffer, loc, k_new, v_new, out, lse_ptr, plan,
+                                     static_cast<float>(scale), amx, row_invariant, units);
   });
   return out;
 }

@@ -9,7 +9,7 @@ layers' bit for bit (tests/model_runner/test_fused_decode.py), and the Python is
 `use_fused_decode_layers` installs it on a model whose every layer is a Llama, Qwen2 (q/k/v biases) or Qwen3 (per-head
 q/k norms) decoder layer with the gated MLP, no sinks and no sliding window, with all four projections on GGUF blocks
 (model_runner/cpu/gguf_linear.py), on one rank. A batch takes it when the blocks' kernel computes every projection
-at its size (interleaved blocks of the default activations at any size, others below `DENSE_FROM` tokens, from which
+at its size (interleaved blocks at any size, others below `DENSE_FROM` tokens, from which
 a float linear takes over: the one kept beside the blocks by default, or the dequantized weight's), asks for every
 token's hidden state, and the CPU attention backend planned it for
 its kernel; any other batch runs the layers.
@@ -62,7 +62,7 @@ class FusedDecodeLayers:
             for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
                 self.types.append(linear.kernel_type)
                 self.activation_bits.append(linear.activation_bits)
-        # Interleaved blocks with 16-bit activations compute every row count on the kernel called here; other blocks
+        # Interleaved blocks compute every row count on the kernel called here; other blocks
         # hand many rows to a float linear (kept, or the dequantized weight's), so from DENSE_FROM tokens on those
         # batches run the layers.
         every_row = all(linear.every_row for layer in layers for linear in (
@@ -75,7 +75,7 @@ class FusedDecodeLayers:
         pool = batch.token_to_kv_pool
         if ((self.max_tokens is not None and hidden.shape[0] > self.max_tokens) or hidden.dtype != torch.float32
                 or not isinstance(attn_backend, CpuAttentionBackend) or not isinstance(plan, CpuAttentionPlan)
-                or pool.k_buffer[0].dtype != torch.float32):
+                or pool.k_buffer[0].dtype not in (torch.float32, torch.float16)):
             return None
         buffers = [pool.get_kv_buffer(layer_id) for layer_id in self.layer_ids]
         hidden, residual = torch.ops.radixserve_cpu.decode_layers(

@@ -250,7 +250,13 @@ class ModelRunner:
         return create_cuda_graph_runner(self)
 
     def _resolve_kv_cache_dtype(self) -> torch.dtype:
+        """`--kv-cache-dtype`; auto: the model's dtype, except float16 under a GGUF's blocks on the CPU (llama.cpp's
+        default too): the blocks' float32 activations then keep their greedy ids (docs/quantization.md), and decode
+        steps read half the bytes of their keys and values."""
         name = self.config.kv_cache_dtype
+        if name == "auto" and self.config.quantization == "gguf" and self.device.type == "cpu" \
+                and self.dtype == torch.float32:
+            return torch.float16
         return self.dtype if name == "auto" else KV_CACHE_DTYPES[name]
 
     def _resolve_context_len(self) -> int:

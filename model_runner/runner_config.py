@@ -71,7 +71,7 @@ class RunnerConfig:
     # Quantized weights: "gguf" (a GGUF's linears on its own blocks, model_runner/cpu/gguf_linear.py) or None; resolved
     # (unasked, a GGUF model on an AVX-512 CPU runs on its blocks: model_runner/cpu/gguf_default.py)
     quantization: Optional[str] = None
-    gguf_activations: str = "float32"  # the blocks' activations at decode rows: float32 or int8 (gguf_linear.py)
+    gguf_activations: str = "float32"  # the blocks' activations: float32 or int8 (gguf_linear.py)
     gguf_keep_float: bool = False  # blocks chosen by default keep the float projections for prefill rows
 
     # Hybrid models' state pool (model_runner/state_memory.py): total slots (None: sized from the budget) and the

@@ -10,6 +10,10 @@ once per batch from `req_to_token`; the kernel reads K and V through them, with 
 Work items are (group, block of `QUERY_BLOCK` queries of a lone request), every head at once, ordered longest
 first so the threads' dynamic hand-out ends together. `forward` writes the new K/V into the pool and attends, in the kernel.
 
+The pool holds the queries' dtype (float32 or bfloat16), or float16 under float32 queries (the default under a
+GGUF's blocks, model_runner/model_runner.py): the kernel converts each tile of float16 keys and values to float32 once
+and computes as on a float32 pool.
+
 Until the kernel library is loaded (built at first use in the background, see `kernels/cpu_build.py`), every
 batch, and batches of dtypes or head sizes it does not cover, go through the torch_native backend, the reference;
 so do batches with an extend longer than `max_extend_len`, where one is given (none by default, see
@@ -44,7 +48,7 @@ QUERY_BLOCK = 16  # query tokens per work item of a lone request
 # (benchmarks/cpu_kernels.py; torch_native masks every key, so its causal half is computed too). `max_extend_len`
 # sends longer extends to torch_native.
 MAX_KERNEL_EXTEND_LEN: Optional[int] = None
-SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the pool's; float16 under float32 queries only
 
 
 @dataclass
@@ -100,23 +104,22 @@ class CpuAttentionBackend(AttentionBackend):
 
     def forward(self, q, k, v, layer_id: int, scaling: float, batch: ForwardBatch,
                 sliding_window: Optional[int] = None, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
-        meta = batch.attn_metadata
-        if not isinstance(meta, CpuAttentionPlan) or q.dtype != batch.token_to_kv_pool.k_buffer[0].dtype:
+        meta, pool = batch.attn_metadata, batch.token_to_kv_pool
+        if not isinstance(meta, CpuAttentionPlan) or not kernel_dtypes(q.dtype, pool.k_buffer[0].dtype):
             if isinstance(meta, CpuAttentionPlan):  # a dtype the kernel was not planned for: re-plan the reference
                 self.fallback.plan(batch)
             return self.fallback.forward(q, k, v, layer_id, scaling, batch, sliding_window, sinks)
-        pool = batch.token_to_kv_pool
         if sliding_window is not None and (max(batch.seq_lens_cpu) > sliding_window or pool.window_map is not None):
             if sliding_window not in meta.windowed:
                 meta.windowed[sliding_window] = self._plan_window(batch, sliding_window)
             meta = meta.windowed[sliding_window]
             if isinstance(meta, TorchNativeMetadata):
                 return self.fallback.run(meta, q, k, v, layer_id, scaling, batch, sinks)
-        k_buffer, v_buffer = batch.token_to_kv_pool.get_kv_buffer(layer_id)
+        k_buffer, v_buffer = pool.get_kv_buffer(layer_id)
         # With sinks the kernel also writes each row's log-sum-exp, from which the sink's share is taken out.
         lse = _EMPTY if sinks is None else q.new_empty(q.shape[:2], dtype=torch.float32)
         out = torch.ops.radixserve_cpu.paged_attention(
-            q, k_buffer, v_buffer, k.to(k_buffer.dtype), v.to(v_buffer.dtype), meta.out_cache_loc, meta.items,
+            q, k_buffer, v_buffer, k.to(q.dtype), v.to(q.dtype), meta.out_cache_loc, meta.items,
             meta.group_member_indptr, meta.group_kv_indptr, meta.member_q_start, meta.member_q_len,
             meta.member_q_pos0, meta.member_kv_indptr, meta.member_kv_pos0, meta.kv_slots, scaling, lse, self.amx,
             self.row_invariant,
@@ -136,6 +139,12 @@ class CpuAttentionBackend(AttentionBackend):
 
 
 _EMPTY = torch.empty(0)
+
+
+def kernel_dtypes(query: torch.dtype, pool: torch.dtype) -> bool:
+    """Whether the kernel attends `query` rows over a pool of `pool`: one dtype of SUPPORTED_DTYPES but float16, or
+    float32 queries over float16 keys and values (converted to float32 a tile at a time)."""
+    return (query == pool and query != torch.float16) or (query == torch.float32 and pool == torch.float16)
 
 
 def supported_head_dim(head_dim: int) -> bool:

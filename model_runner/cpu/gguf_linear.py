@@ -18,12 +18,13 @@ blocks, and kernels/cpu_gguf_linear.cpp multiplies on them.
   The activations are 14-bit integers (`KQUANT_ACTIVATION_BITS`), not llama.cpp's int8: int8 rounding changes greedy
   tokens against the float product of the dequantized weights (0 of 16 prompts kept Hugging Face's 32 tokens on a
   tiny random llama), 14 bits keep them.
-- `--gguf-activations int8`: llama.cpp's arithmetic at decode rows, the activations rounded to int8 per block (32
-  values for Q8_0 / Q4_0 / Q4_1: the interleaved blocks' int8 layout, `vpdpbusd`, else kernels/cpu_gguf_q8.h; 256 for
-  the K-quants) and multiplied in integers. Faster, but a different function: on the embedded SmolLM2 it keeps the
-  float32 path's greedy tokens on 12 of 16 prompts (docs/quantization.md). Prefill rows of Q8_0 / Q4_0 / Q4_1 stay on
-  the dequantized float32 GEMM (int8 there too kept 3 of 16 and served the shared-prefix workload only 1.14x
-  faster); the K-quants, whose kernel runs at every row count, take int8 activations at every row count.
+- `--gguf-activations int8`: llama.cpp's arithmetic, the activations rounded to int8 per block (32 values for Q8_0 /
+  Q4_0 / Q4_1: the interleaved blocks' int8 layout, `vpdpbusd`, else kernels/cpu_gguf_q8.h; 256 for the K-quants)
+  and multiplied in integers. Faster, but a different function: on the embedded SmolLM2 it keeps the float32 path's
+  greedy tokens on 5 of 16 prompts over 32 tokens (bfloat16: 7; docs/quantization.md). Interleaved blocks take int8
+  activations at every row count, prefill included, where `vpdpbusd`'s four products a lane run 1.5-1.7x the 16-bit
+  kernel; blocks that are not interleaved take them at decode rows, their prefill rows on the dequantized float32
+  GEMM; the K-quants, whose kernel runs at every row count, at every row count.
 The model is loaded from the converted directory as for the float path, then `use_gguf_blocks` swaps each fused
 projection (qkv, gate/up, o, down) whose parts are stored in one block type for a `GGUFLinear` on the concatenated
 blocks, and the LM head (the embedding's matrix where tied) for one on its own. Asked for (`--quantization gguf`),
@@ -83,8 +84,9 @@ def interleaves(matrix: BlockMatrix) -> bool:
 class GGUFLinear(nn.Module):
     """`x @ W.T (+ bias)` with W in llama.cpp's blocks: `x [..., in_features]` float32 on the CPU -> float32. With
     `dense` (the float linear of the same weight, kept), rows from `DENSE_FROM` on run through it. Blocks that
-    `interleaves` re-lays run every row count on their kernel with float32 activations (`every_row`: it outpaces the
-    float32 GEMM at any, and a `dense` given with them is not kept), decode rows with int8 ones."""
+    `interleaves` re-lays run every row count on their kernel (`every_row`: with float32 activations it outpaces the
+    float32 GEMM at any, with int8 ones it is llama.cpp's arithmetic at any; a `dense` given with them is not
+    kept)."""
 
     def __init__(self, matrix: BlockMatrix, bias: Optional[torch.Tensor] = None, activations: str = "float32",
                  dense: Optional[nn.Module] = None) -> None:
@@ -98,12 +100,11 @@ class GGUFLinear(nn.Module):
         blocks = matrix.blocks
         if self.interleaved:
             blocks = torch.ops.radixserve_cpu.gguf_interleave(blocks, matrix.ggml_type, self.activation_bits)
-            dense = None if activations == "float32" else dense
+            dense = None
         # the kernel's type id: the GGML type's, + INTERLEAVED[activations] for re-laid blocks
         self.kernel_type = matrix.ggml_type + INTERLEAVED[activations] if self.interleaved else matrix.ggml_type
-        # whether the kernel serves every row count: interleaved blocks with the float path's accuracy; int8
-        # activations stay at decode rows, prefill rows multiplying the dequantized weight in float32
-        self.every_row = self.interleaved and activations == "float32"
+        # whether the kernel serves every row count: interleaved blocks (16-bit or int8 activations alike)
+        self.every_row = self.interleaved
         self.register_buffer("blocks", blocks, persistent=False)
         self.bias = bias
         self.dense = dense  # a child module, so that the runner's CPU packing (small_batch.py) reaches it
@@ -135,7 +136,7 @@ def _stacked(parts: list[BlockMatrix]) -> Optional[BlockMatrix]:
 
 def use_gguf_blocks(model: nn.Module, gguf_path: str, activations: str = "float32", keep_float: bool = False) -> int:
     """Swap `model`'s projections and LM head for `GGUFLinear`s on `gguf_path`'s blocks (those stored in a block
-    type; the others keep their float weights), multiplying `activations` (float32 or int8) at decode rows. With
+    type; the others keep their float weights), multiplying `activations` (float32 or int8). With
     `keep_float`, each swapped projection keeps its float linear for prefill rows, and the head is given the float
     path's head for as many rows (more memory: the float weights stay beside the blocks). Loads the CPU kernels
     first (a RuntimeError where they cannot be built). Returns how many linears now read blocks."""

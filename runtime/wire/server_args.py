@@ -214,8 +214,8 @@ class ServerArgs:
     disable_hybrid_swa_memory: bool = False
     # Authenticated rendezvous across hosts (runtime/wire/dist_secret.py, docs/security.md)
     dist_auth_secret_file: Optional[str] = field(default=None, metadata={"help": DIST_AUTH_SECRET_HELP})
-    # GGUF blocks on the CPU (model_runner/cpu/gguf_linear.py): the activations at decode rows, float32 or int8 per
-    # block of 32 as llama.cpp rounds them (faster; another function: greedy tokens may change)
+    # GGUF blocks on the CPU (model_runner/cpu/gguf_linear.py): their activations, float32 or int8 per block of 32 as
+    # llama.cpp rounds them (faster; another function: greedy tokens may change)
     gguf_activations: str = "float32"
 
     def __post_init__(self) -> None:

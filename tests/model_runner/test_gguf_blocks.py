@@ -65,27 +65,32 @@ def test_default_model_on_its_blocks_gives_transformers_greedy_ids(default_model
 
 
 def test_int8_activations_keep_most_of_the_float_paths_greedy_ids(default_model_dir):
-    """`--gguf-activations int8` on the embedded model: every block linear rounds its activations to int8 at decode
-    rows, and the greedy ids stay those of the float path on many prompts (8 to 12 of 16 over 32 tokens on the AVX-512
-    VNNI CPU measured; int8 rounding is another function, so not all, and a change in the last bits of its input, as
-    another summation order makes, moves which ones). Both on the whole thread team: the prefill's float32 GEMM may
-    move in the last bits with the thread count."""
+    """`--gguf-activations int8` on the embedded model: every block linear rounds its activations to int8 (at every row
+    count on interleaved blocks, prefill included, as llama.cpp computes), another function than the float path's. The
+    greedy ids still start as the float path's on almost every prompt and run together for most of 32 tokens (7 of 16
+    prompts keep all 32 on the AVX-512 VNNI CPU measured, the first token on 15, 19 tokens in common on average;
+    int8 rounding carries a change in the last bits of its input, as another summation order makes, into tokens, so
+    the bounds leave room). Both on the whole thread team."""
     runners = {name: ModelRunner(RunnerConfig.from_server_args(ServerArgs(
         device="cpu", max_total_tokens=4096, max_running_requests=16, disable_cpu_thread_governor=True, **kwargs)))
         for name, kwargs in (("int8", {"quantization": "gguf", "gguf_activations": "int8"}),
                              ("float path", {"quantization": "none"}))}
     layer = runners["int8"].model.model.layers[0]
+    interleaved = torch.ops.radixserve_cpu.gguf_interleaved_vectorized()
     for linear in (layer.self_attn.qkv_proj, layer.mlp.down_proj, runners["int8"].model.logits_head):
         assert isinstance(linear, GGUFLinear) and linear.activation_bits == 8
-        assert linear.interleaved == torch.ops.radixserve_cpu.gguf_interleaved_vectorized()
+        assert linear.interleaved == interleaved and linear.every_row == interleaved
 
     tokenizer = load_tokenizer(default_model_dir)
     prompts = [tokenizer.encode(text) for text in PROMPTS]
     eos = runners["int8"].model_config.eos_token_ids
     ours, reference = (greedy_generate(runners[name], prompts, MAX_NEW_TOKENS, stop_token_ids=eos)
                        for name in ("int8", "float path"))
-    agree = sum(a == b for a, b in zip(ours, reference))
-    assert agree >= 6, f"{agree} of {len(prompts)} prompts keep the float path's greedy ids"
+    common = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+              for a, b in zip(ours, reference)]
+    assert sum(a == b for a, b in zip(ours, reference)) >= 4, common
+    assert sum(length > 0 for length in common) >= 13, common
+    assert sum(common) / len(common) >= 12, common
 
 
 KQUANT_LAYERS = [GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K]
@@ -204,6 +209,28 @@ def test_blocks_chosen_by_default_decode_on_blocks_and_prefill_on_the_float_line
     ours, reference = (greedy_generate(runners[q], prompts, MAX_NEW_TOKENS, stop_token_ids=[]) for q in (None, "none"))
     agree = sum(a == b for a, b in zip(ours, reference))
     assert agree >= 7, f"{agree} of {len(prompts)} prompts keep the float path's greedy ids"
+
+
+def test_the_blocks_keep_keys_and_values_in_float16_unless_asked_otherwise(default_model_dir):
+    """Under the blocks on the CPU, `--kv-cache-dtype auto` stores keys and values as float16 (llama.cpp's default;
+    the greedy ids stay those of the float32 pool, docs/quantization.md) and a decode step attends over them on the
+    kernel; an explicit dtype, or the float path, keeps its own."""
+    def runner(**kwargs) -> ModelRunner:
+        return ModelRunner(RunnerConfig.from_server_args(ServerArgs(
+            device="cpu", max_total_tokens=1024, max_running_requests=4, **kwargs)))
+
+    blocks, float32_pool = runner(quantization="gguf"), runner(quantization="gguf", kv_cache_dtype="float32")
+    assert blocks.kv_cache_dtype == torch.float16 and blocks.token_to_kv_pool.k_buffer[0].dtype == torch.float16
+    assert float32_pool.kv_cache_dtype == torch.float32
+    assert runner(quantization="none").kv_cache_dtype == torch.float32
+
+    def no_reference_path(*args, **kwargs):
+        raise AssertionError("a batch over the float16 pool went to torch_native")
+
+    blocks.attn_backend.fallback.forward = blocks.attn_backend.fallback.run = no_reference_path
+    prompts = [load_tokenizer(default_model_dir).encode(text) for text in PROMPTS[:4]]
+    ours, reference = (greedy_generate(r, prompts, 16, stop_token_ids=[]) for r in (blocks, float32_pool))
+    assert sum(a == b for a, b in zip(ours, reference)) >= 3
 
 
 @pytest.mark.parametrize("kwargs, message", [

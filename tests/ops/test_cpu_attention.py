@@ -57,6 +57,31 @@ def test_matches_float64_reference(mode, prefix_lens, extend_lens, num_heads, nu
     torch.testing.assert_close(out.double(), reference_attention(case), atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("mode,prefix_lens,extend_lens", CASES)
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (4, 2, 16), (2, 1, 80)])
+def test_float16_pool_under_float32_queries_matches_float64_reference(mode, prefix_lens, extend_lens, num_heads,
+                                                                      num_kv_heads, head_dim):
+    # The GGUF blocks' default on the CPU: float32 queries and new k/v, keys and values stored as float16 (the
+    # reference reads the float16 values, so only the kernel's float32 arithmetic differs).
+    case = make_case(mode, prefix_lens, extend_lens, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                     head_dim=head_dim, page_size=1, dtype=torch.float32, kv_dtype=torch.float16,
+                     seed=sum(prefix_lens) + head_dim)
+    out = run_backend(CpuAttentionBackend(max_extend_len=None), case)
+    assert isinstance(case.batch.attn_metadata, CpuAttentionPlan) and out.dtype == torch.float32
+    assert kv_written(case)
+    torch.testing.assert_close(out.double(), reference_attention(case), atol=2e-5, rtol=2e-5)
+
+
+def test_float16_pool_under_float16_queries_runs_torch_native():
+    # float16 queries are no dtype the kernel takes: the batch goes to the reference path, whose answer it keeps.
+    case = make_case(ForwardMode.DECODE, [5, 40], [1, 1], num_heads=4, num_kv_heads=2, head_dim=16, page_size=1,
+                     dtype=torch.float16, seed=3)
+    backend = CpuAttentionBackend()
+    out = run_backend(backend, case)
+    assert out.dtype == torch.float16 and not isinstance(case.batch.attn_metadata, CpuAttentionPlan)
+    torch.testing.assert_close(out.double(), reference_attention(case), atol=2e-3, rtol=2e-3)
+
+
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_bfloat16_is_as_close_as_torch_native(page_size):
     args = dict(num_heads=9, num_kv_heads=3, head_dim=64, page_size=page_size, dtype=torch.bfloat16, seed=7)
@@ -147,6 +172,17 @@ def test_shared_prefix_groups_bfloat16_are_as_close_as_torch_native(mode, prefix
     error = (out.double() - expected).abs().max()
     native_error = (native.double() - expected).abs().max()
     assert error <= 2 * native_error + 1e-3, (error, native_error)
+
+
+@pytest.mark.parametrize("mode,prefix_lens,extend_lens,group_size,shared_len", SHARED_CASES)
+def test_float16_pool_shared_prefix_groups_match_float64_reference(mode, prefix_lens, extend_lens, group_size,
+                                                                   shared_len, threads):
+    case = make_case(mode, prefix_lens, extend_lens, num_heads=9, num_kv_heads=3, head_dim=64, page_size=1,
+                     dtype=torch.float32, kv_dtype=torch.float16, seed=len(prefix_lens))
+    share_prefixes(case, group_size, shared_len)
+    out = run_backend(CpuAttentionBackend(max_extend_len=None), case)
+    assert case.batch.attn_metadata.num_groups_shared >= 1
+    torch.testing.assert_close(out.double(), reference_attention(case), atol=2e-5, rtol=2e-5)
 
 
 @pytest.mark.parametrize("mode", list(LAYOUTS))
