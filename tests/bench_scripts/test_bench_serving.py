@@ -105,16 +105,20 @@ def test_cli_shared_prefix_record(server, default_model_dir, tmp_path):
     # --output-details: one entry per request, its gaps those the ITL distribution was made of.
     details = record["details"]
     assert len(details) == 6 and min(d["start_s"] for d in details) == 0
-    assert all(d["output_len"] == 4 and len(d["itl_ms"]) == 3 and d["error"] == "" for d in details)
+    # A chunk per token, except where the server had two or more tokens of a stream waiting when it wrote (a busy
+    # machine): then one chunk carries them, as SGLang's streams do, and the stream has fewer gaps.
+    assert all(d["output_len"] == 4 and len(d["itl_ms"]) <= 3 and d["error"] == "" for d in details)
     gaps = [g for d in details for g in d["itl_ms"]]
+    assert len(gaps) >= 12, [len(d["itl_ms"]) for d in details]
     assert sum(gaps) / len(gaps) == pytest.approx(record["itl_ms"]["mean"], abs=0.01)
-    # The timeline reads the details back: 6 streams of 4 chunks, 18 gaps.
+    # The timeline reads the details back: 6 streams, each a chunk more than its gaps (18 gaps, 24 chunks, when every
+    # token came alone).
     timeline = subprocess.run([sys.executable, os.path.join(BENCHMARKS, "serving_timeline.py"), str(output)],
                               capture_output=True, text=True, timeout=60)
     assert timeline.returncode == 0, timeline.stderr
-    assert timeline.stdout.startswith("gaps 18: median")
+    assert timeline.stdout.startswith(f"gaps {len(gaps)}: median")
     assert sum(int(line.split()[1]) for line in timeline.stdout.splitlines()
-               if line[:6].strip().replace(".", "").isdigit()) == 24
+               if line[:6].strip().replace(".", "").isdigit()) == len(gaps) + 6
     # Nothing else ran meanwhile, so the server's counters equal the per-response counts.
     assert record["cache_hit_rate"] > 0
     assert record["cache_hit_rate"] == pytest.approx(record["reported_cached_tokens"] / record["total_input_tokens"])
