@@ -31,6 +31,8 @@
 #pragma once
 
 #include <c10/util/Half.h>
+#include "cpu_vec.h"
+
 #include <immintrin.h>
 
 #include <algorithm>
@@ -195,18 +197,10 @@ struct QuantizedBlock {
 
 template <typename Int>
 inline void quantize_activations(const float* x, QuantizedBlock<Int>& out) {
-  constexpr int levels = QuantizedBlock<Int>::kLevels;
-  float amax = 0.0f;
-  for (int i = 0; i < kSuper; ++i) amax = std::max(amax, std::fabs(x[i]));
-  out.dx = amax / static_cast<float>(levels);
+  out.dx = radixserve_cpu::round_to_levels(x, kSuper, QuantizedBlock<Int>::kLevels, out.q);
   for (int t = 0; t < kGroups; ++t) {
     int32_t sum = 0;
-    for (int i = 16 * t; i < 16 * t + 16; ++i) {
-      // x / dx, not x * (1 / dx): the tests rebuild these values in torch with the same division.
-      const int32_t v = amax == 0.0f ? 0 : static_cast<int32_t>(std::nearbyint(x[i] / out.dx));
-      out.q[i] = static_cast<Int>(std::min(levels, std::max(-levels, v)));
-      sum += out.q[i];
-    }
+    for (int i = 16 * t; i < 16 * t + 16; ++i) sum += out.q[i];
     out.group_sum[t] = sum;
   }
 }

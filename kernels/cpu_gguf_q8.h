@@ -20,6 +20,8 @@
 
 #include <ATen/Parallel.h>
 
+#include "cpu_vec.h"
+
 #include <immintrin.h>
 
 #include <algorithm>
@@ -41,16 +43,9 @@ struct alignas(32) ActivationBlock {
 };
 
 inline void quantize(const float* x, ActivationBlock& out) {
-  float amax = 0.0f;
-  for (int i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(x[i]));
-  out.dx = amax / 127.0f;
+  out.dx = radixserve_cpu::round_to_levels(x, kBlock, 127, out.q);
   int32_t sum = 0;
-  for (int i = 0; i < kBlock; ++i) {
-    // x / dx, not x * (1 / dx): tests/ops rebuilds these values in torch with the same division.
-    const int32_t v = amax == 0.0f ? 0 : static_cast<int32_t>(std::nearbyint(x[i] / out.dx));
-    out.q[i] = static_cast<int8_t>(std::min(127, std::max(-127, v)));
-    sum += out.q[i];
-  }
+  for (int i = 0; i < kBlock; ++i) sum += out.q[i];
   for (int l = 0; l < 8; ++l) out.lane_sum[l] = out.q[4 * l] + out.q[4 * l + 1] + out.q[4 * l + 2] + out.q[4 * l + 3];
   out.dx_sum = out.dx * static_cast<float>(sum);
 }

@@ -35,6 +35,8 @@
 
 #include <ATen/Parallel.h>
 
+#include "cpu_vec.h"
+
 #include <immintrin.h>
 
 #include <algorithm>
@@ -197,16 +199,9 @@ struct alignas(64) Activations {
 
 template <int A>
 inline void quantize(const float* x, Activations<A>& out) {
-  constexpr int levels = Activations<A>::kLevels;
-  float amax = 0.0f;
-  for (int i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(x[i]));
-  out.dx = amax / static_cast<float>(levels);
+  out.dx = radixserve_cpu::round_to_levels(x, kBlock, Activations<A>::kLevels, out.q);
   out.qsum = 0;
-  for (int i = 0; i < kBlock; ++i) {
-    const int32_t v = amax == 0.0f ? 0 : static_cast<int32_t>(std::nearbyint(x[i] / out.dx));
-    out.q[i] = static_cast<typename Activations<A>::Int>(std::min(levels, std::max(-levels, v)));
-    out.qsum += out.q[i];
-  }
+  for (int i = 0; i < kBlock; ++i) out.qsum += out.q[i];
   out.sum = out.dx * static_cast<float>(out.qsum);
 }
 

@@ -1,8 +1,10 @@
-// Helpers shared by the CPU kernels (cpu_attention*.{cpp,h}, cpu_elementwise.cpp).
+// Helpers shared by the CPU kernels (cpu_attention*.{cpp,h}, cpu_elementwise.cpp, the GGUF blocks' cpu_gguf_*.h).
 #pragma once
 
 #include <c10/util/BFloat16.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -166,6 +168,21 @@ inline __m512i pair_index() {
   return _mm512_load_si512(index);
 }
 #endif
+
+// x[0:n] rounded to integers on one scale: q[i] = round(x[i] / dx) within [-levels, levels], dx = max|x| / levels
+// (returned; q all 0 where x is). x / dx, not x * (1 / dx): tests/ops rebuilds these values in torch with the same
+// division. The activations of every GGUF block kernel (int8, 14- and 16-bit) are rounded here.
+template <typename Int>
+inline float round_to_levels(const float* x, int n, int levels, Int* q) {
+  float amax = 0.0f;
+  for (int i = 0; i < n; ++i) amax = std::max(amax, std::fabs(x[i]));
+  const float dx = amax / static_cast<float>(levels);
+  for (int i = 0; i < n; ++i) {
+    const int32_t v = amax == 0.0f ? 0 : static_cast<int32_t>(std::nearbyint(x[i] / dx));
+    q[i] = static_cast<Int>(std::min(levels, std::max(-levels, v)));
+  }
+  return dx;
+}
 
 // A prefetch of the cache line at p. The empty volatile statement that takes p keeps the loops of prefetches:
 // GCC 12 otherwise deletes some of them (a prefetch has no effect it must keep) with their address loads.
