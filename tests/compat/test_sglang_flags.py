@@ -4,6 +4,8 @@ and each of SGLang's other flags is refused by name."""
 
 from __future__ import annotations
 
+import json
+
 import subprocess
 import sys
 
@@ -145,8 +147,11 @@ def test_sglang_launch_command_serves():
         with httpx.stream("POST", server.url + "/generate", json=body, timeout=120.0) as response:
             assert response.status_code == 200
             chunks = [line for line in response.iter_lines() if line.startswith("data:") and "[DONE]" not in line]
-        # The first token, then every 2: tokens 1, 3, 5, then the end (6).
-        assert len(chunks) == 4
+        # The first token, then every 2: tokens 1, 3, 5, then the end (6). Where the server had two of those chunks
+        # waiting when it wrote (a busy machine), one chunk carries both, so a chunk ends at one of those counts.
+        counts = [json.loads(chunk[len("data:"):])["meta_info"]["completion_tokens"] for chunk in chunks]
+        assert counts == sorted(set(counts)) and set(counts) <= {1, 3, 5, 6} and counts[-1] == 6, counts
+        assert len(chunks) >= 2, counts
         # Every process settles its heap at start-up with a collection, which the warning threshold catches.
         assert server.log_text().count("long garbage collection: generation 2") >= 3, server.log_text()[-3000:]
     finally:
