@@ -41,13 +41,13 @@ namespace {
 using radixserve_cpu::exp_inplace;
 using radixserve_cpu::LaneBlock;
 using radixserve_cpu::scores_dots;
-#if defined(__AVX512F__)
-using radixserve_cpu::scores_f32;
-#endif
 using radixserve_cpu::softmax_row;
 using radixserve_cpu::values_block;
 
-constexpr int64_t kKeyTile = 32;     // keys per tile
+constexpr int64_t kKeyTile = 32;
+#ifndef PF
+#define PF 2
+#endif     // keys per tile
 // A group of several members runs as one unit (every KV head) where the batch has at least this many such groups
 // per thread, else as one unit per KV head so that few groups still keep every thread busy.
 constexpr int64_t kGroupsPerThread = 2;
@@ -94,6 +94,9 @@ class ItemKernel {
   // bfloat16 keys are read in place by bfloat16 dot products where the CPU has them (cpu_attention_lanes.h).
   static constexpr bool kKeysAsBf16 = std::is_same_v<scalar_t, c10::BFloat16> &&
                                       std::is_same_v<kv_t, c10::BFloat16> && radixserve_cpu::kBf16Dots;
+  // Pools whose rows attend_dots reads in place, converting in registers (float64 ones are converted per tile).
+  static constexpr bool kTypedRows = std::is_same_v<kv_t, float> || std::is_same_v<kv_t, c10::Half> ||
+                                     std::is_same_v<kv_t, c10::BFloat16>;
 
  public:
   ItemKernel(const at::Tensor& q, const at::Tensor& k_buffer, const at::Tensor& v_buffer, at::Tensor& out,
@@ -310,8 +313,90 @@ class ItemKernel {
     }
   }
 
-  // Few rows per KV head: a tile's key rows (the unit's heads) once, dot products per row.
+  // The key and value rows of KV head h at a slot, into L2.
+  void prefetch_head(int64_t slot, int64_t h) {
+    const int64_t offset = slot * kv_stride_slot_ + h * head_dim_;
+    const char* k_row = reinterpret_cast<const char*>(k_ + offset);
+    const char* v_row = reinterpret_cast<const char*>(v_ + offset);
+    for (int64_t b = 0; b < head_dim_ * static_cast<int64_t>(sizeof(kv_t)); b += 64) {
+      radixserve_cpu::prefetch_l2(k_row + b);
+      radixserve_cpu::prefetch_l2(v_row + b);
+    }
+  }
+
+  // Few rows per KV head: per tile, each KV head's rows against the tile's keys and values read in place from the
+  // pool (converted to float32 in registers where it is not float32), three rows at a time; bfloat16 keys with
+  // bfloat16 queries as pair products (dots_bf16).
   void attend_dots(int64_t kv_begin, int64_t kv_end, int64_t pos0, int64_t t_begin, int64_t t_end) {
+#if defined(__AVX512F__)
+    if constexpr (kTypedRows) {
+      const int64_t D = head_dim_, G = group_;
+      const int64_t rows = (t_end - t_begin) * G;  // per KV head
+      const kv_t* zeros = reinterpret_cast<const kv_t*>(zeros_.data());
+      for (int64_t t0 = kv_begin; t0 < kv_end; t0 += kKeyTile) {
+        const int64_t n = std::min(kKeyTile, kv_end - t0);
+        const int64_t tile_pos0 = pos0 + (t0 - kv_begin);
+        const int64_t ahead = t0 + kKeyTile;  // the next tile's rows, a key at a time
+        for (int64_t k = 0; k < n; ++k) {
+          const int64_t offset = plan_.kv_slots[t0 + k] * kv_stride_slot_;
+          if constexpr (kKeysAsBf16) {
+            k_bf16_rows_[k] = reinterpret_cast<const uint16_t*>(k_ + offset);
+            v_bf16_rows_[k] = reinterpret_cast<const uint16_t*>(v_ + offset);
+          } else {
+            k_pool_rows_[k] = k_ + offset;
+            v_pool_rows_[k] = v_ + offset;
+          }
+        }
+        for (int64_t k = n; k < kKeyTile; ++k) {  // a partial tile
+          k_pool_rows_[k] = v_pool_rows_[k] = zeros;
+          k_bf16_rows_[k] = v_bf16_rows_[k] = reinterpret_cast<const uint16_t*>(zeros_.data());
+        }
+        for (int64_t h = h_begin_; h < h_end_; ++h) {
+          const int64_t r0 = row(h, t_begin, 0);
+          float* s = scores_.data() + r0 * kKeyTile;
+          if constexpr (kKeysAsBf16) {
+            dots_bf16(s, r0, rows, h, n, tile_pos0, t_begin, ahead, kv_end);
+            continue;
+          }
+          const float* q = q_rows_.data() + r0 * D;
+          for (int64_t i = 0; i < rows;) {
+            const int64_t left = rows - i;
+            const float* qi = q + i * D;
+            float* si = s + i * kKeyTile;
+            if (left >= 3) radixserve_cpu::scores_rows<3>(qi, D, k_pool_rows_, h * D, n, D, si, kKeyTile), i += 3;
+            else if (left == 2) radixserve_cpu::scores_rows<2>(qi, D, k_pool_rows_, h * D, n, D, si, kKeyTile), i += 2;
+            else radixserve_cpu::scores_rows<1>(qi, D, k_pool_rows_, h * D, n, D, si, kKeyTile), i += 1;
+          }
+          for (int64_t r = r0; r < r0 + rows; ++r)
+            radixserve_cpu::softmax_row32(scores_.data() + r * kKeyTile, n,
+                                          positions_[t_begin + (r - r0) / G] - tile_pos0, max_[r], sum_[r],
+                                          acc_.data() + r * D, D);
+          float* out = acc_.data() + r0 * D;
+          for (int64_t i = 0; i < rows;) {
+            const int64_t left = rows - i;
+            const float* pi = s + i * kKeyTile;
+            float* oi = out + i * D;
+            // Head h's keys and values of the next tile come into L2 a key at a time while these are summed:
+            // steady prefetches, where a burst of a whole tile's lines at once stalls on the miss buffers.
+            const auto next = [&](int64_t k) {
+              if (i == 0 && ahead + k < kv_end) prefetch_head(plan_.kv_slots[ahead + k], h);
+            };
+            if (left >= 4) radixserve_cpu::values_rows<4>(pi, kKeyTile, v_pool_rows_, h * D, n, D, oi, D, next), i += 4;
+            else if (left == 3) radixserve_cpu::values_rows<3>(pi, kKeyTile, v_pool_rows_, h * D, n, D, oi, D, next), i += 3;
+            else if (left == 2) radixserve_cpu::values_rows<2>(pi, kKeyTile, v_pool_rows_, h * D, n, D, oi, D, next), i += 2;
+            else radixserve_cpu::values_rows<1>(pi, kKeyTile, v_pool_rows_, h * D, n, D, oi, D, next), i += 1;
+          }
+        }
+      }
+      return;
+    }
+#endif
+    attend_dots_converted(kv_begin, kv_end, pos0, t_begin, t_end);
+  }
+
+  // attend_dots for a build without AVX-512 or a float64 pool: each tile's key rows (the unit's heads) as float32
+  // once, dot products per row.
+  void attend_dots_converted(int64_t kv_begin, int64_t kv_end, int64_t pos0, int64_t t_begin, int64_t t_end) {
     const int64_t D = head_dim_, G = group_, KV = kv_row_;
     const int64_t head_offset = h_begin_ * D, width = (h_end_ - h_begin_) * D;
     const int64_t rows = (t_end - t_begin) * G;  // per KV head
@@ -344,13 +429,10 @@ class ItemKernel {
         const int64_t r0 = row(h, t_begin, 0);
         float* s = scores_.data() + r0 * kKeyTile;
         if constexpr (kKeysAsBf16) {
-          dots_bf16(s, r0, rows, h, n, tile_pos0, t_begin);
+          dots_bf16(s, r0, rows, h, n, tile_pos0, t_begin, ahead, kv_end);
           continue;
         }
         const float* q = q_rows_.data() + r0 * D;
-#if defined(__AVX512F__)
-        for (int64_t i = 0; i < rows; ++i) scores_f32(q + i * D, k_rows_, h * D, n, D, s + i * kKeyTile);
-#else
         for (int64_t i = 0; i < rows;) {
           const int64_t left = rows - i;
           float* si = s + i * kKeyTile;
@@ -360,7 +442,6 @@ class ItemKernel {
           else if (left == 2) scores_dots<2>(qi, D, k_rows_, h * D, n, D, si, kKeyTile), i += 2;
           else scores_dots<1>(qi, D, k_rows_, h * D, n, D, si, kKeyTile), i += 1;
         }
-#endif
         for (int64_t r = r0; r < r0 + rows; ++r) {
           softmax_row(scores_.data() + r * kKeyTile, kKeyTile, n, positions_[t_begin + (r - r0) / G] - tile_pos0,
                       max_[r], sum_[r], acc_.data() + r * D, D);
@@ -383,7 +464,8 @@ class ItemKernel {
   // The bfloat16 form of attend_dots' inner step for KV head h: the scores of the unscaled bfloat16 queries
   // against the keys in place (pair products, float32 sums; then scaled), the probabilities rounded to bfloat16
   // against pairs of value rows in place (float32 sums), no float32 copies of the tile.
-  void dots_bf16(float* s, int64_t r0, int64_t rows, int64_t h, int64_t n, int64_t tile_pos0, int64_t t_begin) {
+  void dots_bf16(float* s, int64_t r0, int64_t rows, int64_t h, int64_t n, int64_t tile_pos0, int64_t t_begin,
+                 int64_t ahead, int64_t kv_end) {
     const int64_t D = head_dim_;
     for (int64_t i = 0; i < rows; ++i)
       radixserve_cpu::scores_bf16(q_bf16_.data() + (r0 + i) * D, k_bf16_rows_, h * D, n, D, scale_, s + i * kKeyTile);
@@ -400,14 +482,18 @@ class ItemKernel {
       const int64_t left = rows - i;
       const uint16_t* pi = p + i * kKeyTile;
       float* oi = out + i * D;
-      if (left >= 4) radixserve_cpu::values_bf16<4>(pi, kKeyTile, v_bf16_rows_, h * D, n, D, oi, D), i += 4;
-      else if (left == 3) radixserve_cpu::values_bf16<3>(pi, kKeyTile, v_bf16_rows_, h * D, n, D, oi, D), i += 3;
-      else if (left == 2) radixserve_cpu::values_bf16<2>(pi, kKeyTile, v_bf16_rows_, h * D, n, D, oi, D), i += 2;
-      else radixserve_cpu::values_bf16<1>(pi, kKeyTile, v_bf16_rows_, h * D, n, D, oi, D), i += 1;
+      const auto next = [&](int64_t k) {  // as attend_dots' values, two keys a step
+        for (int64_t j = k; j < k + 2; ++j)
+          if (i == 0 && ahead + j < kv_end) prefetch_head(plan_.kv_slots[ahead + j], h);
+      };
+      if (left >= 4) radixserve_cpu::values_bf16<4>(pi, kKeyTile, v_bf16_rows_, h * D, n, D, oi, D, next), i += 4;
+      else if (left == 3) radixserve_cpu::values_bf16<3>(pi, kKeyTile, v_bf16_rows_, h * D, n, D, oi, D, next), i += 3;
+      else if (left == 2) radixserve_cpu::values_bf16<2>(pi, kKeyTile, v_bf16_rows_, h * D, n, D, oi, D, next), i += 2;
+      else radixserve_cpu::values_bf16<1>(pi, kKeyTile, v_bf16_rows_, h * D, n, D, oi, D, next), i += 1;
     }
   }
 #else
-  void dots_bf16(float*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t) {}
+  void dots_bf16(float*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t) {}
 #endif
 
   const scalar_t* q_;
@@ -431,6 +517,8 @@ class ItemKernel {
   const uint16_t* v_bf16_rows_[kKeyTile];
   const float* k_rows_[kKeyTile];
   const float* v_rows_[kKeyTile];
+  const kv_t* k_pool_rows_[kKeyTile];  // a tile's rows in the pool
+  const kv_t* v_pool_rows_[kKeyTile];
 };
 
 // The new tokens' k/v (scalar_t) into the pool (kv_t) at their slots.

@@ -7,6 +7,8 @@
 
 #include "cpu_vec.h"
 
+#include <c10/util/Half.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -101,18 +103,83 @@ inline __m512 reduce16x16(const __m512* acc) {
   return _mm512_permutexvar_ps(_mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0), sums);
 }
 
-// s[k] = q . keys[k] (float32 rows, at `offset` in each) for n keys, 16 keys' sums reduced together: a fourth of
-// the shuffles and adds of one reduce16 per key. The key pointers up to the next multiple of 16 past n read zeros.
-inline void scores_f32(const float* q, const float* const* keys, int64_t offset, int64_t n, int64_t D, float* s) {
-  for (int64_t k0 = 0; k0 < n; k0 += 16) {
-    __m512 acc[16];
-    for (int k = 0; k < 16; ++k) acc[k] = _mm512_setzero_ps();
+#endif
+
+#if defined(__AVX512F__)
+// 16 values of a key or value row as float32 lanes: float32 as they are, float16 through F16C, bfloat16 by moving
+// its bits up.
+inline __m512 load_f32(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load_f32(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline __m512 load_f32(const c10::BFloat16* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+// Lane k (0..7) of the result: the sum of acc[k]'s 16 lanes, by the tree of reduce16x16 (halves, quarters, then
+// within 128-bit lanes).
+inline __m256 reduce8x16(const __m512* acc) {
+  __m512 half[4], quarter[2];
+  for (int i = 0; i < 4; ++i)
+    half[i] = _mm512_add_ps(_mm512_shuffle_f32x4(acc[2 * i], acc[2 * i + 1], 0x44),
+                            _mm512_shuffle_f32x4(acc[2 * i], acc[2 * i + 1], 0xee));
+  for (int i = 0; i < 2; ++i)  // 128-bit lane j of quarter[i]: four partial sums of acc[4i + j]
+    quarter[i] = _mm512_add_ps(_mm512_shuffle_f32x4(half[2 * i], half[2 * i + 1], 0x88),
+                               _mm512_shuffle_f32x4(half[2 * i], half[2 * i + 1], 0xdd));
+  const __m512 u = _mm512_add_ps(_mm512_unpacklo_ps(quarter[0], quarter[1]),
+                                 _mm512_unpackhi_ps(quarter[0], quarter[1]));
+  const __m512 sums = _mm512_add_ps(u, _mm512_shuffle_ps(u, u, 0x4e));  // lane j: acc[j] at 0, acc[4 + j] at 1
+  return _mm512_castps512_ps256(
+      _mm512_permutexvar_ps(_mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 13, 9, 5, 1, 12, 8, 4, 0), sums));
+}
+
+// s[i][k] = q_i . keys[k][offset : offset + D] for kRows (1..3) float32 query rows and n keys of any pool dtype,
+// 8 keys at a time: each key's row is loaded (and converted) once for all the rows, its products summed along D in
+// a vector per (row, key) and the 8 keys' sums reduced together. The key pointers up to the next multiple of 8
+// past n read zeros. A row's bits do not depend on kRows.
+template <int kRows, typename T>
+inline void scores_rows(const float* q, int64_t q_stride, const T* const* keys, int64_t offset, int64_t n,
+                        int64_t D, float* s, int64_t s_stride) {
+  for (int64_t k0 = 0; k0 < n; k0 += 8) {
+    __m512 acc[kRows][8];
+    for (int i = 0; i < kRows; ++i)
+      for (int k = 0; k < 8; ++k) acc[i][k] = _mm512_setzero_ps();
     for (int64_t d = 0; d < D; d += 16) {
-      const __m512 qd = _mm512_loadu_ps(q + d);
-      for (int k = 0; k < 16; ++k) acc[k] = _mm512_fmadd_ps(_mm512_loadu_ps(keys[k0 + k] + offset + d), qd, acc[k]);
+      __m512 qd[kRows];
+      for (int i = 0; i < kRows; ++i) qd[i] = _mm512_loadu_ps(q + i * q_stride + d), pin(qd[i]);
+      for (int k = 0; k < 8; ++k) {
+        const __m512 kd = load_f32(keys[k0 + k] + offset + d);
+        for (int i = 0; i < kRows; ++i) acc[i][k] = _mm512_fmadd_ps(kd, qd[i], acc[i][k]);
+      }
     }
-    _mm512_storeu_ps(s + k0, reduce16x16(acc));
+    for (int i = 0; i < kRows; ++i) _mm256_storeu_ps(s + i * s_stride + k0, reduce8x16(acc[i]));
   }
+}
+
+// out[i][0:D] += sum_k p[i][k] * v[k][0:D] for kRows (1..4) rows and n value rows of any pool dtype, each value
+// row loaded (and converted) once for all the rows; D a multiple of 16. A row's bits do not depend on kRows.
+// `between(k)` runs before key k's products (the caller's prefetches).
+template <int kRows, typename T, typename F>
+inline void values_rows(const float* p, int64_t p_stride, const T* const* v, int64_t offset, int64_t n, int64_t D,
+                        float* out, int64_t out_stride, F&& between) {
+  for_column_chunks(D, [&](auto chunks_constant, int64_t c) {
+    constexpr int kChunks = decltype(chunks_constant)::value;
+    __m512 acc[kRows][kChunks];
+    for (int i = 0; i < kRows; ++i)
+      for (int j = 0; j < kChunks; ++j) acc[i][j] = _mm512_loadu_ps(out + i * out_stride + c + 16 * j);
+    for (int64_t k = 0; k < n; ++k) {
+      if (c == 0) between(k);
+      __m512 vk[kChunks];
+      for (int j = 0; j < kChunks; ++j) vk[j] = load_f32(v[k] + offset + c + 16 * j), pin(vk[j]);
+      for (int i = 0; i < kRows; ++i) {
+        const __m512 pk = _mm512_set1_ps(p[i * p_stride + k]);
+        for (int j = 0; j < kChunks; ++j) acc[i][j] = _mm512_fmadd_ps(pk, vk[j], acc[i][j]);
+      }
+    }
+    for (int i = 0; i < kRows; ++i)
+      for (int j = 0; j < kChunks; ++j) _mm512_storeu_ps(out + i * out_stride + c + 16 * j, acc[i][j]);
+  });
 }
 #endif
 
@@ -138,9 +205,10 @@ inline void scores_bf16(const uint16_t* q, const uint16_t* const* keys, int64_t 
 // out[i][0:D] += sum_k p[i][k] * v[k][0:D] for `rows` (1..4) rows, with p as bfloat16 bits (p[i * p_stride + k])
 // and the values as bfloat16 rows, key pairs at once (the two rows interleaved; the row past an odd n reads zeros
 // and its p is 0); D a multiple of 16.
-template <int kRows>
+// `between(k)` runs before the products of keys k and k + 1 (the caller's prefetches, for both).
+template <int kRows, typename F>
 inline void values_bf16(const uint16_t* p, int64_t p_stride, const uint16_t* const* v, int64_t offset, int64_t n,
-                        int64_t D, float* out, int64_t out_stride) {
+                        int64_t D, float* out, int64_t out_stride, F&& between) {
   const __m512i pairs = pair_index();
   for_column_chunks(D, [&](auto chunks_constant, int64_t c) {
     constexpr int kChunks = decltype(chunks_constant)::value;
@@ -148,6 +216,7 @@ inline void values_bf16(const uint16_t* p, int64_t p_stride, const uint16_t* con
     for (int i = 0; i < kRows; ++i)
       for (int j = 0; j < kChunks; ++j) acc[i][j] = _mm512_loadu_ps(out + i * out_stride + c + 16 * j);
     for (int64_t k = 0; k < n; k += 2) {
+      if (c == 0) between(k);
       __m512bh vp[kChunks];
       for (int j = 0; j < kChunks; ++j) {
         const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v[k] + offset + c + 16 * j));
@@ -201,6 +270,29 @@ inline void softmax_row32_bf16(const float* s, int64_t n, int64_t last_visible, 
   sum += _mm512_reduce_add_ps(_mm512_add_ps(p_lo, p_hi));
   const __m512bh bits = _mm512_cvtne2ps_pbh(p_hi, p_lo);  // p_lo in the low half
   std::memcpy(p, &bits, 32 * sizeof(uint16_t));
+}
+#endif
+
+#if defined(__AVX512F__)
+// softmax_row for a tile of 32 keys in two vectors: the probabilities (exp16, as softmax_row) replace the scores in
+// s[0:32], 0 past the `last_visible` key of the n in the tile.
+inline void softmax_row32(float* s, int64_t n, int64_t last_visible, float& max, float& sum, float* acc, int64_t D) {
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  const int64_t visible = std::min(n, std::max<int64_t>(0, last_visible + 1));
+  if (visible == 0) {
+    std::memset(s, 0, 32 * sizeof(float));
+    return;
+  }
+  const uint32_t keep = visible >= 32 ? 0xFFFFFFFFu : (1u << visible) - 1;
+  const __m512 minus_inf = _mm512_set1_ps(kNegInf);
+  const __m512 lo = _mm512_mask_loadu_ps(minus_inf, static_cast<__mmask16>(keep), s);
+  const __m512 hi = _mm512_mask_loadu_ps(minus_inf, static_cast<__mmask16>(keep >> 16), s + 16);
+  const float new_max = std::max(max, _mm512_reduce_max_ps(_mm512_max_ps(lo, hi)));
+  move_max(max, new_max, sum, acc, D);
+  const v16 p_lo = exp16(v16(lo) - new_max), p_hi = exp16(v16(hi) - new_max);
+  sum += _mm512_reduce_add_ps(_mm512_add_ps(__m512(p_lo), __m512(p_hi)));
+  store16(s, p_lo);
+  store16(s + 16, p_hi);
 }
 #endif
 
