@@ -42,6 +42,8 @@ PATHS = {
     "gguf float32 activations": {"quantization": "gguf"},  # keys and values in float16 (its default)
     "gguf, float32 KV": {"quantization": "gguf", "kv_cache_dtype": "float32"},
     "gguf int8 activations": {"quantization": "gguf", "gguf_activations": "int8"},
+    "gguf int8, bfloat16 KV": {"quantization": "gguf", "gguf_activations": "int8", "kv_cache_dtype": "bfloat16"},
+    "gguf, bfloat16 KV": {"quantization": "gguf", "kv_cache_dtype": "bfloat16"},
 }
 NEW_TOKENS = 32
 

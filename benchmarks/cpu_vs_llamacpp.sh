@@ -8,6 +8,7 @@
 # radixserve runs each cell in each of $RADIXSERVE_MODES (`default`: no flag, what `radixserve serve` picks on this CPU;
 # `gguf`: --quantization gguf, the linears on the file's own
 # blocks; `gguf-int8`: the same with --gguf-activations int8, llama.cpp's int8 arithmetic at decode rows;
+# `bf16kv` / `gguf-int8-bf16kv`: the default / gguf-int8 with --kv-cache-dtype bfloat16 (attention in bfloat16);
 # `float32`/`bfloat16`: --dtype, the converted weights); llama.cpp with $LLAMA_PARALLEL slots. Every server is
 # started fresh per cell, used, and stopped; only one runs at a time.
 #
@@ -95,6 +96,8 @@ start_server() {  # start_server NAME MODE PORT LOG: start it in the background 
         [ "$mode" = default ] && flags=()
         [ "$mode" = gguf ] && flags=(--quantization gguf)
         [ "$mode" = gguf-int8 ] && flags=(--quantization gguf --gguf-activations int8)
+        [ "$mode" = gguf-int8-bf16kv ] && flags=(--quantization gguf --gguf-activations int8 --kv-cache-dtype bfloat16)
+        [ "$mode" = bf16kv ] && flags=(--kv-cache-dtype bfloat16)
         # shellcheck disable=SC2086  # $RADIXSERVE_FLAGS: more flags for every radixserve server, word-split
         setsid .venv/bin/radixserve serve --model-path "$GGUF" "${flags[@]}" ${RADIXSERVE_FLAGS:-} --host 127.0.0.1 \
             --port "$port" --served-model-name smollm2 --log-level warning >"$log" 2>&1 &

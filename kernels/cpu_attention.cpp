@@ -582,12 +582,19 @@ at::Tensor paged_attention(const at::Tensor& q, at::Tensor k_buffer, at::Tensor 
                            at::Tensor lse, bool amx, bool row_invariant) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [tokens, heads, head_dim] with unit stride");
   TORCH_CHECK(k_buffer.is_contiguous() && v_buffer.is_contiguous(), "the KV buffers must be contiguous");
-  // One dtype for all, or float32 queries and new k/v over a float16 pool.
+  // One dtype for all, or float32 queries and new k/v over a float16 or bfloat16 pool.
   const bool half_pool = q.scalar_type() == at::kFloat && k_buffer.scalar_type() == at::kHalf;
+  const bool bf16_pool = q.scalar_type() == at::kFloat && k_buffer.scalar_type() == at::kBFloat16;
   TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type() &&
                   v_buffer.scalar_type() == k_buffer.scalar_type() &&
-                  (q.scalar_type() == k_buffer.scalar_type() || half_pool),
-              "q, k, v and the KV buffers must share one dtype (or be float32 over float16 buffers)");
+                  (q.scalar_type() == k_buffer.scalar_type() || half_pool || bf16_pool),
+              "q, k, v and the KV buffers must share one dtype (or be float32 over float16 or bfloat16 buffers)");
+  if (bf16_pool) {  // the queries rounded to bfloat16 as the new keys and values are: a bfloat16 model's attention
+    return paged_attention(q.to(at::kBFloat16), k_buffer, v_buffer, k.to(at::kBFloat16), v.to(at::kBFloat16), loc,
+                           items, group_member_indptr, group_kv_indptr, member_q_start, member_q_len, member_q_pos0,
+                           member_kv_indptr, member_kv_pos0, kv_slots, scale, lse, amx, row_invariant)
+        .to(at::kFloat);
+  }
   TORCH_CHECK(q.size(1) % k_buffer.size(1) == 0, "heads must be a multiple of KV heads");
   TORCH_CHECK(q.size(2) % 16 == 0 && q.size(2) <= 256, "head_dim must be a multiple of 16, at most 256");
   for (const auto* t : {&loc, &items, &group_member_indptr, &group_kv_indptr, &member_q_start, &member_q_len,

@@ -75,7 +75,7 @@ class FusedDecodeLayers:
         pool = batch.token_to_kv_pool
         if ((self.max_tokens is not None and hidden.shape[0] > self.max_tokens) or hidden.dtype != torch.float32
                 or not isinstance(attn_backend, CpuAttentionBackend) or not isinstance(plan, CpuAttentionPlan)
-                or pool.k_buffer[0].dtype not in (torch.float32, torch.float16)):
+                or pool.k_buffer[0].dtype not in (torch.float32, torch.float16, torch.bfloat16)):
             return None
         buffers = [pool.get_kv_buffer(layer_id) for layer_id in self.layer_ids]
         hidden, residual = torch.ops.radixserve_cpu.decode_layers(

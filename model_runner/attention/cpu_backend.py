@@ -143,8 +143,10 @@ _EMPTY = torch.empty(0)
 
 def kernel_dtypes(query: torch.dtype, pool: torch.dtype) -> bool:
     """Whether the kernel attends `query` rows over a pool of `pool`: one dtype of SUPPORTED_DTYPES but float16, or
-    float32 queries over float16 keys and values (converted to float32 a tile at a time)."""
-    return (query == pool and query != torch.float16) or (query == torch.float32 and pool == torch.float16)
+    float32 queries over float16 keys and values (converted to float32 in registers), or over bfloat16 ones (the
+    queries rounded to bfloat16: a bfloat16 model's attention, its output back in float32)."""
+    return (query == pool and query != torch.float16) or (
+        query == torch.float32 and pool in (torch.float16, torch.bfloat16))
 
 
 def supported_head_dim(head_dim: int) -> bool:

@@ -28,10 +28,10 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):\n", "Once upon a time,
            "Dear Sir or Madam,"]
 
 
-def runner_on_blocks(activations: str = "float32") -> ModelRunner:
+def runner_on_blocks(activations: str = "float32", kv_cache_dtype: str = "auto") -> ModelRunner:
     return ModelRunner(RunnerConfig.from_server_args(ServerArgs(
-        device="cpu", quantization="gguf", gguf_activations=activations, max_total_tokens=4096,
-        max_running_requests=16)))
+        device="cpu", quantization="gguf", gguf_activations=activations, kv_cache_dtype=kv_cache_dtype,
+        max_total_tokens=4096, max_running_requests=16)))
 
 
 def logits_of_each_step(runner: ModelRunner, prompts: list[list[int]], new_tokens: int) -> list[torch.Tensor]:
@@ -51,9 +51,12 @@ def logits_of_each_step(runner: ModelRunner, prompts: list[list[int]], new_token
     return steps
 
 
-@pytest.mark.parametrize("activations", ["float32", "int8"])
-def test_fused_layers_give_the_python_layers_logits_bit_for_bit(default_model_dir, activations):
-    runner = runner_on_blocks(activations)
+# auto: keys and values in float16; bfloat16: the queries rounded to bfloat16 inside the attention kernel
+@pytest.mark.parametrize("activations,kv_cache_dtype", [("float32", "auto"), ("int8", "auto"), ("int8", "bfloat16")])
+def test_fused_layers_give_the_python_layers_logits_bit_for_bit(default_model_dir, activations, kv_cache_dtype):
+    runner = runner_on_blocks(activations, kv_cache_dtype)
+    assert runner.token_to_kv_pool.k_buffer[0].dtype == (torch.bfloat16 if kv_cache_dtype == "bfloat16"
+                                                          else torch.float16)
     fused = runner.model.model.fused_decode
     assert isinstance(fused, FusedDecodeLayers)
     every_row = torch.ops.radixserve_cpu.gguf_interleaved_vectorized()  # interleaved blocks, either activations

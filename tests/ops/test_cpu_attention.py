@@ -72,6 +72,28 @@ def test_float16_pool_under_float32_queries_matches_float64_reference(mode, pref
     torch.testing.assert_close(out.double(), reference_attention(case), atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("mode,prefix_lens,extend_lens", CASES)
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (4, 2, 16), (2, 1, 80)])
+def test_bfloat16_pool_under_float32_queries_is_the_bfloat16_kernel(mode, prefix_lens, extend_lens, num_heads,
+                                                                     num_kv_heads, head_dim):
+    # `--kv-cache-dtype bfloat16` under a float32 model: the kernel rounds the queries and the new k/v to bfloat16 and
+    # attends as for a bfloat16 model, its output back in float32. The same batch in bfloat16 gives the same bits.
+    args = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=1,
+                seed=sum(prefix_lens) + head_dim)
+    case = make_case(mode, prefix_lens, extend_lens, dtype=torch.float32, kv_dtype=torch.bfloat16, **args)
+    twin = make_case(mode, prefix_lens, extend_lens, dtype=torch.bfloat16, **args)
+    for layer in range(len(case.batch.token_to_kv_pool.k_buffer)):  # the same keys and values in both pools
+        for pool in ("k_buffer", "v_buffer"):
+            getattr(twin.batch.token_to_kv_pool, pool)[layer].copy_(getattr(case.batch.token_to_kv_pool, pool)[layer])
+    twin.q, twin.k, twin.v = (t.to(torch.bfloat16) for t in (case.q, case.k, case.v))
+    out = run_backend(CpuAttentionBackend(max_extend_len=None), case)
+    assert isinstance(case.batch.attn_metadata, CpuAttentionPlan) and out.dtype == torch.float32
+    assert kv_written(case)
+    expected = run_backend(CpuAttentionBackend(max_extend_len=None), twin)
+    assert torch.equal(out, expected.float())
+    torch.testing.assert_close(out.double(), reference_attention(case), atol=2e-2, rtol=2e-2)
+
+
 def test_float16_pool_under_float16_queries_runs_torch_native():
     # float16 queries are no dtype the kernel takes: the batch goes to the reference path, whose answer it keeps.
     case = make_case(ForwardMode.DECODE, [5, 40], [1, 1], num_heads=4, num_kv_heads=2, head_dim=16, page_size=1,
