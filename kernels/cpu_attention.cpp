@@ -316,8 +316,11 @@ class ItemKernel {
   // The key and value rows of KV head h at a slot, into L2.
   void prefetch_head(int64_t slot, int64_t h) {
     const int64_t offset = slot * kv_stride_slot_ + h * head_dim_;
-    const char* k_row = reinterpret_cast<const char*>(k_ + offset);
-    const char* v_row = reinterpret_cast<const char*>(v_ + offset);
+    prefetch_rows(reinterpret_cast<const char*>(k_ + offset), reinterpret_cast<const char*>(v_ + offset));
+  }
+
+  // One head's key and value rows from these bytes, into L2.
+  void prefetch_rows(const char* k_row, const char* v_row) const {
     for (int64_t b = 0; b < head_dim_ * static_cast<int64_t>(sizeof(kv_t)); b += 64) {
       radixserve_cpu::prefetch_l2(k_row + b);
       radixserve_cpu::prefetch_l2(v_row + b);
@@ -346,6 +349,13 @@ class ItemKernel {
             k_pool_rows_[k] = k_ + offset;
             v_pool_rows_[k] = v_ + offset;
           }
+        }
+        // the next tile's rows, for the values' steady prefetches
+        next_n_ = std::max<int64_t>(0, std::min(kKeyTile, kv_end - ahead));
+        for (int64_t k = 0; k < next_n_; ++k) {
+          const int64_t offset = plan_.kv_slots[ahead + k] * kv_stride_slot_;
+          next_k_[k] = reinterpret_cast<const char*>(k_ + offset);
+          next_v_[k] = reinterpret_cast<const char*>(v_ + offset);
         }
         for (int64_t k = n; k < kKeyTile; ++k) {  // a partial tile
           k_pool_rows_[k] = v_pool_rows_[k] = zeros;
@@ -378,8 +388,11 @@ class ItemKernel {
             float* oi = out + i * D;
             // Head h's keys and values of the next tile come into L2 a key at a time while these are summed:
             // steady prefetches, where a burst of a whole tile's lines at once stalls on the miss buffers.
-            const auto next = [&](int64_t k) {
-              if (i == 0 && ahead + k < kv_end) prefetch_head(plan_.kv_slots[ahead + k], h);
+            const char* const* k_next = i == 0 ? next_k_ : nullptr;
+            const char* const* v_next = next_v_;
+            const int64_t head_bytes = h * D * static_cast<int64_t>(sizeof(kv_t)), next_n = next_n_;
+            const auto next = [k_next, v_next, head_bytes, next_n, this](int64_t k) {
+              if (k_next != nullptr && k < next_n) prefetch_rows(k_next[k] + head_bytes, v_next[k] + head_bytes);
             };
             if (left >= 4) radixserve_cpu::values_rows<4>(pi, kKeyTile, v_pool_rows_, h * D, n, D, oi, D, next), i += 4;
             else if (left == 3) radixserve_cpu::values_rows<3>(pi, kKeyTile, v_pool_rows_, h * D, n, D, oi, D, next), i += 3;
@@ -519,6 +532,9 @@ class ItemKernel {
   const float* v_rows_[kKeyTile];
   const kv_t* k_pool_rows_[kKeyTile];  // a tile's rows in the pool
   const kv_t* v_pool_rows_[kKeyTile];
+  const char* next_k_[kKeyTile];  // the next tile's rows (next_n_ of them), prefetched while a tile's values are summed
+  const char* next_v_[kKeyTile];
+  int64_t next_n_ = 0;
 };
 
 // The new tokens' k/v (scalar_t) into the pool (kv_t) at their slots.
