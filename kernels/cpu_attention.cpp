@@ -407,8 +407,8 @@ class ItemKernel {
     attend_dots_converted(kv_begin, kv_end, pos0, t_begin, t_end);
   }
 
-  // attend_dots for a build without AVX-512 or a float64 pool: each tile's key rows (the unit's heads) as float32
-  // once, dot products per row.
+  // attend_dots for a build without AVX-512 or a float64 pool (never bfloat16 dot products, which need AVX-512):
+  // each tile's key rows (the unit's heads) as float32 once, dot products per row.
   void attend_dots_converted(int64_t kv_begin, int64_t kv_end, int64_t pos0, int64_t t_begin, int64_t t_end) {
     const int64_t D = head_dim_, G = group_, KV = kv_row_;
     const int64_t head_offset = h_begin_ * D, width = (h_end_ - h_begin_) * D;
@@ -424,9 +424,6 @@ class ItemKernel {
         if constexpr (std::is_same_v<kv_t, float>) {
           k_rows_[k] = k_ + offset;
           v_rows_[k] = v_ + offset;
-        } else if constexpr (kKeysAsBf16) {  // read in place
-          k_bf16_rows_[k] = reinterpret_cast<const uint16_t*>(k_ + offset);
-          v_bf16_rows_[k] = reinterpret_cast<const uint16_t*>(v_ + offset);
         } else {
           to_float(k_ + offset + head_offset, k_tile_.data() + k * KV + head_offset, width);
           to_float(v_ + offset + head_offset, v_tile_.data() + k * KV + head_offset, width);
@@ -434,17 +431,10 @@ class ItemKernel {
           v_rows_[k] = v_tile_.data() + k * KV;
         }
       }
-      for (int64_t k = n; k < kKeyTile; ++k) {  // a partial tile
-        k_rows_[k] = v_rows_[k] = zeros_.data();
-        k_bf16_rows_[k] = v_bf16_rows_[k] = reinterpret_cast<const uint16_t*>(zeros_.data());
-      }
+      for (int64_t k = n; k < kKeyTile; ++k) k_rows_[k] = v_rows_[k] = zeros_.data();  // a partial tile
       for (int64_t h = h_begin_; h < h_end_; ++h) {
         const int64_t r0 = row(h, t_begin, 0);
         float* s = scores_.data() + r0 * kKeyTile;
-        if constexpr (kKeysAsBf16) {
-          dots_bf16(s, r0, rows, h, n, tile_pos0, t_begin, ahead, kv_end);
-          continue;
-        }
         const float* q = q_rows_.data() + r0 * D;
         for (int64_t i = 0; i < rows;) {
           const int64_t left = rows - i;

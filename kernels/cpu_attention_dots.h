@@ -247,24 +247,48 @@ inline void move_max(float& max, float new_max, float& sum, float* acc, int64_t 
   max = new_max;
 }
 
+#if defined(__AVX512F__)
+// The scores of a 32-key tile in two vectors, -inf past the `last_visible` key of the n in the tile, with the row's
+// running max moved over them (move_max); false (and nothing moved) where no key of the tile is visible.
+inline bool tile_max32(const float* s, int64_t n, int64_t last_visible, float& max, float& sum, float* acc, int64_t D,
+                       __m512& lo, __m512& hi) {
+  const int64_t visible = std::min(n, std::max<int64_t>(0, last_visible + 1));
+  if (visible == 0) return false;
+  const uint32_t keep = visible >= 32 ? 0xFFFFFFFFu : (1u << visible) - 1;
+  const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  lo = _mm512_mask_loadu_ps(minus_inf, static_cast<__mmask16>(keep), s);
+  hi = _mm512_mask_loadu_ps(minus_inf, static_cast<__mmask16>(keep >> 16), s + 16);
+  move_max(max, std::max(max, _mm512_reduce_max_ps(_mm512_max_ps(lo, hi))), sum, acc, D);
+  return true;
+}
+
+// softmax_row for a tile of 32 keys in two vectors: the probabilities (exp16, as softmax_row) replace the scores in
+// s[0:32], 0 past the `last_visible` key of the n in the tile.
+inline void softmax_row32(float* s, int64_t n, int64_t last_visible, float& max, float& sum, float* acc, int64_t D) {
+  __m512 lo, hi;
+  if (!tile_max32(s, n, last_visible, max, sum, acc, D, lo, hi)) {
+    std::memset(s, 0, 32 * sizeof(float));
+    return;
+  }
+  const v16 p_lo = exp16(v16(lo) - max), p_hi = exp16(v16(hi) - max);
+  sum += _mm512_reduce_add_ps(_mm512_add_ps(__m512(p_lo), __m512(p_hi)));
+  store16(s, p_lo);
+  store16(s + 16, p_hi);
+}
+#endif
+
 #if defined(__AVX512BF16__)
 // softmax_row for a tile of 32 keys in two vectors, the scores' exponentials in base 2 (exp2_16), the
 // probabilities written to p[0:32] rounded to bfloat16 (0 past the last visible key).
 inline void softmax_row32_bf16(const float* s, int64_t n, int64_t last_visible, float& max, float& sum, float* acc,
                                int64_t D, uint16_t* p) {
-  constexpr float kNegInf = -std::numeric_limits<float>::infinity(), kLog2e = 1.4426950408889634f;
-  const int64_t visible = std::min(n, std::max<int64_t>(0, last_visible + 1));
-  if (visible == 0) {
+  constexpr float kLog2e = 1.4426950408889634f;
+  __m512 lo, hi;
+  if (!tile_max32(s, n, last_visible, max, sum, acc, D, lo, hi)) {
     std::memset(p, 0, 32 * sizeof(uint16_t));
     return;
   }
-  const uint32_t keep = visible >= 32 ? 0xFFFFFFFFu : (1u << visible) - 1;
-  const __m512 minus_inf = _mm512_set1_ps(kNegInf);
-  const __m512 lo = _mm512_mask_loadu_ps(minus_inf, static_cast<__mmask16>(keep), s);
-  const __m512 hi = _mm512_mask_loadu_ps(minus_inf, static_cast<__mmask16>(keep >> 16), s + 16);
-  const float new_max = std::max(max, _mm512_reduce_max_ps(_mm512_max_ps(lo, hi)));
-  move_max(max, new_max, sum, acc, D);
-  const __m512 log2e = _mm512_set1_ps(kLog2e), shift = _mm512_set1_ps(new_max * kLog2e);
+  const __m512 log2e = _mm512_set1_ps(kLog2e), shift = _mm512_set1_ps(max * kLog2e);
   const __m512 p_lo = exp2_16(_mm512_fmsub_ps(lo, log2e, shift));
   const __m512 p_hi = exp2_16(_mm512_fmsub_ps(hi, log2e, shift));
   sum += _mm512_reduce_add_ps(_mm512_add_ps(p_lo, p_hi));
@@ -273,28 +297,6 @@ inline void softmax_row32_bf16(const float* s, int64_t n, int64_t last_visible, 
 }
 #endif
 
-#if defined(__AVX512F__)
-// softmax_row for a tile of 32 keys in two vectors: the probabilities (exp16, as softmax_row) replace the scores in
-// s[0:32], 0 past the `last_visible` key of the n in the tile.
-inline void softmax_row32(float* s, int64_t n, int64_t last_visible, float& max, float& sum, float* acc, int64_t D) {
-  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-  const int64_t visible = std::min(n, std::max<int64_t>(0, last_visible + 1));
-  if (visible == 0) {
-    std::memset(s, 0, 32 * sizeof(float));
-    return;
-  }
-  const uint32_t keep = visible >= 32 ? 0xFFFFFFFFu : (1u << visible) - 1;
-  const __m512 minus_inf = _mm512_set1_ps(kNegInf);
-  const __m512 lo = _mm512_mask_loadu_ps(minus_inf, static_cast<__mmask16>(keep), s);
-  const __m512 hi = _mm512_mask_loadu_ps(minus_inf, static_cast<__mmask16>(keep >> 16), s + 16);
-  const float new_max = std::max(max, _mm512_reduce_max_ps(_mm512_max_ps(lo, hi)));
-  move_max(max, new_max, sum, acc, D);
-  const v16 p_lo = exp16(v16(lo) - new_max), p_hi = exp16(v16(hi) - new_max);
-  sum += _mm512_reduce_add_ps(_mm512_add_ps(__m512(p_lo), __m512(p_hi)));
-  store16(s, p_lo);
-  store16(s + 16, p_hi);
-}
-#endif
 
 // One row's scores of a tile of `tile` keys, s[0:tile], become probabilities (0 past the `last_visible` key of
 // the n in the tile) under the row's running max; its sum and accumulator acc[0:D] are rescaled when the max grows.
