@@ -223,6 +223,12 @@ class ModelRunner:
         if not self.config.attention_backend_fallback:
             return create_attention_backend(name, self)
         candidates = [name] + [n for n in ("triton", "torch_native") if n != name]
+        if name == "flashinfer" and self._windowed_decode_graphs():
+            # flashinfer's decode graphs attend to every key, so a model with windows would decode eagerly there
+            # (gpt-oss-20b at batch 1 on an H100: 20.9 ms a step against 4.2 ms in triton's graphs)
+            logger.info("sliding-window layers: decode runs in CUDA graphs on the triton attention backend "
+                        "(--attention-backend flashinfer keeps flashinfer, decoding eagerly)")
+            candidates = ["triton", "flashinfer", "torch_native"]
         for i, candidate in enumerate(candidates):
             try:
                 return create_attention_backend(candidate, self)
@@ -231,6 +237,13 @@ class ModelRunner:
                     raise
                 logger.warning("attention backend %s unavailable (%s); trying %s", candidate, exc, candidates[i + 1])
         raise AssertionError("unreachable")
+
+    def _windowed_decode_graphs(self) -> bool:
+        """Whether this model has sliding-window layers and would decode in CUDA graphs (as
+        `_create_cuda_graph_runner` decides, but for the attention backend)."""
+        return (self.device.type == "cuda" and bool(self.model_config.sliding_windows)
+                and not self.config.disable_cuda_graph and not self.config.enable_lora
+                and self.pooling.is_generation and not self.model_config.is_hybrid)
 
     def _create_cuda_graph_runner(self) -> Optional["CudaGraphRunner"]:
         """Capture decode CUDA graphs on CUDA unless `disable_cuda_graph`; None on the CPU, when disabled, or

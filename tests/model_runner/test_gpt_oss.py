@@ -150,6 +150,20 @@ def test_gpu_flashinfer_bfloat16_agrees_with_torch_native(tiny_model_dir, prompt
     assert sum(a == b for a, b in zip(ours, native)) >= len(prompts) - 1
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_default_backend_decodes_the_windows_in_cuda_graphs(tiny_model_dir):
+    """With no attention backend asked, a model with sliding windows takes the triton backend, whose decode graphs
+    apply the windows; flashinfer's do not, so asked for by name it decodes eagerly."""
+    pytest.importorskip("flashinfer")
+    model_dir = tiny_model_dir("gpt_oss", head_dim=64)
+    default = _gpu_runner(model_dir, None, "bfloat16")
+    assert type(default.attn_backend).__name__ == "TritonAttentionBackend"
+    assert default.cuda_graph_runner is not None
+    asked = _gpu_runner(model_dir, "flashinfer", "bfloat16")
+    assert type(asked.attn_backend).__name__ == "FlashInferAttentionBackend" and asked.cuda_graph_runner is None
+
+
 # ---- MXFP4 checkpoints ---------------------------------------------------------------------------
 
 _E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
