@@ -44,10 +44,7 @@ using radixserve_cpu::scores_dots;
 using radixserve_cpu::softmax_row;
 using radixserve_cpu::values_block;
 
-constexpr int64_t kKeyTile = 32;
-#ifndef PF
-#define PF 2
-#endif     // keys per tile
+constexpr int64_t kKeyTile = 32;     // keys per tile
 // A group of several members runs as one unit (every KV head) where the batch has at least this many such groups
 // per thread, else as one unit per KV head so that few groups still keep every thread busy.
 constexpr int64_t kGroupsPerThread = 2;
@@ -313,18 +310,22 @@ class ItemKernel {
     }
   }
 
-  // The key and value rows of KV head h at a slot, into L2.
-  void prefetch_head(int64_t slot, int64_t h) {
-    const int64_t offset = slot * kv_stride_slot_ + h * head_dim_;
-    prefetch_rows(reinterpret_cast<const char*>(k_ + offset), reinterpret_cast<const char*>(v_ + offset));
-  }
-
   // One head's key and value rows from these bytes, into L2.
   void prefetch_rows(const char* k_row, const char* v_row) const {
     for (int64_t b = 0; b < head_dim_ * static_cast<int64_t>(sizeof(kv_t)); b += 64) {
       radixserve_cpu::prefetch_l2(k_row + b);
       radixserve_cpu::prefetch_l2(v_row + b);
     }
+  }
+
+  // The `between` of a values loop over KV head h: with `first` (the head's first loop of the tile), key k's step
+  // brings head h's rows of the next tile's key k into L2. Steady prefetches, a key at a time while the values are
+  // summed, where a burst of a whole tile's lines at once stalls on the miss buffers.
+  auto next_tile_prefetch(int64_t h, bool first) const {
+    const int64_t head_bytes = h * head_dim_ * static_cast<int64_t>(sizeof(kv_t)), n = first ? next_n_ : 0;
+    return [this, head_bytes, n](int64_t k) {
+      if (k < n) prefetch_rows(next_k_[k] + head_bytes, next_v_[k] + head_bytes);
+    };
   }
 
   // Few rows per KV head: per tile, each KV head's rows against the tile's keys and values read in place from the
@@ -358,14 +359,14 @@ class ItemKernel {
           next_v_[k] = reinterpret_cast<const char*>(v_ + offset);
         }
         for (int64_t k = n; k < kKeyTile; ++k) {  // a partial tile
-          k_pool_rows_[k] = v_pool_rows_[k] = zeros;
-          k_bf16_rows_[k] = v_bf16_rows_[k] = reinterpret_cast<const uint16_t*>(zeros_.data());
+          if constexpr (kKeysAsBf16) k_bf16_rows_[k] = v_bf16_rows_[k] = reinterpret_cast<const uint16_t*>(zeros);
+          else k_pool_rows_[k] = v_pool_rows_[k] = zeros;
         }
         for (int64_t h = h_begin_; h < h_end_; ++h) {
           const int64_t r0 = row(h, t_begin, 0);
           float* s = scores_.data() + r0 * kKeyTile;
           if constexpr (kKeysAsBf16) {
-            dots_bf16(s, r0, rows, h, n, tile_pos0, t_begin, ahead, kv_end);
+            dots_bf16(s, r0, rows, h, n, tile_pos0, t_begin);
             continue;
           }
           const float* q = q_rows_.data() + r0 * D;
@@ -386,14 +387,7 @@ class ItemKernel {
             const int64_t left = rows - i;
             const float* pi = s + i * kKeyTile;
             float* oi = out + i * D;
-            // Head h's keys and values of the next tile come into L2 a key at a time while these are summed:
-            // steady prefetches, where a burst of a whole tile's lines at once stalls on the miss buffers.
-            const char* const* k_next = i == 0 ? next_k_ : nullptr;
-            const char* const* v_next = next_v_;
-            const int64_t head_bytes = h * D * static_cast<int64_t>(sizeof(kv_t)), next_n = next_n_;
-            const auto next = [k_next, v_next, head_bytes, next_n, this](int64_t k) {
-              if (k_next != nullptr && k < next_n) prefetch_rows(k_next[k] + head_bytes, v_next[k] + head_bytes);
-            };
+            const auto next = next_tile_prefetch(h, i == 0);
             if (left >= 4) radixserve_cpu::values_rows<4>(pi, kKeyTile, v_pool_rows_, h * D, n, D, oi, D, next), i += 4;
             else if (left == 3) radixserve_cpu::values_rows<3>(pi, kKeyTile, v_pool_rows_, h * D, n, D, oi, D, next), i += 3;
             else if (left == 2) radixserve_cpu::values_rows<2>(pi, kKeyTile, v_pool_rows_, h * D, n, D, oi, D, next), i += 2;
@@ -467,8 +461,7 @@ class ItemKernel {
   // The bfloat16 form of attend_dots' inner step for KV head h: the scores of the unscaled bfloat16 queries
   // against the keys in place (pair products, float32 sums; then scaled), the probabilities rounded to bfloat16
   // against pairs of value rows in place (float32 sums), no float32 copies of the tile.
-  void dots_bf16(float* s, int64_t r0, int64_t rows, int64_t h, int64_t n, int64_t tile_pos0, int64_t t_begin,
-                 int64_t ahead, int64_t kv_end) {
+  void dots_bf16(float* s, int64_t r0, int64_t rows, int64_t h, int64_t n, int64_t tile_pos0, int64_t t_begin) {
     const int64_t D = head_dim_;
     for (int64_t i = 0; i < rows; ++i)
       radixserve_cpu::scores_bf16(q_bf16_.data() + (r0 + i) * D, k_bf16_rows_, h * D, n, D, scale_, s + i * kKeyTile);
@@ -485,10 +478,8 @@ class ItemKernel {
       const int64_t left = rows - i;
       const uint16_t* pi = p + i * kKeyTile;
       float* oi = out + i * D;
-      const auto next = [&](int64_t k) {  // as attend_dots' values, two keys a step
-        for (int64_t j = k; j < k + 2; ++j)
-          if (i == 0 && ahead + j < kv_end) prefetch_head(plan_.kv_slots[ahead + j], h);
-      };
+      const auto prefetch = next_tile_prefetch(h, i == 0);
+      const auto next = [&prefetch](int64_t k) { prefetch(k), prefetch(k + 1); };  // two keys a step
       if (left >= 4) radixserve_cpu::values_bf16<4>(pi, kKeyTile, v_bf16_rows_, h * D, n, D, oi, D, next), i += 4;
       else if (left == 3) radixserve_cpu::values_bf16<3>(pi, kKeyTile, v_bf16_rows_, h * D, n, D, oi, D, next), i += 3;
       else if (left == 2) radixserve_cpu::values_bf16<2>(pi, kKeyTile, v_bf16_rows_, h * D, n, D, oi, D, next), i += 2;
@@ -496,7 +487,7 @@ class ItemKernel {
     }
   }
 #else
-  void dots_bf16(float*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t) {}
+  void dots_bf16(float*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t) {}
 #endif
 
   const scalar_t* q_;

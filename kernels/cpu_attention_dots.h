@@ -103,18 +103,12 @@ inline __m512 reduce16x16(const __m512* acc) {
   return _mm512_permutexvar_ps(_mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0), sums);
 }
 
-#endif
-
-#if defined(__AVX512F__)
-// 16 values of a key or value row as float32 lanes: float32 as they are, float16 through F16C, bfloat16 by moving
-// its bits up.
-inline __m512 load_f32(const float* p) { return _mm512_loadu_ps(p); }
+// 16 values of a key or value row as float32 lanes: float32 and bfloat16 as cpu_vec.h's load16 reads them, float16
+// through F16C.
+inline __m512 load_f32(const float* p) { return __m512(load16(p)); }
+inline __m512 load_f32(const c10::BFloat16* p) { return __m512(load16(p)); }
 inline __m512 load_f32(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-inline __m512 load_f32(const c10::BFloat16* p) {
-  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
 
 // Lane k (0..7) of the result: the sum of acc[k]'s 16 lanes, by the tree of reduce16x16 (halves, quarters, then

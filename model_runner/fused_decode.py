@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from radixserve.kernels import cpu_build
-from radixserve.model_runner.attention.cpu_backend import CpuAttentionBackend, CpuAttentionPlan
+from radixserve.model_runner.attention.cpu_backend import CpuAttentionBackend, CpuAttentionPlan, kernel_dtypes
 from radixserve.model_runner.cpu.gguf_linear import DENSE_FROM, GGUFLinear
 from radixserve.model_runner.forward_batch import ForwardBatch
 from radixserve.model_runner.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
@@ -75,7 +75,7 @@ class FusedDecodeLayers:
         pool = batch.token_to_kv_pool
         if ((self.max_tokens is not None and hidden.shape[0] > self.max_tokens) or hidden.dtype != torch.float32
                 or not isinstance(attn_backend, CpuAttentionBackend) or not isinstance(plan, CpuAttentionPlan)
-                or pool.k_buffer[0].dtype not in (torch.float32, torch.float16, torch.bfloat16)):
+                or not kernel_dtypes(hidden.dtype, pool.k_buffer[0].dtype)):
             return None
         buffers = [pool.get_kv_buffer(layer_id) for layer_id in self.layer_ids]
         hidden, residual = torch.ops.radixserve_cpu.decode_layers(

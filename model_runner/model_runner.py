@@ -223,7 +223,7 @@ class ModelRunner:
         if not self.config.attention_backend_fallback:
             return create_attention_backend(name, self)
         candidates = [name] + [n for n in ("triton", "torch_native") if n != name]
-        if name == "flashinfer" and self._windowed_decode_graphs():
+        if name == "flashinfer" and self.model_config.sliding_windows and self._decode_in_graphs():
             # flashinfer's decode graphs attend to every key, so a model with windows would decode eagerly there
             # (gpt-oss-20b at batch 1 on an H100: 20.9 ms a step against 4.2 ms in triton's graphs)
             logger.info("sliding-window layers: decode runs in CUDA graphs on the triton attention backend "
@@ -238,21 +238,17 @@ class ModelRunner:
                 logger.warning("attention backend %s unavailable (%s); trying %s", candidate, exc, candidates[i + 1])
         raise AssertionError("unreachable")
 
-    def _windowed_decode_graphs(self) -> bool:
-        """Whether this model has sliding-window layers and would decode in CUDA graphs (as
-        `_create_cuda_graph_runner` decides, but for the attention backend)."""
-        return (self.device.type == "cuda" and bool(self.model_config.sliding_windows)
-                and not self.config.disable_cuda_graph and not self.config.enable_lora
+    def _decode_in_graphs(self) -> bool:
+        """Whether decode runs in CUDA graphs, the attention backend aside: on CUDA unless disabled, without
+        LoRA (whose batches vary per step in which adapters they use), for a model that generates, not a hybrid
+        (its state reads and writes are not captured yet)."""
+        return (self.device.type == "cuda" and not self.config.disable_cuda_graph and not self.config.enable_lora
                 and self.pooling.is_generation and not self.model_config.is_hybrid)
 
     def _create_cuda_graph_runner(self) -> Optional["CudaGraphRunner"]:
         """Capture decode CUDA graphs on CUDA unless `disable_cuda_graph`; None on the CPU, when disabled, or
         when the attention backend cannot be captured (decode then runs eagerly)."""
-        # LoRA batches vary per step in which adapters they use; decode runs eagerly then.
-        # A model that only pools never decodes.
-        # Hybrid models decode eagerly: their state reads and writes are not captured yet.
-        if (self.device.type != "cuda" or self.config.disable_cuda_graph or self.lora_manager is not None
-                or not self.pooling.is_generation or self.model_config.is_hybrid):
+        if not self._decode_in_graphs():
             return None
         if self.model_config.sliding_windows and not self.attn_backend.graphs_apply_windows:
             logger.info("decode runs eagerly: the %s attention backend's graphs do not apply sliding windows",
