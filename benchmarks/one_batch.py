@@ -84,6 +84,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         help="decode sizes to repeat without CUDA graphs (when graphs are on)")
     parser.add_argument("--disable-cuda-graph", action="store_true")
     parser.add_argument("--kv-cache-dtype", default="auto", help="auto | bfloat16 | fp8_e4m3 | fp8_e5m2 | ...")
+    parser.add_argument("--mxfp4-experts", choices=("mxfp4", "fp8"), default=None,
+                        help="how gpt-oss's MXFP4 experts are held on CUDA (models/gpt_oss.py's MXFP4_EXPERTS)")
     parser.add_argument("--profile-batch-size", type=int, default=0, help="decode batch to profile (0: none)")
     parser.add_argument("--profile-prefill-batch-size", type=int, default=0, help="prefill batch to profile (0: none)")
     parser.add_argument("--prefill-repeats", type=int, default=3)
@@ -110,6 +112,10 @@ def build_runner(args: argparse.Namespace, model_path: Optional[str], load_forma
     """A runner whose KV pool holds exactly the largest batch this run makes (no memory profiling)."""
     all_sizes = args.prefill_batch_sizes + args.decode_batch_sizes
     page = args.page_size
+    if args.mxfp4_experts is not None:
+        from radixserve.model_runner.models import gpt_oss
+
+        gpt_oss.MXFP4_EXPERTS = args.mxfp4_experts
 
     def pages_of(length: int) -> int:  # each request starts on a fresh page
         return -(-length // page) * page

@@ -46,8 +46,8 @@ import triton
 import triton.language as tl
 
 from radixserve.kernels.fused_moe_configs import BlockConfig, block_config, decode_config
-from radixserve.kernels.fused_moe_decode import (ExpertScales, _activate, _int4_values, expert_call, expert_layout,
-                                                 reduced_tile, weight_strides)
+from radixserve.kernels.fused_moe_decode import (ExpertScales, _activate, _packed_tile, _scale_values, expert_call,
+                                                 expert_layout, packed, reduced_tile, weight_strides)
 from radixserve.kernels.fused_moe_decode import decode as _decode
 from radixserve.kernels.guard import KernelGuard
 
@@ -92,12 +92,12 @@ def _gate_up_kernel(
     stride_x, stride_we, stride_wn, stride_wk, stride_be, stride_se, stride_sn, stride_sk, stride_inter,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
     HAS_BIAS: tl.constexpr, CLAMPED_SWIGLU: tl.constexpr, HAS_SCALE: tl.constexpr, SCALE_N: tl.constexpr,
-    SCALE_K: tl.constexpr, INT4: tl.constexpr,
+    SCALE_K: tl.constexpr, INT4: tl.constexpr, FP4: tl.constexpr,
 ):
     """Program (block of sorted rows, block of intermediate columns). With HAS_BIAS, the expert's gate and up biases
     (`B13 [E, 2I]`) join the accumulators; CLAMPED_SWIGLU applies gpt-oss's activation in place of SiLU; with
     HAS_SCALE, each tile's product with the quantized rows is scaled by their scales (`S13`) as it joins, after the
-    zero points' share (`Z13`) is taken off for 4-bit rows (INT4)."""
+    zero points' share (`Z13`) is taken off for 4-bit integer rows (INT4; FP4: MXFP4's, which have none)."""
     block = tl.program_id(0)
     expert = tl.load(BlockExpert + block).to(tl.int64)
     if expert < 0:
@@ -122,18 +122,22 @@ def _gate_up_kernel(
         w_mask = k_ok[:, None] & col_ok[None, :]
         if HAS_SCALE:
             scale_k = (k0 // SCALE_K) * stride_sk
-            gate_scale = tl.load(S13 + gate_scales + scale_k, mask=col_ok, other=0.0).to(tl.float32)
-            up_scale = tl.load(S13 + up_scales + scale_k, mask=col_ok, other=0.0).to(tl.float32)
+            gate_scale = _scale_values(tl.load(S13 + gate_scales + scale_k, mask=col_ok, other=0), FP4)
+            up_scale = _scale_values(tl.load(S13 + up_scales + scale_k, mask=col_ok, other=0), FP4)
             if INT4:
-                features = (k0 + ks)[:, None]
-                w_gate = _int4_values(gate_rows, features, stride_wk, w_mask).to(X.dtype.element_ty)
-                w_up = _int4_values(gate_rows + intermediate * stride_wn, features, stride_wk, w_mask)
-                w_up = w_up.to(X.dtype.element_ty)
-                x_sum = tl.sum(x.to(tl.float32), axis=1)[:, None]
-                gate_zero = tl.load(Z13 + gate_scales + scale_k, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-                up_zero = tl.load(Z13 + up_scales + scale_k, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-                gate_part = tl.dot(x, w_gate, input_precision=PRECISION) - x_sum * gate_zero
-                up_part = tl.dot(x, w_up, input_precision=PRECISION) - x_sum * up_zero
+                words = hidden // 8
+                w_gate = _packed_tile(gate_rows, k0 // 8, words, stride_wk, col_ok, BLOCK_K, BLOCK_N, FP4)
+                w_up = _packed_tile(gate_rows + intermediate * stride_wn, k0 // 8, words, stride_wk, col_ok, BLOCK_K,
+                                    BLOCK_N, FP4)
+                w_gate, w_up = w_gate.to(X.dtype.element_ty), w_up.to(X.dtype.element_ty)
+                gate_part = tl.dot(x, w_gate, input_precision=PRECISION)
+                up_part = tl.dot(x, w_up, input_precision=PRECISION)
+                if not FP4:
+                    x_sum = tl.sum(x.to(tl.float32), axis=1)[:, None]
+                    gate_part -= x_sum * tl.load(Z13 + gate_scales + scale_k, mask=col_ok, other=0.0).to(
+                        tl.float32)[None, :]
+                    up_part -= x_sum * tl.load(Z13 + up_scales + scale_k, mask=col_ok, other=0.0).to(
+                        tl.float32)[None, :]
             else:
                 w_gate = tl.load(gate_ptrs, mask=w_mask, other=0.0).to(X.dtype.element_ty)
                 w_up = tl.load(up_ptrs, mask=w_mask, other=0.0).to(X.dtype.element_ty)
@@ -163,11 +167,12 @@ def _down_kernel(
     stride_inter, stride_we, stride_wn, stride_wk, stride_be, stride_se, stride_sn, stride_sk, stride_out,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr,
-    INT4: tl.constexpr,
+    INT4: tl.constexpr, FP4: tl.constexpr,
 ):
     """Program (block of sorted rows, block of hidden columns). With HAS_BIAS, the expert's down bias (`B2 [E, H]`)
     is added before the routing weight scales the row; with HAS_SCALE, the quantized rows' scales (`S2`) scale each
-    tile's product, less the zero points' share (`Z2`) for 4-bit rows (INT4)."""
+    tile's product, less the zero points' share (`Z2`) for 4-bit integer rows (INT4; FP4: MXFP4's, which have
+    none)."""
     block = tl.program_id(0)
     expert = tl.load(BlockExpert + block).to(tl.int64)
     if expert < 0:
@@ -189,12 +194,14 @@ def _down_kernel(
         w_mask = k_ok[:, None] & col_ok[None, :]
         if HAS_SCALE:
             scale_at = scales + (k0 // SCALE_K) * stride_sk
-            scale = tl.load(S2 + scale_at, mask=col_ok, other=0.0).to(tl.float32)
+            scale = _scale_values(tl.load(S2 + scale_at, mask=col_ok, other=0), FP4)
             if INT4:
-                w = _int4_values(w_rows, (k0 + ks)[:, None], stride_wk, w_mask).to(Inter.dtype.element_ty)
-                zero = tl.load(Z2 + scale_at, mask=col_ok, other=0.0).to(tl.float32)
-                a_sum = tl.sum(a.to(tl.float32), axis=1)[:, None]
-                part = tl.dot(a, w, input_precision=PRECISION) - a_sum * zero[None, :]
+                w = _packed_tile(w_rows, k0 // 8, intermediate // 8, stride_wk, col_ok, BLOCK_K, BLOCK_N, FP4)
+                w = w.to(Inter.dtype.element_ty)
+                part = tl.dot(a, w, input_precision=PRECISION)
+                if not FP4:
+                    a_sum = tl.sum(a.to(tl.float32), axis=1)[:, None]
+                    part -= a_sum * tl.load(Z2 + scale_at, mask=col_ok, other=0.0).to(tl.float32)[None, :]
             else:
                 w = tl.load(w_ptrs, mask=w_mask, other=0.0)
                 part = tl.dot(a, w.to(Inter.dtype.element_ty), input_precision=PRECISION)
@@ -245,8 +252,8 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     [T, k]` (float32) and `topk_ids [T, k]`. gpt-oss's experts: `w13_bias [E, 2I]` and `w2_bias [E, H]` (both or
     neither) are added to their projections, and `swiglu = (alpha, limit)` replaces the SiLU gate by `gate *
     sigmoid(alpha * gate) * (up + 1)` with the gate clamped to at most `limit` and up to `[-limit, limit]`. Quantized
-    experts: `w13` and `w2` in FP8 or packed 4 bits with `w13_scales` and `w2_scales` (both or neither; `ExpertScales`
-    gives the layouts), the product of the dequantized weights.
+    experts: `w13` and `w2` in FP8 or packed 4 bits (integers or MXFP4) with `w13_scales` and `w2_scales` (both or
+    neither; `ExpertScales` gives the layouts), the product of the dequantized weights.
 
     `path`: "auto" chooses by `use_decode_path`; "aligned" or "decode" forces one (benchmarks and tests compare them).
     `config`: the block sizes of the path that runs (default: kernels/fused_moe_configs.py's tables; the aligned
@@ -256,7 +263,7 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     num_tokens, hidden_size = hidden.shape
     num_experts, intermediate, _ = expert_layout(w13, w2, w2_scales)
     top_k = topk_ids.shape[1]
-    if w13_scales is not None and w13_scales.zeros is not None:  # 4 bits: [E, H / 8, 2I]
+    if packed(w13_scales):  # 4 bits: [E, H / 8, 2I]
         assert w13.shape == (num_experts, hidden_size // 8, 2 * intermediate), (w13.shape, w2.shape, hidden.shape)
     else:
         assert w13.shape == (num_experts, 2 * intermediate, hidden_size), (w13.shape, w2.shape, hidden.shape)

@@ -46,9 +46,10 @@ def load_model(runner: Any, files: ModelFiles, quantized_experts: Optional[bool]
     if method is not None:  # FP8 / 4-bit linears (model_runner/quantization/), swapped in before allocation
         quantize_model(model, method, quantized_experts)
         logger.info("quantized linears: %s", method.describe())
-    elif quantized_experts and hasattr(model, "keep_experts_fp8") and model.keep_experts_fp8(
-            runner.model_config.hf_config):
-        logger.info("MXFP4 experts held in FP8 with a scale per 32 values")
+    elif quantized_experts and hasattr(model, "keep_experts_quantized"):
+        held = model.keep_experts_quantized(runner.model_config.hf_config)
+        if held:
+            logger.info(held)
     model = model.to_empty(device=runner.device)
     if files.load_format == "dummy":
         shapes = model.hf_weight_shapes() if hasattr(model, "hf_weight_shapes") else None

@@ -20,10 +20,12 @@ released ones quantize both matrices as MXFP4 (`<name>_blocks` / `<name>_scales`
 (quantization/mxfp4.py). The loader de-interleaves gate and up into `FusedMoE`'s `[gate rows | up rows]` and copies only
 this rank's experts (expert parallelism) and slice of each (tensor parallelism).
 
-On CUDA (`keep_experts_fp8`) an MXFP4 checkpoint's experts are held instead as FP8 with a float32 scale per block of 32
-values of a row (`FusedMoE.keep_fp8((1, 32))`), which the fused MoE kernels read: exactly the MXFP4 values
-(`mxfp4_as_fp8`), in 1.125 bytes a value instead of bf16's 2 (gpt-oss-20b's experts: about 22 GB instead of 39). A
-16-bit checkpoint or random weights under an MXFP4 config are quantized into the same layout.
+On CUDA (`keep_experts_quantized`) an MXFP4 checkpoint's experts are held instead as the checkpoint's own codes and
+exponents (`FusedMoE.keep_mxfp4`), which the fused MoE kernels decode in registers: about 0.53 bytes a value where
+bf16 takes 2 (gpt-oss-20b's experts: about 10 GB instead of 39; gpt-oss-120b's about 61 GB, so it fits one 80 GB
+card). `MXFP4_EXPERTS = "fp8"` holds them as FP8 with a float32 scale per block of 32 values of a row instead
+(`FusedMoE.keep_fp8((1, 32))`, exactly the same values by `mxfp4_as_fp8`, 1.125 bytes a value). A 16-bit checkpoint or
+random weights under an MXFP4 config are quantized into either layout (`quantize_mxfp4`, or FP8 per 32).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from radixserve.model_runner.models.moe_base import rename_tensors, sparse_or_de
 from radixserve.model_runner.moe import FusedMoE
 from radixserve.model_runner.parallel import TPGroup, full_shape
 from radixserve.model_runner.quantization.fp8 import Fp8Weight
-from radixserve.model_runner.quantization.mxfp4 import BLOCK_SIZE, dequantize_mxfp4, mxfp4_as_fp8
+from radixserve.model_runner.quantization.mxfp4 import BLOCK_SIZE, dequantize_mxfp4, mxfp4_as_fp8, quantize_mxfp4
 
 if TYPE_CHECKING:
     from radixserve.model_runner.model_config import ModelConfig
@@ -49,6 +51,9 @@ if TYPE_CHECKING:
 CHECKPOINT_RENAMES = ((".mlp.router.", ".mlp.gate."),)
 _EXPERT_TENSOR = re.compile(r"^(.+\.mlp\.experts)\.(gate_up_proj|down_proj)(_bias)?$")
 _MXFP4_PART = re.compile(r"^(.+\.mlp\.experts\.(?:gate_up_proj|down_proj))_(blocks|scales)$")
+# How an MXFP4 checkpoint's experts are held where the fused kernels read them (CUDA): "mxfp4", its own codes and
+# exponents, or "fp8", the same values in FP8 with a float32 scale per 32 (module docstring).
+MXFP4_EXPERTS = "mxfp4"
 
 
 class GptOssAttention(LlamaAttention):
@@ -95,6 +100,10 @@ class Mxfp4Tensor:
         """Expert `index`'s matrix `[out, in]`, dequantized on `device` (one expert at a time bounds the float copy)."""
         blocks, scales = _take(self.blocks, index)[0].to(device), _take(self.scales, index)[0].to(device)
         return dequantize_mxfp4(blocks, scales, dtype)
+
+    def expert_codes(self, index: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert `index`'s stored `(blocks [out, in/32, 16], scales [out, in/32])` uint8, on `device`."""
+        return _take(self.blocks, index)[0].to(device), _take(self.scales, index)[0].to(device)
 
     def expert_fp8(self, index: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """Expert `index`'s matrix `[out, in]` as FP8 values and float32 scales per 32 (`mxfp4_as_fp8`), on `device`."""
@@ -145,12 +154,18 @@ class GptOssForCausalLM(LlamaForCausalLM):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], strict: bool = True) -> None:
         super().load_weights(pair_mxfp4_tensors(rename_tensors(weights, CHECKPOINT_RENAMES)), strict)
 
-    def keep_experts_fp8(self, hf_config: dict) -> bool:
-        """Before loading: hold an MXFP4 checkpoint's experts in FP8 with a scale per 32 values (module docstring),
-        where this rank's slice of each expert falls on whole blocks. Whether they are."""
+    def keep_experts_quantized(self, hf_config: dict) -> Optional[str]:
+        """Before loading: hold an MXFP4 checkpoint's experts as MXFP4, or in FP8 with a scale per 32 values
+        (`MXFP4_EXPERTS`, module docstring; FP8 too where this rank's slice of an expert is not whole blocks of 32
+        for MXFP4's packing). How they are held, for the log (None: an unquantized checkpoint)."""
         if (hf_config.get("quantization_config") or {}).get("quant_method") != "mxfp4":
-            return False
-        return all([module.keep_fp8((1, BLOCK_SIZE)) for module in self.modules() if isinstance(module, FusedMoE)])
+            return None
+        experts = [module for module in self.modules() if isinstance(module, FusedMoE)]
+        for module in experts:
+            if not (MXFP4_EXPERTS == "mxfp4" and module.keep_mxfp4()):
+                module.keep_fp8((1, BLOCK_SIZE))
+        forms = sorted({"MXFP4" if m.mxfp4 else ("FP8" if m.scale_blocks else "the model's dtype") for m in experts})
+        return f"MXFP4 experts held as {' and '.join(forms)} (a scale per 32 values)"
 
     def _expected_shards(self, params: dict[str, nn.Parameter]) -> set[tuple[str, int]]:
         # FP8 experts' scales load with their weights (`_copy_experts`)
@@ -208,6 +223,9 @@ def _copy_experts(experts: FusedMoE, projection: str, is_bias: bool, tensor: Any
             destination[:, :local].copy_(biases[:, 0::2][:, mine])
             destination[:, local:].copy_(biases[:, 1::2][:, mine])
         return
+    if experts.mxfp4:
+        _copy_mxfp4_experts(experts, projection, tensor, destination)
+        return
     if experts.scale_blocks is not None:
         _copy_fp8_experts(experts, projection, tensor, destination)
         return
@@ -228,6 +246,26 @@ def _place(destination: torch.Tensor, projection: str, matrix: torch.Tensor, row
         local = destination.shape[0] // 2
         destination[:local].copy_(matrix[0::2][rows])
         destination[local:].copy_(matrix[1::2][rows])
+
+
+def _copy_mxfp4_experts(experts: FusedMoE, projection: str, tensor: Any, destination: torch.Tensor) -> None:
+    """`_copy_experts` into MXFP4 experts (`FusedMoE.keep_mxfp4`): an MXFP4 tensor's codes and exponents as stored, a
+    16-bit tensor quantized (`quantize_mxfp4`). A row's bytes read as little-endian 32-bit words hold eight codes
+    each, the even-indexed value's in the low nibble: the packing the kernels read, transposed to `[in / 8, out]`."""
+    shard = experts.shard
+    first, start, local = shard.first_expert, shard.intermediate_start, shard.intermediate_size
+    mine = slice(start, start + local)
+    words, groups = slice(start // 8, (start + local) // 8), slice(start // BLOCK_SIZE, (start + local) // BLOCK_SIZE)
+    scales = (experts.w2_weight_scale if projection == "down_proj" else experts.w13_weight_scale).data
+    for index in range(shard.num_local_experts):
+        if isinstance(tensor, Mxfp4Tensor):
+            blocks, exponents = tensor.expert_codes(first + index, destination.device)  # [out, in/32, 16], [out, in/32]
+        else:
+            matrix16 = _take(tensor, first + index)[0].to(destination.device).t()  # [in, out] -> [out, in]
+            blocks, exponents = quantize_mxfp4(matrix16)
+        codes = blocks.reshape(blocks.shape[0], -1).contiguous().view(torch.int32)  # [out, in / 8]
+        _place(destination[index].t(), projection, codes, mine, words)
+        _place(scales[index].t(), projection, exponents, mine, groups)
 
 
 def _copy_fp8_experts(experts: FusedMoE, projection: str, tensor: Any, destination: torch.Tensor) -> None:

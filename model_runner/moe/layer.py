@@ -22,9 +22,10 @@ data-parallel and the hidden states are no longer replicated.
 
 Quantized experts: an FP8 checkpoint's experts (or a 16-bit one's under `--quantization fp8`) can stay in
 float8_e4m3fn (`keep_fp8`), with float32 scales per block or per output row in `w13_weight_scale` / `w2_weight_scale`,
-and a 4-bit checkpoint's (AWQ, GPTQ without act-order, compressed-tensors W4A16) in packed 4 bits (`keep_int4`), with
-scales and zero points per group, for the fused kernel to multiply where it reads them (one byte, or half a byte, a
-value instead of two). The loader asks for it on CUDA; the CPU's grouped GEMMs take 16-bit weights, so there the
+a 4-bit checkpoint's (AWQ, GPTQ without act-order, compressed-tensors W4A16) in packed 4 bits (`keep_int4`), with
+scales and zero points per group, and an MXFP4 checkpoint's (gpt-oss) as its own e2m1 codes in the same packing with
+an exponent byte per 32 (`keep_mxfp4`), for the fused kernel to multiply where it reads them (one byte, or about half
+a byte, a value instead of two). The loader asks for it on CUDA; the CPU's grouped GEMMs take 16-bit weights, so there the
 experts are dequantized at load.
 """
 
@@ -41,6 +42,7 @@ from radixserve.model_runner.moe.grouped import SILU, SMALL_MAX_PAIRS, grouped_e
 from radixserve.model_runner.moe.routing import select_experts
 from radixserve.model_runner.parallel import ExpertShard, TPGroup, split_size
 from radixserve.model_runner.quantization.fp8 import FP8_DTYPE
+from radixserve.model_runner.quantization.mxfp4 import BLOCK_SIZE as MXFP4_BLOCK
 
 
 class FusedMoE(nn.Module):
@@ -73,6 +75,7 @@ class FusedMoE(nn.Module):
         self.w13_weight_zeros: Optional[nn.Parameter] = None
         self.w2_weight_zeros: Optional[nn.Parameter] = None
         self.scale_blocks: Optional[tuple[tuple[int, int], tuple[int, int]]] = None
+        self.mxfp4 = False  # `keep_mxfp4`: the packed codes are e2m1, the scales exponent bytes
         # CPU deterministic inference: every call on the C++ experts, whose sums do not depend on the batch
         # (model_runner/moe/grouped.py)
         self.batch_invariant = False
@@ -104,6 +107,31 @@ class FusedMoE(nn.Module):
     @property
     def is_int4(self) -> bool:
         return self.w13_weight_zeros is not None
+
+    @property
+    def is_packed(self) -> bool:
+        """Whether the weights are 4-bit codes packed eight a word along the reduced features (`keep_int4`,
+        `keep_mxfp4`)."""
+        return self.is_int4 or self.mxfp4
+
+    def keep_mxfp4(self) -> bool:
+        """Hold the experts as MXFP4 (before the weights load): w13 `[E, H / 8, 2I]`, w2 `[E, I / 8, H]` int32, eight
+        e2m1 codes a word along the reduced features (`Int4Weight`'s packing), and one e8m0 exponent byte per 32 of
+        them and output column, `[E, K / 32, N]` uint8 (kernels/fused_moe_decode.py's `ExpertScales.fp4`). False, and
+        nothing changed, where the reduced features are not whole blocks of 32 or this rank's slice of each expert's
+        down would cut one."""
+        shard, (local_experts, hidden, _) = self.shard, self.w2_weight.shape
+        local = shard.intermediate_size
+        if hidden % MXFP4_BLOCK or local % MXFP4_BLOCK or shard.intermediate_start % MXFP4_BLOCK:
+            return False
+        empty = self._empty_like_weights
+        self.w13_weight = empty(local_experts, hidden // 8, 2 * local, dtype=torch.int32)
+        self.w2_weight = empty(local_experts, local // 8, hidden, dtype=torch.int32)
+        self.w13_weight_scale = empty(local_experts, hidden // MXFP4_BLOCK, 2 * local, dtype=torch.uint8)
+        self.w2_weight_scale = empty(local_experts, local // MXFP4_BLOCK, hidden, dtype=torch.uint8)
+        self.scale_blocks = ((1, MXFP4_BLOCK), (1, MXFP4_BLOCK))
+        self.mxfp4 = True
+        return True
 
     def keep_int4(self, group_size: int) -> bool:
         """Hold the experts in 4 bits, `Int4Weight`'s layout stacked (w13 `[E, H / 8, 2I]`, w2 `[E, I / 8, H]` int32;
@@ -149,8 +177,10 @@ class FusedMoE(nn.Module):
             scales = {}
             if self.scale_blocks is not None:
                 (w13_block, w2_block) = self.scale_blocks
-                scales = {"w13_scales": ExpertScales(self.w13_weight_scale, *w13_block, self.w13_weight_zeros),
-                          "w2_scales": ExpertScales(self.w2_weight_scale, *w2_block, self.w2_weight_zeros)}
+                scales = {"w13_scales": ExpertScales(self.w13_weight_scale, *w13_block, self.w13_weight_zeros,
+                                                     self.mxfp4),
+                          "w2_scales": ExpertScales(self.w2_weight_scale, *w2_block, self.w2_weight_zeros,
+                                                    self.mxfp4)}
             return fused_moe(hidden, self.w13_weight, self.w2_weight, topk_weights, local_ids, w13_bias=self.w13_bias,
                              w2_bias=self.w2_bias, swiglu=self._swiglu_args(), **scales)
         return grouped_experts(hidden, self.w13_weight, self.w2_weight, topk_weights, local_ids, self.w13_bias,
@@ -165,10 +195,11 @@ class FusedMoE(nn.Module):
 
     def extra_repr(self) -> str:
         experts, rows, cols = self.w2_weight.shape
-        hidden, local = (cols, rows * 8) if self.is_int4 else (rows, cols)
+        hidden, local = (cols, rows * 8) if self.is_packed else (rows, cols)
         first = self.shard.first_expert
+        form = "mxfp4" if self.mxfp4 else ("4-bit" if self.is_int4 else "fp8")
         quantized = "" if self.scale_blocks is None else (
-            f", {'4-bit' if self.is_int4 else 'fp8'} scales per {self.scale_blocks[0]} / {self.scale_blocks[1]}")
+            f", {form} scales per {self.scale_blocks[0]} / {self.scale_blocks[1]}")
         return (f"experts={first}..{first + experts - 1} of {self.num_experts}, hidden={hidden}, "
                 f"intermediate_per_rank={local}{quantized}")
 

@@ -5,8 +5,10 @@ A checkpoint stores each quantized tensor `W [..., rows, K]` as two uint8 tensor
 one e8m0 exponent (the scale 2^(s - 127)) for each block of 32 consecutive values of a row.
 
 Every e2m1 value (0, 0.5, ..., 6, and their negatives) is exact in FP8 e4m3, and each block's scale is a power of two:
-`mxfp4_as_fp8` rewrites the blocks, exactly, as FP8 values with a float32 scale per block of 32, the layout the fused
-MoE kernels read (1.125 bytes a value where a 16-bit copy takes 2).
+`mxfp4_as_fp8` rewrites the blocks, exactly, as FP8 values with a float32 scale per block of 32, a layout the fused
+MoE kernels read (1.125 bytes a value where a 16-bit copy takes 2); they also read the codes and exponents as stored
+(kernels/fused_moe_decode.py, about 0.53 bytes a value). `quantize_mxfp4` makes MXFP4 of 16-bit weights (random
+weights under an MXFP4 config, as the GPU benchmarks load).
 """
 
 from __future__ import annotations
@@ -38,6 +40,22 @@ def mxfp4_as_fp8(blocks: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tens
     values, exponents = _unpack(blocks, scales)
     values = values.reshape(*scales.shape[:-1], scales.shape[-1] * BLOCK_SIZE).to(torch.float8_e4m3fn)
     return values, torch.ldexp(torch.ones_like(exponents, dtype=torch.float32), exponents.to(torch.float32))
+
+
+def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(blocks [..., K/32, 16], scales [..., K/32])` uint8 of `weight [..., K]` (K a multiple of 32): per block of 32,
+    the smallest power of two that brings its largest magnitude within 6 (e2m1's largest), then each value rounded to
+    the nearest code (a tie to the smaller magnitude); the element of even index in the low nibble."""
+    if weight.shape[-1] % BLOCK_SIZE:
+        raise ValueError(f"MXFP4 quantizes rows of whole blocks of {BLOCK_SIZE}, got {weight.shape[-1]} values")
+    groups = weight.float().contiguous().reshape(*weight.shape[:-1], -1, BLOCK_SIZE)
+    largest = groups.abs().amax(-1)
+    exponents = torch.ceil(torch.log2(largest / 6.0)).clamp(1 - _E8M0_BIAS, _E8M0_BIAS)
+    scaled = groups * torch.exp2(-exponents).unsqueeze(-1)
+    magnitudes = torch.tensor(FP4_E2M1_VALUES[:8], dtype=torch.float32, device=weight.device)
+    nearest = torch.bucketize(scaled.abs(), (magnitudes[1:] + magnitudes[:-1]) / 2)
+    codes = (nearest | (((scaled < 0) & (nearest > 0)).to(torch.int64) << 3)).to(torch.uint8)
+    return codes[..., 0::2] | (codes[..., 1::2] << 4), (exponents + _E8M0_BIAS).to(torch.uint8)
 
 
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

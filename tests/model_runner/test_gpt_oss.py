@@ -261,19 +261,39 @@ def test_mxfp4_checkpoint_loads_the_decoded_weights_and_generates_as_transformer
         hf_greedy(reference, p, MAX_NEW_TOKENS, []) for p in prompts]
 
 
-def test_mxfp4_experts_held_in_fp8_generate_as_transformers(mxfp4_dirs, model_dir, prompts):
-    """Loaded as on CUDA (`quantized_experts`, the fused kernels under the Triton interpreter): the experts hold FP8 values
-    and a scale per 32 whose products are the decoded weights bit for bit, and generate as Hugging Face on those
-    weights. A 16-bit checkpoint keeps 16-bit experts."""
+def held_mxfp4_values(experts) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 `w13 [E, 2I, H]`, `w2 [E, H, I]` of experts held as MXFP4 (`FusedMoE.keep_mxfp4`), decoded by the
+    reference decoder from the held words and exponent bytes put back in the checkpoint's byte layout."""
+    from radixserve.model_runner.quantization.int4 import unpack_rows
+
+    def values(words: torch.Tensor, exponents: torch.Tensor) -> torch.Tensor:  # [K / 8, N], [K / 32, N]
+        codes = unpack_rows(words).t()  # [N, K]
+        blocks = (codes[:, 0::2] | (codes[:, 1::2] << 4)).reshape(codes.shape[0], -1, 16)
+        return decode_mxfp4_float64(blocks, exponents.t().contiguous())
+
+    return tuple(torch.stack([values(w, e) for w, e in zip(weight, scale)])
+                 for weight, scale in ((experts.w13_weight, experts.w13_weight_scale),
+                                       (experts.w2_weight, experts.w2_weight_scale)))
+
+
+@pytest.mark.parametrize("form", ["mxfp4", "fp8"])
+def test_mxfp4_experts_held_quantized_generate_as_transformers(mxfp4_dirs, model_dir, prompts, form, monkeypatch):
+    """Loaded as on CUDA (`quantized_experts`, the fused kernels under the Triton interpreter): the experts hold the
+    checkpoint's own codes and exponents (`MXFP4_EXPERTS` "mxfp4", the default), or FP8 values and a scale per 32
+    ("fp8"), whose values are the decoded weights bit for bit, and generate as Hugging Face on those weights. A 16-bit
+    checkpoint keeps 16-bit experts."""
+    from radixserve.model_runner.models import gpt_oss
     from test_quantized_experts import dequantized, with_quantized_experts
 
+    monkeypatch.setattr(gpt_oss, "MXFP4_EXPERTS", form)
     mxfp4_dir, decoded_dir, decoded = mxfp4_dirs
     runner = with_quantized_experts(mxfp4_dir)
     for layer_id, layer in enumerate(runner.model.model.layers):
         experts = layer.mlp.experts
-        assert experts.w13_weight.dtype == torch.float8_e4m3fn and experts.scale_blocks == ((1, 32), (1, 32))
+        assert experts.scale_blocks == ((1, 32), (1, 32)) and experts.mxfp4 == (form == "mxfp4")
+        assert experts.w13_weight.dtype == (torch.int32 if form == "mxfp4" else torch.float8_e4m3fn)
         gate_up = decoded[f"model.layers.{layer_id}.mlp.experts.gate_up_proj"]
-        w13, w2 = dequantized(experts)
+        w13, w2 = held_mxfp4_values(experts) if form == "mxfp4" else dequantized(experts)
         assert torch.equal(w13.double(), torch.cat([gate_up[:, 0::2], gate_up[:, 1::2]], dim=1))
         assert torch.equal(w2.double(), decoded[f"model.layers.{layer_id}.mlp.experts.down_proj"])
     reference = hf_model(decoded_dir)
@@ -281,23 +301,64 @@ def test_mxfp4_experts_held_in_fp8_generate_as_transformers(mxfp4_dirs, model_di
     assert with_quantized_experts(model_dir).model.model.layers[0].mlp.experts.scale_blocks is None
 
 
-def test_16_bit_experts_under_an_mxfp4_config_are_quantized_per_32(mxfp4_dirs, tmp_path):
-    """16-bit expert tensors (random weights for an MXFP4 config, as the GPU benchmarks load) become FP8 with one
-    scale per 32 values, as `Fp8Weight.quantize` makes them."""
+def test_16_bit_experts_under_an_mxfp4_config_are_quantized_per_32(mxfp4_dirs, tmp_path, monkeypatch):
+    """16-bit expert tensors (random weights for an MXFP4 config, as the GPU benchmarks load) become MXFP4 codes, or
+    FP8 with one scale per 32 values as `Fp8Weight.quantize` makes them. The 16-bit values here are MXFP4's own
+    (the decoded checkpoint), so MXFP4 holds them exactly."""
     from safetensors.torch import load_file
 
+    from radixserve.model_runner.models import gpt_oss
     from radixserve.model_runner.quantization.fp8 import Fp8Weight
     from test_quantized_experts import dequantized, with_quantized_experts
 
-    mxfp4_dir, decoded_dir, _ = mxfp4_dirs
+    mxfp4_dir, decoded_dir, decoded = mxfp4_dirs
     shutil.copytree(decoded_dir, tmp_path / "m")
     shutil.copy(Path(mxfp4_dir) / "config.json", tmp_path / "m" / "config.json")
+    runner = with_quantized_experts(str(tmp_path / "m"))
+    _, w2 = held_mxfp4_values(runner.model.model.layers[1].mlp.experts)
+    assert torch.equal(w2, decoded["model.layers.1.mlp.experts.down_proj"])
+    assert all(len(ids) == 4 for ids in greedy_generate(runner, [[1, 2, 3]], 4))
+
+    monkeypatch.setattr(gpt_oss, "MXFP4_EXPERTS", "fp8")
     runner = with_quantized_experts(str(tmp_path / "m"))
     down = load_file(str(tmp_path / "m" / "model.safetensors"))["model.layers.1.mlp.experts.down_proj"]  # [E, in, out]
     _, w2 = dequantized(runner.model.model.layers[1].mlp.experts)
     for e in range(down.shape[0]):
         assert torch.equal(w2[e], Fp8Weight.quantize(down[e].t().float(), (1, 32)).dequantize())
-    assert all(len(ids) == 4 for ids in greedy_generate(runner, [[1, 2, 3]], 4))
+
+
+def test_mxfp4_experts_slice_under_tensor_parallelism():
+    """Rank 1 of 2 holds the second half of every expert's gate and up rows (de-interleaved) and of down's reduced
+    features, as the stored codes and exponents; a half that is not whole blocks of 32 is refused."""
+    from radixserve.model_runner.models.gpt_oss import Mxfp4Tensor, _copy_experts
+    from radixserve.model_runner.moe import FusedMoE
+    from radixserve.model_runner.parallel import TPGroup
+
+    hidden, intermediate = 64, 128
+    generator = torch.Generator().manual_seed(4)
+    gate_up = Mxfp4Tensor(*quantize_mxfp4(torch.randn(2, 2 * intermediate, hidden, generator=generator)))
+    down = Mxfp4Tensor(*quantize_mxfp4(torch.randn(2, hidden, intermediate, generator=generator)))
+    experts = FusedMoE(2, hidden, intermediate, TPGroup(rank=1, size=2), bias=True)
+    assert experts.keep_mxfp4() and experts.w13_weight.dtype == torch.int32 and experts.w2_weight.shape == (2, 8, 64)
+    _copy_experts(experts, "gate_up_proj", False, gate_up, experts.w13_weight.data)
+    _copy_experts(experts, "down_proj", False, down, experts.w2_weight.data)
+    w13, w2 = held_mxfp4_values(experts)
+    full13 = decode_mxfp4_float64(gate_up.blocks, gate_up.scales)  # [E, 2I, H], gate and up rows interleaved
+    assert torch.equal(w13, torch.cat([full13[:, 0::2][:, 64:], full13[:, 1::2][:, 64:]], dim=1))
+    assert torch.equal(w2, decode_mxfp4_float64(down.blocks, down.scales)[:, :, 64:])
+    assert not FusedMoE(2, hidden, 96, TPGroup(rank=0, size=2)).keep_mxfp4()  # 48 features a rank
+
+
+def test_the_library_quantizer_rounds_as_the_reference(mxfp4_dirs):
+    """`quantize_mxfp4` of random 16-bit weights decodes to the test quantizer's values (the same rule: the smallest
+    power of two bringing each block within 6, then the nearest code)."""
+    from radixserve.model_runner.quantization.mxfp4 import quantize_mxfp4 as library_quantize
+
+    weight = (torch.randn(6, 128, generator=torch.Generator().manual_seed(3)) * 0.02).bfloat16()
+    ours = decode_mxfp4_float64(*library_quantize(weight))
+    assert torch.equal(ours, decode_mxfp4_float64(*quantize_mxfp4(weight.float())))
+    zeros = decode_mxfp4_float64(*library_quantize(torch.zeros(2, 32)))
+    assert torch.equal(zeros, torch.zeros(2, 32, dtype=torch.float64))
 
 
 def test_quantization_flag_mxfp4_names_the_checkpoints_format(mxfp4_dirs, model_dir):

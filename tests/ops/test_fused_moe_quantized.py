@@ -1,7 +1,7 @@
 """Quantized experts in the fused MoE kernels (kernels/fused_moe_decode.py, kernels/fused_moe_triton.py), on both paths,
 against the float64 product of the dequantized weights: FP8 (float8_e4m3fn weights with float32 scales per block, per
-output row, or with partial blocks at the ends) and 4 bits (`Int4Weight`'s packing, a scale and a zero point per
-group).
+output row, or with partial blocks at the ends), 4 bits (`Int4Weight`'s packing, a scale and a zero point per
+group) and MXFP4 (e2m1 codes in the same packing, an exponent byte per 32).
 
 Without a GPU they run under the Triton interpreter (tests/conftest.py sets `TRITON_INTERPRET=1`) at tiny shapes; on a
 GPU they are compiled and also checked in bfloat16 at Qwen3-30B-A3B's layer shape in 128 x 128 blocks.
@@ -195,6 +195,62 @@ def test_bfloat16_4bit_experts_at_qwen3_30b_a3b_shape(num_tokens, path):
     scales = {name: s._replace(scale=s.scale.to(DEVICE).bfloat16(), zeros=s.zeros.to(DEVICE).bfloat16())
               for name, s in (("w13_scales", w13_scales), ("w2_scales", w2_scales))}
     out = fused_moe(*on_device(x.bfloat16(), w13_q, w2_q, weights, ids), path=path, **scales)
+    expected = reference_experts(x.bfloat16().float(), w13_d, w2_d, weights, ids)
+    error = ((out.cpu().double() - expected).abs().max() / expected.abs().max()).item()
+    assert out.dtype == torch.bfloat16 and error < 3e-2, error
+
+
+# The e2m1 values of the sixteen codes, written out (sign bit, then 0, 0.5, 1, 1.5, 2, 3, 4, 6).
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+                    dtype=torch.float64)
+
+
+def fp4_part(n: int, k: int, generator: torch.Generator):
+    """One `[N, K]` projection of random MXFP4 codes and exponents (every code, scales 2^-9 .. 2^0): (the packed codes
+    `[K / 8, N]` int32, the exponents `[K / 32, N]` uint8, the float64 values `[N, K]`)."""
+    codes = torch.randint(0, 16, (n, k), generator=generator)
+    exponents = torch.randint(118, 128, (n, k // 32), generator=generator)
+    values = E2M1[codes] * torch.exp2(exponents.double() - 127).repeat_interleave(32, dim=1)
+    return pack_rows(codes.t()), exponents.t().to(torch.uint8), values
+
+
+def fp4_experts(num_experts: int, hidden: int, intermediate: int, seed: int):
+    """Random MXFP4 experts: for w13 and w2, the stacked packed codes `[E, K / 8, N]`, their `ExpertScales` and the
+    float64 values `[E, N, K]`."""
+    generator = torch.Generator().manual_seed(seed)
+    stacked = []
+    for n, k in ((2 * intermediate, hidden), (hidden, intermediate)):
+        parts = [fp4_part(n, k, generator) for _ in range(num_experts)]
+        codes, exponents, values = (torch.stack([part[i] for part in parts]) for i in range(3))
+        stacked.append((codes, ExpertScales(exponents, 1, 32, fp4=True), values))
+    return stacked
+
+
+@pytest.mark.parametrize("path,num_tokens,top_k", [("aligned", 1, 2), ("aligned", 21, 4), ("decode", 1, 4),
+                                                   ("decode", 3, 2)])
+def test_mxfp4_experts_equal_float64(path, num_tokens, top_k):
+    """Hidden 64 and intermediate 96 (two and three blocks of 32): the aligned path narrows its 64-deep tiles to one
+    block, the decode path steps 64 features at a time in two runs of one scale each (the last step half masked)."""
+    hidden, intermediate, num_experts = 64, 96, 8
+    (w13_q, w13_scales, w13_d), (w2_q, w2_scales, w2_d) = fp4_experts(num_experts, hidden, intermediate, seed=11)
+    x, weights, ids = routed_with_shared_experts(num_tokens, num_experts, top_k, hidden, seed=num_tokens + 2)
+    config = ALIGNED_CONFIG if path == "aligned" else dict(DECODE_CONFIG, BLOCK_K=64, DOWN_BLOCK_K=64)
+    out = fused_moe(*on_device(x, w13_q, w2_q, weights, ids), config, path=path,
+                    w13_scales=scales_on_device(w13_scales), w2_scales=scales_on_device(w2_scales))
+    expected = reference_experts(x, w13_d, w2_d, weights, ids)
+    error = ((out.cpu().double() - expected).abs().max() / expected.abs().max()).item()
+    assert out.shape == (num_tokens, hidden) and error < 1e-5, error
+
+
+@pytest.mark.skipif(not ON_GPU, reason="bfloat16 at gpt-oss-20b's layer shape: compiled kernels on a GPU")
+@pytest.mark.parametrize("num_tokens,path", [(1, "decode"), (4, "decode"), (64, "aligned"), (512, "aligned")])
+def test_bfloat16_mxfp4_experts_at_gpt_oss_20b_shape(num_tokens, path):
+    """32 experts of 2880, hidden 2880, top-4 (gpt-oss-20b's experts), default configs."""
+    num_experts, hidden, intermediate, top_k = 32, 2880, 2880, 4
+    (w13_q, w13_scales, w13_d), (w2_q, w2_scales, w2_d) = fp4_experts(num_experts, hidden, intermediate, seed=12)
+    x, weights, ids = routed_with_shared_experts(num_tokens, num_experts, top_k, hidden, seed=num_tokens)
+    out = fused_moe(*on_device(x.bfloat16(), w13_q, w2_q, weights, ids), path=path,
+                    w13_scales=scales_on_device(w13_scales), w2_scales=scales_on_device(w2_scales))
     expected = reference_experts(x.bfloat16().float(), w13_d, w2_d, weights, ids)
     error = ((out.cpu().double() - expected).abs().max() / expected.abs().max()).item()
     assert out.dtype == torch.bfloat16 and error < 3e-2, error
