@@ -23,11 +23,13 @@ group at a time, which measured faster. The result is the product with
 the dequantized weight `w * scale`, up to summation order.
 
 4-bit experts (AWQ, GPTQ, compressed-tensors W4A16) stay in `Int4Weight`'s layout, eight values a 32-bit word along
-the reduced features, with a scale and a zero point per group of `block_k` features and output column: a tile unpacks
-its words in registers (each word loaded once per value it holds, from L1 after the first). The aligned path
-multiplies the 4-bit values, exact in bf16, on the tensor cores and corrects each tile's partial sums by the zero
-points (`(x . q - zero * sum(x)) * scale`); the decode path subtracts them before its float32 products. Half a byte a
-value: Qwen3-30B-A3B's experts in about 15 GB.
+the reduced features, with a scale and a zero point per group of `block_k` features and output column. Each word is
+loaded once: the aligned path widens a tile of words to their values by a broadcast shift (`_packed_tile`), multiplies
+them, exact in bf16, on the tensor cores and corrects each tile's partial sums by the zero points (`(x . q - zero *
+sum(x)) * scale`); the decode path multiplies each of a word's eight codes by the activations it meets and applies
+the word's scale and zero point to those sums (`_packed_gate_up`; one Qwen3-30B-A3B layer at 1 token took 26.4 us
+on an H100 where loading each word once per code took 39.7). Half a byte a value: Qwen3-30B-A3B's experts in about
+15 GB.
 
 MXFP4 experts (gpt-oss's checkpoints) take the same packing: the words hold OCP e2m1 codes (sign, two exponent bits,
 one mantissa bit) instead of unsigned integers, with one e8m0 exponent byte per 32 features and output column (the
