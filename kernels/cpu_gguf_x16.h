@@ -52,7 +52,11 @@ constexpr int kBlock = 32;
 constexpr int kRows = 16;         // weight rows in a group: one int32 lane each
 constexpr int64_t kFlag16 = 256;  // the interleaved layouts' type ids: the GGML type's + kFlag16 (16-bit activations)
 constexpr int64_t kFlag8 = 512;   // or + kFlag8 (int8 activations)
-constexpr int kPassRows = 4;      // input rows that share one pass over a group's tile-blocks
+// Input rows that share one pass over a group's tile-blocks. At a decode step's 16 rows the first pass streams the
+// weights from memory and the others reread them from cache: passes of 8 rows took the embedded model's int8-activation
+// linears at 16 rows from 6.1-6.2 s to 4.8-5.4 s over the 16-streams workload (benchmarks/cpu_profile.py --workload
+// streams16), where passes of 4 rows read the weights twice as often; with the weights in cache both ran alike.
+constexpr int kPassRows = 8;
 constexpr int64_t kChunkRows = 64;  // input rows per sweep over a thread's groups (their activations stay in L2)
 // How far ahead of the tile-block being multiplied the first pass over it prefetches its thread's weights: a group's
 // tile-blocks follow one another, so this is further along the same stream. At one row the embedded model's Q8_0 LM
