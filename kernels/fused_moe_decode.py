@@ -224,7 +224,8 @@ def _packed_gate_up(x_row, gate_rows, up_rows, S, Z, gate_scales, up_scales, hid
             x = tl.load(x_row + word_rows * 8 + j, mask=word_ok, other=0.0).to(tl.float32)
             gate_dot += x[None, :] * _code_values((gate_words >> (4 * j)) & 0xF, FP4)
             up_dot += x[None, :] * _code_values((up_words >> (4 * j)) & 0xF, FP4)
-            x_sum += x
+            if not FP4:  # the zero points' share below
+                x_sum += x
         scale_at = ((word_rows * 8) // SCALE_K * stride_sk)[None, :]
         gate_at, up_at = gate_scales[:, None] + scale_at, up_scales[:, None] + scale_at
         if not FP4:
@@ -340,7 +341,8 @@ def _decode_down_kernel(
                 a = tl.load(Inter + pairs[:, None] * stride_inter + (word_rows * 8 + j)[None, :],
                             mask=live[:, None] & word_ok[None, :], other=0.0).to(tl.float32)
                 dot += a[:, None, :] * _code_values((packed_words >> (4 * j)) & 0xF, FP4)
-                a_sum += a
+                if not FP4:  # the zero points' share below
+                    a_sum += a
             scale_at = scale_rows + ((word_rows * 8) // SCALE_K * stride_sk)[None, None, :]
             if not FP4:
                 dot -= a_sum[:, None, :] * tl.load(Z2 + scale_at, mask=mask, other=0.0).to(tl.float32)

@@ -96,19 +96,18 @@ class Mxfp4Tensor:
     blocks: Any
     scales: Any
 
+    def expert_codes(self, index: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert `index`'s stored `(blocks [out, in/32, 16], scales [out, in/32])` uint8, on `device` (only its rows
+        are read)."""
+        return _take(self.blocks, index)[0].to(device), _take(self.scales, index)[0].to(device)
+
     def expert(self, index: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """Expert `index`'s matrix `[out, in]`, dequantized on `device` (one expert at a time bounds the float copy)."""
-        blocks, scales = _take(self.blocks, index)[0].to(device), _take(self.scales, index)[0].to(device)
-        return dequantize_mxfp4(blocks, scales, dtype)
-
-    def expert_codes(self, index: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """Expert `index`'s stored `(blocks [out, in/32, 16], scales [out, in/32])` uint8, on `device`."""
-        return _take(self.blocks, index)[0].to(device), _take(self.scales, index)[0].to(device)
+        return dequantize_mxfp4(*self.expert_codes(index, device), dtype)
 
     def expert_fp8(self, index: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """Expert `index`'s matrix `[out, in]` as FP8 values and float32 scales per 32 (`mxfp4_as_fp8`), on `device`."""
-        blocks, scales = _take(self.blocks, index)[0].to(device), _take(self.scales, index)[0].to(device)
-        return mxfp4_as_fp8(blocks, scales)
+        return mxfp4_as_fp8(*self.expert_codes(index, device))
 
     @property
     def shape(self) -> tuple[int, ...]:
