@@ -68,10 +68,10 @@ done
 $PY - "$OUT" "$SETTINGS" <<'EOF' | tee "$OUT/summary.txt"
 import json, os, sys
 
-from radixserve.kernels.cpu_build import cpu_isa
+from radixserve.kernels.cpu_build import cpu_isa, cpu_model
 
 out, settings = sys.argv[1], sys.argv[2].split()
-print(f"CPU ISA: {cpu_isa()}, {os.cpu_count()} cores; load average at the end {os.getloadavg()[0]:.1f} "
+print(f"CPU: {cpu_model()}; ISA: {cpu_isa()}, {os.cpu_count()} cores; load average at the end {os.getloadavg()[0]:.1f} "
       "(every process on the machine; the busy loop is one of them while it runs)")
 print(f"{'setting':<12} {'ITL mean quiet':>15} {'ITL mean busy':>14} {'ratio':>6} {'ITL p99 quiet':>14} "
       f"{'ITL p99 busy':>13}")
@@ -84,6 +84,6 @@ for setting in settings:
                     "ratio": ratio})
     print(f"{name:<12} {quiet['itl_ms']['mean']:>15.1f} {busy['itl_ms']['mean']:>14.1f} {ratio:>6.1f} "
           f"{quiet['itl_ms']['p99']:>14.1f} {busy['itl_ms']['p99']:>13.1f}")
-json.dump({"benchmark": "cpu busy neighbour", "isa": cpu_isa(), "load_average": os.getloadavg(),
+json.dump({"benchmark": "cpu busy neighbour", "cpu": cpu_model(), "isa": cpu_isa(), "load_average": os.getloadavg(),
            "records": records}, open(f"{out}/record.json", "w"), indent=1)
 EOF

@@ -135,7 +135,7 @@ def main() -> None:
 
     backend = type(driver.runner.attn_backend).__name__
     dtype = f"auto ({driver.runner.dtype}, KV {driver.runner.kv_cache_dtype})" if args.gguf else args.dtype
-    print(f"CPU ISA: {cpu_build.cpu_isa()}; torch {torch.__version__}, "
+    print(f"CPU: {cpu_build.cpu_model()}; ISA: {cpu_build.cpu_isa()}; torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads; {dtype}, {backend}; {args.workload}")
     output_tokens = sum(new_tokens for _, new_tokens in requests)
     print(f"wall {wall:.2f} s ({output_tokens / wall:.1f} output tok/s); forward time by mode: "

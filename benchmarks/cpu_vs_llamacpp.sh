@@ -151,10 +151,10 @@ done
 $PY - "$OUT" "$BUSY_NEIGHBOUR" <<'EOF' | tee "$OUT/summary.txt"
 import glob, json, os, sys
 
-from radixserve.kernels.cpu_build import cpu_isa
+from radixserve.kernels.cpu_build import cpu_isa, cpu_model
 
 out, busy = sys.argv[1], sys.argv[2] == "1"
-print(f"CPU ISA: {cpu_isa()}, {os.cpu_count()} cores; load average at the end {os.getloadavg()[0]:.1f}"
+print(f"CPU: {cpu_model()}; ISA: {cpu_isa()}, {os.cpu_count()} cores; load average at the end {os.getloadavg()[0]:.1f}"
       + ("; a busy loop ran beside every cell" if busy else ""))
 print(f"{'cell':<11} {'server':<22} {'done':>5} {'out tok/s':>10} {'TTFT med':>9} {'TTFT p99':>9} {'ITL mean':>9} "
       f"{'ITL p99':>8}")

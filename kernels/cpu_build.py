@@ -97,14 +97,23 @@ def cpu_vendor() -> str:
     return _cpuinfo_field("vendor_id")
 
 
-# The flags that decide CPU speed here (AVX2 only: bfloat16 is slow; AMX: bfloat16 matmuls on tiles).
-ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+# The flags that decide CPU speed here (AVX2 only: bfloat16 is slow; VNNI: the GGUF blocks' integer dot products;
+# AMX: bfloat16 matmuls on tiles).
+ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16")
 
 
 def cpu_isa() -> str:
     """Which of `ISA_FLAGS` this CPU has, comma-separated (the machine's name where none is known), printed
     with every CPU figure."""
     return ",".join(f for f in ISA_FLAGS if has_cpu_flag(f)) or platform.machine()
+
+
+def cpu_model() -> str:
+    """The CPU's name and generation as `/proc/cpuinfo` gives them (`AMD EPYC, family 26 model 2`), printed beside
+    `cpu_isa()`: machines of one name differ by generation (a family-25 and a family-26 EPYC run the same 512-bit
+    kernels at different widths); empty where unreadable."""
+    name, family, model = (_cpuinfo_field(f) for f in ("model name", "cpu family", "model"))
+    return f"{name}, family {family} model {model}" if name and family else name
 
 
 def build_directory() -> Path:

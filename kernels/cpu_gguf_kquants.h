@@ -197,12 +197,7 @@ struct QuantizedBlock {
 
 template <typename Int>
 inline void quantize_activations(const float* x, QuantizedBlock<Int>& out) {
-  out.dx = radixserve_cpu::round_to_levels(x, kSuper, QuantizedBlock<Int>::kLevels, out.q);
-  for (int t = 0; t < kGroups; ++t) {
-    int32_t sum = 0;
-    for (int i = 16 * t; i < 16 * t + 16; ++i) sum += out.q[i];
-    out.group_sum[t] = sum;
-  }
+  out.dx = radixserve_cpu::round_to_levels(x, kSuper, QuantizedBlock<Int>::kLevels, out.q, out.group_sum);
 }
 
 // sum_t scale_t * (q . xq)_t over the super-block, int8 activations: exact in int32 (|q| <= 63, |xq| <= 127,

@@ -43,9 +43,9 @@ struct alignas(32) ActivationBlock {
 };
 
 inline void quantize(const float* x, ActivationBlock& out) {
-  out.dx = radixserve_cpu::round_to_levels(x, kBlock, 127, out.q);
-  int32_t sum = 0;
-  for (int i = 0; i < kBlock; ++i) sum += out.q[i];
+  int32_t sums[kBlock / 16];
+  out.dx = radixserve_cpu::round_to_levels(x, kBlock, 127, out.q, sums);
+  const int32_t sum = sums[0] + sums[1];
   for (int l = 0; l < 8; ++l) out.lane_sum[l] = out.q[4 * l] + out.q[4 * l + 1] + out.q[4 * l + 2] + out.q[4 * l + 3];
   out.dx_sum = out.dx * static_cast<float>(sum);
 }

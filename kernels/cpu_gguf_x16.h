@@ -43,6 +43,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -203,9 +204,9 @@ struct alignas(64) Activations {
 
 template <int A>
 inline void quantize(const float* x, Activations<A>& out) {
-  out.dx = radixserve_cpu::round_to_levels(x, kBlock, Activations<A>::kLevels, out.q);
-  out.qsum = 0;
-  for (int i = 0; i < kBlock; ++i) out.qsum += out.q[i];
+  int32_t sums[kBlock / 16];
+  out.dx = radixserve_cpu::round_to_levels(x, kBlock, Activations<A>::kLevels, out.q, sums);
+  out.qsum = sums[0] + sums[1];
   out.sum = out.dx * static_cast<float>(out.qsum);
 }
 
@@ -350,7 +351,8 @@ template <int64_t T, int A>
 void linear(const uint8_t* w, int64_t row_bytes, const float* x, const float* bias, int64_t M, int64_t N, int64_t K,
             float* y) {
   const int64_t blocks = K / kBlock;
-  std::vector<Activations<A>> xq(M * blocks);  // row m's block b at m * blocks + b
+  // row m's block b at m * blocks + b; left uninitialized, as quantize writes every field
+  const std::unique_ptr<Activations<A>[]> xq(new Activations<A>[M * blocks]);
   at::parallel_for(0, M * blocks, 64, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) quantize<A>(x + i * kBlock, xq[i]);
   });
@@ -361,9 +363,9 @@ void linear(const uint8_t* w, int64_t row_bytes, const float* x, const float* bi
         const uint8_t* group = w + g * kRows * row_bytes;
         int64_t m0 = c0;
         for (; m0 + kPassRows <= c1; m0 += kPassRows)
-          pass<T, A, kPassRows>(group, blocks, xq.data(), bias, N, g * kRows, m0, y, m0 == c0);
+          pass<T, A, kPassRows>(group, blocks, xq.get(), bias, N, g * kRows, m0, y, m0 == c0);
         if (m0 < c1)
-          rest_pass<T, A, kPassRows - 1>(static_cast<int>(c1 - m0), group, blocks, xq.data(), bias, N, g * kRows, m0,
+          rest_pass<T, A, kPassRows - 1>(static_cast<int>(c1 - m0), group, blocks, xq.get(), bias, N, g * kRows, m0,
                                          y, m0 == c0);
       }
     }

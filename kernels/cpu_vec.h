@@ -173,8 +173,10 @@ inline __m512i pair_index() {
 // (returned; q all 0 where x is). x / dx, not x * (1 / dx): tests/ops rebuilds these values in torch with the same
 // division. The activations of every GGUF block kernel (int8, 14- and 16-bit) are rounded here: with AVX-512, 16
 // values to an instruction (a NaN is passed over by the maximum and rounds to -levels, as in the scalar loop).
+// With `sums16` (n a multiple of 16), sums16[g] = q[16g] + ... + q[16g + 15], summed from the integers still in
+// registers: summing q after storing it reads back bytes that stores of other widths wrote, which stalls every block.
 template <typename Int>
-inline float round_to_levels(const float* x, int n, int levels, Int* q) {
+inline float round_to_levels(const float* x, int n, int levels, Int* q, int32_t* sums16 = nullptr) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
   if (n % 16 == 0) {
     __m512 largest = _mm512_setzero_ps();
@@ -183,6 +185,7 @@ inline float round_to_levels(const float* x, int n, int levels, Int* q) {
     const float dx = amax / static_cast<float>(levels);
     if (amax == 0.0f) {
       std::fill(q, q + n, Int{0});
+      if (sums16 != nullptr) std::fill(sums16, sums16 + n / 16, 0);
       return dx;
     }
     const __m512 step = _mm512_set1_ps(dx), top = _mm512_set1_ps(static_cast<float>(levels));
@@ -191,6 +194,7 @@ inline float round_to_levels(const float* x, int n, int levels, Int* q) {
       const __m512 rounded = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(x + i), step),
                                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
       const __m512i v = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(rounded, bottom), top));
+      if (sums16 != nullptr) sums16[i / 16] = _mm512_reduce_add_epi32(v);
       if constexpr (sizeof(Int) == 1)
         _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i), _mm512_cvtepi32_epi8(v));
       else if constexpr (sizeof(Int) == 2)
@@ -208,6 +212,11 @@ inline float round_to_levels(const float* x, int n, int levels, Int* q) {
     const int32_t v = amax == 0.0f ? 0 : static_cast<int32_t>(std::nearbyint(x[i] / dx));
     q[i] = static_cast<Int>(std::min(levels, std::max(-levels, v)));
   }
+  if (sums16 != nullptr)
+    for (int g = 0; g < n / 16; ++g) {
+      sums16[g] = 0;
+      for (int i = 16 * g; i < 16 * g + 16; ++i) sums16[g] += q[i];
+    }
   return dx;
 }
 
