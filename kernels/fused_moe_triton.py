@@ -28,7 +28,7 @@ decode path rereads them (from L2 where they still are). A pair of routing weigh
 decode path skips it without reading its expert (expert parallelism routes other ranks' pairs so).
 
 FP8 experts (float8_e4m3fn weights with block scales, `ExpertScales`) run on both paths with the scales applied in
-registers (kernels/fused_moe_decode.py says how).
+registers (kernels/fused_moe_experts.py says how).
 
 If the decode kernels fail to compile on a device (met in the warm-up, before any CUDA graph is captured), `fused_moe`
 logs the reason once and the aligned path serves every later call.
@@ -46,8 +46,8 @@ import triton
 import triton.language as tl
 
 from radixserve.kernels.fused_moe_configs import BlockConfig, block_config, decode_config
-from radixserve.kernels.fused_moe_decode import (ExpertScales, _activate, _packed_tile, _scale_values, expert_call,
-                                                 expert_layout, packed, reduced_tile, weight_strides)
+from radixserve.kernels.fused_moe_experts import (ExpertScales, _activate, _packed_tile, _scale_values, expert_call,
+                                                  expert_layout, packed, reduced_tile, weight_strides)
 from radixserve.kernels.fused_moe_decode import decode as _decode
 from radixserve.kernels.guard import KernelGuard
 

@@ -117,7 +117,7 @@ class FusedMoE(nn.Module):
     def keep_mxfp4(self) -> bool:
         """Hold the experts as MXFP4 (before the weights load): w13 `[E, H / 8, 2I]`, w2 `[E, I / 8, H]` int32, eight
         e2m1 codes a word along the reduced features (`Int4Weight`'s packing), and one e8m0 exponent byte per 32 of
-        them and output column, `[E, K / 32, N]` uint8 (kernels/fused_moe_decode.py's `ExpertScales.fp4`). False, and
+        them and output column, `[E, K / 32, N]` uint8 (kernels/fused_moe_experts.py's `ExpertScales.fp4`). False, and
         nothing changed, where the reduced features are not whole blocks of 32 or this rank's slice of each expert's
         down would cut one."""
         shard, (local_experts, hidden, _) = self.shard, self.w2_weight.shape

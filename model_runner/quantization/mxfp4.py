@@ -7,7 +7,7 @@ one e8m0 exponent (the scale 2^(s - 127)) for each block of 32 consecutive value
 Every e2m1 value (0, 0.5, ..., 6, and their negatives) is exact in FP8 e4m3, and each block's scale is a power of two:
 `mxfp4_as_fp8` rewrites the blocks, exactly, as FP8 values with a float32 scale per block of 32, a layout the fused
 MoE kernels read (1.125 bytes a value where a 16-bit copy takes 2); they also read the codes and exponents as stored
-(kernels/fused_moe_decode.py, about 0.53 bytes a value). `quantize_mxfp4` makes MXFP4 of 16-bit weights (random
+(kernels/fused_moe_experts.py, about 0.53 bytes a value). `quantize_mxfp4` makes MXFP4 of 16-bit weights (random
 weights under an MXFP4 config, as the GPU benchmarks load).
 """
 

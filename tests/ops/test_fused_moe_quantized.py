@@ -1,6 +1,6 @@
-"""Quantized experts in the fused MoE kernels (kernels/fused_moe_decode.py, kernels/fused_moe_triton.py), on both paths,
-against the float64 product of the dequantized weights: FP8 (float8_e4m3fn weights with float32 scales per block, per
-output row, or with partial blocks at the ends), 4 bits (`Int4Weight`'s packing, a scale and a zero point per
+"""Quantized experts in the fused MoE kernels (kernels/fused_moe_experts.py, fused_moe_decode.py, fused_moe_triton.py),
+on both paths, against the float64 product of the dequantized weights: FP8 (float8_e4m3fn weights with float32 scales
+per block, per output row, or with partial blocks at the ends), 4 bits (`Int4Weight`'s packing, a scale and a zero point per
 group) and MXFP4 (e2m1 codes in the same packing, an exponent byte per 32).
 
 Without a GPU they run under the Triton interpreter (tests/conftest.py sets `TRITON_INTERPRET=1`) at tiny shapes; on a
@@ -20,7 +20,7 @@ if not ON_GPU and "triton" not in sys.modules:
 
 import pytest  # noqa: E402
 
-from radixserve.kernels.fused_moe_decode import ExpertScales, reduced_tile  # noqa: E402
+from radixserve.kernels.fused_moe_experts import ExpertScales, reduced_tile  # noqa: E402
 from radixserve.kernels.fused_moe_triton import fused_moe  # noqa: E402
 from radixserve.model_runner.quantization.fp8 import Fp8Weight  # noqa: E402
 from radixserve.model_runner.quantization.int4 import pack_rows  # noqa: E402
