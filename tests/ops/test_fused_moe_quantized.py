@@ -1,7 +1,7 @@
 """Quantized experts in the fused MoE kernels (kernels/fused_moe_experts.py, fused_moe_decode.py, fused_moe_triton.py),
 on both paths, against the float64 product of the dequantized weights: FP8 (float8_e4m3fn weights with float32 scales
-per block, per output row, or with partial blocks at the ends), 4 bits (`Int4Weight`'s packing, a scale and a zero point per
-group) and MXFP4 (e2m1 codes in the same packing, an exponent byte per 32).
+per block, per output row, or with partial blocks at the ends), 4 bits (`Int4Weight`'s packing, a scale and a zero
+point per group) and MXFP4 (e2m1 codes in the same packing, an exponent byte per 32).
 
 Without a GPU they run under the Triton interpreter (tests/conftest.py sets `TRITON_INTERPRET=1`) at tiny shapes; on a
 GPU they are compiled and also checked in bfloat16 at Qwen3-30B-A3B's layer shape in 128 x 128 blocks.
