@@ -18,8 +18,8 @@ DECODE, MIXED; the fused decode layers call the attention kernel from C++, outsi
 torch profiler's N most expensive ops by self CPU time, and with `--ops N` the N largest kernels' self time split by
 their first input's rows (a prefill chunk's 512, a decode step's batch), with the CPU's name and ISA flags. The
 profiler those two run (shapes recorded) slows the replay itself, about 2x on the 16-streams workload: read their
-split as shares, and the wall time from a run without them. `--library` runs a library built before (another commit's kernels, from its cache folder) instead of this
-checkout's build, to compare two builds in alternating runs.
+split as shares, and the wall time from a run without them. `--library` runs a library built before (another
+commit's kernels, from its cache folder) instead of this checkout's build, to compare two builds in alternating runs.
 """
 
 from __future__ import annotations

@@ -45,7 +45,6 @@
 #include <cstring>
 #include <memory>
 #include <type_traits>
-#include <vector>
 
 namespace x16 {
 
