@@ -75,6 +75,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--quantization", default=None, help="gguf: a GGUF's linears on its own blocks (CPU)")
     parser.add_argument("--attention-backend", default=None)
+    parser.add_argument("--decode-attention-backend", default=None)
     parser.add_argument("--page-size", type=int, default=1)
     parser.add_argument("--prefill-batch-sizes", type=int_list, default=[1, 8, 32])
     parser.add_argument("--input-len", type=int, default=1024)
@@ -124,6 +125,7 @@ def build_runner(args: argparse.Namespace, model_path: Optional[str], load_forma
                  + [bs * pages_of(args.context_len) for bs in args.decode_batch_sizes])
     return ModelRunner(RunnerConfig.from_server_args(ServerArgs(model_path=model_path, load_format=load_format,
         device=args.device, dtype=args.dtype, quantization=args.quantization, attention_backend=args.attention_backend,
+        decode_attention_backend=args.decode_attention_backend,
         page_size=page,
         random_seed=args.seed, context_length=max(args.input_len, args.context_len), max_total_tokens=tokens,
         max_running_requests=max(all_sizes), cuda_graph_max_bs=max(args.decode_batch_sizes or [1]),
@@ -163,10 +165,18 @@ class StaticRequests:
             self.runner.req_to_token_pool.free(row)
 
 
+def attention_backends(backend) -> str:
+    """The backend's class, or for a hybrid "extend's class + decode's class"."""
+    parts = [getattr(backend, "extend", None), getattr(backend, "decode", None)]
+    if all(parts):
+        return " + ".join(type(part).__name__ for part in parts)
+    return type(backend).__name__
+
+
 def environment(runner: ModelRunner) -> dict:
     env = dict(python=platform.python_version(), torch=torch.__version__, device=str(runner.device),
                dtype=str(runner.dtype).replace("torch.", ""), kv_dtype=str(runner.kv_cache_dtype).replace("torch.", ""),
-               attention_backend=type(runner.attn_backend).__name__, page_size=runner.page_size,
+               attention_backend=attention_backends(runner.attn_backend), page_size=runner.page_size,
                architecture=runner.model_config.architecture,
                cuda_graph_batch_sizes=runner.cuda_graph_runner.batch_sizes if runner.cuda_graph_runner else None)
     if runner.device.type == "cuda":

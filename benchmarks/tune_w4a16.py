@@ -10,14 +10,15 @@ activations and the dequantized weight in bfloat16 (torch's matmul); the ones wi
 the fastest is kept. Beside it the script times the kernel's default config, the tiled W4A16 kernel that served
 these rows before (16-row tensor-core tiles) and, as the memory-bound reference, bfloat16 `F.linear` on the same shape
 and a device-to-device copy. Formats: `w4a16` (GPTQ layout, groups of 128, no act-order; `--act-order` adds g_idx),
+`w16` (16-bit weights on the FP8 kernels with no scale, against cuBLAS),
 `fp8_channel` (one scale per output channel), `fp8_tensor` (one scale for the matrix, spread over the rows as
 model_runner/quantization/fp8.py stores it: the same kernel as per channel, so only the default and the per-channel
 best are checked and timed), `fp8_block` (128 x 128 blocks).
 
 Prints, per format, shape and M: the default's and the best's time, the best's share of the copy bandwidth, and the
 best config; then the estimated batch-1 decode GEMM time of a step (4 projections x `--layers` at M = 1) against the
-weight bytes' floor; then the rows to paste into `TUNED_SKINNY` (kernels/w4a16_gemm.py) and `TUNED`
-(kernels/fp8_skinny_gemm.py). Writes a JSON record (--out, or $OUT/tune_w4a16.json when OUT is set).
+weight bytes' floor; then the rows to paste into `TUNED_SKINNY` (kernels/w4a16_gemm.py) and `TUNED` /
+`TUNED_16BIT` (kernels/fp8_skinny_gemm.py). Writes a JSON record (--out, or $OUT/tune_w4a16.json when OUT is set).
 
 Without CUDA the script runs under the Triton interpreter, timed with the wall clock (a check of the script, not a
 measurement): use tiny shapes, e.g. `--shapes 64x256 --rows 1 --space small`.
@@ -145,6 +146,21 @@ def fp8_case(m: int, n: int, k: int, scales: str, device: str, dtype: torch.dtyp
     return run, reference, fp8_skinny_config(m, n, k, block, num_sms), weight_bytes, None, x
 
 
+def w16_case(m: int, n: int, k: int, device: str, dtype: torch.dtype, num_sms: int):
+    """A 16-bit weight on the same kernels (no scale): the decode products cuBLAS streams slowly."""
+    from radixserve.kernels.fp8_skinny_gemm import skinny_16bit_config, w16a16_gemm
+
+    generator = torch.Generator(device=device).manual_seed(n * 7 + k)
+    weight = (torch.randn(n, k, device=device, generator=generator) * k ** -0.5).to(dtype)
+    x = torch.randn(m, k, device=device, generator=generator).to(dtype)
+    reference = x @ weight.T
+
+    def run(config):
+        return w16a16_gemm(x, weight, config)
+
+    return run, reference, skinny_16bit_config(m, n, k, num_sms), weight.numel() * weight.element_size(), None, x
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--formats", default="w4a16,fp8_channel,fp8_tensor,fp8_block")
@@ -187,6 +203,9 @@ def main() -> None:
                 if fmt == "w4a16":  # the W4A16 FMA kernel reads scales per word row: its K tiles may span groups
                     case = w4a16_case(m, n, k, args.act_order, device, dtype, num_sms)
                     max_block_k = {"fma": 512, "dot": 256 if args.act_order else GROUP_SIZE}
+                elif fmt == "w16":
+                    case = w16_case(m, n, k, device, dtype, num_sms)
+                    max_block_k = {"fma": 256, "dot": 256}
                 else:
                     case = fp8_case(m, n, k, fmt.split("_")[1], device, dtype, num_sms)
                     max_block_k = dict.fromkeys(("fma", "dot"), 128 if fmt == "fp8_block" else 256)
@@ -241,8 +260,9 @@ def main() -> None:
     for (fmt, n, k), best_by_rows in tables.items():
         covers = [(m if following is not None else 16, config) for (m, config), following
                   in zip(best_by_rows, best_by_rows[1:] + [None])]
-        key = ((n, k, GROUP_SIZE) if fmt == "w4a16" else (n, k, (128, 128) if fmt == "fp8_block" else None))
-        table = "TUNED_SKINNY" if fmt == "w4a16" else "TUNED"
+        key = ((n, k, GROUP_SIZE) if fmt == "w4a16" else (n, k) if fmt == "w16"
+               else (n, k, (128, 128) if fmt == "fp8_block" else None))
+        table = {"w4a16": "TUNED_SKINNY", "w16": "TUNED_16BIT"}.get(fmt, "TUNED")
         if fmt == "fp8_tensor":  # the same kernel and key as per channel: its row is a check, not a table entry
             continue
         print(f"{table}[{key}] = [" + ", ".join(f"({cover}, SkinnyConfig{tuple(config)})"

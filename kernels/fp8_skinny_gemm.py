@@ -44,6 +44,21 @@ FMA_MAX_ROWS = 1
 # comment names: (N, K, block scales or None) -> rows (max_rows, config) in increasing max_rows; a call with M rows
 # takes the first row with M <= max_rows (the last row beyond). Shapes absent take `fp8_skinny_config`'s defaults.
 TUNED: dict[tuple[int, int, Optional[tuple[int, int]]], list[tuple[int, SkinnyConfig]]] = {}
+# The same for 16-bit weights, (N, K) -> rows (max_rows, config), for the shapes and row counts where the kernel
+# measured faster than cuBLAS (`F.linear`): model_runner/skinny_linear.py gives exactly these layers the kernel, up to
+# the last row's max_rows. NVIDIA H100 80GB HBM3, 132 SMs, medians with L2 flushed (us, skinny against cuBLAS, at
+# 1 and 8 rows): Qwen3-30B-A3B's qkv (5120 x 2048: 15.2 / 15.9, then 15.5 / 15.7, kept at one row), o (13.2 / 15.4,
+# 13.2 / 15.1) and router (6.7 / 8.6, 6.7 / 8.0); Llama-3.1-8B's qkv (28.4 / 29.2, 27.8 / 29.3), o (20.4 / 22.6,
+# 21.0 / 22.3), gate/up (90.1 / 92.3, 89.8 / 92.3) and down (52.9 / 54.6, 53.0 / 54.4).
+TUNED_16BIT: dict[tuple[int, int], list[tuple[int, SkinnyConfig]]] = {
+    (5120, 2048): [(1, SkinnyConfig(32, 256, 2, False, 8, 3))],
+    (2048, 4096): [(1, SkinnyConfig(32, 256, 4, False, 8, 3)), (8, SkinnyConfig(64, 128, 4, True, 4, 4))],
+    (128, 2048): [(1, SkinnyConfig(32, 128, 8, True, 4, 3)), (8, SkinnyConfig(32, 64, 8, True, 4, 4))],
+    (6144, 4096): [(1, SkinnyConfig(128, 128, 8, False, 4, 3)), (8, SkinnyConfig(64, 256, 1, True, 4, 4))],
+    (4096, 4096): [(1, SkinnyConfig(32, 256, 4, False, 4, 3)), (8, SkinnyConfig(64, 128, 2, True, 4, 4))],
+    (28672, 4096): [(8, SkinnyConfig(32, 128, 1, True, 4, 3))],
+    (4096, 14336): [(1, SkinnyConfig(32, 256, 4, False, 4, 3)), (8, SkinnyConfig(64, 128, 4, True, 4, 3))],
+}
 
 
 def fp8_skinny_config(m: int, n: int, k: int, block: Optional[tuple[int, int]], num_sms: int) -> SkinnyConfig:
@@ -60,12 +75,31 @@ def fp8_skinny_config(m: int, n: int, k: int, block: Optional[tuple[int, int]], 
     return SkinnyConfig(block_n, block_k, split_k, use_dot, num_warps=4, num_stages=4 if use_dot else 3)
 
 
+def skinny_16bit_config(m: int, n: int, k: int, num_sms: int) -> SkinnyConfig:
+    """The config for an (m, n, k) product of a 16-bit weight: `TUNED_16BIT`'s where it has the shape, else the FP8
+    default with K tiles of half the features (the same bytes a tile)."""
+    rows = TUNED_16BIT.get((n, k))
+    if rows:
+        return next((config for max_rows, config in rows if m <= max_rows), rows[-1][1])
+    config = fp8_skinny_config(m, n, k, None, num_sms)
+    return config._replace(block_k=64)
+
+
+@triton.jit
+def _widen(w):
+    """A weight tile in float32: FP8 through half precision (exact: e4m3 fits in it; two values an instruction, then
+    a full-rate half-to-single conversion), 16-bit weights directly."""
+    if w.dtype == tl.float8e4nv:
+        return w.to(tl.float16).to(tl.float32)
+    return w.to(tl.float32)
+
+
 @triton.jit
 def _w8a16_fma_kernel(
     X, W, Scale, Out, Partial, Counters, M, N, K,
     stride_xm, stride_wn, stride_sn, stride_os, stride_om,
     BLOCK_SCALES: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, EVEN_K: tl.constexpr,
-    SPLIT: tl.constexpr,
+    HAS_SCALE: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """Program (row, block of output columns, K split): one row's sums over split `program_id(2)`'s share of K, to
@@ -88,13 +122,13 @@ def _w8a16_fma_kernel(
             w = tl.load(W + cols[:, None].to(tl.int64) * stride_wn + k[None, :],
                         mask=col_ok[:, None] & k_ok[None, :], other=0.0)
             x = tl.load(x_row + k, mask=k_ok, other=0.0).to(tl.float32)
-        part = tl.sum(w.to(tl.float16).to(tl.float32) * x[None, :], axis=1)  # exact: e4m3 fits in half precision
+        part = tl.sum(_widen(w) * x[None, :], axis=1)
         if BLOCK_SCALES:  # a K tile lies inside one scale block (the wrapper checks)
             acc += part * tl.load(Scale + (cols // GROUP_N) * stride_sn + (tile * BLOCK_K) // GROUP_K, mask=col_ok,
                                   other=0.0)
         else:
             acc += part
-    if not BLOCK_SCALES:
+    if HAS_SCALE and not BLOCK_SCALES:
         acc *= tl.load(Scale + cols, mask=col_ok, other=0.0)
     offsets = row * stride_om + cols
     store_split(acc, Out, Partial, offsets, stride_os, col_ok, Counters, SPLIT)
@@ -105,7 +139,7 @@ def _w8a16_dot_kernel(
     X, W, Scale, Out, Partial, Counters, M, N, K,
     stride_xm, stride_wn, stride_sn, stride_os, stride_om,
     BLOCK_SCALES: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, PRECISION: tl.constexpr,
-    SPLIT: tl.constexpr,
+    HAS_SCALE: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """Program (block of 16 rows, block of output columns, K split) on the tensor cores; output as in
@@ -124,14 +158,16 @@ def _w8a16_dot_kernel(
                     other=0.0)
         w = tl.load(W + cols[:, None].to(tl.int64) * stride_wn + k[None, :], mask=col_ok[:, None] & k_ok[None, :],
                     other=0.0)
-        part = tl.dot(x, tl.trans(w.to(tl.float16).to(x.dtype)), input_precision=PRECISION)
+        if w.dtype == tl.float8e4nv:
+            w = w.to(tl.float16)  # exact, and a 16-bit operand for the tensor cores
+        part = tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=PRECISION)
         if BLOCK_SCALES:
             scale = tl.load(Scale + (cols // GROUP_N) * stride_sn + (tile * BLOCK_K) // GROUP_K, mask=col_ok,
                             other=0.0)
             acc += part * scale[None, :]
         else:
             acc += part
-    if not BLOCK_SCALES:
+    if HAS_SCALE and not BLOCK_SCALES:
         acc *= tl.load(Scale + cols, mask=col_ok, other=0.0)[None, :]
     offsets = rows[:, None] * stride_om + cols[None, :]
     store_split(acc, Out, Partial, offsets, stride_os, row_ok[:, None] & col_ok[None, :], Counters, SPLIT)
@@ -141,20 +177,33 @@ def w8a16_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
                config: Optional[SkinnyConfig] = None) -> torch.Tensor:
     """`x [M, K] @ (weight * scale).T -> [M, N]` in x's dtype, for M <= MAX_ROWS: `weight [N, K]` float8_e4m3fn,
     `scale` float32 `[N]` per output channel or `[ceil(N / bn), ceil(K / bk)]` for `block = (bn, bk)`."""
+    if config is None:
+        config = fp8_skinny_config(x.shape[0], weight.shape[0], x.shape[1], block, num_sms(x.device))
+    if block is not None and block[1] % config.block_k:
+        raise ValueError(f"an FP8 K tile of {config.block_k} must lie inside one {block[0]}x{block[1]} scale block")
+    return _skinny_gemm(x, weight, scale, block, config)
+
+
+def w16a16_gemm(x: torch.Tensor, weight: torch.Tensor, config: Optional[SkinnyConfig] = None) -> torch.Tensor:
+    """`x [M, K] @ weight.T -> [M, N]` in x's dtype, for M <= MAX_ROWS and a 16-bit `weight [N, K]`: the same kernels
+    with no scale, for the decode products whose shapes cuBLAS streams slowly (`skinny_16bit_config`)."""
+    if config is None:
+        config = skinny_16bit_config(x.shape[0], weight.shape[0], x.shape[1], num_sms(x.device))
+    return _skinny_gemm(x, weight, None, None, config)
+
+
+def _skinny_gemm(x: torch.Tensor, weight: torch.Tensor, scale: Optional[torch.Tensor],
+                 block: Optional[tuple[int, int]], config: SkinnyConfig) -> torch.Tensor:
     m, k = x.shape
     n = weight.shape[0]
     assert m <= MAX_ROWS and weight.shape[1] == k and weight.stride(1) == 1, (x.shape, weight.shape)
     x = x.contiguous()
-    if config is None:
-        config = fp8_skinny_config(m, n, k, block, num_sms(x.device))
-    if block is not None and block[1] % config.block_k:
-        raise ValueError(f"an FP8 K tile of {config.block_k} must lie inside one {block[0]}x{block[1]} scale block")
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     partial, counters = split_buffers(out, config.split_k, m * triton.cdiv(n, config.block_n))
-    args = (x, weight, scale, out, partial, counters, m, n, k, x.stride(0), weight.stride(0),
-            scale.stride(0) if block is not None else 0, m * n, out.stride(0))
+    args = (x, weight, weight if scale is None else scale, out, partial, counters, m, n, k, x.stride(0),
+            weight.stride(0), scale.stride(0) if block is not None else 0, m * n, out.stride(0))
     scales = dict(BLOCK_SCALES=block is not None, GROUP_N=block[0] if block else 1, GROUP_K=block[1] if block else 1,
-                  SPLIT=config.split_k > 1)
+                  HAS_SCALE=scale is not None, SPLIT=config.split_k > 1)
     launch = dict(BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps,
                   num_stages=config.num_stages)
     if config.use_dot:

@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from radixserve.kernels.split_k import split_counters
+
 _LOG2_E = 1.0 / math.log(2.0)
 _NO_WINDOW = 1 << 30
 
@@ -29,6 +31,7 @@ _NO_WINDOW = 1 << 30
 @triton.jit
 def _decode_split_kernel(
     Q, K_buffer, V_buffer, Req_to_token, Req_pool_indices, Seq_lens, Partial_out, Partial_lse, Slot_map,
+    Out, Sinks, Counters,
     scale_log2, window,
     stride_q_token, stride_q_head,
     stride_k_slot, stride_k_head,
@@ -36,14 +39,17 @@ def _decode_split_kernel(
     stride_r2t_row,
     stride_po_req, stride_po_head, stride_po_split,
     stride_pl_req, stride_pl_head,
+    stride_o_token, stride_o_head,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    MAP_SLOTS: tl.constexpr,
+    MAP_SLOTS: tl.constexpr, MERGE: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     """One program = (request, kv head, split): the GROUP query heads sharing that kv head attend over
     one contiguous share of the request's positions. Writes normalized partial outputs and their
     base-2 log-sum-exp; an empty share writes lse = -inf so the reduction ignores it. With MAP_SLOTS, a slot s of
-    req_to_token is read at Slot_map[s] (a window layer's own slot space)."""
+    req_to_token is read at Slot_map[s] (a window layer's own slot space). With MERGE, the program that finishes
+    last of its (request, kv head) merges the shares into Out itself, as `_decode_reduce_kernel` does, and the call
+    is one launch (the hand-over is kernels/split_k.py's: stores, a barrier, an acquire-release count)."""
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -96,6 +102,39 @@ def _decode_split_kernel(
     out_base = Partial_out + req * stride_po_req + q_heads[:, None] * stride_po_head + split * stride_po_split
     tl.store(out_base + offs_d[None, :], acc / safe_sum[:, None], mask=head_mask[:, None] & dim_mask[None, :])
     tl.store(Partial_lse + req * stride_pl_req + q_heads * stride_pl_head + split, lse, mask=head_mask)
+    if MERGE:
+        tl.debug_barrier()  # every thread's shares are stored before the program counts itself in
+        counter = Counters + req * tl.num_programs(1) + kv_head
+        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
+            _merge_shares(Partial_out, Partial_lse, Out, Sinks, req, q_heads, head_mask, offs_d, dim_mask,
+                          stride_po_req, stride_po_head, stride_po_split, stride_pl_req, stride_pl_head,
+                          stride_o_token, stride_o_head, NUM_SPLITS, HAS_SINKS)
+            tl.store(counter, 0)  # for the next call
+
+
+@triton.jit
+def _merge_shares(Partial_out, Partial_lse, Out, Sinks, req, q_heads, head_mask, offs_d, dim_mask,
+                  stride_po_req, stride_po_head, stride_po_split, stride_pl_req, stride_pl_head,
+                  stride_o_token, stride_o_head, NUM_SPLITS: tl.constexpr, HAS_SINKS: tl.constexpr):
+    """Out for `q_heads` of request `req`: the shares' outputs weighted by exp2(lse - max lse), in split order (the
+    shares are read from L2: other programs wrote them)."""
+    lse_base = Partial_lse + req * stride_pl_req + q_heads * stride_pl_head
+    max_lse = tl.full(q_heads.shape, float("-inf"), dtype=tl.float32)
+    for split in range(NUM_SPLITS):
+        max_lse = tl.maximum(max_lse, tl.load(lse_base + split, mask=head_mask, other=0.0, cache_modifier=".cg"))
+    total = tl.zeros(q_heads.shape, dtype=tl.float32)
+    acc = tl.zeros((q_heads.shape[0], offs_d.shape[0]), dtype=tl.float32)
+    out_base = Partial_out + req * stride_po_req + q_heads[:, None] * stride_po_head + offs_d[None, :]
+    mask = head_mask[:, None] & dim_mask[None, :]
+    for split in range(NUM_SPLITS):
+        weight = tl.exp2(tl.load(lse_base + split, mask=head_mask, other=0.0, cache_modifier=".cg") - max_lse)
+        acc += tl.load(out_base + split * stride_po_split, mask=mask, other=0.0, cache_modifier=".cg") * weight[:, None]
+        total += weight
+    if HAS_SINKS:
+        sink = tl.load(Sinks + q_heads, mask=head_mask, other=0.0).to(tl.float32)
+        total += tl.exp2(sink * 1.4426950408889634 - max_lse)  # sink * log2(e)
+    tl.store(Out + req * stride_o_token + q_heads[:, None] * stride_o_head + offs_d[None, :],
+             (acc / total[:, None]).to(Out.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -261,6 +300,9 @@ def decode_attention(
     window: Optional[int] = None,
     slot_map: Optional[torch.Tensor] = None,
     sinks: Optional[torch.Tensor] = None,
+    merge_in_split: bool = True,
+    block_n: int = 32,
+    num_warps: int = 4,
 ) -> torch.Tensor:
     """Decode attention: one query token per request attends to all `seq_lens[i]` positions of its row (the last
     `window` of them with a sliding window). With `slot_map` (int64), the KV of slot s is read at `slot_map[s]`.
@@ -268,7 +310,10 @@ With `sinks` (float32 `[num_heads]`), each head's sink logit joins its softmax's
 
     q, out: `[batch, num_heads, head_dim]`; partial_out: float32 `[>=batch, num_heads, >=num_kv_splits,
     head_dim]` and partial_lse: float32 `[>=batch, num_heads, >=num_kv_splits]` are scratch. Every
-    `seq_lens[i] >= 1`. Returns `out`.
+    `seq_lens[i] >= 1`. Returns `out`. With `merge_in_split` (the default) the shares are merged by the last
+    program of each (request, KV head), in the one launch; without it, by a second kernel (the two sum the shares
+    in different orders: equal up to float32 rounding). `block_n` keys a step and `num_warps` are the split kernel's
+    tile and warps (benchmarks/decode_attention_gpu.py times them).
     """
     _check_layout(q, k_buffer, v_buffer, out)
     batch, num_heads, head_dim = q.shape
@@ -280,21 +325,28 @@ With `sinks` (float32 `[num_heads]`), each head's sink logit joins its softmax's
     if batch == 0:
         return out
     block_d = triton.next_power_of_2(head_dim)
+    sinks_arg = partial_lse if sinks is None else _check_sinks(sinks, num_heads)
+    counters = split_counters(q.device, batch * num_kv_heads) if merge_in_split else partial_lse
     _decode_split_kernel[(batch, num_kv_heads, num_kv_splits)](
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, partial_out, partial_lse,
-        req_to_token if slot_map is None else slot_map, sm_scale * _LOG2_E, _window_arg(window),
+        req_to_token if slot_map is None else slot_map, out, sinks_arg, counters,
+        sm_scale * _LOG2_E, _window_arg(window),
         q.stride(0), q.stride(1),
         k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1),
         req_to_token.stride(0),
         partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
         partial_lse.stride(0), partial_lse.stride(1),
+        out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=num_kv_splits,
-        BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=32,
-        DOT_PRECISION=_dot_precision(q.dtype), MAP_SLOTS=slot_map is not None,
+        BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
+        DOT_PRECISION=_dot_precision(q.dtype), MAP_SLOTS=slot_map is not None, MERGE=merge_in_split,
+        HAS_SINKS=sinks is not None, num_warps=num_warps,
     )
+    if merge_in_split:
+        return out
     _decode_reduce_kernel[(batch, num_heads)](
-        partial_out, partial_lse, out, partial_lse if sinks is None else _check_sinks(sinks, num_heads),
+        partial_out, partial_lse, out, sinks_arg,
         partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
         partial_lse.stride(0), partial_lse.stride(1),
         out.stride(0), out.stride(1),

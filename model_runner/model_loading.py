@@ -3,7 +3,8 @@
 `load_model` builds the model on the meta device (no memory, no random init), swaps in quantized linears when asked,
 allocates it once on the runner's device, loads its weights (or dummy ones), then prepares its linears for the
 kernels the device runs: a GGUF file's blocks, packed CPU layouts (model_runner/cpu/), batch-invariant GPU linears
-(model_runner/batch_invariant.py). It is given the ModelRunner under construction and reads its config, device,
+(model_runner/batch_invariant.py) or the skinny GEMM for the decode shapes cuBLAS streams slowly
+(model_runner/skinny_linear.py). It is given the ModelRunner under construction and reads its config, device,
 dtype, tensor-parallel group, context length, CPU kernels and pooling; the weights themselves are read by
 model_runner/loader/.
 """
@@ -25,6 +26,7 @@ from radixserve.model_runner.loader.gguf_blocks import source_gguf
 from radixserve.model_runner.models import get_model_class
 from radixserve.model_runner.moe import use_batch_invariant_experts
 from radixserve.model_runner.quantization import QuantizedWeightLoader, quantization_method, quantize_model
+from radixserve.model_runner.skinny_linear import use_skinny_linears
 
 if TYPE_CHECKING:
     from radixserve.runtime.wire.model_files import ModelFiles
@@ -81,6 +83,10 @@ def load_model(runner: Any, files: ModelFiles, quantized_experts: Optional[bool]
                                  lm_head=runner.pooling.is_generation)
     elif runner.device.type == "cuda" and runner.config.deterministic:
         use_batch_invariant_linears(model)  # see model_runner/batch_invariant.py
+    elif runner.device.type == "cuda":
+        skinny = use_skinny_linears(model)  # see model_runner/skinny_linear.py
+        if skinny:
+            logger.info("%d 16-bit linears take the skinny GEMM at decode rows", len(skinny))
     if runner.device.type == "cpu" and runner.config.deterministic:
         use_batch_invariant_experts(model)  # see model_runner/moe/grouped.py
     if runner.config.quantization == "gguf" and use_fused_decode_layers(model):

@@ -206,7 +206,23 @@ class ModelRunner:
 
     # ---- set-up ----------------------------------------------------------------------------------
     def _create_attention_backend(self) -> AttentionBackend:
-        """The requested backend; when none was requested and the device default (flashinfer on CUDA)
+        """The requested backend, with decode batches on `--decode-attention-backend` where that names another
+        (model_runner/attention/hybrid.py; by default on CUDA, triton's decode beside flashinfer's extends)."""
+        name, backend = self._create_main_attention_backend()
+        decode = self.config.decode_attention_backend
+        if not self.is_causal or decode == name or self.config.deterministic:
+            return backend
+        if self.config.attention_backend_fallback and name != self.config.attention_backend:
+            return backend  # the default could not run here: decode stays on the backend that stood in
+        from radixserve.model_runner.attention.hybrid import DEFAULT_DECODE_MAX_BATCH, HybridAttentionBackend
+
+        limit = DEFAULT_DECODE_MAX_BATCH if self.config.decode_attention_default else None
+        logger.info("decode batches%s run on the %s attention backend, the others on %s",
+                    f" of up to {limit} requests" if limit else "", decode, name)
+        return HybridAttentionBackend(backend, create_attention_backend(decode, self), limit)
+
+    def _create_main_attention_backend(self) -> tuple[str, AttentionBackend]:
+        """The requested backend and its name; when none was requested and the device default (flashinfer on CUDA)
         cannot run here, fall back to triton, then torch_native, with a warning (not with a
         --prefill-attention-backend, which only the flashinfer backend honours)."""
         name = self.config.attention_backend
@@ -216,12 +232,12 @@ class ModelRunner:
             if name != "torch_native" and not self.config.attention_backend_fallback:
                 raise ValueError(f"{self.model_config.architecture} attends both ways, which only the torch_native "
                                  f"attention backend runs; drop --attention-backend {name}")
-            return create_attention_backend("torch_native", self)
+            return "torch_native", create_attention_backend("torch_native", self)
         if prefill is not None and name != "flashinfer":
             raise ValueError(f"--prefill-attention-backend {prefill} picks the flashinfer backend's extend kernels, "
                              f"and this {self.device.type} runs the {name} attention backend")
         if not self.config.attention_backend_fallback:
-            return create_attention_backend(name, self)
+            return name, create_attention_backend(name, self)
         candidates = [name] + [n for n in ("triton", "torch_native") if n != name]
         if name == "flashinfer" and self.model_config.sliding_windows and self._decode_in_graphs():
             # flashinfer's decode graphs attend to every key, so a model with windows would decode eagerly there
@@ -231,7 +247,7 @@ class ModelRunner:
             candidates = ["triton", "flashinfer", "torch_native"]
         for i, candidate in enumerate(candidates):
             try:
-                return create_attention_backend(candidate, self)
+                return candidate, create_attention_backend(candidate, self)
             except ValueError as exc:
                 if i == len(candidates) - 1:
                     raise

@@ -40,6 +40,8 @@ class RunnerConfig:
     attention_backend: str  # resolved
     attention_backend_fallback: bool  # no backend asked for: another may stand in where the default cannot run
     prefill_attention_backend: Optional[str]
+    decode_attention_backend: str  # resolved; the attention backend's own name where decode stays on it
+    decode_attention_default: bool  # no --decode-attention-backend: larger decode batches stay on the other backend
     disable_cascade_attn: bool
     disable_cuda_graph: bool
     cuda_graph_max_bs: Optional[int]
@@ -100,7 +102,10 @@ class RunnerConfig:
             enable_mixed_chunk=args.enable_mixed_chunk,
             attention_backend=args.resolved_attention_backend(),
             attention_backend_fallback=args.attention_backend is None and args.prefill_attention_backend is None,
-            prefill_attention_backend=args.prefill_attention_backend, disable_cascade_attn=args.disable_cascade_attn,
+            prefill_attention_backend=args.prefill_attention_backend,
+            decode_attention_backend=args.resolved_decode_attention_backend(),
+            decode_attention_default=args.decode_attention_backend is None,
+            disable_cascade_attn=args.disable_cascade_attn,
             disable_cuda_graph=args.disable_cuda_graph, cuda_graph_max_bs=args.cuda_graph_max_bs,
             tp_size=args.tp_size, ep_size=args.ep_size, nnodes=args.nnodes, dp_size=args.dp_size, dist_init_addr=args.dist_init_addr,
             dist_timeout=args.dist_timeout,

@@ -108,12 +108,12 @@ class TritonAttentionBackend(AttentionBackend):
             self._target_programs = 2 * torch.cuda.get_device_properties(self.device).multi_processor_count
         else:
             self._target_programs = _CPU_TARGET_PROGRAMS
-        self._partial_out = torch.empty(
-            (max_batch_size, num_heads, max_kv_splits, head_dim), dtype=torch.float32, device=self.device
-        )
-        self._partial_lse = torch.empty(
-            (max_batch_size, num_heads, max_kv_splits), dtype=torch.float32, device=self.device
-        )
+        # Split-KV scratch, flat: a decode batch of b requests uses b * num_kv_splits(b) rows of it, which the split
+        # count keeps near the target below max_batch_size requests (so not max_batch_size * max_kv_splits rows).
+        self._scratch_rows = max(max_batch_size, *(b * self.num_kv_splits(b) for b in range(1, max_batch_size + 1)))
+        self._partial_out = torch.empty(self._scratch_rows * num_heads * head_dim, dtype=torch.float32,
+                                        device=self.device)
+        self._partial_lse = torch.empty(self._scratch_rows * num_heads, dtype=torch.float32, device=self.device)
 
     def num_kv_splits(self, batch_size: int) -> int:
         """Largest power of two <= max_kv_splits that keeps batch * kv_heads * splits near the target
@@ -187,9 +187,10 @@ class TritonAttentionBackend(AttentionBackend):
         meta = batch.attn_metadata
         window_layer = pool.is_window_layer(layer_id)
         if isinstance(meta, TritonDecodeMetadata):
+            partial_out, partial_lse = self._scratch(batch.batch_size, meta.num_kv_splits)
             decode_attention(
                 q_kv, k_buffer, v_buffer, out, req_to_token, rows, batch.seq_lens, scaling,
-                self._partial_out, self._partial_lse, meta.num_kv_splits, sliding_window,
+                partial_out, partial_lse, meta.num_kv_splits, sliding_window,
                 pool.window_map if window_layer else None, sinks,
             )
         elif isinstance(meta, TritonRowsMetadata):
@@ -205,15 +206,21 @@ class TritonAttentionBackend(AttentionBackend):
             )
         return out if out.dtype == q.dtype else out.to(q.dtype)
 
+    def _scratch(self, requests: int, splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The split-KV scratch viewed as `[requests, heads, splits, head_dim]` and `[requests, heads, splits]`."""
+        rows = requests * splits
+        assert rows <= self._scratch_rows, "decode batch beyond the scratch"
+        heads, head_dim = self.num_heads, self.head_dim
+        return (self._partial_out[: rows * heads * head_dim].view(requests, heads, splits, head_dim),
+                self._partial_lse[: rows * heads].view(requests, heads, splits))
+
     def _rows_as_decodes(self, q, k_buffer, v_buffer, out, req_to_token, meta: TritonRowsMetadata, scaling: float,
                          window: Optional[int], slot_map: Optional[torch.Tensor],
                          sinks: Optional[torch.Tensor]) -> None:
         """Row-invariant extend: the new tokens as decode queries of one split, as many per launch as the decode
         scratch holds."""
-        heads, head_dim = self._partial_out.shape[1], self._partial_out.shape[3]
-        capacity = self._partial_out.shape[0] * self.max_kv_splits
-        partial_out = self._partial_out.view(-1)[: capacity * heads * head_dim].view(capacity, heads, 1, head_dim)
-        partial_lse = self._partial_lse.view(-1)[: capacity * heads].view(capacity, heads, 1)
+        capacity = self._scratch_rows
+        partial_out, partial_lse = self._scratch(capacity, 1)
         for start in range(0, q.shape[0], capacity):
             end = min(start + capacity, q.shape[0])
             decode_attention(

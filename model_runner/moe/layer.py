@@ -39,7 +39,7 @@ from torch import nn
 from radixserve.model_runner.layer_configs import ExpertActivation, MoEConfig
 from radixserve.model_runner.layers import silu_and_mul
 from radixserve.model_runner.moe.grouped import SILU, SMALL_MAX_PAIRS, grouped_experts, runs_small
-from radixserve.model_runner.moe.routing import select_experts
+from radixserve.model_runner.moe.routing import route_tokens
 from radixserve.model_runner.parallel import ExpertShard, TPGroup, split_size
 from radixserve.model_runner.quantization.fp8 import FP8_DTYPE
 from radixserve.model_runner.quantization.mxfp4 import BLOCK_SIZE as MXFP4_BLOCK
@@ -245,7 +245,7 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        topk_weights, topk_ids = select_experts(self.gate(hidden), self.top_k, self.routing, self.renormalize)
+        topk_weights, topk_ids = route_tokens(hidden, self.gate, self.top_k, self.routing, self.renormalize)
         out = self.experts(hidden, topk_weights, topk_ids)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(hidden)) * self.shared_expert(hidden)

@@ -116,6 +116,9 @@ class ServerArgs:
     # at start-up) and FA2 for the rest; "flashinfer" FA2 for every extend (nothing FA3 to compile); "fa3" FA3 for
     # every extend (Hopper only)
     prefill_attention_backend: Optional[str] = None
+    # SGLang's flag: the backend of decode batches, the attention backend keeping the rest. None: the attention backend
+    # asked for, or with none, on CUDA triton's split-KV decode beside flashinfer's extends (attention/hybrid.py)
+    decode_attention_backend: Optional[str] = None
     sampling_backend: Optional[str] = None  # None: "pytorch", the only one
     grammar_backend: Optional[str] = None  # None: "xgrammar", the only one (structured output)
     disable_cuda_graph: bool = False
@@ -263,6 +266,14 @@ class ServerArgs:
         check(self.prefill_attention_backend is None or self.attention_backend in (None, "flashinfer"),
               f"prefill_attention_backend picks the flashinfer backend's extend kernels; the "
               f"{self.attention_backend} attention backend has its own")
+        check(self.decode_attention_backend is None or self.decode_attention_backend in ATTENTION_BACKENDS,
+              f"decode_attention_backend must be one of {ATTENTION_BACKENDS}, got {self.decode_attention_backend!r}")
+        refusal = device_refusal(self.decode_attention_backend, "cpu" if self.resolved_device() == "cpu" else "cuda")
+        check(refusal is None, refusal and f"decode_attention_backend: {refusal}")
+        check(not (self.enable_deterministic_inference and self.decode_attention_backend not in (None, "triton")
+                   and self.resolved_device() != "cpu"),
+              "enable_deterministic_inference decodes on the triton backend's row-invariant kernel; drop "
+              "decode_attention_backend")
         check(not (self.prefill_attention_backend == "fa3" and self.kv_cache_dtype != "auto"),
               "prefill_attention_backend fa3 reads a KV cache in the model's dtype; drop kv_cache_dtype or use "
               "flashinfer")
@@ -413,6 +424,15 @@ class ServerArgs:
         if self.resolved_device() == "cpu":
             return "cpu"
         return "triton" if self.enable_deterministic_inference else "flashinfer"
+
+    def resolved_decode_attention_backend(self) -> str:
+        """The backend of decode batches: the one asked for; with none, the attention backend asked for, or with
+        neither, on CUDA triton beside flashinfer (its decode measured faster and needs no host planning per step;
+        model_runner/attention/hybrid.py) and elsewhere the device's default."""
+        if self.decode_attention_backend is not None:
+            return self.decode_attention_backend
+        backend = self.resolved_attention_backend()
+        return "triton" if backend == "flashinfer" and self.attention_backend is None else backend
 
     def resolved_overlap_schedule(self) -> bool:
         """Whether the overlap scheduler runs. By default only on a GPU: there it hides the host's work

@@ -63,10 +63,26 @@ def test_an_sglang_launch_line_parses():
     (["--prefill-attention-backend", "fa3", "--attention-backend", "triton"],
      "the triton attention backend has its own"),
     (["--prefill-attention-backend", "fa3", "--kv-cache-dtype", "fp8_e4m3"], "fa3 reads a KV cache in the model's"),
+    (["--decode-attention-backend", "fa3"], "decode_attention_backend must be one of"),
+    (["--decode-attention-backend", "cpu", "--device", "cuda"], "decode_attention_backend: the cpu attention backend"),
+    (["--decode-attention-backend", "flashinfer", "--enable-deterministic-inference", "--device", "cuda"],
+     "row-invariant kernel"),
 ])
 def test_values_radixserve_cannot_honour(flags, message):
     with pytest.raises(ValueError, match=message):
         _parse(*flags)
+
+
+def test_decode_attention_backend_resolves_as_sglang_does():
+    """Decode on the backend asked for; with none, on the attention backend asked for; with neither, on CUDA triton's
+    decode beside flashinfer's extends."""
+    assert _parse("--device", "cuda").resolved_decode_attention_backend() == "triton"
+    assert _parse("--device", "cuda").resolved_attention_backend() == "flashinfer"
+    assert _parse("--device", "cuda", "--attention-backend", "flashinfer").resolved_decode_attention_backend() == \
+        "flashinfer"
+    assert _parse("--device", "cuda", "--attention-backend", "flashinfer", "--decode-attention-backend",
+                  "triton").resolved_decode_attention_backend() == "triton"
+    assert _parse("--device", "cpu").resolved_decode_attention_backend() == "cpu"
 
 
 def test_every_other_sglang_flag_is_refused_by_name():

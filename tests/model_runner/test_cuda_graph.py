@@ -214,11 +214,12 @@ def test_padded_static_batch_writes_window_slots_on_cpu(tiny_model_dir):
 GPU_BACKENDS = [
     pytest.param("triton", "float32", 1e-4, id="triton-float32"),
     pytest.param("flashinfer", "bfloat16", 3e-2, id="flashinfer-bfloat16"),
+    pytest.param(None, "bfloat16", 3e-2, id="default-bfloat16"),  # flashinfer's extends, triton's decode
 ]
 
 
 def gpu_runner(model_dir: str, backend: str, dtype: str, **kwargs) -> ModelRunner:
-    if backend == "flashinfer":
+    if backend in ("flashinfer", None):
         pytest.importorskip("flashinfer")
     kwargs.setdefault("cuda_graph_max_bs", 8)
     return ModelRunner(RunnerConfig.from_server_args(ServerArgs(model_path=model_dir, device="cuda", dtype=dtype,
@@ -237,6 +238,12 @@ def _assert_logits_close(graph: torch.Tensor, eager: torch.Tensor, tolerance: fl
 @pytest.mark.parametrize("backend,dtype,tolerance", GPU_BACKENDS)
 def test_replay_matches_eager(tiny_model_dir, backend, dtype, tolerance):
     runner = gpu_runner(tiny_model_dir("llama", **GPU_MODEL), backend, dtype)
+    if backend is None:
+        from radixserve.model_runner.attention.hybrid import HybridAttentionBackend
+        from radixserve.model_runner.attention.triton_backend import TritonAttentionBackend
+
+        assert isinstance(runner.attn_backend, HybridAttentionBackend)
+        assert isinstance(runner.attn_backend.decode, TritonAttentionBackend)
     graphs = runner.cuda_graph_runner
     assert graphs is not None and graphs.batch_sizes == [1, 2, 4, 8]
     requests = Requests(runner, random_prompts(runner.vocab_size, [5, 40, 3, 17, 64, 9, 1, 30, 12, 8]))

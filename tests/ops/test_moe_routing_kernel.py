@@ -96,3 +96,38 @@ def test_select_experts_on_cuda_takes_the_kernel_in_a_cuda_graph(routing, renorm
         expected_weights, expected_ids = select_experts_torch(new_logits.to(device), 8, routing, renormalize)
         assert torch.equal(ids.cpu(), expected_ids.cpu())
         torch.testing.assert_close(weights.cpu(), expected_weights.cpu(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("routing,renormalize", RULES)
+@pytest.mark.parametrize("num_experts,hidden,top_k,bias", [(128, 512, 8, False), (32, 300, 4, True),
+                                                            (60, 1000, 2, True), (8, 64, 8, False)])
+def test_router_product_and_rule_in_one_launch(routing, renormalize, num_experts, hidden, top_k, bias):
+    """`route_from_hidden` against the rule on the float64 product `hidden @ weight.T + bias` (distinct logits, so
+    the ids must match), with K split over programs that end on a partial tile, and the shared counter left at
+    zero."""
+    from radixserve.kernels.moe_routing import FUSED_MAX_TOKENS, route_from_hidden
+    from radixserve.kernels.split_k import split_counters
+
+    num_tokens = FUSED_MAX_TOKENS
+    generator = torch.Generator().manual_seed(num_experts * 7 + hidden)
+    x = torch.randn(num_tokens, hidden, generator=generator)
+    weight = torch.randn(num_experts, hidden, generator=generator) * hidden ** -0.5
+    bias_tensor = torch.randn(num_experts, generator=generator) if bias else None
+    dtype = torch.bfloat16 if ON_GPU else torch.float32
+    x, weight = x.to(dtype), weight.to(dtype)
+    logits = x.double() @ weight.double().T + (bias_tensor.double() if bias else 0)
+    expected_weights, expected_ids = select_experts_torch(logits.float(), top_k, routing, renormalize)
+    for block_e, block_k, splits in ((16, 64, 3), (32, 256, 8)):
+        weights, ids = route_from_hidden(x.to(DEVICE), weight.to(DEVICE), None if bias_tensor is None else
+                                         bias_tensor.to(DEVICE), top_k, routing, renormalize, block_e, block_k, splits)
+        assert torch.equal(ids.cpu(), expected_ids)
+        torch.testing.assert_close(weights.cpu(), expected_weights, atol=1e-5, rtol=1e-5)
+    assert split_counters(x.device if not ON_GPU else torch.device("cuda"), 1)[0].item() == 0
+
+
+def test_route_from_hidden_refuses_batches_beyond_decode():
+    from radixserve.kernels.moe_routing import FUSED_MAX_TOKENS, route_from_hidden
+
+    with pytest.raises(ValueError, match="tokens"):
+        route_from_hidden(torch.zeros(FUSED_MAX_TOKENS + 1, 16, device=DEVICE), torch.zeros(8, 16, device=DEVICE),
+                          None, 2, "softmax_topk", True)

@@ -23,7 +23,7 @@ import pytest  # noqa: E402
 
 import radixserve.kernels.w4a16_gemm as w4a16_module  # noqa: E402
 from radixserve.kernels.fp8_block_gemm import fp8_block_gemm  # noqa: E402
-from radixserve.kernels.fp8_skinny_gemm import MAX_ROWS, fp8_skinny_config, w8a16_gemm  # noqa: E402
+from radixserve.kernels.fp8_skinny_gemm import MAX_ROWS, fp8_skinny_config, w8a16_gemm, w16a16_gemm  # noqa: E402
 from radixserve.kernels.w4a16_gemm import (SKINNY_MAX_ROWS as W4A16_SKINNY_MAX_ROWS, SkinnyConfig,  # noqa: E402
                                            W4A16Config, skinny_config, w4a16_dequantize, w4a16_gemm)
 from radixserve.model_runner.quantization.fp8 import (FP8_DTYPE, SKINNY_MAX_ROWS, ActivationScheme,  # noqa: E402
@@ -291,6 +291,25 @@ def test_w8a16_gemm_default_configs_match_float64(m):
         dtype = torch.bfloat16 if ON_GPU else torch.float32
         out = w8a16_gemm(x.to(dtype).to(DEVICE), weight.weight.to(DEVICE), weight.scale.to(DEVICE), block)
         assert_close(out, (x.double() @ weight.dequantize().double().T).to(DEVICE), 1e-5 if not ON_GPU else 1e-2)
+
+
+@pytest.mark.parametrize("m, use_dot, split_k", [(1, False, 1), (1, False, 3), (3, False, 2), (5, True, 1),
+                                                 (16, True, 3)])
+@pytest.mark.parametrize("n, k", [(200, 384), (130, 300)])
+def test_w16a16_gemm_matches_float64(m, use_dot, split_k, n, k):
+    """16-bit weights on the skinny kernels (no scale) against the float64 product, with N and K off the tiles. The
+    interpreter multiplies bfloat16 tiles wrongly on tl.dot, so off a GPU the tensor-core kernel runs on float16."""
+    generator = torch.Generator().manual_seed(m * 31 + n)
+    x, weight = torch.randn(m, k, generator=generator), torch.randn(n, k, generator=generator) * 0.05
+    dtype = torch.bfloat16 if ON_GPU else (torch.float16 if use_dot else torch.bfloat16)
+    config = SkinnyConfig(block_n=32, block_k=64, split_k=split_k, use_dot=use_dot, num_warps=4, num_stages=2)
+    out = w16a16_gemm(x.to(dtype).to(DEVICE), weight.to(dtype).to(DEVICE), config)
+    assert out.dtype == dtype and out.shape == (m, n)
+    expected = x.to(dtype).double() @ weight.to(dtype).double().T
+    assert_close(out, expected.to(DEVICE), 1e-2)
+    default = w16a16_gemm(x.to(dtype).to(DEVICE), weight.to(dtype).to(DEVICE))
+    if ON_GPU or not (m > 1):  # the default takes the tensor cores from two rows
+        assert_close(default, expected.to(DEVICE), 1e-2)
 
 
 def test_fp8_quantization_round_trips_within_e4m3_precision():

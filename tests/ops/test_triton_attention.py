@@ -130,6 +130,81 @@ def test_strided_queries_and_custom_scaling(mode, lens):
     assert (out.double().cpu() - reference_attention(case)).abs().max().item() < TOLERANCE[torch.float32]
 
 
+@pytest.mark.parametrize("num_kv_splits", [1, 3, 8])
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_decode_merged_in_the_split_launch(num_kv_splits, with_sinks):
+    """The shares merged by each (request, KV head)'s last program agree with the separate merge kernel (up to the
+    order of the float32 sums) and the reference, and leave the shared counters at zero for the next call."""
+    from radixserve.kernels.split_k import split_counters
+
+    case = make_case(ForwardMode.DECODE, [70, 0, 5], [1, 1, 1], num_heads=4, num_kv_heads=2, head_dim=16,
+                     page_size=1, dtype=torch.float32, device=DEVICE, seed=5)
+    batch = case.batch
+    batch.token_to_kv_pool.set_kv_buffer(case.layer_id, batch.out_cache_loc, case.k, case.v)
+    k_buffer, v_buffer = batch.token_to_kv_pool.get_kv_buffer(case.layer_id)
+    sinks = torch.randn(4, generator=torch.Generator().manual_seed(1)).to(DEVICE) if with_sinks else None
+    outs = []
+    for merge in (True, False):
+        out = torch.empty_like(case.q)
+        triton_attention.decode_attention(
+            case.q, k_buffer, v_buffer, out, batch.req_to_token_pool.req_to_token, batch.req_pool_indices,
+            batch.seq_lens, case.scaling, torch.empty(3, 4, num_kv_splits, 16, device=DEVICE),
+            torch.empty(3, 4, num_kv_splits, device=DEVICE), num_kv_splits, sinks=sinks, merge_in_split=merge)
+        outs.append(out)
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-6, rtol=1e-6)
+    assert split_counters(case.q.device, 6).count_nonzero().item() == 0
+    if not with_sinks:
+        assert (outs[0].double().cpu() - reference_attention(case)).abs().max().item() < TOLERANCE[torch.float32]
+
+
+class _Recording(TorchNativeAttention):
+    """torch_native, counting its plans and whether it would rather run a decode batch eagerly."""
+
+    def __init__(self, eager: bool = False) -> None:
+        super().__init__()
+        self.plans, self.eager = 0, eager
+
+    def plan(self, batch):
+        self.plans += 1
+        super().plan(batch)
+
+    def prefers_eager(self, batch):
+        return self.eager
+
+
+@pytest.mark.parametrize("mode,lens", [(ForwardMode.EXTEND, EXTEND_BATCH), (ForwardMode.DECODE, DECODE_BATCH),
+                                       (ForwardMode.MIXED, MIXED_BATCH)])
+@pytest.mark.parametrize("extend_prefers_eager", [False, True])
+def test_hybrid_runs_decode_on_its_decode_backend(mode, lens, extend_prefers_eager):
+    """Decode batches on the triton backend, the others (and a decode batch its extend backend would rather run
+    eagerly, as FlashInfer's cascade does) on the extend backend; either way the reference's output."""
+    from radixserve.model_runner.attention.hybrid import HybridAttentionBackend
+
+    extend = _Recording(eager=extend_prefers_eager)
+    hybrid = HybridAttentionBackend(extend, _backend(4, 2, 16))
+    case = make_case(mode, *lens, num_heads=4, num_kv_heads=2, head_dim=16, page_size=4, dtype=torch.float32,
+                     device=DEVICE, seed=9)
+    out = run_backend(hybrid, case)
+    on_decode = mode == ForwardMode.DECODE and not extend_prefers_eager
+    assert extend.plans == (0 if on_decode else 1)
+    assert hybrid.prefers_eager(case.batch) == (mode == ForwardMode.DECODE and extend_prefers_eager)
+    assert kv_written(case)
+    assert (out.double().cpu() - reference_attention(case)).abs().max().item() < TOLERANCE[torch.float32]
+
+
+def test_hybrid_keeps_larger_decode_batches_on_the_extend_backend():
+    from radixserve.model_runner.attention.hybrid import HybridAttentionBackend
+
+    extend = _Recording()
+    hybrid = HybridAttentionBackend(extend, _backend(4, 2, 16), decode_max_batch=3)
+    case = make_case(ForwardMode.DECODE, *DECODE_BATCH, num_heads=4, num_kv_heads=2, head_dim=16, page_size=1,
+                     dtype=torch.float32, device=DEVICE, seed=2)
+    assert case.batch.batch_size == 4
+    out = run_backend(hybrid, case)
+    assert extend.plans == 1
+    assert (out.double().cpu() - reference_attention(case)).abs().max().item() < TOLERANCE[torch.float32]
+
+
 def _reference_page_table(req_to_token, rows, seq_lens, page_size, starts=None):
     indptr, indices, last = [0], [], []
     for i, (row, seq_len) in enumerate(zip(rows, seq_lens)):
