@@ -376,6 +376,8 @@ def test_gpu_skinny_kernels_at_llama_8b_shapes(use_dot, n, k):
         for m in (1, 4, 16):
             x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
             config = skinny_config(m, n, k, 128, act_order, num_sms)._replace(use_dot=use_dot)
+            if use_dot and not act_order:  # a tuned FMA row's K tile may span groups; on the tensor cores it may not
+                config = config._replace(block_k=min(config.block_k, 128))
             out = w4a16_gemm(x, weight.qweight, weight.scales, weight.zeros, 128, weight.g_idx, config)
             assert_close(out, reference_int4(x, weight), 1e-2)
     for block in (None, (128, 128)):
