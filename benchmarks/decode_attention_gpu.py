@@ -15,33 +15,16 @@ import argparse
 import itertools
 import json
 import os
-import statistics
 
 import torch
 
 from _srcpath import ROOT  # noqa: F401  (maps radixserve.<folder> onto the checkout)
+from cuda_graph_timing import time_graph
 
 
 def graph_us(fn, layers: int, repeats: int = 20) -> float:
-    """Median microseconds per layer of a CUDA graph of `fn(layer)` over every layer."""
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        for layer in range(layers):  # warm-up, compiles
-            fn(layer)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for layer in range(layers):
-            fn(layer)
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / layers)
-    return statistics.median(times)
+    """Median microseconds per layer of one CUDA graph of `fn(layer)` over every layer."""
+    return time_graph([lambda layer=layer: fn(layer) for layer in range(layers)], repeats)
 
 
 def main() -> None:
