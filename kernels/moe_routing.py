@@ -13,6 +13,10 @@ One program per token holds the token's whole row (`BLOCK_E`, E rounded up to a 
 logits the lower id is picked first. `torch.topk` promises nothing on ties, so on exactly tied values at the k-th place
 the two may pick different experts (of equal weight); on distinct values they agree. The shapes depend only on T, so
 the kernel captures in CUDA graphs. Without CUDA it runs under the Triton interpreter (tests).
+
+`route_from_hidden` also takes the router's product into the launch, for a decode step's one token: programs over
+blocks of experts and splits of the hidden features write float32 partial logits, and the last to finish adds them
+in split order (kernels/split_k.py's hand-over), adds the bias and applies the same rule.
 """
 
 from __future__ import annotations
