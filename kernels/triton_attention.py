@@ -1,4 +1,5 @@
-"""Paged attention in Triton: decode (split-KV, two passes) and extend (prefix + causal new tokens).
+"""Paged attention in Triton: decode (split-KV, the splits merged in the same launch) and extend (prefix + causal
+new tokens).
 
 Both kernels read keys and values straight from the per-layer KV buffers `[slots, kv_heads, head_dim]`
 through `req_to_token[row, position] = slot`, one slot per token, so they work for any page size and any
@@ -42,14 +43,14 @@ def _decode_split_kernel(
     stride_o_token, stride_o_head,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    MAP_SLOTS: tl.constexpr, MERGE: tl.constexpr, HAS_SINKS: tl.constexpr,
+    MAP_SLOTS: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     """One program = (request, kv head, split): the GROUP query heads sharing that kv head attend over
     one contiguous share of the request's positions. Writes normalized partial outputs and their
     base-2 log-sum-exp; an empty share writes lse = -inf so the reduction ignores it. With MAP_SLOTS, a slot s of
-    req_to_token is read at Slot_map[s] (a window layer's own slot space). With MERGE, the program that finishes
-    last of its (request, kv head) merges the shares into Out itself, as `_decode_reduce_kernel` does, and the call
-    is one launch (the hand-over is kernels/split_k.py's: stores, a barrier, an acquire-release count)."""
+    req_to_token is read at Slot_map[s] (a window layer's own slot space). The program that finishes last of its
+    (request, kv head) merges the shares into Out, so a call is one launch (the hand-over is kernels/split_k.py's:
+    stores, a barrier, an acquire-release count)."""
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -102,22 +103,22 @@ def _decode_split_kernel(
     out_base = Partial_out + req * stride_po_req + q_heads[:, None] * stride_po_head + split * stride_po_split
     tl.store(out_base + offs_d[None, :], acc / safe_sum[:, None], mask=head_mask[:, None] & dim_mask[None, :])
     tl.store(Partial_lse + req * stride_pl_req + q_heads * stride_pl_head + split, lse, mask=head_mask)
-    if MERGE:
-        tl.debug_barrier()  # every thread's shares are stored before the program counts itself in
-        counter = Counters + req * tl.num_programs(1) + kv_head
-        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
-            _merge_shares(Partial_out, Partial_lse, Out, Sinks, req, q_heads, head_mask, offs_d, dim_mask,
-                          stride_po_req, stride_po_head, stride_po_split, stride_pl_req, stride_pl_head,
-                          stride_o_token, stride_o_head, NUM_SPLITS, HAS_SINKS)
-            tl.store(counter, 0)  # for the next call
+    tl.debug_barrier()  # every thread's shares are stored before the program counts itself in
+    counter = Counters + req * tl.num_programs(1) + kv_head
+    if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
+        _merge_shares(Partial_out, Partial_lse, Out, Sinks, req, q_heads, head_mask, offs_d, dim_mask,
+                      stride_po_req, stride_po_head, stride_po_split, stride_pl_req, stride_pl_head,
+                      stride_o_token, stride_o_head, NUM_SPLITS, HAS_SINKS)
+        tl.store(counter, 0)  # for the next call
 
 
 @triton.jit
 def _merge_shares(Partial_out, Partial_lse, Out, Sinks, req, q_heads, head_mask, offs_d, dim_mask,
                   stride_po_req, stride_po_head, stride_po_split, stride_pl_req, stride_pl_head,
                   stride_o_token, stride_o_head, NUM_SPLITS: tl.constexpr, HAS_SINKS: tl.constexpr):
-    """Out for `q_heads` of request `req`: the shares' outputs weighted by exp2(lse - max lse), in split order (the
-    shares are read from L2: other programs wrote them)."""
+    """Out for `q_heads` of request `req`: the shares' outputs weighted by their softmax mass, exp2(lse - max lse), in
+    split order (read from L2: other programs wrote them). With HAS_SINKS, each head's sink logit (natural log) joins
+    the denominator with no value."""
     lse_base = Partial_lse + req * stride_pl_req + q_heads * stride_pl_head
     max_lse = tl.full(q_heads.shape, float("-inf"), dtype=tl.float32)
     for split in range(NUM_SPLITS):
@@ -135,43 +136,6 @@ def _merge_shares(Partial_out, Partial_lse, Out, Sinks, req, q_heads, head_mask,
         total += tl.exp2(sink * 1.4426950408889634 - max_lse)  # sink * log2(e)
     tl.store(Out + req * stride_o_token + q_heads[:, None] * stride_o_head + offs_d[None, :],
              (acc / total[:, None]).to(Out.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _decode_reduce_kernel(
-    Partial_out, Partial_lse, Out, Sinks,
-    stride_po_req, stride_po_head, stride_po_split,
-    stride_pl_req, stride_pl_head,
-    stride_o_token, stride_o_head,
-    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-    HAS_SINKS: tl.constexpr,
-):
-    """One program = (request, query head): merge the per-split partial outputs weighted by their
-    softmax mass, exp2(lse_split - max lse). With HAS_SINKS, the head's sink logit (natural log) joins the
-    denominator with no value."""
-    req = tl.program_id(0)
-    head = tl.program_id(1)
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
-    split_mask = offs_s < NUM_SPLITS
-    dim_mask = offs_d < HEAD_DIM
-
-    lse = tl.load(Partial_lse + req * stride_pl_req + head * stride_pl_head + offs_s,
-                  mask=split_mask, other=float("-inf"))
-    max_lse = tl.max(lse, 0)  # finite: split 0 always holds the window's first key
-    weights = tl.exp2(lse - max_lse)
-    partial = tl.load(
-        Partial_out + req * stride_po_req + head * stride_po_head + offs_s[:, None] * stride_po_split
-        + offs_d[None, :],
-        mask=split_mask[:, None] & dim_mask[None, :],
-        other=0.0,
-    )
-    total = tl.sum(weights, 0)
-    if HAS_SINKS:
-        total += tl.exp2(tl.load(Sinks + head).to(tl.float32) * 1.4426950408889634 - max_lse)  # sink * log2(e)
-    out = tl.sum(partial * weights[:, None], 0) / total
-    tl.store(Out + req * stride_o_token + head * stride_o_head + offs_d, out.to(Out.dtype.element_ty),
-             mask=dim_mask)
 
 
 @triton.jit
@@ -300,7 +264,6 @@ def decode_attention(
     window: Optional[int] = None,
     slot_map: Optional[torch.Tensor] = None,
     sinks: Optional[torch.Tensor] = None,
-    merge_in_split: bool = True,
     block_n: int = 32,
     num_warps: int = 4,
 ) -> torch.Tensor:
@@ -310,10 +273,8 @@ With `sinks` (float32 `[num_heads]`), each head's sink logit joins its softmax's
 
     q, out: `[batch, num_heads, head_dim]`; partial_out: float32 `[>=batch, num_heads, >=num_kv_splits,
     head_dim]` and partial_lse: float32 `[>=batch, num_heads, >=num_kv_splits]` are scratch. Every
-    `seq_lens[i] >= 1`. Returns `out`. With `merge_in_split` (the default) the shares are merged by the last
-    program of each (request, KV head), in the one launch; without it, by a second kernel (the two sum the shares
-    in different orders: equal up to float32 rounding). `block_n` keys a step and `num_warps` are the split kernel's
-    tile and warps (benchmarks/decode_attention_gpu.py times them).
+    `seq_lens[i] >= 1`. Returns `out`. `block_n` keys a step and `num_warps` are the kernel's tile and warps
+    (benchmarks/decode_attention_gpu.py times them).
     """
     _check_layout(q, k_buffer, v_buffer, out)
     batch, num_heads, head_dim = q.shape
@@ -326,7 +287,7 @@ With `sinks` (float32 `[num_heads]`), each head's sink logit joins its softmax's
         return out
     block_d = triton.next_power_of_2(head_dim)
     sinks_arg = partial_lse if sinks is None else _check_sinks(sinks, num_heads)
-    counters = split_counters(q.device, batch * num_kv_heads) if merge_in_split else partial_lse
+    counters = split_counters(q.device, batch * num_kv_heads)
     _decode_split_kernel[(batch, num_kv_heads, num_kv_splits)](
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, partial_out, partial_lse,
         req_to_token if slot_map is None else slot_map, out, sinks_arg, counters,
@@ -340,18 +301,8 @@ With `sinks` (float32 `[num_heads]`), each head's sink logit joins its softmax's
         out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=num_kv_splits,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
-        DOT_PRECISION=_dot_precision(q.dtype), MAP_SLOTS=slot_map is not None, MERGE=merge_in_split,
-        HAS_SINKS=sinks is not None, num_warps=num_warps,
-    )
-    if merge_in_split:
-        return out
-    _decode_reduce_kernel[(batch, num_heads)](
-        partial_out, partial_lse, out, sinks_arg,
-        partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
-        partial_lse.stride(0), partial_lse.stride(1),
-        out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, NUM_SPLITS=num_kv_splits,
-        BLOCK_S=triton.next_power_of_2(num_kv_splits), BLOCK_D=block_d, HAS_SINKS=sinks is not None,
+        DOT_PRECISION=_dot_precision(q.dtype), MAP_SLOTS=slot_map is not None, HAS_SINKS=sinks is not None,
+        num_warps=num_warps,
     )
     return out
 

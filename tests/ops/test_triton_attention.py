@@ -131,10 +131,9 @@ def test_strided_queries_and_custom_scaling(mode, lens):
 
 
 @pytest.mark.parametrize("num_kv_splits", [1, 3, 8])
-@pytest.mark.parametrize("with_sinks", [False, True])
-def test_decode_merged_in_the_split_launch(num_kv_splits, with_sinks):
-    """The shares merged by each (request, KV head)'s last program agree with the separate merge kernel (up to the
-    order of the float32 sums) and the reference, and leave the shared counters at zero for the next call."""
+def test_decode_merged_in_the_split_launch_leaves_the_counters_at_zero(num_kv_splits):
+    """The shares are merged by each (request, KV head)'s last program: the reference's output, call after call on
+    the shared counters, which each call leaves at zero for the next."""
     from radixserve.kernels.split_k import split_counters
 
     case = make_case(ForwardMode.DECODE, [70, 0, 5], [1, 1, 1], num_heads=4, num_kv_heads=2, head_dim=16,
@@ -142,19 +141,14 @@ def test_decode_merged_in_the_split_launch(num_kv_splits, with_sinks):
     batch = case.batch
     batch.token_to_kv_pool.set_kv_buffer(case.layer_id, batch.out_cache_loc, case.k, case.v)
     k_buffer, v_buffer = batch.token_to_kv_pool.get_kv_buffer(case.layer_id)
-    sinks = torch.randn(4, generator=torch.Generator().manual_seed(1)).to(DEVICE) if with_sinks else None
-    outs = []
-    for merge in (True, False):
+    for _ in range(2):
         out = torch.empty_like(case.q)
         triton_attention.decode_attention(
             case.q, k_buffer, v_buffer, out, batch.req_to_token_pool.req_to_token, batch.req_pool_indices,
             batch.seq_lens, case.scaling, torch.empty(3, 4, num_kv_splits, 16, device=DEVICE),
-            torch.empty(3, 4, num_kv_splits, device=DEVICE), num_kv_splits, sinks=sinks, merge_in_split=merge)
-        outs.append(out)
-    torch.testing.assert_close(outs[0], outs[1], atol=1e-6, rtol=1e-6)
-    assert split_counters(case.q.device, 6).count_nonzero().item() == 0
-    if not with_sinks:
-        assert (outs[0].double().cpu() - reference_attention(case)).abs().max().item() < TOLERANCE[torch.float32]
+            torch.empty(3, 4, num_kv_splits, device=DEVICE), num_kv_splits)
+        assert (out.double().cpu() - reference_attention(case)).abs().max().item() < TOLERANCE[torch.float32]
+        assert split_counters(case.q.device, 6).count_nonzero().item() == 0
 
 
 class _Recording(TorchNativeAttention):
