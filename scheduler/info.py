@@ -69,6 +69,7 @@ def ready_info(scheduler: SchedulerState) -> ModelInfo:
         device=str(runner.device),
         dtype=str(runner.dtype).replace("torch.", ""),
         attention_backend=args.resolved_attention_backend(),
+        decode_attention_backend=args.resolved_decode_attention_backend() if _hybrid(runner) else None,
         chunked_prefill_size=scheduler.chunk_size,
         schedule_policy=args.schedule_policy,
         overlap_schedule=scheduler.overlap,
@@ -165,3 +166,8 @@ def tp_layout(runner: Any) -> TensorParallelLayout:
         kv_heads_replicated=tp_size > config.num_key_value_heads,
         backend="nccl" if tp_size > 1 and str(runner.device).startswith("cuda") else ("gloo" if tp_size > 1 else None),
         ep_size=runner.tp.ep_size if hasattr(runner, "tp") else 1)
+
+
+def _hybrid(runner: Any) -> bool:
+    """Whether the runner's decode batches attend on a backend of their own (model_runner/attention/hybrid.py)."""
+    return getattr(getattr(runner, "attn_backend", None), "decode", None) is not None

@@ -48,6 +48,7 @@ class ModelInfo(msgspec.Struct, kw_only=True):
     radix_cache: bool
     hierarchical_cache: bool = False
     sampling_backend: str = "pytorch"
+    decode_attention_backend: Optional[str] = None  # where decode batches attend, when not on attention_backend
     tokenizer_path: Optional[str] = None  # filled in by the parent, which resolved it
     # Values for unset temperature/top_p/top_k/min_p/repetition_penalty (the model's generation_config.json
     # under --sampling-defaults model; empty under openai).
