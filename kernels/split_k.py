@@ -14,7 +14,9 @@ from L2 (`.cg`) after the barrier that hands them the count.
 
 The counters (`split_counters`) are one zeroed int32 buffer per device that every split call shares and leaves zeroed:
 calls on one stream (a model's forward, a CUDA graph's replay) follow each other, so each finds its tiles' counters at
-zero. Two split GEMMs running at once on two streams of one device would share them; nothing here does that.
+zero. The same hand-over, and the same buffer, serve the triton backend's decode attention (its splits of the keys,
+kernels/triton_attention.py) and the MoE router fused with its routing (kernels/moe_routing.py). Two such calls
+running at once on two streams of one device would share them; nothing here does that.
 """
 
 from __future__ import annotations
