@@ -19,6 +19,9 @@ checkpoint's scale comes spread over the rows) or per K tile (128 x 128 blocks).
 finish adds them in split order and casts, in the same launch (kernels/split_k.py). Shapes depend only on (M, N, K),
 so calls can be captured in CUDA graphs. Without CUDA the kernels run only under the Triton interpreter
 (`TRITON_INTERPRET=1` set before `triton` is imported).
+
+The same kernels multiply 16-bit weights with no scale (`w16a16_gemm`): for the decode shapes where cuBLAS streams
+a 16-bit weight slowly (`TUNED_16BIT`; model_runner/skinny_linear.py), they stream it near the copy bandwidth.
 """
 
 from __future__ import annotations
