@@ -23,7 +23,8 @@ from scheduler_driver import SchedulerDriver
 # The keys of `/get_server_info` (and Engine.get_server_info()) for one scheduler, as SGLang's clients read them.
 TOP_LEVEL_KEYS = {
     "context_len", "vocab_size", "max_total_num_tokens", "max_running_requests", "page_size", "eos_token_ids",
-    "model_path", "device", "dtype", "attention_backend", "chunked_prefill_size", "schedule_policy",
+    "model_path", "device", "dtype", "attention_backend", "decode_attention_backend", "chunked_prefill_size",
+    "schedule_policy",
     "overlap_schedule", "radix_cache", "hierarchical_cache", "sampling_backend", "tokenizer_path",
     "sampling_defaults", "lora_adapters", "lora_enabled", "dp_size", "request_limits", "pooling_kinds", "pooling_method", "labels", "is_generation",
     "weight_version", "retention", "num_requests", "num_finished",
