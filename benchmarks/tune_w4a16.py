@@ -2,6 +2,7 @@
 
     python benchmarks/tune_w4a16.py                  # Llama-3.1-8B's projections, M = 1, 4, 16, W4A16 and FP8
     python benchmarks/tune_w4a16.py --formats w4a16 --rows 1 --shapes 4096x4096
+    python benchmarks/tune_w4a16.py --formats w16 --rows 1,8 --shapes 5120x2048,2048x4096,128x2048  # 16-bit weights
 
 For each (format, shape N x K, rows M), every candidate tile (`SkinnyConfig`: columns, K step, K
 split, FMAs or tensor cores, warps, stages) runs on random operands and is checked against the product of the
