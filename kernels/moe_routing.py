@@ -16,7 +16,7 @@ the kernel captures in CUDA graphs. Without CUDA it runs under the Triton interp
 
 `route_from_hidden` also takes the router's product into the launch, for a decode step's one token: programs over
 blocks of experts and splits of the hidden features write float32 partial logits, and the last to finish adds them
-in split order (kernels/split_k.py's hand-over), adds the bias and applies the same rule.
+in split order (kernels/split_k.py's `last_to_arrive`), adds the bias and applies the same rule.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from radixserve.kernels.split_k import split_counters
+from radixserve.kernels.split_k import last_to_arrive, split_counters
 
 # A program holds the token's row of E logits in registers; past this many experts, callers keep the torch form.
 MAX_EXPERTS = 1024
@@ -80,47 +80,39 @@ def _store_topk(scores, valid, experts, Weights, Ids, token, top_k, BLOCK_TOPK: 
 @triton.jit
 def _router_route_kernel(
     X, W, Bias, Partial, Counters, Weights, Ids,
-    num_tokens, num_experts, hidden, top_k, stride_xt, stride_we,
+    num_experts, hidden, top_k, stride_we,
     HAS_BIAS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, ALL_E: tl.constexpr,
     BLOCK_TOPK: tl.constexpr, SOFTMAX_FIRST: tl.constexpr, RENORMALIZE: tl.constexpr,
 ):
-    """Program (block of BLOCK_E experts, K split): every token's router logits for its experts over its share of
-    the hidden features, to its slice of Partial `[splits, tokens, experts]` (float32); the program that arrives last
-    on the call's counter (kernels/split_k.py's hand-over) adds the splits in order, adds the bias and routes each
-    token. The router weight `[E, hidden]` is read once, by programs enough to stream it."""
+    """Program (block of BLOCK_E experts, K split): the token's router logits for its experts over its share of the
+    hidden features, to its split's row of Partial `[splits, experts]` (float32); the last program to arrive
+    (kernels/split_k.py's `last_to_arrive`) adds the splits in order, adds the bias and routes. The router weight
+    `[E, hidden]` is read once, by programs enough to stream it."""
     experts = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
     expert_ok = experts < num_experts
     ks = tl.arange(0, BLOCK_K)
     k_tiles = tl.cdiv(hidden, BLOCK_K)
     per_split = tl.cdiv(k_tiles, tl.num_programs(1))
     first = tl.program_id(1) * per_split
-    last = tl.minimum(first + per_split, k_tiles)
-    split_base = Partial + tl.program_id(1) * num_tokens * num_experts
-    for token in range(0, num_tokens):
-        acc = tl.zeros((BLOCK_E,), dtype=tl.float32)
-        for tile in range(first, last):
-            k = tile * BLOCK_K + ks
-            k_ok = k < hidden
-            w = tl.load(W + experts[:, None] * stride_we + k[None, :], mask=expert_ok[:, None] & k_ok[None, :],
-                        other=0.0)
-            x = tl.load(X + token * stride_xt + k, mask=k_ok, other=0.0)
-            acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
-        tl.store(split_base + token * num_experts + experts, acc, mask=expert_ok)
-    tl.debug_barrier()  # every thread's logits are stored before the program counts itself in
-    total_programs = tl.num_programs(0) * tl.num_programs(1)
-    if tl.atomic_add(Counters, 1, sem="acq_rel", scope="gpu") == total_programs - 1:
+    acc = tl.zeros((BLOCK_E,), dtype=tl.float32)
+    for tile in range(first, tl.minimum(first + per_split, k_tiles)):
+        k = tile * BLOCK_K + ks
+        k_ok = k < hidden
+        w = tl.load(W + experts[:, None] * stride_we + k[None, :], mask=expert_ok[:, None] & k_ok[None, :], other=0.0)
+        x = tl.load(X + k, mask=k_ok, other=0.0)
+        acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+    tl.store(Partial + tl.program_id(1) * num_experts + experts, acc, mask=expert_ok)
+    if last_to_arrive(Counters, tl.num_programs(0) * tl.num_programs(1)):
         all_experts = tl.arange(0, ALL_E)
         valid = all_experts < num_experts
-        for token in range(0, num_tokens):
-            scores = tl.zeros((ALL_E,), dtype=tl.float32)
-            for split in range(0, tl.num_programs(1)):
-                scores += tl.load(Partial + (split * num_tokens + token) * num_experts + all_experts, mask=valid,
-                                  other=0.0, cache_modifier=".cg")
-            if HAS_BIAS:
-                scores += tl.load(Bias + all_experts, mask=valid, other=0.0).to(tl.float32)
-            scores = tl.where(valid, scores, -float("inf"))
-            _store_topk(scores, valid, all_experts, Weights, Ids, token, top_k, BLOCK_TOPK, SOFTMAX_FIRST,
-                        RENORMALIZE)
+        scores = tl.zeros((ALL_E,), dtype=tl.float32)
+        for split in range(0, tl.num_programs(1)):
+            scores += tl.load(Partial + split * num_experts + all_experts, mask=valid, other=0.0,
+                              cache_modifier=".cg")
+        if HAS_BIAS:
+            scores += tl.load(Bias + all_experts, mask=valid, other=0.0).to(tl.float32)
+        scores = tl.where(valid, scores, -float("inf"))
+        _store_topk(scores, valid, all_experts, Weights, Ids, 0, top_k, BLOCK_TOPK, SOFTMAX_FIRST, RENORMALIZE)
         tl.store(Counters, 0)  # for the next call
 
 
@@ -151,39 +143,35 @@ def route_topk(router_logits: torch.Tensor, top_k: int, routing: str,
     return weights, ids
 
 
-# Up to this many tokens `route_from_hidden` computes the router's logits in the routing kernel's launch; a program
-# loops over the tokens and the last one routes them one after another, so more take the router's GEMM and
-# `route_topk`. At one token of Qwen3-30B-A3B on an H100: 6.4 us a layer against 5.0 + 2.5 for the two. With eight
-# tokens fused (and the skinny 16-bit linears), its batch-8 step ran 1.2 ms slower than with neither (two calls on
-# H100s), so only one token is.
+# The tokens `route_from_hidden` takes: one, a decode step's at batch 1. At one token of Qwen3-30B-A3B on an H100 it
+# ran 6.4 us a layer against 5.0 + 2.5 for the router's GEMM and `route_topk`. A form that looped over eight tokens
+# in each program (and routed them one after another) made the batch-8 step 1.2 ms slower than the two kernels (with
+# the skinny 16-bit linears too; two calls on H100s): more tokens take the two.
 FUSED_MAX_TOKENS = 1
 
 
 def route_from_hidden(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], top_k: int,
                       routing: str, renormalize: bool, block_e: int = 32, block_k: int = 256,
                       splits: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
-    """`route_topk(hidden @ weight.T + bias, ...)` in one launch for up to FUSED_MAX_TOKENS tokens: the router's
-    product in float32 (from `hidden [T, H]` and `weight [E, H]` in their dtype), then the rule. The logits are the
-    product's float32 sums, not a 16-bit GEMM's rounded output, so on near ties the pick may differ from
-    `route_topk` on the GEMM's logits."""
+    """`route_topk(hidden @ weight.T + bias, ...)` in one launch for FUSED_MAX_TOKENS token: the router's product in
+    float32 (from `hidden [1, H]` and `weight [E, H]` in their dtype), then the rule. The logits are the product's
+    float32 sums, not a 16-bit GEMM's rounded output, so on near ties the pick may differ from `route_topk` on the
+    GEMM's logits."""
     if routing not in ("softmax_topk", "topk_softmax"):
         raise ValueError(f"unknown MoE routing {routing!r}")
     num_tokens, hidden_size = hidden.shape
     num_experts = weight.shape[0]
-    if not 1 <= top_k <= num_experts or num_experts > MAX_EXPERTS or num_tokens > FUSED_MAX_TOKENS:
-        raise ValueError(f"route_from_hidden takes up to {FUSED_MAX_TOKENS} tokens, 1 <= top_k <= experts <= "
+    if not 1 <= top_k <= num_experts or num_experts > MAX_EXPERTS or num_tokens != FUSED_MAX_TOKENS:
+        raise ValueError(f"route_from_hidden takes {FUSED_MAX_TOKENS} token and 1 <= top_k <= experts <= "
                          f"{MAX_EXPERTS}; got {num_tokens} tokens, top_k {top_k}, {num_experts} experts")
     assert weight.shape[1] == hidden_size and weight.stride(1) == 1 and hidden.stride(1) == 1
     weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=hidden.device)
     ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=hidden.device)
-    if num_tokens == 0:
-        return weights, ids
     splits = max(1, min(splits, triton.cdiv(hidden_size, block_k)))
-    partial = torch.empty(splits, num_tokens, num_experts, dtype=torch.float32, device=hidden.device)
-    counters = split_counters(hidden.device, 1)
+    partial = torch.empty(splits, num_experts, dtype=torch.float32, device=hidden.device)
     _router_route_kernel[(triton.cdiv(num_experts, block_e), splits)](
-        hidden, weight, weight if bias is None else bias, partial, counters, weights, ids,
-        num_tokens, num_experts, hidden_size, top_k, hidden.stride(0), weight.stride(0),
+        hidden, weight, weight if bias is None else bias, partial, split_counters(hidden.device, 1), weights, ids,
+        num_experts, hidden_size, top_k, weight.stride(0),
         HAS_BIAS=bias is not None, BLOCK_E=block_e, BLOCK_K=block_k, ALL_E=triton.next_power_of_2(num_experts),
         BLOCK_TOPK=triton.next_power_of_2(top_k), SOFTMAX_FIRST=routing == "softmax_topk", RENORMALIZE=renormalize,
     )

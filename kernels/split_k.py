@@ -88,6 +88,15 @@ def split_k_tiles(K, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
+def last_to_arrive(counter, arrivals):
+    """Whether this program is the last of `arrivals` programs to count themselves in on `counter`, after its own
+    stores: a CTA barrier (every thread's stores done), then one gpu-scope acquire-release increment. The last one
+    reads the others' stores from L2 (`.cg`) and sets the counter back to zero when done."""
+    tl.debug_barrier()
+    return tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == arrivals - 1
+
+
+@triton.jit
 def store_split(acc, Out, Partial, offsets, stride_split, mask, Counters, SPLIT: tl.constexpr):
     """Store a program's `acc` (float32) at `offsets` of its output tile. Without `SPLIT` (one split), to `Out` in
     Out's dtype; with it, to its split's slice `Partial + split * stride_split` (split = `program_id(2)`, of
@@ -100,9 +109,7 @@ def store_split(acc, Out, Partial, offsets, stride_split, mask, Counters, SPLIT:
         num_splits = tl.num_programs(2)
         counter = Counters + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
         tl.store(Partial + tl.program_id(2) * stride_split + offsets, acc, mask=mask)
-        tl.debug_barrier()  # every thread's partial sums are stored before the program counts itself in
-        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-        if arrived == num_splits - 1:
+        if last_to_arrive(counter, num_splits):
             total = tl.zeros_like(acc)
             for split in range(num_splits):
                 total += tl.load(Partial + split * stride_split + offsets, mask=mask, other=0.0, cache_modifier=".cg")

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from radixserve.kernels.split_k import split_counters
+from radixserve.kernels.split_k import last_to_arrive, split_counters
 
 _LOG2_E = 1.0 / math.log(2.0)
 _NO_WINDOW = 1 << 30
@@ -49,8 +49,7 @@ def _decode_split_kernel(
     one contiguous share of the request's positions. Writes normalized partial outputs and their
     base-2 log-sum-exp; an empty share writes lse = -inf so the reduction ignores it. With MAP_SLOTS, a slot s of
     req_to_token is read at Slot_map[s] (a window layer's own slot space). The program that finishes last of its
-    (request, kv head) merges the shares into Out, so a call is one launch (the hand-over is kernels/split_k.py's:
-    stores, a barrier, an acquire-release count)."""
+    (request, kv head) merges the shares into Out, so a call is one launch (kernels/split_k.py's `last_to_arrive`)."""
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -103,9 +102,8 @@ def _decode_split_kernel(
     out_base = Partial_out + req * stride_po_req + q_heads[:, None] * stride_po_head + split * stride_po_split
     tl.store(out_base + offs_d[None, :], acc / safe_sum[:, None], mask=head_mask[:, None] & dim_mask[None, :])
     tl.store(Partial_lse + req * stride_pl_req + q_heads * stride_pl_head + split, lse, mask=head_mask)
-    tl.debug_barrier()  # every thread's shares are stored before the program counts itself in
     counter = Counters + req * tl.num_programs(1) + kv_head
-    if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
+    if last_to_arrive(counter, NUM_SPLITS):
         _merge_shares(Partial_out, Partial_lse, Out, Sinks, req, q_heads, head_mask, offs_d, dim_mask,
                       stride_po_req, stride_po_head, stride_po_split, stride_pl_req, stride_pl_head,
                       stride_o_token, stride_o_head, NUM_SPLITS, HAS_SINKS)

@@ -48,7 +48,7 @@ _fused = KernelGuard("MoE routing's kernel with the router's product", "the rout
 
 def route_tokens(hidden: torch.Tensor, gate: nn.Module, top_k: int, routing: str,
                  renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """`select_experts(gate(hidden), ...)`. On CUDA, a decode step's few tokens take the router's product and the
+    """`select_experts(gate(hidden), ...)`. On CUDA, a decode step's one token takes the router's product and the
     rule in one launch (kernels/moe_routing.py, `route_from_hidden`: at one token of Qwen3-30B-A3B the router's GEMM
     alone ran 5 us on an H100, the routing kernel 2.5 us more); the logits are then float32 sums, not the 16-bit
     GEMM's rounded output."""
@@ -58,7 +58,7 @@ def route_tokens(hidden: torch.Tensor, gate: nn.Module, top_k: int, routing: str
         from radixserve.kernels.moe_routing import FUSED_MAX_TOKENS, MAX_EXPERTS, route_from_hidden
 
         rows = hidden.reshape(-1, hidden.shape[-1])
-        if rows.shape[0] <= FUSED_MAX_TOKENS and weight.shape[0] <= MAX_EXPERTS:
+        if rows.shape[0] == FUSED_MAX_TOKENS and weight.shape[0] <= MAX_EXPERTS:
             try:
                 return route_from_hidden(rows, weight, gate.bias, top_k, routing, renormalize)
             except Exception as exc:  # a Triton build or device that cannot compile the kernel
