@@ -210,9 +210,9 @@ class ModelRunner:
         (model_runner/attention/hybrid.py; by default on CUDA, triton's decode beside flashinfer's extends)."""
         name, backend = self._create_main_attention_backend()
         decode = self.config.decode_attention_backend
-        if not self.is_causal or decode == name or self.config.deterministic:
+        if not self.is_causal or decode == name:
             return backend
-        if self.config.attention_backend_fallback and name != self.config.attention_backend:
+        if self.config.decode_attention_default and name != self.config.attention_backend:
             return backend  # the default could not run here: decode stays on the backend that stood in
         from radixserve.model_runner.attention.hybrid import DEFAULT_DECODE_MAX_BATCH, HybridAttentionBackend
 

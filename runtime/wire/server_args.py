@@ -270,10 +270,10 @@ class ServerArgs:
               f"decode_attention_backend must be one of {ATTENTION_BACKENDS}, got {self.decode_attention_backend!r}")
         refusal = device_refusal(self.decode_attention_backend, "cpu" if self.resolved_device() == "cpu" else "cuda")
         check(refusal is None, refusal and f"decode_attention_backend: {refusal}")
-        check(not (self.enable_deterministic_inference and self.decode_attention_backend not in (None, "triton")
-                   and self.resolved_device() != "cpu"),
-              "enable_deterministic_inference decodes on the triton backend's row-invariant kernel; drop "
-              "decode_attention_backend")
+        check(not (self.enable_deterministic_inference
+                   and self.decode_attention_backend not in (None, self.resolved_attention_backend())),
+              f"enable_deterministic_inference decodes on the {self.resolved_attention_backend()} backend's "
+              "row-invariant kernel; drop decode_attention_backend")
         check(not (self.prefill_attention_backend == "fa3" and self.kv_cache_dtype != "auto"),
               "prefill_attention_backend fa3 reads a KV cache in the model's dtype; drop kv_cache_dtype or use "
               "flashinfer")

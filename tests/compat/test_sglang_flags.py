@@ -67,6 +67,8 @@ def test_an_sglang_launch_line_parses():
     (["--decode-attention-backend", "cpu", "--device", "cuda"], "decode_attention_backend: the cpu attention backend"),
     (["--decode-attention-backend", "flashinfer", "--enable-deterministic-inference", "--device", "cuda"],
      "row-invariant kernel"),
+    (["--decode-attention-backend", "torch_native", "--enable-deterministic-inference", "--device", "cpu"],
+     "decodes on the cpu backend's row-invariant kernel"),
 ])
 def test_values_radixserve_cannot_honour(flags, message):
     with pytest.raises(ValueError, match=message):
