@@ -59,15 +59,10 @@ def use_batch_invariant_linears(model: nn.Module) -> int:
     """Replace `model`'s projections (`nn.Linear`, and `RowParallelLinear` on one rank) by `BatchInvariantLinear`,
     and give the LM head one (`model.logits_head`, which `compute_logits` reads first). Returns how many were
     replaced."""
-    from radixserve.model_runner.parallel import RowParallelLinear
+    from radixserve.model_runner.parallel import plain_linears
 
-    targets = [
-        (parent, name, child)
-        for parent in model.modules()
-        for name, child in parent.named_children()
-        if type(child) in (nn.Linear, RowParallelLinear)
-    ]
-    for parent, name, child in targets:
+    targets = plain_linears(model)
+    for _, parent, name, child in targets:
         setattr(parent, name, BatchInvariantLinear(child.weight, child.bias))
     if hasattr(model, "logits_head"):
         head = getattr(model, "lm_head", None)  # the replacement above, or None where the embedding is tied

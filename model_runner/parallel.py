@@ -198,6 +198,13 @@ class RowParallelLinear(torch.nn.Module):
         return out if self.bias is None else out + self.bias
 
 
+def plain_linears(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, str, torch.nn.Module]]:
+    """`(parent name, parent, attribute, layer)` for each `nn.Linear` and `RowParallelLinear` of `model` (exactly those
+    types: layers already replaced by another kind are not listed), for passes that swap in other linears."""
+    return [(parent_name, parent, name, child) for parent_name, parent in model.named_modules()
+            for name, child in parent.named_children() if type(child) in (torch.nn.Linear, RowParallelLinear)]
+
+
 def lm_logits(hidden: torch.Tensor, weight: torch.Tensor, vocab_size: int, tp: TPGroup) -> torch.Tensor:
     """Float32 logits over the whole vocabulary from this rank's (padded) slice of the LM head."""
     local = torch.nn.functional.linear(hidden, weight)

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from radixserve.kernels.guard import KernelGuard
-from radixserve.model_runner.parallel import RowParallelLinear, TPGroup
+from radixserve.model_runner.parallel import RowParallelLinear, TPGroup, plain_linears
 
 # kernels/fp8_skinny_gemm.py's 16-bit path, turned off (the reason logged) once it fails to compile for this device.
 _skinny = KernelGuard("the skinny 16-bit GEMM", "cuBLAS serves every 16-bit linear")
@@ -76,14 +76,10 @@ def use_skinny_linears(model: nn.Module) -> list[str]:
     """Replace `model`'s 16-bit `nn.Linear` and `RowParallelLinear` layers whose shape `TUNED_16BIT` lists by
     `SkinnyLinear`; returns their names."""
     replaced = []
-    for parent_name, parent in list(model.named_modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) not in (nn.Linear, RowParallelLinear) or child.weight.dtype not in (torch.bfloat16,
-                                                                                                 torch.float16):
-                continue
-            max_rows = skinny_rows(*child.weight.shape)
-            if max_rows:
-                tp = child.tp if isinstance(child, RowParallelLinear) else None
-                setattr(parent, name, SkinnyLinear(child.weight, child.bias, max_rows, tp))
-                replaced.append(f"{parent_name}.{name}" if parent_name else name)
+    for parent_name, parent, name, child in plain_linears(model):
+        max_rows = skinny_rows(*child.weight.shape) if child.weight.dtype in (torch.bfloat16, torch.float16) else 0
+        if max_rows:
+            tp = child.tp if isinstance(child, RowParallelLinear) else None
+            setattr(parent, name, SkinnyLinear(child.weight, child.bias, max_rows, tp))
+            replaced.append(f"{parent_name}.{name}" if parent_name else name)
     return replaced
