@@ -32,8 +32,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from _srcpath import ROOT  # noqa: F401  (maps radixserve.<folder> onto the checkout)
-
-LLAMA_8B_SHAPES = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))  # N x K: qkv, o, gate/up, down
+from tune_w4a16 import LLAMA_8B_SHAPES  # after triton: imported first, it would set the interpreter on a CPU host
 
 
 def picked_configs(kind: str) -> list[tuple[int, int, int]]:
@@ -42,10 +41,12 @@ def picked_configs(kind: str) -> list[tuple[int, int, int]]:
     from radixserve.kernels.fp8_skinny_gemm import fp8_skinny_config, skinny_16bit_config
     from radixserve.kernels.w4a16_gemm import skinny_config
 
+    # An H100's 132 SMs: the SM count sets only the split, not the tile compiled here.
     pick = {"w4a16": lambda n, k: skinny_config(1, n, k, 128, False, 132),
             "fp8": lambda n, k: fp8_skinny_config(1, n, k, None, 132),
             "bf16": lambda n, k: skinny_16bit_config(1, n, k, 132)}[kind]
-    configs = [pick(n, k) for n, k in LLAMA_8B_SHAPES]
+    shapes = [tuple(int(v) for v in shape.split("x")) for shape in LLAMA_8B_SHAPES.split(",")]
+    configs = [pick(n, k) for n, k in shapes]
     return list(dict.fromkeys((c.block_n, c.block_k, c.num_warps) for c in configs if not c.use_dot))
 
 
@@ -60,7 +61,7 @@ def compile_fma_kernel(kind: str, block_n: int, block_k: int, warps: int, arch: 
 
         pointers = dict(X="*bf16", QWeight="*i32", Scales="*bf16", Zeros="*bf16", GIdx="*i32", Out="*bf16",
                         Partial="*fp32", Counters="*i32")
-        constants = dict(HAS_G_IDX=False, GROUP_SIZE=128, EVEN_K=True, UNPACK_PTX=True, SPLIT=True)
+        constants = dict(HAS_G_IDX=False, GROUP_SIZE=128, EVEN_K=True, SPLIT=True)
     else:
         from radixserve.kernels.fp8_skinny_gemm import _w8a16_fma_kernel as kernel
 
@@ -69,7 +70,6 @@ def compile_fma_kernel(kind: str, block_n: int, block_k: int, warps: int, arch: 
         constants = dict(BLOCK_SCALES=False, GROUP_N=1, GROUP_K=1, EVEN_K=True, HAS_SCALE=kind == "fp8", SPLIT=True)
     constants.update(BLOCK_N=block_n, BLOCK_K=block_k)
     params = list(inspect.signature(kernel.fn).parameters)
-    constants = {name: value for name, value in constants.items() if name in params}
     signature = {p: "constexpr" if p in constants else pointers.get(p, "i32") for p in params}
     # Every pointer and integer but the row count is a multiple of 16 at these shapes, as Triton specializes them.
     attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params) if p not in constants and p != "M"}
