@@ -21,6 +21,7 @@ if not ON_GPU and "triton" not in sys.modules:
 
 import pytest  # noqa: E402
 
+import radixserve.kernels.fp8_skinny_gemm as fp8_skinny_module  # noqa: E402
 import radixserve.kernels.w4a16_gemm as w4a16_module  # noqa: E402
 from radixserve.kernels.fp8_block_gemm import fp8_block_gemm  # noqa: E402
 from radixserve.kernels.fp8_skinny_gemm import MAX_ROWS, fp8_skinny_config, w8a16_gemm, w16a16_gemm  # noqa: E402
@@ -139,6 +140,7 @@ def test_skinny_configs_split_k_to_fill_the_gpu_at_llama_8b_shapes(monkeypatch):
     each split keeping at least two K tiles; the column-rich gate/up projection splits least. FMAs at one row, tensor
     cores from two rows."""
     monkeypatch.setattr(w4a16_module, "TUNED_SKINNY", {})
+    monkeypatch.setattr(fp8_skinny_module, "TUNED", {})
     for n, k in LLAMA_8B_SHAPES:
         for m in (1, 2, 16):
             w4 = skinny_config(m, n, k, 128, False, num_sms=132)
@@ -151,6 +153,20 @@ def test_skinny_configs_split_k_to_fill_the_gpu_at_llama_8b_shapes(monkeypatch):
     gate_up, o = (skinny_config(1, n, 4096, 128, False, num_sms=132).split_k for n in (28672, 4096))
     assert gate_up < o
     assert W4A16_SKINNY_MAX_ROWS == 16
+
+
+def test_measured_fp8_rows_cover_their_row_counts_only(monkeypatch):
+    """A shape in the FP8 kernel's `TUNED` takes the first row whose max_rows covers M; beyond the last row, and for
+    block scales, the defaults (the rows measured at one row leave the tensor-core configs of more rows alone)."""
+    rows = [(1, SkinnyConfig(64, 256, 4, False, 8, 3)), (4, SkinnyConfig(64, 128, 2, True, 4, 4))]
+    monkeypatch.setattr(fp8_skinny_module, "TUNED", {(6144, 4096, None): rows})
+    picks = [fp8_skinny_config(m, 6144, 4096, None, num_sms=132) for m in (1, 3, 4)]
+    assert picks == [rows[0][1], rows[1][1], rows[1][1]]
+    beyond, blocks = fp8_skinny_config(5, 6144, 4096, None, 132), fp8_skinny_config(1, 6144, 4096, (128, 128), 132)
+    monkeypatch.setattr(fp8_skinny_module, "TUNED", {})
+    assert beyond == fp8_skinny_config(5, 6144, 4096, None, 132)
+    assert blocks == fp8_skinny_config(1, 6144, 4096, (128, 128), 132)
+    assert fp8_skinny_config(1, 6144, 4096, None, 132) != rows[0][1]
 
 
 def test_measured_skinny_rows_are_taken_by_row_count(monkeypatch):
