@@ -171,6 +171,7 @@ inline void lane_values(const float* p, const float* const* values, int64_t n, i
     v16 pk[kVectors];
     for (int j = 0; j < kVectors; ++j) pk[j] = load16(p + k * W + 16 * j), pin(pk[j]);
     const float* value = values[k] + d0;
+    pin_address(value);
     for (int c = 0; c < kSteps; ++c) {
       const float vd = value[c];
       for (int j = 0; j < kVectors; ++j) sum[c][j] += vd * pk[j];

@@ -40,6 +40,15 @@ inline void pin(V& x) {
 #endif
 }
 
+// Keeps the pointer x in one general register, so that its few neighbouring elements are read at constant
+// displacements from it: otherwise the compiler may hold each element's address (row pointer plus a column offset) in
+// a register of its own through a loop, and the registers it runs out of spill into vector registers a micro-kernel
+// needs for its operands (which then go to the stack).
+template <typename T>
+inline void pin_address(T*& x) {
+  asm("" : "+r"(x));
+}
+
 typedef int32_t v16i __attribute__((vector_size(64)));
 typedef uint32_t v16u __attribute__((vector_size(64)));
 typedef uint16_t v16h __attribute__((vector_size(32)));
