@@ -32,7 +32,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from _srcpath import ROOT  # noqa: F401  (maps radixserve.<folder> onto the checkout)
-from tune_w4a16 import LLAMA_8B_SHAPES  # after triton: imported first, it would set the interpreter on a CPU host
+# after triton: imported first, tune_w4a16 would set the interpreter on a CPU host
+from tune_w4a16 import LLAMA_8B_SHAPES, parse_dims
 
 
 def picked_configs(kind: str) -> list[tuple[int, int, int]]:
@@ -45,8 +46,7 @@ def picked_configs(kind: str) -> list[tuple[int, int, int]]:
     pick = {"w4a16": lambda n, k: skinny_config(1, n, k, 128, False, 132),
             "fp8": lambda n, k: fp8_skinny_config(1, n, k, None, 132),
             "bf16": lambda n, k: skinny_16bit_config(1, n, k, 132)}[kind]
-    shapes = [tuple(int(v) for v in shape.split("x")) for shape in LLAMA_8B_SHAPES.split(",")]
-    configs = [pick(n, k) for n, k in shapes]
+    configs = [pick(n, k) for n, k in parse_dims(LLAMA_8B_SHAPES)]
     return list(dict.fromkeys((c.block_n, c.block_k, c.num_warps) for c in configs if not c.use_dot))
 
 
@@ -123,8 +123,7 @@ def main() -> None:
     print(f"{'kernel':<7} {'tile':>11} {'loop':>6} {'/weight':>8} {'regs':>5}  top opcodes")
     rows = []
     for kind in args.kinds.split(","):
-        configs = ([tuple(int(v) for v in c.split("x")) for c in args.configs.split(",")] if args.configs
-                   else picked_configs(kind))
+        configs = parse_dims(args.configs) if args.configs else picked_configs(kind)
         for block_n, block_k, warps in configs:
             config = f"{block_n}x{block_k}x{warps}"
             length, opcodes, registers = loop_cost(compile_fma_kernel(kind, block_n, block_k, warps, args.arch))

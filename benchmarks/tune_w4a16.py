@@ -44,6 +44,13 @@ from _srcpath import ROOT  # noqa: E402,F401  (maps radixserve.<folder> onto the
 
 LLAMA_8B_SHAPES = "6144x4096,4096x4096,28672x4096,4096x14336"  # N x K: qkv, o, gate/up, down
 GROUP_SIZE = 128
+
+
+def parse_dims(text: str) -> list[tuple[int, ...]]:
+    """Comma-separated items of sizes joined by x, as integer tuples: 6144x4096,4096x4096 -> [(6144, 4096), ...]."""
+    return [tuple(int(v) for v in item.split("x")) for item in text.split(",")]
+
+
 # The candidates' axes, per kernel (FMA: one row a program; dot: 16 rows on the tensor cores), kept to what one run of
 # a few minutes compiles and times: the FMA loop's loads are not software-pipelined, so its stages stay fixed; a 16-row
 # tensor-core tile keeps four warps busy. "small" is for checking the script without a GPU.
@@ -184,7 +191,7 @@ def main() -> None:
     gpu = torch.cuda.get_device_name() if on_gpu else "none (Triton interpreter, wall clock)"
     time_us = timer(on_gpu, args.repeats)
     bandwidth = copy_bandwidth(device, time_us)
-    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    shapes = parse_dims(args.shapes)
     row_counts = [int(r) for r in args.rows.split(",")]
     print(f"GPU {gpu}, {num_sms} SMs; copy bandwidth {bandwidth / 1e12:.2f} TB/s; space {args.space}", flush=True)
     print(f"{'format':<12} {'N x K':>12} {'M':>3} {'default us':>10} {'best us':>8} {'tiled us':>8} "
