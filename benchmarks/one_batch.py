@@ -87,6 +87,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--kv-cache-dtype", default="auto", help="auto | bfloat16 | fp8_e4m3 | fp8_e5m2 | ...")
     parser.add_argument("--mxfp4-experts", choices=("mxfp4", "fp8"), default=None,
                         help="how gpt-oss's MXFP4 experts are held on CUDA (models/gpt_oss.py's MXFP4_EXPERTS)")
+    parser.add_argument("--disable-pdl", action="store_true",
+                        help="launch the Triton kernels without programmatic dependent launch (kernels/pdl.py)")
     parser.add_argument("--profile-batch-size", type=int, default=0, help="decode batch to profile (0: none)")
     parser.add_argument("--profile-prefill-batch-size", type=int, default=0, help="prefill batch to profile (0: none)")
     parser.add_argument("--prefill-repeats", type=int, default=3)
@@ -117,6 +119,10 @@ def build_runner(args: argparse.Namespace, model_path: Optional[str], load_forma
         from radixserve.model_runner.models import gpt_oss
 
         gpt_oss.MXFP4_EXPERTS = args.mxfp4_experts
+    if args.disable_pdl:
+        from radixserve.kernels import pdl
+
+        pdl.ENABLED = False
 
     def pages_of(length: int) -> int:  # each request starts on a fresh page
         return -(-length // page) * page

@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from radixserve.kernels.pdl import launch_options, wait_previous
 from radixserve.kernels.split_k import (SkinnyConfig, num_sms, split_buffers, split_k_tiles, split_k_to_fill,
                                         store_split)
 
@@ -111,11 +112,12 @@ def _w8a16_fma_kernel(
     stride_xm, stride_wn, stride_sn, stride_os, stride_om,
     BLOCK_SCALES: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, EVEN_K: tl.constexpr,
     HAS_SCALE: tl.constexpr, SPLIT: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """Program (row, block of output columns, K split): one row's sums over split `program_id(2)`'s share of K, to
     Out (or to Partial, the last split adding them up: kernels/split_k.py). The rows of a column block are adjacent
     programs, so a few rows read the weight from memory once and from L2 after."""
+    wait_previous(USE_PDL)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
@@ -151,10 +153,11 @@ def _w8a16_dot_kernel(
     stride_xm, stride_wn, stride_sn, stride_os, stride_om,
     BLOCK_SCALES: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, PRECISION: tl.constexpr,
     HAS_SCALE: tl.constexpr, SPLIT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """Program (block of 16 rows, block of output columns, K split) on the tensor cores; output as in
     `_w8a16_fma_kernel`."""
+    wait_previous(USE_PDL)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < M
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -216,7 +219,7 @@ def _skinny_gemm(x: torch.Tensor, weight: torch.Tensor, scale: Optional[torch.Te
     scales = dict(BLOCK_SCALES=block is not None, GROUP_N=block[0] if block else 1, GROUP_K=block[1] if block else 1,
                   HAS_SCALE=scale is not None, SPLIT=config.split_k > 1)
     launch = dict(BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps,
-                  num_stages=config.num_stages)
+                  num_stages=config.num_stages, **launch_options(x))
     if config.use_dot:
         grid = (triton.cdiv(m, 16), triton.cdiv(n, config.block_n), config.split_k)
         _w8a16_dot_kernel[grid](*args, **scales, PRECISION="ieee" if x.dtype == torch.float32 else None,

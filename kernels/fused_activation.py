@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from radixserve.kernels.pdl import launch_options, wait_previous
+
 BLOCK = 1024
 
 
@@ -23,9 +25,10 @@ def _silu_and_mul_kernel(
     Gate_up, Out,
     stride_in_row, stride_out_row,
     n_cols,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """Program (row, chunk): BLOCK output columns of one row."""
+    wait_previous(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -52,6 +55,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if num_rows and n_cols:
         grid = (num_rows, triton.cdiv(n_cols, BLOCK))
         _silu_and_mul_kernel[grid](
-            rows_in, rows_out, rows_in.stride(0), rows_out.stride(0), n_cols, BLOCK=BLOCK, num_warps=4
+            rows_in, rows_out, rows_in.stride(0), rows_out.stride(0), n_cols, BLOCK=BLOCK, num_warps=4,
+            **launch_options(rows_in),
         )
     return out

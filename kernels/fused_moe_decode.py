@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from radixserve.kernels.fused_moe_configs import BlockConfig
+from radixserve.kernels.pdl import launch_options, wait_previous
 from radixserve.kernels.fused_moe_experts import (ExpertScales, _activate, _code_values, _scale_values, expert_call,
                                                   scale_groups, weight_strides)
 
@@ -103,7 +104,7 @@ def _decode_gate_up_kernel(
     stride_x, stride_we, stride_wn, stride_wk, stride_be, stride_se, stride_sn, stride_sk, stride_inter,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, CLAMPED_SWIGLU: tl.constexpr,
     HAS_SCALE: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, INT4: tl.constexpr, FP4: tl.constexpr,
-    GROUPS: tl.constexpr, GROUP_K: tl.constexpr,
+    GROUPS: tl.constexpr, GROUP_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """Program (pair, block of intermediate columns): the expert's `[BLOCK_N, H]` gate and up rows, streamed in
     `BLOCK_K` chunks along H, times the token's row. The products accumulate elementwise in float32 tiles and are
@@ -111,6 +112,7 @@ def _decode_gate_up_kernel(
     HAS_SCALE, quantized rows: FP8 (`_quantized_gate_up`: their scales `S13`, up's from scale row `up_scale_row`), or
     with INT4 packed 4-bit codes (`_packed_gate_up`: integers less their zero points `Z13`, laid out as the scales;
     with FP4, MXFP4's e2m1 values and exponent scales)."""
+    wait_previous(USE_PDL)
     pair = tl.program_id(0)
     if tl.load(TopkWeights + pair) == 0.0:
         return
@@ -163,7 +165,7 @@ def _decode_down_kernel(
     stride_inter, stride_we, stride_wn, stride_wk, stride_be, stride_se, stride_sn, stride_sk, stride_out,
     TOP_K: tl.constexpr, SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_SCALE: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, INT4: tl.constexpr, FP4: tl.constexpr,
-    GROUPS: tl.constexpr, GROUP_K: tl.constexpr,
+    GROUPS: tl.constexpr, GROUP_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """Program (token, block of hidden columns): the sum over the token's slots of the routing weight times the
     expert's `[BLOCK_N, I]` down rows times the slot's activations (and times its down bias, with HAS_BIAS). Each
@@ -173,6 +175,7 @@ def _decode_down_kernel(
     `GROUPS` runs of `GROUP_K` features, each run's sums scaled by the rows' scale for it (`S2`) before they join the
     slot's; with INT4, packed 4-bit rows step `BLOCK_K / 8` words at a time as `_packed_gate_up` does (integers less
     their zero points `Z2`, or with FP4 MXFP4's e2m1 values)."""
+    wait_previous(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < hidden
@@ -259,6 +262,7 @@ def decode(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, pair_weigh
         *s13_strides, inter.stride(0),
         BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"], HAS_BIAS=c.has_bias, CLAMPED_SWIGLU=swiglu is not None,
         **scale_groups(config["BLOCK_K"], w13_scales, c.hidden_size), **c.w13_consts, **c.launch,
+        **launch_options(hidden),
     )
     _decode_down_kernel[(c.num_tokens, triton.cdiv(c.hidden_size, config["DOWN_BLOCK_N"]))](
         inter, w2, w2_bias if c.has_bias else w2, s2, z2, out, pair_weights, pair_ids,
@@ -268,4 +272,5 @@ def decode(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, pair_weigh
         TOP_K=c.top_k, SLOTS=triton.next_power_of_2(c.top_k), BLOCK_N=config["DOWN_BLOCK_N"],
         BLOCK_K=config["DOWN_BLOCK_K"], HAS_BIAS=c.has_bias,
         **scale_groups(config["DOWN_BLOCK_K"], w2_scales, c.intermediate), **c.w2_consts, **c.launch,
+        **launch_options(hidden),
     )

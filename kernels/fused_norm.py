@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from radixserve.kernels.pdl import launch_options, wait_previous
+
 # Rows up to this many elements are normalized from registers in one pass; longer rows take two passes
 # over memory (sum of squares, then normalize), so any hidden size works.
 MAX_SINGLE_PASS = 16384
@@ -29,10 +31,11 @@ def _rms_norm_kernel(
     X, Residual, Weight, Out, Residual_out,
     stride_x_row, stride_r_row, stride_out_row, stride_ro_row,
     n_cols, eps,
-    HAS_RESIDUAL: tl.constexpr, SINGLE_PASS: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, SINGLE_PASS: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """One program per row. With HAS_RESIDUAL the normalized value is `x + residual` (rounded to the
     activation dtype), which is also written to Residual_out."""
+    wait_previous(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     x_row = X + row * stride_x_row
     r_row = Residual + row * stride_r_row
@@ -122,6 +125,7 @@ def _launch(
         x2.stride(0), r2.stride(0), out2.stride(0), s2.stride(0),
         n_cols, eps,
         HAS_RESIDUAL=residual is not None, SINGLE_PASS=single_pass, BLOCK=block, num_warps=num_warps,
+        **launch_options(x2),
     )
     return out, summed
 

@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from radixserve.kernels.pdl import launch_options, wait_previous
+
 
 @triton.jit
 def _rotate_heads(
@@ -64,9 +66,11 @@ def _rotary_kernel(
     stride_table_row,
     NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, HALF: tl.constexpr,
     BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr, HAS_NORM: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """One program per token: all of its q heads and k heads. A program reads everything it rotates
     before writing it, and tokens never share rows, so the outputs may alias the inputs."""
+    wait_previous(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     position = tl.load(Positions + token).to(tl.int64)
     dims = tl.arange(0, BLOCK_HALF)
@@ -137,7 +141,7 @@ def apply_rotary(
         cos.stride(0),
         NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=num_k_heads, HALF=half,
         BLOCK_QH=block_qh, BLOCK_KH=block_kh, BLOCK_HALF=block_half, HAS_NORM=norms is not None,
-        num_warps=num_warps,
+        num_warps=num_warps, **launch_options(q),
         # Left to itself the compiler contracts a product and the following sum into one fused multiply-add,
         # dropping the product's rounding; without that every step rounds as the torch path's kernels do.
         enable_fp_fusion=False,

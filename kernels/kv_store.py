@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from radixserve.kernels.pdl import launch_options, wait_previous
+
 
 @triton.jit
 def _store_kv_kernel(
@@ -21,8 +23,10 @@ def _store_kv_kernel(
     stride_k_token, stride_k_head, stride_v_token, stride_v_head,
     stride_kb_slot, stride_kb_head, stride_vb_slot, stride_vb_head,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """One program per token: all heads of its K and of its V."""
+    wait_previous(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(Loc + token).to(tl.int64)
     heads = tl.arange(0, BLOCK_H)[:, None]
@@ -56,5 +60,5 @@ def store_kv(
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_D=block_d,
-        num_warps=4 if block_h * block_d <= 2048 else 8,
+        num_warps=4 if block_h * block_d <= 2048 else 8, **launch_options(k),
     )

@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from radixserve.kernels.pdl import launch_options, wait_previous
 from radixserve.kernels.split_k import last_to_arrive, split_counters
 
 # A program holds the token's row of E logits in registers; past this many experts, callers keep the torch form.
@@ -38,8 +39,10 @@ def _route_kernel(
     Logits, Weights, Ids,
     num_experts, top_k, stride_logits,
     BLOCK_E: tl.constexpr, BLOCK_TOPK: tl.constexpr, SOFTMAX_FIRST: tl.constexpr, RENORMALIZE: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Program (token): its top-k weights and ids; SOFTMAX_FIRST picks "softmax_topk" over "topk_softmax"."""
+    wait_previous(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     experts = tl.arange(0, BLOCK_E)
     valid = experts < num_experts
@@ -82,12 +85,13 @@ def _router_route_kernel(
     X, W, Bias, Partial, Counters, Weights, Ids,
     num_experts, hidden, top_k, stride_we,
     HAS_BIAS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, ALL_E: tl.constexpr,
-    BLOCK_TOPK: tl.constexpr, SOFTMAX_FIRST: tl.constexpr, RENORMALIZE: tl.constexpr,
+    BLOCK_TOPK: tl.constexpr, SOFTMAX_FIRST: tl.constexpr, RENORMALIZE: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """Program (block of BLOCK_E experts, K split): the token's router logits for its experts over its share of the
     hidden features, to its split's row of Partial `[splits, experts]` (float32); the last program to arrive
     (kernels/split_k.py's `last_to_arrive`) adds the splits in order, adds the bias and routes. The router weight
     `[E, hidden]` is read once, by programs enough to stream it."""
+    wait_previous(USE_PDL)
     experts = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
     expert_ok = experts < num_experts
     ks = tl.arange(0, BLOCK_K)
@@ -139,6 +143,7 @@ def route_topk(router_logits: torch.Tensor, top_k: int, routing: str,
         BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_TOPK=triton.next_power_of_2(top_k),
         SOFTMAX_FIRST=routing == "softmax_topk", RENORMALIZE=renormalize,
         num_warps=1 if num_experts <= 256 else 4,  # one warp's shuffles reduce a row of up to 256 without a barrier
+        **launch_options(router_logits),
     )
     return weights, ids
 
@@ -174,5 +179,6 @@ def route_from_hidden(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional
         num_experts, hidden_size, top_k, weight.stride(0),
         HAS_BIAS=bias is not None, BLOCK_E=block_e, BLOCK_K=block_k, ALL_E=triton.next_power_of_2(num_experts),
         BLOCK_TOPK=triton.next_power_of_2(top_k), SOFTMAX_FIRST=routing == "softmax_topk", RENORMALIZE=renormalize,
+        **launch_options(hidden),
     )
     return weights, ids

@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from radixserve.kernels.pdl import launch_options, wait_previous
 from radixserve.kernels.split_k import last_to_arrive, split_counters
 
 _LOG2_E = 1.0 / math.log(2.0)
@@ -43,13 +44,14 @@ def _decode_split_kernel(
     stride_o_token, stride_o_head,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    MAP_SLOTS: tl.constexpr, HAS_SINKS: tl.constexpr,
+    MAP_SLOTS: tl.constexpr, HAS_SINKS: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """One program = (request, kv head, split): the GROUP query heads sharing that kv head attend over
     one contiguous share of the request's positions. Writes normalized partial outputs and their
     base-2 log-sum-exp; an empty share writes lse = -inf so the reduction ignores it. With MAP_SLOTS, a slot s of
     req_to_token is read at Slot_map[s] (a window layer's own slot space). The program that finishes last of its
     (request, kv head) merges the shares into Out, so a call is one launch (kernels/split_k.py's `last_to_arrive`)."""
+    wait_previous(USE_PDL)
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -300,7 +302,7 @@ With `sinks` (float32 `[num_heads]`), each head's sink logit joins its softmax's
         GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=num_kv_splits,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
         DOT_PRECISION=_dot_precision(q.dtype), MAP_SLOTS=slot_map is not None, HAS_SINKS=sinks is not None,
-        num_warps=num_warps,
+        num_warps=num_warps, **launch_options(q),
     )
     return out
 

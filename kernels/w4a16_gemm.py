@@ -36,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from radixserve.kernels.pdl import launch_options, wait_previous
 from radixserve.kernels.split_k import (SkinnyConfig, num_sms, split_buffers, split_k_tiles, split_k_to_fill,
                                         store_split)
 
@@ -132,7 +133,7 @@ def _w4a16_fma_kernel(
     M, N, K,
     stride_xm, stride_qk, stride_sg, stride_os, stride_om,
     HAS_G_IDX: tl.constexpr, GROUP_SIZE: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """Program (row, block of output columns, K split): one row's sums over split `program_id(2)`'s share of K, to
     Out (or to Partial, the last split adding them up: kernels/split_k.py). The rows of a column block are adjacent
@@ -144,6 +145,7 @@ def _w4a16_fma_kernel(
     word row `t = sum_j x_j (1 + q_j / 16)` and `sum_j x_j (q_j - z) s = 16 s t - (16 + z) s sum_j x_j`: the zero
     point and scale cost a few operations per word, not per weight, and a K tile may span groups (the scale and
     zero point are read per word row, from cache)."""
+    wait_previous(USE_PDL)
     WORDS: tl.constexpr = BLOCK_K // 8
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -192,12 +194,13 @@ def _w4a16_dot_kernel(
     M, N, K,
     stride_xm, stride_qk, stride_sg, stride_os, stride_om,
     HAS_G_IDX: tl.constexpr, GROUP_SIZE: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """Program (block of 16 rows, block of output columns, K split) on the tensor cores; output as in
     `_w4a16_fma_kernel`. The words are loaded once and widened to `[BLOCK_K, BLOCK_N]` nibbles by a broadcast shift;
     `1 + q / 16` is exact in 16 bits, so without `g_idx` the tile goes to `tl.dot` as it is and the zero point and
     scale are applied to the product's columns."""
+    wait_previous(USE_PDL)
     WORDS: tl.constexpr = BLOCK_K // 8
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < M
@@ -355,7 +358,7 @@ def w4a16_gemm(
         options = dict(PRECISION=precision, BLOCK_M=16) if config.use_dot else dict(EVEN_K=k % config.block_k == 0)
         kernel[grid](*args, HAS_G_IDX=has_g_idx, GROUP_SIZE=group_size, SPLIT=config.split_k > 1,
                      BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps,
-                     num_stages=config.num_stages, **options)
+                     num_stages=config.num_stages, **options, **launch_options(x))
     else:
         grid = (triton.cdiv(m, config.block_m), triton.cdiv(n, config.block_n), config.split_k)
         _w4a16_tiled_kernel[grid](*args, group_size, HAS_G_IDX=has_g_idx, SPLIT_K=config.split_k,
