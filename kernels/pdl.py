@@ -34,17 +34,20 @@ ENABLED = True
 _capable: dict[int, bool] = {}
 
 
-def _triton_has_pdl() -> bool:
+def _compiled_with_pdl() -> bool:
+    """Whether this process compiles Triton kernels for the device (not the interpreter, which the environment
+    switches on before triton is imported) with a Triton that has the PDL instructions."""
     cuda = getattr(getattr(tl, "extra", None), "cuda", None)
-    return cuda is not None and hasattr(cuda, "gdc_wait") and hasattr(cuda, "gdc_launch_dependents")
+    return (os.environ.get("TRITON_INTERPRET") != "1" and cuda is not None and hasattr(cuda, "gdc_wait")
+            and hasattr(cuda, "gdc_launch_dependents"))
 
 
-_TRITON_HAS_PDL = _triton_has_pdl()
+_COMPILED_WITH_PDL = _compiled_with_pdl()
 
 
 def pdl_active(device: torch.device) -> bool:
     """Whether kernels on `device` launch with PDL now."""
-    if not (ENABLED and _TRITON_HAS_PDL and device.type == "cuda") or os.environ.get("TRITON_INTERPRET") == "1":
+    if not (ENABLED and _COMPILED_WITH_PDL and device.type == "cuda"):
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _capable:
@@ -67,4 +70,3 @@ def wait_previous(USE_PDL: tl.constexpr):
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-
