@@ -16,7 +16,9 @@ the kernel captures in CUDA graphs. Without CUDA it runs under the Triton interp
 
 `route_from_hidden` also takes the router's product into the launch, for a decode step's one token: programs over
 blocks of experts and splits of the hidden features write float32 partial logits, and the last to finish adds them
-in split order (kernels/split_k.py's `last_to_arrive`), adds the bias and applies the same rule.
+(kernels/split_k.py's `last_to_arrive`), adds the bias and applies the same rule. `add_norm_route` takes the
+post-attention residual add and RMSNorm into that launch as well: each program normalizes the row for its share of the
+features, and one of them writes the normalized row and the sum for the experts and the next layer.
 """
 
 from __future__ import annotations
@@ -82,37 +84,68 @@ def _store_topk(scores, valid, experts, Weights, Ids, token, top_k, BLOCK_TOPK: 
 
 @triton.jit
 def _router_route_kernel(
-    X, W, Bias, Partial, Counters, Weights, Ids,
-    num_experts, hidden, top_k, stride_we,
+    X, W, Bias, Partial, Counters, Weights, Ids, Residual, Norm_weight, Hidden_out, Residual_out,
+    num_experts, hidden, top_k, stride_we, eps,
     HAS_BIAS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, ALL_E: tl.constexpr,
-    BLOCK_TOPK: tl.constexpr, SOFTMAX_FIRST: tl.constexpr, RENORMALIZE: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_TOPK: tl.constexpr, SOFTMAX_FIRST: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
+    HAS_NORM: tl.constexpr, BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """Program (block of BLOCK_E experts, K split): the token's router logits for its experts over its share of the
     hidden features, to its split's row of Partial `[splits, experts]` (float32); the last program to arrive
-    (kernels/split_k.py's `last_to_arrive`) adds the splits in order, adds the bias and routes. The router weight
-    `[E, hidden]` is read once, by programs enough to stream it."""
+    (kernels/split_k.py's `last_to_arrive`) adds the splits, adds the bias and routes. The router weight `[E, hidden]`
+    is read once, by programs enough to stream it.
+
+    With HAS_NORM, X is the attention block's output and the router reads RMSNorm(X + Residual) * Norm_weight, with
+    kernels/fused_norm.py's roundings (the sum and the normalized row rounded to X's dtype): each program loads the
+    whole row (BLOCK_H, the hidden size rounded up to a power of two) for its statistics after issuing its weight
+    tile's load (one K tile a program), and program (0, 0) also writes the normalized row and the sum to Hidden_out
+    and Residual_out."""
     wait_previous(USE_PDL)
     experts = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
     expert_ok = experts < num_experts
     ks = tl.arange(0, BLOCK_K)
-    k_tiles = tl.cdiv(hidden, BLOCK_K)
-    per_split = tl.cdiv(k_tiles, tl.num_programs(1))
-    first = tl.program_id(1) * per_split
     acc = tl.zeros((BLOCK_E,), dtype=tl.float32)
-    for tile in range(first, tl.minimum(first + per_split, k_tiles)):
-        k = tile * BLOCK_K + ks
+    if HAS_NORM:
+        k = tl.program_id(1) * BLOCK_K + ks
         k_ok = k < hidden
         w = tl.load(W + experts[:, None] * stride_we + k[None, :], mask=expert_ok[:, None] & k_ok[None, :], other=0.0)
-        x = tl.load(X + k, mask=k_ok, other=0.0)
+        act_dtype = X.dtype.element_ty
+        row = tl.arange(0, BLOCK_H)
+        row_ok = row < hidden
+        summed = (tl.load(X + row, mask=row_ok, other=0.0).to(tl.float32)
+                  + tl.load(Residual + row, mask=row_ok, other=0.0).to(tl.float32)).to(act_dtype).to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(summed * summed, axis=0) / hidden + eps)
+        if tl.program_id(0) == 0 and tl.program_id(1) == 0:
+            tl.store(Residual_out + row, summed.to(act_dtype), mask=row_ok)
+            norm_w = tl.load(Norm_weight + row, mask=row_ok, other=0.0).to(tl.float32)
+            tl.store(Hidden_out + row, ((summed * rstd).to(act_dtype).to(tl.float32) * norm_w).to(act_dtype),
+                     mask=row_ok)
+        x = (tl.load(X + k, mask=k_ok, other=0.0).to(tl.float32)
+             + tl.load(Residual + k, mask=k_ok, other=0.0).to(tl.float32)).to(act_dtype).to(tl.float32)
+        x = ((x * rstd).to(act_dtype).to(tl.float32)
+             * tl.load(Norm_weight + k, mask=k_ok, other=0.0).to(tl.float32)).to(act_dtype)
         acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+    else:
+        k_tiles = tl.cdiv(hidden, BLOCK_K)
+        per_split = tl.cdiv(k_tiles, tl.num_programs(1))
+        first = tl.program_id(1) * per_split
+        for tile in range(first, tl.minimum(first + per_split, k_tiles)):
+            k = tile * BLOCK_K + ks
+            k_ok = k < hidden
+            w = tl.load(W + experts[:, None] * stride_we + k[None, :], mask=expert_ok[:, None] & k_ok[None, :],
+                        other=0.0)
+            x = tl.load(X + k, mask=k_ok, other=0.0)
+            acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
     tl.store(Partial + tl.program_id(1) * num_experts + experts, acc, mask=expert_ok)
     if last_to_arrive(Counters, tl.num_programs(0) * tl.num_programs(1)):
         all_experts = tl.arange(0, ALL_E)
         valid = all_experts < num_experts
-        scores = tl.zeros((ALL_E,), dtype=tl.float32)
-        for split in range(0, tl.num_programs(1)):
-            scores += tl.load(Partial + split * num_experts + all_experts, mask=valid, other=0.0,
-                              cache_modifier=".cg")
+        # Every split's row in one load (BLOCK_SPLITS: the split count rounded up to a power of two), so the loads
+        # wait on the L2 together; the sum's order is fixed by the shapes.
+        splits = tl.arange(0, BLOCK_SPLITS)
+        rows = tl.load(Partial + splits[:, None] * num_experts + all_experts[None, :],
+                       mask=(splits < tl.num_programs(1))[:, None] & valid[None, :], other=0.0, cache_modifier=".cg")
+        scores = tl.sum(rows, axis=0)
         if HAS_BIAS:
             scores += tl.load(Bias + all_experts, mask=valid, other=0.0).to(tl.float32)
         scores = tl.where(valid, scores, -float("inf"))
@@ -157,11 +190,38 @@ FUSED_MAX_TOKENS = 1
 
 def route_from_hidden(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], top_k: int,
                       routing: str, renormalize: bool, block_e: int = 32, block_k: int = 256,
-                      splits: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+                      splits: int = 8, num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
     """`route_topk(hidden @ weight.T + bias, ...)` in one launch for FUSED_MAX_TOKENS token: the router's product in
     float32 (from `hidden [1, H]` and `weight [E, H]` in their dtype), then the rule. The logits are the product's
     float32 sums, not a 16-bit GEMM's rounded output, so on near ties the pick may differ from `route_topk` on the
     GEMM's logits."""
+    weights, ids = _route_outputs(hidden, weight, top_k, routing)
+    splits = max(1, min(splits, triton.cdiv(hidden.shape[1], block_k)))
+    _launch_router(hidden, weight, bias, top_k, routing, renormalize, weights, ids, None, block_e, block_k, splits,
+                   num_warps)
+    return weights, ids
+
+
+def add_norm_route(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                   weight: torch.Tensor, bias: Optional[torch.Tensor], top_k: int, routing: str, renormalize: bool,
+                   block_e: int = 32, block_k: int = 256, num_warps: int = 4
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`fused_add_rms_norm(x, residual, norm_weight, eps)` and `route_from_hidden` on its output in one launch, for
+    FUSED_MAX_TOKENS token: `(weights, ids, normalized [1, H], x + residual [1, H])`, the last two as
+    kernels/fused_norm.py rounds them (x, residual and norm_weight in one 16-bit dtype). The decode step's
+    post-attention norm of a mixture-of-experts layer: its launch and hand-over go."""
+    weights, ids = _route_outputs(x, weight, top_k, routing)
+    assert residual.shape == x.shape and residual.dtype == x.dtype == norm_weight.dtype and residual.stride(1) == 1
+    assert norm_weight.shape == (x.shape[1],) and norm_weight.is_contiguous()
+    hidden, summed = torch.empty_like(x), torch.empty_like(x)
+    _launch_router(x, weight, bias, top_k, routing, renormalize, weights, ids, (residual, norm_weight, hidden, summed,
+                   eps), block_e, block_k, triton.cdiv(x.shape[1], block_k), num_warps)
+    return weights, ids, hidden, summed
+
+
+def _route_outputs(hidden: torch.Tensor, weight: torch.Tensor, top_k: int,
+                   routing: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The checks of the fused router's launch and its empty `(weights, ids)`."""
     if routing not in ("softmax_topk", "topk_softmax"):
         raise ValueError(f"unknown MoE routing {routing!r}")
     num_tokens, hidden_size = hidden.shape
@@ -170,15 +230,25 @@ def route_from_hidden(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional
         raise ValueError(f"route_from_hidden takes {FUSED_MAX_TOKENS} token and 1 <= top_k <= experts <= "
                          f"{MAX_EXPERTS}; got {num_tokens} tokens, top_k {top_k}, {num_experts} experts")
     assert weight.shape[1] == hidden_size and weight.stride(1) == 1 and hidden.stride(1) == 1
-    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=hidden.device)
-    ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=hidden.device)
-    splits = max(1, min(splits, triton.cdiv(hidden_size, block_k)))
-    partial = torch.empty(splits, num_experts, dtype=torch.float32, device=hidden.device)
+    return (torch.empty(num_tokens, top_k, dtype=torch.float32, device=hidden.device),
+            torch.empty(num_tokens, top_k, dtype=torch.int64, device=hidden.device))
+
+
+def _launch_router(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], top_k: int, routing: str,
+                   renormalize: bool, weights: torch.Tensor, ids: torch.Tensor, norm: Optional[tuple], block_e: int,
+                   block_k: int, splits: int, num_warps: int) -> None:
+    """`_router_route_kernel` over (expert blocks, splits); `norm`: `(residual, norm weight, normalized out, sum out,
+    eps)` or None."""
+    num_experts, hidden_size = weight.shape
+    partial = torch.empty(splits, num_experts, dtype=torch.float32, device=x.device)
+    residual, norm_weight, hidden_out, summed_out, eps = norm if norm is not None else (x, x, x, x, 0.0)
     _router_route_kernel[(triton.cdiv(num_experts, block_e), splits)](
-        hidden, weight, weight if bias is None else bias, partial, split_counters(hidden.device, 1), weights, ids,
-        num_experts, hidden_size, top_k, weight.stride(0),
+        x, weight, weight if bias is None else bias, partial, split_counters(x.device, 1), weights, ids,
+        residual, norm_weight, hidden_out, summed_out,
+        num_experts, hidden_size, top_k, weight.stride(0), eps,
         HAS_BIAS=bias is not None, BLOCK_E=block_e, BLOCK_K=block_k, ALL_E=triton.next_power_of_2(num_experts),
         BLOCK_TOPK=triton.next_power_of_2(top_k), SOFTMAX_FIRST=routing == "softmax_topk", RENORMALIZE=renormalize,
-        **launch_options(hidden),
+        BLOCK_SPLITS=triton.next_power_of_2(splits), HAS_NORM=norm is not None,
+        BLOCK_H=triton.next_power_of_2(hidden_size) if norm is not None else 1, num_warps=num_warps,
+        **launch_options(x),
     )
-    return weights, ids

@@ -38,6 +38,13 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
+    def forward_after_norm(self, x: torch.Tensor, residual: torch.Tensor,
+                           norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(forward(hidden), residual)` for `hidden, residual = norm(x, residual)`: the decoder layer's call, which a
+        feed-forward may fuse with its norm (models/moe_base.py's sparse block does at decode sizes)."""
+        hidden, residual = norm(x, residual)
+        return self(hidden), residual
+
 
 class LlamaAttention(nn.Module):
     """Self-attention with a fused QKV projection, RoPE, GQA and paged KV.
@@ -134,8 +141,7 @@ class LlamaDecoderLayer(nn.Module):
             hidden = self.self_attn(positions, hidden, batch, attn_backend)
         else:
             hidden, residual = self.self_attn(positions, hidden, batch, attn_backend, rows), residual[rows]
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        return self.mlp.forward_after_norm(hidden, residual, self.post_attention_layernorm)
 
 
 class LlamaModel(nn.Module):

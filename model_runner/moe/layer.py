@@ -39,7 +39,7 @@ from torch import nn
 from radixserve.model_runner.layer_configs import ExpertActivation, MoEConfig
 from radixserve.model_runner.layers import silu_and_mul
 from radixserve.model_runner.moe.grouped import SILU, SMALL_MAX_PAIRS, grouped_experts, runs_small
-from radixserve.model_runner.moe.routing import route_tokens
+from radixserve.model_runner.moe.routing import add_norm_route_tokens, route_tokens
 from radixserve.model_runner.parallel import ExpertShard, TPGroup, split_size
 from radixserve.model_runner.quantization.fp8 import FP8_DTYPE
 from radixserve.model_runner.quantization.mxfp4 import BLOCK_SIZE as MXFP4_BLOCK
@@ -246,6 +246,17 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = route_tokens(hidden, self.gate, self.top_k, self.routing, self.renormalize)
+        return self._experts(hidden, topk_weights, topk_ids)
+
+    def forward_after_norm(self, x: torch.Tensor, residual: torch.Tensor,
+                           norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(forward(hidden), residual)` for `hidden, residual = norm(x, residual)`; at a decode step's one token on
+        CUDA the add and the norm run in the router's launch (`add_norm_route_tokens`)."""
+        hidden, residual, topk_weights, topk_ids = add_norm_route_tokens(x, residual, norm, self.gate, self.top_k,
+                                                                         self.routing, self.renormalize)
+        return self._experts(hidden, topk_weights, topk_ids), residual
+
+    def _experts(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         out = self.experts(hidden, topk_weights, topk_ids)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(hidden)) * self.shared_expert(hidden)

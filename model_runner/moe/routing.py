@@ -13,7 +13,8 @@ the top-k outputs. On CUDA, both rules run as one Triton kernel (kernels/moe_rou
 of the torch form's half dozen, which at decode sizes take a few microseconds each); the CPU keeps the torch form.
 The two agree on the ids wherever the logits are distinct, and on the weights to float32 rounding. Where the
 kernel fails to compile (a Triton build without this device), the failure is logged once and the torch form routes.
-At decode sizes `route_tokens` also folds the router's product into the kernel's launch.
+At decode sizes `route_tokens` also folds the router's product into the kernel's launch, and
+`add_norm_route_tokens` the post-attention residual add and RMSNorm before it.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 from torch import nn
 
 from radixserve.kernels.guard import KernelGuard
+from radixserve.model_runner.layers import RMSNorm
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int, routing: str,
@@ -65,6 +67,31 @@ def route_tokens(hidden: torch.Tensor, gate: nn.Module, top_k: int, routing: str
                 if not _fused.absorb(exc):
                     raise
     return select_experts(gate(hidden), top_k, routing, renormalize)
+
+
+def add_norm_route_tokens(x: torch.Tensor, residual: torch.Tensor, norm: nn.Module, gate: nn.Module, top_k: int,
+                          routing: str, renormalize: bool
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`(hidden, residual, weights, ids)`: `hidden, residual = norm(x, residual)`, then `route_tokens(hidden, ...)`.
+    Where `route_tokens` would take its one-launch form and `norm` is a plain `RMSNorm` in the activations' dtype, the
+    residual add and the norm join that launch too (kernels/moe_routing.py, `add_norm_route`)."""
+    weight = getattr(gate, "weight", None)
+    if (x.is_cuda and _fused.usable and type(norm) is RMSNorm and isinstance(weight, torch.Tensor)
+            and weight.dtype in (torch.bfloat16, torch.float16) and routing in ("softmax_topk", "topk_softmax")
+            and x.dtype == residual.dtype == norm.weight.dtype and x.dim() == 2 and x.is_contiguous()
+            and residual.is_contiguous()):
+        from radixserve.kernels.moe_routing import FUSED_MAX_TOKENS, MAX_EXPERTS, add_norm_route
+
+        if x.shape[0] == FUSED_MAX_TOKENS and weight.shape[0] <= MAX_EXPERTS:
+            try:
+                weights, ids, hidden, residual = add_norm_route(x, residual, norm.weight, norm.eps, weight, gate.bias,
+                                                                top_k, routing, renormalize)
+                return hidden, residual, weights, ids
+            except Exception as exc:  # a Triton build or device that cannot compile the kernel
+                if not _fused.absorb(exc):
+                    raise
+    hidden, residual = norm(x, residual)
+    return (hidden, residual) + route_tokens(hidden, gate, top_k, routing, renormalize)
 
 
 def select_experts_torch(router_logits: torch.Tensor, top_k: int, routing: str,

@@ -311,3 +311,42 @@ def test_deterministic_inference_gives_a_request_the_same_bits_alone_and_in_a_ba
     alone, batched = driver.results["alone"], driver.results["batch0"]
     assert alone.output_ids == batched.output_ids and alone.logprobs == batched.logprobs
     driver.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
+def test_gpu_decode_runs_the_post_attention_norm_in_the_routers_launch(family, model_dirs, monkeypatch):
+    """At one token on CUDA the sparse block's residual add and RMSNorm join the router's launch
+    (`add_norm_route_tokens`); in bfloat16, in CUDA graphs, greedy ids at batch 1 equal those of the norm's own kernel
+    before the router's (the two normalized rows can differ in a last bit where the statistics' sums round apart)."""
+    from radixserve.kernels import moe_routing
+    from radixserve.model_runner.model_runner import ModelRunner
+    from radixserve.model_runner.moe import layer as moe_layer
+    from radixserve.model_runner.moe.routing import route_tokens
+    from radixserve.model_runner.runner_config import RunnerConfig
+    from radixserve.model_runner.static_generate import greedy_generate
+    from radixserve.runtime.wire.server_args import ServerArgs
+
+    prompts = random_prompts(512, [5, 17, 9, 30], seed=3)
+    fused_calls = []
+    launch = moe_routing.add_norm_route
+    monkeypatch.setattr(moe_routing, "add_norm_route", lambda *a, **k: fused_calls.append(1) or launch(*a, **k))
+
+    def generate() -> list[list[int]]:
+        runner = ModelRunner(RunnerConfig.from_server_args(ServerArgs(
+            model_path=model_dirs[family], device="cuda", dtype="bfloat16", cuda_graph_max_bs=4,
+            max_total_tokens=4096, max_running_requests=8)))
+        assert runner.cuda_graph_runner is not None
+        return [greedy_generate(runner, [prompt], 16)[0] for prompt in prompts]
+
+    fused = generate()
+    assert fused_calls, "the decode steps did not take the fused launch"
+
+    def norm_then_route(x, residual, norm, gate, top_k, routing, renormalize):
+        hidden, residual = norm(x, residual)
+        return (hidden, residual) + route_tokens(hidden, gate, top_k, routing, renormalize)
+
+    monkeypatch.setattr(moe_layer, "add_norm_route_tokens", norm_then_route)
+    separate = generate()
+    assert sum(a == b for a, b in zip(fused, separate)) >= len(prompts) - 1

@@ -131,3 +131,34 @@ def test_route_from_hidden_refuses_batches_beyond_decode():
     with pytest.raises(ValueError, match="tokens"):
         route_from_hidden(torch.zeros(FUSED_MAX_TOKENS + 1, 16, device=DEVICE), torch.zeros(8, 16, device=DEVICE),
                           None, 2, "softmax_topk", True)
+
+
+@pytest.mark.parametrize("routing,renormalize", RULES)
+@pytest.mark.parametrize("num_experts,hidden,top_k,bias", [(128, 2048, 8, False), (32, 2880, 4, True),
+                                                           (60, 200, 4, False)])
+def test_add_norm_route_is_the_norm_then_the_router(routing, renormalize, num_experts, hidden, top_k, bias):
+    """`add_norm_route` against the torch form of `RMSNorm(x, residual)` (the roundings of models' norms) and the rule
+    on the float64 product of its output, in bfloat16 (float16 under the interpreter, whose bfloat16 casts do not round
+    as the GPU's do): the sum exactly, the normalized row to its last bit, the ids exactly."""
+    from radixserve.kernels.moe_routing import FUSED_MAX_TOKENS, add_norm_route
+    from radixserve.model_runner.layers import RMSNorm
+
+    generator = torch.Generator().manual_seed(num_experts + hidden)
+    x, residual = (torch.randn(FUSED_MAX_TOKENS, hidden, generator=generator) * scale for scale in (1.0, 4.0))
+    weight = torch.randn(num_experts, hidden, generator=generator) * hidden ** -0.5
+    bias_tensor = torch.randn(num_experts, generator=generator) if bias else None
+    norm = RMSNorm(hidden, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * torch.randn(hidden, generator=generator))
+    dtype = torch.bfloat16 if ON_GPU else torch.float16
+    x, residual, weight, norm = x.to(dtype), residual.to(dtype), weight.to(dtype), norm.to(dtype)
+    expected_hidden, expected_sum = norm(x, residual)  # the torch form, on the CPU
+    logits = expected_hidden.double() @ weight.double().T + (bias_tensor.to(dtype).double() if bias else 0)
+    expected_weights, expected_ids = select_experts_torch(logits.float(), top_k, routing, renormalize)
+    weights, ids, normed, summed = add_norm_route(
+        x.to(DEVICE), residual.to(DEVICE), norm.weight.detach().to(DEVICE), norm.eps, weight.to(DEVICE),
+        None if bias_tensor is None else bias_tensor.to(dtype).to(DEVICE), top_k, routing, renormalize)
+    assert torch.equal(summed.cpu(), expected_sum)
+    torch.testing.assert_close(normed.cpu(), expected_hidden, atol=0, rtol=2 ** -8)
+    assert torch.equal(ids.cpu(), expected_ids)
+    torch.testing.assert_close(weights.cpu(), expected_weights, atol=2e-3, rtol=2e-3)

@@ -38,7 +38,7 @@ def test_cuda_launches_follow_the_switch_and_the_capability(pdl_switch):
 class DecodeChain:
     """Three layers of a batch-1 decode step at Qwen3-30B-A3B's shapes on the Triton kernels, each reading what the one
     before it wrote: add + RMSNorm, the QKV product on the skinny kernel, rotary with the per-head norms, the KV store,
-    split-KV decode attention, the output product, add + RMSNorm, the fused router and routing, the experts' decode
+    split-KV decode attention, the output product, add + RMSNorm in the fused router's launch, the experts' decode
     path; then a dense MLP on the FP8 and 4-bit skinny kernels and SiLU-and-mul. A kernel that read its input before
     the previous kernel finished would give other bits under PDL."""
 
@@ -84,7 +84,7 @@ class DecodeChain:
         from radixserve.kernels.fused_norm import fused_add_rms_norm, rms_norm
         from radixserve.kernels.fused_rotary import apply_rotary
         from radixserve.kernels.kv_store import store_kv
-        from radixserve.kernels.moe_routing import route_from_hidden
+        from radixserve.kernels.moe_routing import add_norm_route
         from radixserve.kernels.triton_attention import decode_attention
         from radixserve.kernels.w4a16_gemm import w4a16_gemm
 
@@ -100,8 +100,8 @@ class DecodeChain:
             decode_attention(q, self.k_buffers[layer], self.v_buffers[layer], out, self.req_to_token, self.req,
                              self.seq_lens, d**-0.5, self.partial_out, self.partial_lse, 8)
             attended = w16a16_gemm(out.view(1, q_size), self.w_o)
-            hidden, residual = fused_add_rms_norm(attended, residual, self.norm, 1e-6)
-            weights, ids = route_from_hidden(hidden, self.w_router, None, self.top_k, "softmax_topk", True)
+            weights, ids, hidden, residual = add_norm_route(attended, residual, self.norm, 1e-6, self.w_router, None,
+                                                            self.top_k, "softmax_topk", True)
             experts = fused_moe(hidden, self.w13, self.w2, weights, ids)
             hidden, residual = fused_add_rms_norm(experts, residual, self.norm, 1e-6)
         gate_up = torch.cat([w8a16_gemm(hidden, self.fp8.weight, self.fp8.scale, (128, 128)),
