@@ -6,9 +6,9 @@ through `req_to_token[row, position] = slot`, one slot per token, so they work f
 slot layout. Softmax runs in float32 with base-2 exponentials (the scale is pre-multiplied by log2(e)).
 
 Contract shared by both entry points: the new tokens' K/V have already been written to the buffers at
-their slots, and `req_to_token` maps every position `< seq_len` of each request to a valid slot. With a sliding
-`window` W, the query at position t sees only the keys at positions t - W < p <= t, and only the positions some
-query of the request sees need a valid slot: no other is read.
+their slots (decode can write them itself: `new_kv`), and `req_to_token` maps every position `< seq_len` of each
+request to a valid slot. With a sliding `window` W, the query at position t sees only the keys at positions
+t - W < p <= t, and only the positions some query of the request sees need a valid slot: no other is read.
 
 On a machine without CUDA these kernels run only under the Triton interpreter, which must be switched on
 (`TRITON_INTERPRET=1`) before `triton` is first imported in the process.
@@ -33,7 +33,7 @@ _NO_WINDOW = 1 << 30
 @triton.jit
 def _decode_split_kernel(
     Q, K_buffer, V_buffer, Req_to_token, Req_pool_indices, Seq_lens, Partial_out, Partial_lse, Slot_map,
-    Out, Sinks, Counters,
+    Out, Sinks, Counters, New_k, New_v, New_loc,
     scale_log2, window,
     stride_q_token, stride_q_head,
     stride_k_slot, stride_k_head,
@@ -42,15 +42,20 @@ def _decode_split_kernel(
     stride_po_req, stride_po_head, stride_po_split,
     stride_pl_req, stride_pl_head,
     stride_o_token, stride_o_head,
+    stride_nk_token, stride_nk_head, stride_nv_token, stride_nv_head,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    MAP_SLOTS: tl.constexpr, HAS_SINKS: tl.constexpr, USE_PDL: tl.constexpr,
+    MAP_SLOTS: tl.constexpr, HAS_SINKS: tl.constexpr, STORE_NEW: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """One program = (request, kv head, split): the GROUP query heads sharing that kv head attend over
     one contiguous share of the request's positions. Writes normalized partial outputs and their
     base-2 log-sum-exp; an empty share writes lse = -inf so the reduction ignores it. With MAP_SLOTS, a slot s of
     req_to_token is read at Slot_map[s] (a window layer's own slot space). The program that finishes last of its
-    (request, kv head) merges the shares into Out, so a call is one launch (kernels/split_k.py's `last_to_arrive`)."""
+    (request, kv head) merges the shares into Out, so a call is one launch (kernels/split_k.py's `last_to_arrive`).
+
+    With STORE_NEW, the request's new token's K and V (rows of New_k / New_v) are written here, at slot New_loc[req],
+    rather than by a launch before this one: by the program whose share holds the last position, the only one that
+    reads that slot, before its CTA barrier and its first read of the buffers."""
     wait_previous(USE_PDL)
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -67,6 +72,16 @@ def _decode_split_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     head_mask = offs_h < GROUP
     dim_mask = offs_d < HEAD_DIM
+    if STORE_NEW:
+        if (seq_len - 1 - first) // split_len == split:
+            slot = tl.load(New_loc + req).to(tl.int64)
+            new_k = tl.load(New_k + req * stride_nk_token + kv_head * stride_nk_head + offs_d, mask=dim_mask)
+            new_v = tl.load(New_v + req * stride_nv_token + kv_head * stride_nv_head + offs_d, mask=dim_mask)
+            tl.store(K_buffer + slot * stride_k_slot + kv_head * stride_k_head + offs_d,
+                     new_k.to(K_buffer.dtype.element_ty), mask=dim_mask)
+            tl.store(V_buffer + slot * stride_v_slot + kv_head * stride_v_head + offs_d,
+                     new_v.to(V_buffer.dtype.element_ty), mask=dim_mask)
+            tl.debug_barrier()  # the CTA's own stores are visible to all of its threads' loads after it
     q_heads = kv_head * GROUP + offs_h
     q = tl.load(
         Q + req * stride_q_token + q_heads[:, None] * stride_q_head + offs_d[None, :],
@@ -266,10 +281,16 @@ def decode_attention(
     sinks: Optional[torch.Tensor] = None,
     block_n: int = 32,
     num_warps: int = 4,
+    new_kv: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
 ) -> torch.Tensor:
     """Decode attention: one query token per request attends to all `seq_lens[i]` positions of its row (the last
     `window` of them with a sliding window). With `slot_map` (int64), the KV of slot s is read at `slot_map[s]`.
 With `sinks` (float32 `[num_heads]`), each head's sink logit joins its softmax's denominator (gpt-oss).
+
+    `new_kv = (k, v, loc)`: the requests' new tokens' K and V `[batch, num_kv_heads, head_dim]` (last dimension
+    contiguous), written here at slots `loc [batch]` (cast to the buffers' dtype) instead of before the call: what
+    kernels/kv_store.py's `store_kv` would write, in this launch. Each `loc[i]` must be the slot `req_to_token` maps
+    request i's last position to (the new token's); not with `slot_map`.
 
     q, out: `[batch, num_heads, head_dim]`; partial_out: float32 `[>=batch, num_heads, >=num_kv_splits,
     head_dim]` and partial_lse: float32 `[>=batch, num_heads, >=num_kv_splits]` are scratch. Every
@@ -288,9 +309,17 @@ With `sinks` (float32 `[num_heads]`), each head's sink logit joins its softmax's
     block_d = triton.next_power_of_2(head_dim)
     sinks_arg = partial_lse if sinks is None else _check_sinks(sinks, num_heads)
     counters = split_counters(q.device, batch * num_kv_heads)
+    if new_kv is not None:
+        new_k, new_v, new_loc = new_kv
+        assert slot_map is None, "new_kv is written at req_to_token's slots: not with a slot_map"
+        assert new_k.shape == new_v.shape == (batch, num_kv_heads, head_dim) and new_loc.shape == (batch,)
+        assert new_k.stride(-1) == new_v.stride(-1) == 1
+    else:
+        new_k = new_v = q  # never read without STORE_NEW
+        new_loc = seq_lens
     _decode_split_kernel[(batch, num_kv_heads, num_kv_splits)](
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, partial_out, partial_lse,
-        req_to_token if slot_map is None else slot_map, out, sinks_arg, counters,
+        req_to_token if slot_map is None else slot_map, out, sinks_arg, counters, new_k, new_v, new_loc,
         sm_scale * _LOG2_E, _window_arg(window),
         q.stride(0), q.stride(1),
         k_buffer.stride(0), k_buffer.stride(1),
@@ -299,10 +328,11 @@ With `sinks` (float32 `[num_heads]`), each head's sink logit joins its softmax's
         partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
         partial_lse.stride(0), partial_lse.stride(1),
         out.stride(0), out.stride(1),
+        new_k.stride(0), new_k.stride(1), new_v.stride(0), new_v.stride(1),
         GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=num_kv_splits,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
         DOT_PRECISION=_dot_precision(q.dtype), MAP_SLOTS=slot_map is not None, HAS_SINKS=sinks is not None,
-        num_warps=num_warps, **launch_options(q),
+        STORE_NEW=new_kv is not None, num_warps=num_warps, **launch_options(q),
     )
     return out
 

@@ -82,8 +82,13 @@ class TritonAttentionBackend(AttentionBackend):
     Decode splits each request's positions into `num_kv_splits` shares, computes one partial result per
     (request, KV head, share) and merges them; the split count grows as the batch shrinks so a small batch
     still fills the device (one share with `row_invariant`). Scratch for the partial results is allocated once, for
-    `max_batch_size`.
+    `max_batch_size`. A decode batch's new K/V are written by the attention kernel itself (`decode_attention`'s
+    `new_kv`: one launch a layer fewer) where they go to the slots `req_to_token` names (not a window layer's own slot
+    space) in the pool's dtype (a float8 pool takes the pool's rounding); `store_new_kv = False` writes them first
+    through the pool, as the extend batches do.
     """
+
+    store_new_kv = True
 
     def __init__(
         self,
@@ -175,8 +180,15 @@ class TritonAttentionBackend(AttentionBackend):
         sinks: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         pool = batch.token_to_kv_pool
-        pool.set_kv_buffer(layer_id, batch.kv_write_loc(layer_id), k, v)
+        meta = batch.attn_metadata
+        window_layer = pool.is_window_layer(layer_id)
         k_buffer, v_buffer = pool.get_kv_buffer(layer_id)
+        new_kv = None
+        if (isinstance(meta, TritonDecodeMetadata) and self.store_new_kv and not window_layer
+                and k.dtype == v.dtype == k_buffer.dtype and k.stride(-1) == 1 and v.stride(-1) == 1):
+            new_kv = (k, v, batch.kv_write_loc(layer_id))  # the decode kernel writes them
+        else:
+            pool.set_kv_buffer(layer_id, batch.kv_write_loc(layer_id), k, v)
         if q.stride(-1) != 1:
             q = q.contiguous()
         # The kernels read q and KV in one dtype (float8 KV is read as q's); cast q to the KV dtype otherwise and
@@ -184,14 +196,12 @@ class TritonAttentionBackend(AttentionBackend):
         q_kv = q if q.dtype == k_buffer.dtype or k_buffer.dtype in FLOAT8_DTYPES else q.to(k_buffer.dtype)
         out = torch.empty_like(q_kv)
         req_to_token, rows = batch.req_to_token_pool.req_to_token, batch.req_pool_indices
-        meta = batch.attn_metadata
-        window_layer = pool.is_window_layer(layer_id)
         if isinstance(meta, TritonDecodeMetadata):
             partial_out, partial_lse = self._scratch(batch.batch_size, meta.num_kv_splits)
             decode_attention(
                 q_kv, k_buffer, v_buffer, out, req_to_token, rows, batch.seq_lens, scaling,
                 partial_out, partial_lse, meta.num_kv_splits, sliding_window,
-                pool.window_map if window_layer else None, sinks,
+                pool.window_map if window_layer else None, sinks, new_kv=new_kv,
             )
         elif isinstance(meta, TritonRowsMetadata):
             self._rows_as_decodes(q_kv, k_buffer, v_buffer, out, req_to_token, meta, scaling, sliding_window,

@@ -37,10 +37,10 @@ def test_cuda_launches_follow_the_switch_and_the_capability(pdl_switch):
 
 class DecodeChain:
     """Three layers of a batch-1 decode step at Qwen3-30B-A3B's shapes on the Triton kernels, each reading what the one
-    before it wrote: add + RMSNorm, the QKV product on the skinny kernel, rotary with the per-head norms, the KV store,
-    split-KV decode attention, the output product, add + RMSNorm in the fused router's launch, the experts' decode
-    path; then a dense MLP on the FP8 and 4-bit skinny kernels and SiLU-and-mul. A kernel that read its input before
-    the previous kernel finished would give other bits under PDL."""
+    before it wrote: add + RMSNorm, the QKV product on the skinny kernel, rotary with the per-head norms, split-KV
+    decode attention writing the new K/V, the output product, add + RMSNorm in the fused router's launch, the
+    experts' decode path; then a dense MLP on the FP8 and 4-bit skinny kernels and SiLU-and-mul. A kernel that read
+    its input before the previous kernel finished would give other bits under PDL."""
 
     hidden, heads, kv_heads, head_dim, experts, top_k, inter, context = 2048, 32, 4, 128, 128, 8, 768, 300
 
@@ -83,7 +83,6 @@ class DecodeChain:
         from radixserve.kernels.fused_moe_triton import fused_moe
         from radixserve.kernels.fused_norm import fused_add_rms_norm, rms_norm
         from radixserve.kernels.fused_rotary import apply_rotary
-        from radixserve.kernels.kv_store import store_kv
         from radixserve.kernels.moe_routing import add_norm_route
         from radixserve.kernels.triton_attention import decode_attention
         from radixserve.kernels.w4a16_gemm import w4a16_gemm
@@ -95,10 +94,10 @@ class DecodeChain:
             q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
             q, k = apply_rotary(self.positions, q.view(1, self.heads, d), k.view(1, self.kv_heads, d), self.cos,
                                 self.sin, norms=(self.qk_norm, self.qk_norm, 1e-6))
-            store_kv(self.k_buffers[layer], self.v_buffers[layer], self.loc, k, v.view(1, self.kv_heads, d))
             out = torch.empty_like(q)
             decode_attention(q, self.k_buffers[layer], self.v_buffers[layer], out, self.req_to_token, self.req,
-                             self.seq_lens, d**-0.5, self.partial_out, self.partial_lse, 8)
+                             self.seq_lens, d**-0.5, self.partial_out, self.partial_lse, 8,
+                             new_kv=(k, v.view(1, self.kv_heads, d), self.loc))
             attended = w16a16_gemm(out.view(1, q_size), self.w_o)
             weights, ids, hidden, residual = add_norm_route(attended, residual, self.norm, 1e-6, self.w_router, None,
                                                             self.top_k, "softmax_topk", True)

@@ -296,3 +296,52 @@ def test_sliding_window_reads_and_writes_window_slots(mode, prefix_lens, extend_
     error = (out.double().cpu() - expected).abs().max().item()
     assert error < TOLERANCE[torch.float32], f"max abs error {error}"
     assert kv_written(case)
+
+
+@pytest.mark.parametrize("splits,window", [(1, None), (4, None), (8, 9), (16, None)])
+def test_decode_writes_the_new_kv_in_its_own_launch(splits, window):
+    """`decode_attention(..., new_kv=(k, v, loc))` equals `store_kv` then `decode_attention`, bit for bit, in the
+    output and in both buffers: requests of 1 to 300 positions (shares with and without the last position, empty
+    shares), a value view strided as a slice of a fused qkv, grouped heads."""
+    from radixserve.kernels.kv_store import store_kv
+
+    generator = torch.Generator().manual_seed(splits)
+    dtype = torch.float16 if not ON_GPU else torch.bfloat16
+    lens, heads, kv_heads, dim = [1, 40, 300, 7], 8, 2, 64
+    batch, slots = len(lens), sum(lens) + 8
+    k_buffer = torch.randn(slots, kv_heads, dim, generator=generator).to(dtype).to(DEVICE)
+    v_buffer = torch.randn(slots, kv_heads, dim, generator=generator).to(dtype).to(DEVICE)
+    order = (torch.randperm(slots - 1, generator=generator) + 1).tolist()
+    req_to_token = torch.zeros(batch, max(lens), dtype=torch.int32)
+    for row, length in enumerate(lens):
+        req_to_token[row, :length] = torch.tensor(order[:length])
+        order = order[length:]
+    loc = torch.tensor([int(req_to_token[row, length - 1]) for row, length in enumerate(lens)]).to(DEVICE)
+    req_to_token = req_to_token.to(DEVICE)
+    q = torch.randn(batch, heads, dim, generator=generator).to(dtype).to(DEVICE)
+    new_k = torch.randn(batch, kv_heads, dim, generator=generator).to(dtype).to(DEVICE)
+    qkv = torch.randn(batch, 3 * kv_heads * dim, generator=generator).to(dtype).to(DEVICE)
+    new_v = qkv[:, kv_heads * dim:2 * kv_heads * dim].view(batch, kv_heads, dim)
+    rows, seq_lens = torch.arange(batch, device=DEVICE), torch.tensor(lens, device=DEVICE)
+    results = []
+    for fused in (False, True):
+        keys, values, out = k_buffer.clone(), v_buffer.clone(), torch.empty_like(q)
+        partial_out = torch.empty(batch, heads, splits, dim, device=DEVICE)
+        partial_lse = torch.empty(batch, heads, splits, device=DEVICE)
+        if not fused:
+            store_kv(keys, values, loc, new_k, new_v)
+        triton_attention.decode_attention(q, keys, values, out, req_to_token, rows, seq_lens, dim ** -0.5,
+                                          partial_out, partial_lse, splits, window,
+                                          new_kv=(new_k, new_v, loc) if fused else None)
+        results.append((out, keys, values))
+    (out, keys, values), (fused_out, fused_keys, fused_values) = results
+    assert torch.equal(fused_out, out) and torch.equal(fused_keys, keys) and torch.equal(fused_values, values)
+    assert torch.equal(fused_keys[loc], new_k) and torch.equal(fused_values[loc], new_v)
+
+
+@pytest.mark.parametrize("store_new_kv", [False, True])
+def test_backend_decode_writes_the_new_kv_either_way(store_new_kv, monkeypatch):
+    """The backend's decode with the kernel writing the new K/V (the default) and with the pool writing them first:
+    both leave them at their slots and match the float64 reference."""
+    monkeypatch.setattr(TritonAttentionBackend, "store_new_kv", store_new_kv)
+    _check_case(ForwardMode.DECODE, DECODE_BATCH, num_heads=4, num_kv_heads=2, head_dim=16, page_size=1)
