@@ -335,8 +335,8 @@ def test_gpu_decode_runs_the_post_attention_norm_in_the_routers_launch(family, m
 
     def generate() -> list[list[int]]:
         runner = ModelRunner(RunnerConfig.from_server_args(ServerArgs(
-            model_path=model_dirs[family], device="cuda", dtype="bfloat16", cuda_graph_max_bs=4,
-            max_total_tokens=4096, max_running_requests=8)))
+            model_path=model_dirs[family], device="cuda", dtype="bfloat16", attention_backend="triton",
+            cuda_graph_max_bs=4, max_total_tokens=4096, max_running_requests=8)))
         assert runner.cuda_graph_runner is not None
         return [greedy_generate(runner, [prompt], 16)[0] for prompt in prompts]
 
