@@ -54,18 +54,15 @@ def route_tokens(hidden: torch.Tensor, gate: nn.Module, top_k: int, routing: str
     rule in one launch (kernels/moe_routing.py, `route_from_hidden`: at one token of Qwen3-30B-A3B the router's GEMM
     alone ran 5 us on an H100, the routing kernel 2.5 us more); the logits are then float32 sums, not the 16-bit
     GEMM's rounded output."""
-    weight = getattr(gate, "weight", None)
-    if (hidden.is_cuda and _fused.usable and isinstance(weight, torch.Tensor)
-            and weight.dtype in (torch.bfloat16, torch.float16) and routing in ("softmax_topk", "topk_softmax")):
-        from radixserve.kernels.moe_routing import FUSED_MAX_TOKENS, MAX_EXPERTS, route_from_hidden
+    if _one_launch(hidden, gate, routing):
+        from radixserve.kernels.moe_routing import route_from_hidden
 
-        rows = hidden.reshape(-1, hidden.shape[-1])
-        if rows.shape[0] == FUSED_MAX_TOKENS and weight.shape[0] <= MAX_EXPERTS:
-            try:
-                return route_from_hidden(rows, weight, gate.bias, top_k, routing, renormalize)
-            except Exception as exc:  # a Triton build or device that cannot compile the kernel
-                if not _fused.absorb(exc):
-                    raise
+        try:
+            return route_from_hidden(hidden.reshape(-1, hidden.shape[-1]), gate.weight, gate.bias, top_k, routing,
+                                     renormalize)
+        except Exception as exc:  # a Triton build or device that cannot compile the kernel
+            if not _fused.absorb(exc):
+                raise
     return select_experts(gate(hidden), top_k, routing, renormalize)
 
 
@@ -75,23 +72,31 @@ def add_norm_route_tokens(x: torch.Tensor, residual: torch.Tensor, norm: nn.Modu
     """`(hidden, residual, weights, ids)`: `hidden, residual = norm(x, residual)`, then `route_tokens(hidden, ...)`.
     Where `route_tokens` would take its one-launch form and `norm` is a plain `RMSNorm` in the activations' dtype, the
     residual add and the norm join that launch too (kernels/moe_routing.py, `add_norm_route`)."""
-    weight = getattr(gate, "weight", None)
-    if (x.is_cuda and _fused.usable and type(norm) is RMSNorm and isinstance(weight, torch.Tensor)
-            and weight.dtype in (torch.bfloat16, torch.float16) and routing in ("softmax_topk", "topk_softmax")
-            and x.dtype == residual.dtype == norm.weight.dtype and x.dim() == 2 and x.is_contiguous()
-            and residual.is_contiguous()):
-        from radixserve.kernels.moe_routing import FUSED_MAX_TOKENS, MAX_EXPERTS, add_norm_route
+    if (_one_launch(x, gate, routing) and type(norm) is RMSNorm and x.dtype == residual.dtype == norm.weight.dtype
+            and x.dim() == 2 and x.is_contiguous() and residual.is_contiguous()):
+        from radixserve.kernels.moe_routing import add_norm_route
 
-        if x.shape[0] == FUSED_MAX_TOKENS and weight.shape[0] <= MAX_EXPERTS:
-            try:
-                weights, ids, hidden, residual = add_norm_route(x, residual, norm.weight, norm.eps, weight, gate.bias,
-                                                                top_k, routing, renormalize)
-                return hidden, residual, weights, ids
-            except Exception as exc:  # a Triton build or device that cannot compile the kernel
-                if not _fused.absorb(exc):
-                    raise
+        try:
+            weights, ids, hidden, residual = add_norm_route(x, residual, norm.weight, norm.eps, gate.weight,
+                                                            gate.bias, top_k, routing, renormalize)
+            return hidden, residual, weights, ids
+        except Exception as exc:  # a Triton build or device that cannot compile the kernel
+            if not _fused.absorb(exc):
+                raise
     hidden, residual = norm(x, residual)
     return (hidden, residual) + route_tokens(hidden, gate, top_k, routing, renormalize)
+
+
+def _one_launch(hidden: torch.Tensor, gate: nn.Module, routing: str) -> bool:
+    """Whether the router's product and the rule can run in one launch: one token on CUDA, a 16-bit router weight of
+    at most MAX_EXPERTS experts, a rule the kernel knows, and a kernel that compiled here."""
+    weight = getattr(gate, "weight", None)
+    if not (hidden.is_cuda and _fused.usable and isinstance(weight, torch.Tensor)
+            and weight.dtype in (torch.bfloat16, torch.float16) and routing in ("softmax_topk", "topk_softmax")):
+        return False
+    from radixserve.kernels.moe_routing import FUSED_MAX_TOKENS, MAX_EXPERTS  # CPU-only processes never import triton
+
+    return hidden.numel() == FUSED_MAX_TOKENS * hidden.shape[-1] and weight.shape[0] <= MAX_EXPERTS
 
 
 def select_experts_torch(router_logits: torch.Tensor, top_k: int, routing: str,
