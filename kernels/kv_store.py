@@ -32,6 +32,18 @@ def _store_kv_kernel(
     heads = tl.arange(0, BLOCK_H)[:, None]
     dims = tl.arange(0, BLOCK_D)[None, :]
     mask = (heads < NUM_HEADS) & (dims < HEAD_DIM)
+    copy_token_kv(K, V, K_buffer, V_buffer, token, slot, heads, dims, mask,
+                  stride_k_token, stride_k_head, stride_v_token, stride_v_head,
+                  stride_kb_slot, stride_kb_head, stride_vb_slot, stride_vb_head)
+
+
+@triton.jit
+def copy_token_kv(K, V, K_buffer, V_buffer, token, slot, heads, dims, mask,
+                  stride_k_token, stride_k_head, stride_v_token, stride_v_head,
+                  stride_kb_slot, stride_kb_head, stride_vb_slot, stride_vb_head):
+    """Row `token` of K and V, at head offsets `heads` and feature offsets `dims` (broadcast together, `mask` over
+    their shape), to slot `slot` of the buffers, cast to the buffers' dtype. Also the decode attention kernel's write of
+    a request's new K/V (kernels/triton_attention.py)."""
     k = tl.load(K + token * stride_k_token + heads * stride_k_head + dims, mask=mask)
     v = tl.load(V + token * stride_v_token + heads * stride_v_head + dims, mask=mask)
     tl.store(K_buffer + slot * stride_kb_slot + heads * stride_kb_head + dims,

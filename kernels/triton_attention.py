@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from radixserve.kernels.kv_store import copy_token_kv
 from radixserve.kernels.pdl import launch_options, wait_previous
 from radixserve.kernels.split_k import last_to_arrive, split_counters
 
@@ -74,13 +75,9 @@ def _decode_split_kernel(
     dim_mask = offs_d < HEAD_DIM
     if STORE_NEW:
         if (seq_len - 1 - first) // split_len == split:
-            slot = tl.load(New_loc + req).to(tl.int64)
-            new_k = tl.load(New_k + req * stride_nk_token + kv_head * stride_nk_head + offs_d, mask=dim_mask)
-            new_v = tl.load(New_v + req * stride_nv_token + kv_head * stride_nv_head + offs_d, mask=dim_mask)
-            tl.store(K_buffer + slot * stride_k_slot + kv_head * stride_k_head + offs_d,
-                     new_k.to(K_buffer.dtype.element_ty), mask=dim_mask)
-            tl.store(V_buffer + slot * stride_v_slot + kv_head * stride_v_head + offs_d,
-                     new_v.to(V_buffer.dtype.element_ty), mask=dim_mask)
+            copy_token_kv(New_k, New_v, K_buffer, V_buffer, req.to(tl.int64), tl.load(New_loc + req).to(tl.int64),
+                          kv_head, offs_d, dim_mask, stride_nk_token, stride_nk_head, stride_nv_token, stride_nv_head,
+                          stride_k_slot, stride_k_head, stride_v_slot, stride_v_head)
             tl.debug_barrier()  # the CTA's own stores are visible to all of its threads' loads after it
     q_heads = kv_head * GROUP + offs_h
     q = tl.load(
