@@ -115,7 +115,7 @@ def _router_route_kernel(
         summed = (tl.load(X + row, mask=row_ok, other=0.0).to(tl.float32)
                   + tl.load(Residual + row, mask=row_ok, other=0.0).to(tl.float32)).to(act_dtype).to(tl.float32)
         rstd = tl.rsqrt(tl.sum(summed * summed, axis=0) / hidden + eps)
-        if tl.program_id(0) == 0 and tl.program_id(1) == 0:
+        if tl.program_id(0) + tl.program_id(1) == 0:  # program (0, 0)
             tl.store(Residual_out + row, summed.to(act_dtype), mask=row_ok)
             norm_w = tl.load(Norm_weight + row, mask=row_ok, other=0.0).to(tl.float32)
             tl.store(Hidden_out + row, ((summed * rstd).to(act_dtype).to(tl.float32) * norm_w).to(act_dtype),
