@@ -27,6 +27,19 @@ MAX_SINGLE_PASS = 16384
 
 
 @triton.jit
+def residual_sum(x, residual, act_dtype):
+    """`x + residual` rounded to the activation dtype (the residual stream's dtype), returned in float32."""
+    return (x.to(tl.float32) + residual.to(tl.float32)).to(act_dtype).to(tl.float32)
+
+
+@triton.jit
+def scaled_norm(x32, rstd, weight32, act_dtype):
+    """`x32 * rstd` rounded to the activation dtype, then times the float32 weight: the torch reference's order of
+    roundings. The caller rounds the product to its output dtype."""
+    return (x32 * rstd).to(act_dtype).to(tl.float32) * weight32
+
+
+@triton.jit
 def _rms_norm_kernel(
     X, Residual, Weight, Out, Residual_out,
     stride_x_row, stride_r_row, stride_out_row, stride_ro_row,
@@ -46,27 +59,22 @@ def _rms_norm_kernel(
     if SINGLE_PASS:
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
-        x = tl.load(x_row + cols, mask=mask, other=0.0)
+        x32 = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
         if HAS_RESIDUAL:
-            r = tl.load(r_row + cols, mask=mask, other=0.0)
-            x = (x.to(tl.float32) + r.to(tl.float32)).to(act_dtype)
-            tl.store(ro_row + cols, x, mask=mask)
-        x32 = x.to(tl.float32)
+            x32 = residual_sum(x32, tl.load(r_row + cols, mask=mask, other=0.0), act_dtype)
+            tl.store(ro_row + cols, x32.to(act_dtype), mask=mask)
         rstd = tl.rsqrt(tl.sum(x32 * x32, axis=0) / n_cols + eps)
-        normed = (x32 * rstd).to(act_dtype).to(tl.float32)
         w = tl.load(Weight + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_row + cols, (normed * w).to(Out.dtype.element_ty), mask=mask)
+        tl.store(out_row + cols, scaled_norm(x32, rstd, w, act_dtype).to(Out.dtype.element_ty), mask=mask)
     else:
         sum_sq = tl.zeros([BLOCK], dtype=tl.float32)
         for start in range(0, n_cols, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             mask = cols < n_cols
-            x = tl.load(x_row + cols, mask=mask, other=0.0)
+            x32 = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
             if HAS_RESIDUAL:
-                r = tl.load(r_row + cols, mask=mask, other=0.0)
-                x = (x.to(tl.float32) + r.to(tl.float32)).to(act_dtype)
-                tl.store(ro_row + cols, x, mask=mask)
-            x32 = x.to(tl.float32)
+                x32 = residual_sum(x32, tl.load(r_row + cols, mask=mask, other=0.0), act_dtype)
+                tl.store(ro_row + cols, x32.to(act_dtype), mask=mask)
             sum_sq += x32 * x32
         rstd = tl.rsqrt(tl.sum(sum_sq, axis=0) / n_cols + eps)
         for start in range(0, n_cols, BLOCK):
@@ -74,13 +82,11 @@ def _rms_norm_kernel(
             mask = cols < n_cols
             # Recomputed from the inputs rather than re-read from Residual_out: no program reads memory
             # it wrote itself, whatever the compiler's thread mapping.
-            x = tl.load(x_row + cols, mask=mask, other=0.0)
+            x32 = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
             if HAS_RESIDUAL:
-                r = tl.load(r_row + cols, mask=mask, other=0.0)
-                x = (x.to(tl.float32) + r.to(tl.float32)).to(act_dtype)
-            normed = (x.to(tl.float32) * rstd).to(act_dtype).to(tl.float32)
+                x32 = residual_sum(x32, tl.load(r_row + cols, mask=mask, other=0.0), act_dtype)
             w = tl.load(Weight + cols, mask=mask, other=0.0).to(tl.float32)
-            tl.store(out_row + cols, (normed * w).to(Out.dtype.element_ty), mask=mask)
+            tl.store(out_row + cols, scaled_norm(x32, rstd, w, act_dtype).to(Out.dtype.element_ty), mask=mask)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from radixserve.kernels.fused_norm import scaled_norm
 from radixserve.kernels.pdl import launch_options, wait_previous
 
 
@@ -48,8 +49,8 @@ def _rotate_heads(
         rstd = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps)[:, None]
         w1 = tl.load(NormWeight + dims, mask=dim_ok, other=0.0).to(tl.float32)[None, :]
         w2 = tl.load(NormWeight + HALF + dims, mask=dim_ok, other=0.0).to(tl.float32)[None, :]
-        x1 = ((x1 * rstd).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
-        x2 = ((x2 * rstd).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
+        x1 = scaled_norm(x1, rstd, w1, dtype).to(dtype).to(tl.float32)
+        x2 = scaled_norm(x2, rstd, w2, dtype).to(dtype).to(tl.float32)
     # Each product is rounded before the sum, as the torch path's separate kernels round it.
     out1 = ((x1 * cos).to(dtype).to(tl.float32) - (x2 * sin).to(dtype).to(tl.float32)).to(dtype)
     out2 = ((x2 * cos).to(dtype).to(tl.float32) + (x1 * sin).to(dtype).to(tl.float32)).to(dtype)

@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from radixserve.kernels.fused_norm import residual_sum, scaled_norm
 from radixserve.kernels.pdl import launch_options, wait_previous
 from radixserve.kernels.split_k import last_to_arrive, split_counters
 
@@ -112,19 +113,16 @@ def _router_route_kernel(
         act_dtype = X.dtype.element_ty
         row = tl.arange(0, BLOCK_H)
         row_ok = row < hidden
-        summed = (tl.load(X + row, mask=row_ok, other=0.0).to(tl.float32)
-                  + tl.load(Residual + row, mask=row_ok, other=0.0).to(tl.float32)).to(act_dtype).to(tl.float32)
+        summed = residual_sum(tl.load(X + row, mask=row_ok, other=0.0), tl.load(Residual + row, mask=row_ok, other=0.0),
+                              act_dtype)
         rstd = tl.rsqrt(tl.sum(summed * summed, axis=0) / hidden + eps)
         if tl.program_id(0) + tl.program_id(1) == 0:  # program (0, 0)
             tl.store(Residual_out + row, summed.to(act_dtype), mask=row_ok)
             norm_w = tl.load(Norm_weight + row, mask=row_ok, other=0.0).to(tl.float32)
-            tl.store(Hidden_out + row, ((summed * rstd).to(act_dtype).to(tl.float32) * norm_w).to(act_dtype),
-                     mask=row_ok)
-        x = (tl.load(X + k, mask=k_ok, other=0.0).to(tl.float32)
-             + tl.load(Residual + k, mask=k_ok, other=0.0).to(tl.float32)).to(act_dtype).to(tl.float32)
-        x = ((x * rstd).to(act_dtype).to(tl.float32)
-             * tl.load(Norm_weight + k, mask=k_ok, other=0.0).to(tl.float32)).to(act_dtype)
-        acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+            tl.store(Hidden_out + row, scaled_norm(summed, rstd, norm_w, act_dtype).to(act_dtype), mask=row_ok)
+        x = residual_sum(tl.load(X + k, mask=k_ok, other=0.0), tl.load(Residual + k, mask=k_ok, other=0.0), act_dtype)
+        x = scaled_norm(x, rstd, tl.load(Norm_weight + k, mask=k_ok, other=0.0).to(tl.float32), act_dtype)
+        acc += tl.sum(w.to(tl.float32) * x.to(act_dtype).to(tl.float32)[None, :], axis=1)
     else:
         k_tiles = tl.cdiv(hidden, BLOCK_K)
         per_split = tl.cdiv(k_tiles, tl.num_programs(1))
