@@ -1,7 +1,8 @@
 """Programmatic dependent launch (PDL) for the Triton kernels of a decode step, on Hopper and later GPUs.
 
-A decode step at a few tokens is a chain of about ten small kernels a layer (norm, QKV, rotary, KV store, attention,
-output projection, norm, router, experts or MLP), each reading a few megabytes. In a CUDA graph every kernel still
+A decode step at a few tokens is a chain of eight to ten small kernels a layer (norm, QKV, rotary, attention with
+the KV store, output projection, norm and router, experts or MLP; the store and the norm run on their own where their
+fused forms do not apply), each reading a few megabytes. In a CUDA graph every kernel still
 waits for the last CTA of the one before it to retire before its own CTAs are placed, their registers set up and
 their first loads issued, and the SMs idle through each hand-over. Launched with PDL, a kernel's CTAs may be placed
 as soon as every CTA of the kernel before it has started; they then block in `griddepcontrol.wait` until that kernel
